@@ -1,0 +1,86 @@
+"""Builders for the parts a config names (dataset, optimizer, schedulers), and the RNG state."""
+from __future__ import annotations
+
+import base64
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from phalanx.config import Config, DatasetConfig, OptimizerConfig, build_value, import_object, instantiate
+from phalanx.errors import ConfigError
+
+
+def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
+    kwargs = {k: build_value(v, f"dataset.{k}", search_dirs) for k, v in cfg.kwargs().items()}
+    return instantiate("dataset", import_object(cfg.class_, search_dirs), **kwargs)
+
+
+def build_optimizer(cfg: OptimizerConfig, module: nn.Module, search_dirs: list[Path]) -> torch.optim.Optimizer:
+    factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters; check model.class")
+    return instantiate("optimizer", factory, params, **cfg.kwargs())
+
+
+def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs: list[Path]) -> list[tuple[Any, str]]:
+    """(scheduler, interval) pairs: the linear warm-up first, then the configured scheduler.
+
+    Both act multiplicatively on the learning rate, so a warm-up composes with any chainable
+    scheduler (StepLR, CosineAnnealingLR, ExponentialLR ...).
+    """
+    schedulers: list[tuple[Any, str]] = []
+    warmup = cfg.optimizer.warmup_steps
+    if warmup:
+        schedulers.append((torch.optim.lr_scheduler.LinearLR(
+            optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup), "step"))
+    if cfg.scheduler is not None:
+        factory = import_object(cfg.scheduler.class_, search_dirs, default_module="torch.optim.lr_scheduler")
+        schedulers.append((instantiate("scheduler", factory, optimizer, **cfg.scheduler.kwargs()),
+                           cfg.scheduler.interval))
+    return schedulers
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG's state, as JSON-serialisable values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": _jsonable(random.getstate()), "torch": _b64(torch.get_rng_state()),
+             "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    if torch.cuda.is_available():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_tuples(state["python"]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value

@@ -1,0 +1,104 @@
+"""The `phalanx` command: subcommands only, each calling one function of `phalanx.commands`.
+
+Errors that are the user's to fix print as one line and exit 2; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+
+from phalanx import __version__
+
+EXIT_USAGE = 2
+
+SUBCOMMANDS = {
+    "train": ("train a model from a YAML config", """\
+        examples:
+          phalanx train examples/digits/config.yaml
+          phalanx train examples/digits/config.yaml main_loop.epochs=5 dataset.batch_size=128
+          phalanx train config.yaml hooks.3.StopAfter.epochs=5 optimizer.lr=3e-4"""),
+    "resume": ("continue a run from its latest valid checkpoint", """\
+        examples:
+          phalanx resume runs/digits-20260101-120000
+          phalanx resume runs/digits-20260101-120000 main_loop.epochs=30"""),
+    "eval": ("evaluate a checkpoint of a run on a stream", """\
+        examples:
+          phalanx eval runs/digits-20260101-120000
+          phalanx eval runs/digits-20260101-120000 --stream valid --checkpoint latest"""),
+    "predict": ("write a checkpoint's per-sample outputs on a stream as CSV", """\
+        example:
+          phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv"""),
+    "ls": ("list the runs under a folder", """\
+        example:
+          phalanx ls runs"""),
+    "info": ("show versions, devices and distributed backends", """\
+        example:
+          phalanx info"""),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    top = argparse.ArgumentParser(prog="phalanx", parents=[common],
+                                  description="Train any PyTorch model on one device or many, from a YAML config.")
+    top.add_argument("--version", action="version", version=f"phalanx {__version__}")
+    subs = top.add_subparsers(dest="command", metavar="COMMAND")
+    subs.required = True
+    made = {}
+    for name, (summary, examples) in SUBCOMMANDS.items():
+        made[name] = subs.add_parser(name, parents=[common], help=summary, description=summary,
+                                     epilog=textwrap.dedent(examples),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    overrides = dict(nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3")
+    made["train"].add_argument("config", help="the YAML config file")
+    made["train"].add_argument("overrides", **overrides)
+    made["resume"].add_argument("run_dir", help="the run directory to continue")
+    made["resume"].add_argument("overrides", **overrides)
+    for name in ("eval", "predict"):
+        made[name].add_argument("run_dir", help="a run directory")
+        made[name].add_argument("--stream", default="test", help="the stream to run (default: test)")
+        made[name].add_argument("--checkpoint", default="best",
+                                help="best, latest or a step number (default: best)")
+    made["predict"].add_argument("--output", required=True, help="the CSV file to write")
+    made["ls"].add_argument("root", nargs="?", default="runs", help="the folder holding runs (default: runs)")
+    return top
+
+
+def run(args: argparse.Namespace) -> int:
+    from phalanx import commands  # heavy imports (torch) only once the arguments are valid
+
+    if args.command == "train":
+        return commands.train(args.config, args.overrides)
+    if args.command == "resume":
+        return commands.resume(args.run_dir, args.overrides)
+    if args.command == "eval":
+        commands.evaluate(args.run_dir, args.stream, args.checkpoint)
+    elif args.command == "predict":
+        commands.predict(args.run_dir, args.stream, args.output, args.checkpoint)
+    elif args.command == "ls":
+        commands.list_runs(args.root)
+    elif args.command == "info":
+        commands.info()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from phalanx.errors import PhalanxError
+
+    try:
+        return run(args)
+    except PhalanxError as e:
+        if args.debug:
+            raise
+        print(f"phalanx: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("phalanx: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""What each CLI subcommand does; `cli.py` only parses arguments and calls one of these."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from phalanx import __version__, config, logs, rundir
+from phalanx.checkpoint import Checkpoints
+from phalanx.errors import CheckpointError, PhalanxError
+from phalanx.files import write_text_atomic
+from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
+from phalanx.trainer import Trainer
+
+log = logging.getLogger("phalanx")
+
+
+def train(config_path: str, overrides: list[str]) -> int:
+    """Start a new run from a config file; returns the exit code."""
+    cfg, _ = config.load(config_path, overrides)
+    path = Path(config_path)
+    run_dir = rundir.create(cfg, path)
+    logs.setup(run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()])
+    except BaseException:
+        logs.setup(None)
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no empty run behind
+        raise
+    log.info("run directory: %s", run_dir)
+    return trainer.run()
+
+
+def resume(run_path: str, overrides: list[str]) -> int:
+    """Continue a run from its latest valid checkpoint, in the same run directory."""
+    run_dir = rundir.open_run(run_path)
+    raw = config.apply_overrides(rundir.load_config_text(run_dir), overrides)
+    cfg = config.validate(raw)
+    logs.setup(run_dir)
+    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir))
+    trainer.checkpoints.clean_stale()
+    step = trainer.checkpoints.latest_valid()
+    if step is None:
+        raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from; start again with phalanx train")
+    trainer.restore(step)
+    if overrides:
+        write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
+        rundir.trace(run_dir, "overrides", values=list(overrides))
+    log.info("resuming %s from step %d (epoch %d, %d steps into it)",
+             run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch)
+    if trainer.epoch >= cfg.main_loop.epochs:
+        log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
+    return trainer.run()
+
+
+def _open(run_path: str) -> tuple[Path, config.Config]:
+    run_dir = rundir.open_run(run_path)
+    return run_dir, config.validate(rundir.load_config_text(run_dir))
+
+
+def _restored(run_dir: Path, cfg: config.Config, which: str, hooks: list[Hook]) -> tuple[Trainer, int]:
+    """A trainer with the weights of checkpoint `which` and only the given hooks."""
+    logs.setup(None)
+    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks)
+    step = trainer.checkpoints.select(which)
+    trainer.restore(step, weights_only=True)
+    return trainer, step
+
+
+def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
+    """Metrics of a checkpoint on a stream, computed by the run's metric hooks; saved as JSON too."""
+    run_dir, cfg = _open(run_path)
+    metric_hooks = [h for h in build_hooks(cfg, rundir.search_dirs(run_dir))
+                    if isinstance(h, (ComputeStats, ClassificationMetrics))] or [ComputeStats()]
+    trainer, step = _restored(run_dir, cfg, which, metric_hooks)
+    trainer.epoch_data = {stream: {}}
+    trainer.evaluate(stream)
+    for hook in metric_hooks:
+        hook.after_epoch(trainer.epoch, trainer.epoch_data)
+    result = {"stream": stream, "checkpoint": step, "metrics": trainer.epoch_data[stream]}
+    write_text_atomic(run_dir / f"eval-{stream}-step-{step}.json", json.dumps(result, indent=1))
+    table = Table(title=f"{run_dir.name}: {stream} at step {step}")
+    table.add_column("variable")
+    table.add_column("value", justify="right")
+    for name, value in result["metrics"].items():
+        table.add_row(name, f"{value:.6g}")
+    logs.console.print(table)
+    return result
+
+
+class _Collect(Hook):
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        outputs = self.trainer.forward.output_names
+        n = len(batch["loss"])
+        for i in range(n):
+            row = {"index": len(self.rows)}
+            for key, value in batch.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+                    continue
+                item = value[i].detach().float().cpu()
+                if key in outputs or item.numel() == 1:
+                    row.update({key: item.item()} if item.numel() == 1 else
+                               {f"{key}.{j}": v for j, v in enumerate(item.reshape(-1).tolist())})
+            self.rows.append(row)
+
+
+def predict(run_path: str, stream: str, output: str, which: str) -> int:
+    """Per-sample outputs of a checkpoint on a stream, written as CSV; returns the row count."""
+    if not Path(output).resolve().parent.is_dir():
+        raise PhalanxError(f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first")
+    collect = _Collect()
+    trainer, _ = _restored(*_open(run_path), which, [collect])
+    trainer.evaluate(stream)
+    columns: list[str] = []
+    for row in collect.rows[:1]:
+        columns = list(row)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows(collect.rows)
+    write_text_atomic(Path(output), text.getvalue())
+    logs.console.print(f"wrote {len(collect.rows)} rows to {output}")
+    return len(collect.rows)
+
+
+def list_runs(root: str) -> list[dict[str, Any]]:
+    """A table of the runs under `root`: status, progress, checkpoints."""
+    rows = []
+    for run_dir in rundir.list_runs(Path(root)):
+        events = rundir.read_trace(run_dir)
+        last = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
+        ckpts = Checkpoints(run_dir / "checkpoints")
+        steps = ckpts.steps()
+        best_path = run_dir / "checkpoints" / "best.json"
+        best = json.loads(best_path.read_text()) if best_path.is_file() else None
+        rows.append({"run": run_dir.name, "status": last.get("event", "new"), "epoch": last.get("epoch", ""),
+                     "step": last.get("step", ""), "latest": steps[-1] if steps else "",
+                     "best": f"{best['variable']}={best['value']:.4g} @ {best['step']}" if best else "",
+                     "updated": datetime.fromtimestamp(last["time"]).strftime("%Y-%m-%d %H:%M") if last else ""})
+    table = Table(title=f"runs in {root}")
+    for column in ("run", "status", "epoch", "step", "latest", "best", "updated"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    logs.console.print(table if rows else f"no runs in {root}")
+    return rows
+
+
+def info() -> dict[str, Any]:
+    """Versions, devices and distributed backends of this machine."""
+    import pydantic
+    import safetensors
+
+    dist = torch.distributed
+    facts: dict[str, Any] = {
+        "phalanx": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "pydantic": pydantic.__version__, "safetensors": safetensors.__version__,
+        "platform": platform.platform(), "cpu cores": os.cpu_count(),
+        "cuda": torch.version.cuda or "not built", "cuda devices": torch.cuda.device_count(),
+        "backends": ", ".join(b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
+                                               ("mpi", dist.is_mpi_available())) if ok) or "none",
+    }
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        facts[f"cuda:{i}"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+    table = Table(title="phalanx info", show_header=False)
+    for key, value in facts.items():
+        table.add_row(key, str(value))
+    logs.console.print(table)
+    return facts

@@ -1,0 +1,262 @@
+"""The config: a YAML file read with `safe_load`, command-line overrides, and a pydantic schema.
+
+Framework sections reject unknown keys with a did-you-mean. A `class:` section (model, optimizer,
+scheduler, dataset) passes its other keys to the constructor it names; that constructor's own
+signature is what checks them, when `instantiate` builds it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from phalanx.errors import ConfigError, did_you_mean
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _ClassSection(BaseModel):
+    """A section naming a class; keys other than the framework's go to its constructor."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    class_: str = Field(alias="class", description="dotted path of the class to build")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The constructor's keyword arguments: every key the framework does not own."""
+        return dict(self.model_extra or {})
+
+
+class LossConfig(_Section):
+    """A torch.nn.functional loss computed from one model output and one batch key."""
+
+    function: str = Field(description="name in torch.nn.functional, e.g. cross_entropy, or a dotted path")
+    output: str = Field("output", description="the model output that is the loss's input")
+    target: str = Field(description="the batch key that is the loss's target")
+
+
+class ModelConfig(_ClassSection):
+    n_gpus: int | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")
+    args: list[Any] = Field(default_factory=list, description="positional constructor arguments")
+    inputs: dict[str, str] | None = Field(
+        None, description="batch key -> forward argument, for modules that take tensors, not batches")
+    outputs: str | list[str] = Field("output", description="names of a plain module's returned tensors")
+    loss: LossConfig | None = Field(None, description="the objective, for modules that return no `loss`")
+
+
+class OptimizerConfig(_ClassSection):
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
+
+
+class SchedulerConfig(_ClassSection):
+    interval: Literal["step", "epoch"] = Field("step", description="when the scheduler steps")
+
+
+class DatasetConfig(_ClassSection):
+    batch_size: int = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
+    eval_batch_size: int | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+
+
+class ParallelConfig(_Section):
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
+    devices: int | Literal["auto"] = 1
+    strategy: str = "auto"
+    gradient_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step")
+
+
+class MainLoopConfig(_Section):
+    epochs: int = Field(1, ge=1, description="training epochs")
+    extra_streams: list[str] = Field(default_factory=list, description="streams evaluated after each epoch")
+    skip_zeroth_epoch: bool = Field(True, description="skip evaluating every stream before training")
+
+
+class CheckpointsConfig(_Section):
+    keep_last: int = Field(3, ge=1, description="checkpoints kept besides the best")
+
+
+class Config(_Section):
+    """The whole run. `model`, `optimizer` and `dataset` are required."""
+
+    name: str | None = Field(None, description="run name; default: the config file's name")
+    model: ModelConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig | None = None
+    dataset: DatasetConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    precision: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
+    seed: int = 0
+    main_loop: MainLoopConfig = Field(default_factory=MainLoopConfig)
+    hooks: list[str | dict[str, dict[str, Any] | None]] | None = None
+    checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
+    output_root: str = "runs"
+
+    @field_validator("hooks")
+    @classmethod
+    def _one_hook_per_item(cls, hooks: list | None) -> list | None:
+        for i, item in enumerate(hooks or []):
+            if isinstance(item, dict) and len(item) != 1:
+                raise ValueError(f"hooks.{i} has {len(item)} keys {list(item)}; write one hook per list item")
+        return hooks
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
+    """Read, override and validate a config file. Returns the validated config and the raw dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model, optimizer, dataset ...), "
+                          f"got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides)
+    raw.setdefault("name", _default_name(path))
+    return validate(raw), raw
+
+
+def _default_name(path: Path) -> str:
+    return path.parent.resolve().name if path.stem == "config" else path.stem
+
+
+def validate(raw: dict) -> Config:
+    """The validated config, or a ConfigError naming each bad key and the fix."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_explain(err, raw) for err in e.errors())) from None
+
+
+def _explain(err: dict, raw: dict) -> str:
+    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "str", "dict["))]
+    where = ".".join(loc) or "config"
+    if err["type"] == "extra_forbidden":
+        parent = _section_model(loc[:-1])
+        choices = parent.model_fields.keys() if parent else []
+        return f"unknown key {where!r}{did_you_mean(loc[-1], choices)}"
+    if err["type"] == "missing":
+        return f"missing key {where!r}: add it to the config"
+    return f"{where}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _section_model(loc: list[str]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        field = model.model_fields.get(part) if model else None
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    return model
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """`a.b=value` sets a key (value parsed as YAML); `hooks.3.StopAfter.epochs=5` indexes lists."""
+    raw = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not KEY=VALUE; write e.g. dataset.batch_size=64")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
+        _set_path(raw, key.split("."), value, item)
+    return raw
+
+
+def _set_path(node: Any, parts: list[str], value: Any, item: str) -> None:
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[:depth + 1])
+        if isinstance(node, list):
+            if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+                raise ConfigError(f"override {item!r}: {where!r} is not an index of a list of {len(node)} items")
+            part = int(part)
+        elif isinstance(node, dict):
+            if not last and node.get(part) is None:
+                node[part] = {}
+        else:
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])!r} is a "
+                              f"{type(node).__name__}, not a section")
+        if last:
+            node[part] = value
+        else:
+            node = node[part]
+
+
+def dump(raw: dict) -> str:
+    """YAML text of a raw config, keys in their given order."""
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+def import_object(path: str, search_dirs: list[Path] = (), default_module: str | None = None) -> Any:
+    """The object a dotted path names; `default_module` is tried first for a bare name."""
+    for folder in [*search_dirs, Path.cwd()]:
+        if str(folder) not in sys.path:
+            sys.path.append(str(folder))
+    if default_module and "." not in path:
+        module = importlib.import_module(default_module)
+        if hasattr(module, path):
+            return getattr(module, path)
+        raise ConfigError(f"{default_module} has no {path!r}{did_you_mean(path, dir(module))}; "
+                          f"give a name from {default_module} or a dotted path such as mypkg.MyClass")
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"cannot import {module_name!r} for {path!r}: {e}; check the path, or run "
+                          f"from the folder that holds the package") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"module {module_name!r} has no {attr!r}{did_you_mean(attr, dir(module))}")
+    return getattr(module, attr)
+
+
+def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a class with config arguments; a bad keyword is a ConfigError naming the valid ones."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None:
+        params = signature.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for key in kwargs:
+            if key not in params and not takes_any:
+                valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+                raise ConfigError(f"{section}: {_name(factory)} takes no argument {key!r}"
+                                  f"{did_you_mean(key, valid)}; it takes {', '.join(valid) or 'none'}")
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise ConfigError(f"{section}: {_name(factory)}: {e}; set it in the {section} section") from None
+    return factory(*args, **kwargs)
+
+
+def build_value(value: Any, where: str, search_dirs: list[Path]) -> Any:
+    """Nested `{class: ..., ...}` mappings inside constructor arguments are built too."""
+    if isinstance(value, dict) and "class" in value:
+        kwargs = {k: build_value(v, f"{where}.{k}", search_dirs) for k, v in value.items() if k != "class"}
+        args = kwargs.pop("args", [])
+        return instantiate(where, import_object(value["class"], search_dirs), *args, **kwargs)
+    if isinstance(value, list):
+        return [build_value(v, f"{where}.{i}", search_dirs) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: build_value(v, f"{where}.{k}", search_dirs) for k, v in value.items()}
+    return value
+
+
+def _name(factory: Any) -> str:
+    return getattr(factory, "__qualname__", repr(factory))

@@ -1,0 +1,108 @@
+"""One optimizer step and one evaluation batch, written once for every strategy.
+
+Each rank scales the sum of its per-sample losses by 1/B_k, B_k the size of the whole global batch,
+and the strategy's reduction sums: the reduced gradient is exactly that of the global batch's mean
+loss, for uneven shards, short last batches and gradient accumulation alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.data import Micro
+from phalanx.model import Forward, shard_loss_sum
+from phalanx.precision import Precision
+from phalanx.strategies.base import Strategy
+
+
+class Engine:
+    def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
+                 schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
+        self.module, self.forward, self.optimizer = module, forward, optimizer
+        self.schedulers, self.precision, self.strategy = schedulers, precision, strategy
+
+    def train_step(self, micros: list[tuple[Micro, Mapping | None]]) -> tuple[torch.Tensor, dict]:
+        """Forward, backward and update over a global batch; returns its mean loss and batch data."""
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total, parts = None, []
+        for i, (micro, batch) in enumerate(micros):
+            if batch is None:
+                continue
+            sync = i == len(micros) - 1
+            with (self.strategy.no_sync(self.module) if not sync else _NULL):
+                loss_sum, data = self._forward(batch, len(micro.shard))
+                self.precision.backward(loss_sum / micro.global_size)
+            total = loss_sum.detach() if total is None else total + loss_sum.detach()
+            parts.append(data)
+        self.precision.step(self.optimizer)
+        for scheduler, interval in self.schedulers:
+            if interval == "step":
+                scheduler.step()
+        global_size = micros[0][0].global_size
+        return self.strategy.reduce_sum(total) / global_size, concat(parts)
+
+    def eval_step(self, batch: Mapping) -> dict:
+        """Outputs of the model on an evaluation batch, gradients off."""
+        self.module.eval()
+        with torch.no_grad():
+            _, data = self._forward(batch, None)
+        return data
+
+    def end_epoch(self) -> None:
+        for scheduler, interval in self.schedulers:
+            if interval == "epoch":
+                scheduler.step()
+
+    def _forward(self, batch: Mapping, n: int | None) -> tuple[torch.Tensor, dict]:
+        batch = self.precision.convert_batch(batch)
+        n = n if n is not None else _first_dim(batch)
+        with self.precision.autocast():
+            outputs = self.forward(batch)
+        loss_sum = shard_loss_sum(outputs["loss"], n)
+        data = dict(batch)
+        for key, value in outputs.items():
+            data[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        if data["loss"].dim() == 0:
+            data["loss"] = data["loss"].expand(n)
+        return loss_sum, data
+
+    def learning_rates(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def _first_dim(batch: Mapping) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return 1
+
+
+def concat(parts: list[dict]) -> dict:
+    """Micro-batch data joined along the batch dimension, in order."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+            out[key] = torch.cat(values)
+        elif all(isinstance(v, list) for v in values):
+            out[key] = [x for v in values for x in v]
+        else:
+            out[key] = values[-1]
+    return out

@@ -1,0 +1,38 @@
+"""The errors phalanx raises on bad input. Each says what was received and how to fix it.
+
+The CLI prints them as one line and exits 2; `--debug` shows the traceback.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class PhalanxError(Exception):
+    """Base of every error that is the user's to fix, not a bug."""
+
+
+class ConfigError(PhalanxError):
+    """The config (or an override of it) is invalid."""
+
+
+class DataError(PhalanxError):
+    """The dataset or one of its streams does not keep the dataset protocol."""
+
+
+class ModelError(PhalanxError):
+    """The model does not keep the model protocol (inputs it names, the `loss` it returns)."""
+
+
+class CheckpointError(PhalanxError):
+    """A checkpoint is missing, truncated, altered, or belongs to another model."""
+
+
+class RunDirError(PhalanxError):
+    """A path given as a run directory is not one."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean "x"?)' when a close match exists, else ''."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f' (did you mean "{match[0]}"?)' if match else ""

@@ -1,0 +1,58 @@
+"""The hook protocol: objects called at the main loop's events, in the order the config lists them.
+
+Events follow emloop: `before_training`, `after_batch` (after every batch of every stream),
+`after_epoch` (with the epoch's shared dict, `epoch_data[stream][variable]`, which hooks fill and
+read in order), `after_epoch_profile` (where the epoch's time went) and `after_training`.
+A hook stops training by raising `TrainingTerminated`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.trainer import Trainer
+
+
+class TrainingTerminated(Exception):
+    """Raised by a hook to end training; `success=False` marks the run failed."""
+
+    def __init__(self, reason: str, success: bool = True):
+        super().__init__(reason)
+        self.reason, self.success = reason, success
+
+
+class Hook:
+    """Base of every hook. Override the events you need; the others cost nothing."""
+
+    trainer: Trainer
+
+    def attach(self, trainer: Trainer) -> None:
+        """Called once, before any event, with the trainer that runs the hook."""
+        self.trainer = trainer
+
+    def before_training(self) -> None:
+        pass
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        pass
+
+    def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
+        pass
+
+    def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
+                            extra_streams: list[str]) -> None:
+        pass
+
+    def after_training(self, success: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state saved in checkpoints (best value so far, running sums ...)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def overrides(self, event: str) -> bool:
+        """Whether this hook implements `event` (the loop skips the others)."""
+        return getattr(type(self), event) is not getattr(Hook, event)

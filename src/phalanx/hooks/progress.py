@@ -1,0 +1,70 @@
+"""ShowProgress: a live progress bar per epoch with ETA, samples/s and the running loss."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from phalanx.data import batch_size_of
+from phalanx.hooks.base import Hook
+from phalanx.logs import console
+
+
+class ShowProgress(Hook):
+    """The bar is drawn on a terminal only; logs and files are unaffected. The loss shown is the
+    mean over the epoch's batches so far, refreshed at most every `refresh_s` seconds."""
+
+    def __init__(self, refresh_s: float = 0.2):
+        self.refresh_s = refresh_s
+        self._progress: Progress | None = None
+        self._tasks: dict[str, tuple[Any, dict[str, Any]]] = {}
+
+    def before_training(self) -> None:
+        if not self.trainer.strategy.is_main or not console.is_terminal:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+            console=console, transient=False, refresh_per_second=5)
+        self._progress.start()
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        progress = self._progress
+        if progress is None:
+            return
+        task, state = self._tasks.get(stream) or self._new_task(stream)
+        state["samples"] += batch_size_of(batch)
+        state["batches"] += 1
+        state["loss_sum"] = state["loss_sum"] + batch["loss"].detach().mean()
+        now = time.monotonic()
+        fields = {}
+        if now - state["shown"] >= self.refresh_s:
+            state["shown"] = now
+            rate = state["samples"] / max(now - state["start"], 1e-9)
+            fields = {"rate": f"{rate:,.0f} samples/s", "loss": f"{float(state['loss_sum']) / state['batches']:.4f}"}
+        progress.update(task, advance=1, **fields)
+
+    def _new_task(self, stream: str) -> tuple[Any, dict[str, Any]]:
+        if stream == "train":
+            total = self.trainer.steps_per_epoch
+            completed = self.trainer.step_in_epoch - 1
+            description = f"epoch {self.trainer.epoch + 1}/{self.trainer.cfg.main_loop.epochs}"
+        else:
+            total, completed, description = None, 0, f"  {stream}"
+        task = self._progress.add_task(description, total=total, completed=max(completed, 0), rate="", loss="-")
+        state = {"samples": 0, "batches": 0, "loss_sum": 0.0, "start": time.monotonic(), "shown": 0.0}
+        self._tasks[stream] = (task, state)
+        return task, state
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if self._progress is not None:
+            for task, _ in self._tasks.values():
+                self._progress.stop_task(task)
+        self._tasks.clear()
+
+    def after_training(self, success: bool) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,93 @@
+"""Stopping hooks: StopAfter, StopOnNaN, StopOnPlateau."""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigError
+from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.hooks.variables import check_mode, improved, lookup, split_name
+
+
+class StopAfter(Hook):
+    """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is first."""
+
+    def __init__(self, epochs: int | None = None, steps: int | None = None, minutes: float | None = None,
+                 clock=time.monotonic):
+        if epochs is None and steps is None and minutes is None:
+            raise ConfigError("StopAfter: give at least one of epochs, steps, minutes")
+        self.epochs, self.steps, self.minutes, self.clock = epochs, steps, minutes, clock
+        self._start = None
+
+    def before_training(self) -> None:
+        self._start = self.clock()
+        if self.steps is not None and self.trainer.step >= self.steps:
+            raise TrainingTerminated(f"{self.trainer.step} steps done (StopAfter steps={self.steps})")
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        if stream != "train":
+            return
+        if self.steps is not None and self.trainer.step >= self.steps:
+            raise TrainingTerminated(f"{self.steps} steps done (StopAfter)")
+        if self.minutes is not None and self.clock() - self._start >= 60 * self.minutes:
+            raise TrainingTerminated(f"{self.minutes} minutes passed (StopAfter)")
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if self.epochs is not None and epoch >= self.epochs:
+            raise TrainingTerminated(f"{self.epochs} epochs done (StopAfter)")
+
+
+class StopOnNaN(Hook):
+    """Fail the run as soon as a variable is NaN or infinite (in a training batch or the epoch's data)."""
+
+    def __init__(self, variables: list[str] = ("loss",), every_n_steps: int = 1):
+        self.variables, self.every = list(variables), max(1, every_n_steps)
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        if stream != "train" or self.trainer.step % self.every:
+            return
+        for var in self.variables:
+            value = batch.get(var)
+            if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
+                raise TrainingTerminated(f"{var} is not finite at step {self.trainer.step} (StopOnNaN)",
+                                         success=False)
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        for stream, values in epoch_data.items():
+            for var in self.variables:
+                value = values.get(var)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise TrainingTerminated(f"{stream}.{var} is {value} after epoch {epoch} (StopOnNaN)",
+                                             success=False)
+
+
+class StopOnPlateau(Hook):
+    """Stop when `variable` has not improved by `min_delta` for `patience` epochs."""
+
+    def __init__(self, variable: str = "valid.loss", mode: str = "min", patience: int = 5, min_delta: float = 0.0):
+        split_name(variable, "StopOnPlateau")
+        if patience < 1:
+            raise ConfigError(f"StopOnPlateau: patience must be >= 1, got {patience}")
+        self.variable, self.mode = variable, check_mode(mode, "StopOnPlateau")
+        self.patience, self.min_delta = patience, min_delta
+        self.best: float | None = None
+        self.waited = 0
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        value = lookup(epoch_data, self.variable, "StopOnPlateau")
+        if improved(value, self.best, self.mode, self.min_delta):
+            self.best, self.waited = value, 0
+        else:
+            self.waited += 1
+            if self.waited >= self.patience:
+                raise TrainingTerminated(f"{self.variable} has not improved for {self.patience} epochs "
+                                         f"(best {self.best:.6g}; StopOnPlateau)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.waited = state["best"], state["waited"]

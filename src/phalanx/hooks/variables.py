@@ -1,0 +1,39 @@
+"""Reading `stream.variable` names out of an epoch's shared dict."""
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.errors import ConfigError
+
+
+def split_name(name: str, hook: str) -> tuple[str, str]:
+    stream, sep, var = name.partition(".")
+    if not sep or not stream or not var:
+        raise ConfigError(f"{hook}: variable {name!r} must be STREAM.VARIABLE, e.g. valid.loss")
+    return stream, var
+
+
+def lookup(epoch_data: dict[str, dict[str, Any]], name: str, hook: str) -> float:
+    """The value of `stream.variable`; a clear error when no earlier hook computed it."""
+    stream, var = split_name(name, hook)
+    values = epoch_data.get(stream)
+    if values is None:
+        raise ConfigError(f"{hook}: stream {stream!r} is not evaluated (streams: {', '.join(epoch_data)}); "
+                          "add it to main_loop.extra_streams")
+    if var not in values:
+        raise ConfigError(f"{hook}: {name!r} was not computed (the {stream} stream has "
+                          f"{', '.join(values) or 'nothing'}); list ComputeStats or ClassificationMetrics "
+                          f"before {hook} in hooks")
+    return float(values[var])
+
+
+def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0) -> bool:
+    if best is None:
+        return value == value  # a NaN never improves
+    return value < best - min_delta if mode == "min" else value > best + min_delta
+
+
+def check_mode(mode: str, hook: str) -> str:
+    if mode not in ("min", "max"):
+        raise ConfigError(f"{hook}: mode {mode!r} must be min or max")
+    return mode

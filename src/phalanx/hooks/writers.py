@@ -1,0 +1,180 @@
+"""Hooks that report an epoch: LogVariables, LogProfile, WriteCSV, WriteTensorBoard, PlotLines.
+
+All of them write on the main process only, into the run directory.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import os
+from typing import Any
+
+from phalanx.files import write_text_atomic
+from phalanx.hooks.base import Hook
+
+log = logging.getLogger("phalanx")
+
+
+def _flatten(epoch_data: dict[str, dict[str, Any]], variables: list[str] | None = None) -> dict[str, float]:
+    """`{stream: {var: value}}` as `{"stream.var": value}`, numbers only, optionally filtered."""
+    flat = {}
+    for stream, values in epoch_data.items():
+        for var, value in values.items():
+            name = f"{stream}.{var}"
+            if isinstance(value, (int, float)) and (variables is None or var in variables or name in variables):
+                flat[name] = float(value)
+    return flat
+
+
+class _Writer(Hook):
+    """A hook that writes only on the main process, into the run directory."""
+
+    @property
+    def active(self) -> bool:
+        return self.trainer.strategy.is_main and self.trainer.run_dir is not None
+
+
+class LogVariables(_Writer):
+    """One line per epoch on the console and in `log.txt`: every variable of every stream."""
+
+    def __init__(self, variables: list[str] | None = None):
+        self.variables = variables
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if not self.trainer.strategy.is_main:
+            return
+        parts = []
+        for stream, values in epoch_data.items():
+            shown = [f"{var} {value:.6g}" for var, value in values.items()
+                     if isinstance(value, (int, float)) and (self.variables is None or var in self.variables)]
+            if shown:
+                parts.append(f"{stream}: {', '.join(shown)}")
+        log.info("epoch %d (step %d) | %s", epoch, self.trainer.step, " | ".join(parts) or "no variables")
+
+
+class LogProfile(_Writer):
+    """Where an epoch's time went: waiting for data, computing, hooks, evaluation."""
+
+    def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
+                            extra_streams: list[str]) -> None:
+        if not self.trainer.strategy.is_main:
+            return
+        total = sum(profile.values()) or 1.0
+        parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
+        log.info("epoch %d time | %s", epoch, ", ".join(parts))
+
+
+class WriteCSV(_Writer):
+    """`metrics.csv` in the run directory: a row per epoch, a column per `stream.variable`.
+
+    On resume, rows after the restored epoch are dropped, so the file matches the run's history.
+    """
+
+    def __init__(self, path: str = "metrics.csv"):
+        self.path = path
+        self._rows: list[dict[str, Any]] = []
+
+    def before_training(self) -> None:
+        if not self.active:
+            return
+        file = self.trainer.run_dir / self.path
+        if file.is_file():
+            with open(file, newline="") as f:
+                self._rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= self.trainer.epoch]
+            self._write()
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if not self.active:
+            return
+        self._rows.append({"epoch": epoch, "step": self.trainer.step, **_flatten(epoch_data)})
+        self._write()
+
+    def _write(self) -> None:
+        columns = ["epoch", "step"]
+        for row in self._rows:
+            columns += [k for k in row if k not in columns]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(self._rows)
+        write_text_atomic(self.trainer.run_dir / self.path, text.getvalue())
+
+
+class WriteTensorBoard(_Writer):
+    """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
+    training loss every `every_n_steps` steps."""
+
+    def __init__(self, log_dir: str = "tensorboard", every_n_steps: int = 50):
+        self.log_dir, self.every = log_dir, every_n_steps
+        self._writer = None
+
+    def before_training(self) -> None:
+        if self.active:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+            self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
+                                         purge_step=self.trainer.step or None)
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        step = self.trainer.step
+        if self._writer is not None and stream == "train" and self.every and step % self.every == 0:
+            self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
+            for i, lr in enumerate(self.trainer.engine.learning_rates()):
+                self._writer.add_scalar(f"lr/group{i}", lr, step)
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if self._writer is None:
+            return
+        for name, value in _flatten(epoch_data).items():
+            self._writer.add_scalar(name.replace(".", "/", 1), value, epoch)
+        self._writer.flush()
+
+    def after_training(self, success: bool) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class PlotLines(_Writer):
+    """A PNG learning curve per variable under `plots/`, one line per stream."""
+
+    def __init__(self, variables: list[str] | None = None, path: str = "plots"):
+        self.variables, self.path = variables, path
+        self.history: dict[str, list[list[float]]] = {}
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if not self.active:
+            return
+        for name, value in _flatten(epoch_data, self.variables).items():
+            self.history.setdefault(name, []).append([epoch, value])
+        self._plot()
+
+    def _plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        folder = self.trainer.run_dir / self.path
+        folder.mkdir(exist_ok=True)
+        by_variable: dict[str, list[str]] = {}
+        for name in self.history:
+            by_variable.setdefault(name.split(".", 1)[1], []).append(name)
+        for var, names in by_variable.items():
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for name in names:
+                epochs, values = zip(*self.history[name])
+                ax.plot(epochs, values, marker="o", label=name.split(".", 1)[0])
+            ax.set(xlabel="epoch", ylabel=var, title=var)
+            ax.grid(alpha=0.3)
+            ax.legend()
+            fig.tight_layout()
+            tmp = folder / f".{var}.png.tmp"
+            fig.savefig(tmp, format="png")
+            plt.close(fig)
+            os.replace(tmp, folder / f"{var}.png")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = state["history"]

@@ -1,0 +1,61 @@
+"""Numeric precision: fp32, fp64 (parameters and inputs in float64), bf16 and fp16 autocast.
+
+fp16 scales the loss with a GradScaler so small gradients do not underflow; bf16 needs no scaling.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    def __init__(self, name: str, device: torch.device):
+        self.name, self.device = name, device
+        self.autocast_dtype = _AUTOCAST.get(name)
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+        if name == "fp16" and device.type == "cpu":
+            raise ConfigError("precision: fp16 needs a CUDA device; on CPU use bf16 or fp32")
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.double() if self.name == "fp64" else module
+
+    def convert_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The batch on the device; floating tensors in float64 under fp64."""
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                value = value.to(self.device, non_blocking=True)
+                if self.name == "fp64" and value.is_floating_point():
+                    value = value.double()
+            out[key] = value
+        return out
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)

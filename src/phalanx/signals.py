@@ -1,0 +1,43 @@
+"""Graceful stop: the first SIGINT or SIGTERM finishes the current step, saves and exits with
+128 + the signal number (130 for SIGINT, 143 for SIGTERM); a second one exits at once, removing any
+half-written checkpoint."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from phalanx import checkpoint
+
+log = logging.getLogger("phalanx")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class GracefulStop:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+    def install(self) -> None:
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            checkpoint.abort_in_progress()
+            os._exit(128 + signum)
+        self.signum = signum
+        log.warning("%s received: finishing the current step and saving; send it again to exit at once",
+                    signal.Signals(signum).name)

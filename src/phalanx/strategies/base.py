@@ -1,0 +1,42 @@
+"""The strategy protocol: all the trainer knows of how devices and processes are used.
+
+The trainer never asks which strategy it runs; a new strategy is a new module behind this protocol.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+class Strategy(Protocol):
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes logs, progress and checkpoints."""
+
+    def setup(self, module: nn.Module) -> nn.Module:
+        """Place (and wrap) the module; every rank starts from the same parameters."""
+
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which backward does not synchronise gradients (all but the last micro-batch)."""
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of the tensor over ranks."""
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's value, in rank order."""
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here."""
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        """The user's module, without any wrapper the strategy put around it."""
+
+    def shutdown(self) -> None:
+        """Release process groups and devices."""

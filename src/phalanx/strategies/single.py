@@ -1,0 +1,41 @@
+"""`single`: one process, one device."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Single:
+    rank = 0
+    world_size = 1
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    @property
+    def is_main(self) -> bool:
+        return True
+
+    def setup(self, module: nn.Module) -> nn.Module:
+        return module.to(self.device)
+
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def barrier(self) -> None:
+        pass
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def shutdown(self) -> None:
+        pass

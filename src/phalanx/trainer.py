@@ -1,0 +1,237 @@
+"""The trainer: builds the parts a config names and runs the main loop, calling hooks at its events.
+
+The loop is written once; how devices and processes are used is the strategy's business, reached
+only through its protocol.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx import data, rundir, strategies
+from phalanx.build import build_dataset, build_optimizer, build_schedulers, rng_state, seed_everything, set_rng_state
+from phalanx.checkpoint import Checkpoints
+from phalanx.config import Config
+from phalanx.engine import Engine
+from phalanx.errors import ConfigError
+from phalanx.hooks import build_hooks
+from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.model import Forward, build_model
+from phalanx.precision import Precision
+from phalanx.signals import GracefulStop
+
+log = logging.getLogger("phalanx")
+TRAIN = "train"
+EVENTS = ("before_training", "after_batch", "after_epoch", "after_epoch_profile", "after_training")
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class Trainer:
+    """One run: the model, data, optimizer, strategy and hooks that a config describes."""
+
+    def __init__(self, cfg: Config, run_dir: Path | None, search_dirs: list[Path] = (),
+                 hooks: list[Hook] | None = None):
+        self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
+        self.strategy = strategies.create(cfg)
+        seed_everything(cfg.seed)
+        self.dataset = build_dataset(cfg.dataset, self.search_dirs)
+        module = build_model(cfg.model, self.search_dirs)
+        self.precision = Precision(cfg.precision, self.strategy.device)
+        self.module = self.strategy.setup(self.precision.convert_module(module))
+        self.forward = Forward(self.module, cfg.model, self.search_dirs)
+        self.optimizer = build_optimizer(cfg.optimizer, self.module, self.search_dirs)
+        self.schedulers = build_schedulers(cfg, self.optimizer, self.search_dirs)
+        self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
+                             self.precision, self.strategy)
+        self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
+        self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self.epoch_data: dict[str, dict[str, Any]] = {}
+        self.last_loss: torch.Tensor | None = None
+        self.stop = GracefulStop()
+        self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
+        for hook in self.hooks:
+            hook.attach(self)
+        self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
+
+    @property
+    def streams(self) -> list[str]:
+        return [TRAIN, *self.cfg.main_loop.extra_streams]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        n = len(data.get_stream(self.dataset, TRAIN))
+        return -(-n // self.cfg.dataset.batch_size)
+
+    # --- the main loop -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Train until the configured epochs end or a hook stops; returns the process exit code."""
+        self.stop.install()
+        success, code = True, 0
+        self._trace("started", epoch=self.epoch, step=self.step)
+        try:
+            stop = self._emit("before_training")
+            if stop is not None:
+                raise stop
+            if not self.cfg.main_loop.skip_zeroth_epoch and self.step == 0:
+                self._evaluation_epoch(0, self.streams)
+            while self.epoch < self.cfg.main_loop.epochs:
+                self._train_epoch()
+        except TrainingTerminated as stop:
+            success, code = stop.success, 0 if stop.success else 1
+            (log.info if success else log.error)("training stopped: %s", stop.reason)
+        except _Interrupted:
+            self.save_checkpoint()
+            success, code = False, self.stop.exit_code()
+            log.warning("interrupted at step %d; saved. Continue with: phalanx resume %s", self.step, self.run_dir)
+        except BaseException as e:
+            self._trace("failed", step=self.step, error=f"{type(e).__name__}: {e}")
+            self._finish(False)
+            raise
+        self._finish(success)
+        self._trace("interrupted" if code > 128 else "finished" if success else "failed",
+                    epoch=self.epoch, step=self.step)
+        return code
+
+    def _finish(self, success: bool) -> None:
+        self.stop.restore()
+        self._emit("after_training", success)
+
+    def _train_epoch(self) -> None:
+        epoch = self.epoch + 1
+        self.epoch_data = {s: {} for s in self.streams}
+        stream = data.get_stream(self.dataset, TRAIN)
+        plan = data.Plan(data.permutation(self.cfg.seed, epoch, len(stream)), self.cfg.dataset.batch_size,
+                         self.cfg.parallel.gradient_accumulation, self.strategy.rank, self.strategy.world_size)
+        batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers))
+        listeners = self._listeners["after_batch"]
+        profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
+        clock = time.perf_counter
+        for k, micros in plan.steps(self.step_in_epoch):
+            t0 = clock()
+            fetched = [(micro, next(batches)) for micro in micros]
+            t1 = clock()
+            self.last_loss, batch = self.engine.train_step(fetched)
+            self.step, self.step_in_epoch = self.step + 1, k + 1
+            t2 = clock()
+            stop = self._after_batch(listeners, TRAIN, batch)
+            t3 = clock()
+            profile["data"] += t1 - t0
+            profile["compute"] += t2 - t1
+            profile["hooks"] += t3 - t2
+            if stop is not None:
+                raise stop
+            if self.stop.requested:
+                raise _Interrupted
+        self.epoch, self.step_in_epoch = epoch, 0
+        self.engine.end_epoch()
+        self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
+
+    def _evaluation_epoch(self, epoch: int, streams: list[str], profile: dict | None = None) -> None:
+        """Evaluate `streams`, then end epoch `epoch` with its after_epoch events."""
+        profile = dict(profile or {})
+        self.epoch_data = self.epoch_data if epoch else {s: {} for s in self.streams}
+        start = time.perf_counter()
+        for name in streams:
+            self.evaluate(name)
+        profile["eval"] = time.perf_counter() - start
+        start = time.perf_counter()
+        stop = self._emit("after_epoch", epoch, self.epoch_data)
+        profile["after_epoch"] = time.perf_counter() - start
+        stop = self._emit("after_epoch_profile", epoch, profile, TRAIN, self.cfg.main_loop.extra_streams) or stop
+        self._trace("epoch", epoch=epoch, step=self.step)
+        if stop is not None:
+            raise stop
+        if self.stop.requested:
+            raise _Interrupted
+
+    def evaluate(self, name: str) -> None:
+        """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
+        stream = data.get_stream(self.dataset, name)
+        batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
+        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size)
+        listeners = self._listeners["after_batch"]
+        for batch in data.loader(stream, plan, 0, self.cfg.dataset.num_workers):
+            if batch is None:
+                continue
+            stop = self._after_batch(listeners, name, self.engine.eval_step(batch))
+            if stop is not None:
+                raise stop
+
+    @staticmethod
+    def _after_batch(listeners: list[Hook], stream: str, batch: dict) -> TrainingTerminated | None:
+        stop = None
+        for hook in listeners:
+            try:
+                hook.after_batch(stream, batch)
+            except TrainingTerminated as t:
+                stop = stop or t
+        return stop
+
+    def _emit(self, event: str, *args: Any) -> TrainingTerminated | None:
+        """Call every hook on `event`; a hook that stops training lets the later ones run first."""
+        stop = None
+        for hook in self._listeners[event]:
+            try:
+                getattr(hook, event)(*args)
+            except TrainingTerminated as t:
+                stop = stop or t
+        return stop
+
+    def _trace(self, event: str, **fields: Any) -> None:
+        if self.run_dir is not None and self.strategy.is_main:
+            rundir.trace(self.run_dir, event, **fields)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trainer state as JSON: counters, the sampler cursor, every RNG and the hooks' state."""
+        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
+                "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "rng": rng_state(),
+                "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}}
+
+    def save_checkpoint(self, best: dict | None = None) -> Path | None:
+        """Save the whole training state at the current step (rank 0 writes)."""
+        if self.checkpoints is None or not self.strategy.is_main:
+            return None
+        optimizer_state = {"optimizer": self.optimizer.state_dict(),
+                           "schedulers": [s.state_dict() for s, _ in self.schedulers],
+                           "scaler": self.precision.state_dict()}
+        path = self.checkpoints.save(self.step, self.strategy.unwrap(self.module), optimizer_state,
+                                     self.state_dict(), best)
+        self._trace("checkpoint", step=self.step, best=best is not None)
+        return path
+
+    def restore(self, step: int, weights_only: bool = False) -> None:
+        """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else."""
+        optimizer_state, state = self.checkpoints.load(step, self.strategy.unwrap(self.module))
+        if weights_only:
+            return
+        if state["step_in_epoch"] and state["batch_size"] != self.cfg.dataset.batch_size:
+            raise ConfigError(f"checkpoint step-{step} stopped mid-epoch with dataset.batch_size="
+                              f"{state['batch_size']}; resuming with {self.cfg.dataset.batch_size} would skip "
+                              f"or repeat samples. Resume with dataset.batch_size={state['batch_size']}")
+        self.optimizer.load_state_dict(optimizer_state["optimizer"])
+        for (scheduler, _), saved in zip(self.schedulers, optimizer_state["schedulers"]):
+            scheduler.load_state_dict(saved)
+        self.precision.load_state_dict(optimizer_state["scaler"])
+        self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+        set_rng_state(state["rng"])
+        saved_hooks = state["hooks"]
+        for i, hook in enumerate(self.hooks):
+            key = _hook_key(i, hook)
+            if key in saved_hooks:
+                hook.load_state_dict(saved_hooks[key])
+            else:
+                log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
+
+
+def _hook_key(index: int, hook: Hook) -> str:
+    return f"{index}:{type(hook).__name__}"
