@@ -242,7 +242,12 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
             signature.bind(*args, **kwargs)
         except TypeError as e:
             raise ConfigError(f"{section}: {_name(factory)}: {e}; set it in the {section} section") from None
-    return factory(*args, **kwargs)
+    try:
+        return factory(*args, **kwargs)
+    except (TypeError, ValueError) as e:  # the constructor rejected a value: name the section (--debug: traceback)
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"{section}: {_name(factory)}({given}) failed: {type(e).__name__}: {e}; "
+                          f"fix the values in the {section} section") from e
 
 
 def build_value(value: Any, where: str, search_dirs: list[Path]) -> Any:

@@ -19,8 +19,13 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
     if accelerator == "auto":
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("parallel.accelerator is cuda but no CUDA device is visible; "
-                          "set parallel.accelerator=cpu (or auto)")
+        if cfg.model.n_gpus:
+            raise ConfigError(f"model.n_gpus={cfg.model.n_gpus} asks for CUDA GPUs but none is visible; "
+                              "remove model.n_gpus to train on the CPU")
+        raise ConfigError("parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto or cpu")
+    if accelerator == "cuda" and devices != "auto" and devices > torch.cuda.device_count():
+        raise ConfigError(f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
+                          f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
     return accelerator, devices

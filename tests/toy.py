@@ -1,0 +1,106 @@
+"""Tiny models and datasets for the tests: fast, deterministic, importable from configs as `toy.X`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Items(Dataset):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "id": i}
+
+
+class Regression:
+    """A linear regression problem with noise; streams train, valid, test of the given sizes."""
+
+    def __init__(self, n_train: int = 40, n_valid: int = 10, n_test: int = 10, features: int = 3, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(features, generator=g)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+            x = torch.randn(n, features, generator=g)
+            y = x @ w + 0.1 * torch.randn(n, generator=g)
+            self._streams[name] = Items(x, y)
+
+    def streams(self) -> dict[str, Items]:
+        return self._streams
+
+
+class Classes:
+    """Gaussian blobs for classification: items {"x": features, "y": class index}."""
+
+    def __init__(self, n_train: int = 60, n_valid: int = 20, n_test: int = 20, features: int = 4,
+                 classes: int = 3, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        centers = 3 * torch.randn(classes, features, generator=g)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
+            y = torch.randint(classes, (n,), generator=g)
+            x = centers[y] + torch.randn(n, features, generator=g)
+            self._streams[name] = Items(x, y)
+
+    def streams(self) -> dict[str, Items]:
+        return self._streams
+
+
+class Linear(nn.Module):
+    """forward(x, y) -> {"prediction", "loss" (per sample)}."""
+
+    def __init__(self, features: int = 3, hidden: int = 0):
+        super().__init__()
+        self.net = (nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 1)) if hidden
+                    else nn.Linear(features, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).squeeze(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
+class Classifier(nn.Module):
+    def __init__(self, features: int = 4, classes: int = 3):
+        super().__init__()
+        self.net = nn.Linear(features, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits, y, reduction="none")}
+
+
+def regression_config(**sections: Any) -> dict:
+    """A small float64 regression config; keyword sections replace or extend the defaults."""
+    cfg = {
+        "name": "toy",
+        "model": {"class": "toy.Linear", "features": 3},
+        "optimizer": {"class": "SGD", "lr": 0.05},
+        "dataset": {"class": "toy.Regression", "batch_size": 8},
+        "precision": "fp64",
+        "main_loop": {"epochs": 2, "extra_streams": ["valid"]},
+        "hooks": [{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest"],
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+            cfg[key] = {**cfg[key], **value}
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def write_config(folder: Path, cfg: dict, name: str = "config.yaml") -> Path:
+    """Write a config next to a copy of this module, so that `toy.X` class paths import from there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "toy.py").write_text(Path(__file__).read_text())
+    path = folder / name
+    path.write_text(yaml.safe_dump({"output_root": str(folder / "runs"), **cfg}, sort_keys=False))
+    return path
