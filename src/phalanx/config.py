@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,22 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from phalanx.errors import ConfigError, did_you_mean
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, reading `1e-3` as a float as every other YAML 1.2 reader does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"),
+    list("-+0123456789."))
+
+
+def safe_load(text: str) -> Any:
+    """YAML text as plain Python values; never constructs arbitrary objects."""
+    return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader subclass
 
 
 class _Section(BaseModel):
@@ -113,7 +130,7 @@ def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
@@ -137,7 +154,7 @@ def validate(raw: dict) -> Config:
 
 
 def _explain(err: dict, raw: dict) -> str:
-    loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "str", "dict["))]
+    loc = _user_path(err["loc"], raw)
     where = ".".join(loc) or "config"
     if err["type"] == "extra_forbidden":
         parent = _section_model(loc[:-1])
@@ -146,6 +163,25 @@ def _explain(err: dict, raw: dict) -> str:
     if err["type"] == "missing":
         return f"missing key {where!r}: add it to the config"
     return f"{where}: {err['msg']} (got {err.get('input')!r})"
+
+
+def _user_path(loc: tuple, raw: Any) -> list[str]:
+    """The error's location as the user's keys, without the union-member tags pydantic adds."""
+    path, node = [], raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function-")):
+            continue
+        else:
+            node = None
+        path.append(str(part))
+    return path
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
 
 
 def _section_model(loc: list[str]) -> type[BaseModel] | None:
@@ -168,7 +204,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not KEY=VALUE; write e.g. dataset.batch_size=64")
         try:
-            value = yaml.safe_load(text)
+            value = safe_load(text)
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
         _set_path(raw, key.split("."), value, item)

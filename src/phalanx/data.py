@@ -97,10 +97,16 @@ def collate(items: list[Any]) -> dict[str, Any] | None:
     return default_collate(items)
 
 
-def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
-    """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`."""
+def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
+           seed: int = 0) -> DataLoader:
+    """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`.
+
+    Its own generator, seeded by `seed`, seeds the workers: making the loader draws nothing from the
+    global RNG, so a resumed run's dropout and augmentation continue exactly where they stopped.
+    """
     return DataLoader(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False)
+                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:

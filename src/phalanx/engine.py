@@ -6,6 +6,7 @@ loss, for uneven shards, short last batches and gradient accumulation alike.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ class Engine:
             if batch is None:
                 continue
             sync = i == len(micros) - 1
-            with (self.strategy.no_sync(self.module) if not sync else _NULL):
+            with self.strategy.no_sync(self.module) if not sync else contextlib.nullcontext():
                 loss_sum, data = self._forward(batch, len(micro.shard))
                 self.precision.backward(loss_sum / micro.global_size)
             total = loss_sum.detach() if total is None else total + loss_sum.detach()
@@ -42,8 +43,9 @@ class Engine:
         for scheduler, interval in self.schedulers:
             if interval == "step":
                 scheduler.step()
-        global_size = micros[0][0].global_size
-        return self.strategy.reduce_sum(total) / global_size, concat(parts)
+        if total is None:  # every shard of this rank was empty: it joins with zero weight
+            total = torch.zeros((), dtype=torch.float64, device=self.strategy.device)
+        return self.strategy.reduce_sum(total) / micros[0][0].global_size, concat(parts)
 
     def eval_step(self, batch: Mapping) -> dict:
         """Outputs of the model on an evaluation batch, gradients off."""
@@ -74,17 +76,6 @@ class Engine:
         return [group["lr"] for group in self.optimizer.param_groups]
 
 
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
-
-
 def _first_dim(batch: Mapping) -> int:
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -94,6 +85,8 @@ def _first_dim(batch: Mapping) -> int:
 
 def concat(parts: list[dict]) -> dict:
     """Micro-batch data joined along the batch dimension, in order."""
+    if not parts:
+        return {}
     if len(parts) == 1:
         return parts[0]
     out = {}

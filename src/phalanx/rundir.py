@@ -8,10 +8,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from phalanx import __version__
-from phalanx.config import Config, dump
+from phalanx.config import Config, dump, safe_load
 from phalanx.errors import RunDirError
 
 CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
@@ -82,4 +80,4 @@ def list_runs(root: Path) -> list[Path]:
 
 
 def load_config_text(run_dir: Path) -> dict:
-    return yaml.safe_load((run_dir / CONFIG).read_text())
+    return safe_load((run_dir / CONFIG).read_text())

@@ -110,7 +110,8 @@ class Trainer:
         stream = data.get_stream(self.dataset, TRAIN)
         plan = data.Plan(data.permutation(self.cfg.seed, epoch, len(stream)), self.cfg.dataset.batch_size,
                          self.cfg.parallel.gradient_accumulation, self.strategy.rank, self.strategy.world_size)
-        batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers))
+        worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
+        batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers, seed=worker_seed))
         listeners = self._listeners["after_batch"]
         profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
         clock = time.perf_counter
