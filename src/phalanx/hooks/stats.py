@@ -98,7 +98,8 @@ class ClassificationMetrics(Hook):
                                  f"({', '.join(batch)}); set predicted/gold to the right names")
         scores, gold = batch[self.predicted].detach(), batch[self.gold].detach().reshape(-1).long()
         predicted = scores.argmax(dim=-1) if scores.is_floating_point() else scores.reshape(-1).long()
-        k = self.num_classes or (scores.shape[-1] if scores.is_floating_point() else int(gold.max()) + 1)
+        k = self.num_classes or (scores.shape[-1] if scores.is_floating_point()
+                                 else int(max(gold.max(), predicted.max())) + 1)
         counts = torch.bincount(gold.cpu() * k + predicted.cpu(), minlength=k * k).reshape(k, k)
         previous = self._confusion.get(stream)
         if previous is not None and previous.shape != counts.shape:
@@ -127,7 +128,7 @@ def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:
 def _scores(confusion: torch.Tensor, metrics: list[str]) -> dict[str, float]:
     """Metrics from a confusion matrix (rows: true class, columns: predicted)."""
     true_pos = confusion.diag()
-    present = confusion.sum(1) > 0
+    present = (confusion.sum(1) > 0) | (confusion.sum(0) > 0)  # classes seen as truth or as prediction
     precision = torch.where(confusion.sum(0) > 0, true_pos / confusion.sum(0).clamp(min=1), 0.0)
     recall = true_pos / confusion.sum(1).clamp(min=1)
     f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)

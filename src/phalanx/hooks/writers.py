@@ -103,7 +103,8 @@ class WriteCSV(_Writer):
 
 class WriteTensorBoard(_Writer):
     """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
-    training loss every `every_n_steps` steps."""
+    training loss every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
+    a resumed run drops the events it is about to write again."""
 
     def __init__(self, log_dir: str = "tensorboard", every_n_steps: int = 50):
         self.log_dir, self.every = log_dir, every_n_steps
@@ -113,7 +114,7 @@ class WriteTensorBoard(_Writer):
         if self.active:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
             self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
-                                         purge_step=self.trainer.step or None)
+                                         purge_step=self.trainer.step + 1 if self.trainer.step else None)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
@@ -125,8 +126,10 @@ class WriteTensorBoard(_Writer):
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if self._writer is None:
             return
+        step = self.trainer.step
+        self._writer.add_scalar("epoch", epoch, step)
         for name, value in _flatten(epoch_data).items():
-            self._writer.add_scalar(name.replace(".", "/", 1), value, epoch)
+            self._writer.add_scalar(name.replace(".", "/", 1), value, step)
         self._writer.flush()
 
     def after_training(self, success: bool) -> None:

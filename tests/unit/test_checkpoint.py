@@ -1,0 +1,240 @@
+"""Checkpoints: the files a step holds, integrity checks that name the damaged file, falling back to
+the previous valid step, retention, atomic writes, and selecting a step."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from phalanx.checkpoint import MANIFEST, OPTIMIZER, TRAINER, WEIGHTS, Checkpoints, load_weights
+from phalanx.errors import CheckpointError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _module(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+
+
+def _optimizer_state(module: nn.Module) -> dict:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    module(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    return {"optimizer": optimizer.state_dict(), "schedulers": [], "scaler": {}}
+
+
+def _save(ckpts: Checkpoints, step: int, best: dict | None = None, seed: int | None = None) -> nn.Module:
+    module = _module(step if seed is None else seed)
+    ckpts.save(step, module, _optimizer_state(module), {"epoch": 1, "step": step, "rng": {"x": [1, 2]}}, best)
+    return module
+
+
+@pytest.fixture
+def ckpts(tmp_path) -> Checkpoints:
+    return Checkpoints(tmp_path / "checkpoints", keep_last=10)
+
+
+def test_save_writes_every_file_and_a_manifest_of_them(ckpts):
+    module = _module(1)
+    opt_state = _optimizer_state(module)
+    trainer_state = {"epoch": 2, "step": 7, "step_in_epoch": 3, "hooks": {"0:SaveBest": {"best": 0.5}}}
+    folder = ckpts.save(7, module, opt_state, trainer_state)
+    assert folder == ckpts.path(7) and folder.name == "step-7"
+    assert sorted(p.name for p in folder.iterdir()) == sorted([WEIGHTS, OPTIMIZER, TRAINER, MANIFEST])
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["step"] == 7
+    assert set(manifest["files"]) == {WEIGHTS, OPTIMIZER, TRAINER}
+    for name, meta in manifest["files"].items():
+        content = (folder / name).read_bytes()
+        assert meta["size"] == len(content) == os.path.getsize(folder / name)
+        assert meta["sha256"] == hashlib.sha256(content).hexdigest()
+    weights = load_file(str(folder / WEIGHTS))
+    assert set(weights) == set(module.state_dict())
+    for key, value in module.state_dict().items():
+        assert torch.equal(weights[key], value)
+    assert json.loads((folder / TRAINER).read_text()) == trainer_state
+    loaded = torch.load(folder / OPTIMIZER, weights_only=True)
+    momentum = loaded["optimizer"]["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, opt_state["optimizer"]["state"][0]["momentum_buffer"])
+    assert ckpts.steps() == [7]
+    assert ckpts.verify(7) == folder
+
+
+def test_load_restores_weights_and_returns_the_states(ckpts):
+    saved = _save(ckpts, 3)
+    fresh = _module(99)
+    assert not torch.equal(fresh[0].weight, saved[0].weight)
+    opt_state, trainer_state = ckpts.load(3, fresh)
+    for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()):
+        assert torch.equal(a, b)
+    assert trainer_state == {"epoch": 1, "step": 3, "rng": {"x": [1, 2]}}
+    assert "momentum_buffer" in opt_state["optimizer"]["state"][0]
+
+
+def test_no_temporary_folders_remain(ckpts):
+    for step in (1, 2, 3):
+        _save(ckpts, step)
+    assert [p.name for p in ckpts.root.iterdir() if p.name.startswith(".tmp")] == []
+
+
+def test_clean_stale_removes_interrupted_saves(ckpts):
+    _save(ckpts, 1)
+    stale = ckpts.root / ".tmp-step-5-12345"
+    stale.mkdir()
+    (stale / WEIGHTS).write_bytes(b"half")
+    assert ckpts.steps() == [1]
+    ckpts.clean_stale()
+    assert not stale.exists()
+    assert ckpts.steps() == [1]
+
+
+def test_a_step_without_manifest_does_not_exist(ckpts):
+    _save(ckpts, 1)
+    _save(ckpts, 2)
+    (ckpts.path(2) / MANIFEST).unlink()
+    assert ckpts.steps() == [1]
+    assert ckpts.latest_valid() == 1
+    with pytest.raises(CheckpointError) as info:
+        ckpts.verify(2)
+    assert MANIFEST in str(info.value) and "step-2" in str(info.value)
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, OPTIMIZER, TRAINER])
+@pytest.mark.parametrize("damage, words", [
+    (_truncate, ["truncated"]),
+    (_flip_byte, ["SHA-256", "altered"]),
+    (lambda path: path.unlink(), ["missing"]),
+])
+def test_verify_names_the_damaged_file(ckpts, name, damage, words):
+    _save(ckpts, 4)
+    size = (ckpts.path(4) / name).stat().st_size
+    damage(ckpts.path(4) / name)
+    if damage is _flip_byte:
+        assert (ckpts.path(4) / name).stat().st_size == size
+    with pytest.raises(CheckpointError) as info:
+        ckpts.verify(4)
+    message = str(info.value)
+    assert str(ckpts.path(4) / name) in message
+    for word in words:
+        assert word in message
+    with pytest.raises(CheckpointError):
+        ckpts.load(4, _module())
+
+
+def test_verify_rejects_an_unreadable_manifest_and_another_format(ckpts):
+    _save(ckpts, 1)
+    manifest = ckpts.path(1) / MANIFEST
+    text = manifest.read_text()
+    manifest.write_text(text[:10])
+    with pytest.raises(CheckpointError, match="missing or unreadable"):
+        ckpts.verify(1)
+    manifest.write_text(json.dumps({**json.loads(text), "format": 99}))
+    with pytest.raises(CheckpointError, match="format 99"):
+        ckpts.verify(1)
+
+
+@pytest.fixture
+def phalanx_warnings(caplog, monkeypatch):
+    # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on root
+    monkeypatch.setattr(logging.getLogger("phalanx"), "propagate", True)
+    caplog.set_level(logging.WARNING, logger="phalanx")
+    return caplog
+
+
+def test_latest_valid_falls_back_with_a_warning(ckpts, phalanx_warnings):
+    for step in (1, 2, 3):
+        _save(ckpts, step)
+    _flip_byte(ckpts.path(3) / WEIGHTS)
+    assert ckpts.latest_valid() == 2
+    warnings = [r for r in phalanx_warnings.records if r.name == "phalanx" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert str(ckpts.path(3) / WEIGHTS) in warnings[0].getMessage()
+    _truncate(ckpts.path(2) / TRAINER)
+    assert ckpts.latest_valid() == 1
+    assert ckpts.select("latest") == 1
+    (ckpts.path(1) / OPTIMIZER).unlink()
+    assert ckpts.latest_valid() is None
+    with pytest.raises(CheckpointError, match="no latest checkpoint"):
+        ckpts.select("latest")
+
+
+def test_latest_valid_without_checkpoints(tmp_path):
+    assert Checkpoints(tmp_path / "none").latest_valid() is None
+    assert Checkpoints(tmp_path / "none").steps() == []
+
+
+def test_retention_keeps_the_last_k_and_the_best(tmp_path):
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep_last=2)
+    _save(ckpts, 1)
+    _save(ckpts, 2, best={"variable": "valid.loss", "value": 0.1, "epoch": 2})
+    for step in (3, 4, 5, 6):
+        _save(ckpts, step)
+        assert ckpts.steps() == sorted({2, step - 1, step})
+    assert sorted(p.name for p in ckpts.root.iterdir() if p.is_dir()) == ["step-2", "step-5", "step-6"]
+    assert ckpts.best() == 2
+    _save(ckpts, 7, best={"variable": "valid.loss", "value": 0.05, "epoch": 7})
+    assert ckpts.steps() == [6, 7]  # the old best is no longer the best nor among the last two
+    assert ckpts.best() == 7
+
+
+def test_saving_an_existing_step_again_can_mark_it_best(ckpts):
+    first = _save(ckpts, 5, seed=1)
+    _save(ckpts, 5, best={"variable": "valid.loss", "value": 0.2, "epoch": 1}, seed=2)
+    assert ckpts.best() == 5
+    assert json.loads((ckpts.root / "best.json").read_text()) == {
+        "step": 5, "variable": "valid.loss", "value": 0.2, "epoch": 1}
+    ckpts.verify(5)
+    weights = load_file(str(ckpts.path(5) / WEIGHTS))
+    assert torch.equal(weights["0.weight"], first[0].weight)  # the first save of a step stands
+
+
+def test_select_best_latest_and_a_step(ckpts):
+    for step in (2, 4, 6):
+        _save(ckpts, step, best={"variable": "valid.loss", "value": 1.0, "epoch": 1} if step == 4 else None)
+    assert ckpts.select("latest") == 6
+    assert ckpts.select("best") == 4
+    assert ckpts.select(2) == 2
+    assert ckpts.select("6") == 6
+    with pytest.raises(CheckpointError, match="no checkpoint at step 3"):
+        ckpts.select(3)
+    with pytest.raises(CheckpointError, match="not best, latest or a step number"):
+        ckpts.select("newest")
+    _truncate(ckpts.path(2) / WEIGHTS)
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpts.select(2)
+
+
+def test_select_best_without_a_best(ckpts):
+    _save(ckpts, 1)
+    with pytest.raises(CheckpointError, match="no best checkpoint"):
+        ckpts.select("best")
+
+
+def test_loading_weights_into_another_model_is_an_error(ckpts):
+    _save(ckpts, 1)
+    with pytest.raises(CheckpointError) as info:
+        ckpts.load(1, nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double())
+    assert WEIGHTS in str(info.value) and "does not fit this model" in str(info.value)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        load_weights(nn.Linear(3, 1).double(), ckpts.path(1) / WEIGHTS)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        load_weights(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), nn.Linear(1, 1)).double(),
+                     ckpts.path(1) / WEIGHTS)

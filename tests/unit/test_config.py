@@ -1,0 +1,283 @@
+"""The config: YAML reading, schema errors that name the key and the fix, overrides, and building
+objects from `class:` sections."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import toy
+from phalanx import config
+from phalanx.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _error(raw: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        config.validate(raw)
+    return str(info.value)
+
+
+# --- reading YAML ------------------------------------------------------------------------------
+
+def test_load_reads_yaml_and_names_the_run_after_the_file(tmp_path):
+    raw = toy.regression_config()
+    del raw["name"]
+    path = toy.write_config(tmp_path, raw, name="exp1.yaml")
+    cfg, loaded = config.load(path)
+    assert cfg.dataset.batch_size == 8
+    assert cfg.model.class_ == "toy.Linear"
+    assert cfg.model.kwargs() == {"features": 3}
+    assert cfg.name == loaded["name"] == "exp1"
+    path.write_text(yaml.safe_dump({**raw, "name": "given"}))
+    assert config.load(path)[0].name == "given"
+
+
+def test_load_names_a_config_yaml_run_after_its_folder(tmp_path):
+    raw = toy.regression_config()
+    del raw["name"]
+    path = toy.write_config(tmp_path / "digits", raw)
+    cfg, _ = config.load(path)
+    assert cfg.name == "digits"
+
+
+def test_load_uses_safe_load_and_never_builds_python_objects(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.yaml"
+    path.write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(path)
+    assert not marker.exists()
+
+
+def test_load_rejects_a_missing_file_and_a_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.yaml")
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        config.load(path)
+
+
+def test_load_applies_overrides_before_validation(tmp_path):
+    path = toy.write_config(tmp_path, toy.regression_config())
+    cfg, raw = config.load(path, ["dataset.batch_size=16", "main_loop.extra_streams=[valid, test]"])
+    assert cfg.dataset.batch_size == 16
+    assert cfg.main_loop.extra_streams == ["valid", "test"]
+    assert raw["dataset"]["batch_size"] == 16
+    with pytest.raises(ConfigError, match="dataset.batch_size"):
+        config.load(path, ["dataset.batch_size=0"])
+
+
+# --- schema errors -----------------------------------------------------------------------------
+
+def test_unknown_key_in_framework_section_suggests_the_right_one():
+    message = _error(toy.regression_config(main_loop={"epoch": 3}))
+    assert "main_loop.epoch" in message
+    assert 'did you mean "epochs"' in message
+
+
+def test_unknown_top_level_key_suggests_the_section():
+    raw = toy.regression_config()
+    raw["optimiser"] = raw.pop("optimizer")
+    message = _error(raw)
+    assert "'optimiser'" in message and 'did you mean "optimizer"' in message
+    assert "missing key 'optimizer'" in message
+
+
+@pytest.mark.parametrize("section, typo, expected", [
+    ("main_loop", "extra_stream", "extra_streams"),
+    ("parallel", "strategi", "strategy"),       # a key that starts with "str"
+    ("main_loop", "streams", "extra_streams"),  # likewise
+])
+def test_unknown_key_is_named_in_full(section, typo, expected):
+    raw = toy.regression_config()
+    raw.setdefault(section, {})[typo] = "x"
+    message = _error(raw)
+    assert f"'{section}.{typo}'" in message
+    assert f'did you mean "{expected}"' in message
+
+
+def test_class_sections_pass_unknown_keys_to_the_constructor():
+    cfg = config.validate(toy.regression_config(optimizer={"momentum": 0.9}))
+    assert cfg.optimizer.kwargs() == {"lr": 0.05, "momentum": 0.9}
+    assert cfg.model.kwargs() == {"features": 3}
+
+
+@pytest.mark.parametrize("section", ["model", "optimizer", "dataset"])
+def test_missing_required_section(section):
+    raw = toy.regression_config()
+    del raw[section]
+    message = _error(raw)
+    assert f"missing key {section!r}" in message
+
+
+def test_missing_class_in_a_class_section():
+    raw = toy.regression_config()
+    del raw["model"]["class"]
+    assert "missing key 'model.class'" in _error(raw)
+
+
+def test_wrong_type_names_the_key_and_the_value():
+    message = _error(toy.regression_config(dataset={"batch_size": "lots"}))
+    assert "dataset.batch_size" in message and "'lots'" in message
+    message = _error(toy.regression_config(precision="fp8"))
+    assert "precision" in message and "'fp8'" in message
+    message = _error(toy.regression_config(main_loop={"epochs": 0}))
+    assert "main_loop.epochs" in message and "0" in message
+
+
+def test_hooks_item_with_two_keys_is_rejected():
+    raw = toy.regression_config(hooks=["LogVariables", {"SaveBest": {"mode": "max"}, "StopAfter": {"epochs": 2}}])
+    message = _error(raw)
+    assert "hooks.1" in message and "one hook per list item" in message
+
+
+def test_hooks_items_may_be_names_or_one_key_mappings():
+    cfg = config.validate(toy.regression_config(hooks=["LogVariables", {"SaveBest": None},
+                                                       {"StopAfter": {"epochs": 2}}]))
+    assert cfg.hooks == ["LogVariables", {"SaveBest": None}, {"StopAfter": {"epochs": 2}}]
+
+
+# --- overrides ---------------------------------------------------------------------------------
+
+def test_override_values_are_parsed_as_yaml():
+    raw = toy.regression_config()
+    out = config.apply_overrides(raw, ["dataset.batch_size=16", "optimizer.lr=0.5", "name=run 2",
+                                       "main_loop.skip_zeroth_epoch=false", "main_loop.extra_streams=[a, b]",
+                                       "scheduler={class: StepLR, step_size: 3}", "seed=null"])
+    assert out["dataset"]["batch_size"] == 16 and isinstance(out["dataset"]["batch_size"], int)
+    assert out["optimizer"]["lr"] == 0.5
+    assert out["name"] == "run 2"
+    assert out["main_loop"]["skip_zeroth_epoch"] is False
+    assert out["main_loop"]["extra_streams"] == ["a", "b"]
+    assert out["scheduler"] == {"class": "StepLR", "step_size": 3}
+    assert out["seed"] is None
+    assert raw == toy.regression_config()  # the input is not modified
+
+
+def test_override_creates_missing_sections():
+    out = config.apply_overrides(toy.regression_config(), ["parallel.gradient_accumulation=3"])
+    assert out["parallel"] == {"gradient_accumulation": 3}
+    assert config.validate(out).parallel.gradient_accumulation == 3
+
+
+def test_override_indexes_lists():
+    raw = toy.regression_config(hooks=[{"ComputeStats": {"variables": ["loss"]}},
+                                       {"SaveBest": {"variable": "valid.loss", "mode": "min"}}, "SaveLatest"])
+    out = config.apply_overrides(raw, ["hooks.1.SaveBest.mode=max"])
+    assert out["hooks"][1] == {"SaveBest": {"variable": "valid.loss", "mode": "max"}}
+    assert out["hooks"][0] == raw["hooks"][0] and out["hooks"][2] == "SaveLatest"
+    out = config.apply_overrides(raw, ["hooks.-2.SaveBest.variable=train.loss"])
+    assert out["hooks"][1]["SaveBest"]["variable"] == "train.loss"
+    out = config.apply_overrides(raw, ["hooks.0.ComputeStats.variables.0=accuracy"])
+    assert out["hooks"][0]["ComputeStats"]["variables"] == ["accuracy"]
+
+
+@pytest.mark.parametrize("override, words", [
+    ("hooks.3.SaveLatest.x=1", ["'hooks.3'", "list of 3 items"]),
+    ("hooks.-4.SaveLatest.x=1", ["'hooks.-4'", "list of 3 items"]),
+    ("hooks.first.x=1", ["'hooks.first'", "not an index"]),
+    ("hooks.2.SaveLatest.x=1", ["'hooks.2'", "str", "not a section"]),
+    ("main_loop.epochs.max=1", ["'main_loop.epochs'", "int", "not a section"]),
+])
+def test_bad_override_paths(override, words):
+    raw = toy.regression_config()
+    with pytest.raises(ConfigError) as info:
+        config.apply_overrides(raw, [override])
+    message = str(info.value)
+    assert override in message
+    for word in words:
+        assert word in message
+
+
+@pytest.mark.parametrize("override", ["dataset.batch_size", "=16", ""])
+def test_override_must_be_key_equals_value(override):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        config.apply_overrides(toy.regression_config(), [override])
+
+
+def test_override_with_invalid_yaml_value():
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.apply_overrides(toy.regression_config(), ["main_loop.extra_streams=[valid"])
+
+
+# --- import_object, instantiate, build_value ---------------------------------------------------
+
+def test_import_object_by_dotted_path_and_from_search_dirs(tmp_path):
+    assert config.import_object("torch.nn.Linear") is nn.Linear
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "unit_config_search_mod.py").write_text("class Thing:\n    pass\n")
+    thing = config.import_object("unit_config_search_mod.Thing", [folder])
+    assert thing.__name__ == "Thing" and thing.__module__ == "unit_config_search_mod"
+
+
+def test_import_object_bad_module():
+    with pytest.raises(ConfigError) as info:
+        config.import_object("no_such_package_xyz.models.Net")
+    assert "cannot import 'no_such_package_xyz.models'" in str(info.value)
+
+
+def test_import_object_missing_attribute_suggests_a_name():
+    with pytest.raises(ConfigError) as info:
+        config.import_object("torch.nn.Linaer")
+    assert "'Linaer'" in str(info.value) and 'did you mean "Linear"' in str(info.value)
+
+
+def test_import_object_bare_name_needs_a_dot():
+    with pytest.raises(ConfigError, match="not a dotted path"):
+        config.import_object("Linear")
+
+
+def test_import_object_bare_torch_optim_name():
+    assert config.import_object("SGD", default_module="torch.optim") is torch.optim.SGD
+    assert config.import_object("torch.optim.AdamW", default_module="torch.optim") is torch.optim.AdamW
+    with pytest.raises(ConfigError) as info:
+        config.import_object("SDG", default_module="torch.optim")
+    assert "torch.optim has no 'SDG'" in str(info.value) and 'did you mean "SGD"' in str(info.value)
+
+
+def test_instantiate_bad_keyword_lists_the_valid_ones():
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ConfigError) as info:
+        config.instantiate("optimizer", torch.optim.SGD, params, lrr=0.1)
+    message = str(info.value)
+    assert message.startswith("optimizer:")
+    assert "'lrr'" in message and 'did you mean "lr"' in message
+    for valid in ("lr", "momentum", "weight_decay", "nesterov"):
+        assert valid in message
+
+
+def test_instantiate_missing_argument():
+    with pytest.raises(ConfigError) as info:
+        config.instantiate("model", nn.Linear, in_features=3)
+    assert "model" in str(info.value) and "out_features" in str(info.value)
+
+
+def test_instantiate_builds_with_good_arguments():
+    layer = config.instantiate("model", nn.Linear, in_features=3, out_features=2, bias=False)
+    assert isinstance(layer, nn.Linear) and layer.weight.shape == (2, 3) and layer.bias is None
+
+
+def test_build_value_builds_nested_class_mappings():
+    spec = {"class": "torch.nn.Sequential", "args": [
+        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 5},
+        {"class": "torch.nn.Tanh"},
+        {"class": "torch.nn.Linear", "in_features": 5, "out_features": 1, "bias": False}]}
+    built = config.build_value(spec, "model.net", [])
+    assert isinstance(built, nn.Sequential) and len(built) == 3
+    assert isinstance(built[0], nn.Linear) and built[0].weight.shape == (5, 3)
+    assert isinstance(built[1], nn.Tanh)
+    assert built[2].bias is None
+    plain = config.build_value({"a": [1, {"b": 2}], "c": "torch.nn.Linear"}, "x", [])
+    assert plain == {"a": [1, {"b": 2}], "c": "torch.nn.Linear"}
+
+
+def test_build_value_nested_error_names_where():
+    spec = {"class": "torch.nn.Sequential", "args": [{"class": "torch.nn.Linear", "in_feat": 3, "out_features": 1}]}
+    with pytest.raises(ConfigError) as info:
+        config.build_value(spec, "model.net", [])
+    assert "model.net.args.0" in str(info.value) and "'in_feat'" in str(info.value)

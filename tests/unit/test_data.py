@@ -1,0 +1,211 @@
+"""Sample order, sharding and batching that do not depend on the number of devices (contract 2, 3)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import toy
+from phalanx import data
+from phalanx.errors import DataError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- permutation -------------------------------------------------------------------------------
+
+def test_permutation_is_a_permutation():
+    for n in (1, 2, 17, 100):
+        perm = data.permutation(3, 1, n)
+        assert sorted(perm) == list(range(n))
+
+
+def test_permutation_depends_only_on_seed_and_epoch():
+    reference = data.permutation(7, 2, 50)
+    torch.manual_seed(12345)  # the global RNG must not matter
+    torch.rand(100)
+    assert data.permutation(7, 2, 50) == reference
+    torch.manual_seed(0)
+    assert data.permutation(7, 2, 50) == reference
+    assert data.permutation(7, 3, 50) != reference  # another epoch, another order
+    assert data.permutation(8, 2, 50) != reference  # another seed, another order
+    epochs = [tuple(data.permutation(7, e, 50)) for e in range(1, 6)]
+    assert len(set(epochs)) == len(epochs)
+
+
+# --- split_sizes -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 10, 23])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5])
+def test_split_sizes_even(n, parts):
+    sizes = data.split_sizes(n, parts)
+    assert len(sizes) == parts
+    assert sum(sizes) == n
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the extra samples go to the first ranks
+
+
+@pytest.mark.parametrize("n, weights", [(10, [1, 1, 2]), (100, [3, 1]), (7, [0.5, 0.25, 0.25]),
+                                        (13, [2, 1, 1, 1]), (5, [1, 1, 1, 1, 1, 1])])
+def test_split_sizes_follow_weights(n, weights):
+    sizes = data.split_sizes(n, len(weights), weights)
+    assert sum(sizes) == n
+    total = sum(weights)
+    for size, w in zip(sizes, weights):
+        assert abs(size - n * w / total) < 1
+    assert all(s >= 0 for s in sizes)
+
+
+def test_split_sizes_weights_scale_freely():
+    assert data.split_sizes(12, 3, [1, 2, 3]) == data.split_sizes(12, 3, [10, 20, 30])
+    assert data.split_sizes(12, 3, [1, 1, 1]) == [4, 4, 4]
+    assert data.split_sizes(12, 2, [3, 1]) == [9, 3]
+
+
+def test_split_is_contiguous_and_in_order():
+    pieces = data.split(list(range(10, 20)), 3)
+    assert pieces == [[10, 11, 12, 13], [14, 15, 16], [17, 18, 19]]
+
+
+# --- Plan --------------------------------------------------------------------------------------
+
+def _plans(order, batch_size, accumulation, world_size):
+    return [data.Plan(order, batch_size, accumulation, rank, world_size) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("n", [41, 22])  # last batch of 41 with B=8 or 10, and of 22 with B=7: one sample
+@pytest.mark.parametrize("batch_size", [7, 8, 10])
+@pytest.mark.parametrize("accumulation", [1, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_plan_covers_every_sample_once_and_reassembles_the_global_batch(n, batch_size, accumulation, world_size):
+    order = data.permutation(5, 1, n)
+    plans = _plans(order, batch_size, accumulation, world_size)
+    assert all(len(p) == -(-n // batch_size) for p in plans)
+    seen = []
+    for k in range(len(plans[0])):
+        expected = order[k * batch_size:(k + 1) * batch_size]
+        per_rank = [p.step(k) for p in plans]
+        n_micro = len(per_rank[0])
+        assert all(len(m) == n_micro for m in per_rank)  # every rank runs every micro-batch
+        assert n_micro == min(accumulation, len(expected))
+        step_samples = []
+        for j in range(n_micro):
+            shards = [per_rank[r][j].shard for r in range(world_size)]
+            assert all(per_rank[r][j].global_size == len(expected) for r in range(world_size))
+            sizes = [len(s) for s in shards]
+            assert max(sizes) - min(sizes) <= 1
+            step_samples += list(itertools.chain(*shards))  # rank order
+        assert step_samples == expected  # shards are contiguous, in rank order
+        seen += step_samples
+    assert sorted(seen) == list(range(n))
+    assert seen == order
+
+
+def test_plan_last_batch_smaller_than_world_size_leaves_empty_shards():
+    order = list(range(9))  # batch 8: the last step has one sample
+    plans = _plans(order, 8, 1, 4)
+    last = [p.step(1) for p in plans]
+    assert [m[0].shard for m in last] == [[8], [], [], []]
+    assert all(m[0].global_size == 1 for m in last)
+
+
+def test_plan_micro_batches_split_the_global_batch_contiguously():
+    order = list(range(100, 110))
+    micros = data.Plan(order, 10, 3).step(0)
+    assert [m.shard for m in micros] == [[100, 101, 102, 103], [104, 105, 106], [107, 108, 109]]
+    assert all(m.global_size == 10 for m in micros)
+
+
+def test_plan_with_weights_follows_them():
+    order = list(range(12))
+    shards = [data.Plan(order, 12, 1, r, 3, weights=[1, 2, 3]).step(0)[0].shard for r in range(3)]
+    assert shards == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]
+
+
+def test_plan_steps_from_a_start():
+    plan = data.Plan(list(range(23)), 5)
+    assert [k for k, _ in plan.steps(2)] == [2, 3, 4]
+    assert [m.shard for _, micros in plan.steps(4) for m in micros] == [[20, 21, 22]]
+    assert list(plan.steps(5)) == []
+
+
+# --- loader ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size, accumulation", [(1, 1), (3, 1), (2, 3)])
+@pytest.mark.parametrize("start", [0, 2, 5])
+def test_loader_from_a_start_yields_exactly_the_remaining_shards(world_size, accumulation, start):
+    stream = toy.Regression(n_train=41).streams()["train"]
+    order = data.permutation(1, 1, len(stream))
+    for rank in range(world_size):
+        plan = data.Plan(order, 8, accumulation, rank, world_size)
+        expected = [m.shard for _, micros in plan.steps(start) for m in micros]
+        got = []
+        for batch in data.loader(stream, plan, start):
+            got.append([] if batch is None else batch["id"].tolist())
+        assert got == expected
+        for batch, shard in zip(data.loader(stream, plan, start), expected):
+            if shard:
+                assert torch.equal(batch["x"], stream.x[shard])
+                assert torch.equal(batch["y"], stream.y[shard])
+    if start == 0 and world_size == 1:
+        assert [i for shard in expected for i in shard] == order
+
+
+def test_collate_stacks_dict_items_and_empty_is_none():
+    items = [{"x": torch.tensor([1.0, 2.0]), "y": 3}, {"x": torch.tensor([4.0, 5.0]), "y": 6}]
+    batch = data.collate(items)
+    assert torch.equal(batch["x"], torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
+    assert batch["y"].tolist() == [3, 6]
+    assert data.collate([]) is None
+
+
+@pytest.mark.parametrize("item", [(torch.zeros(2), 1), torch.zeros(2), 5])
+def test_collate_rejects_non_dict_items(item):
+    with pytest.raises(DataError, match="must be dicts"):
+        data.collate([item, item])
+
+
+def test_batch_size_of():
+    assert data.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
+    with pytest.raises(DataError, match="no tensor"):
+        data.batch_size_of({"name": ["a", "b"], "scalar": torch.tensor(1.0)})
+
+
+# --- get_stream --------------------------------------------------------------------------------
+
+def test_get_stream_returns_the_named_stream():
+    dataset = toy.Regression()
+    assert data.get_stream(dataset, "valid") is dataset.streams()["valid"]
+
+
+def test_get_stream_missing_stream_lists_the_available_ones():
+    with pytest.raises(DataError) as info:
+        data.get_stream(toy.Regression(), "tset")
+    message = str(info.value)
+    assert "'tset'" in message
+    for name in ("train", "valid", "test"):
+        assert name in message
+
+
+def test_get_stream_without_streams_method():
+    class NoStreams:
+        pass
+
+    with pytest.raises(DataError, match="no streams\\(\\) method"):
+        data.get_stream(NoStreams(), "train")
+
+    class NotCallable:
+        streams = {"train": []}
+
+    with pytest.raises(DataError, match="no streams\\(\\) method"):
+        data.get_stream(NotCallable(), "train")
+
+
+def test_get_stream_rejects_non_map_style_streams():
+    class Iterable:
+        def streams(self):
+            return {"train": iter(range(3))}
+
+    with pytest.raises(DataError, match="map-style"):
+        data.get_stream(Iterable(), "train")
