@@ -24,6 +24,7 @@ $(STAMP): $(PY) pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx train examples/digits/config.yaml
+	$(VENV)/bin/phalanx eval "$$(ls -td runs/digits-2* | head -n 1)" --stream test
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
