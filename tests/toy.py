@@ -104,3 +104,64 @@ def write_config(folder: Path, cfg: dict, name: str = "config.yaml") -> Path:
     path = folder / name
     path.write_text(yaml.safe_dump({"output_root": str(folder / "runs"), **cfg}, sort_keys=False))
     return path
+
+
+class BatchNormNet(nn.Module):
+    """Linear -> BatchNorm1d -> Tanh -> Linear: its gradients depend on the batch statistics."""
+
+    def __init__(self, features: int = 3, hidden: int = 6):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).squeeze(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
+class FailAt(Linear):
+    """Raises on rank `rank` at training step `step` (counting forward calls in training mode)."""
+
+    def __init__(self, features: int = 3, rank: int = 1, step: int = 3):
+        super().__init__(features)
+        self.fail_rank, self.fail_step, self.calls = rank, step, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        import os
+
+        if self.training:
+            self.calls += 1
+            if int(os.environ.get("RANK", 0)) == self.fail_rank and self.calls == self.fail_step:
+                raise RuntimeError(f"injected failure on rank {self.fail_rank} at step {self.fail_step}")
+        return super().forward(x, y)
+
+
+from phalanx.hooks import Hook  # noqa: E402  (the toy hooks below need phalanx; the models above do not)
+
+
+class Record(Hook):
+    """Keeps every step's global loss and every epoch's data, for comparisons between runs."""
+
+    gathers = False
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.epochs: list[dict] = []
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        if stream == "train":
+            self.losses.append(float(self.trainer.last_loss))
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self.epochs.append({s: dict(v) for s, v in epoch_data.items()})
+
+
+class SeenIds(Hook):
+    """Records the sample ids of every gathered training batch, in the order the hooks see them."""
+
+    gather_keys = ("id",)
+
+    def __init__(self):
+        self.ids: dict[str, list[list[int]]] = {}
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        self.ids.setdefault(stream, []).append(batch["id"].tolist())

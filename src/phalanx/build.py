@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import base64
+import logging
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -13,18 +15,40 @@ from torch import nn
 from phalanx.config import Config, DatasetConfig, OptimizerConfig, build_value, import_object, instantiate
 from phalanx.errors import ConfigError
 
+log = logging.getLogger("phalanx")
+
 
 def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
     kwargs = {k: build_value(v, f"dataset.{k}", search_dirs) for k, v in cfg.kwargs().items()}
     return instantiate("dataset", import_object(cfg.class_, search_dirs), **kwargs)
 
 
-def build_optimizer(cfg: OptimizerConfig, module: nn.Module, search_dirs: list[Path]) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimizerConfig, module: nn.Module, search_dirs: list[Path],
+                    batch_size: int) -> torch.optim.Optimizer:
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters; check model.class")
-    return instantiate("optimizer", factory, params, **cfg.kwargs())
+    return instantiate("optimizer", factory, params, **scaled_lr(cfg, batch_size))
+
+
+def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:
+    """Optimizer keywords with `lr` scaled for the global batch (linear or square-root rule).
+
+    The global batch does not change with the device count, so neither does the scaled rate.
+    """
+    kwargs = cfg.kwargs()
+    rule = cfg.lr_scaling.rule if cfg.lr_scaling else "none"
+    if rule == "none":
+        return kwargs
+    if "lr" not in kwargs:
+        raise ConfigError("optimizer.lr_scaling needs optimizer.lr, the rate tuned for base_batch_size")
+    ratio = batch_size / cfg.lr_scaling.base_batch_size
+    factor = ratio if rule == "linear" else math.sqrt(ratio)
+    scaled = kwargs["lr"] * factor
+    log.info("learning rate %g scaled to %g (%s rule: batch %d / base %d)", kwargs["lr"], scaled, rule,
+             batch_size, cfg.lr_scaling.base_batch_size)
+    return {**kwargs, "lr": scaled}
 
 
 def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs: list[Path]) -> list[tuple[Any, str]]:

@@ -11,6 +11,7 @@ import textwrap
 from phalanx import __version__
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 SUBCOMMANDS = {
     "train": ("train a model from a YAML config", """\
@@ -39,11 +40,14 @@ SUBCOMMANDS = {
 
 
 def parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show the full traceback of an error")
-    top = argparse.ArgumentParser(prog="phalanx", parents=[common],
+    top = argparse.ArgumentParser(prog="phalanx",
                                   description="Train any PyTorch model on one device or many, from a YAML config.")
     top.add_argument("--version", action="version", version=f"phalanx {__version__}")
+    top.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    # Given after the subcommand too; SUPPRESS keeps a `--debug` given before it from being reset.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
     subs = top.add_subparsers(dest="command", metavar="COMMAND")
     subs.required = True
     made = {}
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from phalanx.errors import PhalanxError
+    from phalanx.launch import RankFailure
 
     try:
         return run(args)
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"phalanx: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_FAILED if isinstance(e, RankFailure) else EXIT_USAGE
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         return 130

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import __version__, config, logs, rundir
+from phalanx import __version__, config, launch, logs, rundir, strategies
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.files import write_text_atomic
@@ -29,38 +29,93 @@ def train(config_path: str, overrides: list[str]) -> int:
     """Start a new run from a config file; returns the exit code."""
     cfg, _ = config.load(config_path, overrides)
     path = Path(config_path)
-    run_dir = rundir.create(cfg, path)
-    logs.setup(run_dir)
+    if strategies.needs_launch(cfg):
+        run_dir = rundir.create(cfg, path)
+        logs.setup(run_dir)
+        devices = strategies.resolve_device(cfg)[1]
+        log.info("run directory: %s; starting %d workers", run_dir, devices)
+        try:
+            return launch.launch(run_dir, devices, resume=False)
+        except PhalanxError as e:
+            if not isinstance(e, launch.RankFailure) and not Checkpoints(run_dir / "checkpoints").steps():
+                _discard(run_dir)
+            raise
+    strategy = strategies.create(cfg)
+    run_dir = Path(strategy.broadcast(str(rundir.create(cfg, path)) if strategy.is_main else None))
     try:
-        trainer = Trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()])
+        trainer = _worker_trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()], strategy)
     except BaseException:
-        logs.setup(None)
-        shutil.rmtree(run_dir, ignore_errors=True)  # nothing ran: leave no empty run behind
+        if strategy.is_main:
+            _discard(run_dir)
         raise
     log.info("run directory: %s", run_dir)
-    return trainer.run()
+    try:
+        return _run(trainer)
+    except PhalanxError:  # bad input found at the first batches: nothing worth keeping was written
+        if strategy.is_main and not trainer.checkpoints.steps():
+            _discard(run_dir)
+        raise
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove a run directory that this command created and in which nothing ran."""
+    logs.setup(None)
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def resume(run_path: str, overrides: list[str]) -> int:
-    """Continue a run from its latest valid checkpoint, in the same run directory."""
+    """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
     run_dir = rundir.open_run(run_path)
-    raw = config.apply_overrides(rundir.load_config_text(run_dir), overrides)
-    cfg = config.validate(raw)
-    logs.setup(run_dir)
-    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir))
-    trainer.checkpoints.clean_stale()
-    step = trainer.checkpoints.latest_valid()
-    if step is None:
-        raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from; start again with phalanx train")
-    trainer.restore(step)
-    if overrides:
-        write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
-        rundir.trace(run_dir, "overrides", values=list(overrides))
-    log.info("resuming %s from step %d (epoch %d, %d steps into it)",
-             run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch)
-    if trainer.epoch >= cfg.main_loop.epochs:
-        log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
-    return trainer.run()
+    cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    if strategies.needs_launch(cfg):
+        logs.setup(run_dir)
+        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], resume=True, overrides=overrides)
+    return run_worker(run_dir, resume=True, overrides=overrides)
+
+
+def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
+    """Train in an existing run directory in this process (one of several, or the only one)."""
+    cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    strategy = strategies.create(cfg)
+    trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy)
+    if resume:
+        if strategy.is_main:
+            trainer.checkpoints.clean_stale()
+        step = strategy.broadcast(trainer.checkpoints.latest_valid() if strategy.is_main else None)
+        if step is None:
+            raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from; start again with phalanx train")
+        trainer.restore(step)
+        if overrides and strategy.is_main:  # the run's config changes only once the resume is sure to go on
+            write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
+            rundir.trace(run_dir, "overrides", values=list(overrides))
+        log.info("resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
+                 run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch, strategy.world_size)
+        if trainer.epoch >= cfg.main_loop.epochs:
+            log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
+    return _run(trainer)
+
+
+def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy) -> Trainer:
+    """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
+    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
+    if strategy.world_size > 1:
+        if strategy.device.type == "cpu":  # the machine's cores shared among its workers
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", strategy.world_size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        from phalanx.strategies.ddp import check_same_config
+
+        check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
+    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy)
+    trainer.stop.watch(run_dir / launch.STOP_FILE)
+    return trainer
+
+
+def _run(trainer: Trainer) -> int:
+    code = trainer.run()
+    # Only after success: closing the process group on a failure would make the other ranks fail
+    # on the closed connection before this rank has recorded the error that came first.
+    trainer.strategy.shutdown()
+    return code
 
 
 def _open(run_path: str) -> tuple[Path, config.Config]:
@@ -94,7 +149,7 @@ def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
     table.add_column("value", justify="right")
     for name, value in result["metrics"].items():
         table.add_row(name, f"{value:.6g}")
-    logs.console.print(table)
+    logs.out.print(table)
     return result
 
 
@@ -110,7 +165,8 @@ class _Collect(Hook):
             for key, value in batch.items():
                 if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
                     continue
-                item = value[i].detach().float().cpu()
+                item = value[i].detach().cpu()
+                item = item if not item.is_floating_point() else item.double()  # integers stay integers
                 if key in outputs or item.numel() == 1:
                     row.update({key: item.item()} if item.numel() == 1 else
                                {f"{key}.{j}": v for j, v in enumerate(item.reshape(-1).tolist())})
@@ -132,7 +188,7 @@ def predict(run_path: str, stream: str, output: str, which: str) -> int:
     writer.writeheader()
     writer.writerows(collect.rows)
     write_text_atomic(Path(output), text.getvalue())
-    logs.console.print(f"wrote {len(collect.rows)} rows to {output}")
+    logs.out.print(f"wrote {len(collect.rows)} rows to {output}")
     return len(collect.rows)
 
 
@@ -155,7 +211,7 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
-    logs.console.print(table if rows else f"no runs in {root}")
+    logs.out.print(table if rows else f"no runs in {root}")
     return rows
 
 
@@ -179,5 +235,5 @@ def info() -> dict[str, Any]:
     table = Table(title="phalanx info", show_header=False)
     for key, value in facts.items():
         table.add_row(key, str(value))
-    logs.console.print(table)
+    logs.out.print(table)
     return facts

@@ -68,8 +68,16 @@ class ModelConfig(_ClassSection):
     loss: LossConfig | None = Field(None, description="the objective, for modules that return no `loss`")
 
 
+class LrScalingConfig(_Section):
+    """Scale the learning rate with the global batch (Goyal et al. 2017): lr * f(batch / base)."""
+
+    rule: Literal["linear", "sqrt", "none"] = "none"
+    base_batch_size: int = Field(gt=0, description="the batch size the configured lr was tuned for")
+
+
 class OptimizerConfig(_ClassSection):
     warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
+    lr_scaling: LrScalingConfig | None = Field(None, description="scale lr with the global batch size")
 
 
 class SchedulerConfig(_ClassSection):
@@ -87,6 +95,17 @@ class ParallelConfig(_Section):
     devices: int | Literal["auto"] = 1
     strategy: str = "auto"
     gradient_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    sync_batchnorm: bool = Field(False, description="BatchNorm statistics over the global micro-batch")
+    shard_weights: list[float] | None = Field(
+        None, description="relative shard size per rank, for mixed hardware; default equal")
+    timeout_s: float | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
+
+    @field_validator("shard_weights")
+    @classmethod
+    def _positive_weights(cls, weights: list[float] | None) -> list[float] | None:
+        if weights is not None and (not weights or any(w <= 0 for w in weights)):
+            raise ValueError(f"shard_weights must be positive numbers, one per device; got {weights}")
+        return weights
 
 
 class MainLoopConfig(_Section):

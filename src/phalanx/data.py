@@ -44,10 +44,12 @@ def split(indices: Sequence[int], parts: int, weights: Sequence[float] | None = 
 
 @dataclass(frozen=True)
 class Micro:
-    """One micro-batch as this rank sees it: its shard, and the size of the whole global batch."""
+    """One micro-batch as this rank sees it: its shard, the size of the whole global batch, and
+    whether some rank's shard of this micro-batch is empty (every rank knows, from the plan)."""
 
     shard: list[int]
     global_size: int
+    any_empty: bool = False
 
 
 class Plan:
@@ -57,15 +59,25 @@ class Plan:
                  rank: int = 0, world_size: int = 1, weights: Sequence[float] | None = None):
         self.order, self.batch_size, self.accumulation = order, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
+        self._steps: dict[int, list[Micro]] = {}  # the loader's sampler and the loop ask for each step
 
     def __len__(self) -> int:
         return -(-len(self.order) // self.batch_size)
 
     def step(self, k: int) -> list[Micro]:
         """The micro-batches of global step `k`, this rank's shard of each."""
+        micros = self._steps.pop(k, None)
+        if micros is None:
+            micros = self._steps[k] = self._make(k)
+        return micros
+
+    def _make(self, k: int) -> list[Micro]:
         batch = self.order[k * self.batch_size:(k + 1) * self.batch_size]
-        micros = split(batch, min(self.accumulation, len(batch)))
-        return [Micro(split(m, self.world_size, self.weights)[self.rank], len(batch)) for m in micros]
+        micros = []
+        for micro in split(batch, min(self.accumulation, len(batch))):
+            shards = split(micro, self.world_size, self.weights)
+            micros.append(Micro(shards[self.rank], len(batch), any(not s for s in shards)))
+        return micros
 
     def steps(self, start: int = 0) -> Iterator[tuple[int, list[Micro]]]:
         for k in range(start, len(self)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,37 +20,60 @@ from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
 
+@dataclass
+class StepResult:
+    loss: torch.Tensor    # the global batch's mean loss, the same on every rank
+    parts: list[dict]     # this rank's inputs and outputs, one dict per micro-batch
+    stop: bool            # whether any rank asked to stop
+
+
 class Engine:
     def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
                  schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
         self.module, self.forward, self.optimizer = module, forward, optimizer
         self.schedulers, self.precision, self.strategy = schedulers, precision, strategy
 
-    def train_step(self, micros: list[tuple[Micro, Mapping | None]]) -> tuple[torch.Tensor, dict]:
-        """Forward, backward and update over a global batch; returns its mean loss and batch data."""
-        self.module.train()
+    def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
+        """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
+        agreed among ranks in the same reduction as the loss."""
+        if not self.module.training:  # walking the module tree every step costs more than the check
+            self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
+        # Where some rank's shard is empty, no rank lets backward synchronise: they reduce by hand.
+        by_hand = any(micro.any_empty for micro, _ in micros)
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
             if batch is None:
+                parts.append(None)
                 continue
-            sync = i == len(micros) - 1
-            with self.strategy.no_sync(self.module) if not sync else contextlib.nullcontext():
+            sync = i == len(micros) - 1 and not by_hand
+            with contextlib.nullcontext() if sync else self.strategy.no_sync(self.module):
                 loss_sum, data = self._forward(batch, len(micro.shard))
                 self.precision.backward(loss_sum / micro.global_size)
             total = loss_sum.detach() if total is None else total + loss_sum.detach()
             parts.append(data)
+        if by_hand:
+            self.strategy.reduce_gradients(self.module)
         self.precision.step(self.optimizer)
         for scheduler, interval in self.schedulers:
             if interval == "step":
                 scheduler.step()
+        loss, stop = self._agree(total, micros[0][0].global_size, stop)
+        return StepResult(loss, parts, stop)
+
+    def _agree(self, total: torch.Tensor | None, global_size: int, stop: bool) -> tuple[torch.Tensor, bool]:
+        if self.strategy.world_size == 1:
+            return total / global_size, stop
         if total is None:  # every shard of this rank was empty: it joins with zero weight
-            total = torch.zeros((), dtype=torch.float64, device=self.strategy.device)
-        return self.strategy.reduce_sum(total) / micros[0][0].global_size, concat(parts)
+            total = torch.zeros((), device=self.strategy.device)
+        both = self.strategy.reduce(torch.stack([total.double(), torch.tensor(float(stop), dtype=torch.float64,
+                                                                                  device=total.device)]))
+        return both[0] / global_size, bool(both[1] > 0)
 
     def eval_step(self, batch: Mapping) -> dict:
         """Outputs of the model on an evaluation batch, gradients off."""
-        self.module.eval()
+        if self.module.training:
+            self.module.eval()
         with torch.no_grad():
             _, data = self._forward(batch, None)
         return data
@@ -83,8 +107,9 @@ def _first_dim(batch: Mapping) -> int:
     return 1
 
 
-def concat(parts: list[dict]) -> dict:
-    """Micro-batch data joined along the batch dimension, in order."""
+def concat(parts: list[dict | None]) -> dict:
+    """Batch data joined along the batch dimension, in order; None parts (empty shards) are skipped."""
+    parts = [p for p in parts if p]
     if not parts:
         return {}
     if len(parts) == 1:

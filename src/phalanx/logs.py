@@ -8,7 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-console = Console(stderr=True)
+console = Console(stderr=True)   # progress and logs
+out = Console()                  # a command's results (eval tables, ls, info), on standard output
 log = logging.getLogger("phalanx")
 
 

@@ -31,13 +31,15 @@ def build_model(cfg: ModelConfig, search_dirs: list[Path]) -> nn.Module:
 class Forward:
     """Calls a module on a batch and returns its outputs as a dict holding a `loss`."""
 
-    def __init__(self, module: nn.Module, cfg: ModelConfig, search_dirs: list[Path] = ()):
+    def __init__(self, module: nn.Module, cfg: ModelConfig, search_dirs: list[Path] = (),
+                 inner: nn.Module | None = None):
+        """`module` is called; `inner` (the user's module inside any wrapper) says what forward takes."""
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
         self.loss_fn = _loss_function(cfg.loss, search_dirs) if cfg.loss else None
         self.loss_cfg = cfg.loss
-        self.params, self.takes_all = _forward_params(module)
+        self.params, self.takes_all = _forward_params(inner if inner is not None else module)
         self.output_names: list[str] = []
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:

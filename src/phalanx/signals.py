@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
+from pathlib import Path
 
 from phalanx import checkpoint
 
@@ -17,10 +19,20 @@ class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
+        self._request_file: Path | None = None
+        self._checked = 0.0
 
     @property
     def requested(self) -> bool:
+        if self.signum is None and self._request_file is not None and time.monotonic() - self._checked > 0.2:
+            self._checked = time.monotonic()
+            if self._request_file.exists():  # the launcher asks on behalf of a signal it received
+                self.signum = int(self._request_file.read_text() or signal.SIGTERM)
         return self.signum is not None
+
+    def watch(self, request_file: Path) -> None:
+        """Also count a stop as requested once `request_file` exists (written by the launcher)."""
+        self._request_file = request_file
 
     def exit_code(self) -> int:
         return 128 + (self.signum or 0)

@@ -16,13 +16,14 @@ from phalanx import data, rundir, strategies
 from phalanx.build import build_dataset, build_optimizer, build_schedulers, rng_state, seed_everything, set_rng_state
 from phalanx.checkpoint import Checkpoints
 from phalanx.config import Config
-from phalanx.engine import Engine
+from phalanx.engine import Engine, concat
 from phalanx.errors import ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.model import Forward, build_model
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
+from phalanx.strategies.base import Strategy
 
 log = logging.getLogger("phalanx")
 TRAIN = "train"
@@ -37,28 +38,35 @@ class Trainer:
     """One run: the model, data, optimizer, strategy and hooks that a config describes."""
 
     def __init__(self, cfg: Config, run_dir: Path | None, search_dirs: list[Path] = (),
-                 hooks: list[Hook] | None = None):
+                 hooks: list[Hook] | None = None, strategy: Strategy | None = None):
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
-        self.strategy = strategies.create(cfg)
+        self.strategy = strategy or strategies.create(cfg)
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
         module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device)
         self.module = self.strategy.setup(self.precision.convert_module(module))
-        self.forward = Forward(self.module, cfg.model, self.search_dirs)
-        self.optimizer = build_optimizer(cfg.optimizer, self.module, self.search_dirs)
+        if self.strategy.rank:  # dropout and augmentation: independent streams per rank, rank 0 as one process
+            seed_everything(cfg.seed + 1_000_003 * self.strategy.rank)
+        self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.strategy.unwrap(self.module))
+        self.optimizer = build_optimizer(cfg.optimizer, self.module, self.search_dirs, cfg.dataset.batch_size)
         self.schedulers = build_schedulers(cfg, self.optimizer, self.search_dirs)
         self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
                              self.precision, self.strategy)
         self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self.shard_weights = _shard_weights(cfg, self.strategy.world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
         self.last_loss: torch.Tensor | None = None
+        self.last_batch_size = 0
         self.stop = GracefulStop()
         self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
         for hook in self.hooks:
             hook.attach(self)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
+        self._gatherers = [h for h in self._listeners["after_batch"] if h.gathers]
+        wanted = [h.gather_keys for h in self._gatherers]
+        self._gather_keys = None if None in wanted else {k for keys in wanted for k in keys}
 
     @property
     def streams(self) -> list[str]:
@@ -109,8 +117,10 @@ class Trainer:
         self.epoch_data = {s: {} for s in self.streams}
         stream = data.get_stream(self.dataset, TRAIN)
         plan = data.Plan(data.permutation(self.cfg.seed, epoch, len(stream)), self.cfg.dataset.batch_size,
-                         self.cfg.parallel.gradient_accumulation, self.strategy.rank, self.strategy.world_size)
+                         self.cfg.parallel.gradient_accumulation, self.strategy.rank, self.strategy.world_size,
+                         self.shard_weights)
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
+        self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers, seed=worker_seed))
         listeners = self._listeners["after_batch"]
         profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
@@ -119,21 +129,33 @@ class Trainer:
             t0 = clock()
             fetched = [(micro, next(batches)) for micro in micros]
             t1 = clock()
-            self.last_loss, batch = self.engine.train_step(fetched)
+            result = self.engine.train_step(fetched, self.stop.requested)
+            self.last_loss, self.last_batch_size = result.loss, micros[0].global_size
             self.step, self.step_in_epoch = self.step + 1, k + 1
             t2 = clock()
-            stop = self._after_batch(listeners, TRAIN, batch)
+            stop = self._after_batch(listeners, TRAIN, result.parts)
             t3 = clock()
             profile["data"] += t1 - t0
             profile["compute"] += t2 - t1
             profile["hooks"] += t3 - t2
             if stop is not None:
                 raise stop
-            if self.stop.requested:
+            if result.stop:
                 raise _Interrupted
         self.epoch, self.step_in_epoch = epoch, 0
         self.engine.end_epoch()
         self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
+
+    def _check_sync_batchnorm(self, plan: data.Plan) -> None:
+        """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""
+        if not (self.cfg.parallel.sync_batchnorm and self.strategy.world_size > 1 and len(plan)):
+            return
+        for k in {0, len(plan) - 1}:  # full batches all split alike; only the last may be short
+            if any(micro.any_empty for micro in plan.step(k)):
+                raise ConfigError(
+                    f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.world_size} processes "
+                    f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
+                    "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
 
     def _evaluation_epoch(self, epoch: int, streams: list[str], profile: dict | None = None) -> None:
         """Evaluate `streams`, then end epoch `epoch` with its after_epoch events."""
@@ -150,31 +172,53 @@ class Trainer:
         self._trace("epoch", epoch=epoch, step=self.step)
         if stop is not None:
             raise stop
-        if self.stop.requested:
+        if self.any_rank(self.stop.requested):
             raise _Interrupted
 
     def evaluate(self, name: str) -> None:
         """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
         stream = data.get_stream(self.dataset, name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
-        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size)
+        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size,
+                         self.shard_weights)
         listeners = self._listeners["after_batch"]
-        for batch in data.loader(stream, plan, 0, self.cfg.dataset.num_workers):
-            if batch is None:
-                continue
-            stop = self._after_batch(listeners, name, self.engine.eval_step(batch))
+        for k, batch in enumerate(data.loader(stream, plan, 0, self.cfg.dataset.num_workers)):
+            self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
+            outputs = None if batch is None else self.engine.eval_step(batch)
+            stop = self._after_batch(listeners, name, [outputs])
             if stop is not None:
                 raise stop
 
-    @staticmethod
-    def _after_batch(listeners: list[Hook], stream: str, batch: dict) -> TrainingTerminated | None:
+    def _after_batch(self, listeners: list[Hook], stream: str, parts: list[dict | None]) -> TrainingTerminated | None:
+        """Call after_batch with this rank's data, or the gathered global batch for hooks that need it."""
+        local = concat(parts)
+        merged = self._gathered(parts) if self._gatherers and self.strategy.world_size > 1 else local
         stop = None
         for hook in listeners:
+            view = merged if hook.gathers else local  # empty where this rank had no samples
             try:
-                hook.after_batch(stream, batch)
+                hook.after_batch(stream, view)
             except TrainingTerminated as t:
                 stop = stop or t
         return stop
+
+    def _gathered(self, parts: list[dict | None]) -> dict:
+        """Every rank's data for each micro-batch, concatenated in dataset order (rank order within a
+        micro-batch, micro-batches in order). Only the keys the gathering hooks ask for move."""
+        out = []
+        for part in parts:
+            payload = None
+            if part is not None:
+                payload = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in part.items()
+                           if self._gather_keys is None or k in self._gather_keys}
+            out.append(concat(self.strategy.gather(payload)))
+        return concat(out)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank: decisions that end the loop are taken by all alike."""
+        if self.strategy.world_size == 1:
+            return flag
+        return bool(self.strategy.reduce(torch.tensor([float(flag)], device=self.strategy.device), "max") > 0)
 
     def _emit(self, event: str, *args: Any) -> TrainingTerminated | None:
         """Call every hook on `event`; a hook that stops training lets the later ones run first."""
@@ -199,14 +243,16 @@ class Trainer:
                 "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}}
 
     def save_checkpoint(self, best: dict | None = None) -> Path | None:
-        """Save the whole training state at the current step (rank 0 writes)."""
-        if self.checkpoints is None or not self.strategy.is_main:
+        """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
+        if self.checkpoints is None:
+            return None
+        state = self.state_dict()  # on every rank: hooks combine their running values across ranks
+        if not self.strategy.is_main:
             return None
         optimizer_state = {"optimizer": self.optimizer.state_dict(),
                            "schedulers": [s.state_dict() for s, _ in self.schedulers],
                            "scaler": self.precision.state_dict()}
-        path = self.checkpoints.save(self.step, self.strategy.unwrap(self.module), optimizer_state,
-                                     self.state_dict(), best)
+        path = self.checkpoints.save(self.step, self.strategy.unwrap(self.module), optimizer_state, state, best)
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
@@ -232,6 +278,16 @@ class Trainer:
                 hook.load_state_dict(saved_hooks[key])
             else:
                 log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
+
+
+def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:
+    weights = cfg.parallel.shard_weights
+    if weights is None or world_size == 1:
+        return None
+    if len(weights) != world_size:
+        raise ConfigError(f"parallel.shard_weights has {len(weights)} weights {weights} but the job has "
+                          f"{world_size} processes; give one weight per process, or remove shard_weights")
+    return weights
 
 
 def _hook_key(index: int, hook: Hook) -> str:

@@ -12,7 +12,7 @@ import torch
 import toy
 from phalanx import config, data
 from phalanx.data import Micro
-from phalanx.engine import Engine
+from phalanx.engine import Engine, concat
 from phalanx.hooks import Hook
 from phalanx.strategies.single import Single
 from phalanx.trainer import Trainer
@@ -107,7 +107,8 @@ def test_one_train_step_is_the_sgd_step_of_the_mean_loss(accumulation, step):
 
     plan = data.Plan(order, 8, accumulation)
     assert len(plan.step(step)) == min(accumulation, len(indices))
-    loss, batch = trainer.engine.train_step(_fetch(stream, plan.step(step)))
+    result = trainer.engine.train_step(_fetch(stream, plan.step(step)))
+    loss, batch = result.loss, concat(result.parts)
     assert _rel_diff(_params(trainer.module), _params(reference)) < 1e-13
     assert torch.allclose(loss, ref_loss, rtol=1e-13, atol=0)
     # hooks see the global batch in dataset order, with each sample's loss before the update
@@ -157,7 +158,8 @@ def test_scalar_mean_loss_is_shown_to_hooks_per_sample():
     trainer = _trainer(model="unit_engine_models.MeanLinear")
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(data.permutation(0, 1, len(stream)), 8, 2)
-    loss, batch = trainer.engine.train_step(_fetch(stream, plan.step(0)))
+    result = trainer.engine.train_step(_fetch(stream, plan.step(0)))
+    loss, batch = result.loss, concat(result.parts)
     assert batch["loss"].shape == (8,)
     assert torch.allclose(batch["loss"].mean(), loss, rtol=1e-13, atol=0)
 
@@ -223,9 +225,12 @@ class _EmptyRank(Single):
         super().__init__(torch.device("cpu"))
         self.reduced: list[torch.Tensor] = []
 
-    def reduce_sum(self, tensor):
+    def reduce(self, tensor, op="sum"):
         self.reduced.append(tensor)
         return tensor
+
+    def reduce_gradients(self, module):
+        self.reduced_gradients = True
 
 
 def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
@@ -238,7 +243,8 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     micros = plan.step(5)
     assert [m.shard for m in micros] == [[]] and micros[0].global_size == 1
     before = _params(trainer.module)
-    loss, _ = engine.train_step([(m, None) for m in micros])
-    assert len(strategy.reduced) == 1 and float(strategy.reduced[0]) == 0.0
-    assert float(loss) == 0.0
+    result = engine.train_step([(m, None) for m in micros])
+    assert strategy.reduced_gradients  # joins the hand reduction of gradients the other ranks make
+    assert len(strategy.reduced) == 1 and strategy.reduced[0].tolist() == [0.0, 0.0]  # loss sum, stop flag
+    assert float(result.loss) == 0.0 and result.stop is False
     assert _rel_diff(_params(trainer.module), before) == 0

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from phalanx.strategies.base import Strategy
+from phalanx.strategies.single import Single
+
 if TYPE_CHECKING:
     from phalanx.trainer import Trainer
+
+
+_ONE_PROCESS = Single(torch.device("cpu"))
 
 
 class TrainingTerminated(Exception):
@@ -25,6 +33,18 @@ class Hook:
     """Base of every hook. Override the events you need; the others cost nothing."""
 
     trainer: Trainer
+
+    #: Whether `after_batch` needs the global batch. With several processes such a hook receives
+    #: every rank's data gathered in dataset order (only the `gather_keys`, if given), on every rank.
+    #: A hook that reduces its own sums across ranks sets it False and receives this rank's shard.
+    gathers: bool = True
+    gather_keys: tuple[str, ...] | None = None
+
+    @property
+    def strategy(self) -> Strategy:
+        """The trainer's strategy, for hooks that combine values across ranks; one process if unattached."""
+        trainer = getattr(self, "trainer", None)
+        return trainer.strategy if trainer is not None else _ONE_PROCESS
 
     def attach(self, trainer: Trainer) -> None:
         """Called once, before any event, with the trainer that runs the hook."""

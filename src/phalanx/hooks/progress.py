@@ -6,14 +6,15 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from phalanx.data import batch_size_of
 from phalanx.hooks.base import Hook
 from phalanx.logs import console
 
 
 class ShowProgress(Hook):
     """The bar is drawn on a terminal only; logs and files are unaffected. The loss shown is the
-    mean over the epoch's batches so far, refreshed at most every `refresh_s` seconds."""
+    mean of the epoch's training steps so far, refreshed at most every `refresh_s` seconds."""
+
+    gathers = False  # reads the trainer's global loss and batch size
 
     def __init__(self, refresh_s: float = 0.2):
         self.refresh_s = refresh_s
@@ -35,15 +36,18 @@ class ShowProgress(Hook):
         if progress is None:
             return
         task, state = self._tasks.get(stream) or self._new_task(stream)
-        state["samples"] += batch_size_of(batch)
+        state["samples"] += self.trainer.last_batch_size
         state["batches"] += 1
-        state["loss_sum"] = state["loss_sum"] + batch["loss"].detach().mean()
+        if stream == "train":
+            state["loss_sum"] = state["loss_sum"] + self.trainer.last_loss
         now = time.monotonic()
         fields = {}
         if now - state["shown"] >= self.refresh_s:
             state["shown"] = now
             rate = state["samples"] / max(now - state["start"], 1e-9)
-            fields = {"rate": f"{rate:,.0f} samples/s", "loss": f"{float(state['loss_sum']) / state['batches']:.4f}"}
+            fields = {"rate": f"{rate:,.0f} samples/s"}
+            if stream == "train":
+                fields["loss"] = f"{float(state['loss_sum']) / state['batches']:.4f}"
         progress.update(task, advance=1, **fields)
 
     def _new_task(self, stream: str) -> tuple[Any, dict[str, Any]]:

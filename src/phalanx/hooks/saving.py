@@ -12,6 +12,8 @@ from phalanx.hooks.variables import check_mode, improved, lookup, split_name
 class SaveEvery(Hook):
     """Save every `epochs` epochs, or every `steps` optimizer steps."""
 
+    gathers = False
+
     def __init__(self, epochs: int | None = 1, steps: int | None = None):
         if steps is not None:
             epochs = None

@@ -19,6 +19,8 @@ AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
 class ComputeStats(Hook):
     """Mean (and optionally std, min, max, sum, count) of per-sample variables over each stream."""
 
+    gathers = False  # sums are added over ranks at the end of the epoch instead
+
     def __init__(self, variables: list[str] = ("loss",), aggregations: list[str] = ("mean",)):
         for agg in aggregations:
             if agg not in AGGREGATIONS:
@@ -28,12 +30,14 @@ class ComputeStats(Hook):
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        if not batch:  # this rank had no samples in the batch
+            return
         for var in self.variables:
             value = batch.get(var)
             if value is None:
                 raise ModelError(f"ComputeStats: variable {var!r} is not in the batch or the model outputs "
                                  f"({', '.join(batch)}); fix hooks ComputeStats.variables")
-            v = value.detach().reshape(-1).double()
+            v = value.detach().reshape(-1)
             acc = self._acc.get((stream, var))
             if acc is None:
                 acc = self._acc[(stream, var)] = {"count": 0}
@@ -43,35 +47,58 @@ class ComputeStats(Hook):
                 acc[name] = part if name not in acc else combine(acc[name], part)
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
-        for (stream, var), acc in self._acc.items():
-            values = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in acc.items()}
+        for (stream, var), values in self._global().items():
             count = values["count"]
+            if not count:
+                continue
             values["mean"] = values["sum"] / count
-            if "squares" in values:
-                values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
+            values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
             target = epoch_data.setdefault(stream, {})
             for agg in self.aggregations:
-                target[var if agg == "mean" else f"{var}_{agg}"] = values[agg]
+                target[var if agg == "mean" else f"{var}_{agg}"] = int(count) if agg == "count" else values[agg]
         self._acc.clear()
 
+    def _global(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Every rank's running values combined: sums added, minima and maxima taken."""
+        strategy = self.strategy
+        keys = sorted({tuple(k) for ranks_keys in strategy.gather(sorted(self._acc)) for k in ranks_keys})
+        if not keys:
+            return {}
+
+        def column(name: str, default: float) -> torch.Tensor:
+            return torch.tensor([float(self._acc[k].get(name, default)) if k in self._acc else default
+                                 for k in keys], dtype=torch.float64, device=strategy.device)
+
+        sums = strategy.reduce(torch.stack([column("count", 0.0), column("sum", 0.0), column("squares", 0.0)]))
+        low = strategy.reduce(column("min", math.inf), "min")
+        high = strategy.reduce(column("max", -math.inf), "max")
+        return {key: {"count": sums[0, i].item(), "sum": sums[1, i].item(), "squares": sums[2, i].item(),
+                      "min": low[i].item(), "max": high[i].item()} for i, key in enumerate(keys)}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"acc": [[s, v, {k: (x.item() if isinstance(x, torch.Tensor) else x) for k, x in acc.items()}]
-                        for (s, v), acc in self._acc.items()]}
+        """The epoch's running values so far, combined over ranks (any device count resumes them)."""
+        return {"acc": [[s, v, values] for (s, v), values in self._global().items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._acc = {(s, v): {k: (x if k == "count" else torch.tensor(x, dtype=torch.float64))
-                              for k, x in acc.items()} for s, v, acc in state["acc"]}
+        # Sums go to rank 0 alone, so that adding over ranks counts them once; minima and maxima
+        # may stand everywhere.
+        first = self.strategy.rank == 0
+        self._acc = {(s, v): {"count": int(values["count"]) if first else 0,
+                              **{k: torch.tensor(values[k] if first else 0.0, dtype=torch.float64)
+                                 for k in ("sum", "squares")},
+                              **{k: torch.tensor(values[k], dtype=torch.float64) for k in ("min", "max")}}
+                     for s, v, values in state["acc"]}
 
 
 def _reductions(aggregations: list[str]) -> list:
     """(name, reduce a batch, combine with the running value) for what the aggregations need."""
-    needs = [("sum", torch.sum, torch.add)]
+    needs = [("sum", lambda v: v.sum(dtype=torch.float64), torch.add)]
     if "std" in aggregations:
-        needs.append(("squares", lambda v: (v * v).sum(), torch.add))
+        needs.append(("squares", lambda v: (v.double() ** 2).sum(), torch.add))
     if "min" in aggregations:
-        needs.append(("min", torch.min, torch.minimum))
+        needs.append(("min", lambda v: v.min().double(), torch.minimum))
     if "max" in aggregations:
-        needs.append(("max", torch.max, torch.maximum))
+        needs.append(("max", lambda v: v.max().double(), torch.maximum))
     return needs
 
 
@@ -81,6 +108,8 @@ class ClassificationMetrics(Hook):
     `predicted` names the output holding class scores (argmax over the last dimension) or class
     indices; `gold` names the batch key holding the true class indices.
     """
+
+    gathers = False  # confusion matrices are added over ranks at the end of the epoch instead
 
     def __init__(self, predicted: str = "output", gold: str = "label", num_classes: int | None = None,
                  metrics: list[str] = ("accuracy", "f1")):
@@ -92,6 +121,8 @@ class ClassificationMetrics(Hook):
         self._confusion: dict[str, torch.Tensor] = {}
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        if not batch:  # this rank had no samples in the batch
+            return
         for key in (self.predicted, self.gold):
             if key not in batch:
                 raise ModelError(f"ClassificationMetrics: {key!r} is not in the batch or the outputs "
@@ -108,15 +139,31 @@ class ClassificationMetrics(Hook):
         self._confusion[stream] = counts if previous is None else previous + counts
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
-        for stream, confusion in self._confusion.items():
-            epoch_data.setdefault(stream, {}).update(_scores(confusion.double(), self.metrics))
+        for stream, confusion in self._global().items():
+            if confusion.sum() > 0:
+                epoch_data.setdefault(stream, {}).update(_scores(confusion.double(), self.metrics))
         self._confusion.clear()
 
+    def _global(self) -> dict[str, torch.Tensor]:
+        """Confusion matrices added over ranks (padded to the largest class count any rank saw)."""
+        strategy = self.strategy
+        seen = strategy.gather({s: c.shape[0] for s, c in self._confusion.items()})
+        sizes: dict[str, int] = {}
+        for rank_sizes in seen:
+            for stream, k in rank_sizes.items():
+                sizes[stream] = max(sizes.get(stream, 0), k)
+        out = {}
+        for stream in sorted(sizes):
+            local = self._confusion.get(stream, torch.zeros(0, 0, dtype=torch.long))
+            out[stream] = strategy.reduce(_pad(local, sizes[stream]).to(strategy.device)).cpu()
+        return out
+
     def state_dict(self) -> dict[str, Any]:
-        return {"confusion": {s: c.tolist() for s, c in self._confusion.items()}}
+        return {"confusion": {s: c.tolist() for s, c in self._global().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._confusion = {s: torch.tensor(c, dtype=torch.long) for s, c in state["confusion"].items()}
+        first = self.strategy.rank == 0  # counts go to one rank, so adding over ranks counts them once
+        self._confusion = {s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()}
 
 
 def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:

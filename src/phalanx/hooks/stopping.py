@@ -13,7 +13,12 @@ from phalanx.hooks.variables import check_mode, improved, lookup, split_name
 
 
 class StopAfter(Hook):
-    """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is first."""
+    """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is first.
+
+    With several processes and `minutes`, the ranks agree every step: the first whose clock runs out
+    stops them all at the same step."""
+
+    gathers = False
 
     def __init__(self, epochs: int | None = None, steps: int | None = None, minutes: float | None = None,
                  clock=time.monotonic):
@@ -32,7 +37,7 @@ class StopAfter(Hook):
             return
         if self.steps is not None and self.trainer.step >= self.steps:
             raise TrainingTerminated(f"{self.steps} steps done (StopAfter)")
-        if self.minutes is not None and self.clock() - self._start >= 60 * self.minutes:
+        if self.minutes is not None and self.trainer.any_rank(self.clock() - self._start >= 60 * self.minutes):
             raise TrainingTerminated(f"{self.minutes} minutes passed (StopAfter)")
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
@@ -41,7 +46,10 @@ class StopAfter(Hook):
 
 
 class StopOnNaN(Hook):
-    """Fail the run as soon as a variable is NaN or infinite (in a training batch or the epoch's data)."""
+    """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
+    steps), or a variable of the epoch's data is after an epoch."""
+
+    gathers = False  # reads the trainer's global loss, the same on every rank
 
     def __init__(self, variables: list[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)
@@ -49,11 +57,9 @@ class StopOnNaN(Hook):
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if stream != "train" or self.trainer.step % self.every:
             return
-        for var in self.variables:
-            value = batch.get(var)
-            if isinstance(value, torch.Tensor) and not bool(torch.isfinite(value).all()):
-                raise TrainingTerminated(f"{var} is not finite at step {self.trainer.step} (StopOnNaN)",
-                                         success=False)
+        if not bool(torch.isfinite(self.trainer.last_loss).all()):
+            raise TrainingTerminated(f"the training loss is not finite ({float(self.trainer.last_loss)}) at step "
+                                     f"{self.trainer.step} (StopOnNaN)", success=False)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         for stream, values in epoch_data.items():

@@ -106,6 +106,8 @@ class WriteTensorBoard(_Writer):
     training loss every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
     a resumed run drops the events it is about to write again."""
 
+    gathers = False
+
     def __init__(self, log_dir: str = "tensorboard", every_n_steps: int = 50):
         self.log_dir, self.every = log_dir, every_n_steps
         self._writer = None

@@ -1,6 +1,8 @@
 """Strategies and the choice among them from the `parallel` section."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from phalanx.config import Config
@@ -8,11 +10,11 @@ from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 
-STRATEGIES = {"single": Single}
+STRATEGIES = ("single", "ddp")
 
 
 def resolve_device(cfg: Config) -> tuple[str, int]:
-    """(accelerator, device count) from `parallel` and the `model.n_gpus` alias."""
+    """(accelerator, devices per machine) from `parallel` and the `model.n_gpus` alias."""
     accelerator, devices = cfg.parallel.accelerator, cfg.parallel.devices
     if cfg.model.n_gpus is not None:
         accelerator, devices = ("cuda", cfg.model.n_gpus) if cfg.model.n_gpus > 0 else ("cpu", 1)
@@ -21,24 +23,46 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
     if accelerator == "cuda" and not torch.cuda.is_available():
         if cfg.model.n_gpus:
             raise ConfigError(f"model.n_gpus={cfg.model.n_gpus} asks for CUDA GPUs but none is visible; "
-                              "remove model.n_gpus to train on the CPU")
+                              "remove model.n_gpus to train on the CPU, or use parallel.accelerator=cpu "
+                              f"parallel.devices={cfg.model.n_gpus} for as many CPU processes")
         raise ConfigError("parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto or cpu")
-    if accelerator == "cuda" and devices != "auto" and devices > torch.cuda.device_count():
-        raise ConfigError(f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
-                          f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
+    if accelerator == "cuda" and devices > torch.cuda.device_count():
+        raise ConfigError(f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
+                          f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
+    if devices < 1:
+        raise ConfigError(f"parallel.devices must be at least 1, got {devices}")
     return accelerator, devices
+
+
+def in_worker() -> bool:
+    """Whether this process is one of several started by a launcher (phalanx's own, or torchrun)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def needs_launch(cfg: Config) -> bool:
+    """Whether `phalanx train` must start worker processes itself."""
+    return resolve_device(cfg)[1] > 1 and not in_worker()
 
 
 def create(cfg: Config) -> Strategy:
     """The strategy the config asks for, on this process's device."""
     accelerator, devices = resolve_device(cfg)
-    if devices != 1:
-        raise ConfigError(f"{devices} devices requested, but this version of phalanx trains on one device; "
-                          "set parallel.devices=1 (and leave model.n_gpus unset)")
-    name = "single" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
+    name = cfg.parallel.strategy
+    if name == "auto":
+        name = "ddp" if in_worker() else "single"
     if name not in STRATEGIES:
         raise ConfigError(f"parallel.strategy {name!r} is not available; choose one of "
                           f"{', '.join(['auto', *STRATEGIES])}")
-    return STRATEGIES[name](torch.device(accelerator))
+    if name == "single":
+        if in_worker() or devices > 1:
+            raise ConfigError(f"parallel.strategy=single runs one process on one device, but {devices} devices "
+                              "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1")
+        return Single(torch.device(accelerator))
+    if not in_worker():
+        raise ConfigError("parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
+                          "(phalanx starts them), or start phalanx under torchrun")
+    from phalanx.strategies.ddp import DDP
+
+    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm)

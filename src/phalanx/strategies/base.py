@@ -26,11 +26,17 @@ class Strategy(Protocol):
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
         """A context in which backward does not synchronise gradients (all but the last micro-batch)."""
 
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum of the tensor over ranks."""
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The tensor reduced over ranks (op: sum, min or max); every rank gets the result."""
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        """Sum gradients over ranks by hand, after backward ran without synchronising."""
 
     def gather(self, value: Any) -> list[Any]:
-        """Every rank's value, in rank order."""
+        """Every rank's value (any picklable object), in rank order, on every rank."""
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's value (any picklable object), on every rank."""
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""

@@ -25,11 +25,17 @@ class Single:
     def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        pass
 
     def gather(self, value: Any) -> list[Any]:
         return [value]
+
+    def broadcast(self, value: Any) -> Any:
+        return value
 
     def barrier(self) -> None:
         pass

@@ -1,0 +1,140 @@
+"""`ddp`: one process per device; gradients summed over ranks by DistributedDataParallel's
+bucketed, overlapped all-reduce.
+
+Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*:
+a communication hook replaces DDP's default average. Steps where some rank's shard is empty skip
+DDP's reducer on every rank and sum the gradients by hand instead, so that rank can join with zero
+weight without running its model.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.errors import ConfigError
+from phalanx.strategies.syncbn import convert_sync_batchnorm
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
+
+
+def _sum_hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """All-reduce a gradient bucket with SUM (DDP's default divides by the world size)."""
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+class DDP:
+    def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False):
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if accelerator == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.sync_batchnorm = sync_batchnorm
+        if not dist.is_initialized():
+            timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S[self.device.type])
+            dist.init_process_group("nccl" if accelerator == "cuda" else "gloo", timeout=timeout)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._ddp: DistributedDataParallel | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def setup(self, module: nn.Module) -> nn.Module:
+        module = module.to(self.device)
+        if self.sync_batchnorm:
+            module = convert_sync_batchnorm(module)
+        # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
+        # re-broadcast every forward, so a rank that skips a forward never stalls the others.
+        with warnings.catch_warnings():  # its successor still syncs buffers at init, which is what we want
+            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            ddp = DistributedDataParallel(module, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                                          broadcast_buffers=False)
+        ddp.register_comm_hook(None, _sum_hook)
+        self._check_identical(ddp.module)
+        self._ddp = ddp
+        return ddp
+
+    def _check_identical(self, module: nn.Module) -> None:
+        digest = hashlib.sha256()
+        for name, tensor in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        digests = self.gather(digest.hexdigest())
+        if len(set(digests)) != 1:
+            differing = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
+
+    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        return module.no_sync()
+
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=_OPS[op])
+        return out
+
+    def reduce_gradients(self, module: nn.Module) -> None:
+        params = [p for p in self.unwrap(module).parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in params:
+            summed = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = summed.clone()
+            else:
+                p.grad.copy_(summed)
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def unwrap(self, module: nn.Module) -> nn.Module:
+        return module.module if isinstance(module, DistributedDataParallel) else module
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
+    """Every rank must run the same resolved config and library versions."""
+    mine = _flatten({"config": resolved, "versions": versions})
+    every = strategy.gather(mine)
+    differing = sorted({k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)})
+    if differing:
+        shown = ", ".join(differing[:8]) + (" ..." if len(differing) > 8 else "")
+        raise ConfigError(f"ranks run different configs or versions; differing keys: {shown}. "
+                          "Give every node the same config file and phalanx, torch versions")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): repr(tree)}

@@ -1,0 +1,70 @@
+"""BatchNorm over the global micro-batch: statistics summed across ranks, on CPU (gloo) and GPU.
+
+PyTorch's own SyncBatchNorm runs on accelerators only; this one reduces with the differentiable
+`torch.distributed.nn.functional.all_reduce`, so gradients flow through the statistics exactly as
+they would through one BatchNorm over the whole micro-batch. On CUDA PyTorch's version is used.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+# Its differentiable all_reduce is what this module needs; the suggested successor is private.
+warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_reduce is deprecated")
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Drop-in for BatchNorm1d/2d/3d; in training with several ranks, statistics are global."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        channels = x.shape[1]
+        count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
+        totals = dist_fn.all_reduce(torch.cat([x.sum(dims), count]))
+        n = totals[-1]
+        mean = totals[:channels] / n
+        centered = x - mean.view(shape)
+        var = dist_fn.all_reduce((centered * centered).sum(dims)) / n  # two passes: no cancellation
+        y = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), float(n.detach()))
+        return y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        self.num_batches_tracked += 1
+        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        unbiased = var * n / max(n - 1.0, 1.0)
+        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+
+
+def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Every BatchNorm layer replaced by one whose statistics span all ranks (weights kept)."""
+    if next(module.parameters(), torch.empty(0)).is_cuda:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                             module.track_running_stats, device=module.running_mean.device
+                             if module.running_mean is not None else None,
+                             dtype=module.running_mean.dtype if module.running_mean is not None else None)
+        sync.load_state_dict(module.state_dict())
+        sync.train(module.training)
+        return sync
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child))
+    return module

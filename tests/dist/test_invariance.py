@@ -1,0 +1,102 @@
+"""The invariance contract on real gloo processes: world sizes 2, 3 and 4 against one process, in float64."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402
+import workers  # noqa: E402
+from phalanx import data  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+N_TRAIN, N_VALID = 41, 10   # 41 = 5 * 8 + 1: the last batch (1 sample) is smaller than every world size
+
+
+def scenario(batch: int, accumulation: int, **extra) -> dict:
+    raw = toy.regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4},
+        optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
+        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": N_TRAIN, "n_valid": N_VALID},
+        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+    for key, value in extra.items():
+        merged = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+        raw[key] = {k: v for k, v in merged.items() if v is not None} if isinstance(merged, dict) else merged
+    return raw
+
+
+SCENARIOS = {
+    **{f"batch{b}-accum{k}": scenario(b, k) for b in (7, 8, 10) for k in (1, 3)},
+    "sync-batchnorm": scenario(8, 1, model={"class": "toy.BatchNormNet", "features": 3, "hidden": 6},
+                               dataset={"n_train": 40}),
+    "adamw-warmup": scenario(10, 2, optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3, "momentum": None}),
+}
+
+
+def for_world(raw: dict, world_size: int) -> dict:
+    out = {**raw, "parallel": {**raw["parallel"], "devices": world_size}}
+    if raw["model"]["class"] == "toy.BatchNormNet" and world_size > 1:
+        out["parallel"] = {**out["parallel"], "sync_batchnorm": True}
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict]:
+    return {name: workers.train(raw) for name, raw in SCENARIOS.items()}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    for name, value in want["params"].items():
+        if name.endswith("num_batches_tracked"):
+            continue
+        assert rel(torch.tensor(got["params"][name]), torch.tensor(value)) < 1e-10, name
+    assert len(got["losses"]) == len(want["losses"])
+    assert rel(torch.tensor(got["losses"]), torch.tensor(want["losses"])) < 1e-10
+    for mine, theirs in zip(got["epochs"], want["epochs"]):
+        assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID  # every sample once
+        assert mine["train"]["loss_count"] == theirs["train"]["loss_count"]
+        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_world_size_trains_as_one_process(world_size, reference):
+    raws = [for_world(raw, world_size) for raw in SCENARIOS.values()]
+    per_rank = workers.run_ranks(world_size, workers.train_all, raws)
+    for rank_results in per_rank:  # every rank holds the same parameters and sees the same losses
+        for name, got in zip(SCENARIOS, rank_results):
+            assert_same_run(got, reference[name])
+    for name, got in zip(SCENARIOS, per_rank[0]):
+        raw = SCENARIOS[name]
+        batch, n_train = raw["dataset"]["batch_size"], raw["dataset"]["n_train"]
+        for epoch, seen in enumerate(_epochs(got["ids"]["train"], -(-n_train // batch)), start=1):
+            order = data.permutation(raw.get("seed", 0), epoch, n_train)
+            assert [i for step in seen for i in step] == order, name  # dataset order, each sample once
+        assert got["ids"]["valid"][:1] and sorted(i for b in got["ids"]["valid"] for i in b) == \
+            sorted(list(range(N_VALID)) * 2)
+
+
+def _epochs(steps: list[list[int]], per_epoch: int) -> list[list[list[int]]]:
+    return [steps[i:i + per_epoch] for i in range(0, len(steps), per_epoch)]
+
+
+def test_shard_weights_give_the_same_training(reference):
+    raw = for_world(SCENARIOS["batch10-accum1"], 3)
+    raw["parallel"]["shard_weights"] = [1, 2, 3]
+    per_rank = workers.run_ranks(3, workers.train_all, [raw])
+    for rank_results in per_rank:
+        assert_same_run(rank_results[0], reference["batch10-accum1"])
+
+
+def test_sync_batchnorm_with_an_empty_shard_is_a_clear_error_not_a_hang():
+    raw = for_world(SCENARIOS["sync-batchnorm"], 4)
+    raw["dataset"] = {**raw["dataset"], "n_train": N_TRAIN}  # the last batch has 1 sample for 4 processes
+    with pytest.raises(AssertionError, match="sync_batchnorm needs a sample for each of the 4 processes"):
+        workers.run_ranks(4, workers.train_all, [raw], timeout=120)

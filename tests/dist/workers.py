@@ -1,0 +1,83 @@
+"""Running a function on several real processes joined by gloo on loopback, for the dist tests."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import toy
+from phalanx import commands, config, strategies
+from phalanx.hooks import ComputeStats
+from phalanx.trainer import Trainer
+
+TESTS = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 180) -> list[Any]:
+    """`target(rank, *args)` on `world_size` processes; their results in rank order. A hang or an
+    error on any rank fails the caller within `timeout` seconds, and no process is left behind."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple, queue) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, True, target(rank, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def train(raw: dict) -> dict:
+    """Train a config in this process (one of several, or alone); what the comparisons need."""
+    cfg = config.validate(raw)
+    record, seen = toy.Record(), toy.SeenIds()
+    hooks = [ComputeStats(variables=["loss"], aggregations=["mean", "count"]), record, seen]
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
+    assert trainer.run() == 0
+    # plain lists: tensors sent between processes live in shared memory that dies with the sender
+    params = {k: v.detach().cpu().tolist() for k, v in trainer.strategy.unwrap(trainer.module).state_dict().items()}
+    return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids}
+
+
+def train_all(rank: int, raws: list[dict]) -> list[dict]:
+    return [train(raw) for raw in raws]
+
+
+def run_dir_worker(rank: int, run_dir: str, resume: bool, overrides: list[str]) -> int:
+    return commands.run_worker(Path(run_dir), resume, overrides)

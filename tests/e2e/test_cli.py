@@ -1,0 +1,376 @@
+"""The `phalanx` command end to end, in real processes: train, resume, eval, predict, ls, info,
+--help, and bad input, which must end in one line on stderr, exit code 2 and no damage to runs.
+
+Processes cost seconds each (importing torch), so runs are shared through module fixtures and the
+bad-input commands run side by side.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import toy
+from phalanx import config
+from phalanx.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(300)
+
+TESTS = Path(toy.__file__).parent
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TIMEOUT = 120
+
+HOOKS = [{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "WriteCSV",
+         # mode max on a falling loss keeps the best at epoch 1, so best, latest and a middle
+         # step are three different checkpoints
+         {"SaveBest": {"variable": "valid.loss", "mode": "max"}}, "SaveLatest"]
+
+BAD_PARTS = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import toy
+
+
+class TupleData(toy.Regression):
+    """Streams whose items are (x, y) tuples, not dicts."""
+
+    def streams(self):
+        return {name: TensorDataset(s.x, s.y) for name, s in super().streams().items()}
+
+
+class NoLoss(nn.Module):
+    """forward returns a prediction and no loss."""
+
+    def __init__(self, features=3):
+        super().__init__()
+        self.net = nn.Linear(features, 1)
+
+    def forward(self, x):
+        return {"prediction": self.net(x).squeeze(-1)}
+'''
+
+
+def phalanx(*args: str, cwd: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def phalanx_all(commands: dict[str, tuple[list[str], Path]], parallel: int = 3,
+                timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
+    """Run several commands side by side (at most `parallel` at once); results by key."""
+    pending, running, done = list(commands.items()), {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                key, (args, cwd) = pending.pop(0)
+                running[key] = (args, subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+            for key, (args, proc) in list(running.items()):
+                if proc.poll() is not None:
+                    out, err = proc.communicate()
+                    done[key] = subprocess.CompletedProcess(args, proc.returncode, out, err)
+                    del running[key]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"still running after {timeout} s: {sorted(running)}")
+            time.sleep(0.05)
+    finally:
+        for _, proc in running.values():
+            proc.kill()
+            proc.communicate()
+    return done
+
+
+def output(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under a folder, by relative path, with the SHA-256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def trace(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "trace.jsonl").read_text().splitlines()]
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    with open(run / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"step-{step}" / "model.safetensors"))
+
+
+def hand_losses(w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sample squared errors on the test stream, computed by hand from toy.Linear weights."""
+    items = toy.Regression().streams()["test"]
+    prediction = items.x.double() @ w["net.weight"].double().T + w["net.bias"].double()
+    return (prediction.squeeze(-1) - items.y.double()) ** 2
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One `phalanx train` of 3 epochs (15 steps) with overrides, shared by the tests below."""
+    folder = tmp_path_factory.mktemp("cli")
+    exp = folder / "exp"
+    toy.write_config(exp, toy.regression_config(hooks=HOOKS))
+    (exp / "badparts.py").write_text(BAD_PARTS)
+    result = phalanx("train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp)
+    assert result.returncode == 0, output(result)
+    runs = sorted((exp / "runs").iterdir())
+    assert len(runs) == 1, runs
+    return SimpleNamespace(folder=folder, exp=exp, run=runs[0], result=result)
+
+
+def copy_run(trained, name: str) -> Path:
+    """A copy of the trained run (it still imports from the config's folder), for tests that change it."""
+    target = trained.folder / "copies" / name / trained.run.name
+    shutil.copytree(trained.run, target)
+    return target
+
+
+# --- train -------------------------------------------------------------------------------------
+
+def test_train_creates_a_run_directory_with_the_resolved_config(trained):
+    run = trained.run
+    assert re.fullmatch(r"cli-\d{8}-\d{6}", run.name)
+    for name in ("config.yaml", "log.txt", "metrics.csv", "trace.jsonl", "run.json"):
+        assert (run / name).is_file(), name
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["main_loop"]["epochs"] == 3 and saved["optimizer"]["lr"] == 0.04 and saved["name"] == "cli"
+    assert saved["checkpoints"]["keep_last"] == 3 and saved["parallel"]["strategy"] == "auto"  # defaults resolved
+    assert saved["hooks"] == HOOKS
+    assert config.validate(saved).main_loop.epochs == 3  # the saved config is itself valid
+    assert [int(r["epoch"]) for r in metrics_rows(run)] == [1, 2, 3]
+    events = trace(run)
+    assert events[0]["event"] == "started" and events[-1] == {**events[-1], "event": "finished", "step": 15}
+    assert "epoch 3 (step 15)" in (run / "log.txt").read_text()
+    assert str(run.name) in trained.result.stderr  # the run directory is announced
+
+
+def test_train_checkpoints_have_manifests_matching_their_files(trained):
+    root = trained.run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["best.json", "step-10", "step-15", "step-5"]
+    for step in (5, 10, 15):
+        folder = root / f"step-{step}"
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["step"] == step
+        assert set(manifest["files"]) == {"model.safetensors", "optimizer.pt", "trainer.json"}
+        for name, meta in manifest["files"].items():
+            blob = (folder / name).read_bytes()
+            assert meta == {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        assert json.loads((folder / "trainer.json").read_text())["step"] == step
+    assert json.loads((root / "best.json").read_text())["step"] == 5
+
+
+# --- every other command, run side by side on the trained run --------------------------------
+
+# Bad input: (id, command, words the error line must hold). RUN stands for a fresh copy of the
+# trained run, NOTRUN for a folder that is not a run; train commands get an output_root of their own.
+BAD = [
+    ("misspelt-key", ["train", "config.yaml", "main_loop.epoch=3"], ["main_loop.epoch", "epochs"]),
+    ("wrong-type", ["train", "config.yaml", "dataset.batch_size=abc"], ["dataset.batch_size", "abc"]),
+    ("class-does-not-import", ["train", "config.yaml", "model.class=nopkg.Linear"], ["nopkg"]),
+    ("item-not-a-dict", ["train", "config.yaml", "dataset.class=badparts.TupleData"], ["dict"]),
+    ("model-without-loss", ["train", "config.yaml", "model={class: badparts.NoLoss}"], ["loss"]),
+    ("unknown-hook", ["train", "config.yaml", "hooks=[ComputeStats, SaveLatests]"], ["SaveLatests", "SaveLatest"]),
+    ("not-a-run-dir", ["resume", "NOTRUN"], ["not a run directory"]),
+    ("resume-another-model", ["resume", "RUN", "model.hidden=4"], ["does not fit", "model"]),
+    ("eval-another-model", ["eval", "RUN", "--stream", "test"], ["does not fit", "model"]),
+]
+BAD_IDS = [case for case, _, _ in BAD]
+
+
+def _bad_command(trained, case: str, args: list[str], runs: dict, before: dict) -> list[str]:
+    args = list(args)
+    if args[0] == "train":
+        args.append(f"output_root={trained.folder / 'bad' / case}")
+    if "RUN" in args:
+        runs[case] = copy_run(trained, case)
+        if case == "eval-another-model":  # as if the run's config had been edited by hand
+            path = runs[case] / "config.yaml"
+            saved = yaml.safe_load(path.read_text())
+            saved["model"]["hidden"] = 4
+            path.write_text(yaml.safe_dump(saved, sort_keys=False))
+        args[args.index("RUN")] = str(runs[case])
+    if "NOTRUN" in args:
+        runs[case] = trained.folder / "not-a-run"
+        runs[case].mkdir()
+        (runs[case] / "notes.txt").write_text("a folder, but not a run\n")
+        args[args.index("NOTRUN")] = str(runs[case])
+    if case in runs:
+        before[case] = snapshot(runs[case])
+    return args
+
+
+@pytest.fixture(scope="module")
+def ran(trained):
+    """eval, predict, ls, info, resume, a diverging run and every bad command, side by side."""
+    run, exp, folder = trained.run, trained.exp, trained.folder
+    runs, before = {}, {}
+    commands = {f"eval-{which}": (["eval", str(run), "--stream", "test", "--checkpoint", which], exp)
+                for which in ("best", "latest", "10")}
+    commands["predict"] = (["predict", str(run), "--stream", "test", "--output", str(folder / "pred.csv")], exp)
+    commands["ls"] = (["ls", str(exp / "runs")], folder)
+    commands["info"] = (["info"], folder)
+    runs["resume"] = copy_run(trained, "resume")
+    commands["resume"] = (["resume", str(runs["resume"]), "main_loop.epochs=5"], folder)
+    commands["nan"] = (["train", "config.yaml", "optimizer.lr=1e150", "main_loop.epochs=50", "hooks=[StopOnNaN, SaveLatest]",
+                        f"output_root={folder / 'nan'}"], exp)
+    for case, args, _ in BAD:
+        commands[case] = (_bad_command(trained, case, args, runs, before), exp)
+    # --debug is offered after the subcommand and before it
+    commands["debug"] = (["train", "--debug", "config.yaml", "main_loop.epoch=3",
+                          f"output_root={folder / 'bad' / 'debug'}"], exp)
+    commands["debug-first"] = (["--debug", "train", "config.yaml", "main_loop.epoch=3",
+                                f"output_root={folder / 'bad' / 'debug-first'}"], exp)
+    results = phalanx_all(commands)
+    return SimpleNamespace(results=results, runs=runs, before=before, bad=folder / "bad", **vars(trained))
+
+
+# --- eval, predict, ls, info, --help -----------------------------------------------------------
+
+@pytest.mark.parametrize("which, step", [("best", 5), ("latest", 15), ("10", 10)])
+def test_eval_prints_and_saves_the_metrics_of_a_checkpoint(ran, which, step):
+    result = ran.results[f"eval-{which}"]
+    assert result.returncode == 0, output(result)
+    saved = json.loads((ran.run / f"eval-test-step-{step}.json").read_text())
+    expected = hand_losses(weights(ran.run, step)).mean().item()
+    assert saved == {"stream": "test", "checkpoint": step, "metrics": {"loss": pytest.approx(expected, rel=1e-12)}}
+    assert f"{expected:.6g}" in output(result) and f"step {step}" in output(result)
+
+
+def _predictions(ran) -> list[dict]:
+    result = ran.results["predict"]
+    assert result.returncode == 0, output(result)
+    assert "wrote 10 rows" in output(result)
+    with open(ran.folder / "pred.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_predict_writes_a_csv_row_per_sample(ran):
+    rows = _predictions(ran)
+    items = toy.Regression().streams()["test"]
+    assert len(rows) == len(items) == 10
+    assert {"index", "prediction", "loss", "y", "id"} <= set(rows[0])
+    w = weights(ran.run, 5)  # --checkpoint defaults to best
+    expected = (items.x.double() @ w["net.weight"].T + w["net.bias"]).squeeze(-1)
+    losses = hand_losses(w)
+    for i, row in enumerate(rows):
+        assert float(row["index"]) == i and float(row["id"]) == i  # in dataset order
+        assert float(row["prediction"]) == pytest.approx(expected[i].item(), rel=1e-5, abs=1e-6)
+        assert float(row["loss"]) == pytest.approx(losses[i].item(), rel=1e-5, abs=1e-6)
+        assert float(row["y"]) == pytest.approx(items.y[i].item(), rel=1e-6)
+
+
+def test_predict_writes_integer_values_as_integers(ran):
+    """Ids and class labels are integers; passing them through float32 prints 7 as 7.0 and changes
+    ids above 2**24."""
+    rows = _predictions(ran)
+    assert [row["id"] for row in rows] == [str(i) for i in range(10)]
+
+
+def test_ls_lists_the_runs_with_status_and_best(ran):
+    result = ran.results["ls"]
+    assert result.returncode == 0, output(result)
+    line = next(l for l in output(result).splitlines() if ran.run.name in l)
+    assert "finished" in line and re.search(r"\b15\b", line)
+    assert "valid.loss=" in line and "@ 5" in line
+
+
+def test_info_shows_versions_and_devices(ran):
+    result = ran.results["info"]
+    assert result.returncode == 0, output(result)
+    text = output(result)
+    assert torch.__version__ in text and "0.1.0" in text and "cpu cores" in text and "gloo" in text
+
+
+@pytest.mark.parametrize("command", ["train", "resume", "eval", "predict", "ls", "info"])
+def test_help_of_each_subcommand_shows_an_example(command, tmp_path):
+    result = phalanx(command, "--help", cwd=tmp_path, timeout=30)
+    assert result.returncode == 0, output(result)
+    assert "example" in result.stdout
+    assert re.search(rf"^\s+phalanx {command}\b", result.stdout, re.M), result.stdout
+
+
+# --- resume, a diverging run -------------------------------------------------------------------
+
+def test_resume_continues_in_the_same_directory_as_one_uninterrupted_run(ran):
+    run, result = ran.runs["resume"], ran.results["resume"]
+    assert result.returncode == 0, output(result)
+    assert list(run.parent.iterdir()) == [run]  # no new run directory
+    assert [int(r["epoch"]) for r in metrics_rows(run)] == [1, 2, 3, 4, 5]
+    assert yaml.safe_load((run / "config.yaml").read_text())["main_loop"]["epochs"] == 5
+    events = trace(run)
+    assert [e["event"] for e in events].count("started") == 2
+    restart = max(i for i, e in enumerate(events) if e["event"] == "started")
+    assert events[restart]["step"] == 15
+    assert any(e["event"] == "overrides" and e["values"] == ["main_loop.epochs=5"] for e in events)
+    assert events[-1]["event"] == "finished" and events[-1]["step"] == 25
+    assert "resuming" in (run / "log.txt").read_text()
+    # the same weights as 5 epochs in one go
+    raw = toy.regression_config(main_loop={"epochs": 5}, optimizer={"lr": 0.04})
+    reference = Trainer(config.validate(raw), None, [TESTS], hooks=[])
+    assert reference.run() == 0
+    for name, value in weights(run, 25).items():
+        torch.testing.assert_close(value, reference.module.state_dict()[name], rtol=1e-12, atol=0)
+
+
+def test_a_nan_loss_fails_the_process_with_exit_code_1(ran):
+    result = ran.results["nan"]
+    assert result.returncode == 1, output(result)
+    [run] = list((ran.folder / "nan").iterdir())
+    assert trace(run)[-1]["event"] == "failed"
+    assert "StopOnNaN" in result.stderr
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case, words", [(c, w) for c, _, w in BAD], ids=BAD_IDS)
+def test_bad_input_is_one_error_line_and_exit_code_2(ran, case, words):
+    result = ran.results[case]
+    assert result.returncode == 2, output(result)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("INFO ")]
+    assert len(lines) == 1, result.stderr  # informational log lines aside, one line: the error
+    assert lines[0].startswith("phalanx: error: ")
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+@pytest.mark.parametrize("case", BAD_IDS)
+def test_bad_input_loses_and_leaves_nothing(ran, case):
+    if case in ran.before:
+        assert snapshot(ran.runs[case]) == ran.before[case]
+    else:
+        out = ran.bad / case
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert left == [], f"a failed train left {left} in {out}"
+
+
+@pytest.mark.parametrize("case", ["debug", "debug-first"])
+def test_debug_shows_the_traceback(ran, case):
+    """`phalanx train --debug ...` and `phalanx --debug train ...`: both forms are in --help."""
+    result = ran.results[case]
+    assert result.returncode not in (0, 2), output(result)
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ConfigError" in result.stderr and "main_loop.epoch" in result.stderr

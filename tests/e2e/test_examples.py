@@ -1,0 +1,72 @@
+"""The shipped examples train to the accuracy their docs promise: `phalanx train` then `phalanx eval`
+in real processes, from the repository root so that `examples.digits...` imports."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(400)
+
+REPO = Path(__file__).resolve().parents[2]
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+EXAMPLES = {"config": 0.97, "plain": 0.9}  # examples/digits/<name>.yaml -> test accuracy it must reach
+
+
+def run_side_by_side(commands: dict[str, list[str]], timeout: float) -> dict[str, subprocess.CompletedProcess]:
+    procs = {key: subprocess.Popen([*PHALANX, *args], cwd=REPO, env=ENV, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for key, args in commands.items()}
+    deadline, results = time.monotonic() + timeout, {}
+    try:
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results[key] = subprocess.CompletedProcess(commands[key], proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """Each example trained once and its best checkpoint evaluated on the test stream."""
+    root = tmp_path_factory.mktemp("examples")
+    trained = run_side_by_side({name: ["train", f"examples/digits/{name}.yaml", f"output_root={root / name}"]
+                                for name in EXAMPLES}, timeout=300)
+    runs = {}
+    for name, result in trained.items():
+        assert result.returncode == 0, result.stderr[-3000:]
+        [runs[name]] = list((root / name).iterdir())
+    evals = run_side_by_side({name: ["eval", str(run), "--stream", "test"] for name, run in runs.items()}, timeout=120)
+    return {name: (runs[name], trained[name], evals[name]) for name in EXAMPLES}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_digits_example_reaches_its_test_accuracy(evaluated, name):
+    run, trained, result = evaluated[name]
+    assert result.returncode == 0, result.stderr[-3000:]
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    saved = json.loads((run / f"eval-test-step-{best['step']}.json").read_text())
+    assert saved["stream"] == "test" and saved["checkpoint"] == best["step"]
+    assert saved["metrics"]["accuracy"] >= EXAMPLES[name], saved
+    assert 0 < saved["metrics"]["loss"] < 1.0
+    assert best["variable"] == "valid.accuracy" and best["value"] >= EXAMPLES[name]
+    assert (run / "metrics.csv").is_file() and (run / "config.yaml").is_file()
+
+
+def test_the_full_example_writes_every_report(evaluated):
+    run, trained, _ = evaluated["config"]
+    assert {p.name for p in (run / "plots").iterdir()} == {"loss.png", "accuracy.png"}
+    assert any((run / "tensorboard").iterdir())
+    header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train.loss", "train.accuracy", "valid.accuracy", "valid.f1"} <= set(header)
+    assert "epoch 15 time |" in (run / "log.txt").read_text()

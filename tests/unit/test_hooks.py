@@ -1,0 +1,592 @@
+"""Every built-in hook, run inside a real Trainer on the toy problems and checked against an
+independent computation: numpy and scikit-learn for statistics and metrics, TensorBoard's own
+reader for event files, matplotlib's reader for plots, the checkpoint files themselves for saving."""
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+from sklearn import metrics as skm
+
+import toy
+from phalanx import commands, config, data, logs, rundir
+from phalanx.errors import ConfigError, ModelError
+from phalanx.hooks import (
+    ClassificationMetrics, ComputeStats, Hook, LogProfile, LogVariables, PlotLines, SaveBest, SaveEvery,
+    SaveLatest, ShowProgress, StopAfter, StopOnNaN, StopOnPlateau, TrainingTerminated, WriteCSV,
+    WriteTensorBoard, build_hooks)
+from phalanx.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+TESTS = Path(toy.__file__).parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _close_logs():
+    """logs.setup attaches handlers to files and streams of this test; detach them afterwards."""
+    yield
+    logger = logging.getLogger("phalanx")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+        handler.close()
+
+
+class Record(Hook):
+    """Keeps what the hooks listed before it produced: every batch, each epoch's data, the weights
+    at each epoch's end, the profile events and how training ended."""
+
+    def __init__(self):
+        self.batches: list[tuple[str, int, dict]] = []
+        self.epochs: dict[int, dict] = {}
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.profiles: list[int] = []
+        self.success: bool | None = None
+
+    def after_batch(self, stream, batch):
+        kept = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        self.batches.append((stream, self.trainer.step, kept))
+
+    def after_epoch(self, epoch, epoch_data):
+        self.epochs[epoch] = copy.deepcopy(epoch_data)
+        self.weights[epoch] = {k: v.detach().clone() for k, v in self.trainer.module.state_dict().items()}
+
+    def after_epoch_profile(self, epoch, profile, train_stream, extra_streams):
+        self.profiles.append(epoch)
+
+    def after_training(self, success):
+        self.success = success
+
+    def train_batches(self, epoch: int, steps_per_epoch: int) -> list[dict]:
+        first, last = (epoch - 1) * steps_per_epoch + 1, epoch * steps_per_epoch
+        return [b for s, step, b in self.batches if s == "train" and first <= step <= last]
+
+
+def classification_config(**sections) -> dict:
+    """The regression config turned into 3-class classification of Gaussian blobs."""
+    cfg = toy.regression_config(dataset={"class": "toy.Classes"}, optimizer={"lr": 0.02}, **sections)
+    cfg["model"] = {"class": "toy.Classifier", "features": 4, "classes": 3}
+    return cfg
+
+
+def make_trainer(tmp_path: Path, hooks, classes: bool = False, **sections) -> Trainer:
+    """A trainer on a toy problem writing into tmp_path/run; `hooks` are Hook objects, or specs
+    as a config lists them."""
+    raw = classification_config(**sections) if classes else toy.regression_config(**sections)
+    specs = not all(isinstance(h, Hook) for h in hooks)
+    raw["hooks"] = hooks if specs else None
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    logs.setup(run)
+    return Trainer(config.validate(raw), run, [TESTS], hooks=None if specs else hooks)
+
+
+def trace_events(run: Path) -> list[str]:
+    return [e["event"] for e in rundir.read_trace(run)]
+
+
+def read_csv(path: Path) -> tuple[list[str], list[dict]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return list(reader.fieldnames), list(reader)
+
+
+def regression_losses(weights: dict[str, torch.Tensor], stream: str) -> np.ndarray:
+    """Per-sample squared errors of toy.Linear weights on a stream, computed by hand."""
+    items = toy.Regression().streams()[stream]
+    x, y = items.x.double().numpy(), items.y.double().numpy()
+    w, b = weights["net.weight"].double().numpy(), weights["net.bias"].double().numpy()
+    return ((x @ w.T + b).reshape(-1) - y) ** 2
+
+
+def classifier_predictions(weights: dict[str, torch.Tensor], stream: str) -> tuple[np.ndarray, np.ndarray]:
+    items = toy.Classes().streams()[stream]
+    w, b = weights["net.weight"].double().numpy(), weights["net.bias"].double().numpy()
+    logits = items.x.double().numpy() @ w.T + b
+    return logits.argmax(axis=1), items.y.numpy()
+
+
+def sklearn_scores(predicted, gold) -> dict[str, float]:
+    kw = {"average": "macro", "zero_division": 0}
+    return {"accuracy": skm.accuracy_score(gold, predicted), "precision": skm.precision_score(gold, predicted, **kw),
+            "recall": skm.recall_score(gold, predicted, **kw), "f1": skm.f1_score(gold, predicted, **kw)}
+
+
+# --- ComputeStats ------------------------------------------------------------------------------
+
+ALL_AGGREGATIONS = ["mean", "std", "min", "max", "sum", "count"]
+
+
+def _numpy_stats(values: np.ndarray) -> dict[str, float]:
+    return {"loss": values.mean(), "loss_std": values.std(), "loss_min": values.min(),
+            "loss_max": values.max(), "loss_sum": values.sum(), "loss_count": len(values)}
+
+
+def test_compute_stats_equal_numpy_on_the_per_sample_losses(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(["loss"], ALL_AGGREGATIONS), rec], main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    for epoch in (1, 2):
+        # training stream: the per-sample losses of the epoch's batches, as the model produced them
+        train = np.concatenate([b["loss"].numpy() for b in rec.train_batches(epoch, 5)])
+        assert len(train) == 40
+        got = rec.epochs[epoch]["train"]
+        for key, expected in _numpy_stats(train).items():
+            assert got[key] == pytest.approx(expected, rel=1e-10, abs=1e-12), (epoch, key)
+        # valid stream: recomputed by hand from the weights at the end of the epoch
+        valid = regression_losses(rec.weights[epoch], "valid")
+        for key, expected in _numpy_stats(valid).items():
+            assert rec.epochs[epoch]["valid"][key] == pytest.approx(expected, rel=1e-10, abs=1e-12), (epoch, key)
+    assert rec.epochs[1]["train"]["loss"] != rec.epochs[2]["train"]["loss"]  # sums restart each epoch
+
+
+def test_compute_stats_only_publish_the_aggregations_asked_for(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(["loss", "prediction"], ["mean", "max"]), rec],
+                           main_loop={"epochs": 1})
+    assert trainer.run() == 0
+    assert set(rec.epochs[1]["train"]) == {"loss", "loss_max", "prediction", "prediction_max"}
+    predictions = np.concatenate([b["prediction"].numpy() for b in rec.train_batches(1, 5)])
+    assert rec.epochs[1]["train"]["prediction_max"] == pytest.approx(predictions.max(), rel=1e-12)
+
+
+def test_compute_stats_state_survives_a_json_round_trip_mid_epoch(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    batches = [{"loss": torch.rand(n, generator=g, dtype=torch.float64) * 10} for n in (5, 3, 7, 1)]
+    whole = ComputeStats(["loss"], ALL_AGGREGATIONS)
+    first = ComputeStats(["loss"], ALL_AGGREGATIONS)
+    second = ComputeStats(["loss"], ALL_AGGREGATIONS)
+    make_trainer(tmp_path, [whole, first, second])  # the hooks are called by hand below
+    for b in batches:
+        whole.after_batch("train", b)
+    for b in batches[:2]:
+        first.after_batch("train", b)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    for b in batches[2:]:
+        second.after_batch("train", b)
+    expected, resumed = {}, {}
+    whole.after_epoch(1, expected)
+    second.after_epoch(1, resumed)
+    values = torch.cat([b["loss"] for b in batches]).numpy()
+    for key, value in _numpy_stats(values).items():
+        assert expected["train"][key] == pytest.approx(value, rel=1e-12)
+        assert resumed["train"][key] == pytest.approx(value, rel=1e-12)
+
+
+def test_compute_stats_name_a_variable_that_is_not_there(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(["accuracy"])], main_loop={"epochs": 1})
+    with pytest.raises(ModelError, match="'accuracy'"):
+        trainer.run()
+    with pytest.raises(ConfigError, match="median"):
+        ComputeStats(["loss"], ["median"])
+
+
+# --- ClassificationMetrics ---------------------------------------------------------------------
+
+def test_classification_metrics_equal_scikit_learn(tmp_path):
+    rec = Record()
+    hook = ClassificationMetrics(predicted="logits", gold="y", metrics=["accuracy", "precision", "recall", "f1"])
+    trainer = make_trainer(tmp_path, [hook, rec], classes=True, main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    for epoch in (1, 2):
+        batches = rec.train_batches(epoch, trainer.steps_per_epoch)
+        predicted = np.concatenate([b["logits"].argmax(-1).numpy() for b in batches])
+        gold = np.concatenate([b["y"].numpy() for b in batches])
+        assert len(gold) == 60
+        for key, expected in sklearn_scores(predicted, gold).items():
+            assert rec.epochs[epoch]["train"][key] == pytest.approx(expected, abs=1e-12), (epoch, key)
+        predicted, gold = classifier_predictions(rec.weights[epoch], "valid")
+        for key, expected in sklearn_scores(predicted, gold).items():
+            assert rec.epochs[epoch]["valid"][key] == pytest.approx(expected, abs=1e-12), (epoch, key)
+    assert 0.3 < rec.epochs[1]["train"]["accuracy"] < 1.0  # an informative check: neither chance nor perfect
+
+
+def test_macro_f1_counts_a_class_that_is_predicted_but_never_true(tmp_path):
+    """Macro averages run over every class seen in the gold labels or the predictions (scikit-learn,
+    torchmetrics): a class predicted but never true has precision 0 and F1 0, and counts."""
+    hook = ClassificationMetrics(predicted="scores", gold="label", metrics=["accuracy", "precision", "recall", "f1"])
+    make_trainer(tmp_path, [hook], classes=True)  # called by hand below
+    predicted, gold = np.array([0, 2, 1, 1]), np.array([0, 0, 1, 1])
+    hook.after_batch("valid", {"scores": torch.nn.functional.one_hot(torch.tensor(predicted), 3).double(),
+                               "label": torch.tensor(gold)})
+    out = {}
+    hook.after_epoch(1, out)
+    for key, expected in sklearn_scores(predicted, gold).items():
+        assert out["valid"][key] == pytest.approx(expected, abs=1e-12), key
+
+
+def test_classification_metrics_take_predicted_class_indices(tmp_path):
+    """`predicted` may hold class indices; a batch may predict a class above its largest gold one."""
+    hook = ClassificationMetrics(predicted="pred", gold="label", metrics=["accuracy", "precision", "recall", "f1"])
+    make_trainer(tmp_path, [hook], classes=True)  # called by hand below
+    batches = [([0, 2, 1, 1], [0, 0, 1, 1]), ([2, 1, 0], [2, 2, 0])]
+    for predicted, gold in batches:
+        hook.after_batch("test", {"pred": torch.tensor(predicted), "label": torch.tensor(gold)})
+    out = {}
+    hook.after_epoch(1, out)
+    predicted = np.concatenate([p for p, _ in batches])
+    gold = np.concatenate([g for _, g in batches])
+    for key, expected in sklearn_scores(predicted, gold).items():
+        assert out["test"][key] == pytest.approx(expected, abs=1e-12), key
+
+
+# --- LogVariables, LogProfile ------------------------------------------------------------------
+
+def test_log_variables_and_log_profile_write_a_line_per_epoch(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(), LogVariables(), LogProfile(), rec], main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    text = (trainer.run_dir / "log.txt").read_text()
+    for epoch, step in ((1, 5), (2, 10)):
+        values = rec.epochs[epoch]
+        line = (f"epoch {epoch} (step {step}) | train: loss {values['train']['loss']:.6g} | "
+                f"valid: loss {values['valid']['loss']:.6g}")
+        assert line in text
+        profile = re.search(rf"epoch {epoch} time \| (.*)", text)
+        assert profile, text
+        parts = re.findall(r"(\w+) ([\d.]+)s \((\d+)%\)", profile.group(1))
+        assert [name for name, _, _ in parts] == ["data", "compute", "hooks", "eval", "after_epoch"]
+        assert abs(sum(int(p) for _, _, p in parts) - 100) <= len(parts)
+
+
+def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), LogVariables(["loss_max"])],
+                           main_loop={"epochs": 1})
+    assert trainer.run() == 0
+    line = next(l for l in (trainer.run_dir / "log.txt").read_text().splitlines() if "epoch 1 (step 5)" in l)
+    assert "train: loss_max " in line and "valid: loss_max " in line
+    assert not re.search(r"\bloss \d", line)
+
+
+# --- WriteCSV ----------------------------------------------------------------------------------
+
+def test_write_csv_has_a_row_per_epoch_and_a_column_per_variable(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), WriteCSV(), rec],
+                           main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    columns, rows = read_csv(trainer.run_dir / "metrics.csv")
+    assert columns == ["epoch", "step", "train.loss", "train.loss_max", "valid.loss", "valid.loss_max"]
+    assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(1, 5), (2, 10), (3, 15)]
+    for row in rows:
+        values = rec.epochs[int(row["epoch"])]
+        for column in columns[2:]:
+            stream, var = column.split(".")
+            assert float(row[column]) == values[stream][var]  # written with full precision
+
+
+def test_write_csv_drops_the_rows_after_the_restored_epoch(tmp_path):
+    hooks = lambda: [ComputeStats(), WriteCSV(), SaveEvery(epochs=1)]  # noqa: E731
+    trainer = make_trainer(tmp_path, hooks(), main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    _, before = read_csv(trainer.run_dir / "metrics.csv")
+    again = make_trainer(tmp_path, hooks(), main_loop={"epochs": 3})
+    again.restore(5)  # back to the end of epoch 1: epochs 2 and 3 are trained again
+    assert again.run() == 0
+    _, after = read_csv(trainer.run_dir / "metrics.csv")
+    assert [r["epoch"] for r in after] == ["1", "2", "3"]
+    assert after == before  # the same sample order and RNG: the same numbers, each epoch once
+
+
+# --- WriteTensorBoard --------------------------------------------------------------------------
+
+def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_write_tensorboard_writes_events_that_tensorboard_reads(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(), WriteTensorBoard(every_n_steps=2), rec],
+                           main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    folder = trainer.run_dir / "tensorboard"
+    assert [p.name.startswith("events.out.tfevents.") for p in folder.iterdir()] == [True]
+    scalars = _scalars(folder)
+    assert {"train/loss", "valid/loss", "train/step_loss", "lr/group0"} <= set(scalars)
+    for stream in ("train", "valid"):
+        steps = [s for s, _ in scalars[f"{stream}/loss"]]
+        assert steps == [5, 10]
+        for (step, value), epoch in zip(scalars[f"{stream}/loss"], (1, 2)):
+            assert value == pytest.approx(rec.epochs[epoch][stream]["loss"], rel=1e-6)
+    step_means = {step: b["loss"].mean().item() for s, step, b in rec.batches if s == "train"}
+    assert [s for s, _ in scalars["train/step_loss"]] == [2, 4, 6, 8, 10]
+    for step, value in scalars["train/step_loss"]:
+        assert value == pytest.approx(step_means[step], rel=1e-6)
+    assert [v for _, v in scalars["lr/group0"]] == pytest.approx([0.05] * 5)
+
+
+def test_write_tensorboard_keeps_every_event_across_a_resume(tmp_path):
+    """A resumed run continues after the checkpoint's step: the events logged at that step belong to
+    the history it keeps, and must still be there (purging starts after it)."""
+    hooks = lambda: [ComputeStats(), WriteCSV(), WriteTensorBoard(every_n_steps=5), SaveLatest()]  # noqa: E731
+    assert make_trainer(tmp_path, hooks(), main_loop={"epochs": 2}).run() == 0
+    resumed = make_trainer(tmp_path, hooks(), main_loop={"epochs": 3})
+    resumed.restore(10)
+    assert resumed.run() == 0
+    _, rows = read_csv(tmp_path / "run" / "metrics.csv")
+    scalars = _scalars(tmp_path / "run" / "tensorboard")
+    for stream in ("train", "valid"):
+        assert scalars[f"{stream}/loss"] == [
+            (int(r["step"]), pytest.approx(float(r[f"{stream}.loss"]), rel=1e-6)) for r in rows]
+    assert [s for s, _ in scalars["train/step_loss"]] == [5, 10, 15]
+
+
+# --- PlotLines ---------------------------------------------------------------------------------
+
+def test_plot_lines_write_png_files_that_matplotlib_reads(tmp_path):
+    from matplotlib import image
+
+    plot = PlotLines(variables=["loss", "accuracy"])
+    trainer = make_trainer(tmp_path, [ComputeStats(), ClassificationMetrics("logits", "y"), plot],
+                           classes=True, main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    folder = trainer.run_dir / "plots"
+    assert sorted(p.name for p in folder.iterdir()) == ["accuracy.png", "loss.png"]  # no f1, no temp files
+    for name in ("accuracy.png", "loss.png"):
+        assert (folder / name).read_bytes()[:8] == PNG_SIGNATURE
+        pixels = image.imread(folder / name)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+        assert pixels.std() > 0  # something is drawn
+    assert sorted(plot.history) == ["train.accuracy", "train.loss", "valid.accuracy", "valid.loss"]
+    assert [e for e, _ in plot.history["valid.loss"]] == [1, 2]
+
+
+# --- ShowProgress ------------------------------------------------------------------------------
+
+def test_show_progress_draws_on_a_terminal(tmp_path, monkeypatch):
+    out = io.StringIO()
+    terminal = Console(file=out, force_terminal=True, width=150, color_system=None)
+    monkeypatch.setattr("phalanx.logs.console", terminal)
+    monkeypatch.setattr("phalanx.hooks.progress.console", terminal)
+    trainer = make_trainer(tmp_path, [ShowProgress(refresh_s=0.0), ComputeStats(), LogVariables()],
+                           main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    text = out.getvalue()
+    assert "epoch 1/2" in text and "epoch 2/2" in text
+    assert "5/5" in text  # the training bar reaches the epoch's step count
+    assert "valid" in text and "samples/s" in text
+    assert re.search(r"loss \d+\.\d{4}", text)
+    assert "epoch 2 (step 10)" in text  # log lines go through the same console
+
+
+def test_show_progress_draws_nothing_off_a_terminal(tmp_path, monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr("phalanx.hooks.progress.console", Console(file=out, force_terminal=False))
+    hook = ShowProgress()
+    trainer = make_trainer(tmp_path, [hook, ComputeStats()], main_loop={"epochs": 1})
+    assert trainer.run() == 0
+    assert out.getvalue() == "" and hook._progress is None
+
+
+# --- SaveEvery, SaveLatest, SaveBest -----------------------------------------------------------
+
+def test_save_every_n_steps(tmp_path):
+    trainer = make_trainer(tmp_path, [SaveEvery(steps=3)], main_loop={"epochs": 2}, checkpoints={"keep_last": 10})
+    assert trainer.run() == 0
+    assert trainer.checkpoints.steps() == [3, 6, 9]
+    for step in (3, 6, 9):
+        trainer.checkpoints.verify(step)
+        state = json.loads((trainer.checkpoints.path(step) / "trainer.json").read_text())
+        assert (state["step"], state["epoch"], state["step_in_epoch"]) == (step, (step - 1) // 5, step - 5 * ((step - 1) // 5))
+
+
+def test_save_every_n_epochs(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [SaveEvery(epochs=2), rec], main_loop={"epochs": 4}, checkpoints={"keep_last": 10})
+    assert trainer.run() == 0
+    assert trainer.checkpoints.steps() == [10, 20]
+    saved = load_file(str(trainer.checkpoints.path(10) / "model.safetensors"))
+    for name, value in rec.weights[2].items():
+        assert torch.equal(saved[name], value)
+    with pytest.raises(ConfigError):
+        SaveEvery(epochs=0)
+
+
+def test_save_latest_after_each_epoch_and_at_the_end(tmp_path):
+    trainer = make_trainer(tmp_path, [SaveLatest(), StopAfter(steps=7)], main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    assert trainer.checkpoints.steps() == [5, 7]
+    state = json.loads((trainer.checkpoints.path(7) / "trainer.json").read_text())
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 2)  # resumable mid-epoch
+
+
+def test_save_best_keeps_the_best_step_through_retention(tmp_path):
+    rec = Record()
+    # valid.loss falls every epoch, so with mode max the best stays at epoch 1 while newer steps
+    # come and go under keep_last=1
+    hooks = [ComputeStats(), SaveBest("valid.loss", mode="max"), SaveLatest(), rec]
+    trainer = make_trainer(tmp_path, hooks, main_loop={"epochs": 4}, checkpoints={"keep_last": 1})
+    assert trainer.run() == 0
+    losses = [rec.epochs[e]["valid"]["loss"] for e in (1, 2, 3, 4)]
+    assert losses == sorted(losses, reverse=True)
+    best = json.loads((trainer.run_dir / "checkpoints" / "best.json").read_text())
+    assert best == {"step": 5, "variable": "valid.loss", "value": losses[0], "epoch": 1}
+    assert trainer.checkpoints.steps() == [5, 20]
+    trainer.checkpoints.verify(5)
+    saved = load_file(str(trainer.checkpoints.path(5) / "model.safetensors"))
+    for name, value in rec.weights[1].items():
+        assert torch.equal(saved[name], value)
+    assert trainer.checkpoints.select("best") == 5
+
+
+def test_save_best_in_min_mode_follows_the_improvements(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(), SaveBest("valid.loss", mode="min")],
+                           main_loop={"epochs": 3}, checkpoints={"keep_last": 1})
+    assert trainer.run() == 0
+    assert trainer.checkpoints.best() == 15 and trainer.checkpoints.steps() == [15]
+
+
+def test_save_best_names_a_variable_nobody_computed(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(), SaveBest("valid.accuracy", mode="max")], main_loop={"epochs": 1})
+    with pytest.raises(ConfigError, match="valid.accuracy"):
+        trainer.run()
+
+
+# --- StopAfter, StopOnNaN, StopOnPlateau -------------------------------------------------------
+
+def test_stop_after_epochs(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopAfter(epochs=2)], main_loop={"epochs": 5})
+    assert trainer.run() == 0
+    assert (trainer.epoch, trainer.step) == (2, 10)
+    assert trace_events(trainer.run_dir)[-1] == "finished"
+
+
+def test_stop_after_steps(tmp_path):
+    trainer = make_trainer(tmp_path, [StopAfter(steps=7)], main_loop={"epochs": 5})
+    assert trainer.run() == 0
+    assert (trainer.epoch, trainer.step, trainer.step_in_epoch) == (1, 7, 2)
+
+
+def test_stop_after_minutes_reads_the_injected_clock(tmp_path):
+    calls = []
+
+    def clock() -> float:  # 20 seconds pass at each reading
+        calls.append(len(calls) * 20.0)
+        return calls[-1]
+
+    trainer = make_trainer(tmp_path, [StopAfter(minutes=1, clock=clock)], main_loop={"epochs": 5})
+    assert trainer.run() == 0
+    assert trainer.step == 3  # readings 0 (start), 20, 40, 60: the third step reaches one minute
+    with pytest.raises(ConfigError):
+        StopAfter()
+
+
+def test_stop_on_nan_fails_the_run_at_the_step_that_saw_it(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnNaN(), SaveLatest(), rec], main_loop={"epochs": 3})
+    trainer.dataset.streams()["train"].y[13] = float("nan")
+    expected_step = data.permutation(0, 1, 40).index(13) // 8 + 1
+    assert trainer.run() == 1
+    assert trainer.step == expected_step
+    assert rec.success is False
+    assert trace_events(trainer.run_dir)[-1] == "failed"
+    assert trainer.checkpoints.steps() == ([5] if expected_step > 5 else [])  # no checkpoint of the failed state
+    assert "StopOnNaN" in (trainer.run_dir / "log.txt").read_text()
+
+
+def test_stop_on_nan_sees_a_diverging_loss(tmp_path):
+    trainer = make_trainer(tmp_path, [StopOnNaN()], optimizer={"class": "SGD", "lr": 1e150},
+                           main_loop={"epochs": 50})
+    assert trainer.run() == 1
+    assert not math.isfinite(float(trainer.last_loss))
+    assert trainer.epoch < 50
+
+
+def test_stop_on_plateau_after_patience_epochs_without_improvement(tmp_path):
+    rec = Record()
+    # lr 0: nothing learns, valid.loss is the same every epoch
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=2), rec],
+                           optimizer={"class": "SGD", "lr": 0.0}, main_loop={"epochs": 10})
+    assert trainer.run() == 0
+    assert trainer.epoch == 3 and sorted(rec.epochs) == [1, 2, 3]
+
+
+def test_stop_on_plateau_lets_an_improving_run_go_on(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=1)], main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    assert trainer.epoch == 3
+
+
+def test_stop_on_plateau_min_delta(tmp_path):
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=1, min_delta=100.0)],
+                           main_loop={"epochs": 5})
+    assert trainer.run() == 0
+    assert trainer.epoch == 2  # improvements under min_delta do not count
+
+
+# --- TrainingTerminated and the order of hooks -------------------------------------------------
+
+class StopAt(Hook):
+    def __init__(self, event: str, when: int, success: bool = True):
+        self.event, self.when, self.success = event, when, success
+
+    def after_batch(self, stream, batch):
+        if self.event == "after_batch" and stream == "train" and self.trainer.step == self.when:
+            raise TrainingTerminated("test stop", success=self.success)
+
+    def after_epoch(self, epoch, epoch_data):
+        if self.event == "after_epoch" and epoch == self.when:
+            raise TrainingTerminated("test stop", success=self.success)
+
+
+def test_a_hook_stopping_after_epoch_lets_the_later_hooks_run_that_epoch(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [ComputeStats(), StopAt("after_epoch", 1), WriteCSV(), SaveLatest(), rec],
+                           main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    assert trainer.epoch == 1
+    assert sorted(rec.epochs) == [1] and rec.profiles == [1] and rec.success is True
+    _, rows = read_csv(trainer.run_dir / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1"]
+    assert trainer.checkpoints.steps() == [5]
+
+
+def test_a_hook_stopping_after_batch_lets_the_later_hooks_see_that_batch(tmp_path):
+    rec = Record()
+    trainer = make_trainer(tmp_path, [StopAt("after_batch", 3, success=False), rec], main_loop={"epochs": 3})
+    assert trainer.run() == 1
+    assert [step for s, step, _ in rec.batches if s == "train"] == [1, 2, 3]
+    assert rec.success is False
+    assert trace_events(trainer.run_dir)[-1] == "failed"
+
+
+# --- the default hooks -------------------------------------------------------------------------
+
+def test_default_hooks_write_metrics_tensorboard_and_checkpoints(tmp_path):
+    path = toy.write_config(tmp_path / "exp", toy.regression_config(hooks=None))
+    assert commands.train(str(path), []) == 0
+    [run] = list((tmp_path / "exp" / "runs").iterdir())
+    _, rows = read_csv(run / "metrics.csv")
+    assert [r["epoch"] for r in rows] == ["1", "2"] and "valid.loss" in rows[0]
+    assert any(p.name.startswith("events.out.tfevents.") for p in (run / "tensorboard").iterdir())
+    assert (run / "checkpoints" / "step-10" / "manifest.json").is_file()
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["variable"] == "valid.loss" and best["step"] == 10
+    assert "epoch 2 time |" in (run / "log.txt").read_text()
+
+
+def test_default_hooks_without_a_valid_stream_save_no_best():
+    with_valid = config.validate(toy.regression_config(hooks=None))
+    without = config.validate(toy.regression_config(hooks=None, main_loop={"extra_streams": []}))
+    names = [type(h).__name__ for h in build_hooks(with_valid, [TESTS])]
+    assert names == ["ShowProgress", "ComputeStats", "LogVariables", "LogProfile", "WriteCSV",
+                     "WriteTensorBoard", "SaveLatest", "SaveBest"]
+    assert "SaveBest" not in [type(h).__name__ for h in build_hooks(without, [TESTS])]

@@ -1,0 +1,91 @@
+"""Choosing a strategy, and the start-up checks that do not need several processes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import toy
+from phalanx import config, strategies
+from phalanx.errors import ConfigError
+from phalanx.strategies.ddp import _flatten, check_same_config
+from phalanx.strategies.single import Single
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def cfg(**parallel):
+    return config.validate(toy.regression_config(parallel=parallel))
+
+
+def test_one_device_is_the_single_strategy(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert isinstance(strategies.create(cfg()), Single)
+    assert not strategies.needs_launch(cfg())
+
+
+def test_several_cpu_devices_are_launched_as_processes(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert strategies.needs_launch(cfg(accelerator="cpu", devices=3))
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=3)) == ("cpu", 3)
+
+
+def test_inside_a_worker_nothing_is_relaunched(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not strategies.needs_launch(cfg(accelerator="cpu", devices=2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPUs")
+def test_asking_for_gpus_without_any_names_the_fix():
+    with pytest.raises(ConfigError, match="n_gpus=2 asks for CUDA GPUs but none is visible"):
+        strategies.resolve_device(config.validate(toy.regression_config(model={"n_gpus": 2})))
+
+
+def test_single_strategy_with_several_devices_is_refused(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="strategy=single"):
+        strategies.create(cfg(accelerator="cpu", devices=2, strategy="single"))
+
+
+def test_unknown_strategy_lists_the_choices(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="auto, single, ddp"):
+        strategies.create(cfg(strategy="towers"))
+
+
+class _TwoRanks:
+    def __init__(self, other: dict):
+        self.other = other
+
+    def gather(self, value):
+        return [value, self.other]
+
+
+def test_ranks_with_different_configs_are_a_config_error_naming_the_keys():
+    mine = {"optimizer": {"lr": 0.1}, "seed": 0}
+    other = _flatten({"config": {"optimizer": {"lr": 0.2}, "seed": 0}, "versions": {"torch": "x"}})
+    with pytest.raises(ConfigError, match="optimizer.lr"):
+        check_same_config(_TwoRanks(other), mine, {"torch": "x"})
+    same = _flatten({"config": mine, "versions": {"torch": "x"}})
+    check_same_config(_TwoRanks(same), mine, {"torch": "x"})  # the same everywhere: no error
+
+
+def test_lr_scaling_follows_the_global_batch_not_the_device_count():
+    from phalanx.build import scaled_lr
+
+    opt = config.validate(toy.regression_config(
+        optimizer={"class": "SGD", "lr": 0.1, "lr_scaling": {"rule": "linear", "base_batch_size": 4}})).optimizer
+    assert scaled_lr(opt, 8)["lr"] == pytest.approx(0.2)
+    opt = config.validate(toy.regression_config(
+        optimizer={"class": "SGD", "lr": 0.1, "lr_scaling": {"rule": "sqrt", "base_batch_size": 2}})).optimizer
+    assert scaled_lr(opt, 8)["lr"] == pytest.approx(0.2)
+
+
+def test_shard_weights_must_match_the_process_count():
+    from phalanx.trainer import _shard_weights
+
+    c = cfg(shard_weights=[1, 2])
+    assert _shard_weights(c, 1) is None
+    assert _shard_weights(c, 2) == [1, 2]
+    with pytest.raises(ConfigError, match="2 weights"):
+        _shard_weights(c, 3)
