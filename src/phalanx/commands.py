@@ -119,8 +119,10 @@ def _run(trainer: Trainer) -> int:
 
 
 def _open(run_path: str) -> tuple[Path, config.Config]:
+    """A run and its config for one process on one device (checkpoints carry no device count)."""
     run_dir = rundir.open_run(run_path)
-    return run_dir, config.validate(rundir.load_config_text(run_dir))
+    one = ["parallel.devices=1", "parallel.strategy=auto", "parallel.shard_weights=null", "model.n_gpus=null"]
+    return run_dir, config.validate(config.apply_overrides(rundir.load_config_text(run_dir), one))
 
 
 def _restored(run_dir: Path, cfg: config.Config, which: str, hooks: list[Hook]) -> tuple[Trainer, int]:
