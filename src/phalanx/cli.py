@@ -30,6 +30,10 @@ SUBCOMMANDS = {
     "predict": ("write a checkpoint's per-sample outputs on a stream as CSV", """\
         example:
           phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv"""),
+    "bench": ("train a config for a few steps at each device count and show how it scales", """\
+        examples:
+          phalanx bench examples/digits/config.yaml --devices 1,2 --steps 50
+          phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling"""),
     "ls": ("list the runs under a folder", """\
         example:
           phalanx ls runs"""),
@@ -66,6 +70,11 @@ def parser() -> argparse.ArgumentParser:
         made[name].add_argument("--checkpoint", default="best",
                                 help="best, latest or a step number (default: best)")
     made["predict"].add_argument("--output", required=True, help="the CSV file to write")
+    made["bench"].add_argument("config", help="the YAML config file")
+    made["bench"].add_argument("overrides", **overrides)
+    made["bench"].add_argument("--devices", default="1,2", help="device counts, comma-separated (default: 1,2)")
+    made["bench"].add_argument("--steps", type=int, default=50, help="training steps at each count (default: 50)")
+    made["bench"].add_argument("--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)")
     made["ls"].add_argument("root", nargs="?", default="runs", help="the folder holding runs (default: runs)")
     return top
 
@@ -81,11 +90,22 @@ def run(args: argparse.Namespace) -> int:
         commands.evaluate(args.run_dir, args.stream, args.checkpoint)
     elif args.command == "predict":
         commands.predict(args.run_dir, args.stream, args.output, args.checkpoint)
+    elif args.command == "bench":
+        commands.bench(args.config, _counts(args.devices), args.steps, args.overrides, args.output)
     elif args.command == "ls":
         commands.list_runs(args.root)
     elif args.command == "info":
         commands.info()
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    from phalanx.errors import PhalanxError
+
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PhalanxError(f"--devices {text!r} is not a list of counts; write e.g. --devices 1,2,4") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import __version__, config, launch, logs, rundir, strategies
+from phalanx import __version__, config, launch, logs, metrics, rundir, strategies
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.files import write_text_atomic
@@ -239,3 +239,71 @@ def info() -> dict[str, Any]:
         table.add_row(key, str(value))
     logs.out.print(table)
     return facts
+
+
+def bench(config_path: str, devices: list[int], steps: int, overrides: list[str], output: str | None) -> list[dict]:
+    """Train a config for `steps` steps at each device count; print and save the scaling table."""
+    if not devices or min(devices) < 1 or steps < 2:
+        raise PhalanxError(f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})")
+    out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
+    hooks = f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {min(5, steps // 2)}}}}}, " \
+            f"{{StopAfter: {{steps: {steps}}}}}]"
+    rows = []
+    for n in devices:
+        name = f"devices{n}"
+        fixed = [*accelerator, f"parallel.devices={n}", f"output_root={out_dir}", f"name={name}", hooks,
+                 "main_loop.epochs=1000000", "main_loop.extra_streams=[]", "main_loop.skip_zeroth_epoch=true"]
+        code = train(config_path, [*overrides, *fixed])
+        if code != 0:
+            raise PhalanxError(f"the run on {n} device(s) ended with exit code {code}; see {out_dir}")
+        [run_dir] = sorted(out_dir.glob(f"{name}-*"))[-1:]
+        summary = json.loads((run_dir / "throughput.json").read_text())
+        total = sum(summary["profile"].values()) or 1.0
+        rows.append({"devices": n, "samples_per_s": summary.get("samples_per_s", 0.0),
+                     "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
+                     **{f"{k}_share": v / total for k, v in summary["profile"].items()}})
+    rows = metrics.scaling(rows)
+    write_text_atomic(out_dir / "bench.json", json.dumps({"config": str(config_path), "steps": steps,
+                                                          "rows": rows}, indent=1))
+    _plot_scaling(rows, out_dir / "scaling.png")
+    _print_scaling(rows, out_dir)
+    return rows
+
+
+def _print_scaling(rows: list[dict], out_dir: Path) -> None:
+    table = Table(title=f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))")
+    for column in ("devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "data", "compute", "hooks"):
+        table.add_column(column, justify="right")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    for r in rows:
+        table.add_row(str(r["devices"]), f"{r['samples_per_s']:,.0f}",
+                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
+                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", pct(r["efficiency"]), pct(r["mfu"]),
+                      pct(r.get("data_share")), pct(r.get("compute_share")), pct(r.get("hooks_share")))
+    logs.out.print(table)
+
+
+def _plot_scaling(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    devices = [r["devices"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(devices, [r["samples_per_s"] for r in rows], marker="o", label="measured")
+    base = next((r["samples_per_s"] for r in rows if r["devices"] == 1), None)
+    if base:
+        ax.plot(devices, [base * n for n in devices], linestyle="--", color="gray", label="perfect scaling")
+    ax.set(xlabel="devices", ylabel="samples/s", title="throughput by device count", xticks=devices)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)

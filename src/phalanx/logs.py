@@ -10,6 +10,8 @@ from rich.logging import RichHandler
 
 console = Console(stderr=True)   # progress and logs
 out = Console()                  # a command's results (eval tables, ls, info), on standard output
+if not out.is_terminal:
+    out.width = 160              # a file or a pipe: no terminal width to fit, so do not squeeze tables
 log = logging.getLogger("phalanx")
 
 

@@ -57,6 +57,7 @@ class Trainer:
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         self.shard_weights = _shard_weights(cfg, self.strategy.world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
+        self.profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0, "eval": 0.0}  # seconds, this process's run
         self.last_loss: torch.Tensor | None = None
         self.last_batch_size = 0
         self.stop = GracefulStop()
@@ -122,8 +123,18 @@ class Trainer:
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers, seed=worker_seed))
-        listeners = self._listeners["after_batch"]
         profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
+        try:
+            self._train_steps(plan, batches, profile)
+        finally:  # also when a hook or a signal ends the epoch early
+            for key, seconds in profile.items():
+                self.profile[key] += seconds
+        self.epoch, self.step_in_epoch = epoch, 0
+        self.engine.end_epoch()
+        self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
+
+    def _train_steps(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
+        listeners = self._listeners["after_batch"]
         clock = time.perf_counter
         for k, micros in plan.steps(self.step_in_epoch):
             t0 = clock()
@@ -142,9 +153,6 @@ class Trainer:
                 raise stop
             if result.stop:
                 raise _Interrupted
-        self.epoch, self.step_in_epoch = epoch, 0
-        self.engine.end_epoch()
-        self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
 
     def _check_sync_batchnorm(self, plan: data.Plan) -> None:
         """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""
@@ -165,6 +173,7 @@ class Trainer:
         for name in streams:
             self.evaluate(name)
         profile["eval"] = time.perf_counter() - start
+        self.profile["eval"] += profile["eval"]
         start = time.perf_counter()
         stop = self._emit("after_epoch", epoch, self.epoch_data)
         profile["after_epoch"] = time.perf_counter() - start

@@ -11,19 +11,21 @@ from phalanx.hooks.progress import ShowProgress
 from phalanx.hooks.saving import SaveBest, SaveEvery, SaveLatest
 from phalanx.hooks.stats import ClassificationMetrics, ComputeStats
 from phalanx.hooks.stopping import StopAfter, StopOnNaN, StopOnPlateau
+from phalanx.hooks.throughput import LogThroughput
 from phalanx.hooks.writers import LogProfile, LogVariables, PlotLines, WriteCSV, WriteTensorBoard
 
 BUILTIN: dict[str, type[Hook]] = {cls.__name__: cls for cls in (
     ShowProgress, ComputeStats, ClassificationMetrics, LogVariables, LogProfile, WriteCSV,
-    WriteTensorBoard, PlotLines, SaveEvery, SaveBest, SaveLatest, StopAfter, StopOnNaN, StopOnPlateau)}
+    WriteTensorBoard, PlotLines, LogThroughput, SaveEvery, SaveBest, SaveLatest, StopAfter, StopOnNaN, StopOnPlateau)}
 
 __all__ = ["BUILTIN", "Hook", "TrainingTerminated", "build_hooks", "default_hooks", *BUILTIN]
 
 
 def default_hooks(cfg: Config) -> list[Any]:
-    """The hooks of a config that lists none: progress, loss statistics, logs, metrics files,
-    TensorBoard, the latest checkpoint, and the best one by validation loss when there is a `valid` stream."""
-    hooks: list[Any] = ["ShowProgress", {"ComputeStats": {"variables": ["loss"]}}, "LogVariables",
+    """The hooks of a config that lists none: progress, loss statistics, throughput, logs, metrics
+    files, TensorBoard, the latest checkpoint, and the best one by validation loss when there is a
+    `valid` stream."""
+    hooks: list[Any] = ["ShowProgress", {"ComputeStats": {"variables": ["loss"]}}, "LogThroughput", "LogVariables",
                         "LogProfile", "WriteCSV", "WriteTensorBoard", "SaveLatest"]
     if "valid" in cfg.main_loop.extra_streams:
         hooks.append({"SaveBest": {"variable": "valid.loss", "mode": "min"}})

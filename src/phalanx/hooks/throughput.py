@@ -1,0 +1,131 @@
+"""LogThroughput: samples/s, tokens/s, MFU, memory and GPU utilisation, live and per epoch."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from phalanx import metrics
+from phalanx.files import write_text_atomic
+from phalanx.hooks.base import Hook
+from phalanx.model import Forward, shard_loss_sum
+
+log = logging.getLogger("phalanx")
+
+
+class LogThroughput(Hook):
+    """Every `every_n_steps` training steps, log samples/s (tokens/s when the batch holds a token
+    sequence under `tokens_key`), MFU (with a known `peak_flops` per device), memory and GPU use.
+    After each epoch, put the epoch's figures into `epoch_data["train"]` (`samples_per_s`,
+    `tokens_per_s`, `mfu`, `memory_peak_gib`) for the hooks listed after it, and at the end write
+    `throughput.json` with the steady-state figures (the first `warmup_steps` steps left out).
+    """
+
+    gathers = False  # reads the trainer's global batch size; times its own steps
+
+    def __init__(self, every_n_steps: int = 50, tokens_key: str | None = "tokens", peak_flops: float | None = None,
+                 warmup_steps: int = 5, clock=time.perf_counter):
+        self.every, self.tokens_key, self.warmup = max(1, every_n_steps), tokens_key, warmup_steps
+        self.peak_override, self.clock = peak_flops, clock
+        self.flops_per_sample: float | None = None
+        self.tokens_per_sample = 0
+        self._last: float | None = None
+        self._window = [0.0, 0]     # seconds, samples since the last log line
+        self._epoch = [0.0, 0]      # seconds, samples this epoch
+        self._steady = [0.0, 0]     # seconds, samples after warm-up, whole run
+        self._steps = 0
+        self._counted = False
+
+    @property
+    def peak(self) -> float | None:
+        per_device = self.peak_override or metrics.peak_flops(self.trainer.strategy.device)
+        return per_device * self.trainer.strategy.world_size if per_device else None
+
+    def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
+        if stream != "train":
+            return
+        if not self._counted and batch:
+            self._count(batch)
+        now = self.clock()
+        samples = self.trainer.last_batch_size
+        if self._last is not None:
+            seconds = now - self._last
+            for acc in (self._window, self._epoch) + ((self._steady,) if self._steps >= self.warmup else ()):
+                acc[0] += seconds
+                acc[1] += samples
+        self._last = now
+        self._steps += 1
+        if self._steps % self.every == 0 and self._window[0] > 0:
+            self._log_window()
+
+    def _count(self, batch: dict[str, Any]) -> None:
+        """FLOPs per sample, and tokens per sample, from this rank's first training batch."""
+        self._counted = True
+        trainer = self.trainer
+        inputs = {k: v for k, v in batch.items() if k not in trainer.forward.output_names}
+        n = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
+        tokens = inputs.get(self.tokens_key) if self.tokens_key else None
+        if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+            self.tokens_per_sample = int(tokens.shape[1])
+        if not n:
+            return
+        module = trainer.strategy.unwrap(trainer.module)
+
+        def step(meta_module: torch.nn.Module, meta_batch: dict) -> torch.Tensor:
+            outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)
+            return shard_loss_sum(outputs["loss"], n) / n
+
+        flops = metrics.training_flops(module, step, inputs)
+        self.flops_per_sample = flops / n if flops else None
+
+    def _figures(self, seconds: float, samples: int) -> dict[str, float]:
+        rate = samples / seconds
+        out = {"samples_per_s": rate}
+        if self.tokens_per_sample:
+            out["tokens_per_s"] = rate * self.tokens_per_sample
+        if self.flops_per_sample and self.peak:
+            out["mfu"] = self.flops_per_sample * rate / self.peak
+        out.update(metrics.memory(self.trainer.strategy.device))
+        return out
+
+    def _log_window(self) -> None:
+        device = self.trainer.strategy.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        figures = self._figures(*self._window)
+        self._window = [0.0, 0]
+        if not self.trainer.strategy.is_main:
+            return
+        utilization = metrics.gpu_utilization(device)
+        parts = [f"{figures['samples_per_s']:,.0f} samples/s"]
+        if "tokens_per_s" in figures:
+            parts.append(f"{figures['tokens_per_s']:,.0f} tokens/s")
+        if "mfu" in figures:
+            parts.append(f"MFU {100 * figures['mfu']:.1f}%")
+        parts.append(f"peak memory {figures['memory_peak_gib']:.2f} GiB")
+        if utilization is not None:
+            parts.append(f"GPU {utilization:.0f}%")
+        log.info("step %d | %s", self.trainer.step, ", ".join(parts))
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self._last = None  # evaluation time between epochs is not training time
+        if self._epoch[0] > 0:
+            epoch_data.setdefault("train", {}).update(self._figures(*self._epoch))
+        self._epoch = [0.0, 0]
+
+    def summary(self) -> dict[str, Any]:
+        """Steady-state figures of the whole run (after the warm-up steps)."""
+        seconds, samples = self._steady if self._steady[0] > 0 else self._epoch
+        out = {"devices": self.trainer.strategy.world_size, "steps": self._steps,
+               "flops_per_sample": self.flops_per_sample, "peak_flops": self.peak,
+               "profile": dict(self.trainer.profile)}
+        if seconds > 0:
+            out.update(self._figures(seconds, samples))
+        return out
+
+    def after_training(self, success: bool) -> None:
+        if self.trainer.strategy.is_main and self.trainer.run_dir is not None:
+            write_text_atomic(self.trainer.run_dir / "throughput.json", json.dumps(self.summary(), indent=1))

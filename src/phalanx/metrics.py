@@ -1,0 +1,96 @@
+"""Measurements of a run: FLOPs of a training step, the device's peak, MFU, memory, scaling.
+
+FLOPs are counted once, by torch.utils.flop_counter on a copy of the model on the meta device,
+so counting touches neither the real weights, nor their gradients, nor any random generator.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import resource
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+log = logging.getLogger("phalanx")
+
+# Dense bf16/fp16 tensor-core peak per GPU, FLOP/s (vendor datasheets, without sparsity). Matched
+# by substring of torch.cuda.get_device_name(); override with LogThroughput(peak_flops=...).
+PEAK_FLOPS = {
+    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "A10": 125e12,
+    "L40S": 362e12, "L4": 121e12, "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak FLOP/s from the table, or None (CPUs and unknown GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key in name:
+            return PEAK_FLOPS[key]
+    return None
+
+
+def count_flops(fn: Callable[[], Any]) -> int:
+    """FLOPs performed by `fn()` (matrix products and convolutions, as torch counts them)."""
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def training_flops(module: nn.Module, forward: Callable[[nn.Module, Mapping], torch.Tensor],
+                   batch: Mapping[str, Any]) -> int | None:
+    """FLOPs of one forward and backward of `module` on `batch`, counted on meta tensors.
+
+    `forward(module, batch)` returns the scalar to differentiate. None when the model cannot run on
+    the meta device (data-dependent shapes, for one): throughput is still measured, MFU is not.
+    """
+    try:
+        meta = copy.deepcopy(module).to("meta")
+        meta_batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return count_flops(lambda: forward(meta, meta_batch).backward())
+    except Exception as e:  # noqa: BLE001 - any failure only means no MFU figure
+        log.warning("could not count the model's FLOPs on the meta device (%s: %s); MFU is not reported",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
+
+
+def memory(device: torch.device) -> dict[str, float]:
+    """Peak and current memory in GiB: the device's allocator on CUDA, the process's RSS on CPU."""
+    if device.type == "cuda":
+        return {"memory_gib": torch.cuda.memory_allocated(device) / 2**30,
+                "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"memory_peak_gib": peak_kib / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+def gpu_utilization(device: torch.device) -> float | None:
+    """GPU utilisation in percent through NVML (nvidia-ml-py), when it is installed."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # noqa: BLE001 - not installed, or no driver: the figure is simply absent
+        return None
+
+
+def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Scaling efficiency of each device count: throughput_N / (N * throughput_1), from rows holding
+    `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in full."""
+    base = next((r for r in rows if r["devices"] == 1), None)
+    out = []
+    for row in rows:
+        eff = row["samples_per_s"] / (row["devices"] * base["samples_per_s"]) if base else None
+        out.append({**row, "speedup": row["samples_per_s"] / base["samples_per_s"] if base else None,
+                    "efficiency": eff})
+    return out

@@ -1,0 +1,68 @@
+"""Throughput, FLOPs, MFU and scaling figures against answers known in advance."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import toy
+from phalanx import config, metrics
+from phalanx.hooks import ComputeStats, LogThroughput
+from phalanx.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_flops_of_a_linear_layer_are_two_per_multiply_add():
+    layer = nn.Linear(10, 20, bias=False)
+    x = torch.randn(8, 10)
+    assert metrics.count_flops(lambda: layer(x)) == 2 * 8 * 10 * 20
+
+
+def test_training_flops_count_forward_and_weight_gradients_on_meta_tensors():
+    layer = nn.Linear(10, 20, bias=False)
+    before = layer.weight.detach().clone()
+    flops = metrics.training_flops(layer, lambda m, b: m(b["x"]).sum(), {"x": torch.randn(8, 10)})
+    assert flops == 2 * (2 * 8 * 10 * 20)  # forward, and the weight gradient (the input needs none)
+    assert torch.equal(layer.weight, before) and layer.weight.grad is None  # the real model is untouched
+
+
+def test_scaling_efficiency_is_throughput_over_n_times_one_device():
+    rows = metrics.scaling([{"devices": 1, "samples_per_s": 100.0}, {"devices": 2, "samples_per_s": 150.0},
+                            {"devices": 4, "samples_per_s": 80.0}])
+    assert [r["speedup"] for r in rows] == [1.0, 1.5, 0.8]
+    assert [r["efficiency"] for r in rows] == [1.0, 0.75, 0.2]
+
+
+class _Clock:
+    """A clock that advances by a fixed interval at every training step: a loop with a known sleep."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
+    cfg = config.validate(toy.regression_config(dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40},
+                                                main_loop={"epochs": 2, "extra_streams": []}))
+    hook = LogThroughput(every_n_steps=2, warmup_steps=2, clock=_Clock(0.25), peak_flops=1e3)
+    trainer = Trainer(cfg, tmp_path, [toy.__file__.rsplit("/", 1)[0]], hooks=[ComputeStats(), hook])
+    assert trainer.run() == 0
+    summary = json.loads((tmp_path / "throughput.json").read_text())
+    assert summary["samples_per_s"] == pytest.approx(8 / 0.25)  # 8 samples every 0.25 s
+    assert summary["steps"] == 10
+    # FLOPs of the toy model (3 -> 1 linear) per sample: forward 2*3, weight gradient 2*3
+    assert summary["flops_per_sample"] == pytest.approx(12)
+    assert summary["mfu"] == pytest.approx(12 * 32 / 1e3)
+    assert trainer.epoch_data["train"]["samples_per_s"] == pytest.approx(32)
+
+
+def test_peak_flops_are_unknown_on_cpu():
+    assert metrics.peak_flops(torch.device("cpu")) is None
+    assert metrics.memory(torch.device("cpu"))["memory_peak_gib"] > 0
