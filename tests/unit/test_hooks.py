@@ -587,6 +587,6 @@ def test_default_hooks_without_a_valid_stream_save_no_best():
     with_valid = config.validate(toy.regression_config(hooks=None))
     without = config.validate(toy.regression_config(hooks=None, main_loop={"extra_streams": []}))
     names = [type(h).__name__ for h in build_hooks(with_valid, [TESTS])]
-    assert names == ["ShowProgress", "ComputeStats", "LogVariables", "LogProfile", "WriteCSV",
+    assert names == ["ShowProgress", "ComputeStats", "LogThroughput", "LogVariables", "LogProfile", "WriteCSV",
                      "WriteTensorBoard", "SaveLatest", "SaveBest"]
     assert "SaveBest" not in [type(h).__name__ for h in build_hooks(without, [TESTS])]
