@@ -165,3 +165,28 @@ class SeenIds(Hook):
 
     def after_batch(self, stream: str, batch: dict) -> None:
         self.ids.setdefault(stream, []).append(batch["id"].tolist())
+
+
+class ImageRegression:
+    """4x6x6 'images' with a scalar target, for the convolution and memory-format tests."""
+
+    def __init__(self, n_train: int = 24, n_valid: int = 8, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid)):
+            x = torch.randn(n, 4, 6, 6, generator=g)
+            self._streams[name] = Items(x, x.mean(dim=(1, 2, 3)))
+
+    def streams(self) -> dict[str, Items]:
+        return self._streams
+
+
+class ConvNet(nn.Module):
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(4, channels, 3, padding=1), nn.Tanh(), nn.AdaptiveAvgPool2d(1),
+                                 nn.Flatten(), nn.Linear(channels, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).squeeze(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}

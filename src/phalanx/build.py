@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 import logging
 import math
 import random
@@ -24,12 +25,24 @@ def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
 
 
 def build_optimizer(cfg: OptimizerConfig, module: nn.Module, search_dirs: list[Path],
-                    batch_size: int) -> torch.optim.Optimizer:
+                    batch_size: int, fused: bool = False) -> torch.optim.Optimizer:
+    """The optimizer over the trainable parameters; on CUDA, the fused kernel where the class has one
+    and the config does not choose."""
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters; check model.class")
-    return instantiate("optimizer", factory, params, **scaled_lr(cfg, batch_size))
+    kwargs = scaled_lr(cfg, batch_size)
+    if fused and "fused" not in kwargs and "foreach" not in kwargs and _takes(factory, "fused"):
+        kwargs["fused"] = True
+    return instantiate("optimizer", factory, params, **kwargs)
+
+
+def _takes(factory: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:

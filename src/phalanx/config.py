@@ -87,7 +87,15 @@ class SchedulerConfig(_ClassSection):
 class DatasetConfig(_ClassSection):
     batch_size: int = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
     eval_batch_size: int | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes")
+    num_workers: int | Literal["auto"] = Field(
+        "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU")
+
+    @field_validator("num_workers")
+    @classmethod
+    def _not_negative(cls, n: int | str) -> int | str:
+        if isinstance(n, int) and n < 0:
+            raise ValueError(f"num_workers must be 0 or more, or auto; got {n}")
+        return n
 
 
 class ParallelConfig(_Section):
@@ -118,6 +126,19 @@ class CheckpointsConfig(_Section):
     keep_last: int = Field(3, ge=1, description="checkpoints kept besides the best")
 
 
+class CompileConfig(_Section):
+    """torch.compile settings; `compile: true` takes the defaults."""
+
+    backend: str = Field("inductor", description="torch.compile backend")
+    mode: str | None = Field(None, description="e.g. max-autotune, reduce-overhead")
+
+
+class ProfileConfig(_Section):
+    start_step: int = Field(10, ge=1, description="first optimizer step recorded")
+    steps: int = Field(5, ge=1, description="steps recorded")
+    record_shapes: bool = False
+
+
 class Config(_Section):
     """The whole run. `model`, `optimizer` and `dataset` are required."""
 
@@ -132,6 +153,9 @@ class Config(_Section):
     main_loop: MainLoopConfig = Field(default_factory=MainLoopConfig)
     hooks: list[str | dict[str, dict[str, Any] | None]] | None = None
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
+    compile: bool | CompileConfig = Field(False, description="torch.compile the model")
+    channels_last: bool = Field(False, description="channels-last memory format for 4-D weights and inputs")
+    profile: ProfileConfig | None = Field(None, description="record a torch.profiler trace of a few steps")
     output_root: str = "runs"
 
     @field_validator("hooks")

@@ -17,8 +17,8 @@ _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Precision:
-    def __init__(self, name: str, device: torch.device):
-        self.name, self.device = name, device
+    def __init__(self, name: str, device: torch.device, channels_last: bool = False):
+        self.name, self.device, self.channels_last = name, device, channels_last
         self.autocast_dtype = _AUTOCAST.get(name)
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
         if name == "fp16" and device.type == "cpu":
@@ -35,6 +35,8 @@ class Precision:
                 value = value.to(self.device, non_blocking=True)
                 if self.name == "fp64" and value.is_floating_point():
                     value = value.double()
+                if self.channels_last and value.dim() == 4:
+                    value = value.contiguous(memory_format=torch.channels_last)
             out[key] = value
         return out
 

@@ -6,6 +6,7 @@ only through its protocol.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,12 @@ import torch
 from phalanx import data, rundir, strategies
 from phalanx.build import build_dataset, build_optimizer, build_schedulers, rng_state, seed_everything, set_rng_state
 from phalanx.checkpoint import Checkpoints
-from phalanx.config import Config
+from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, concat
 from phalanx.errors import ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.hooks.profiler import Profile
 from phalanx.model import Forward, build_model
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
@@ -44,12 +46,20 @@ class Trainer:
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
         module = build_model(cfg.model, self.search_dirs)
-        self.precision = Precision(cfg.precision, self.strategy.device)
-        self.module = self.strategy.setup(self.precision.convert_module(module))
+        self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
+        module = self.precision.convert_module(module)
+        if cfg.channels_last:
+            module = module.to(memory_format=torch.channels_last)
+        self.module = self.strategy.setup(module)
+        self.model = self.strategy.unwrap(self.module)  # the user's module: what checkpoints hold
+        if cfg.compile:
+            options = cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()
+            self.module = torch.compile(self.module, backend=options.backend, mode=options.mode)
         if self.strategy.rank:  # dropout and augmentation: independent streams per rank, rank 0 as one process
             seed_everything(cfg.seed + 1_000_003 * self.strategy.rank)
-        self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.strategy.unwrap(self.module))
-        self.optimizer = build_optimizer(cfg.optimizer, self.module, self.search_dirs, cfg.dataset.batch_size)
+        self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
+        self.optimizer = build_optimizer(cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size,
+                                         fused=self.strategy.device.type == "cuda")
         self.schedulers = build_schedulers(cfg, self.optimizer, self.search_dirs)
         self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
                              self.precision, self.strategy)
@@ -62,6 +72,9 @@ class Trainer:
         self.last_batch_size = 0
         self.stop = GracefulStop()
         self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
+        if cfg.profile is not None and hooks is None:
+            self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
+        self.loader_options = _loader_options(cfg, self.strategy)
         for hook in self.hooks:
             hook.attach(self)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
@@ -122,7 +135,7 @@ class Trainer:
                          self.shard_weights)
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
         self._check_sync_batchnorm(plan)
-        batches = iter(data.loader(stream, plan, self.step_in_epoch, self.cfg.dataset.num_workers, seed=worker_seed))
+        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, **self.loader_options))
         profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
         try:
             self._train_steps(plan, batches, profile)
@@ -191,7 +204,7 @@ class Trainer:
         plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size,
                          self.shard_weights)
         listeners = self._listeners["after_batch"]
-        for k, batch in enumerate(data.loader(stream, plan, 0, self.cfg.dataset.num_workers)):
+        for k, batch in enumerate(data.loader(stream, plan, 0, **self.loader_options)):
             self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
             outputs = None if batch is None else self.engine.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])
@@ -261,13 +274,13 @@ class Trainer:
         optimizer_state = {"optimizer": self.optimizer.state_dict(),
                            "schedulers": [s.state_dict() for s, _ in self.schedulers],
                            "scaler": self.precision.state_dict()}
-        path = self.checkpoints.save(self.step, self.strategy.unwrap(self.module), optimizer_state, state, best)
+        path = self.checkpoints.save(self.step, self.model, optimizer_state, state, best)
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
     def restore(self, step: int, weights_only: bool = False) -> None:
         """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else."""
-        optimizer_state, state = self.checkpoints.load(step, self.strategy.unwrap(self.module))
+        optimizer_state, state = self.checkpoints.load(step, self.model)
         if weights_only:
             return
         if state["step_in_epoch"] and state["batch_size"] != self.cfg.dataset.batch_size:
@@ -287,6 +300,17 @@ class Trainer:
                 hook.load_state_dict(saved_hooks[key])
             else:
                 log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
+
+
+def _loader_options(cfg: Config, strategy: Strategy) -> dict[str, Any]:
+    """DataLoader workers and pinned memory: none on CPU; on a GPU, pinned memory and up to 4
+    workers per device, as the machine's cores allow."""
+    workers = cfg.dataset.num_workers
+    on_gpu = strategy.device.type == "cuda"
+    if workers == "auto":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", strategy.world_size))
+        workers = min(4, (os.cpu_count() or 1) // max(1, local) - 1) if on_gpu else 0
+    return {"num_workers": max(0, workers), "pin_memory": on_gpu}
 
 
 def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:

@@ -72,7 +72,7 @@ class LogThroughput(Hook):
             self.tokens_per_sample = int(tokens.shape[1])
         if not n:
             return
-        module = trainer.strategy.unwrap(trainer.module)
+        module = trainer.model
 
         def step(meta_module: torch.nn.Module, meta_batch: dict) -> torch.Tensor:
             outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)

@@ -1,0 +1,88 @@
+"""Speed switches change how a step runs, never what it computes: compile, channels_last, loader
+workers, fused optimizers; and the profiler's trace."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import toy
+from phalanx import config
+from phalanx.build import build_optimizer
+from phalanx.hooks import ComputeStats
+from phalanx.trainer import Trainer
+
+pytestmark = pytest.mark.timeout(240)
+TESTS = toy.__file__.rsplit("/", 1)[0]
+
+
+def train(tmp_path, hooks=None, model=None, **sections) -> Trainer:
+    raw = toy.regression_config(main_loop={"epochs": 2, "extra_streams": []}, **sections)
+    raw["model"] = model or raw["model"]
+    cfg = config.validate(raw)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, tmp_path, [TESTS], hooks=hooks)
+    assert trainer.run() == 0
+    return trainer
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in b:
+        assert torch.allclose(a[k], b[k], rtol=1e-10, atol=1e-12), k
+
+
+def test_compile_trains_the_same_and_saves_the_plain_module(tmp_path):
+    plain = train(tmp_path / "plain", hooks=[ComputeStats()])
+    compiled = train(tmp_path / "compiled", hooks=[ComputeStats()], compile={"backend": "eager"})
+    assert isinstance(compiled.module, torch._dynamo.eval_frame.OptimizedModule)
+    assert_close(params(compiled), params(plain))
+    compiled.save_checkpoint()
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "compiled" / "checkpoints" / f"step-{compiled.step}" / "model.safetensors")
+    assert set(saved) == set(params(plain))  # no "_orig_mod." prefix: the checkpoint fits the plain model
+
+
+def test_channels_last_trains_the_same(tmp_path):
+    sections = dict(model={"class": "toy.ConvNet"}, dataset={"class": "toy.ImageRegression", "batch_size": 8})
+    plain = train(tmp_path / "plain", hooks=[ComputeStats()], **sections)
+    last = train(tmp_path / "last", hooks=[ComputeStats()], channels_last=True, **sections)
+    assert last.model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert_close(params(last), params(plain))
+
+
+def test_loader_workers_give_the_same_batches(tmp_path):
+    assert train(tmp_path / "auto", hooks=[]).loader_options == {"num_workers": 0, "pin_memory": False}
+    zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={"num_workers": 0})
+    two = train(tmp_path / "two", hooks=[ComputeStats()], dataset={"num_workers": 2})
+    assert two.loader_options["num_workers"] == 2
+    assert_close(params(two), params(zero))
+
+
+def test_fused_optimizer_where_the_class_has_one():
+    model = torch.nn.Linear(3, 1)
+    opt = config.validate(toy.regression_config(optimizer={"class": "AdamW", "lr": 1e-3})).optimizer
+    assert build_optimizer(opt, model, [], 8, fused=True).defaults["fused"] is True
+    assert not build_optimizer(opt, model, [], 8, fused=False).defaults.get("fused")
+    sgd = config.validate(toy.regression_config(optimizer={"class": "SGD", "lr": 0.1, "foreach": False})).optimizer
+    assert not build_optimizer(sgd, model, [], 8, fused=True).defaults.get("fused")  # the config chose
+
+
+def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
+    import logging
+
+    logging.getLogger("phalanx").propagate = True
+    try:
+        cfg = config.validate(toy.regression_config(main_loop={"epochs": 2, "extra_streams": []},
+                                                    hooks=None, profile={"start_step": 2, "steps": 3}))
+        trainer = Trainer(cfg, tmp_path, [TESTS])
+        with caplog.at_level(logging.INFO, logger="phalanx"):
+            assert trainer.run() == 0
+    finally:
+        logging.getLogger("phalanx").propagate = False
+    trace = tmp_path / "profile" / "trace-rank0.json"
+    assert trace.is_file() and '"traceEvents"' in trace.read_text()[:2000]
+    assert any("profile of steps 2-4" in r.message and "aten::" in r.message for r in caplog.records)
