@@ -148,7 +148,7 @@ class Record(Hook):
         self.epochs: list[dict] = []
 
     def after_batch(self, stream: str, batch: dict) -> None:
-        if stream == "train":
+        if self.trainer.training:
             self.losses.append(float(self.trainer.last_loss))
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:

@@ -70,6 +70,7 @@ class Trainer:
         self.profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0, "eval": 0.0}  # seconds, this process's run
         self.last_loss: torch.Tensor | None = None
         self.last_batch_size = 0
+        self.training = False  # True while after_batch follows an optimizer step (not an evaluation)
         self.stop = GracefulStop()
         self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
         if cfg.profile is not None and hooks is None:
@@ -147,6 +148,13 @@ class Trainer:
         self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
 
     def _train_steps(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
+        self.training = True
+        try:
+            self._steps_loop(plan, batches, profile)
+        finally:
+            self.training = False
+
+    def _steps_loop(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
         clock = time.perf_counter
         for k, micros in plan.steps(self.step_in_epoch):

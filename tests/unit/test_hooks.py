@@ -590,3 +590,19 @@ def test_default_hooks_without_a_valid_stream_save_no_best():
     assert names == ["ShowProgress", "ComputeStats", "LogThroughput", "LogVariables", "LogProfile", "WriteCSV",
                      "WriteTensorBoard", "SaveLatest", "SaveBest"]
     assert "SaveBest" not in [type(h).__name__ for h in build_hooks(without, [TESTS])]
+
+
+def test_the_zeroth_epoch_evaluates_the_train_stream_without_training_hooks_firing(tmp_path):
+    """skip_zeroth_epoch: false evaluates every stream before step 1; hooks that act on training
+    steps (StopOnNaN, SaveEvery by steps, throughput, TensorBoard's step loss) must wait for them."""
+    cfg = config.validate(toy.regression_config(
+        main_loop={"epochs": 1, "extra_streams": ["valid"], "skip_zeroth_epoch": False},
+        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "StopOnNaN", {"SaveEvery": {"steps": 1}},
+               {"LogThroughput": {"every_n_steps": 1}}, {"WriteTensorBoard": {"every_n_steps": 1}}, "ShowProgress",
+               "toy.Record"]))
+    trainer = Trainer(cfg, tmp_path, [TESTS])
+    assert trainer.run() == 0
+    record = trainer.hooks[-1]
+    assert len(record.epochs) == 2  # epoch 0 (evaluation only) and epoch 1
+    assert "loss" in record.epochs[0]["train"]  # the train stream was evaluated before training
+    assert min(trainer.checkpoints.steps()) >= 1  # no checkpoint "at step 0" from the evaluation

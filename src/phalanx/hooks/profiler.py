@@ -31,7 +31,7 @@ class Profile(Hook):
             self._begin()
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if stream != "train":
+        if not self.trainer.training:
             return
         step = self.trainer.step
         if self._profiler is None and step + 1 == self.start:

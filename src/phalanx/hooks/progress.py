@@ -38,7 +38,7 @@ class ShowProgress(Hook):
         task, state = self._tasks.get(stream) or self._new_task(stream)
         state["samples"] += self.trainer.last_batch_size
         state["batches"] += 1
-        if stream == "train":
+        if self.trainer.training:
             state["loss_sum"] = state["loss_sum"] + self.trainer.last_loss
         now = time.monotonic()
         fields = {}
@@ -46,12 +46,12 @@ class ShowProgress(Hook):
             state["shown"] = now
             rate = state["samples"] / max(now - state["start"], 1e-9)
             fields = {"rate": f"{rate:,.0f} samples/s"}
-            if stream == "train":
+            if self.trainer.training:
                 fields["loss"] = f"{float(state['loss_sum']) / state['batches']:.4f}"
         progress.update(task, advance=1, **fields)
 
     def _new_task(self, stream: str) -> tuple[Any, dict[str, Any]]:
-        if stream == "train":
+        if self.trainer.training:
             total = self.trainer.steps_per_epoch
             completed = self.trainer.step_in_epoch - 1
             description = f"epoch {self.trainer.epoch + 1}/{self.trainer.cfg.main_loop.epochs}"

@@ -22,7 +22,7 @@ class SaveEvery(Hook):
         self.epochs, self.steps = epochs, steps
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if self.steps and stream == "train" and self.trainer.step % self.steps == 0:
+        if self.steps and self.trainer.training and self.trainer.step % self.steps == 0:
             self.trainer.save_checkpoint()
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:

@@ -33,7 +33,7 @@ class StopAfter(Hook):
             raise TrainingTerminated(f"{self.trainer.step} steps done (StopAfter steps={self.steps})")
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if stream != "train":
+        if not self.trainer.training:
             return
         if self.steps is not None and self.trainer.step >= self.steps:
             raise TrainingTerminated(f"{self.steps} steps done (StopAfter)")
@@ -55,7 +55,7 @@ class StopOnNaN(Hook):
         self.variables, self.every = list(variables), max(1, every_n_steps)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if stream != "train" or self.trainer.step % self.every:
+        if not self.trainer.training or self.trainer.step % self.every:
             return
         if not bool(torch.isfinite(self.trainer.last_loss).all()):
             raise TrainingTerminated(f"the training loss is not finite ({float(self.trainer.last_loss)}) at step "

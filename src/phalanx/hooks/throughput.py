@@ -45,7 +45,7 @@ class LogThroughput(Hook):
         return per_device * self.trainer.strategy.world_size if per_device else None
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if stream != "train":
+        if not self.trainer.training:
             return
         if not self._counted and batch:
             self._count(batch)

@@ -120,7 +120,7 @@ class WriteTensorBoard(_Writer):
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
-        if self._writer is not None and stream == "train" and self.every and step % self.every == 0:
+        if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
             self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
             for i, lr in enumerate(self.trainer.engine.learning_rates()):
                 self._writer.add_scalar(f"lr/group{i}", lr, step)
