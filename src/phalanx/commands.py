@@ -273,7 +273,8 @@ def bench(config_path: str, devices: list[int], steps: int, overrides: list[str]
 
 def _print_scaling(rows: list[dict], out_dir: Path) -> None:
     table = Table(title=f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))")
-    for column in ("devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "data", "compute", "hooks"):
+    for column in ("devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "data", "fwd+bwd", "comm",
+                   "optimizer", "hooks"):
         table.add_column(column, justify="right")
 
     def pct(x: float | None) -> str:
@@ -283,7 +284,8 @@ def _print_scaling(rows: list[dict], out_dir: Path) -> None:
         table.add_row(str(r["devices"]), f"{r['samples_per_s']:,.0f}",
                       "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", pct(r["efficiency"]), pct(r["mfu"]),
-                      pct(r.get("data_share")), pct(r.get("compute_share")), pct(r.get("hooks_share")))
+                      *(pct(r.get(f"{k}_share")) for k in ("data", "forward_backward", "communication", "optimizer",
+                                                            "hooks")))
     logs.out.print(table)
 
 

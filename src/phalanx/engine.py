@@ -7,6 +7,7 @@ loss, for uneven shards, short last batches and gradient accumulation alike.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ class Engine:
                  schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
         self.module, self.forward, self.optimizer = module, forward, optimizer
         self.schedulers, self.precision, self.strategy = schedulers, precision, strategy
+        self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
@@ -52,13 +54,18 @@ class Engine:
                 self.precision.backward(loss_sum / micro.global_size)
             total = loss_sum.detach() if total is None else total + loss_sum.detach()
             parts.append(data)
+        t0 = time.perf_counter()
         if by_hand:
             self.strategy.reduce_gradients(self.module)
+        t1 = time.perf_counter()
         self.precision.step(self.optimizer)
         for scheduler, interval in self.schedulers:
             if interval == "step":
                 scheduler.step()
+        t2 = time.perf_counter()
         loss, stop = self._agree(total, micros[0][0].global_size, stop)
+        t3 = time.perf_counter()
+        self.seconds = (t1 - t0) + (t3 - t2), t2 - t1  # communication outside backward, optimizer
         return StepResult(loss, parts, stop)
 
     def _agree(self, total: torch.Tensor | None, global_size: int, stop: bool) -> tuple[torch.Tensor, bool]:

@@ -67,7 +67,9 @@ class Trainer:
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         self.shard_weights = _shard_weights(cfg, self.strategy.world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
-        self.profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0, "eval": 0.0}  # seconds, this process's run
+        # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
+        # overlaps backward); communication after backward; the optimizer; hooks; evaluation
+        self.profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0)
         self.last_loss: torch.Tensor | None = None
         self.last_batch_size = 0
         self.training = False  # True while after_batch follows an optimizer step (not an evaluation)
@@ -137,7 +139,7 @@ class Trainer:
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, **self.loader_options))
-        profile = {"data": 0.0, "compute": 0.0, "hooks": 0.0}
+        profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
         try:
             self._train_steps(plan, batches, profile)
         finally:  # also when a hook or a signal ends the epoch early
@@ -168,7 +170,10 @@ class Trainer:
             stop = self._after_batch(listeners, TRAIN, result.parts)
             t3 = clock()
             profile["data"] += t1 - t0
-            profile["compute"] += t2 - t1
+            communication, optimizer = self.engine.seconds
+            profile["forward_backward"] += t2 - t1 - communication - optimizer
+            profile["communication"] += communication
+            profile["optimizer"] += optimizer
             profile["hooks"] += t3 - t2
             if stop is not None:
                 raise stop

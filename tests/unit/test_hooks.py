@@ -259,7 +259,8 @@ def test_log_variables_and_log_profile_write_a_line_per_epoch(tmp_path):
         profile = re.search(rf"epoch {epoch} time \| (.*)", text)
         assert profile, text
         parts = re.findall(r"(\w+) ([\d.]+)s \((\d+)%\)", profile.group(1))
-        assert [name for name, _, _ in parts] == ["data", "compute", "hooks", "eval", "after_epoch"]
+        assert [name for name, _, _ in parts] == ["data", "forward_backward", "communication", "optimizer", "hooks", "eval",
+                                                  "after_epoch"]
         assert abs(sum(int(p) for _, _, p in parts) - 100) <= len(parts)
 
 

@@ -54,7 +54,9 @@ class LogVariables(_Writer):
 
 
 class LogProfile(_Writer):
-    """Where an epoch's time went: waiting for data, computing, hooks, evaluation."""
+    """Where an epoch's time went: waiting for data, forward and backward (with the gradient
+    all-reduce that overlaps backward), communication after backward (the loss reduction, and
+    gradients summed by hand), the optimizer, hooks, evaluation; each with its share."""
 
     def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
                             extra_streams: list[str]) -> None:
