@@ -30,7 +30,9 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) bench/overhead.py
+	$(PY) bench/ddp_overhead.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,0 +1,167 @@
+"""Shared pieces of the benchmarks: the data, the model, a dataset class that hands phalanx the very
+same dataset object the other loops read, a thread-based coroutine for loops that own their control
+flow, statistics and a description of the machine.
+
+Importable as `bench.common` (the benchmarks put the repository root on sys.path), which is also the
+dotted path phalanx's config uses to find `MLP` and `SharedStreams`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Items(Dataset):
+    """A map-style dataset of dict items, {"x": features, "y": class index}, held in memory."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def make_items(n: int, features: int, classes: int, seed: int = 0) -> Items:
+    """Gaussian blobs: `n` samples of `features` floats, one of `classes` labels each."""
+    g = torch.Generator().manual_seed(seed)
+    centers = 2 * torch.randn(classes, features, generator=g)
+    y = torch.randint(classes, (n,), generator=g)
+    x = centers[y] + torch.randn(n, features, generator=g)
+    return Items(x, y)
+
+
+class MLP(nn.Module):
+    """The tiny MLP every loop trains: features -> hidden -> hidden -> classes, ReLU between."""
+
+    def __init__(self, features: int = 32, hidden: int = 128, classes: int = 10):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+# Datasets registered by the benchmark process, so that a phalanx config can name one by key and
+# phalanx trains on the same object as the hand-written loop (not on a copy built from the config).
+REGISTRY: dict[str, Dataset] = {}
+
+
+class SharedStreams:
+    """A phalanx dataset class whose `train` stream is the dataset registered under `key`."""
+
+    def __init__(self, key: str):
+        self._streams = {"train": REGISTRY[key]}
+
+    def streams(self) -> dict[str, Dataset]:
+        return self._streams
+
+
+class Coroutine:
+    """Runs `body(pause)` in a worker thread, strictly alternating with the caller.
+
+    `resume()` lets the body run until it calls `pause()` (or returns) and only then returns, so at
+    any moment exactly one of the two threads runs and the other waits on a semaphore: the body is
+    timed as if it ran on the caller's thread. Used for trainers that own their loop (Lightning's
+    `fit`), so that their epochs can be interleaved with the other loops' epochs in one process.
+    """
+
+    def __init__(self, body: Callable[[Callable[[], None]], Any], name: str = "coroutine"):
+        self._body = body
+        self._to_worker, self._to_caller = threading.Semaphore(0), threading.Semaphore(0)
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def _main(self) -> None:
+        self._to_worker.acquire()
+        try:
+            self._body(self.pause)
+        except BaseException as e:  # handed to the caller by resume()
+            self.error = e
+        finally:
+            self.finished = True
+            self._to_caller.release()
+
+    def pause(self) -> None:
+        """Called from the body: hand control back to the caller and wait to be resumed."""
+        self._to_caller.release()
+        self._to_worker.acquire()
+
+    def resume(self) -> None:
+        if self.finished:
+            raise RuntimeError("the coroutine has finished")
+        if not self._thread.is_alive():
+            self._thread.start()
+        self._to_worker.release()
+        self._to_caller.acquire()
+        if self.error is not None:
+            raise self.error
+
+    def join(self, timeout: float = 60.0) -> None:
+        self._thread.join(timeout)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, quartiles, min and max of a list of numbers."""
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "q1": q[0], "q3": q[2], "min": ordered[0], "max": ordered[-1]}
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    facts: dict[str, Any] = {
+        "python": platform.python_version(), "platform": platform.platform(),
+        "processor": _cpu_name(), "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+    for name in ("phalanx", "lightning", "accelerate"):
+        try:
+            module = __import__(name)
+            facts[name] = getattr(module, "__version__", "?")
+        except ImportError:
+            facts[name] = None
+    return facts
+
+
+def source_state(root: Path) -> dict[str, Any]:
+    """The phalanx source measured: the commit, whether src/ differs from it, and a digest of src/."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    digest = hashlib.sha256()
+    for path in sorted((root / "src").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return {"commit": git("rev-parse", "HEAD") or None, "src_modified": bool(git("status", "--porcelain", "src")),
+            "src_sha256": digest.hexdigest()[:16]}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"

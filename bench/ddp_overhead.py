@@ -1,0 +1,700 @@
+"""Per-step overhead of phalanx's `ddp` strategy against a hand-written DistributedDataParallel loop:
+two CPU processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory
+dataset of bench/common.py, both loops interleaved epoch by epoch inside each process.
+
+    .venv/bin/python bench/ddp_overhead.py            # defaults: 60 rounds of 100 steps, ~2-2.5 min
+    .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
+    .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
+    .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
+
+What is timed (see BENCHMARKS.md): in each of the two processes,
+
+1. *hand DDP*: `DistributedDataParallel(model)` with default settings, AdamW, a DataLoader whose
+   batch sampler takes each global batch (2 x 64 samples) of a per-epoch permutation and yields
+   this rank's contiguous half (no DistributedSampler: the same data work as phalanx), forward,
+   `F.cross_entropy`, backward, step; the loss summed as `loss.detach()` every step and all-reduced
+   once per epoch for logging.
+2. *hand DDP + agree*: the same loop plus the one small all-reduce per step that phalanx's engine
+   does (`Engine._agree`: loss and stop flag, two float64 values), to price that collective alone.
+3. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
+   `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
+   process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP.
+
+A round is one epoch of each loop (phalanx, hand DDP, hand DDP + agree); every window starts right
+after a barrier, so both ranks start it together. A window ends after the loop's last step (hand
+loops: after their once-per-epoch loss all-reduce; phalanx: after the last step's after_batch
+hooks). phalanx's window holds its once-per-epoch stop agreement (`Trainer.any_rank`, one
+all-reduce), the hand loops' windows their loss all-reduce. phalanx's epoch end (after_epoch hooks:
+statistics all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart.
+A round's wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before torch is imported, here and in the spawned ranks
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from bench.common import MLP, REGISTRY, make_items, machine, source_state, summary  # noqa: E402
+
+LR = 1e-3
+DATA_KEY = "ddp_overhead"
+FEATURES, CLASSES = 32, 10
+WORLD = 2
+HAND, AGREE, PHALANX, PHALANX_END = "hand DDP", "hand DDP + agree", "phalanx ddp", "phalanx incl. epoch end"
+SETUP, LIKE = "hand DDP, phalanx's set-up", "hand DDP, phalanx's set-up + agree"
+FUSED = "hand DDP, phalanx's set-up + fused agree"
+NO_HOOKS, NO_HOOKS_AGREE = "phalanx ddp, no hooks", "phalanx ddp, no hooks, no all-reduce"
+
+
+def now() -> tuple[float, float]:
+    """Wall-clock and this process's CPU time (all its threads, gloo's included)."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float], end: tuple[float, float] | None = None) -> tuple[float, float]:
+    end = end or now()
+    return end[0] - start[0], end[1] - start[1]
+
+
+# --- 1 and 2. the hand-written DDP loops ----------------------------------------------------------
+
+class ShardBatches:
+    """Batch sampler: global batches of a per-epoch permutation, each cut into contiguous per-rank
+    pieces in rank order (as phalanx's data plan does); yields this rank's piece."""
+
+    def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int = 0):
+        self.n, self.global_batch, self.rank, self.world, self.seed = n, global_batch, rank, world, seed
+        self.epoch = 0
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=generator).tolist()
+        for begin in range(0, self.n, self.global_batch):
+            batch = order[begin:begin + self.global_batch]
+            base, extra = divmod(len(batch), self.world)
+            lo = self.rank * base + min(self.rank, extra)
+            yield batch[lo:lo + base + (self.rank < extra)]
+
+    def __len__(self) -> int:
+        return -(-self.n // self.global_batch)
+
+
+class HandDDP:
+    """What one would write with torch's DistributedDataParallel and no framework.
+
+    `agree`: None, or "sync" to add phalanx's per-step all-reduce of (loss sum, stop flag) after the
+    update, as `Engine._agree` does, or "fused" to carry those two values in the gradients' last
+    bucket instead (`_fused_sum_hook`, a what-if: no collective of their own). `like_phalanx`: set
+    DDP up as phalanx's strategy does (gradients summed by its Python comm hook `_sum_hook`, no
+    buffer broadcast) and back-propagate phalanx's loss, the per-sample sum over the global batch."""
+
+    def __init__(self, dataset, args, rank: int, agree: str | None = None, like_phalanx: bool = False,
+                 name: str | None = None):
+        if agree not in (None, "sync", "fused"):
+            raise ValueError(f"agree must be None, 'sync' or 'fused', not {agree!r}")
+        self.name = name or (AGREE if agree else HAND)
+        self.agree, self.like_phalanx = agree, like_phalanx
+        self.global_batch = WORLD * args.batch_size
+        torch.manual_seed(0)
+        module = MLP(FEATURES, args.hidden, CLASSES)
+        self.hook_state: dict[str, Any] = {"extra": None, "agreed": None}
+        if like_phalanx or agree == "fused":
+            from phalanx.strategies.ddp import _sum_hook
+
+            self.model = DistributedDataParallel(module, broadcast_buffers=False)
+            if agree == "fused":
+                self.model.register_comm_hook(self.hook_state, _fused_sum_hook)
+            else:
+                self.model.register_comm_hook(None, _sum_hook)
+        else:
+            self.model = DistributedDataParallel(module)  # default settings
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
+        self.loader = DataLoader(dataset, batch_sampler=self.sampler)
+        self.epoch_losses: list[float] = []
+
+    def epoch(self, epoch: int) -> tuple[float, float]:
+        """One epoch; returns its window (wall, CPU seconds) on this rank."""
+        dist.barrier()
+        start = now()
+        model, optimizer, agree, state = self.model, self.optimizer, self.agree, self.hook_state
+        per_sample, global_batch = self.like_phalanx, self.global_batch
+        self.sampler.epoch = epoch
+        model.train()
+        total, batches = torch.zeros(()), 0
+        for batch in self.loader:
+            optimizer.zero_grad(set_to_none=True)
+            out = model(batch["x"])
+            if per_sample:
+                loss_sum = F.cross_entropy(out, batch["y"], reduction="none").sum()
+                loss, objective = loss_sum.detach() / len(out), loss_sum / global_batch
+            else:
+                loss = objective = F.cross_entropy(out, batch["y"])
+            if agree == "fused":  # read by the comm hook during backward
+                state["extra"] = torch.stack([loss.detach() * len(out), torch.zeros(())])
+            objective.backward()
+            optimizer.step()
+            if agree == "sync":  # as Engine._agree: two float64 values, summed over ranks, read on the host
+                both = torch.stack([loss.detach().double() * len(out), torch.tensor(0.0, dtype=torch.float64)])
+                dist.all_reduce(both)
+                _, stop = both[0] / global_batch, bool(both[1] > 0)
+            elif agree == "fused":
+                both = state["agreed"].double()
+                _, stop = both[0] / global_batch, bool(both[1] > 0)
+            total += loss.detach()
+            batches += 1
+        dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
+        self.epoch_losses.append(total.item() / (batches * WORLD))
+        return since(start)
+
+
+def _fused_sum_hook(state, bucket):
+    """What-if: phalanx's _sum_hook, except that the last bucket's all-reduce also carries
+    `state["extra"]` (loss sum and stop flag) and leaves their sums in `state["agreed"]`."""
+    buffer = bucket.buffer()
+    if not bucket.is_last() or state["extra"] is None:
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+    n = buffer.numel()
+    joined = torch.cat([buffer, state["extra"].to(buffer.dtype)])
+    state["extra"] = None
+    work = dist.all_reduce(joined, op=dist.ReduceOp.SUM, async_op=True)
+
+    def split(fut):
+        out = fut.value()[0]
+        state["agreed"] = out[n:]
+        return out[:n]
+    return work.get_future().then(split)
+
+
+# --- 3. phalanx -----------------------------------------------------------------------------------
+
+def phalanx_config(args, output_root: str) -> dict[str, Any]:
+    """No `hooks:` key would mean the defaults; they are listed without ShowProgress."""
+    return {
+        "name": "ddp_overhead",
+        "model": {"class": "bench.common.MLP", "features": FEATURES, "hidden": args.hidden, "classes": CLASSES,
+                  "inputs": {"x": "x"}, "outputs": "logits",
+                  "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}},
+        "optimizer": {"class": "AdamW", "lr": LR},
+        # phalanx's batch_size is the global batch: WORLD x the per-rank batch of the hand loop
+        "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": WORLD * args.batch_size},
+        "parallel": {"accelerator": "cpu", "devices": WORLD},
+        "seed": 0,
+        "main_loop": {"epochs": args.warmup + args.rounds},
+        "output_root": output_root,
+    }
+
+
+def make_driver_hook(steps: int, on_epoch_end):
+    """The last hook: times phalanx's epochs and runs the hand loops' epochs at the end of each.
+    It works on this rank's own data (`gathers = False`); its after_batch is one comparison."""
+    from phalanx.hooks import Hook
+
+    class Driver(Hook):
+        gathers = False  # a gathering hook would make the trainer all-gather every batch
+
+        def __init__(self):
+            self.start = self.last_step = (0.0, 0.0)
+            self.windows: list[tuple[float, float]] = []
+            self.epoch_ends: list[tuple[float, float]] = []
+
+        def before_training(self) -> None:
+            dist.barrier()
+            self.start = now()
+
+        def after_batch(self, stream: str, batch: dict) -> None:
+            if self.trainer.step_in_epoch == steps:
+                self.last_step = now()
+
+        def after_epoch_profile(self, epoch, profile, train_stream, extra_streams) -> None:
+            self.epoch_ends.append(since(self.last_step))
+            self.windows.append(since(self.start, self.last_step))
+            on_epoch_end(epoch)
+            dist.barrier()
+            self.start = now()
+
+    return Driver()
+
+
+def build_phalanx(args, run_root: Path, driver):
+    """A Trainer as `phalanx train` builds one in each worker (`commands._worker_trainer`): logs on
+    rank 0 (log.txt kept, the console copy dropped), the config checked alike on every rank, the
+    launcher's stop file watched; its hooks those the config lists, then `driver`."""
+    from phalanx import __version__, config, launch, logs, rundir, strategies
+    from phalanx.hooks import build_hooks, default_hooks
+    from phalanx.strategies.ddp import check_same_config
+    from phalanx.trainer import Trainer
+
+    raw = phalanx_config(args, str(run_root))
+    specs = default_hooks(config.validate(raw))
+    raw["hooks"] = [s for s in specs if s != "ShowProgress"]
+    assert len(raw["hooks"]) == len(specs) - 1, specs
+    cfg = config.validate(raw)
+    strategy = strategies.create(cfg)
+    assert type(strategy).__name__ == "DDP" and strategy.world_size == WORLD, strategy
+    box = [str(rundir.create(cfg, run_root / "ddp_overhead.yaml")) if strategy.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    run_dir = Path(box[0])
+    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
+    phalanx_log = logging.getLogger("phalanx")
+    for handler in list(phalanx_log.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            phalanx_log.removeHandler(handler)
+    check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
+    trainer = Trainer(cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver], strategy=strategy)
+    trainer.stop.watch(run_dir / launch.STOP_FILE)
+    return trainer, run_dir, raw
+
+
+# --- the ranks ------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def shared_tmp(rank: int):
+    """A temporary folder made by rank 0, its path the same on every rank (the config names it, and
+    every rank must run the same config); removed by rank 0 once every rank is done with it."""
+    with (tempfile.TemporaryDirectory(prefix="phalanx-ddp-bench-") if rank == 0
+          else contextlib.nullcontext()) as tmp:
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        try:
+            yield Path(box[0])
+        finally:
+            dist.barrier()
+
+
+def rank_main(rank: int, port: int, args, queue) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        torch.set_num_threads(1)
+        warnings.filterwarnings("ignore")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+        result = (profile_rank if args.profile else breakdown_rank if args.breakdown else measure_rank)(rank, args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        from phalanx import logs
+        logs.setup(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_rank(rank: int, args) -> dict[str, Any] | None:
+    source = source_state(ROOT) if rank == 0 else None  # the phalanx this process imports, before it runs
+    dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    REGISTRY[DATA_KEY] = dataset
+    hands = [HandDDP(dataset, args, rank), *([HandDDP(dataset, args, rank, agree="sync")] if args.agree else [])]
+    windows: dict[str, list[tuple[float, float]]] = {h.name: [] for h in hands}
+    total = args.warmup + args.rounds
+
+    def round_of_hands(epoch: int) -> None:
+        for hand in hands:
+            windows[hand.name].append(hand.epoch(epoch))
+        if rank == 0:
+            shown = [(PHALANX, driver.windows), *windows.items()]
+            print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                  + ", ".join(f"{n} {1e3 * w[-1][0] / args.steps:.3f}" for n, w in shown)
+                  + " ms/step (rank 0)", flush=True)
+
+    driver = make_driver_hook(args.steps, round_of_hands)
+    with shared_tmp(rank) as tmp:
+        trainer, run_dir, raw = build_phalanx(args, tmp / "runs", driver)
+        if trainer.steps_per_epoch != args.steps:
+            raise RuntimeError(f"phalanx plans {trainer.steps_per_epoch} steps per epoch, not {args.steps}")
+        hook_names = [type(h).__name__ for h in trainer.hooks]
+        if rank == 0:
+            print(f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); strategy "
+                  f"{type(trainer.strategy).__name__}, world size {trainer.strategy.world_size}", flush=True)
+        started = time.perf_counter()
+        code = trainer.run()
+        wall_s = time.perf_counter() - started
+        if code != 0:
+            raise RuntimeError(f"the phalanx run ended with exit code {code} on rank {rank}")
+        checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if rank == 0 else None
+    mine = {"windows": {PHALANX: driver.windows, **windows}, "epoch_ends": driver.epoch_ends,
+            "losses": {h.name: h.epoch_losses for h in hands}}
+    every: list[Any] = [None] * WORLD
+    dist.all_gather_object(every, mine)
+    if rank != 0:
+        return None
+    report = make_report(args, every, hook_names, checkpoints, raw, wall_s)
+    report["phalanx_source"] = source
+    if source_state(ROOT) != source:
+        report["phalanx_source"]["changed_during_run"] = True
+        print("warning: src/ changed while the benchmark ran; the figures are those of the source at its "
+              f"start (digest {source['src_sha256']})", flush=True)
+    print_table(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", flush=True)
+    return {"ratio": report["target"]["phalanx_ratio"]}
+
+
+def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -> dict[str, Any]:
+    n, steps = args.warmup, args.steps
+
+    def rounds(name: str) -> list[tuple[float, float]]:
+        """Per measured round: the slower rank's wall time, both ranks' CPU time together."""
+        per_rank = [r["windows"][name][n:] for r in every]
+        return [(max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank)]
+
+    names = [HAND, *([AGREE] if args.agree else []), PHALANX]
+    measured = {name: rounds(name) for name in names}
+    ends = [[e for e in r["epoch_ends"][n:]] for r in every]
+    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]
+    measured[PHALANX_END] = [(w[0] + e[0], w[1] + e[1]) for w, e in zip(measured[PHALANX], end)]
+
+    def stats(name: str, base_name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {}
+        for i, kind in enumerate(("wall", "cpu")):
+            mine = [w[i] / steps for w in measured[name]]
+            base = [w[i] / steps for w in measured[base_name]]
+            entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
+                           "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+                           "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+                           "per_round_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+        entry["wall"]["per_rank_ms_per_step"] = [
+            summary([1e3 * w[0] / steps for w in r["windows"][name][n:]]) for r in every] if name in every[0][
+            "windows"] else None
+        return entry
+
+    results = {name: stats(name, HAND) for name in [*names, PHALANX_END]}
+    results[PHALANX_END]["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]),
+                                            "cpu": summary([1e3 * e[1] for e in end])}
+    ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
+    extra: dict[str, Any] = {}
+    if args.agree:
+        vs_agree = stats(PHALANX, AGREE)
+        agree_us = [1e6 * (a[0] - h[0]) / steps for a, h in zip(measured[AGREE], measured[HAND])]
+        gap_us = [1e6 * (p[0] - h[0]) / steps for p, h in zip(measured[PHALANX], measured[HAND])]
+        extra = {
+            "agree_allreduce_us_per_step": summary(agree_us),
+            "phalanx_extra_us_per_step": summary(gap_us),
+            "agree_ratio_vs_hand": results[AGREE]["wall"]["ratio_vs_hand"]["median"],
+            "phalanx_ratio_vs_hand_plus_agree": {k: vs_agree[k]["ratio_vs_hand"] for k in ("wall", "cpu")},
+            "agree_share_of_phalanx_extra": (statistics.median(agree_us) / statistics.median(gap_us)
+                                             if statistics.median(gap_us) > 0 else None),
+        }
+    return {
+        "benchmark": "ddp_overhead",
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "settings": {"processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": steps,
+                     "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
+                     "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "features": FEATURES,
+                     "classes": CLASSES, "samples": steps * WORLD * args.batch_size,
+                     "optimizer": f"AdamW(lr={LR})", "threads_per_process": torch.get_num_threads()},
+        "machine": machine(),
+        "phalanx_source": None,
+        "method": "per round and loop: wall = the slower rank's window, CPU = both ranks' process CPU time; "
+                  "ms/step = median over rounds of (wall / steps); ratio = median over rounds of the per-round "
+                  "ratio to hand DDP; windows start after a barrier and exclude phalanx's epoch-end hooks "
+                  "(row 'incl. epoch end' adds them)",
+        "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
+        "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
+        "agree": extra,
+        "results": results,
+        "final_epoch_loss": {name: every[0]["losses"][name][-1] for name in every[0]["losses"]},
+        "wall_s": wall_s,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    s, m = report["settings"], report["machine"]
+    print(f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} rounds of {s['steps']} steps "
+          f"(after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
+          f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
+          f"{m['cpu_count']} CPUs, {m['processor']}")
+    header = (f"{'loop':<26}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}  |{'CPU ms/step':>12}{'CPU ratio':>10}"
+              f"{'CPU IQR':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, r in report["results"].items():
+        cells = []
+        for kind in ("wall", "cpu"):
+            ms, ratio = r[kind]["ms_per_step"], r[kind]["ratio_vs_hand"]
+            cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
+        (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
+        print(f"{name:<26}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+    end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
+    print(f"\nms/step: median over rounds of the slower rank's window / steps (CPU: both ranks together); "
+          f"ratio: median of the per-round ratios to hand DDP.\nphalanx's epoch end (after_epoch hooks) took a "
+          f"median {end['median']:.1f} ms per epoch, outside the windows.")
+    a = report["agree"]
+    if a:
+        vs = a["phalanx_ratio_vs_hand_plus_agree"]["wall"]
+        share = a["agree_share_of_phalanx_extra"]
+        print(f"per-step agree all-reduce: {a['agree_allreduce_us_per_step']['median']:.0f} us/step "
+              f"({a['agree_ratio_vs_hand']:.3f}x hand); phalanx's whole extra "
+              f"{a['phalanx_extra_us_per_step']['median']:.0f} us/step"
+              + (f", of which the all-reduce is {100 * share:.0f}%" if share is not None else "")
+              + f"; phalanx vs hand DDP + agree: {vs['median']:.3f}x (IQR {vs['q1']:.3f}-{vs['q3']:.3f})")
+    t = report["target"]
+    print(f"target: phalanx ddp <= {t['phalanx_ratio_max']:.2f}x hand DDP (wall-clock): "
+          f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)", flush=True)
+
+
+# --- diagnostics ----------------------------------------------------------------------------------
+
+def profile_rank(rank: int, args) -> None:
+    """cProfile of phalanx's ddp steps alone on each rank (warm-up epochs excluded); rank 0 prints."""
+    import cProfile
+    import pstats
+
+    REGISTRY[DATA_KEY] = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    profiler = cProfile.Profile()
+
+    def on_epoch_end(epoch: int) -> None:
+        if epoch == args.warmup:
+            profiler.enable()
+
+    driver = make_driver_hook(args.steps, on_epoch_end)
+    with shared_tmp(rank) as tmp:
+        trainer, _, _ = build_phalanx(args, tmp / "runs", driver)
+        trainer.run()
+        profiler.disable()
+    if rank != 0:
+        return None
+    steps = args.rounds * args.steps
+    package = str(Path(__import__("phalanx").__file__).parent)
+    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
+            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
+    print(f"cProfile of {steps} phalanx ddp steps on rank 0, default hooks minus ShowProgress, epoch ends "
+          f"included (times inflated by the profiler), per step:")
+    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
+                                     ("phalanx's own functions, by cumulative time", 1, True)):
+        print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
+        chosen = [r for r in rows if r[4] or not only_phalanx]
+        for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:args.profile_top]:
+            print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")
+    return None
+
+
+class PhalanxEpochs:
+    """A phalanx Trainer driven epoch by epoch (`Trainer._train_epoch`), for --breakdown: its window
+    runs from a barrier to its last step's after_batch hooks, as in the main benchmark. `local_agree`
+    replaces `Engine._agree` by its one-process form (no all-reduce; timing only: the loss is then
+    this rank's and a stop request is not shared)."""
+
+    def __init__(self, name: str, trainer, steps: int, local_agree: bool = False):
+        from phalanx.hooks import Hook
+
+        self.name, self.trainer = name, trainer
+        timer = self
+
+        class LastStep(Hook):
+            gathers = False
+
+            def after_batch(self, stream: str, batch: dict) -> None:
+                if self.trainer.step_in_epoch == steps:
+                    timer.last_step = now()
+
+        hook = LastStep()
+        hook.attach(trainer)
+        trainer.hooks.append(hook)
+        trainer._listeners["after_batch"].append(hook)
+        self.last_step = (0.0, 0.0)
+        if local_agree:
+            trainer.engine._agree = lambda total, global_size, stop: (total / global_size, stop)
+        trainer._emit("before_training")
+
+    def epoch(self, epoch: int) -> tuple[float, float]:
+        dist.barrier()
+        start = now()
+        self.trainer._train_epoch()
+        return since(start, self.last_step)
+
+
+def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
+    """Where phalanx's extra time goes: the main benchmark's method (epochs interleaved round by
+    round, a window per epoch, the median of per-round ratios) over more variants of both loops.
+    Diagnostic: it reaches into phalanx's internals (Trainer._train_epoch, Engine._agree, the
+    strategy's _sum_hook); the phalanx trainers have no run directory, so the writers and SaveLatest
+    do nothing at the epoch end."""
+    from phalanx.trainer import Trainer
+
+    source = source_state(ROOT) if rank == 0 else None
+    dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    REGISTRY[DATA_KEY] = dataset
+    with shared_tmp(rank) as tmp:
+        from phalanx.hooks import Hook
+        first, _, _ = build_phalanx(args, tmp / "runs", Hook())  # validated config, strategy, logs as measured
+        cfg, strategy = first.cfg, first.strategy
+
+        def trainer(hooks):
+            return Trainer(cfg, None, [ROOT], hooks=hooks, strategy=strategy)
+
+        loops = [
+            HandDDP(dataset, args, rank),
+            HandDDP(dataset, args, rank, agree="sync"),
+            HandDDP(dataset, args, rank, like_phalanx=True, name=SETUP),
+            HandDDP(dataset, args, rank, agree="sync", like_phalanx=True, name=LIKE),
+            HandDDP(dataset, args, rank, agree="fused", like_phalanx=True, name=FUSED),
+            PhalanxEpochs(PHALANX, trainer(None), args.steps),
+            PhalanxEpochs(NO_HOOKS, trainer([]), args.steps),
+            PhalanxEpochs(NO_HOOKS_AGREE, trainer([]), args.steps, local_agree=True),
+        ]
+        windows: dict[str, list[tuple[float, float]]] = {loop.name: [] for loop in loops}
+        total = args.warmup + args.rounds
+        if rank == 0:
+            print("loops, in the order of the figures on each round's line:\n"
+                  + "\n".join(f"  {i + 1}. {loop.name}" for i, loop in enumerate(loops)), flush=True)
+        for epoch in range(1, total + 1):
+            for loop in loops:
+                windows[loop.name].append(loop.epoch(epoch))
+            if rank == 0:
+                print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                      + " ".join(f"{1e3 * w[-1][0] / args.steps:.3f}" for w in windows.values())
+                      + " ms/step (rank 0)", flush=True)
+        losses = {loop.name: loop.epoch_losses[-1] for loop in loops if isinstance(loop, HandDDP)}
+        for loop in loops:
+            if isinstance(loop, PhalanxEpochs):
+                loop.trainer._emit("after_training", True)
+    every: list[Any] = [None] * WORLD
+    dist.all_gather_object(every, windows)
+    if rank != 0:
+        return None
+    n, steps = args.warmup, args.steps
+
+    def rounds(name: str) -> list[float]:  # the slower rank's window per measured round, per step
+        return [max(ws) / steps for ws in zip(*[[w[0] for w in r[name][n:]] for r in every])]
+
+    measured = {name: rounds(name) for name in windows}
+    base = measured[HAND]
+    rows = {name: {"ms_per_step": summary([1e3 * t for t in ts]),
+                   "ratio_vs_hand": summary([t / h for t, h in zip(ts, base)]),
+                   "extra_us_per_step_vs_hand": summary([1e6 * (t - h) for t, h in zip(ts, base)])}
+            for name, ts in measured.items()}
+
+    def diff(a: str, b: str) -> dict[str, float]:
+        """Paired per-round difference b - a (us/step) and ratio b / a."""
+        return {"us_per_step": statistics.median([1e6 * (y - x) for x, y in zip(measured[a], measured[b])]),
+                "ratio": statistics.median([y / x for x, y in zip(measured[a], measured[b])])}
+
+    parts = [
+        ("per-step all-reduce of (loss, stop) as Engine._agree does it, by hand", HAND, AGREE),
+        ("DDP as phalanx sets it up (Python _sum_hook) + per-sample loss, by hand", HAND, SETUP),
+        ("  the same, both with the per-step all-reduce", AGREE, LIKE),
+        ("the per-step all-reduce on top of phalanx's set-up, by hand", SETUP, LIKE),
+        ("the rest of phalanx's step and loop, no hooks (engine, Forward, data plan, loop)", LIKE, NO_HOOKS),
+        ("  the same, both without the per-step all-reduce", SETUP, NO_HOOKS_AGREE),
+        ("phalanx's default hooks' after_batch (minus ShowProgress)", NO_HOOKS, PHALANX),
+        ("the per-step all-reduce inside phalanx (no hooks; _agree made local)", NO_HOOKS_AGREE, NO_HOOKS),
+        ("what-if: (loss, stop) carried in the last gradient bucket, vs no agreement", SETUP, FUSED),
+        ("what-if: (loss, stop) carried in the last gradient bucket, vs own all-reduce", LIKE, FUSED),
+    ]
+    found = {label: diff(a, b) for label, a, b in parts}
+    print(f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, batch "
+          f"{args.batch_size} per rank; per round, the slower rank's window; medians over rounds")
+    print(f"{'loop':<44}{'ms/step':>9}{'ratio vs hand':>15}{'extra us/step':>15}")
+    for name, r in rows.items():
+        print(f"{name:<44}{r['ms_per_step']['median']:>9.3f}{r['ratio_vs_hand']['median']:>14.3f}x"
+              f"{r['extra_us_per_step_vs_hand']['median']:>15.0f}")
+    print(f"\n{'part (paired per round: B - A)':<84}{'us/step':>9}{'ratio':>8}")
+    for label, a, b in parts:
+        print(f"{label:<84}{found[label]['us_per_step']:>9.0f}{found[label]['ratio']:>8.3f}")
+    report = {"benchmark": "ddp_overhead --breakdown", "command": " ".join([".venv/bin/python", *sys.argv]),
+              "machine": machine(), "phalanx_source": source, "loops": rows, "parts": found,
+              "final_epoch_loss_hand_loops": losses,
+              "per_round_ms_per_step": {k: [round(1e3 * t, 5) for t in v] for k, v in measured.items()}}
+    if args.breakdown_out:
+        Path(args.breakdown_out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.breakdown_out}", flush=True)
+    return None
+
+
+# --- the parent -----------------------------------------------------------------------------------
+
+def launch(args) -> int:
+    """Start the two ranks; fail (and leave no process behind) if either fails or hangs."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(rank, port, args, queue), name=f"rank{rank}")
+             for rank in range(WORLD)]
+    for p in procs:
+        p.start()
+    failed = False
+    try:
+        for _ in range(WORLD):
+            rank, ok, value = queue.get(timeout=args.timeout)
+            if not ok:
+                print(f"rank {rank} failed:\n{value}", file=sys.stderr, flush=True)
+                failed = True
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not failed else 2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch (per round, per loop)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="measured rounds (one epoch of each loop); default 60, 30 with --breakdown, 10 with --profile")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds first")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
+    parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
+    parser.add_argument("--no-agree", dest="agree", action="store_false",
+                        help="leave out the 'hand DDP + agree' loop (then ~1/3 shorter)")
+    parser.add_argument("--target", type=float, default=1.05, help="phalanx's allowed ratio to hand DDP")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp_overhead.json"))
+    parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx's ranks alone (no JSON)")
+    parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: more variants of both loops, to split phalanx's extra time (no JSON unless "
+                             "--breakdown-out)")
+    parser.add_argument("--breakdown-out", default=None, help="where --breakdown writes its JSON (default: none)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank counts as hung")
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 30 if args.breakdown else 10 if args.profile else 60
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
+        parser.error("--steps, --rounds and --warmup must be at least 1")
+    args.out = str(Path(args.out).resolve())
+    return launch(args)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

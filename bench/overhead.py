@@ -1,0 +1,645 @@
+"""Per-step overhead of phalanx (and of Lightning and Accelerate, where installed) against a
+hand-written PyTorch loop: a tiny MLP on in-memory data, one CPU thread, all loops interleaved epoch
+by epoch in one process so that the machine's drift affects each of them alike.
+
+    .venv/bin/python bench/overhead.py                 # defaults: 40 rounds of 200 steps, ~1.5-2 min
+    .venv/bin/python bench/overhead.py --steps 400 --rounds 25 --out /tmp/overhead.json
+    .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (paired A/B)
+    .venv/bin/python bench/overhead.py --profile       # cProfile of phalanx's steps alone
+
+What is timed (see BENCHMARKS.md): every loop trains its own copy of the same MLP (same init), with
+AdamW, on the same dataset object (a map-style dataset of dict items) batched by a torch DataLoader
+(shuffled, default collate), and accumulates the loss for logging (`loss.detach()` summed, one
+`.item()` per epoch; phalanx does this with its default ComputeStats hook). A round is one epoch of
+`--steps` optimizer steps of each loop; the first `--warmup` rounds are not counted. An epoch's
+window starts where the previous epoch handed control back to the benchmark and ends after the
+last optimizer step (and, for phalanx, the last step's after_batch hooks), so it includes each
+loop's per-epoch set-up (sampler, DataLoader iterator) spread over its steps; it excludes the
+epoch-end work, which is not the same for the loops: phalanx's after_epoch hooks (statistics, log,
+metrics.csv, TensorBoard flush, the SaveLatest checkpoint) run outside the window and are reported
+on their own. Nobody saves a checkpoint inside a window.
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")  # before torch is imported
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from bench.common import MLP, REGISTRY, Coroutine, make_items, machine, source_state, summary  # noqa: E402
+
+clock = time.perf_counter
+
+
+def now() -> tuple[float, float]:
+    """Wall-clock and process CPU time. Only one loop runs at a time (the others wait on a lock),
+    so the CPU time of a window is that loop's, less the time the machine gave to other tenants."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float], end: tuple[float, float] | None = None) -> tuple[float, float]:
+    end = end or now()
+    return end[0] - start[0], end[1] - start[1]
+
+LR = 1e-3
+DATA_KEY = "overhead"
+FEATURES, CLASSES = 32, 10
+
+
+# --- 1. the hand-written loop ------------------------------------------------------------------
+
+class HandLoop:
+    """What one would write without a framework."""
+
+    name = "hand loop"
+
+    def __init__(self, dataset, args):
+        torch.manual_seed(0)
+        self.model = MLP(FEATURES, args.hidden, CLASSES)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        self.epoch_losses: list[float] = []
+
+    def epoch(self) -> tuple[float, float]:
+        """One epoch; returns its window (wall, CPU seconds)."""
+        start = now()
+        model, optimizer = self.model, self.optimizer
+        model.train()
+        total, batches = torch.zeros(()), 0
+        for batch in self.loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(batch["x"]), batch["y"])
+            loss.backward()
+            optimizer.step()
+            total += loss.detach()
+            batches += 1
+        self.epoch_losses.append(total.item() / batches)
+        return since(start)
+
+
+# --- 2. phalanx ---------------------------------------------------------------------------------
+
+def phalanx_config(args, output_root: str) -> dict[str, Any]:
+    """The run's config: no `hooks:` key would mean the defaults; they are listed here without
+    ShowProgress (a terminal progress bar), everything else as phalanx.hooks.default_hooks has it."""
+    return {
+        "name": "overhead",
+        "model": {"class": "bench.common.MLP", "features": FEATURES, "hidden": args.hidden, "classes": CLASSES,
+                  "inputs": {"x": "x"}, "outputs": "logits",
+                  "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}},
+        "optimizer": {"class": "AdamW", "lr": LR},
+        "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": args.batch_size},
+        "parallel": {"accelerator": "cpu"},
+        "seed": 0,
+        "main_loop": {"epochs": args.warmup + args.rounds},
+        "output_root": output_root,
+    }
+
+
+def phalanx_hooks(cfg) -> list:
+    from phalanx.hooks import default_hooks
+
+    specs = default_hooks(cfg)
+    kept = [s for s in specs if s != "ShowProgress"]
+    assert len(kept) == len(specs) - 1, specs
+    return kept
+
+
+def build_phalanx(args, tmp: Path, driver):
+    """A Trainer as `phalanx train` builds one (a validated config, a real run directory, the log
+    file), its hooks those the config lists, then `driver`."""
+    from phalanx import config, logs, rundir
+    from phalanx.hooks import build_hooks
+    from phalanx.trainer import Trainer
+
+    raw = phalanx_config(args, str(tmp / "runs"))
+    raw["hooks"] = phalanx_hooks(config.validate(raw))
+    cfg = config.validate(raw)
+    run_dir = rundir.create(cfg, tmp / "overhead.yaml")
+    logs.setup(run_dir)
+    # Keep log.txt, as `phalanx train` does, but not the console copy: two lines per epoch would
+    # bury the table. Both are epoch-end work, outside the timed windows.
+    phalanx_log = logging.getLogger("phalanx")
+    for handler in list(phalanx_log.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            phalanx_log.removeHandler(handler)
+    return Trainer(cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver]), run_dir, raw
+
+
+def make_driver_hook(steps: int, on_epoch_end):
+    """The last hook of the phalanx run: it times phalanx's epochs and, at the end of each, runs
+    the other loops' epochs for that round. Its after_batch costs one comparison per step."""
+    from phalanx.hooks import Hook
+
+    class Driver(Hook):
+        def __init__(self):
+            self.start = self.last_step = (0.0, 0.0)
+            self.windows: list[tuple[float, float]] = []
+            self.epoch_ends: list[tuple[float, float]] = []
+
+        def before_training(self) -> None:
+            self.start = now()
+
+        def after_batch(self, stream: str, batch: dict) -> None:
+            if self.trainer.step_in_epoch == steps:
+                self.last_step = now()
+
+        def after_epoch_profile(self, epoch, profile, train_stream, extra_streams) -> None:
+            self.epoch_ends.append(since(self.last_step))
+            self.windows.append(since(self.start, self.last_step))
+            on_epoch_end(epoch)
+            self.start = now()
+
+    return Driver()
+
+
+# --- 3. Lightning -------------------------------------------------------------------------------
+
+class LightningLoop:
+    """Lightning's Trainer.fit in barebones mode (no logger, progress bar, checkpointing, model
+    summary, sanity check), driven as a coroutine: a callback hands control back after each epoch."""
+
+    name = "Lightning"
+
+    def __init__(self, dataset, args):
+        import lightning.pytorch as pl
+
+        for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        steps, epochs = args.steps, args.warmup + args.rounds
+        outer = self
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(0)
+                self.model = MLP(FEATURES, args.hidden, CLASSES)
+                self.acc = {"total": torch.zeros(()), "batches": 0}  # a dict: no nn.Module __setattr__
+
+            def training_step(self, batch, batch_idx):
+                loss = F.cross_entropy(self.model(batch["x"]), batch["y"])
+                acc = self.acc
+                acc["total"] += loss.detach()  # the same logging work as the hand loop
+                acc["batches"] += 1
+                return loss
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=LR)
+
+        class Timer(pl.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                if batch_idx == steps - 1:
+                    outer.last_step = now()
+
+            def on_train_epoch_end(self, trainer, module):
+                outer.windows.append(since(outer.start, outer.last_step))
+                acc = module.acc
+                outer.epoch_losses.append(acc["total"].item() / acc["batches"])
+                acc["total"], acc["batches"] = torch.zeros(()), 0
+                if trainer.current_epoch < epochs - 1:
+                    self.pause()
+                    outer.start = now()
+
+        self.module, timer = Module(), Timer()
+        self.trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, barebones=True,
+                                  callbacks=[timer], deterministic=False)
+        self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        self.windows: list[tuple[float, float]] = []
+        self.epoch_losses: list[float] = []
+        self.start = self.last_step = (0.0, 0.0)
+
+        def body(pause):
+            timer.pause = pause
+            torch.set_num_threads(1)
+            self.start = now()  # the first (warm-up) window also holds fit's set-up
+            self.trainer.fit(self.module, train_dataloaders=self.loader)
+
+        self.coroutine = Coroutine(body, "lightning")
+
+    def epoch(self) -> tuple[float, float]:
+        self.coroutine.resume()
+        return self.windows[-1]
+
+    def close(self) -> None:
+        if not self.coroutine.finished:
+            raise RuntimeError("Lightning's fit did not end with its last epoch")
+        self.coroutine.join()
+
+
+# --- 4. Accelerate ------------------------------------------------------------------------------
+
+class AccelerateLoop:
+    """The hand loop through Accelerate's prepare(), accelerator.backward and its wrapped optimizer."""
+
+    name = "Accelerate"
+
+    def __init__(self, dataset, args):
+        from accelerate import Accelerator
+
+        torch.manual_seed(0)
+        self.accelerator = Accelerator(cpu=True)
+        model = MLP(FEATURES, args.hidden, CLASSES)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+        self.epoch_losses: list[float] = []
+
+    def epoch(self) -> tuple[float, float]:
+        start = now()
+        model, optimizer, accelerator = self.model, self.optimizer, self.accelerator
+        model.train()
+        total, batches = torch.zeros(()), 0
+        for batch in self.loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(batch["x"]), batch["y"])
+            accelerator.backward(loss)
+            optimizer.step()
+            total += loss.detach()
+            batches += 1
+        self.epoch_losses.append(total.item() / batches)
+        return since(start)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+def optional(name: str, factory, dataset, args, skipped: dict[str, str]):
+    try:
+        return factory(dataset, args)
+    except ImportError as e:
+        skipped[name] = f"not importable: {e}"
+        return None
+
+
+def run(args) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")  # Lightning's advice on num_workers and the like
+    dataset = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
+    REGISTRY[DATA_KEY] = dataset
+    skipped: dict[str, str] = {}
+    hand = HandLoop(dataset, args)
+    others = [loop for loop in (optional("Lightning", LightningLoop, dataset, args, skipped),
+                                optional("Accelerate", AccelerateLoop, dataset, args, skipped)) if loop]
+    windows: dict[str, list[tuple[float, float]]] = {hand.name: [], **{loop.name: [] for loop in others}}
+    total = args.warmup + args.rounds
+
+    def round_of_others(epoch: int) -> None:
+        """Run at the end of phalanx's epoch `epoch`: the same epoch of every other loop, so that a
+        round is phalanx, Lightning, Accelerate, hand loop (the hand loop then phalanx again)."""
+        for loop in [*others, hand]:
+            windows[loop.name].append(loop.epoch())
+        shown = [("phalanx", driver.windows), *windows.items()]
+        print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+              + ", ".join(f"{n} {1e3 * w[-1][0] / args.steps:.3f}" for n, w in shown) + " ms/step", flush=True)
+
+    driver = make_driver_hook(args.steps, round_of_others)
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
+        hook_names = [type(h).__name__ for h in trainer.hooks]
+        print(f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory {run_dir}",
+              flush=True)
+        started = clock()
+        code = trainer.run()
+        wall_s = clock() - started
+        if code != 0:
+            raise RuntimeError(f"the phalanx run ended with exit code {code}")
+        checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        from phalanx import logs
+        logs.setup(None)  # close log.txt before the folder goes
+    for loop in others:
+        if hasattr(loop, "close"):
+            loop.close()
+
+    n, steps = args.warmup, args.steps
+    measured = {"phalanx": driver.windows[n:], **{name: ws[n:] for name, ws in windows.items()}}
+    end = driver.epoch_ends[n:]
+    measured["phalanx incl. epoch end"] = [(w[0] + e[0], w[1] + e[1]) for w, e in zip(measured["phalanx"], end)]
+    results: dict[str, Any] = {}
+    for name in [hand.name, "phalanx", *[loop.name for loop in others], "phalanx incl. epoch end"]:
+        entry: dict[str, Any] = {}
+        for i, kind in enumerate(("wall", "cpu")):
+            mine = [w[i] / steps for w in measured[name]]
+            base = [w[i] / steps for w in measured[hand.name]]
+            entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
+                           "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+                           "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+                           "per_round_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+        results[name] = entry
+    results["phalanx incl. epoch end"]["epoch_end_ms"] = {
+        "wall": summary([1e3 * e[0] for e in end]), "cpu": summary([1e3 * e[1] for e in end])}
+    ratio = results["phalanx"]["wall"]["ratio_vs_hand"]["median"]
+    return {
+        "benchmark": "overhead",
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "settings": {"steps": steps, "rounds": args.rounds, "warmup": args.warmup, "batch_size": args.batch_size,
+                     "hidden": args.hidden, "features": FEATURES, "classes": CLASSES,
+                     "samples": len(dataset), "optimizer": f"AdamW(lr={LR})", "threads": torch.get_num_threads()},
+        "machine": machine(),
+        "phalanx_source": source_state(ROOT),
+        "method": "median over rounds of (window / steps); ratio = median over rounds of the paired per-round "
+                  "ratio to the hand loop; windows exclude phalanx's epoch-end hooks (row 'incl. epoch end' "
+                  "adds them); no loop saves a checkpoint inside a window",
+        "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
+        "skipped": skipped,
+        "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
+        "results": results,
+        "final_epoch_loss": {hand.name: hand.epoch_losses[-1], **{loop.name: loop.epoch_losses[-1] for loop in others}},
+        "wall_s": wall_s,
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    s, m = report["settings"], report["machine"]
+    print(f"\n{s['rounds']} rounds of {s['steps']} steps each (after {s['warmup']} warm-up), batch {s['batch_size']}, "
+          f"hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, {m['cpu_count']} CPUs, "
+          f"{m['processor']}")
+    header = (f"{'loop':<24}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}  |{'CPU ms/step':>12}{'CPU ratio':>10}"
+              f"{'CPU IQR':>14}")
+    print(header)
+    print("-" * len(header))
+    for name, r in report["results"].items():
+        cells = []
+        for kind in ("wall", "cpu"):
+            ms, ratio = r[kind]["ms_per_step"], r[kind]["ratio_vs_hand"]
+            cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
+        (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
+        print(f"{name:<24}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+    end = report["results"]["phalanx incl. epoch end"]["epoch_end_ms"]["wall"]
+    print(f"\nms/step: median over rounds; ratio: median of the per-round ratios to the hand loop of the same "
+          f"round.\nphalanx's epoch end (after_epoch hooks: stats, log, CSV, TensorBoard, SaveLatest checkpoint) "
+          f"took a median {end['median']:.1f} ms per epoch; it is outside the windows, and 'incl. epoch end' "
+          f"spreads it over the epoch's steps.")
+    for name, why in report["skipped"].items():
+        print(f"skipped {name}: {why}")
+    t = report["target"]
+    print(f"target: phalanx <= {t['phalanx_ratio_max']:.2f}x the hand loop (wall-clock): "
+          f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)")
+
+
+# --- diagnostics: where phalanx's per-step time goes --------------------------------------------
+
+def _steady_phalanx(args, tmp: Path, driver=None):
+    from phalanx.hooks import Hook
+
+    return build_phalanx(args, tmp, driver or Hook())[0]
+
+
+def profile(args) -> None:
+    """cProfile of phalanx alone, steady state (the warm-up epochs excluded), sorted by own time."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(1)
+    REGISTRY[DATA_KEY] = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
+    profiler = cProfile.Profile()
+
+    def on_epoch_end(epoch: int) -> None:
+        if epoch == args.warmup:
+            profiler.enable()
+
+    driver = make_driver_hook(args.steps, on_epoch_end)
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        trainer, _, _ = build_phalanx(args, Path(tmp), driver)
+        trainer.run()
+        profiler.disable()
+        from phalanx import logs
+        logs.setup(None)
+    steps = args.rounds * args.steps
+    package = str(Path(__import__("phalanx").__file__).parent)
+    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
+            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
+    print(f"cProfile of {steps} phalanx steps with the default hooks minus ShowProgress, epoch ends included "
+          f"(times inflated by the profiler), per step:")
+    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
+                                     ("phalanx's own functions, by cumulative time", 1, True)):
+        print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
+        chosen = [r for r in rows if r[4] or not only_phalanx]
+        for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:args.profile_top]:
+            print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")
+
+
+def paired(a, b, n: int, blocks: int) -> tuple[float, float]:
+    """Median extra wall time per call of b over a (seconds) and median ratio b/a, over `blocks`
+    adjacent pairs of `n` calls each, the order alternating; drift cancels within a pair."""
+    diffs, ratios = [], []
+    for i in range(blocks):
+        times = {}
+        for f in ((a, b) if i % 2 == 0 else (b, a)):
+            start = clock()
+            f(n)
+            times[f] = (clock() - start) / n
+        diffs.append(times[b] - times[a])
+        ratios.append(times[b] / times[a])
+    return statistics.median(diffs), statistics.median(ratios)
+
+
+def breakdown(args) -> dict[str, Any]:
+    """Paired A/B timings of the parts of a phalanx step against their hand-written equivalents,
+    on one fixed batch (data excepted). Diagnostic: it reaches into phalanx's internals (Engine,
+    Forward, data.Plan/loader, the hooks) as they are in phalanx 0.1.0."""
+    from phalanx import data as pdata
+    from phalanx.data import Micro
+
+    torch.set_num_threads(1)
+    dataset = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
+    REGISTRY[DATA_KEY] = dataset
+    B, blocks, n = args.batch_size, args.blocks, 40
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        trainer = _steady_phalanx(args, Path(tmp))
+        trainer._emit("before_training")  # opens the TensorBoard writer, as run() would
+        engine, module, optimizer, forward = trainer.engine, trainer.module, trainer.optimizer, trainer.forward
+        hand = HandLoop(dataset, args)
+        model, hand_opt = hand.model, hand.optimizer
+        batch = next(iter(hand.loader))
+        x, y = batch["x"], batch["y"]
+        micros = [(Micro(list(range(B)), B), batch)]
+        listeners = trainer._listeners["after_batch"]
+        stats_hook = next(h for h in trainer.hooks if type(h).__name__ == "ComputeStats")
+        result = engine.train_step(micros)
+        # phalanx 0.1.0 returns (loss, batch dict); later versions a StepResult(loss, parts, stop)
+        # and the trainer hands the hooks the parts.
+        if hasattr(result, "parts"):
+            from phalanx.engine import concat
+            trainer.last_loss, payload = result.loss, result.parts
+            out = concat(result.parts)
+        else:
+            trainer.last_loss, out = result
+            payload = out
+
+        def hand_step(k):
+            for _ in range(k):
+                hand_opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                hand_opt.step()
+
+        def hand_step_phalanx_model(k):
+            for _ in range(k):
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(module(x), y)
+                loss.backward()
+                optimizer.step()
+
+        def hand_step_train(k):
+            for _ in range(k):
+                model.train()
+                hand_opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                hand_opt.step()
+
+        def per_sample_loss(k):
+            for _ in range(k):
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(module(x), y, reduction="none").sum() / B
+                loss.backward()
+                optimizer.step()
+
+        def forward_wrapper(k):
+            for _ in range(k):
+                optimizer.zero_grad(set_to_none=True)
+                loss = forward(batch)["loss"].sum() / B
+                loss.backward()
+                optimizer.step()
+
+        def engine_step(k):
+            for _ in range(k):
+                engine.train_step(micros)
+
+        def engine_step_no_train(k):
+            module.train = lambda mode=True: module  # instance attribute: skips nn.Module.train
+            try:
+                engine_step(k)
+            finally:
+                del module.train
+
+        def hand_accumulate(k):
+            total = torch.zeros(())
+            for _ in range(k):
+                total += trainer.last_loss.detach()
+
+        def stats_after_batch(k):
+            for _ in range(k):
+                stats_hook.after_batch("train", out)
+
+        def all_after_batch(k):
+            for i in range(k):
+                trainer.step = i  # WriteTensorBoard writes every 50th step, as in a run
+                trainer._after_batch(listeners, "train", payload)
+
+        def hand_epoch(k):
+            for _ in range(k):
+                for _ in hand.loader:
+                    pass
+
+        # In situ: whole epochs of the real loop (Trainer._train_epoch) against hand-loop epochs. No run
+        # directory, so the writers and SaveLatest do nothing at the epoch end; ComputeStats runs.
+        from phalanx.trainer import Trainer
+        bare = Trainer(trainer.cfg, None, [ROOT], hooks=[])
+        hooked = Trainer(trainer.cfg, None, [ROOT])
+        hooked._emit("before_training")
+
+        def hand_epochs(k):
+            for _ in range(k):
+                hand.epoch()
+
+        def bare_epochs(k):
+            for _ in range(k):
+                bare._train_epoch()
+
+        def hooked_epochs(k):
+            for _ in range(k):
+                hooked._train_epoch()
+
+        stream, epoch = pdata.get_stream(trainer.dataset, "train"), [0]
+
+        def phalanx_epoch(k):
+            for _ in range(k):
+                epoch[0] += 1
+                plan = pdata.Plan(pdata.permutation(0, epoch[0], len(stream)), B)
+                batches = iter(pdata.loader(stream, plan))
+                for _, ms in plan.steps():
+                    [(m, next(batches)) for m in ms]
+
+        rows = [
+            ("in situ: Trainer epoch, no hooks, vs hand-loop epoch", hand_epochs, bare_epochs, 1, args.steps),
+            ("in situ: Trainer epoch, default hooks (no run dir)", hand_epochs, hooked_epochs, 1, args.steps),
+            ("noise floor: the same hand step on two model copies", hand_step, hand_step_phalanx_model, n, 1),
+            ("whole Engine.train_step vs hand step (fixed batch)", hand_step, engine_step, n, 1),
+            ("  module.train() on every step", hand_step, hand_step_train, n, 1),
+            ("  per-sample loss: CE(none).sum()/B vs CE(mean)", hand_step_phalanx_model, per_sample_loss, n, 1),
+            ("  Forward wrapper (inputs/outputs/loss mapping)", per_sample_loss, forward_wrapper, n, 1),
+            ("  rest of Engine (batch/dict copies, detach, reduce)", forward_wrapper, engine_step_no_train, n, 1),
+            ("ComputeStats.after_batch vs total += loss.detach()", hand_accumulate, stats_after_batch, 400, 1),
+            ("all after_batch hooks vs total += loss.detach()", hand_accumulate, all_after_batch, 400, 1),
+            ("data: phalanx Plan+loader vs DataLoader(shuffle)", hand_epoch, phalanx_epoch, 1, args.steps),
+        ]
+        print(f"paired A/B wall-clock, {blocks} alternating pairs per row ({max(6, blocks // 3)} of whole epochs), "
+              f"batch {B}, hidden {args.hidden}, 1 thread")
+        print(f"{'':54}{'extra us/step':>14}{'ratio':>8}")
+        found = {}
+        for label, a, b, k, per in rows:
+            extra, ratio = paired(a, b, k, blocks if per == 1 else max(6, blocks // 3))  # epochs: fewer pairs
+            found[label.strip()] = {"extra_us_per_step": 1e6 * extra / per, "ratio": ratio}
+            print(f"{label:<54}{1e6 * extra / per:>14.1f}{ratio:>8.3f}", flush=True)
+        trainer._emit("after_training", True)
+        from phalanx import logs
+        logs.setup(None)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per epoch (per round, per loop)")
+    parser.add_argument("--rounds", type=int, default=40, help="measured rounds (one epoch of each loop)")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
+    parser.add_argument("--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
+    parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx alone (no JSON)")
+    parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: paired A/B timings of the parts of a phalanx step (no JSON)")
+    parser.add_argument("--blocks", type=int, default=40, help="A/B pairs per --breakdown row")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
+        parser.error("--steps, --rounds and --warmup must be at least 1")
+    if args.profile:
+        profile(args)
+        return 0
+    if args.breakdown:
+        breakdown(args)
+        return 0
+    report = run(args)
+    print_table(report)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
