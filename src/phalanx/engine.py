@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from phalanx.data import Micro
-from phalanx.model import Forward, shard_loss_sum
+from phalanx.model import Forward, shard_loss_mean
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
@@ -49,10 +49,13 @@ class Engine:
                 parts.append(None)
                 continue
             sync = i == len(micros) - 1 and not by_hand
+            n = len(micro.shard)
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.module):
-                loss_sum, data = self._forward(batch, len(micro.shard))
-                self.precision.backward(loss_sum / micro.global_size)
-            total = loss_sum.detach() if total is None else total + loss_sum.detach()
+                mean, data = self._forward(batch, n)
+                # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean
+                self.precision.backward(mean if n == micro.global_size else mean * (n / micro.global_size))
+            loss_sum = mean.detach() * n
+            total = loss_sum if total is None else total + loss_sum
             parts.append(data)
         t0 = time.perf_counter()
         if by_hand:
@@ -95,13 +98,13 @@ class Engine:
         n = n if n is not None else _first_dim(batch)
         with self.precision.autocast():
             outputs = self.forward(batch)
-        loss_sum = shard_loss_sum(outputs["loss"], n)
+        mean = shard_loss_mean(outputs["loss"], n)
         data = dict(batch)
         for key, value in outputs.items():
             data[key] = value.detach() if isinstance(value, torch.Tensor) else value
         if data["loss"].dim() == 0:
             data["loss"] = data["loss"].expand(n)
-        return loss_sum, data
+        return mean, data
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -108,3 +108,12 @@ def shard_loss_sum(loss: torch.Tensor, n: int) -> torch.Tensor:
     if loss.shape[0] != n:
         raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
     return loss.sum()
+
+
+def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean of per-sample losses over a shard of `n` samples; a scalar loss is that mean already."""
+    if loss.dim() == 0:
+        return loss
+    if loss.shape[0] != n:
+        raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
+    return loss.mean()

@@ -11,7 +11,7 @@ import torch
 from phalanx import metrics
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
-from phalanx.model import Forward, shard_loss_sum
+from phalanx.model import Forward, shard_loss_mean
 
 log = logging.getLogger("phalanx")
 
@@ -76,7 +76,7 @@ class LogThroughput(Hook):
 
         def step(meta_module: torch.nn.Module, meta_batch: dict) -> torch.Tensor:
             outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)
-            return shard_loss_sum(outputs["loss"], n) / n
+            return shard_loss_mean(outputs["loss"], n)
 
         flops = metrics.training_flops(module, step, inputs)
         self.flops_per_sample = flops / n if flops else None
