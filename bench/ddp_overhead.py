@@ -61,7 +61,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import MLP, REGISTRY, make_items, machine, source_state, summary  # noqa: E402
+from bench.common import MLP, REGISTRY, make_items, machine, print_results, source_state, summary  # noqa: E402
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -440,17 +440,7 @@ def print_table(report: dict[str, Any]) -> None:
           f"(after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
           f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
           f"{m['cpu_count']} CPUs, {m['processor']}")
-    header = (f"{'loop':<26}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}  |{'CPU ms/step':>12}{'CPU ratio':>10}"
-              f"{'CPU IQR':>14}")
-    print(header)
-    print("-" * len(header))
-    for name, r in report["results"].items():
-        cells = []
-        for kind in ("wall", "cpu"):
-            ms, ratio = r[kind]["ms_per_step"], r[kind]["ratio_vs_hand"]
-            cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
-        (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
-        print(f"{name:<26}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+    print_results(report["results"], 26)
     end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
     print(f"\nms/step: median over rounds of the slower rank's window / steps (CPU: both ranks together); "
           f"ratio: median of the per-round ratios to hand DDP.\nphalanx's epoch end (after_epoch hooks) took a "

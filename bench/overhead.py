@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import MLP, REGISTRY, Coroutine, make_items, machine, source_state, summary  # noqa: E402
+from bench.common import MLP, REGISTRY, Coroutine, make_items, machine, print_results, source_state, summary  # noqa: E402
 
 clock = time.perf_counter
 
@@ -372,17 +372,7 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\n{s['rounds']} rounds of {s['steps']} steps each (after {s['warmup']} warm-up), batch {s['batch_size']}, "
           f"hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, {m['cpu_count']} CPUs, "
           f"{m['processor']}")
-    header = (f"{'loop':<24}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}  |{'CPU ms/step':>12}{'CPU ratio':>10}"
-              f"{'CPU IQR':>14}")
-    print(header)
-    print("-" * len(header))
-    for name, r in report["results"].items():
-        cells = []
-        for kind in ("wall", "cpu"):
-            ms, ratio = r[kind]["ms_per_step"], r[kind]["ratio_vs_hand"]
-            cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
-        (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
-        print(f"{name:<24}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+    print_results(report["results"], 24)
     end = report["results"]["phalanx incl. epoch end"]["epoch_end_ms"]["wall"]
     print(f"\nms/step: median over rounds; ratio: median of the per-round ratios to the hand loop of the same "
           f"round.\nphalanx's epoch end (after_epoch hooks: stats, log, CSV, TensorBoard, SaveLatest checkpoint) "
