@@ -14,19 +14,17 @@ What is timed (see BENCHMARKS.md): in each of the two processes,
    this rank's contiguous half (no DistributedSampler: the same data work as phalanx), forward,
    `F.cross_entropy`, backward, step; the loss summed as `loss.detach()` every step and all-reduced
    once per epoch for logging.
-2. *hand DDP + agree*: the same loop plus the one small all-reduce per step that phalanx's engine
-   does (`Engine._agree`: loss and stop flag, two float64 values), to price that collective alone.
-3. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
+2. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
    `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
    process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP.
 
-A round is one epoch of each loop (phalanx, hand DDP, hand DDP + agree); every window starts right
-after a barrier, so both ranks start it together. A window ends after the loop's last step (hand
-loops: after their once-per-epoch loss all-reduce; phalanx: after the last step's after_batch
-hooks). phalanx's window holds its once-per-epoch stop agreement (`Trainer.any_rank`, one
-all-reduce), the hand loops' windows their loss all-reduce. phalanx's epoch end (after_epoch hooks:
-statistics all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart.
-A round's wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
+A round is one epoch of each loop (phalanx, then hand DDP); every window starts right after a
+barrier, so both ranks start it together. A window ends after the loop's last step (the hand loop:
+after its once-per-epoch loss all-reduce; phalanx: after the last step's after_batch hooks).
+phalanx's window holds its once-per-epoch stop agreement (`Trainer.any_rank`, one all-reduce), the
+hand loop's window its loss all-reduce. phalanx's epoch end (after_epoch hooks: statistics
+all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart. A round's
+wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
 """
 from __future__ import annotations
 
@@ -58,6 +56,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -67,10 +66,9 @@ LR = 1e-3
 DATA_KEY = "ddp_overhead"
 FEATURES, CLASSES = 32, 10
 WORLD = 2
-HAND, AGREE, PHALANX, PHALANX_END = "hand DDP", "hand DDP + agree", "phalanx ddp", "phalanx incl. epoch end"
-SETUP, LIKE = "hand DDP, phalanx's set-up", "hand DDP, phalanx's set-up + agree"
-FUSED = "hand DDP, phalanx's set-up + fused agree"
-NO_HOOKS, NO_HOOKS_AGREE = "phalanx ddp, no hooks", "phalanx ddp, no hooks, no all-reduce"
+HAND, PHALANX, PHALANX_END = "hand DDP", "phalanx ddp", "phalanx incl. epoch end"
+LOSS_SETUP, SETUP = "hand DDP, phalanx's loss and DDP options", "hand DDP, phalanx's set-up (+ carrier)"
+NO_HOOKS = "phalanx ddp, no hooks"
 
 
 def now() -> tuple[float, float]:
@@ -106,36 +104,43 @@ class ShardBatches:
         return -(-self.n // self.global_batch)
 
 
+class _WithCarrier(nn.Module):
+    """The model and a two-element parameter beside it, as phalanx's ddp strategy sets DDP up: the
+    parameter's gradient carries (loss share, stop flag) through DDP's own gradient all-reduce."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.carrier = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return self.module(x)
+
+
 class HandDDP:
     """What one would write with torch's DistributedDataParallel and no framework.
 
-    `agree`: None, or "sync" to add phalanx's per-step all-reduce of (loss sum, stop flag) after the
-    update, as `Engine._agree` does, or "fused" to carry those two values in the gradients' last
-    bucket instead (`_fused_sum_hook`, a what-if: no collective of their own). `like_phalanx`: set
-    DDP up as phalanx's strategy does (gradients summed by its Python comm hook `_sum_hook`, no
-    buffer broadcast) and back-propagate phalanx's loss, the per-sample sum over the global batch."""
+    `like_phalanx`: the same loop with phalanx's set-up, by hand: DDP without the buffer broadcast,
+    the per-sample loss (`cross_entropy(reduction="none")`, then its mean) and, unless `carrier` is
+    False, the loss share and a stop flag carried through the gradient all-reduce in a parameter
+    beside the model, read back after backward."""
 
-    def __init__(self, dataset, args, rank: int, agree: str | None = None, like_phalanx: bool = False,
+    def __init__(self, dataset, args, rank: int, like_phalanx: bool = False, carrier: bool = True,
                  name: str | None = None):
-        if agree not in (None, "sync", "fused"):
-            raise ValueError(f"agree must be None, 'sync' or 'fused', not {agree!r}")
-        self.name = name or (AGREE if agree else HAND)
-        self.agree, self.like_phalanx = agree, like_phalanx
+        self.name = name or HAND
+        self.like_phalanx, self.carrier = like_phalanx, like_phalanx and carrier
         self.global_batch = WORLD * args.batch_size
         torch.manual_seed(0)
         module = MLP(FEATURES, args.hidden, CLASSES)
-        self.hook_state: dict[str, Any] = {"extra": None, "agreed": None}
-        if like_phalanx or agree == "fused":
-            from phalanx.strategies.ddp import _sum_hook
-
+        if self.carrier:
+            self.model = DistributedDataParallel(_WithCarrier(module), broadcast_buffers=False)
+            self.optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+        elif like_phalanx:
             self.model = DistributedDataParallel(module, broadcast_buffers=False)
-            if agree == "fused":
-                self.model.register_comm_hook(self.hook_state, _fused_sum_hook)
-            else:
-                self.model.register_comm_hook(None, _sum_hook)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         else:
             self.model = DistributedDataParallel(module)  # default settings
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler)
         self.epoch_losses: list[float] = []
@@ -144,8 +149,9 @@ class HandDDP:
         """One epoch; returns its window (wall, CPU seconds) on this rank."""
         dist.barrier()
         start = now()
-        model, optimizer, agree, state = self.model, self.optimizer, self.agree, self.hook_state
-        per_sample, global_batch = self.like_phalanx, self.global_batch
+        model, optimizer = self.model, self.optimizer
+        per_sample, carrier = self.like_phalanx, self.model.module.carrier if self.carrier else None
+        no_stop = torch.zeros(())
         self.sampler.epoch = epoch
         model.train()
         total, batches = torch.zeros(()), 0
@@ -153,45 +159,23 @@ class HandDDP:
             optimizer.zero_grad(set_to_none=True)
             out = model(batch["x"])
             if per_sample:
-                loss_sum = F.cross_entropy(out, batch["y"], reduction="none").sum()
-                loss, objective = loss_sum.detach() / len(out), loss_sum / global_batch
+                loss = objective = F.cross_entropy(out, batch["y"], reduction="none").mean()
             else:
                 loss = objective = F.cross_entropy(out, batch["y"])
-            if agree == "fused":  # read by the comm hook during backward
-                state["extra"] = torch.stack([loss.detach() * len(out), torch.zeros(())])
+            if carrier is not None:  # each rank's half of the global mean, times the 2 that DDP divides by
+                carrier.grad = None
+                share = loss.detach() * (len(out) / self.global_batch)
+                objective = objective + torch.dot(carrier, torch.stack((share, no_stop)) * WORLD)
             objective.backward()
             optimizer.step()
-            if agree == "sync":  # as Engine._agree: two float64 values, summed over ranks, read on the host
-                both = torch.stack([loss.detach().double() * len(out), torch.tensor(0.0, dtype=torch.float64)])
-                dist.all_reduce(both)
-                _, stop = both[0] / global_batch, bool(both[1] > 0)
-            elif agree == "fused":
-                both = state["agreed"].double()
-                _, stop = both[0] / global_batch, bool(both[1] > 0)
+            if carrier is not None:
+                agreed = carrier.grad
+                loss, stop = agreed[0], agreed[1].item() > 0
             total += loss.detach()
             batches += 1
         dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
         self.epoch_losses.append(total.item() / (batches * WORLD))
         return since(start)
-
-
-def _fused_sum_hook(state, bucket):
-    """What-if: phalanx's _sum_hook, except that the last bucket's all-reduce also carries
-    `state["extra"]` (loss sum and stop flag) and leaves their sums in `state["agreed"]`."""
-    buffer = bucket.buffer()
-    if not bucket.is_last() or state["extra"] is None:
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    n = buffer.numel()
-    joined = torch.cat([buffer, state["extra"].to(buffer.dtype)])
-    state["extra"] = None
-    work = dist.all_reduce(joined, op=dist.ReduceOp.SUM, async_op=True)
-
-    def split(fut):
-        out = fut.value()[0]
-        state["agreed"] = out[n:]
-        return out[:n]
-    return work.get_future().then(split)
 
 
 # --- 3. phalanx -----------------------------------------------------------------------------------
@@ -318,7 +302,7 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
     source = source_state(ROOT) if rank == 0 else None  # the phalanx this process imports, before it runs
     dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
     REGISTRY[DATA_KEY] = dataset
-    hands = [HandDDP(dataset, args, rank), *([HandDDP(dataset, args, rank, agree="sync")] if args.agree else [])]
+    hands = [HandDDP(dataset, args, rank)]
     windows: dict[str, list[tuple[float, float]]] = {h.name: [] for h in hands}
     total = args.warmup + args.rounds
 
@@ -374,7 +358,7 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         per_rank = [r["windows"][name][n:] for r in every]
         return [(max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank)]
 
-    names = [HAND, *([AGREE] if args.agree else []), PHALANX]
+    names = [HAND, PHALANX]
     measured = {name: rounds(name) for name in names}
     ends = [[e for e in r["epoch_ends"][n:]] for r in every]
     end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]
@@ -398,19 +382,6 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
     results[PHALANX_END]["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]),
                                             "cpu": summary([1e3 * e[1] for e in end])}
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
-    extra: dict[str, Any] = {}
-    if args.agree:
-        vs_agree = stats(PHALANX, AGREE)
-        agree_us = [1e6 * (a[0] - h[0]) / steps for a, h in zip(measured[AGREE], measured[HAND])]
-        gap_us = [1e6 * (p[0] - h[0]) / steps for p, h in zip(measured[PHALANX], measured[HAND])]
-        extra = {
-            "agree_allreduce_us_per_step": summary(agree_us),
-            "phalanx_extra_us_per_step": summary(gap_us),
-            "agree_ratio_vs_hand": results[AGREE]["wall"]["ratio_vs_hand"]["median"],
-            "phalanx_ratio_vs_hand_plus_agree": {k: vs_agree[k]["ratio_vs_hand"] for k in ("wall", "cpu")},
-            "agree_share_of_phalanx_extra": (statistics.median(agree_us) / statistics.median(gap_us)
-                                             if statistics.median(gap_us) > 0 else None),
-        }
     return {
         "benchmark": "ddp_overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
@@ -427,7 +398,6 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
                   "(row 'incl. epoch end' adds them)",
         "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
         "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
-        "agree": extra,
         "results": results,
         "final_epoch_loss": {name: every[0]["losses"][name][-1] for name in every[0]["losses"]},
         "wall_s": wall_s,
@@ -445,15 +415,6 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"\nms/step: median over rounds of the slower rank's window / steps (CPU: both ranks together); "
           f"ratio: median of the per-round ratios to hand DDP.\nphalanx's epoch end (after_epoch hooks) took a "
           f"median {end['median']:.1f} ms per epoch, outside the windows.")
-    a = report["agree"]
-    if a:
-        vs = a["phalanx_ratio_vs_hand_plus_agree"]["wall"]
-        share = a["agree_share_of_phalanx_extra"]
-        print(f"per-step agree all-reduce: {a['agree_allreduce_us_per_step']['median']:.0f} us/step "
-              f"({a['agree_ratio_vs_hand']:.3f}x hand); phalanx's whole extra "
-              f"{a['phalanx_extra_us_per_step']['median']:.0f} us/step"
-              + (f", of which the all-reduce is {100 * share:.0f}%" if share is not None else "")
-              + f"; phalanx vs hand DDP + agree: {vs['median']:.3f}x (IQR {vs['q1']:.3f}-{vs['q3']:.3f})")
     t = report["target"]
     print(f"target: phalanx ddp <= {t['phalanx_ratio_max']:.2f}x hand DDP (wall-clock): "
           f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)", flush=True)
@@ -497,11 +458,9 @@ def profile_rank(rank: int, args) -> None:
 
 class PhalanxEpochs:
     """A phalanx Trainer driven epoch by epoch (`Trainer._train_epoch`), for --breakdown: its window
-    runs from a barrier to its last step's after_batch hooks, as in the main benchmark. `local_agree`
-    replaces `Engine._agree` by its one-process form (no all-reduce; timing only: the loss is then
-    this rank's and a stop request is not shared)."""
+    runs from a barrier to its last step's after_batch hooks, as in the main benchmark."""
 
-    def __init__(self, name: str, trainer, steps: int, local_agree: bool = False):
+    def __init__(self, name: str, trainer, steps: int):
         from phalanx.hooks import Hook
 
         self.name, self.trainer = name, trainer
@@ -519,8 +478,6 @@ class PhalanxEpochs:
         trainer.hooks.append(hook)
         trainer._listeners["after_batch"].append(hook)
         self.last_step = (0.0, 0.0)
-        if local_agree:
-            trainer.engine._agree = lambda total, global_size, stop: (total / global_size, stop)
         trainer._emit("before_training")
 
     def epoch(self, epoch: int) -> tuple[float, float]:
@@ -533,9 +490,8 @@ class PhalanxEpochs:
 def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     """Where phalanx's extra time goes: the main benchmark's method (epochs interleaved round by
     round, a window per epoch, the median of per-round ratios) over more variants of both loops.
-    Diagnostic: it reaches into phalanx's internals (Trainer._train_epoch, Engine._agree, the
-    strategy's _sum_hook); the phalanx trainers have no run directory, so the writers and SaveLatest
-    do nothing at the epoch end."""
+    Diagnostic: it reaches into phalanx's internals (Trainer._train_epoch); the phalanx trainers
+    have no run directory, so the writers and SaveLatest do nothing at the epoch end."""
     from phalanx.trainer import Trainer
 
     source = source_state(ROOT) if rank == 0 else None
@@ -551,13 +507,10 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
 
         loops = [
             HandDDP(dataset, args, rank),
-            HandDDP(dataset, args, rank, agree="sync"),
+            HandDDP(dataset, args, rank, like_phalanx=True, carrier=False, name=LOSS_SETUP),
             HandDDP(dataset, args, rank, like_phalanx=True, name=SETUP),
-            HandDDP(dataset, args, rank, agree="sync", like_phalanx=True, name=LIKE),
-            HandDDP(dataset, args, rank, agree="fused", like_phalanx=True, name=FUSED),
             PhalanxEpochs(PHALANX, trainer(None), args.steps),
             PhalanxEpochs(NO_HOOKS, trainer([]), args.steps),
-            PhalanxEpochs(NO_HOOKS_AGREE, trainer([]), args.steps, local_agree=True),
         ]
         windows: dict[str, list[tuple[float, float]]] = {loop.name: [] for loop in loops}
         total = args.warmup + args.rounds
@@ -597,16 +550,11 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
                 "ratio": statistics.median([y / x for x, y in zip(measured[a], measured[b])])}
 
     parts = [
-        ("per-step all-reduce of (loss, stop) as Engine._agree does it, by hand", HAND, AGREE),
-        ("DDP as phalanx sets it up (Python _sum_hook) + per-sample loss, by hand", HAND, SETUP),
-        ("  the same, both with the per-step all-reduce", AGREE, LIKE),
-        ("the per-step all-reduce on top of phalanx's set-up, by hand", SETUP, LIKE),
-        ("the rest of phalanx's step and loop, no hooks (engine, Forward, data plan, loop)", LIKE, NO_HOOKS),
-        ("  the same, both without the per-step all-reduce", SETUP, NO_HOOKS_AGREE),
+        ("per-sample loss and DDP without the buffer broadcast, by hand", HAND, LOSS_SETUP),
+        ("the carrier: (loss, stop) through the gradient all-reduce, by hand", LOSS_SETUP, SETUP),
+        ("the rest of phalanx's step and loop, no hooks (engine, Forward, data plan, loop)", SETUP, NO_HOOKS),
         ("phalanx's default hooks' after_batch (minus ShowProgress)", NO_HOOKS, PHALANX),
-        ("the per-step all-reduce inside phalanx (no hooks; _agree made local)", NO_HOOKS_AGREE, NO_HOOKS),
-        ("what-if: (loss, stop) carried in the last gradient bucket, vs no agreement", SETUP, FUSED),
-        ("what-if: (loss, stop) carried in the last gradient bucket, vs own all-reduce", LIKE, FUSED),
+        ("all of phalanx's extra time", HAND, PHALANX),
     ]
     found = {label: diff(a, b) for label, a, b in parts}
     print(f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, batch "
@@ -665,8 +613,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds first")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
-    parser.add_argument("--no-agree", dest="agree", action="store_false",
-                        help="leave out the 'hand DDP + agree' loop (then ~1/3 shorter)")
     parser.add_argument("--target", type=float, default=1.05, help="phalanx's allowed ratio to hand DDP")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp_overhead.json"))
     parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx's ranks alone (no JSON)")

@@ -155,6 +155,21 @@ class Record(Hook):
         self.epochs.append({s: dict(v) for s, v in epoch_data.items()})
 
 
+class RequestStopAt(Hook):
+    """Asks for a graceful stop on rank `rank` alone, after training step `step`, as SIGTERM would."""
+
+    gathers = False
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        if self.trainer.training and self.trainer.strategy.rank == self.rank and self.trainer.step == self.step:
+            import signal
+
+            self.trainer.stop.signum = signal.SIGTERM
+
+
 class SeenIds(Hook):
     """Records the sample ids of every gathered training batch, in the order the hooks see them."""
 

@@ -34,31 +34,44 @@ class Engine:
         self.module, self.forward, self.optimizer = module, forward, optimizer
         self.schedulers, self.precision, self.strategy = schedulers, precision, strategy
         self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
+        self.carrier, self.factor = strategy.carrier, strategy.sum_factor
+        if self.carrier is not None:  # the stop flag as the carrier's gradient holds it, for either answer
+            self._flags = {flag: torch.tensor(float(flag) * self.factor, dtype=self.carrier.dtype,
+                                              device=self.carrier.device) for flag in (False, True)}
+        self._pending_stop: tuple[torch.Tensor, Any] | None = None
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
-        agreed among ranks in the same reduction as the loss."""
+        agreed among ranks in the gradient reduction, with the loss."""
         if not self.module.training:  # walking the module tree every step costs more than the check
             self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
+        carrier = self.carrier
+        if carrier is not None:
+            carrier.grad = None
         # Where some rank's shard is empty, no rank lets backward synchronise: they reduce by hand.
-        by_hand = any(micro.any_empty for micro, _ in micros)
-        total, parts = None, []
+        by_hand = carrier is not None and any(micro.any_empty for micro, _ in micros)
+        last = len(micros) - 1
+        total, parts = None, []  # total: this rank's part of the global batch's mean loss (times the factor)
         for i, (micro, batch) in enumerate(micros):
             if batch is None:
                 parts.append(None)
                 continue
-            sync = i == len(micros) - 1 and not by_hand
             n = len(micro.shard)
+            # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
+            # times the factor by which the strategy's reduction divides
+            weight = n / micro.global_size * self.factor
+            sync = i == last and not by_hand
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.module):
                 mean, data = self._forward(batch, n)
-                # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean
-                self.precision.backward(mean if n == micro.global_size else mean * (n / micro.global_size))
-            loss_sum = mean.detach() * n
-            total = loss_sum if total is None else total + loss_sum
+                part = mean.detach() if weight == 1 else mean.detach() * weight
+                total = part if total is None else total + part
+                carried = torch.dot(carrier, self._carried(total, stop)) if sync and carrier is not None else None
+                self.precision.backward(mean if weight == 1 else mean * weight, carried)
             parts.append(data)
         t0 = time.perf_counter()
         if by_hand:
+            carrier.grad = self._carried(total, stop)
             self.strategy.reduce_gradients(self.module)
         t1 = time.perf_counter()
         self.precision.step(self.optimizer)
@@ -66,19 +79,37 @@ class Engine:
             if interval == "step":
                 scheduler.step()
         t2 = time.perf_counter()
-        loss, stop = self._agree(total, micros[0][0].global_size, stop)
-        t3 = time.perf_counter()
-        self.seconds = (t1 - t0) + (t3 - t2), t2 - t1  # communication outside backward, optimizer
+        if carrier is None:
+            loss = total
+        else:
+            agreed = carrier.grad  # the sums over ranks of the loss parts and of the stop flags
+            loss, stop = agreed[0], self._agreed_stop(agreed[1])
+        self.seconds = t1 - t0, t2 - t1  # communication outside backward, the optimizer
         return StepResult(loss, parts, stop)
 
-    def _agree(self, total: torch.Tensor | None, global_size: int, stop: bool) -> tuple[torch.Tensor, bool]:
-        if self.strategy.world_size == 1:
-            return total / global_size, stop
-        if total is None:  # every shard of this rank was empty: it joins with zero weight
-            total = torch.zeros((), device=self.strategy.device)
-        both = self.strategy.reduce(torch.stack([total.double(), torch.tensor(float(stop), dtype=torch.float64,
-                                                                                  device=total.device)]))
-        return both[0] / global_size, bool(both[1] > 0)
+    def _carried(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
+        """What this rank puts in the carrier's gradient: its part of the loss and its stop flag,
+        both times the factor the reduction divides by."""
+        carrier = self.carrier
+        if total is None:
+            total = carrier.new_zeros(())
+        elif total.dtype != carrier.dtype:
+            total = total.to(carrier.dtype)
+        return torch.stack((total, self._flags[stop]))
+
+    def _agreed_stop(self, flags: torch.Tensor) -> bool:
+        """Whether any rank asked to stop. On a GPU, reading the flag now would wait for the whole
+        step to finish: it is copied to the host behind the step and read a step later, the same
+        step on every rank."""
+        if flags.device.type != "cuda":
+            return flags.item() > 0
+        pending, done = self._pending_stop, torch.cuda.Event()
+        self._pending_stop = flags.to("cpu", non_blocking=True), done
+        done.record()
+        if pending is None:
+            return False
+        pending[1].synchronize()
+        return pending[0].item() > 0
 
     def eval_step(self, batch: Mapping) -> dict:
         """Outputs of the model on an evaluation batch, gradients off."""

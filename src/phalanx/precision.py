@@ -14,12 +14,15 @@ from torch import nn
 from phalanx.errors import ConfigError
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: it holds no state
 
 
 class Precision:
     def __init__(self, name: str, device: torch.device, channels_last: bool = False):
         self.name, self.device, self.channels_last = name, device, channels_last
         self.autocast_dtype = _AUTOCAST.get(name)
+        # batches arrive from the DataLoader on the CPU: there, nothing needs converting
+        self._as_is = device.type == "cpu" and name != "fp64" and not channels_last
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
         if name == "fp16" and device.type == "cpu":
             raise ConfigError("precision: fp16 needs a CUDA device; on CPU use bf16 or fp32")
@@ -29,6 +32,8 @@ class Precision:
 
     def convert_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The batch on the device; floating tensors in float64 under fp64."""
+        if self._as_is and isinstance(batch, dict):
+            return batch
         out = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor):
@@ -42,11 +47,15 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, loss: torch.Tensor, unscaled: torch.Tensor | None = None) -> None:
+        """Back-propagate `loss` (scaled under fp16) plus `unscaled`, a term whose gradients must
+        come out as they are (the strategy's carrier)."""
+        if self.scaler:
+            loss = self.scaler.scale(loss)
+        (loss if unscaled is None else loss + unscaled).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:

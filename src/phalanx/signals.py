@@ -35,7 +35,8 @@ class GracefulStop:
         self._request_file = request_file
 
     def exit_code(self) -> int:
-        return 128 + (self.signum or 0)
+        """128 + the signal's number; SIGTERM's where another rank received it."""
+        return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:
         for sig in SIGNALS:

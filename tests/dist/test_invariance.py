@@ -100,3 +100,13 @@ def test_sync_batchnorm_with_an_empty_shard_is_a_clear_error_not_a_hang():
     raw["dataset"] = {**raw["dataset"], "n_train": N_TRAIN}  # the last batch has 1 sample for 4 processes
     with pytest.raises(AssertionError, match="sync_batchnorm needs a sample for each of the 4 processes"):
         workers.run_ranks(4, workers.train_all, [raw], timeout=120)
+
+
+def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step():
+    """The stop flag travels with the gradients: rank 2 alone asks after step 3; every rank takes
+    step 4 (which carries the flag), then saves and exits with SIGTERM's code."""
+    raw = for_world(SCENARIOS["batch8-accum3"], 3)
+    ends = workers.run_ranks(3, workers.stop_on_one_rank, raw, 2, 3, timeout=120)
+    assert [end["code"] for end in ends] == [143, 143, 143]
+    assert [end["step"] for end in ends] == [4, 4, 4]
+    assert ends[0]["losses"] == ends[1]["losses"] == ends[2]["losses"]  # the same global loss everywhere

@@ -75,6 +75,16 @@ def train(raw: dict) -> dict:
     return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids}
 
 
+def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int) -> dict:
+    """Train until rank `stop_rank` asks to stop after step `stop_step`; where this rank ended."""
+    cfg = config.validate(raw)
+    record = toy.Record()
+    trainer = Trainer(cfg, None, [TESTS], hooks=[record, toy.RequestStopAt(stop_rank, stop_step)],
+                      strategy=strategies.create(cfg))
+    code = trainer.run()
+    return {"code": code, "step": trainer.step, "losses": record.losses}
+
+
 def train_all(rank: int, raws: list[dict]) -> list[dict]:
     return [train(raw) for raw in raws]
 

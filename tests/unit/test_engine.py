@@ -219,18 +219,19 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
 class _EmptyRank(Single):
     """Rank 3 of 4, as a rank whose shards are all empty sees a step; records its reductions."""
 
-    rank, world_size = 3, 4
+    rank, world_size, sum_factor = 3, 4, 4.0
 
     def __init__(self):
         super().__init__(torch.device("cpu"))
-        self.reduced: list[torch.Tensor] = []
+        self.carrier = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        self.carried: list[list[float]] = []
 
     def reduce(self, tensor, op="sum"):
-        self.reduced.append(tensor)
-        return tensor
+        raise AssertionError("the step needs no collective of its own")
 
     def reduce_gradients(self, module):
-        self.reduced_gradients = True
+        self.carried.append(self.carrier.grad.tolist())
+        self.carrier.grad /= self.world_size  # as the other ranks, with nothing to add, would leave it
 
 
 def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
@@ -243,8 +244,8 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     micros = plan.step(5)
     assert [m.shard for m in micros] == [[]] and micros[0].global_size == 1
     before = _params(trainer.module)
-    result = engine.train_step([(m, None) for m in micros])
-    assert strategy.reduced_gradients  # joins the hand reduction of gradients the other ranks make
-    assert len(strategy.reduced) == 1 and strategy.reduced[0].tolist() == [0.0, 0.0]  # loss sum, stop flag
-    assert float(result.loss) == 0.0 and result.stop is False
+    result = engine.train_step([(m, None) for m in micros], stop=True)
+    # it joins the hand reduction the other ranks make, with a zero loss share and its stop flag
+    assert strategy.carried == [[0.0, 4.0]]
+    assert float(result.loss) == 0.0 and result.stop is True
     assert _rel_diff(_params(trainer.module), before) == 0

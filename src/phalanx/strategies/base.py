@@ -15,6 +15,13 @@ class Strategy(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    # The factor each rank multiplies its objective by so that the gradient reduction adds the
+    # ranks' gradients (DDP averages: the world size).
+    sum_factor: float
+    # A parameter outside the model whose gradient the reduction adds over ranks with the model's:
+    # the engine writes the step's loss and stop flag there, so that ranks agree on both without a
+    # collective of their own. None with one process.
+    carrier: torch.Tensor | None
 
     @property
     def is_main(self) -> bool:
@@ -30,7 +37,8 @@ class Strategy(Protocol):
         """The tensor reduced over ranks (op: sum, min or max); every rank gets the result."""
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        """Sum gradients over ranks by hand, after backward ran without synchronising."""
+        """Reduce gradients (the carrier's too) over ranks by hand, as backward would have, after
+        backward ran without synchronising."""
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value (any picklable object), in rank order, on every rank."""

@@ -1,10 +1,13 @@
-"""`ddp`: one process per device; gradients summed over ranks by DistributedDataParallel's
-bucketed, overlapped all-reduce.
+"""`ddp`: one process per device; gradients reduced by DistributedDataParallel's bucketed,
+overlapped all-reduce.
 
-Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*:
-a communication hook replaces DDP's default average. Steps where some rank's shard is empty skip
-DDP's reducer on every rank and sum the gradients by hand instead, so that rank can join with zero
-weight without running its model.
+Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*.
+DDP's built-in reduction averages, so each rank also multiplies its objective by the world size
+(`sum_factor`). Beside the model sits the carrier, a two-element parameter whose gradient is the
+rank's share of the loss and its stop flag: DDP adds it over ranks with the gradients, so every
+rank learns the global loss and whether any rank asked to stop without a collective of its own.
+Steps where some rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead,
+so that rank can join with zero weight without running its model.
 """
 from __future__ import annotations
 
@@ -27,10 +30,23 @@ _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp
 DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
 
-def _sum_hook(state, bucket):  # no annotations: DDP checks them, and this module's are strings
-    """All-reduce a gradient bucket with SUM (DDP's default divides by the world size)."""
-    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+class _Carried(nn.Module):
+    """The user's module and, beside it, the carrier (see the module's docstring)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.module = module
+        self.carrier = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def _carrier_dtype(module: nn.Module) -> torch.dtype:
+    """The parameters' dtype, so that the carrier shares their bucket; float32 where that is a
+    16-bit type, which would round the loss to 3 digits."""
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 class DDP:
@@ -46,6 +62,8 @@ class DDP:
             timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S[self.device.type])
             dist.init_process_group("nccl" if accelerator == "cuda" else "gloo", timeout=timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.sum_factor = float(self.world_size)
+        self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
 
     @property
@@ -56,14 +74,15 @@ class DDP:
         module = module.to(self.device)
         if self.sync_batchnorm:
             module = convert_sync_batchnorm(module)
+        carried = _Carried(module, _carrier_dtype(module), self.device)
         # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
         # re-broadcast every forward, so a rank that skips a forward never stalls the others.
         with warnings.catch_warnings():  # its successor still syncs buffers at init, which is what we want
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-            ddp = DistributedDataParallel(module, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+            ddp = DistributedDataParallel(carried, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
                                           broadcast_buffers=False)
-        ddp.register_comm_hook(None, _sum_hook)
-        self._check_identical(ddp.module)
+        self._check_identical(module)
+        self.carrier = carried.carrier
         self._ddp = ddp
         return ddp
 
@@ -86,16 +105,18 @@ class DDP:
         return out
 
     def reduce_gradients(self, module: nn.Module) -> None:
-        params = [p for p in self.unwrap(module).parameters() if p.requires_grad]
+        """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
+        params = [p for p in self._ddp.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.world_size
         offset = 0
         for p in params:
             summed = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is None:
-                p.grad = summed.clone()
+                p.grad = summed.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(summed)
 
@@ -113,7 +134,9 @@ class DDP:
         dist.barrier()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
-        return module.module if isinstance(module, DistributedDataParallel) else module
+        if isinstance(module, DistributedDataParallel):
+            module = module.module
+        return module.module if isinstance(module, _Carried) else module
 
     def shutdown(self) -> None:
         if dist.is_initialized():

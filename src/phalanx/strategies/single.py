@@ -11,6 +11,8 @@ from torch import nn
 class Single:
     rank = 0
     world_size = 1
+    sum_factor = 1.0
+    carrier = None
 
     def __init__(self, device: torch.device):
         self.device = device
