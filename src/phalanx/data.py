@@ -73,10 +73,13 @@ class Plan:
 
     def _make(self, k: int) -> list[Micro]:
         batch = self.order[k * self.batch_size:(k + 1) * self.batch_size]
+        if self.world_size == 1 and self.accumulation == 1:
+            return [Micro(list(batch), len(batch))]
         micros = []
         for micro in split(batch, min(self.accumulation, len(batch))):
-            shards = split(micro, self.world_size, self.weights)
-            micros.append(Micro(shards[self.rank], len(batch), any(not s for s in shards)))
+            sizes = split_sizes(len(micro), self.world_size, self.weights)
+            start = sum(sizes[:self.rank])
+            micros.append(Micro(micro[start:start + sizes[self.rank]], len(batch), 0 in sizes))
         return micros
 
     def steps(self, start: int = 0) -> Iterator[tuple[int, list[Micro]]]:

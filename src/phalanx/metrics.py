@@ -6,6 +6,7 @@ so counting touches neither the real weights, nor their gradients, nor any rando
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import resource
 import sys
@@ -77,11 +78,17 @@ def gpu_utilization(device: torch.device) -> float | None:
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(_nvml_handle(device.index or 0)).gpu)
     except Exception:  # noqa: BLE001 - not installed, or no driver: the figure is simply absent
         return None
+
+
+@functools.cache
+def _nvml_handle(index: int) -> Any:
+    import pynvml
+
+    pynvml.nvmlInit()  # once per process: it costs milliseconds
+    return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
 def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:

@@ -43,15 +43,20 @@ class Forward:
         self.output_names: list[str] = []
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        raw = self.module(**self._arguments(batch))
+        try:  # the mapping is checked only when it fails: this runs every step
+            arguments = {arg: batch[key] for key, arg in self.inputs.items()} if self.inputs is not None \
+                else self._arguments(batch)
+        except KeyError:
+            arguments = self._arguments(batch)
+        raw = self.module(**arguments)
         outputs = self._as_dict(raw)
-        self.output_names = list(outputs)
         if self.loss_fn is not None:
             outputs["loss"] = self._loss(outputs, batch)
         elif "loss" not in outputs:
             raise ModelError(f"the model returned outputs {sorted(outputs)} but no 'loss'; return "
                              "{'loss': ...} from forward, or name one with model.loss: "
                              "{function: cross_entropy, output: ..., target: ...}")
+        self.output_names = list(outputs)
         return outputs
 
     def _arguments(self, batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,6 +75,8 @@ class Forward:
         return {n: batch[n] for n in self.params if n in batch}
 
     def _as_dict(self, raw: Any) -> dict[str, torch.Tensor]:
+        if isinstance(raw, torch.Tensor) and len(self.outputs) == 1:
+            return {self.outputs[0]: raw}
         if isinstance(raw, Mapping):
             return dict(raw)
         values = raw if isinstance(raw, (tuple, list)) else (raw,)
@@ -80,11 +87,15 @@ class Forward:
 
     def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> torch.Tensor:
         cfg = self.loss_cfg
-        if cfg.output not in outputs:
-            raise ModelError(f"model.loss.output {cfg.output!r} is not an output; outputs are {sorted(outputs)}")
-        if cfg.target not in batch:
-            raise ModelError(f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}")
-        loss = self.loss_fn(outputs[cfg.output], batch[cfg.target], reduction="none")
+        try:
+            prediction, target = outputs[cfg.output], batch[cfg.target]
+        except KeyError:
+            if cfg.output not in outputs:
+                raise ModelError(f"model.loss.output {cfg.output!r} is not an output; outputs are "
+                                 f"{sorted(outputs)}") from None
+            raise ModelError(f"model.loss.target {cfg.target!r} is not a batch key; keys are "
+                             f"{', '.join(batch)}") from None
+        loss = self.loss_fn(prediction, target, reduction="none")
         return loss.reshape(loss.shape[0], -1).mean(dim=1) if loss.dim() > 1 else loss
 
 

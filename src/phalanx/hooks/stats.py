@@ -1,6 +1,6 @@
 """Epoch statistics over every sample of a stream: ComputeStats and ClassificationMetrics.
 
-Both accumulate exact sums (in float64) batch by batch and publish into `epoch_data[stream]` after
+Both accumulate exact sums (in float64) as batches come and publish into `epoch_data[stream]` after
 the epoch: the mean under the variable's own name, other aggregations as `<variable>_<aggregation>`.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ class ComputeStats(Hook):
     """Mean (and optionally std, min, max, sum, count) of per-sample variables over each stream."""
 
     gathers = False  # sums are added over ranks at the end of the epoch instead
+    FLUSH_ELEMENTS = 1 << 16  # values held back before they are reduced together
 
     def __init__(self, variables: list[str] = ("loss",), aggregations: list[str] = ("mean",)):
         for agg in aggregations:
@@ -27,24 +28,44 @@ class ComputeStats(Hook):
                 raise ConfigError(f"ComputeStats: unknown aggregation {agg!r}; choose from {', '.join(AGGREGATIONS)}")
         self.variables, self.aggregations = list(variables), list(aggregations)
         self._acc: dict[tuple[str, str], dict[str, Any]] = {}
+        # Batches wait here and are reduced together: a few reductions per many steps instead of
+        # several small ones every step.
+        self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
+        self._pending_elements = 0
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not batch:  # this rank had no samples in the batch
             return
+        pending = self._pending
         for var in self.variables:
             value = batch.get(var)
             if value is None:
                 raise ModelError(f"ComputeStats: variable {var!r} is not in the batch or the model outputs "
                                  f"({', '.join(batch)}); fix hooks ComputeStats.variables")
-            v = value.detach().reshape(-1)
-            acc = self._acc.get((stream, var))
+            if value.requires_grad or value.dim() != 1:
+                value = value.detach().reshape(-1)
+            values = pending.get((stream, var))
+            if values is None:
+                values = pending[(stream, var)] = []
+            values.append(value)
+            self._pending_elements += value.numel()
+        if self._pending_elements >= self.FLUSH_ELEMENTS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Fold the waiting batches into the running values."""
+        for key, values in self._pending.items():
+            v = values[0] if len(values) == 1 else torch.cat(values)
+            acc = self._acc.get(key)
             if acc is None:
-                acc = self._acc[(stream, var)] = {"count": 0}
+                acc = self._acc[key] = {"count": 0}
             acc["count"] += v.numel()
             for name, reduce, combine in self._needs:
                 part = reduce(v)
                 acc[name] = part if name not in acc else combine(acc[name], part)
+        self._pending.clear()
+        self._pending_elements = 0
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
         for (stream, var), values in self._global().items():
@@ -60,6 +81,7 @@ class ComputeStats(Hook):
 
     def _global(self) -> dict[tuple[str, str], dict[str, float]]:
         """Every rank's running values combined: sums added, minima and maxima taken."""
+        self._flush()
         strategy = self.strategy
         keys = sorted({tuple(k) for ranks_keys in strategy.gather(sorted(self._acc)) for k in ranks_keys})
         if not keys:
@@ -80,6 +102,8 @@ class ComputeStats(Hook):
         return {"acc": [[s, v, values] for (s, v), values in self._global().items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending.clear()
+        self._pending_elements = 0
         # Sums go to rank 0 alone, so that adding over ranks counts them once; minima and maxima
         # may stand everywhere.
         first = self.strategy.rank == 0
