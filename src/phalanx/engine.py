@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from phalanx.data import Micro
-from phalanx.model import Forward, shard_loss_mean
+from phalanx.model import Forward, check_loss
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
@@ -39,6 +39,7 @@ class Engine:
             self._flags = {flag: torch.tensor(float(flag) * self.factor, dtype=self.carrier.dtype,
                                               device=self.carrier.device) for flag in (False, True)}
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
+        self._gradients: dict[tuple, torch.Tensor] = {}
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
@@ -63,11 +64,18 @@ class Engine:
             weight = n / micro.global_size * self.factor
             sync = i == last and not by_hand
             with contextlib.nullcontext() if sync else self.strategy.no_sync(self.module):
-                mean, data = self._forward(batch, n)
-                part = mean.detach() if weight == 1 else mean.detach() * weight
+                loss, data = self._forward(batch, n)
+                if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
+                    part, gradient = loss.detach().mean(), self._gradient(n, weight / n, loss)
+                else:
+                    part, gradient = loss.detach(), None
+                    if weight != 1:
+                        loss = loss * weight
+                if weight != 1:
+                    part = part * weight
                 total = part if total is None else total + part
                 carried = torch.dot(carrier, self._carried(total, stop)) if sync and carrier is not None else None
-                self.precision.backward(mean if weight == 1 else mean * weight, carried)
+                self.precision.backward(loss, gradient, carried)
             parts.append(data)
         t0 = time.perf_counter()
         if by_hand:
@@ -86,6 +94,17 @@ class Engine:
             loss, stop = agreed[0], self._agreed_stop(agreed[1])
         self.seconds = t1 - t0, t2 - t1  # communication outside backward, the optimizer
         return StepResult(loss, parts, stop)
+
+    def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
+        """A vector of `n` times `value`: the gradient of the objective with respect to each
+        sample's loss. Kept, since the same few shapes come back every step."""
+        key = (n, value, like.dtype, like.device)
+        gradient = self._gradients.get(key)
+        if gradient is None:
+            if len(self._gradients) > 64:
+                self._gradients.clear()
+            gradient = self._gradients[key] = torch.full((n,), value, dtype=like.dtype, device=like.device)
+        return gradient
 
     def _carried(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
         """What this rank puts in the carrier's gradient: its part of the loss and its stop flag,
@@ -129,13 +148,12 @@ class Engine:
         n = n if n is not None else _first_dim(batch)
         with self.precision.autocast():
             outputs = self.forward(batch)
-        mean = shard_loss_mean(outputs["loss"], n)
+        loss = check_loss(outputs["loss"], n)
         data = dict(batch)
         for key, value in outputs.items():
             data[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        if data["loss"].dim() == 0:
-            data["loss"] = data["loss"].expand(n)
-        return mean, data
+        data["loss"] = loss.detach().expand(n) if loss.dim() == 0 else loss.detach()
+        return loss, data
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -112,19 +112,17 @@ def _forward_params(module: nn.Module) -> tuple[dict[str, bool], bool]:
     return named, takes_all
 
 
-def shard_loss_sum(loss: torch.Tensor, n: int) -> torch.Tensor:
-    """Sum of per-sample losses over a shard of `n` samples; a scalar loss is taken as their mean."""
-    if loss.dim() == 0:
-        return loss * n
-    if loss.shape[0] != n:
-        raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
-    return loss.sum()
-
-
-def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:
-    """Mean of per-sample losses over a shard of `n` samples; a scalar loss is that mean already."""
+def check_loss(loss: torch.Tensor, n: int) -> torch.Tensor:
+    """The loss of a shard of `n` samples as a scalar mean or one value per sample (a loss with
+    more dimensions per sample is averaged over them)."""
     if loss.dim() == 0:
         return loss
     if loss.shape[0] != n:
         raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
-    return loss.mean()
+    return loss if loss.dim() == 1 else loss.reshape(n, -1).mean(dim=1)
+
+
+def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean of per-sample losses over a shard of `n` samples; a scalar loss is that mean already."""
+    loss = check_loss(loss, n)
+    return loss if loss.dim() == 0 else loss.mean()

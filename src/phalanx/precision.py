@@ -50,12 +50,16 @@ class Precision:
             return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def backward(self, loss: torch.Tensor, unscaled: torch.Tensor | None = None) -> None:
-        """Back-propagate `loss` (scaled under fp16) plus `unscaled`, a term whose gradients must
-        come out as they are (the strategy's carrier)."""
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
+                 unscaled: torch.Tensor | None = None) -> None:
+        """Back-propagate `loss` (scaled under fp16; a vector takes `gradient`), and with it
+        `unscaled`, a scalar whose gradients must come out as they are (the strategy's carrier)."""
         if self.scaler:
             loss = self.scaler.scale(loss)
-        (loss if unscaled is None else loss + unscaled).backward()
+        if unscaled is None:
+            loss.backward(gradient)
+        else:
+            torch.autograd.backward((loss, unscaled), (gradient, None))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:

@@ -158,27 +158,35 @@ class Trainer:
 
     def _steps_loop(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
-        clock = time.perf_counter
-        for k, micros in plan.steps(self.step_in_epoch):
-            t0 = clock()
-            fetched = [(micro, next(batches)) for micro in micros]
-            t1 = clock()
-            result = self.engine.train_step(fetched, self.stop.requested)
-            self.last_loss, self.last_batch_size = result.loss, micros[0].global_size
-            self.step, self.step_in_epoch = self.step + 1, k + 1
-            t2 = clock()
-            stop = self._after_batch(listeners, TRAIN, result.parts)
-            t3 = clock()
-            profile["data"] += t1 - t0
-            communication, optimizer = self.engine.seconds
-            profile["forward_backward"] += t2 - t1 - communication - optimizer
-            profile["communication"] += communication
-            profile["optimizer"] += optimizer
-            profile["hooks"] += t3 - t2
-            if stop is not None:
-                raise stop
-            if result.stop:
-                raise _Interrupted
+        clock, engine, stop = time.perf_counter, self.engine, self.stop
+        fetching = computing = communicating = optimizing = hooking = 0.0
+        try:
+            for k, micros in plan.steps(self.step_in_epoch):
+                t0 = clock()
+                fetched = [(micro, next(batches)) for micro in micros]
+                t1 = clock()
+                result = engine.train_step(fetched, stop.requested)
+                self.last_loss, self.last_batch_size = result.loss, micros[0].global_size
+                self.step, self.step_in_epoch = self.step + 1, k + 1
+                t2 = clock()
+                terminated = self._after_batch(listeners, TRAIN, result.parts)
+                t3 = clock()
+                communication, optimizer = engine.seconds
+                fetching += t1 - t0
+                computing += t2 - t1 - communication - optimizer
+                communicating += communication
+                optimizing += optimizer
+                hooking += t3 - t2
+                if terminated is not None:
+                    raise terminated
+                if result.stop:
+                    raise _Interrupted
+        finally:
+            profile["data"] += fetching
+            profile["forward_backward"] += computing
+            profile["communication"] += communicating
+            profile["optimizer"] += optimizing
+            profile["hooks"] += hooking
 
     def _check_sync_batchnorm(self, plan: data.Plan) -> None:
         """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""

@@ -11,7 +11,7 @@ import toy
 from phalanx import data
 from phalanx.config import ModelConfig
 from phalanx.errors import ConfigError, ModelError
-from phalanx.model import Forward, build_model, shard_loss_sum
+from phalanx.model import Forward, build_model, check_loss, shard_loss_mean
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,24 +158,14 @@ def test_tuple_outputs_must_match_the_names():
         Forward(Two(), _cfg(outputs="a", loss={"function": "l1_loss", "target": "x"}))({"x": torch.ones(3)})
 
 
-def test_shard_loss_sum_per_sample_and_scalar_mean():
+def test_loss_shapes_per_sample_scalar_and_wrong():
     per_sample = torch.tensor([1.0, 2.0, 4.0])
-    assert shard_loss_sum(per_sample, 3).item() == 7.0
-    assert shard_loss_sum(per_sample.mean(), 3).item() == pytest.approx(7.0)
-    assert shard_loss_sum(torch.tensor(2.5), 4).item() == 10.0
+    assert check_loss(per_sample, 3) is per_sample
+    assert shard_loss_mean(per_sample, 3).item() == pytest.approx(7 / 3)
+    assert shard_loss_mean(torch.tensor(2.5), 4).item() == 2.5
+    assert torch.equal(check_loss(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), 2), torch.tensor([2.0, 2.0]))
     with pytest.raises(ModelError, match="one value per sample \\(4\\)"):
-        shard_loss_sum(per_sample, 4)
-
-
-def test_shard_loss_sum_keeps_the_gradient_of_the_sum():
-    w = torch.tensor(3.0, requires_grad=True)
-    x = torch.tensor([1.0, 2.0])
-    shard_loss_sum((w * x) ** 2, 2).backward()
-    per_sample_grad = w.grad.clone()
-    w.grad = None
-    shard_loss_sum(((w * x) ** 2).mean(), 2).backward()
-    assert torch.allclose(w.grad, per_sample_grad)
-    assert per_sample_grad.item() == pytest.approx(2 * 3.0 * (1 + 4))
+        check_loss(per_sample, 4)
 
 
 def test_build_model_from_config_with_nested_modules():

@@ -50,12 +50,17 @@ class LogThroughput(Hook):
         if not self._counted and batch:
             self._count(batch)
         now = self.clock()
-        samples = self.trainer.last_batch_size
         if self._last is not None:
-            seconds = now - self._last
-            for acc in (self._window, self._epoch) + ((self._steady,) if self._steps >= self.warmup else ()):
-                acc[0] += seconds
-                acc[1] += samples
+            seconds, samples = now - self._last, self.trainer.last_batch_size
+            window, epoch = self._window, self._epoch
+            window[0] += seconds
+            window[1] += samples
+            epoch[0] += seconds
+            epoch[1] += samples
+            if self._steps >= self.warmup:
+                steady = self._steady
+                steady[0] += seconds
+                steady[1] += samples
         self._last = now
         self._steps += 1
         if self._steps % self.every == 0 and self._window[0] > 0:
