@@ -168,9 +168,12 @@ def _cpu_name() -> str:
 
 
 def print_results(results: dict[str, Any], width: int) -> None:
-    """The results table both overhead benchmarks print: wall-clock and CPU, median and IQR of ratios."""
-    header = (f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}  |{'CPU ms/step':>12}{'CPU ratio':>10}"
-              f"{'CPU IQR':>14}")
+    """The results table both overhead benchmarks print: wall-clock and CPU, median and IQR of ratios,
+    and the ratio of total times where the results have it."""
+    totals = all("ratio_of_totals" in r["wall"] for r in results.values())
+    header = (f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}{'total':>8}" if totals else
+              f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}") + \
+        f"  |{'CPU ms/step':>12}{'CPU ratio':>10}{'CPU IQR':>14}"
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -179,4 +182,5 @@ def print_results(results: dict[str, Any], width: int) -> None:
             ms, ratio = r[kind]["ms_per_step"], r[kind]["ratio_vs_hand"]
             cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
         (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
-        print(f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+        total = f"{r['wall']['ratio_of_totals']:>7.3f}x" if totals else ""
+        print(f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")

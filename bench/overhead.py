@@ -1,8 +1,8 @@
 """Per-step overhead of phalanx (and of Lightning and Accelerate, where installed) against a
-hand-written PyTorch loop: a tiny MLP on in-memory data, one CPU thread, all loops interleaved epoch
-by epoch in one process so that the machine's drift affects each of them alike.
+hand-written PyTorch loop: a tiny MLP on in-memory data, one CPU thread, all loops interleaved chunk
+by chunk in one process so that the machine's changes of speed affect each of them alike.
 
-    .venv/bin/python bench/overhead.py                 # defaults: 40 rounds of 200 steps, ~1.5-2 min
+    .venv/bin/python bench/overhead.py                 # defaults: 40 epochs of 200 steps, ~1.5-2 min
     .venv/bin/python bench/overhead.py --steps 400 --rounds 25 --out /tmp/overhead.json
     .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (paired A/B)
     .venv/bin/python bench/overhead.py --profile       # cProfile of phalanx's steps alone
@@ -10,14 +10,14 @@ by epoch in one process so that the machine's drift affects each of them alike.
 What is timed (see BENCHMARKS.md): every loop trains its own copy of the same MLP (same init), with
 AdamW, on the same dataset object (a map-style dataset of dict items) batched by a torch DataLoader
 (shuffled, default collate), and accumulates the loss for logging (`loss.detach()` summed, one
-`.item()` per epoch; phalanx does this with its default ComputeStats hook). A round is one epoch of
-`--steps` optimizer steps of each loop; the first `--warmup` rounds are not counted. An epoch's
-window starts where the previous epoch handed control back to the benchmark and ends after the
-last optimizer step (and, for phalanx, the last step's after_batch hooks), so it includes each
-loop's per-epoch set-up (sampler, DataLoader iterator) spread over its steps; it excludes the
-epoch-end work, which is not the same for the loops: phalanx's after_epoch hooks (statistics, log,
-metrics.csv, TensorBoard flush, the SaveLatest checkpoint) run outside the window and are reported
-on their own. Nobody saves a checkpoint inside a window.
+`.item()` per epoch; phalanx does this with its default ComputeStats hook). The loops take turns:
+each runs `--chunk` optimizer steps, then hands over; a round is one chunk of each loop. A chunk's
+window starts when its loop gets control and ends after its last optimizer step (for phalanx,
+after that step's after_batch hooks), so each loop's per-epoch set-up (sampler, DataLoader
+iterator) lands in the first chunk of its epoch. phalanx's epoch end (after_epoch hooks:
+statistics, log, metrics.csv, TensorBoard flush, the SaveLatest checkpoint) is outside the windows
+and reported on its own. Nobody saves a checkpoint inside a window. The first `--warmup` epochs are
+not counted.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ FEATURES, CLASSES = 32, 10
 # --- 1. the hand-written loop ------------------------------------------------------------------
 
 class HandLoop:
-    """What one would write without a framework."""
+    """What one would write without a framework, run a chunk of steps at a time."""
 
     name = "hand loop"
 
@@ -78,22 +78,30 @@ class HandLoop:
         self.model = MLP(FEATURES, args.hidden, CLASSES)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        self.steps_per_epoch = args.steps
         self.epoch_losses: list[float] = []
+        self._step, self._batches, self._total = 0, None, None
 
-    def epoch(self) -> tuple[float, float]:
-        """One epoch; returns its window (wall, CPU seconds)."""
+    def chunk(self, k: int) -> tuple[float, float]:
+        """The next `k` steps of the current epoch (starting one where the last ended); returns
+        their window (wall, CPU seconds). An epoch's set-up and its loss read-out count in its first
+        and last chunks."""
         start = now()
-        model, optimizer = self.model, self.optimizer
-        model.train()
-        total, batches = torch.zeros(()), 0
-        for batch in self.loader:
+        if self._step == 0:
+            self.model.train()
+            self._batches, self._total = iter(self.loader), torch.zeros(())
+        model, optimizer, batches, total = self.model, self.optimizer, self._batches, self._total
+        for _ in range(k):
+            batch = next(batches)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(batch["x"]), batch["y"])
             loss.backward()
             optimizer.step()
             total += loss.detach()
-            batches += 1
-        self.epoch_losses.append(total.item() / batches)
+        self._step += k
+        if self._step == self.steps_per_epoch:
+            self.epoch_losses.append(total.item() / self._step)
+            self._step = 0
         return since(start)
 
 
@@ -146,28 +154,34 @@ def build_phalanx(args, tmp: Path, driver):
     return Trainer(cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver]), run_dir, raw
 
 
-def make_driver_hook(steps: int, on_epoch_end):
-    """The last hook of the phalanx run: it times phalanx's epochs and, at the end of each, runs
-    the other loops' epochs for that round. Its after_batch costs one comparison per step."""
+def make_driver_hook(chunk: int, on_chunk):
+    """The last hook of the phalanx run: it times phalanx's chunks of `chunk` steps and, after
+    each, calls `on_chunk(epoch)`, which runs the other loops' chunks. Its after_batch costs one
+    comparison per step. The epoch end (after_epoch hooks) is timed apart, outside the windows."""
     from phalanx.hooks import Hook
 
     class Driver(Hook):
+        gathers = False
+
         def __init__(self):
-            self.start = self.last_step = (0.0, 0.0)
+            self.start = (0.0, 0.0)
             self.windows: list[tuple[float, float]] = []
+            self.window_epochs: list[int] = []
             self.epoch_ends: list[tuple[float, float]] = []
 
         def before_training(self) -> None:
             self.start = now()
 
         def after_batch(self, stream: str, batch: dict) -> None:
-            if self.trainer.step_in_epoch == steps:
-                self.last_step = now()
+            trainer = self.trainer
+            if trainer.training and trainer.step_in_epoch % chunk == 0:
+                self.windows.append(since(self.start))
+                self.window_epochs.append(trainer.epoch + 1)
+                on_chunk(trainer.epoch + 1)
+                self.start = now()
 
         def after_epoch_profile(self, epoch, profile, train_stream, extra_streams) -> None:
-            self.epoch_ends.append(since(self.last_step))
-            self.windows.append(since(self.start, self.last_step))
-            on_epoch_end(epoch)
+            self.epoch_ends.append(since(self.start))
             self.start = now()
 
     return Driver()
@@ -177,7 +191,8 @@ def make_driver_hook(steps: int, on_epoch_end):
 
 class LightningLoop:
     """Lightning's Trainer.fit in barebones mode (no logger, progress bar, checkpointing, model
-    summary, sanity check), driven as a coroutine: a callback hands control back after each epoch."""
+    summary, sanity check), driven as a coroutine: a callback hands control back after each chunk
+    of steps."""
 
     name = "Lightning"
 
@@ -186,7 +201,7 @@ class LightningLoop:
 
         for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
             logging.getLogger(name).setLevel(logging.ERROR)
-        steps, epochs = args.steps, args.warmup + args.rounds
+        steps, epochs, chunk = args.steps, args.warmup + args.rounds, args.chunk
         outer = self
 
         class Module(pl.LightningModule):
@@ -208,17 +223,16 @@ class LightningLoop:
 
         class Timer(pl.Callback):
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-                if batch_idx == steps - 1:
-                    outer.last_step = now()
+                if (batch_idx + 1) % chunk == 0:
+                    outer.windows.append(since(outer.start))
+                    if trainer.current_epoch < epochs - 1 or batch_idx + 1 < steps:  # not the very last
+                        self.pause()
+                        outer.start = now()
 
-            def on_train_epoch_end(self, trainer, module):
-                outer.windows.append(since(outer.start, outer.last_step))
+            def on_train_epoch_end(self, trainer, module):  # in the next epoch's first chunk, as set-up is
                 acc = module.acc
                 outer.epoch_losses.append(acc["total"].item() / acc["batches"])
                 acc["total"], acc["batches"] = torch.zeros(()), 0
-                if trainer.current_epoch < epochs - 1:
-                    self.pause()
-                    outer.start = now()
 
         self.module, timer = Module(), Timer()
         self.trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, barebones=True,
@@ -226,7 +240,7 @@ class LightningLoop:
         self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         self.windows: list[tuple[float, float]] = []
         self.epoch_losses: list[float] = []
-        self.start = self.last_step = (0.0, 0.0)
+        self.start = (0.0, 0.0)
 
         def body(pause):
             timer.pause = pause
@@ -236,13 +250,13 @@ class LightningLoop:
 
         self.coroutine = Coroutine(body, "lightning")
 
-    def epoch(self) -> tuple[float, float]:
+    def chunk(self, k: int) -> tuple[float, float]:
         self.coroutine.resume()
         return self.windows[-1]
 
     def close(self) -> None:
         if not self.coroutine.finished:
-            raise RuntimeError("Lightning's fit did not end with its last epoch")
+            raise RuntimeError("Lightning's fit did not end with its last chunk")
         self.coroutine.join()
 
 
@@ -262,21 +276,29 @@ class AccelerateLoop:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         self.model, self.optimizer, self.loader = self.accelerator.prepare(model, optimizer, loader)
+        self.steps_per_epoch = args.steps
         self.epoch_losses: list[float] = []
+        self._step, self._batches, self._total = 0, None, None
 
-    def epoch(self) -> tuple[float, float]:
+    def chunk(self, k: int) -> tuple[float, float]:
+        """As HandLoop.chunk."""
         start = now()
+        if self._step == 0:
+            self.model.train()
+            self._batches, self._total = iter(self.loader), torch.zeros(())
         model, optimizer, accelerator = self.model, self.optimizer, self.accelerator
-        model.train()
-        total, batches = torch.zeros(()), 0
-        for batch in self.loader:
+        batches, total = self._batches, self._total
+        for _ in range(k):
+            batch = next(batches)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(batch["x"]), batch["y"])
             accelerator.backward(loss)
             optimizer.step()
             total += loss.detach()
-            batches += 1
-        self.epoch_losses.append(total.item() / batches)
+        self._step += k
+        if self._step == self.steps_per_epoch:
+            self.epoch_losses.append(total.item() / self._step)
+            self._step = 0
         return since(start)
 
 
@@ -300,18 +322,20 @@ def run(args) -> dict[str, Any]:
     others = [loop for loop in (optional("Lightning", LightningLoop, dataset, args, skipped),
                                 optional("Accelerate", AccelerateLoop, dataset, args, skipped)) if loop]
     windows: dict[str, list[tuple[float, float]]] = {hand.name: [], **{loop.name: [] for loop in others}}
-    total = args.warmup + args.rounds
+    total, per_epoch = args.warmup + args.rounds, args.steps // args.chunk
 
-    def round_of_others(epoch: int) -> None:
-        """Run at the end of phalanx's epoch `epoch`: the same epoch of every other loop, so that a
-        round is phalanx, Lightning, Accelerate, hand loop (the hand loop then phalanx again)."""
+    def chunk_of_others(epoch: int) -> None:
+        """Run after each of phalanx's chunks: the same chunk of every other loop, so that a round
+        is phalanx, Lightning, Accelerate, hand loop (the hand loop then phalanx again)."""
         for loop in [*others, hand]:
-            windows[loop.name].append(loop.epoch())
-        shown = [("phalanx", driver.windows), *windows.items()]
-        print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
-              + ", ".join(f"{n} {1e3 * w[-1][0] / args.steps:.3f}" for n, w in shown) + " ms/step", flush=True)
+            windows[loop.name].append(loop.chunk(args.chunk))
+        if len(driver.windows) % per_epoch == 0:
+            shown = [("phalanx", driver.windows), *windows.items()]
+            print(f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                  + ", ".join(f"{n} {1e3 * sum(x[0] for x in w[-per_epoch:]) / args.steps:.3f}" for n, w in shown)
+                  + " ms/step", flush=True)
 
-    driver = make_driver_hook(args.steps, round_of_others)
+    driver = make_driver_hook(args.chunk, chunk_of_others)
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
         hook_names = [type(h).__name__ for h in trainer.hooks]
@@ -329,35 +353,50 @@ def run(args) -> dict[str, Any]:
         if hasattr(loop, "close"):
             loop.close()
 
-    n, steps = args.warmup, args.steps
+    n, k = args.warmup * per_epoch, args.chunk
     measured = {"phalanx": driver.windows[n:], **{name: ws[n:] for name, ws in windows.items()}}
-    end = driver.epoch_ends[n:]
-    measured["phalanx incl. epoch end"] = [(w[0] + e[0], w[1] + e[1]) for w, e in zip(measured["phalanx"], end)]
     results: dict[str, Any] = {}
-    for name in [hand.name, "phalanx", *[loop.name for loop in others], "phalanx incl. epoch end"]:
+    for name in [hand.name, "phalanx", *[loop.name for loop in others]]:
         entry: dict[str, Any] = {}
         for i, kind in enumerate(("wall", "cpu")):
-            mine = [w[i] / steps for w in measured[name]]
-            base = [w[i] / steps for w in measured[hand.name]]
+            mine = [w[i] / k for w in measured[name]]
+            base = [w[i] / k for w in measured[hand.name]]
             entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
                            "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
                            "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                           "per_round_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+                           "ratio_of_totals": sum(mine) / sum(base),
+                           "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
         results[name] = entry
-    results["phalanx incl. epoch end"]["epoch_end_ms"] = {
-        "wall": summary([1e3 * e[0] for e in end]), "cpu": summary([1e3 * e[1] for e in end])}
+    # the epoch end, per epoch: phalanx's chunks plus its after_epoch hooks, against the hand loop's chunks
+    end = driver.epoch_ends[args.warmup:]
+    entry = {}
+    for i, kind in enumerate(("wall", "cpu")):
+        def epochs(ws):
+            return [sum(w[i] for w in ws[e:e + per_epoch]) / args.steps for e in range(0, len(ws), per_epoch)]
+        mine = [t + e[i] / args.steps for t, e in zip(epochs(measured["phalanx"]), end)]
+        base = epochs(measured[hand.name])
+        entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
+                       "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+                       "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+                       "ratio_of_totals": sum(mine) / sum(base),
+                       "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+    entry["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]), "cpu": summary([1e3 * e[1] for e in end])}
+    results["phalanx incl. epoch end"] = entry
     ratio = results["phalanx"]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "settings": {"steps": steps, "rounds": args.rounds, "warmup": args.warmup, "batch_size": args.batch_size,
+        "settings": {"steps": args.steps, "chunk": args.chunk, "rounds": args.rounds, "warmup": args.warmup,
+                     "batch_size": args.batch_size,
                      "hidden": args.hidden, "features": FEATURES, "classes": CLASSES,
                      "samples": len(dataset), "optimizer": f"AdamW(lr={LR})", "threads": torch.get_num_threads()},
         "machine": machine(),
         "phalanx_source": source_state(ROOT),
-        "method": "median over rounds of (window / steps); ratio = median over rounds of the paired per-round "
-                  "ratio to the hand loop; windows exclude phalanx's epoch-end hooks (row 'incl. epoch end' "
-                  "adds them); no loop saves a checkpoint inside a window",
+        "method": "loops interleaved chunk by chunk (a round is one chunk of each loop); ms/step = median over "
+                  "chunks of (window / chunk); ratio = median over chunks of the paired ratio to the hand loop's "
+                  "chunk of the same round; ratio_of_totals = all measured windows added up; windows exclude "
+                  "phalanx's epoch-end hooks (row 'incl. epoch end', per epoch, adds them); no loop saves a "
+                  "checkpoint inside a window",
         "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
         "skipped": skipped,
         "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
@@ -369,15 +408,15 @@ def run(args) -> dict[str, Any]:
 
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
-    print(f"\n{s['rounds']} rounds of {s['steps']} steps each (after {s['warmup']} warm-up), batch {s['batch_size']}, "
-          f"hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, {m['cpu_count']} CPUs, "
-          f"{m['processor']}")
+    print(f"\n{s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} warm-up), in chunks of {s['chunk']} "
+          f"steps, batch {s['batch_size']}, hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, "
+          f"{m['cpu_count']} CPUs, {m['processor']}")
     print_results(report["results"], 24)
     end = report["results"]["phalanx incl. epoch end"]["epoch_end_ms"]["wall"]
-    print(f"\nms/step: median over rounds; ratio: median of the per-round ratios to the hand loop of the same "
-          f"round.\nphalanx's epoch end (after_epoch hooks: stats, log, CSV, TensorBoard, SaveLatest checkpoint) "
-          f"took a median {end['median']:.1f} ms per epoch; it is outside the windows, and 'incl. epoch end' "
-          f"spreads it over the epoch's steps.")
+    print(f"\nms/step: median over chunks; ratio: median of the per-chunk ratios to the hand loop's chunk of the "
+          f"same round; total: all measured time over the hand loop's.\nphalanx's epoch end (after_epoch hooks: "
+          f"stats, log, CSV, TensorBoard, SaveLatest checkpoint) took a median {end['median']:.1f} ms per epoch; it "
+          f"is outside the windows, and 'incl. epoch end' (per epoch) adds it to the epoch's steps.")
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
     t = report["target"]
@@ -402,11 +441,11 @@ def profile(args) -> None:
     REGISTRY[DATA_KEY] = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
     profiler = cProfile.Profile()
 
-    def on_epoch_end(epoch: int) -> None:
-        if epoch == args.warmup:
+    def on_chunk(epoch: int) -> None:
+        if len(driver.windows) == args.warmup * (args.steps // args.chunk):  # the warm-up's last chunk
             profiler.enable()
 
-    driver = make_driver_hook(args.steps, on_epoch_end)
+    driver = make_driver_hook(args.chunk, on_chunk)
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer, _, _ = build_phalanx(args, Path(tmp), driver)
         trainer.run()
@@ -600,9 +639,11 @@ def breakdown(args) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per epoch (per round, per loop)")
-    parser.add_argument("--rounds", type=int, default=40, help="measured rounds (one epoch of each loop)")
-    parser.add_argument("--warmup", type=int, default=1, help="uncounted rounds first")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps per epoch")
+    parser.add_argument("--chunk", type=int, default=20,
+                        help="steps each loop runs before the next takes over (a divisor of --steps)")
+    parser.add_argument("--rounds", type=int, default=40, help="measured epochs (of every loop)")
+    parser.add_argument("--warmup", type=int, default=1, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument("--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop")
@@ -615,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
         parser.error("--steps, --rounds and --warmup must be at least 1")
+    if args.chunk < 1 or args.steps % args.chunk:
+        parser.error(f"--chunk must divide --steps ({args.steps}); got {args.chunk}")
     if args.profile:
         profile(args)
         return 0
