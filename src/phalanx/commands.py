@@ -128,7 +128,7 @@ def _open(run_path: str) -> tuple[Path, config.Config]:
 def _restored(run_dir: Path, cfg: config.Config, which: str, hooks: list[Hook]) -> tuple[Trainer, int]:
     """A trainer with the weights of checkpoint `which` and only the given hooks."""
     logs.setup(None)
-    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks)
+    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks, inference=True)
     step = trainer.checkpoints.select(which)
     trainer.restore(step, weights_only=True)
     return trainer, step

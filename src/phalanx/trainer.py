@@ -40,7 +40,9 @@ class Trainer:
     """One run: the model, data, optimizer, strategy and hooks that a config describes."""
 
     def __init__(self, cfg: Config, run_dir: Path | None, search_dirs: list[Path] = (),
-                 hooks: list[Hook] | None = None, strategy: Strategy | None = None):
+                 hooks: list[Hook] | None = None, strategy: Strategy | None = None, inference: bool = False):
+        """`inference`: only evaluate and predict; no optimizer (building one imports torch's
+        compiler stack, seconds of start-up that `phalanx eval` does not need)."""
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
         self.strategy = strategy or strategies.create(cfg)
         seed_everything(cfg.seed)
@@ -58,9 +60,9 @@ class Trainer:
         if self.strategy.rank:  # dropout and augmentation: independent streams per rank, rank 0 as one process
             seed_everything(cfg.seed + 1_000_003 * self.strategy.rank)
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
-        self.optimizer = build_optimizer(cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size,
-                                         fused=self.strategy.device.type == "cuda")
-        self.schedulers = build_schedulers(cfg, self.optimizer, self.search_dirs)
+        self.optimizer = None if inference else build_optimizer(
+            cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size, fused=self.strategy.device.type == "cuda")
+        self.schedulers = [] if inference else build_schedulers(cfg, self.optimizer, self.search_dirs)
         self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
                              self.precision, self.strategy)
         self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None

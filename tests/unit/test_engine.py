@@ -3,8 +3,10 @@ batch's mean loss (contract 4), for accumulation, short last batches and scalar-
 from __future__ import annotations
 
 import copy
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,6 +216,22 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
     expected = _reference_loss(trainer.module, stream, list(range(len(stream))))
     assert torch.allclose(out["loss"], expected, rtol=1e-13, atol=0)
     assert out["prediction"].dtype == torch.float64
+
+
+def test_an_inference_trainer_evaluates_without_building_an_optimizer():
+    """`phalanx eval` and `predict` build no optimizer: constructing one imports torch's compiler
+    stack, seconds of start-up. Checked in a fresh interpreter, where nothing imported it yet."""
+    code = ("import sys, toy\n"
+            "from phalanx import config\n"
+            "from phalanx.trainer import Trainer\n"
+            "t = Trainer(config.validate(toy.regression_config(main_loop={'extra_streams': ['valid']})), None, ['.'],\n"
+            "            hooks=[], inference=True)\n"
+            "t.evaluate('valid')\n"
+            "print(t.optimizer, t.schedulers, 'torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(toy.__file__).parent, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "[]", "False"]
 
 
 class _EmptyRank(Single):
