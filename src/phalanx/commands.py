@@ -49,6 +49,7 @@ def train(config_path: str, overrides: list[str]) -> int:
             _discard(run_dir)
         raise
     log.info("run directory: %s", run_dir)
+    _log_start(cfg, strategy)
     try:
         return _run(trainer)
     except PhalanxError:  # bad input found at the first batches: nothing worth keeping was written
@@ -92,7 +93,14 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
                  run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch, strategy.world_size)
         if trainer.epoch >= cfg.main_loop.epochs:
             log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
+    else:
+        _log_start(cfg, strategy)
     return _run(trainer)
+
+
+def _log_start(cfg: config.Config, strategy) -> None:
+    log.info("training on %d process(es) (%s), global batch %d", strategy.world_size, strategy.device.type,
+             cfg.dataset.batch_size)
 
 
 def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy) -> Trainer:

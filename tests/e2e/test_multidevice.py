@@ -138,3 +138,21 @@ class Slow(toy.Regression):
 
         self._streams["train"] = Delayed(train.x, train.y)
 '''
+
+
+def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path):
+    """torchrun starts the processes (as on each machine of a multi-machine job); phalanx sees its
+    environment, does not launch again, and trains as one process would."""
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "torchrun", CFG)
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
+    result = subprocess.run([*torchrun, "-m", "phalanx.cli", "train", str(path), "parallel.devices=2"],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(tmp_path / "torchrun" / "runs")  # one run directory: rank 0's
+    assert relative(weights(run), want) < 1e-10
+    log = (run / "log.txt").read_text()
+    assert "on 2 process(es)" in log and "starting 2 workers" not in result.stderr + log
