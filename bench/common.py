@@ -184,3 +184,30 @@ def print_results(results: dict[str, Any], width: int) -> None:
         (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
         total = f"{r['wall']['ratio_of_totals']:>7.3f}x" if totals else ""
         print(f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+
+
+def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_dirs: list[Path]):
+    """A phalanx Trainer built as `phalanx train` builds one from the config dict `raw`: a validated
+    config, a real run directory, log.txt, and the hooks of `phalanx.hooks.default_hooks` less
+    ShowProgress (a terminal progress bar), followed by `extra_hooks` (a benchmark's driver).
+
+    The console log handler is removed, log.txt kept: phalanx's epoch lines would bury a
+    benchmark's table. Returns the trainer, its run directory and `raw` with the hooks it got. The
+    caller ends with `phalanx.logs.setup(None)` to close log.txt.
+    """
+    import logging
+
+    from phalanx import config, logs, rundir
+    from phalanx.hooks import build_hooks, default_hooks
+    from phalanx.trainer import Trainer
+
+    raw = {**raw, "hooks": [s for s in default_hooks(config.validate(raw)) if s != "ShowProgress"]}
+    cfg = config.validate(raw)
+    run_dir = rundir.create(cfg, tmp / f"{cfg.name}.yaml")
+    logs.setup(run_dir)
+    phalanx_log = logging.getLogger("phalanx")
+    for handler in list(phalanx_log.handlers):
+        if not isinstance(handler, logging.FileHandler):
+            phalanx_log.removeHandler(handler)
+    hooks = [*build_hooks(cfg, search_dirs), *extra_hooks]
+    return Trainer(cfg, run_dir, search_dirs, hooks=hooks), run_dir, raw

@@ -46,7 +46,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import MLP, REGISTRY, Coroutine, make_items, machine, print_results, source_state, summary  # noqa: E402
+from bench.common import (MLP, REGISTRY, Coroutine, make_items, machine, phalanx_trainer, print_results,  # noqa: E402
+                          source_state, summary)
 
 clock = time.perf_counter
 
@@ -124,34 +125,10 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     }
 
 
-def phalanx_hooks(cfg) -> list:
-    from phalanx.hooks import default_hooks
-
-    specs = default_hooks(cfg)
-    kept = [s for s in specs if s != "ShowProgress"]
-    assert len(kept) == len(specs) - 1, specs
-    return kept
-
-
 def build_phalanx(args, tmp: Path, driver):
     """A Trainer as `phalanx train` builds one (a validated config, a real run directory, the log
-    file), its hooks those the config lists, then `driver`."""
-    from phalanx import config, logs, rundir
-    from phalanx.hooks import build_hooks
-    from phalanx.trainer import Trainer
-
-    raw = phalanx_config(args, str(tmp / "runs"))
-    raw["hooks"] = phalanx_hooks(config.validate(raw))
-    cfg = config.validate(raw)
-    run_dir = rundir.create(cfg, tmp / "overhead.yaml")
-    logs.setup(run_dir)
-    # Keep log.txt, as `phalanx train` does, but not the console copy: two lines per epoch would
-    # bury the table. Both are epoch-end work, outside the timed windows.
-    phalanx_log = logging.getLogger("phalanx")
-    for handler in list(phalanx_log.handlers):
-        if not isinstance(handler, logging.FileHandler):
-            phalanx_log.removeHandler(handler)
-    return Trainer(cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver]), run_dir, raw
+    file), its hooks the defaults minus ShowProgress, then `driver`."""
+    return phalanx_trainer(phalanx_config(args, str(tmp / "runs")), tmp, [driver], [ROOT])
 
 
 def make_driver_hook(chunk: int, on_chunk):
