@@ -211,3 +211,20 @@ def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_di
             phalanx_log.removeHandler(handler)
     hooks = [*build_hooks(cfg, search_dirs), *extra_hooks]
     return Trainer(cfg, run_dir, search_dirs, hooks=hooks), run_dir, raw
+
+
+def print_profile(profiler, steps: int, heading: str, top: int) -> None:
+    """A cProfile of `steps` phalanx steps, per step: by own time, by cumulative time, and phalanx's
+    own functions by cumulative time (`heading` says what was profiled)."""
+    import pstats
+
+    package = str(Path(__import__("phalanx").__file__).parent)
+    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
+            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
+    print(f"cProfile of {steps} {heading} (times inflated by the profiler), per step:")
+    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
+                                     ("phalanx's own functions, by cumulative time", 1, True)):
+        print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
+        chosen = [r for r in rows if r[4] or not only_phalanx]
+        for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:top]:
+            print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")

@@ -60,7 +60,8 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import MLP, REGISTRY, make_items, machine, print_results, source_state, summary  # noqa: E402
+from bench.common import (MLP, REGISTRY, make_items, machine, print_profile, print_results, source_state,  # noqa: E402
+                          summary)
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -425,7 +426,6 @@ def print_table(report: dict[str, Any]) -> None:
 def profile_rank(rank: int, args) -> None:
     """cProfile of phalanx's ddp steps alone on each rank (warm-up epochs excluded); rank 0 prints."""
     import cProfile
-    import pstats
 
     REGISTRY[DATA_KEY] = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
     profiler = cProfile.Profile()
@@ -442,17 +442,7 @@ def profile_rank(rank: int, args) -> None:
     if rank != 0:
         return None
     steps = args.rounds * args.steps
-    package = str(Path(__import__("phalanx").__file__).parent)
-    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
-            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
-    print(f"cProfile of {steps} phalanx ddp steps on rank 0, default hooks minus ShowProgress, epoch ends "
-          f"included (times inflated by the profiler), per step:")
-    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
-                                     ("phalanx's own functions, by cumulative time", 1, True)):
-        print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
-        chosen = [r for r in rows if r[4] or not only_phalanx]
-        for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:args.profile_top]:
-            print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")
+    print_profile(profiler, steps, "phalanx ddp steps on rank 0, default hooks minus ShowProgress, epoch ends included", args.profile_top)
     return None
 
 

@@ -47,7 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from bench.common import (MLP, REGISTRY, Coroutine, make_items, machine, phalanx_trainer, print_results,  # noqa: E402
-                          source_state, summary)
+                          print_profile, source_state, summary)
 
 clock = time.perf_counter
 
@@ -412,7 +412,6 @@ def _steady_phalanx(args, tmp: Path, driver=None):
 def profile(args) -> None:
     """cProfile of phalanx alone, steady state (the warm-up epochs excluded), sorted by own time."""
     import cProfile
-    import pstats
 
     torch.set_num_threads(1)
     REGISTRY[DATA_KEY] = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
@@ -430,17 +429,7 @@ def profile(args) -> None:
         from phalanx import logs
         logs.setup(None)
     steps = args.rounds * args.steps
-    package = str(Path(__import__("phalanx").__file__).parent)
-    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
-            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
-    print(f"cProfile of {steps} phalanx steps with the default hooks minus ShowProgress, epoch ends included "
-          f"(times inflated by the profiler), per step:")
-    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
-                                     ("phalanx's own functions, by cumulative time", 1, True)):
-        print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
-        chosen = [r for r in rows if r[4] or not only_phalanx]
-        for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:args.profile_top]:
-            print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")
+    print_profile(profiler, steps, "phalanx steps with the default hooks minus ShowProgress, epoch ends included", args.profile_top)
 
 
 def paired(a, b, n: int, blocks: int) -> tuple[float, float]:
