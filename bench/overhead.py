@@ -555,7 +555,7 @@ def breakdown(args) -> dict[str, Any]:
 
         def hand_epochs(k):
             for _ in range(k):
-                hand.epoch()
+                hand.chunk(args.steps)  # a whole epoch
 
         def bare_epochs(k):
             for _ in range(k):
