@@ -293,6 +293,9 @@ def import_object(path: str, search_dirs: list[Path] = (), default_module: str |
     module_name, _, attr = path.rpartition(".")
     if not module_name:
         raise ConfigError(f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass")
+    for root in _package_roots(module_name, search_dirs):
+        if str(root) not in sys.path:
+            sys.path.append(str(root))
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -301,6 +304,22 @@ def import_object(path: str, search_dirs: list[Path] = (), default_module: str |
     if not hasattr(module, attr):
         raise ConfigError(f"module {module_name!r} has no {attr!r}{did_you_mean(attr, dir(module))}")
     return getattr(module, attr)
+
+
+def _package_roots(module_name: str, search_dirs: list[Path]) -> list[Path]:
+    """Folders that hold `module_name` when a search folder lies inside its package: a config in
+    examples/digits/ naming examples.digits.data finds it from any working directory."""
+    parts = module_name.split(".")
+    roots = []
+    for folder in search_dirs:
+        folder = Path(folder).resolve()
+        for k in range(1, min(len(parts), len(folder.parts))):
+            if list(folder.parts[-k:]) == parts[:k]:
+                root = folder.parents[k - 1]
+                target = root.joinpath(*parts)
+                if target.with_suffix(".py").is_file() or (target / "__init__.py").is_file():
+                    roots.append(root)
+    return roots
 
 
 def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:

@@ -2,6 +2,8 @@
 objects from `class:` sections."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import yaml
@@ -281,3 +283,18 @@ def test_build_value_nested_error_names_where():
     with pytest.raises(ConfigError) as info:
         config.build_value(spec, "model.net", [])
     assert "model.net.args.0" in str(info.value) and "'in_feat'" in str(info.value)
+
+
+def test_a_config_inside_its_package_finds_the_package_from_any_working_directory(tmp_path, monkeypatch):
+    """A config at <root>/zoo_pkg/models/config.yaml naming zoo_pkg.models.net.Net imports it with
+    the working directory elsewhere: the package's root is found from the config's folder."""
+    folder = tmp_path / "root" / "zoo_pkg" / "models"
+    folder.mkdir(parents=True)
+    (folder / "net.py").write_text("class Net:\n    pass\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert config.import_object("zoo_pkg.models.net.Net", [folder]).__name__ == "Net"
+    with pytest.raises(ConfigError, match="cannot import 'zoo_pkg.other'"):
+        config.import_object("zoo_pkg.other.Thing", [folder])
