@@ -110,3 +110,14 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step():
     assert [end["code"] for end in ends] == [143, 143, 143]
     assert [end["step"] for end in ends] == [4, 4, 4]
     assert ends[0]["losses"] == ends[1]["losses"] == ends[2]["losses"]  # the same global loss everywhere
+
+
+def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
+    raw = for_world(SCENARIOS["batch8-accum1"], 2)
+    first, second = workers.run_ranks(2, workers.profile_lines, raw, timeout=120)
+    comm, overlap = first["sampled"]
+    assert comm > 0 and 0 <= overlap
+    reported = [line for line in first["lines"] if "gradient all-reduce in backward" in line]
+    assert [line.split(" ")[1] for line in reported] == ["1", "2"]  # one line per epoch, on rank 0
+    assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
+    assert not [line for line in second["lines"] if "gradient all-reduce" in line]

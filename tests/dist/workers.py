@@ -85,6 +85,23 @@ def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int) -> di
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
 
+def profile_lines(rank: int, raw: dict) -> dict:
+    """Train with LogProfile; the strategy's sampled backward communication and the lines logged."""
+    import logging
+
+    from phalanx.hooks import LogProfile
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("phalanx").addHandler(handler)
+    logging.getLogger("phalanx").setLevel(logging.INFO)
+    cfg = config.validate(raw)
+    trainer = Trainer(cfg, None, [TESTS], hooks=[LogProfile()], strategy=strategies.create(cfg))
+    assert trainer.run() == 0
+    return {"sampled": trainer.strategy.backward_communication(), "lines": lines}
+
+
 def train_all(rank: int, raws: list[dict]) -> list[dict]:
     return [train(raw) for raw in raws]
 

@@ -55,8 +55,10 @@ class LogVariables(_Writer):
 
 class LogProfile(_Writer):
     """Where an epoch's time went: waiting for data, forward and backward (with the gradient
-    all-reduce that overlaps backward), communication after backward (the loss reduction, and
-    gradients summed by hand), the optimizer, hooks, evaluation; each with its share."""
+    all-reduce that overlaps backward), communication after backward (gradients summed by hand on
+    steps where a process has no sample), the optimizer, hooks, evaluation; each with its share.
+    With several processes, also the gradient all-reduce inside backward per step, and how much of
+    it computation hid (DDP's own samples)."""
 
     def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
                             extra_streams: list[str]) -> None:
@@ -65,6 +67,12 @@ class LogProfile(_Writer):
         total = sum(profile.values()) or 1.0
         parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
+        sampled = self.trainer.strategy.backward_communication()
+        if sampled is not None:
+            comm, overlap = sampled
+            log.info("epoch %d gradient all-reduce in backward | %.2f ms per step, %.0f%% of it hidden behind "
+                     "computation, %.2f ms waited", epoch, 1e3 * comm, 100 * min(overlap / comm, 1.0),
+                     1e3 * max(comm - overlap, 0.0))
 
 
 class WriteCSV(_Writer):

@@ -40,6 +40,10 @@ class Strategy(Protocol):
         """Reduce gradients (the carrier's too) over ranks by hand, as backward would have, after
         backward ran without synchronising."""
 
+    def backward_communication(self) -> tuple[float, float] | None:
+        """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and
+        seconds of it that overlapped computation. None where there is none or no sample yet."""
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value (any picklable object), in rank order, on every rank."""
 

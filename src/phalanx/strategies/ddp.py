@@ -120,6 +120,16 @@ class DDP:
             else:
                 p.grad.copy_(summed)
 
+    def backward_communication(self) -> tuple[float, float] | None:
+        """DDP's own sampled averages (it times some iterations: the first ten, then one in a hundred)."""
+        if self._ddp is None:
+            return None
+        data = self._ddp._get_ddp_logging_data()
+        comm = data.get("avg_backward_comm_time") or 0
+        if comm <= 0:
+            return None
+        return comm / 1e9, (data.get("avg_backward_compute_comm_overlap_time") or 0) / 1e9
+
     def gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)

@@ -33,6 +33,9 @@ class Single:
     def reduce_gradients(self, module: nn.Module) -> None:
         pass
 
+    def backward_communication(self) -> tuple[float, float] | None:
+        return None
+
     def gather(self, value: Any) -> list[Any]:
         return [value]
 
