@@ -121,3 +121,11 @@ def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
     assert [line.split(" ")[1] for line in reported] == ["1", "2"]  # one line per epoch, on rank 0
     assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
+
+
+def test_stop_after_minutes_stops_every_rank_at_the_same_agreement_step():
+    """Rank 1's clock runs out first; the ranks agree every 10 steps, so both stop at step 10."""
+    raw = for_world(SCENARIOS["batch8-accum1"], 2)
+    raw["main_loop"] = {**raw["main_loop"], "epochs": 5}  # 6 steps an epoch: 30 in all
+    ends = workers.run_ranks(2, workers.stop_after_minutes, raw, timeout=120)
+    assert ends == [{"code": 0, "step": 10}, {"code": 0, "step": 10}]

@@ -15,10 +15,11 @@ from phalanx.hooks.variables import check_mode, improved, lookup, split_name
 class StopAfter(Hook):
     """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is first.
 
-    With several processes and `minutes`, the ranks agree every step: the first whose clock runs out
-    stops them all at the same step."""
+    With several processes and `minutes`, the ranks agree every `AGREE_EVERY` steps (an agreement
+    is a collective of its own): the first whose clock has run out stops them all at the same step."""
 
     gathers = False
+    AGREE_EVERY = 10
 
     def __init__(self, epochs: int | None = None, steps: int | None = None, minutes: float | None = None,
                  clock=time.monotonic):
@@ -37,7 +38,11 @@ class StopAfter(Hook):
             return
         if self.steps is not None and self.trainer.step >= self.steps:
             raise TrainingTerminated(f"{self.steps} steps done (StopAfter)")
-        if self.minutes is not None and self.trainer.any_rank(self.clock() - self._start >= 60 * self.minutes):
+        if self.minutes is None:
+            return
+        if self.trainer.strategy.world_size > 1 and self.trainer.step % self.AGREE_EVERY:
+            return
+        if self.trainer.any_rank(self.clock() - self._start >= 60 * self.minutes):
             raise TrainingTerminated(f"{self.minutes} minutes passed (StopAfter)")
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
