@@ -151,8 +151,10 @@ class Engine:
         loss = check_loss(outputs["loss"], n)
         data = dict(batch)
         for key, value in outputs.items():
-            data[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        data["loss"] = loss.detach().expand(n) if loss.dim() == 0 else loss.detach()
+            if key == "loss":  # per sample, for the hooks
+                data[key] = loss.detach().expand(n) if loss.dim() == 0 else loss.detach()
+            else:
+                data[key] = value.detach() if isinstance(value, torch.Tensor) else value
         return loss, data
 
     def learning_rates(self) -> list[float]:

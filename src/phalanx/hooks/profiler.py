@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from phalanx.hooks.base import Hook
