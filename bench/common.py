@@ -8,6 +8,7 @@ dotted path phalanx's config uses to find `MLP` and `SharedStreams`.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import statistics
@@ -114,6 +115,22 @@ class Coroutine:
 
     def join(self, timeout: float = 60.0) -> None:
         self._thread.join(timeout)
+
+
+def mlp_model(hidden: int, features: int = 32, classes: int = 10) -> dict[str, Any]:
+    """The `model` section of a phalanx config for `MLP`, in the plain-module form (inputs,
+    outputs and a torch.nn.functional loss), as the overhead benchmarks train it."""
+    return {"class": "bench.common.MLP", "features": features, "hidden": hidden, "classes": classes,
+            "inputs": {"x": "x"}, "outputs": "logits",
+            "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}}
+
+
+def write_report(report: dict[str, Any], path: str | Path) -> None:
+    """The benchmark's JSON, with the folder made if needed; says where it went."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {out}", flush=True)
 
 
 def summary(values: list[float]) -> dict[str, float]:

@@ -60,8 +60,8 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, make_items, machine, print_profile, print_results, source_state,  # noqa: E402
-                          summary)
+from bench.common import (MLP, REGISTRY, make_items, machine, mlp_model, print_profile, print_results,  # noqa: E402
+                          source_state, summary, write_report)
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -171,7 +171,8 @@ class HandDDP:
             optimizer.step()
             if carrier is not None:
                 agreed = carrier.grad
-                loss, stop = agreed[0], agreed[1].item() > 0
+                loss = agreed[0]
+                agreed[1].item()  # the stop flag, read on the host as phalanx reads it
             total += loss.detach()
             batches += 1
         dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
@@ -185,9 +186,7 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     """No `hooks:` key would mean the defaults; they are listed without ShowProgress."""
     return {
         "name": "ddp_overhead",
-        "model": {"class": "bench.common.MLP", "features": FEATURES, "hidden": args.hidden, "classes": CLASSES,
-                  "inputs": {"x": "x"}, "outputs": "logits",
-                  "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}},
+        "model": mlp_model(args.hidden, FEATURES, CLASSES),
         "optimizer": {"class": "AdamW", "lr": LR},
         # phalanx's batch_size is the global batch: WORLD x the per-rank batch of the hand loop
         "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": WORLD * args.batch_size},
@@ -344,10 +343,7 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         print("warning: src/ changed while the benchmark ran; the figures are those of the source at its "
               f"start (digest {source['src_sha256']})", flush=True)
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}", flush=True)
+    write_report(report, args.out)
     return {"ratio": report["target"]["phalanx_ratio"]}
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 import logging
 import os
 import shutil
@@ -53,7 +52,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, default_collate  # noqa: E402
 
 from bench.common import (REGISTRY, Coroutine, make_items, machine, phalanx_trainer, source_state,  # noqa: E402
-                          summary)
+                          summary, write_report)
 
 DATA_KEY = "gpu"
 GPT_CONFIG = ROOT / "examples" / "gpt" / "gpt2-small.yaml"
@@ -761,10 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print_table(report)
     print_target(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return 0
 
 

@@ -28,7 +28,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -46,8 +45,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, Coroutine, make_items, machine, phalanx_trainer, print_results,  # noqa: E402
-                          print_profile, source_state, summary)
+from bench.common import (MLP, REGISTRY, Coroutine, make_items, machine, mlp_model, phalanx_trainer,  # noqa: E402
+                          print_profile, print_results, source_state, summary, write_report)
 
 clock = time.perf_counter
 
@@ -113,9 +112,7 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     ShowProgress (a terminal progress bar), everything else as phalanx.hooks.default_hooks has it."""
     return {
         "name": "overhead",
-        "model": {"class": "bench.common.MLP", "features": FEATURES, "hidden": args.hidden, "classes": CLASSES,
-                  "inputs": {"x": "x"}, "outputs": "logits",
-                  "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}},
+        "model": mlp_model(args.hidden, FEATURES, CLASSES),
         "optimizer": {"class": "AdamW", "lr": LR},
         "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": args.batch_size},
         "parallel": {"accelerator": "cpu"},
@@ -450,7 +447,7 @@ def paired(a, b, n: int, blocks: int) -> tuple[float, float]:
 def breakdown(args) -> dict[str, Any]:
     """Paired A/B timings of the parts of a phalanx step against their hand-written equivalents,
     on one fixed batch (data excepted). Diagnostic: it reaches into phalanx's internals (Engine,
-    Forward, data.Plan/loader, the hooks) as they are in phalanx 0.1.0."""
+    Forward, data.Plan/loader, the hooks) as they are now."""
     from phalanx import data as pdata
     from phalanx.data import Micro
 
@@ -470,51 +467,27 @@ def breakdown(args) -> dict[str, Any]:
         listeners = trainer._listeners["after_batch"]
         stats_hook = next(h for h in trainer.hooks if type(h).__name__ == "ComputeStats")
         result = engine.train_step(micros)
-        # phalanx 0.1.0 returns (loss, batch dict); later versions a StepResult(loss, parts, stop)
-        # and the trainer hands the hooks the parts.
-        if hasattr(result, "parts"):
-            from phalanx.engine import concat
-            trainer.last_loss, payload = result.loss, result.parts
-            out = concat(result.parts)
-        else:
-            trainer.last_loss, out = result
-            payload = out
+        from phalanx.engine import concat
+        trainer.last_loss, payload = result.loss, result.parts
+        out = concat(result.parts)
+        per_sample = torch.full((B,), 1 / B)  # what the engine back-propagates into each sample's loss
 
-        def hand_step(k):
-            for _ in range(k):
-                hand_opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                hand_opt.step()
+        def steps(opt, loss_of, gradient=None, before=None):
+            """`k` optimizer steps of a hand-written variant: `loss_of()` is back-propagated."""
+            def run_steps(k):
+                for _ in range(k):
+                    if before is not None:
+                        before()
+                    opt.zero_grad(set_to_none=True)
+                    loss_of().backward(gradient)
+                    opt.step()
+            return run_steps
 
-        def hand_step_phalanx_model(k):
-            for _ in range(k):
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(module(x), y)
-                loss.backward()
-                optimizer.step()
-
-        def hand_step_train(k):
-            for _ in range(k):
-                model.train()
-                hand_opt.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                hand_opt.step()
-
-        def per_sample_loss(k):
-            for _ in range(k):
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(module(x), y, reduction="none").sum() / B
-                loss.backward()
-                optimizer.step()
-
-        def forward_wrapper(k):
-            for _ in range(k):
-                optimizer.zero_grad(set_to_none=True)
-                loss = forward(batch)["loss"].sum() / B
-                loss.backward()
-                optimizer.step()
+        hand_step = steps(hand_opt, lambda: F.cross_entropy(model(x), y))
+        hand_step_phalanx_model = steps(optimizer, lambda: F.cross_entropy(module(x), y))
+        hand_step_train = steps(hand_opt, lambda: F.cross_entropy(model(x), y), before=model.train)
+        per_sample_loss = steps(optimizer, lambda: F.cross_entropy(module(x), y, reduction="none"), per_sample)
+        forward_wrapper = steps(optimizer, lambda: forward(batch)["loss"], per_sample)
 
         def engine_step(k):
             for _ in range(k):
@@ -581,9 +554,9 @@ def breakdown(args) -> dict[str, Any]:
             ("noise floor: the same hand step on two model copies", hand_step, hand_step_phalanx_model, n, 1),
             ("whole Engine.train_step vs hand step (fixed batch)", hand_step, engine_step, n, 1),
             ("  module.train() on every step", hand_step, hand_step_train, n, 1),
-            ("  per-sample loss: CE(none).sum()/B vs CE(mean)", hand_step_phalanx_model, per_sample_loss, n, 1),
+            ("  per-sample loss: CE(none).backward(1/B each) vs CE(mean)", hand_step_phalanx_model, per_sample_loss, n, 1),
             ("  Forward wrapper (inputs/outputs/loss mapping)", per_sample_loss, forward_wrapper, n, 1),
-            ("  rest of Engine (batch/dict copies, detach, reduce)", forward_wrapper, engine_step_no_train, n, 1),
+            ("  rest of Engine (output dict, detach, time split)", forward_wrapper, engine_step_no_train, n, 1),
             ("ComputeStats.after_batch vs total += loss.detach()", hand_accumulate, stats_after_batch, 400, 1),
             ("all after_batch hooks vs total += loss.detach()", hand_accumulate, all_after_batch, 400, 1),
             ("data: phalanx Plan+loader vs DataLoader(shuffle)", hand_epoch, phalanx_epoch, 1, args.steps),
@@ -632,10 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = run(args)
     print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_report(report, args.out)
     return 0
 
 
