@@ -20,6 +20,8 @@ from phalanx.model import Forward, check_loss
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
+_SYNCHRONISED = contextlib.nullcontext()  # the micro-batch whose backward reduces (it holds no state)
+
 
 @dataclass
 class StepResult:
@@ -40,6 +42,7 @@ class Engine:
                                               device=self.carrier.device) for flag in (False, True)}
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         self._gradients: dict[tuple, torch.Tensor] = {}
+        self._step_schedulers = [s for s, interval in schedulers if interval == "step"]
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
@@ -47,9 +50,7 @@ class Engine:
         if not self.module.training:  # walking the module tree every step costs more than the check
             self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        carrier = self.carrier
-        if carrier is not None:
-            carrier.grad = None
+        strategy, carrier = self.strategy, self.carrier
         # Where some rank's shard is empty, no rank lets backward synchronise: they reduce by hand.
         by_hand = carrier is not None and any(micro.any_empty for micro, _ in micros)
         last = len(micros) - 1
@@ -63,10 +64,10 @@ class Engine:
             # times the factor by which the strategy's reduction divides
             weight = n / micro.global_size * self.factor
             sync = i == last and not by_hand
-            with contextlib.nullcontext() if sync else self.strategy.no_sync(self.module):
+            with _SYNCHRONISED if sync else strategy.no_sync(self.module):
                 loss, data = self._forward(batch, n)
                 if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
-                    part, gradient = loss.detach().mean(), self._gradient(n, weight / n, loss)
+                    part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
                 else:
                     part, gradient = loss.detach(), None
                     if weight != 1:
@@ -74,24 +75,23 @@ class Engine:
                 if weight != 1:
                     part = part * weight
                 total = part if total is None else total + part
-                carried = torch.dot(carrier, self._carried(total, stop)) if sync and carrier is not None else None
+                carried = strategy.carry(self._carried(total, stop)) if sync and carrier is not None else None
                 self.precision.backward(loss, gradient, carried)
             parts.append(data)
-        t0 = time.perf_counter()
+        clock = time.perf_counter
+        t0 = clock()
         if by_hand:
-            carrier.grad = self._carried(total, stop)
-            self.strategy.reduce_gradients(self.module)
-        t1 = time.perf_counter()
+            strategy.reduce_gradients(self.module, self._carried(total, stop))
+        t1 = clock()
         self.precision.step(self.optimizer)
-        for scheduler, interval in self.schedulers:
-            if interval == "step":
-                scheduler.step()
-        t2 = time.perf_counter()
+        for scheduler in self._step_schedulers:
+            scheduler.step()
+        t2 = clock()
         if carrier is None:
             loss = total
-        else:
-            agreed = carrier.grad  # the sums over ranks of the loss parts and of the stop flags
-            loss, stop = agreed[0], self._agreed_stop(agreed[1])
+        else:  # the sums over ranks of the loss parts and of the stop flags
+            loss, flags = strategy.carried().unbind()
+            stop = self._agreed_stop(flags)
         self.seconds = t1 - t0, t2 - t1  # communication outside backward, the optimizer
         return StepResult(loss, parts, stop)
 
@@ -107,7 +107,7 @@ class Engine:
         return gradient
 
     def _carried(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
-        """What this rank puts in the carrier's gradient: its part of the loss and its stop flag,
+        """What this rank adds to the carrier's gradient: its part of the loss and its stop flag,
         both times the factor the reduction divides by."""
         carrier = self.carrier
         if total is None:
@@ -144,15 +144,21 @@ class Engine:
                 scheduler.step()
 
     def _forward(self, batch: Mapping, n: int | None) -> tuple[torch.Tensor, dict]:
-        batch = self.precision.convert_batch(batch)
+        """The model's loss, and the batch with every output, detached, for the hooks (`loss` per
+        sample)."""
+        precision = self.precision
+        batch = precision.convert_batch(batch)
         n = n if n is not None else _first_dim(batch)
-        with self.precision.autocast():
+        if precision.autocast_dtype is None:
             outputs = self.forward(batch)
+        else:
+            with precision.autocast():
+                outputs = self.forward(batch)
         loss = check_loss(outputs["loss"], n)
         data = dict(batch)
         for key, value in outputs.items():
-            if key == "loss":  # per sample, for the hooks
-                data[key] = loss.detach().expand(n) if loss.dim() == 0 else loss.detach()
+            if key == "loss":
+                data[key] = loss.detach() if loss.dim() else loss.detach().expand(n)
             else:
                 data[key] = value.detach() if isinstance(value, torch.Tensor) else value
         return loss, data

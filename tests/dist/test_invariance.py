@@ -102,11 +102,23 @@ def test_sync_batchnorm_with_an_empty_shard_is_a_clear_error_not_a_hang():
         workers.run_ranks(4, workers.train_all, [raw], timeout=120)
 
 
-def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step():
+def test_the_loss_and_stop_flag_through_autograd_give_the_same_training(reference):
+    """On a torch whose DDP reducer cannot be told directly that the carrier's gradient is ready, the
+    carrier goes through autograd: the same parameters and losses, uneven shards, empty ones and
+    accumulation included."""
+    names = ["batch7-accum3", "batch10-accum1"]
+    per_rank = workers.run_ranks(3, workers.train_all, [for_world(SCENARIOS[n], 3) for n in names], True)
+    for rank_results in per_rank:
+        for name, got in zip(names, rank_results):
+            assert_same_run(got, reference[name])
+
+
+@pytest.mark.parametrize("through_autograd", [False, True], ids=["reducer", "autograd"])
+def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step(through_autograd):
     """The stop flag travels with the gradients: rank 2 alone asks after step 3; every rank takes
     step 4 (which carries the flag), then saves and exits with SIGTERM's code."""
     raw = for_world(SCENARIOS["batch8-accum3"], 3)
-    ends = workers.run_ranks(3, workers.stop_on_one_rank, raw, 2, 3, timeout=120)
+    ends = workers.run_ranks(3, workers.stop_on_one_rank, raw, 2, 3, through_autograd, timeout=120)
     assert [end["code"] for end in ends] == [143, 143, 143]
     assert [end["step"] for end in ends] == [4, 4, 4]
     assert ends[0]["losses"] == ends[1]["losses"] == ends[2]["losses"]  # the same global loss everywhere

@@ -63,24 +63,34 @@ def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple,
             torch.distributed.destroy_process_group()
 
 
-def train(raw: dict) -> dict:
+def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
+    """The strategy the config asks for; with `carry_through_autograd`, the ddp strategy as a torch
+    without the reducer's direct entry point runs it."""
+    if not carry_through_autograd:
+        return strategies.create(cfg)
+    from phalanx.strategies.ddp import DDP
+
+    return DDP("cpu", None, cfg.parallel.sync_batchnorm, carry_through_autograd=True)
+
+
+def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     """Train a config in this process (one of several, or alone); what the comparisons need."""
     cfg = config.validate(raw)
     record, seen = toy.Record(), toy.SeenIds()
     hooks = [ComputeStats(variables=["loss"], aggregations=["mean", "count"]), record, seen]
-    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd))
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
     params = {k: v.detach().cpu().tolist() for k, v in trainer.strategy.unwrap(trainer.module).state_dict().items()}
     return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids}
 
 
-def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int) -> dict:
+def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int, carry_through_autograd: bool = False) -> dict:
     """Train until rank `stop_rank` asks to stop after step `stop_step`; where this rank ended."""
     cfg = config.validate(raw)
     record = toy.Record()
     trainer = Trainer(cfg, None, [TESTS], hooks=[record, toy.RequestStopAt(stop_rank, stop_step)],
-                      strategy=strategies.create(cfg))
+                      strategy=strategy_for(cfg, carry_through_autograd))
     code = trainer.run()
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
@@ -117,8 +127,8 @@ def stop_after_minutes(rank: int, raw: dict) -> dict:
     return {"code": trainer.run(), "step": trainer.step}
 
 
-def train_all(rank: int, raws: list[dict]) -> list[dict]:
-    return [train(raw) for raw in raws]
+def train_all(rank: int, raws: list[dict], carry_through_autograd: bool = False) -> list[dict]:
+    return [train(raw, carry_through_autograd) for raw in raws]
 
 
 def run_dir_worker(rank: int, run_dir: str, resume: bool, overrides: list[str]) -> int:

@@ -242,14 +242,20 @@ class _EmptyRank(Single):
     def __init__(self):
         super().__init__(torch.device("cpu"))
         self.carrier = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-        self.carried: list[list[float]] = []
+        self.carried_values: list[list[float]] = []
 
     def reduce(self, tensor, op="sum"):
         raise AssertionError("the step needs no collective of its own")
 
-    def reduce_gradients(self, module):
-        self.carried.append(self.carrier.grad.tolist())
-        self.carrier.grad /= self.world_size  # as the other ranks, with nothing to add, would leave it
+    def carry(self, values):
+        raise AssertionError("a step with an empty shard on some rank must not let backward synchronise")
+
+    def reduce_gradients(self, module, values):
+        self.carried_values.append(values.tolist())
+        self.carrier.grad = values / self.world_size  # as the other ranks, with nothing to add, would leave it
+
+    def carried(self):
+        return self.carrier.grad.clone()
 
 
 def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
@@ -264,6 +270,6 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     before = _params(trainer.module)
     result = engine.train_step([(m, None) for m in micros], stop=True)
     # it joins the hand reduction the other ranks make, with a zero loss share and its stop flag
-    assert strategy.carried == [[0.0, 4.0]]
+    assert strategy.carried_values == [[0.0, 4.0]]
     assert float(result.loss) == 0.0 and result.stop is True
     assert _rel_diff(_params(trainer.module), before) == 0

@@ -19,8 +19,8 @@ class Strategy(Protocol):
     # ranks' gradients (DDP averages: the world size).
     sum_factor: float
     # A parameter outside the model whose gradient the reduction adds over ranks with the model's:
-    # the engine writes the step's loss and stop flag there, so that ranks agree on both without a
-    # collective of their own. None with one process.
+    # it carries each step's loss and stop flag, so that ranks agree on both without a collective of
+    # their own. None with one process. Its dtype and device are those of the values `carry` takes.
     carrier: torch.Tensor | None
 
     @property
@@ -36,9 +36,17 @@ class Strategy(Protocol):
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The tensor reduced over ranks (op: sum, min or max); every rank gets the result."""
 
-    def reduce_gradients(self, module: nn.Module) -> None:
-        """Reduce gradients (the carrier's too) over ranks by hand, as backward would have, after
-        backward ran without synchronising."""
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        """Hand this rank's values (its loss part and stop flag, times `sum_factor`) to the gradient
+        reduction of the coming backward, which adds them over ranks. Returns a scalar to
+        back-propagate with the loss where they must reach the reduction through autograd, else None."""
+
+    def carried(self) -> torch.Tensor:
+        """After the reduction: the carried values added over ranks, in a tensor of the caller's own."""
+
+    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
+        """Reduce the gradients and the carried `values` over ranks by hand, as backward would have,
+        after backward ran without synchronising."""
 
     def backward_communication(self) -> tuple[float, float] | None:
         """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and

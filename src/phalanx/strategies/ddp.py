@@ -3,9 +3,14 @@ overlapped all-reduce.
 
 Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*.
 DDP's built-in reduction averages, so each rank also multiplies its objective by the world size
-(`sum_factor`). Beside the model sits the carrier, a two-element parameter whose gradient is the
-rank's share of the loss and its stop flag: DDP adds it over ranks with the gradients, so every
-rank learns the global loss and whether any rank asked to stop without a collective of its own.
+(`sum_factor`). Gradients are views into DDP's buckets (`gradient_as_bucket_view`): no copy back
+after each reduction, and no second copy of them in memory.
+
+Beside the model sits the carrier, a two-element parameter whose gradient is the rank's share of the
+loss and its stop flag: DDP adds it over ranks with the gradients, so every rank learns the global
+loss and whether any rank asked to stop without a collective of its own. Its gradient is written
+directly and DDP's reducer told it is ready, so it costs the step no autograd work; where the
+installed torch lacks that entry point, the carrier reaches the reducer through autograd instead.
 Steps where some rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead,
 so that rank can join with zero weight without running its model.
 """
@@ -16,7 +21,7 @@ import hashlib
 import os
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +36,9 @@ DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
 
 class _Carried(nn.Module):
-    """The user's module and, beside it, the carrier (see the module's docstring)."""
+    """The user's module and, beside it, the carrier (see the module's docstring). The carrier is
+    this module's own parameter, so it comes first in `parameters()`: DDP's reducer knows it as
+    parameter 0."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -50,7 +57,11 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 
 class DDP:
-    def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False):
+    def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False,
+                 carry_through_autograd: bool = False):
+        """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
+        autograd, as on a torch without the reducer's direct entry point (for tests)."""
+        self.carry_through_autograd = carry_through_autograd
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if accelerator == "cuda":
             torch.cuda.set_device(self.local_rank)
@@ -65,6 +76,7 @@ class DDP:
         self.sum_factor = float(self.world_size)
         self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
+        self._mark_ready: Callable[[int], None] | None = None  # the reducer's "this gradient is ready"
 
     @property
     def is_main(self) -> bool:
@@ -80,10 +92,13 @@ class DDP:
         with warnings.catch_warnings():  # its successor still syncs buffers at init, which is what we want
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             ddp = DistributedDataParallel(carried, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-                                          broadcast_buffers=False)
+                                          broadcast_buffers=False, gradient_as_bucket_view=True)
         self._check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
+        # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
+        # the reducer. Without it, `carry` goes through autograd: the same values, more work per step.
+        self._mark_ready = None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
         return ddp
 
     def _check_identical(self, module: nn.Module) -> None:
@@ -104,8 +119,25 @@ class DDP:
         dist.all_reduce(out, op=_OPS[op])
         return out
 
-    def reduce_gradients(self, module: nn.Module) -> None:
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        """The values become the carrier's gradient. Called between a synchronising forward and its
+        backward, when the reducer expects every gradient; marking the carrier ready there costs no
+        autograd work (it must not be marked twice: DDP's `find_unused_parameters` would)."""
+        carrier = self.carrier
+        if self._mark_ready is None:
+            carrier.grad = None
+            return torch.dot(carrier, values)
+        carrier.grad = values
+        self._mark_ready(0)  # the carrier's index in the reducer (see _Carried)
+        return None
+
+    def carried(self) -> torch.Tensor:
+        # a copy: the gradient is a view into DDP's bucket, which the next step overwrites
+        return self.carrier.grad.clone()
+
+    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
         """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
+        self.carrier.grad = values
         params = [p for p in self._ddp.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])

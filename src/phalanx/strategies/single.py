@@ -30,7 +30,13 @@ class Single:
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
 
-    def reduce_gradients(self, module: nn.Module) -> None:
+    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def carried(self) -> torch.Tensor:
+        raise RuntimeError("one process carries nothing: it has no other rank to agree with")
+
+    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
         pass
 
     def backward_communication(self) -> tuple[float, float] | None:
