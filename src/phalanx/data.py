@@ -8,8 +8,7 @@ A rank's DataLoader reads only its own shards. A cursor (epoch, step) says where
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, default_collate
@@ -42,10 +41,10 @@ def split(indices: Sequence[int], parts: int, weights: Sequence[float] | None = 
     return pieces
 
 
-@dataclass(frozen=True)
-class Micro:
+class Micro(NamedTuple):
     """One micro-batch as this rank sees it: its shard, the size of the whole global batch, and
-    whether some rank's shard of this micro-batch is empty (every rank knows, from the plan)."""
+    whether some rank's shard of some micro-batch of this step is empty (every rank knows, from the
+    plan)."""
 
     shard: list[int]
     global_size: int
@@ -73,14 +72,16 @@ class Plan:
 
     def _make(self, k: int) -> list[Micro]:
         batch = self.order[k * self.batch_size:(k + 1) * self.batch_size]
+        n = len(batch)
         if self.world_size == 1 and self.accumulation == 1:
-            return [Micro(list(batch), len(batch))]
-        micros = []
-        for micro in split(batch, min(self.accumulation, len(batch))):
+            return [Micro(list(batch), n)]
+        shards, any_empty = [], False
+        for micro in [batch] if self.accumulation == 1 else split(batch, min(self.accumulation, n)):
             sizes = split_sizes(len(micro), self.world_size, self.weights)
             start = sum(sizes[:self.rank])
-            micros.append(Micro(micro[start:start + sizes[self.rank]], len(batch), 0 in sizes))
-        return micros
+            shards.append(list(micro[start:start + sizes[self.rank]]))
+            any_empty = any_empty or 0 in sizes
+        return [Micro(shard, n, any_empty) for shard in shards]
 
     def steps(self, start: int = 0) -> Iterator[tuple[int, list[Micro]]]:
         for k in range(start, len(self)):
@@ -106,7 +107,7 @@ def collate(items: list[Any]) -> dict[str, Any] | None:
     """Stack a list of dict items into a dict batch; an empty shard is None."""
     if not items:
         return None
-    if not isinstance(items[0], Mapping):
+    if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; "
                         f"got {type(items[0]).__name__}. Return a dict from __getitem__")
     return default_collate(items)

@@ -52,7 +52,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         strategy, carrier = self.strategy, self.carrier
         # Where some rank's shard is empty, no rank lets backward synchronise: they reduce by hand.
-        by_hand = carrier is not None and any(micro.any_empty for micro, _ in micros)
+        by_hand = carrier is not None and micros[0][0].any_empty
         last = len(micros) - 1
         total, parts = None, []  # total: this rank's part of the global batch's mean loss (times the factor)
         for i, (micro, batch) in enumerate(micros):
@@ -79,10 +79,10 @@ class Engine:
                 self.precision.backward(loss, gradient, carried)
             parts.append(data)
         clock = time.perf_counter
-        t0 = clock()
+        t0 = t1 = clock()
         if by_hand:
             strategy.reduce_gradients(self.module, self._carried(total, stop))
-        t1 = clock()
+            t1 = clock()
         self.precision.step(self.optimizer)
         for scheduler in self._step_schedulers:
             scheduler.step()
@@ -147,14 +147,17 @@ class Engine:
         """The model's loss, and the batch with every output, detached, for the hooks (`loss` per
         sample)."""
         precision = self.precision
-        batch = precision.convert_batch(batch)
+        if not precision.passes_through:
+            batch = precision.convert_batch(batch)
         n = n if n is not None else _first_dim(batch)
         if precision.autocast_dtype is None:
             outputs = self.forward(batch)
         else:
             with precision.autocast():
                 outputs = self.forward(batch)
-        loss = check_loss(outputs["loss"], n)
+        loss = outputs["loss"]
+        if loss.dim() != 1 or loss.shape[0] != n:  # not one value per sample: check and reduce it
+            loss = check_loss(loss, n)
         data = dict(batch)
         for key, value in outputs.items():
             if key == "loss":
@@ -176,6 +179,8 @@ def _first_dim(batch: Mapping) -> int:
 
 def concat(parts: list[dict | None]) -> dict:
     """Batch data joined along the batch dimension, in order; None parts (empty shards) are skipped."""
+    if len(parts) == 1:  # one micro-batch: the common case, every step
+        return parts[0] or {}
     parts = [p for p in parts if p]
     if not parts:
         return {}

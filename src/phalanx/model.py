@@ -37,6 +37,7 @@ class Forward:
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
+        self._single = self.outputs[0] if len(self.outputs) == 1 else None  # the name of a lone tensor output
         self.loss_fn = _loss_function(cfg.loss, search_dirs) if cfg.loss else None
         self.loss_cfg = cfg.loss
         self.params, self.takes_all = _forward_params(inner if inner is not None else module)
@@ -49,7 +50,8 @@ class Forward:
         except KeyError:
             arguments = self._arguments(batch)
         raw = self.module(**arguments)
-        outputs = self._as_dict(raw)
+        outputs = {self._single: raw} if self._single is not None and isinstance(raw, torch.Tensor) \
+            else self._as_dict(raw)
         if self.loss_fn is not None:
             outputs["loss"] = self._loss(outputs, batch)
         elif "loss" not in outputs:

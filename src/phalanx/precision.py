@@ -22,7 +22,7 @@ class Precision:
         self.name, self.device, self.channels_last = name, device, channels_last
         self.autocast_dtype = _AUTOCAST.get(name)
         # batches arrive from the DataLoader on the CPU: there, nothing needs converting
-        self._as_is = device.type == "cpu" and name != "fp64" and not channels_last
+        self.passes_through = device.type == "cpu" and name != "fp64" and not channels_last
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
         if name == "fp16" and device.type == "cpu":
             raise ConfigError("precision: fp16 needs a CUDA device; on CPU use bf16 or fp32")
@@ -32,7 +32,7 @@ class Precision:
 
     def convert_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The batch on the device; floating tensors in float64 under fp64."""
-        if self._as_is and isinstance(batch, dict):
+        if self.passes_through and isinstance(batch, dict):
             return batch
         out = {}
         for key, value in batch.items():

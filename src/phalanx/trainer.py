@@ -163,8 +163,8 @@ class Trainer:
         clock, engine, stop = time.perf_counter, self.engine, self.stop
         fetching = computing = communicating = optimizing = hooking = 0.0
         try:
-            for k, micros in plan.steps(self.step_in_epoch):
-                t0 = clock()
+            t0 = clock()
+            for k, micros in plan.steps(self.step_in_epoch):  # planning the step counts as data time
                 fetched = [(micro, next(batches)) for micro in micros]
                 t1 = clock()
                 result = engine.train_step(fetched, stop.requested)
@@ -183,6 +183,7 @@ class Trainer:
                     raise terminated
                 if result.stop:
                     raise _Interrupted
+                t0 = t3
         finally:
             profile["data"] += fetching
             profile["forward_backward"] += computing

@@ -12,6 +12,8 @@ from torch import nn
 
 
 class Strategy(Protocol):
+    """How one module is trained on this process's devices: a strategy serves the one module it set up."""
+
     rank: int
     world_size: int
     device: torch.device
