@@ -1,8 +1,8 @@
 """Per-step overhead of phalanx's `ddp` strategy against a hand-written DistributedDataParallel loop:
 two CPU processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory
-dataset of bench/common.py, both loops interleaved epoch by epoch inside each process.
+dataset of bench/common.py, both loops taking turns every 20 steps inside each process.
 
-    .venv/bin/python bench/ddp_overhead.py            # defaults: 60 rounds of 100 steps, ~2-2.5 min
+    .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~2 min
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
     .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
@@ -18,12 +18,13 @@ What is timed (see BENCHMARKS.md): in each of the two processes,
    `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
    process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP.
 
-A round is one epoch of each loop (phalanx, then hand DDP); every window starts right after a
-barrier, so both ranks start it together. A window ends after the loop's last step (the hand loop:
-after its once-per-epoch loss all-reduce; phalanx: after the last step's after_batch hooks).
-phalanx's window holds its once-per-epoch stop agreement (`Trainer.any_rank`, one all-reduce), the
-hand loop's window its loss all-reduce. phalanx's epoch end (after_epoch hooks: statistics
-all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart. A round's
+The loops take turns every `--chunk` steps: a round is one chunk of phalanx, then one of hand DDP,
+every chunk starting right after a barrier, so both ranks start it together. The machine changes
+speed about once a second; chunks of 20 steps (about 80 ms) keep most pairs inside one speed, where
+whole epochs did not. An epoch's set-up falls into its first chunk; the hand loop's once-per-epoch
+loss all-reduce into its last, phalanx's once-per-epoch stop agreement (`Trainer.any_rank`, one
+all-reduce) into the next epoch's first. phalanx's epoch end (after_epoch hooks: statistics
+all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart. A chunk's
 wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
 """
 from __future__ import annotations
@@ -119,12 +120,14 @@ class _WithCarrier(nn.Module):
 
 
 class HandDDP:
-    """What one would write with torch's DistributedDataParallel and no framework.
+    """What one would write with torch's DistributedDataParallel and no framework, run a chunk of
+    steps at a time.
 
-    `like_phalanx`: the same loop with phalanx's set-up, by hand: DDP without the buffer broadcast,
-    the per-sample loss (`cross_entropy(reduction="none")`, then its mean) and, unless `carrier` is
+    `like_phalanx`: the same loop with phalanx's set-up, by hand: DDP without the buffer broadcast and
+    with gradients as bucket views, the per-sample loss (`cross_entropy(reduction="none")`,
+    back-propagated with a 1/n gradient vector, then its mean for the log) and, unless `carrier` is
     False, the loss share and a stop flag carried through the gradient all-reduce in a parameter
-    beside the model, read back after backward."""
+    beside the model, written as its gradient and handed to DDP's reducer, read back after the step."""
 
     def __init__(self, dataset, args, rank: int, like_phalanx: bool = False, carrier: bool = True,
                  name: str | None = None):
@@ -133,51 +136,66 @@ class HandDDP:
         self.global_batch = WORLD * args.batch_size
         torch.manual_seed(0)
         module = MLP(FEATURES, args.hidden, CLASSES)
-        if self.carrier:
-            self.model = DistributedDataParallel(_WithCarrier(module), broadcast_buffers=False)
-            self.optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
-        elif like_phalanx:
-            self.model = DistributedDataParallel(module, broadcast_buffers=False)
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
-        else:
-            self.model = DistributedDataParallel(module)  # default settings
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        options = {"broadcast_buffers": False, "gradient_as_bucket_view": True} if like_phalanx else {}
+        self.model = DistributedDataParallel(_WithCarrier(module) if self.carrier else module, **options)
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler)
+        self.steps_per_epoch = len(self.sampler)
         self.epoch_losses: list[float] = []
+        self._step, self._batches, self._total = 0, None, None
 
-    def epoch(self, epoch: int) -> tuple[float, float]:
-        """One epoch; returns its window (wall, CPU seconds) on this rank."""
+    def chunk(self, k: int) -> tuple[float, float]:
+        """The next `k` steps of the current epoch, from a barrier; returns their window (wall, CPU
+        seconds) on this rank. An epoch's set-up counts in its first chunk, its loss all-reduce in
+        its last."""
         dist.barrier()
         start = now()
-        model, optimizer = self.model, self.optimizer
-        per_sample, carrier = self.like_phalanx, self.model.module.carrier if self.carrier else None
-        no_stop = torch.zeros(())
-        self.sampler.epoch = epoch
-        model.train()
-        total, batches = torch.zeros(()), 0
-        for batch in self.loader:
+        if self._step == 0:
+            self.sampler.epoch += 1
+            self.model.train()
+            self._batches, self._total = iter(self.loader), torch.zeros(())
+        model, optimizer, batches, total = self.model, self.optimizer, self._batches, self._total
+        if self.like_phalanx:
+            self._phalanx_like_steps(k)
+        else:
+            for _ in range(k):
+                batch = next(batches)
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(batch["x"]), batch["y"])
+                loss.backward()
+                optimizer.step()
+                total += loss.detach()
+        self._step += k
+        if self._step == self.steps_per_epoch:
+            dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
+            self.epoch_losses.append(total.item() / (self._step * WORLD))
+            self._step = 0
+        return since(start)
+
+    def epoch(self, epoch: int) -> tuple[float, float]:
+        """One whole epoch (the --breakdown mode's unit)."""
+        return self.chunk(self.steps_per_epoch)
+
+    def _phalanx_like_steps(self, k: int) -> None:
+        model, optimizer, batches = self.model, self.optimizer, self._batches
+        carrier = self.model.module.carrier if self.carrier else None
+        no_stop, mark_ready = torch.zeros(()), model.reducer._autograd_hook
+        for _ in range(k):
+            batch = next(batches)
             optimizer.zero_grad(set_to_none=True)
-            out = model(batch["x"])
-            if per_sample:
-                loss = objective = F.cross_entropy(out, batch["y"], reduction="none").mean()
-            else:
-                loss = objective = F.cross_entropy(out, batch["y"])
+            loss = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+            n = len(loss)
+            part = loss.detach().mean()
             if carrier is not None:  # each rank's half of the global mean, times the 2 that DDP divides by
-                carrier.grad = None
-                share = loss.detach() * (len(out) / self.global_batch)
-                objective = objective + torch.dot(carrier, torch.stack((share, no_stop)) * WORLD)
-            objective.backward()
+                carrier.grad = torch.stack((part * (n * WORLD / self.global_batch), no_stop))
+                mark_ready(0)  # the carrier is _WithCarrier's own parameter: the reducer's first
+            loss.backward(torch.full((n,), 1.0 / n))
             optimizer.step()
             if carrier is not None:
-                agreed = carrier.grad
-                loss = agreed[0]
-                agreed[1].item()  # the stop flag, read on the host as phalanx reads it
-            total += loss.detach()
-            batches += 1
-        dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
-        self.epoch_losses.append(total.item() / (batches * WORLD))
-        return since(start)
+                part, flag = carrier.grad.clone().unbind()
+                flag.item()  # the stop flag, read on the host as phalanx reads it
+            self._total += part
 
 
 # --- 3. phalanx -----------------------------------------------------------------------------------
@@ -197,16 +215,18 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     }
 
 
-def make_driver_hook(steps: int, on_epoch_end):
-    """The last hook: times phalanx's epochs and runs the hand loops' epochs at the end of each.
-    It works on this rank's own data (`gathers = False`); its after_batch is one comparison."""
+def make_driver_hook(chunk: int, steps: int, on_chunk):
+    """The last hook: times phalanx's chunks of `chunk` steps and, after each, calls `on_chunk(epoch)`,
+    which runs the hand loop's chunk. Every phalanx window starts right after a barrier; the epoch end
+    (after_epoch hooks) is timed apart, outside the windows. It works on this rank's own data
+    (`gathers = False`); its after_batch is one comparison on most steps."""
     from phalanx.hooks import Hook
 
     class Driver(Hook):
         gathers = False  # a gathering hook would make the trainer all-gather every batch
 
         def __init__(self):
-            self.start = self.last_step = (0.0, 0.0)
+            self.start = (0.0, 0.0)
             self.windows: list[tuple[float, float]] = []
             self.epoch_ends: list[tuple[float, float]] = []
 
@@ -215,13 +235,18 @@ def make_driver_hook(steps: int, on_epoch_end):
             self.start = now()
 
         def after_batch(self, stream: str, batch: dict) -> None:
-            if self.trainer.step_in_epoch == steps:
-                self.last_step = now()
+            trainer = self.trainer
+            if trainer.training and trainer.step_in_epoch % chunk == 0:
+                self.windows.append(since(self.start))
+                on_chunk(trainer.epoch + 1)
+                if trainer.step_in_epoch == steps:  # the epoch end comes next: its own figure
+                    self.start = now()
+                else:
+                    dist.barrier()
+                    self.start = now()
 
         def after_epoch_profile(self, epoch, profile, train_stream, extra_streams) -> None:
-            self.epoch_ends.append(since(self.last_step))
-            self.windows.append(since(self.start, self.last_step))
-            on_epoch_end(epoch)
+            self.epoch_ends.append(since(self.start))
             dist.barrier()
             self.start = now()
 
@@ -302,20 +327,19 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
     source = source_state(ROOT) if rank == 0 else None  # the phalanx this process imports, before it runs
     dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
     REGISTRY[DATA_KEY] = dataset
-    hands = [HandDDP(dataset, args, rank)]
-    windows: dict[str, list[tuple[float, float]]] = {h.name: [] for h in hands}
-    total = args.warmup + args.rounds
+    hand = HandDDP(dataset, args, rank)
+    windows: list[tuple[float, float]] = []
+    total, per_epoch = args.warmup + args.rounds, args.steps // args.chunk
 
-    def round_of_hands(epoch: int) -> None:
-        for hand in hands:
-            windows[hand.name].append(hand.epoch(epoch))
-        if rank == 0:
-            shown = [(PHALANX, driver.windows), *windows.items()]
-            print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
-                  + ", ".join(f"{n} {1e3 * w[-1][0] / args.steps:.3f}" for n, w in shown)
-                  + " ms/step (rank 0)", flush=True)
+    def chunk_of_hand(epoch: int) -> None:
+        windows.append(hand.chunk(args.chunk))
+        if rank == 0 and len(windows) % per_epoch == 0:
+            mine, theirs = driver.windows[-per_epoch:], windows[-per_epoch:]
+            print(f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                  f"{PHALANX} {1e3 * sum(w[0] for w in mine) / args.steps:.3f}, "
+                  f"{HAND} {1e3 * sum(w[0] for w in theirs) / args.steps:.3f} ms/step (rank 0)", flush=True)
 
-    driver = make_driver_hook(args.steps, round_of_hands)
+    driver = make_driver_hook(args.chunk, args.steps, chunk_of_hand)
     with shared_tmp(rank) as tmp:
         trainer, run_dir, raw = build_phalanx(args, tmp / "runs", driver)
         if trainer.steps_per_epoch != args.steps:
@@ -330,8 +354,8 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         if code != 0:
             raise RuntimeError(f"the phalanx run ended with exit code {code} on rank {rank}")
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if rank == 0 else None
-    mine = {"windows": {PHALANX: driver.windows, **windows}, "epoch_ends": driver.epoch_ends,
-            "losses": {h.name: h.epoch_losses for h in hands}}
+    mine = {"windows": {PHALANX: driver.windows, HAND: windows}, "epoch_ends": driver.epoch_ends,
+            "losses": {HAND: hand.epoch_losses}}
     every: list[Any] = [None] * WORLD
     dist.all_gather_object(every, mine)
     if rank != 0:
@@ -348,51 +372,57 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
 
 
 def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -> dict[str, Any]:
-    n, steps = args.warmup, args.steps
+    per_epoch, k = args.steps // args.chunk, args.chunk
+    n = args.warmup * per_epoch  # chunks not counted
 
     def rounds(name: str) -> list[tuple[float, float]]:
-        """Per measured round: the slower rank's wall time, both ranks' CPU time together."""
+        """Per measured chunk: the slower rank's wall time, both ranks' CPU time together."""
         per_rank = [r["windows"][name][n:] for r in every]
         return [(max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank)]
 
-    names = [HAND, PHALANX]
-    measured = {name: rounds(name) for name in names}
-    ends = [[e for e in r["epoch_ends"][n:]] for r in every]
-    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]
-    measured[PHALANX_END] = [(w[0] + e[0], w[1] + e[1]) for w, e in zip(measured[PHALANX], end)]
+    def ratios(mine: list[float], base: list[float]) -> dict[str, Any]:
+        return {"ms_per_step": summary([1e3 * t for t in mine]),
+                "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+                "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+                "ratio_of_totals": sum(mine) / sum(base)}
 
-    def stats(name: str, base_name: str) -> dict[str, Any]:
-        entry: dict[str, Any] = {}
+    measured = {name: rounds(name) for name in (HAND, PHALANX)}
+    results: dict[str, Any] = {}
+    for name in (HAND, PHALANX):
+        results[name] = {}
         for i, kind in enumerate(("wall", "cpu")):
-            mine = [w[i] / steps for w in measured[name]]
-            base = [w[i] / steps for w in measured[base_name]]
-            entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
-                           "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
-                           "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                           "per_round_ms_per_step": [round(1e3 * t, 5) for t in mine]}
-        entry["wall"]["per_rank_ms_per_step"] = [
-            summary([1e3 * w[0] / steps for w in r["windows"][name][n:]]) for r in every] if name in every[0][
-            "windows"] else None
-        return entry
-
-    results = {name: stats(name, HAND) for name in [*names, PHALANX_END]}
+            mine, base = [w[i] / k for w in measured[name]], [w[i] / k for w in measured[HAND]]
+            results[name][kind] = {**ratios(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+        results[name]["wall"]["per_rank_ms_per_step"] = [
+            summary([1e3 * w[0] / k for w in r["windows"][name][n:]]) for r in every]
+    # the epoch end, per epoch: phalanx's chunks plus its after_epoch hooks, against hand DDP's chunks
+    ends = [r["epoch_ends"][args.warmup:] for r in every]
+    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]
+    results[PHALANX_END] = {}
+    for i, kind in enumerate(("wall", "cpu")):
+        def epochs(ws):
+            return [sum(w[i] for w in ws[e:e + per_epoch]) / args.steps for e in range(0, len(ws), per_epoch)]
+        mine = [t + e[i] / args.steps for t, e in zip(epochs(measured[PHALANX]), end)]
+        results[PHALANX_END][kind] = {**ratios(mine, epochs(measured[HAND])),
+                                      "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
     results[PHALANX_END]["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]),
                                             "cpu": summary([1e3 * e[1] for e in end])}
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "ddp_overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "settings": {"processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": steps,
-                     "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
+        "settings": {"processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": args.steps,
+                     "chunk": k, "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
                      "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "features": FEATURES,
-                     "classes": CLASSES, "samples": steps * WORLD * args.batch_size,
+                     "classes": CLASSES, "samples": args.steps * WORLD * args.batch_size,
                      "optimizer": f"AdamW(lr={LR})", "threads_per_process": torch.get_num_threads()},
         "machine": machine(),
         "phalanx_source": None,
-        "method": "per round and loop: wall = the slower rank's window, CPU = both ranks' process CPU time; "
-                  "ms/step = median over rounds of (wall / steps); ratio = median over rounds of the per-round "
-                  "ratio to hand DDP; windows start after a barrier and exclude phalanx's epoch-end hooks "
-                  "(row 'incl. epoch end' adds them)",
+        "method": "the loops take turns every `chunk` steps (a round is one chunk of each), every chunk starting "
+                  "after a barrier; per chunk: wall = the slower rank's window, CPU = both ranks' process CPU "
+                  "time; ms/step = median over chunks of (wall / chunk); ratio = median over rounds of the paired "
+                  "ratio to hand DDP's chunk; ratio_of_totals = all measured windows added up; windows exclude "
+                  "phalanx's epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
         "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
         "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
         "results": results,
@@ -403,14 +433,14 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
 
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
-    print(f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} rounds of {s['steps']} steps "
-          f"(after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
+    print(f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} epochs of {s['steps']} steps in chunks "
+          f"of {s['chunk']} (after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
           f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
           f"{m['cpu_count']} CPUs, {m['processor']}")
     print_results(report["results"], 26)
     end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
-    print(f"\nms/step: median over rounds of the slower rank's window / steps (CPU: both ranks together); "
-          f"ratio: median of the per-round ratios to hand DDP.\nphalanx's epoch end (after_epoch hooks) took a "
+    print(f"\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks together); "
+          f"ratio: median of the per-chunk ratios to hand DDP's chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
           f"median {end['median']:.1f} ms per epoch, outside the windows.")
     t = report["target"]
     print(f"target: phalanx ddp <= {t['phalanx_ratio_max']:.2f}x hand DDP (wall-clock): "
@@ -430,7 +460,7 @@ def profile_rank(rank: int, args) -> None:
         if epoch == args.warmup:
             profiler.enable()
 
-    driver = make_driver_hook(args.steps, on_epoch_end)
+    driver = make_driver_hook(args.steps, args.steps, on_epoch_end)
     with shared_tmp(rank) as tmp:
         trainer, _, _ = build_phalanx(args, tmp / "runs", driver)
         trainer.run()
@@ -478,6 +508,7 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     round, a window per epoch, the median of per-round ratios) over more variants of both loops.
     Diagnostic: it reaches into phalanx's internals (Trainer._train_epoch); the phalanx trainers
     have no run directory, so the writers and SaveLatest do nothing at the epoch end."""
+    from phalanx import strategies
     from phalanx.trainer import Trainer
 
     source = source_state(ROOT) if rank == 0 else None
@@ -486,10 +517,10 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     with shared_tmp(rank) as tmp:
         from phalanx.hooks import Hook
         first, _, _ = build_phalanx(args, tmp / "runs", Hook())  # validated config, strategy, logs as measured
-        cfg, strategy = first.cfg, first.strategy
+        cfg = first.cfg
 
-        def trainer(hooks):
-            return Trainer(cfg, None, [ROOT], hooks=hooks, strategy=strategy)
+        def trainer(hooks):  # a strategy of its own: a strategy serves the one module it set up
+            return Trainer(cfg, None, [ROOT], hooks=hooks, strategy=strategies.create(cfg))
 
         loops = [
             HandDDP(dataset, args, rank),
@@ -595,8 +626,10 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch (per round, per loop)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="measured rounds (one epoch of each loop); default 60, 30 with --breakdown, 10 with --profile")
-    parser.add_argument("--warmup", type=int, default=2, help="uncounted rounds first")
+                        help="measured epochs of each loop; default 60, 30 with --breakdown, 10 with --profile")
+    parser.add_argument("--chunk", type=int, default=20,
+                        help="steps each loop runs before handing over (a divisor of --steps)")
+    parser.add_argument("--warmup", type=int, default=2, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument("--target", type=float, default=1.05, help="phalanx's allowed ratio to hand DDP")
@@ -613,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds = 30 if args.breakdown else 10 if args.profile else 60
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
         parser.error("--steps, --rounds and --warmup must be at least 1")
+    if args.chunk < 1 or args.steps % args.chunk:
+        parser.error(f"--chunk must divide --steps ({args.steps}); got {args.chunk}")
     args.out = str(Path(args.out).resolve())
     return launch(args)
 
