@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -55,6 +56,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: int, total: torch.Tensor) -> None:
+    """`k` steps of the loop one writes by hand (`model` may be wrapped in DDP): zero_grad, forward,
+    cross-entropy, backward, step, the loss added to `total` for the log."""
+    for _ in range(k):
+        batch = next(batches)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        optimizer.step()
+        total += loss.detach()
 
 
 # Datasets registered by the benchmark process, so that a phalanx config can name one by key and

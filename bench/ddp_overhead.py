@@ -61,8 +61,8 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, make_items, machine, mlp_model, print_profile, print_results,  # noqa: E402
-                          source_state, summary, write_report)
+from bench.common import (MLP, REGISTRY, hand_steps, make_items, machine, mlp_model, print_profile,  # noqa: E402
+                          print_results, source_state, summary, write_report)
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -155,21 +155,14 @@ class HandDDP:
             self.sampler.epoch += 1
             self.model.train()
             self._batches, self._total = iter(self.loader), torch.zeros(())
-        model, optimizer, batches, total = self.model, self.optimizer, self._batches, self._total
         if self.like_phalanx:
             self._phalanx_like_steps(k)
         else:
-            for _ in range(k):
-                batch = next(batches)
-                optimizer.zero_grad(set_to_none=True)
-                loss = F.cross_entropy(model(batch["x"]), batch["y"])
-                loss.backward()
-                optimizer.step()
-                total += loss.detach()
+            hand_steps(self.model, self.optimizer, self._batches, k, self._total)
         self._step += k
         if self._step == self.steps_per_epoch:
-            dist.all_reduce(total)  # the epoch's mean loss over ranks, for the log
-            self.epoch_losses.append(total.item() / (self._step * WORLD))
+            dist.all_reduce(self._total)  # the epoch's mean loss over ranks, for the log
+            self.epoch_losses.append(self._total.item() / (self._step * WORLD))
             self._step = 0
         return since(start)
 

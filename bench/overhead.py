@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, Coroutine, make_items, machine, mlp_model, phalanx_trainer,  # noqa: E402
+from bench.common import (MLP, REGISTRY, Coroutine, hand_steps, make_items, machine, mlp_model, phalanx_trainer,  # noqa: E402
                           print_profile, print_results, source_state, summary, write_report)
 
 clock = time.perf_counter
@@ -90,17 +90,10 @@ class HandLoop:
         if self._step == 0:
             self.model.train()
             self._batches, self._total = iter(self.loader), torch.zeros(())
-        model, optimizer, batches, total = self.model, self.optimizer, self._batches, self._total
-        for _ in range(k):
-            batch = next(batches)
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(batch["x"]), batch["y"])
-            loss.backward()
-            optimizer.step()
-            total += loss.detach()
+        hand_steps(self.model, self.optimizer, self._batches, k, self._total)
         self._step += k
         if self._step == self.steps_per_epoch:
-            self.epoch_losses.append(total.item() / self._step)
+            self.epoch_losses.append(self._total.item() / self._step)
             self._step = 0
         return since(start)
 

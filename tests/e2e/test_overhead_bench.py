@@ -1,0 +1,63 @@
+"""The two CPU overhead benchmarks end to end at tiny sizes, in real processes: every loop runs every
+chunk it should, both learn the same task, and the JSON's figures agree with one another. The
+figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(tmp_path: Path, script: str, *args: str) -> dict:
+    out = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "target: phalanx" in result.stdout
+    return json.loads(out.read_text())
+
+
+def check_figures(entry: dict, chunks: int) -> None:
+    wall = entry["wall"]
+    assert len(wall["per_chunk_ms_per_step"]) == chunks
+    assert all(t > 0 for t in wall["per_chunk_ms_per_step"])
+    assert wall["ms_per_step"]["min"] <= wall["ms_per_step"]["median"] <= wall["ms_per_step"]["max"]
+    assert wall["ratio_vs_hand"]["median"] > 0 and wall["ratio_of_totals"] > 0
+
+
+def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
+    steps, chunk, rounds = 20, 10, 2
+    report = run(tmp_path, "ddp_overhead.py", "--steps", str(steps), "--chunk", str(chunk),
+                 "--rounds", str(rounds), "--warmup", "1")
+    results, chunks = report["results"], rounds * steps // chunk
+    assert report["settings"]["processes"] == 2 and report["settings"]["chunk"] == chunk
+    for name in ("hand DDP", "phalanx ddp"):
+        check_figures(results[name], chunks)
+        assert len(results[name]["wall"]["per_rank_ms_per_step"]) == 2
+    assert results["hand DDP"]["wall"]["ratio_vs_hand"]["median"] == 1.0
+    assert len(results["phalanx incl. epoch end"]["wall"]["per_epoch_ms_per_step"]) == rounds
+    assert report["target"]["met"] == (report["target"]["phalanx_ratio"] <= report["target"]["phalanx_ratio_max"])
+    assert report["phalanx_checkpoints"], "phalanx's SaveLatest wrote no checkpoint"
+    loss = report["final_epoch_loss"]["hand DDP"]
+    assert math.isfinite(loss) and loss < math.log(10)  # below chance on 10 classes: it learned
+
+
+def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(tmp_path):
+    steps, chunk, rounds = 20, 10, 2
+    report = run(tmp_path, "overhead.py", "--steps", str(steps), "--chunk", str(chunk), "--rounds", str(rounds))
+    chunks = rounds * steps // chunk
+    for name in ("hand loop", "phalanx"):
+        check_figures(report["results"][name], chunks)
+    assert report["settings"]["chunk"] == chunk
+    loss = report["final_epoch_loss"]["hand loop"]
+    assert math.isfinite(loss) and loss < math.log(10)
