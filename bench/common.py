@@ -216,14 +216,15 @@ def print_results(results: dict[str, Any], width: int) -> None:
         print(f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
 
 
-def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_dirs: list[Path]):
+def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_dirs: list[Path], strategy=None):
     """A phalanx Trainer built as `phalanx train` builds one from the config dict `raw`: a validated
     config, a real run directory, log.txt, and the hooks of `phalanx.hooks.default_hooks` less
     ShowProgress (a terminal progress bar), followed by `extra_hooks` (a benchmark's driver).
 
     The console log handler is removed, log.txt kept: phalanx's epoch lines would bury a
     benchmark's table. Returns the trainer, its run directory and `raw` with the hooks it got. The
-    caller ends with `phalanx.logs.setup(None)` to close log.txt.
+    caller ends with `phalanx.logs.setup(None)` to close log.txt. `strategy`: the one the config
+    would choose, unless given.
     """
     import logging
 
@@ -240,7 +241,7 @@ def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_di
         if not isinstance(handler, logging.FileHandler):
             phalanx_log.removeHandler(handler)
     hooks = [*build_hooks(cfg, search_dirs), *extra_hooks]
-    return Trainer(cfg, run_dir, search_dirs, hooks=hooks), run_dir, raw
+    return Trainer(cfg, run_dir, search_dirs, hooks=hooks, strategy=strategy), run_dir, raw
 
 
 def print_profile(profiler, steps: int, heading: str, top: int) -> None:

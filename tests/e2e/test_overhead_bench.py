@@ -1,6 +1,8 @@
 """The two CPU overhead benchmarks end to end at tiny sizes, in real processes: every loop runs every
 chunk it should, both learn the same task, and the JSON's figures agree with one another. The
-figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here."""
+figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here. The instruction
+counter's variants run natively (callgrind itself takes minutes), and its reading of callgrind's
+dumps is checked on dumps written here."""
 from __future__ import annotations
 
 import json
@@ -61,3 +63,30 @@ def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(t
     assert report["settings"]["chunk"] == chunk
     loss = report["final_epoch_loss"]["hand loop"]
     assert math.isfinite(loss) and loss < math.log(10)
+
+
+def test_instruction_counter_runs_every_variant(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from instructions import VARIANTS
+
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "instructions.py"), "--native", "--steps", "2",
+                             "--epochs", "1", "--warmup", "1", "--epoch-steps", "3", "--variants", ",".join(VARIANTS)],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [line.split(":")[0] for line in result.stdout.splitlines() if "calls, not counted" in line] == VARIANTS
+
+
+def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from instructions import counts
+
+    def dump(name: str, thread: int, label: str, total: int) -> None:
+        (tmp_path / f"{name}-{thread:02d}").write_text(
+            f"version: 1\ncmd: python\npart: 1\ndesc: Trigger: Client Request: {label}\nthread: {thread}\n"
+            f"events: Ir\nsummary: {total}\n")
+
+    dump("out.1", 1, "hand-step", 4_000_000)
+    dump("out.1", 2, "hand-step", 9_999_999)  # gloo's thread: left out
+    dump("out.2", 1, "phalanx-step", 4_400_000)
+    (tmp_path / "out.3-01").write_text("version: 1\ncmd: python\n")  # no client request: not a variant
+    assert counts(tmp_path) == {"hand-step": 4_000_000, "phalanx-step": 4_400_000}

@@ -1,0 +1,279 @@
+"""Instructions per step, counted by callgrind: figures that repeat to the instruction on a machine
+whose wall-clock timings cannot resolve differences under a few percent.
+
+    .venv/bin/python bench/instructions.py                      # the ddp pairs, about 5 min
+    .venv/bin/python bench/instructions.py --variants hand-step,phalanx-step --steps 50
+    .venv/bin/python bench/instructions.py --native --steps 3   # run the variants without valgrind: no counts
+
+Each variant is a function that runs one optimizer step on a fixed batch (`*-step`) or one epoch of
+`--epoch-steps` steps with its data loading and hooks (`*-epoch`), on the tiny MLP of bench/common.py:
+
+    hand-step, phalanx-step          one process, no DDP: the hand loop against the `single` strategy
+    hand-ddp-step, phalanx-ddp-step  DDP over gloo at world size 1: the hand loop against the `ddp` strategy
+    hand-epoch, phalanx-epoch, hand-ddp-epoch, phalanx-ddp-epoch   the same, whole epochs
+
+The script runs itself under `valgrind --tool=callgrind --instr-atstart=no`, so torch's import runs
+uninstrumented. A small C extension (bench/cgmark.c, built on first use with the system's C compiler
+and valgrind's headers) starts instrumentation, zeroes the counters, calls a variant exactly `--steps`
+times (`--epochs` times for the epoch variants) and dumps the counters under its name. The figures are the
+main thread's instructions per step; gloo's threads are counted apart and left out. Instructions are
+not time: the same count can take longer where it misses caches more, and at world size 2 phalanx's
+extra instructions cost about twice their share of the step (BENCHMARKS.md).
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FEATURES, HIDDEN, CLASSES, BATCH, LR = 32, 128, 10, 64, 1e-3
+DATA_KEY = "instructions"
+PAIRS = [("hand-step", "phalanx-step"), ("hand-ddp-step", "phalanx-ddp-step"),
+         ("hand-epoch", "phalanx-epoch"), ("hand-ddp-epoch", "phalanx-ddp-epoch")]
+VARIANTS = [name for pair in PAIRS for name in pair]
+DEFAULT = "hand-ddp-step,phalanx-ddp-step,hand-ddp-epoch,phalanx-ddp-epoch"
+
+
+# --- the variants (in the worker) -----------------------------------------------------------------
+
+def make_variant(name: str, tmp: Path, epoch_steps: int) -> Callable[[], None]:
+    """A function running one step (or one epoch) of variant `name`."""
+    from bench.common import REGISTRY, make_items
+
+    REGISTRY.setdefault(DATA_KEY, make_items(epoch_steps * BATCH, FEATURES, CLASSES))
+    ddp = "-ddp-" in name
+    if name.startswith("hand"):
+        return _hand(ddp, name.endswith("epoch"))
+    trainer = _phalanx(ddp, tmp / name)
+    return _phalanx_step(trainer) if name.endswith("step") else _phalanx_epoch(trainer)
+
+
+def _hand(ddp: bool, epoch: bool) -> Callable[[], None]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    from bench.common import MLP, REGISTRY, hand_steps
+
+    torch.manual_seed(0)
+    module = MLP(FEATURES, HIDDEN, CLASSES)
+    model = DistributedDataParallel(module) if ddp else module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
+    dataset, total = REGISTRY[DATA_KEY], torch.zeros(())
+    if epoch:
+        loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
+        return lambda: hand_steps(model, optimizer, iter(loader), len(loader), total)
+    batch = next(iter(DataLoader(dataset, batch_size=BATCH)))
+    return lambda: hand_steps(model, optimizer, iter((batch,)), 1, total)
+
+
+def _phalanx(ddp: bool, tmp: Path):
+    from bench.common import mlp_model, phalanx_trainer
+    from phalanx.strategies.ddp import DDP
+
+    raw = {"name": "instructions", "model": mlp_model(HIDDEN, FEATURES, CLASSES),
+           "optimizer": {"class": "AdamW", "lr": LR},
+           "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": BATCH},
+           "parallel": {"accelerator": "cpu"}, "seed": 0, "main_loop": {"epochs": 1 << 20},
+           "output_root": str(tmp / "runs")}
+    tmp.mkdir(parents=True, exist_ok=True)
+    trainer, _, _ = phalanx_trainer(raw, tmp, [], [ROOT], strategy=DDP("cpu") if ddp else None)
+    trainer._emit("before_training")
+    return trainer
+
+
+def _phalanx_step(trainer) -> Callable[[], None]:
+    """Engine.train_step on a fixed batch: what one optimizer step costs, data and hooks aside."""
+    from phalanx import data
+
+    stream = data.get_stream(trainer.dataset, "train")
+    plan = data.Plan(range(len(stream)), BATCH)
+    fetched = [(micro, data.collate([stream[i] for i in micro.shard])) for micro in plan.step(0)]
+    engine = trainer.engine
+    return lambda: engine.train_step(fetched)
+
+
+def _phalanx_epoch(trainer) -> Callable[[], None]:
+    """One epoch of the trainer's own step loop, from its plan and loader to its after_batch hooks;
+    the epoch end (evaluation, after_epoch hooks, checkpoint) left out."""
+    from phalanx import data
+
+    stream = data.get_stream(trainer.dataset, "train")
+    profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
+
+    def epoch() -> None:
+        trainer.epoch += 1
+        plan = data.Plan(data.permutation(0, trainer.epoch, len(stream)), BATCH)
+        trainer.step_in_epoch = 0
+        batches = iter(data.loader(stream, plan, 0, seed=trainer.epoch, **trainer.loader_options))
+        trainer._train_steps(plan, batches, profile)
+
+    return epoch
+
+
+def worker(args) -> int:
+    """Inside valgrind (or natively): build the variants, warm each up, count each."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo")
+    run = _runner(args.native)
+    try:
+        with tempfile.TemporaryDirectory(prefix="phalanx-instructions-") as tmp:
+            names = args.variants.split(",")
+            variants = [make_variant(name, Path(tmp), args.epoch_steps) for name in names]
+            for name, variant in zip(names, variants):
+                for _ in range(-(-args.warmup // args.epoch_steps) if is_epoch(name) else args.warmup):
+                    variant()
+            for name, variant in zip(names, variants):
+                run(variant, args.epochs if is_epoch(name) else args.steps, name)
+    finally:
+        from phalanx import logs
+
+        logs.setup(None)
+        dist.destroy_process_group()
+    return 0
+
+
+def _runner(native: bool) -> Callable[[Callable, int, str], None]:
+    if native:
+        def run(f: Callable, n: int, name: str) -> None:
+            for _ in range(n):
+                f()
+            print(f"{name}: {n} calls, not counted (--native)", flush=True)
+        return run
+    sys.path.insert(0, os.environ["PHALANX_CGMARK_DIR"])
+    import cgmark
+
+    return cgmark.run
+
+
+# --- the parent -----------------------------------------------------------------------------------
+
+def build_extension() -> Path:
+    """bench/cgmark.c compiled for this Python, in a cache folder keyed by its source and Python."""
+    source = ROOT / "bench" / "cgmark.c"
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    key = hashlib.sha256(source.read_bytes() + suffix.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"phalanx-cgmark-{key}"
+    target = folder / f"cgmark{suffix}"
+    if target.exists():
+        return folder
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("bench/instructions.py: no C compiler (cc or gcc) to build bench/cgmark.c; install gcc")
+    folder.mkdir(parents=True, exist_ok=True)
+    built = subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
+                            str(source), "-o", str(target)], capture_output=True, text=True)
+    if built.returncode != 0:
+        hint = " (valgrind's headers are missing: install valgrind)" if "callgrind.h" in built.stderr else ""
+        raise SystemExit(f"bench/instructions.py: building bench/cgmark.c failed{hint}:\n{built.stderr}")
+    return folder
+
+
+def is_epoch(variant: str) -> bool:
+    return variant.endswith("-epoch")
+
+
+def counts(folder: Path) -> dict[str, int]:
+    """Main-thread instructions, by variant, from callgrind's dumps (thread 01 of each)."""
+    found = {}
+    for dump in sorted(folder.glob("out.*-01")):
+        text = dump.read_text(errors="replace")
+        name = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.MULTILINE)
+        total = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+        if name and total:
+            found[name.group(1).strip()] = int(total.group(1))
+    return found
+
+
+def report(totals: dict[str, int], args) -> None:
+    per_step = {n: c / (args.epochs * args.epoch_steps if is_epoch(n) else args.steps) for n, c in totals.items()}
+    print(f"\n{'variant':<20}{'instructions/step':>18}")
+    for name, count in per_step.items():
+        print(f"{name:<20}{count:>18,.0f}")
+    print(f"\n{'phalanx over hand':<40}{'instructions/step':>18}{'ratio':>8}")
+    for hand, phalanx in PAIRS:
+        if hand in per_step and phalanx in per_step:
+            extra = per_step[phalanx] - per_step[hand]
+            print(f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{per_step[phalanx] / per_step[hand]:>8.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=100, help="steps counted for each *-step variant")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs counted for each *-epoch variant")
+    parser.add_argument("--epoch-steps", type=int, default=20, help="steps in an epoch of the *-epoch variants")
+    parser.add_argument("--warmup", type=int, default=20, help="uncounted steps of each variant first (whole "
+                        "epochs for the *-epoch variants)")
+    parser.add_argument("--native", action="store_true", help="run the variants without valgrind; count nothing")
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if min(args.steps, args.epochs, args.epoch_steps) < 1 or args.warmup < 0:
+        parser.error("--steps, --epochs and --epoch-steps must be at least 1, --warmup at least 0")
+    if args.worker or args.native:
+        args.port = args.port or _free_port()
+        return worker(args)
+    return measure(args)
+
+
+def measure(args) -> int:
+    if shutil.which("valgrind") is None:
+        raise SystemExit("bench/instructions.py needs valgrind (Debian: apt install valgrind), or --native")
+    extension = build_extension()
+    with tempfile.TemporaryDirectory(prefix="phalanx-callgrind-") as out:
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                   f"--callgrind-out-file={out}/out", sys.executable, __file__, "--worker",
+                   "--variants", args.variants, "--steps", str(args.steps), "--epochs", str(args.epochs),
+                   "--epoch-steps", str(args.epoch_steps), "--warmup", str(args.warmup), "--port", str(_free_port())]
+        print("running under callgrind (minutes: torch's import alone takes about two) ...", flush=True)
+        done = subprocess.run(command, env={**os.environ, "PHALANX_CGMARK_DIR": str(extension)},
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+            return 1
+        totals = counts(Path(out))
+    missing = [v for v in args.variants.split(",") if v not in totals]
+    if missing:
+        print(f"no counts for {missing}: callgrind wrote no dump for them", file=sys.stderr)
+        return 1
+    report(totals, args)
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
