@@ -20,8 +20,9 @@ import contextlib
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
