@@ -153,6 +153,28 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(ordered), "q1": q[0], "q3": q[2], "min": ordered[0], "max": ordered[-1]}
 
 
+def against_hand(mine: list[float], base: list[float]) -> dict[str, Any]:
+    """Figures of one loop's windows (seconds per step) against the hand loop's of the same rounds."""
+    return {"ms_per_step": summary([1e3 * t for t in mine]),
+            "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+            "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+            "ratio_of_totals": sum(mine) / sum(base)}
+
+
+def with_epoch_end(phalanx: list[tuple[float, float]], hand: list[tuple[float, float]],
+                   ends: list[tuple[float, float]], per_epoch: int, steps: int) -> dict[str, Any]:
+    """The row 'phalanx incl. epoch end': per epoch, phalanx's chunks plus its after_epoch hooks,
+    against the hand loop's chunks of that epoch. Windows and ends are (wall, CPU) seconds."""
+    entry: dict[str, Any] = {}
+    for i, kind in enumerate(("wall", "cpu")):
+        def epochs(ws):
+            return [sum(w[i] for w in ws[e:e + per_epoch]) / steps for e in range(0, len(ws), per_epoch)]
+        mine = [t + e[i] / steps for t, e in zip(epochs(phalanx), ends)]
+        entry[kind] = {**against_hand(mine, epochs(hand)), "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+    entry["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in ends]), "cpu": summary([1e3 * e[1] for e in ends])}
+    return entry
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     facts: dict[str, Any] = {

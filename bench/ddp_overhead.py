@@ -2,7 +2,7 @@
 two CPU processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory
 dataset of bench/common.py, both loops taking turns every 20 steps inside each process.
 
-    .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~2 min
+    .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~1 min
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
     .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
@@ -20,7 +20,7 @@ What is timed (see BENCHMARKS.md): in each of the two processes,
 
 The loops take turns every `--chunk` steps: a round is one chunk of phalanx, then one of hand DDP,
 every chunk starting right after a barrier, so both ranks start it together. The machine changes
-speed about once a second; chunks of 20 steps (about 80 ms) keep most pairs inside one speed, where
+speed about once a second; chunks of 20 steps (well under 0.1 s) keep most pairs inside one speed, where
 whole epochs did not. An epoch's set-up falls into its first chunk; the hand loop's once-per-epoch
 loss all-reduce into its last, phalanx's once-per-epoch stop agreement (`Trainer.any_rank`, one
 all-reduce) into the next epoch's first. phalanx's epoch end (after_epoch hooks: statistics
@@ -61,8 +61,8 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, hand_steps, make_items, machine, mlp_model, print_profile,  # noqa: E402
-                          print_results, source_state, summary, write_report)
+from bench.common import (MLP, REGISTRY, hand_steps, make_items, machine, mlp_model, against_hand,  # noqa: E402
+                          print_profile, print_results, source_state, summary, with_epoch_end, write_report)
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -174,6 +174,7 @@ class HandDDP:
         model, optimizer, batches = self.model, self.optimizer, self._batches
         carrier = self.model.module.carrier if self.carrier else None
         no_stop, mark_ready = torch.zeros(()), model.reducer._autograd_hook
+        gradients: dict[int, torch.Tensor] = {}  # 1/n per sample, kept as the engine keeps it
         for _ in range(k):
             batch = next(batches)
             optimizer.zero_grad(set_to_none=True)
@@ -183,7 +184,10 @@ class HandDDP:
             if carrier is not None:  # each rank's half of the global mean, times the 2 that DDP divides by
                 carrier.grad = torch.stack((part * (n * WORLD / self.global_batch), no_stop))
                 mark_ready(0)  # the carrier is _WithCarrier's own parameter: the reducer's first
-            loss.backward(torch.full((n,), 1.0 / n))
+            gradient = gradients.get(n)
+            if gradient is None:
+                gradient = gradients[n] = torch.full((n,), 1.0 / n)
+            loss.backward(gradient)
             optimizer.step()
             if carrier is not None:
                 part, flag = carrier.grad.clone().unbind()
@@ -373,33 +377,18 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         per_rank = [r["windows"][name][n:] for r in every]
         return [(max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank)]
 
-    def ratios(mine: list[float], base: list[float]) -> dict[str, Any]:
-        return {"ms_per_step": summary([1e3 * t for t in mine]),
-                "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
-                "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                "ratio_of_totals": sum(mine) / sum(base)}
-
     measured = {name: rounds(name) for name in (HAND, PHALANX)}
     results: dict[str, Any] = {}
     for name in (HAND, PHALANX):
         results[name] = {}
         for i, kind in enumerate(("wall", "cpu")):
             mine, base = [w[i] / k for w in measured[name]], [w[i] / k for w in measured[HAND]]
-            results[name][kind] = {**ratios(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+            results[name][kind] = {**against_hand(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
         results[name]["wall"]["per_rank_ms_per_step"] = [
             summary([1e3 * w[0] / k for w in r["windows"][name][n:]]) for r in every]
-    # the epoch end, per epoch: phalanx's chunks plus its after_epoch hooks, against hand DDP's chunks
     ends = [r["epoch_ends"][args.warmup:] for r in every]
-    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]
-    results[PHALANX_END] = {}
-    for i, kind in enumerate(("wall", "cpu")):
-        def epochs(ws):
-            return [sum(w[i] for w in ws[e:e + per_epoch]) / args.steps for e in range(0, len(ws), per_epoch)]
-        mine = [t + e[i] / args.steps for t, e in zip(epochs(measured[PHALANX]), end)]
-        results[PHALANX_END][kind] = {**ratios(mine, epochs(measured[HAND])),
-                                      "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
-    results[PHALANX_END]["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]),
-                                            "cpu": summary([1e3 * e[1] for e in end])}
+    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]  # the slower rank; CPU of both
+    results[PHALANX_END] = with_epoch_end(measured[PHALANX], measured[HAND], end, per_epoch, args.steps)
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "ddp_overhead",

@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from bench.common import (MLP, REGISTRY, Coroutine, hand_steps, make_items, machine, mlp_model, phalanx_trainer,  # noqa: E402
-                          print_profile, print_results, source_state, summary, write_report)
+                          against_hand, print_profile, print_results, source_state, with_epoch_end, write_report)
 
 clock = time.perf_counter
 
@@ -328,27 +328,10 @@ def run(args) -> dict[str, Any]:
         for i, kind in enumerate(("wall", "cpu")):
             mine = [w[i] / k for w in measured[name]]
             base = [w[i] / k for w in measured[hand.name]]
-            entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
-                           "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
-                           "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                           "ratio_of_totals": sum(mine) / sum(base),
-                           "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+            entry[kind] = {**against_hand(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
         results[name] = entry
-    # the epoch end, per epoch: phalanx's chunks plus its after_epoch hooks, against the hand loop's chunks
-    end = driver.epoch_ends[args.warmup:]
-    entry = {}
-    for i, kind in enumerate(("wall", "cpu")):
-        def epochs(ws):
-            return [sum(w[i] for w in ws[e:e + per_epoch]) / args.steps for e in range(0, len(ws), per_epoch)]
-        mine = [t + e[i] / args.steps for t, e in zip(epochs(measured["phalanx"]), end)]
-        base = epochs(measured[hand.name])
-        entry[kind] = {"ms_per_step": summary([1e3 * t for t in mine]),
-                       "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
-                       "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-                       "ratio_of_totals": sum(mine) / sum(base),
-                       "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
-    entry["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in end]), "cpu": summary([1e3 * e[1] for e in end])}
-    results["phalanx incl. epoch end"] = entry
+    results["phalanx incl. epoch end"] = with_epoch_end(measured["phalanx"], measured[hand.name],
+                                                        driver.epoch_ends[args.warmup:], per_epoch, args.steps)
     ratio = results["phalanx"]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "overhead",

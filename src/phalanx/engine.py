@@ -34,7 +34,8 @@ class Engine:
     def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
                  schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
         self.module, self.forward, self.optimizer = module, forward, optimizer
-        self.schedulers, self.precision, self.strategy = schedulers, precision, strategy
+        self.precision, self.strategy = precision, strategy
+        self._schedulers = {interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")}
         self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
         self.carrier, self.factor = strategy.carrier, strategy.sum_factor
         if self.carrier is not None:  # the stop flag as the carrier's gradient holds it, for either answer
@@ -42,7 +43,6 @@ class Engine:
                                               device=self.carrier.device) for flag in (False, True)}
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         self._gradients: dict[tuple, torch.Tensor] = {}
-        self._step_schedulers = [s for s, interval in schedulers if interval == "step"]
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
@@ -84,7 +84,7 @@ class Engine:
             strategy.reduce_gradients(self.module, self._carried(total, stop))
             t1 = clock()
         self.precision.step(self.optimizer)
-        for scheduler in self._step_schedulers:
+        for scheduler in self._schedulers["step"]:
             scheduler.step()
         t2 = clock()
         if carrier is None:
@@ -139,9 +139,8 @@ class Engine:
         return data
 
     def end_epoch(self) -> None:
-        for scheduler, interval in self.schedulers:
-            if interval == "epoch":
-                scheduler.step()
+        for scheduler in self._schedulers["epoch"]:
+            scheduler.step()
 
     def _forward(self, batch: Mapping, n: int | None) -> tuple[torch.Tensor, dict]:
         """The model's loss, and the batch with every output, detached, for the hooks (`loss` per
