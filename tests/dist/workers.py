@@ -24,13 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 180) -> list[Any]:
+def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 180,
+              env: dict[str, str] | None = None) -> list[Any]:
     """`target(rank, *args)` on `world_size` processes; their results in rank order. A hang or an
-    error on any rank fails the caller within `timeout` seconds, and no process is left behind."""
+    error on any rank fails the caller within `timeout` seconds, and no process is left behind.
+    `env` is set in every process over the launcher's variables (LOCAL_RANK=0: ranks share device 0)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue)) for rank in range(world_size)]
+    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue, env or {}))
+             for rank in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -49,10 +52,10 @@ def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 18
     return [results[r] for r in range(world_size)]
 
 
-def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      OMP_NUM_THREADS="1")
+def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple, queue, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": "1", **env})
     torch.set_num_threads(1)
     try:
         queue.put((rank, True, target(rank, *args)))
@@ -65,12 +68,15 @@ def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple,
 
 def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
     """The strategy the config asks for; with `carry_through_autograd`, the ddp strategy as a torch
-    without the reducer's direct entry point runs it."""
-    if not carry_through_autograd:
+    without the reducer's direct entry point runs it. Several ranks on CUDA share GPU 0 over gloo
+    (as `run_ranks(..., env={"LOCAL_RANK": "0"})` starts them): nccl refuses two ranks on one GPU."""
+    shared_gpu = cfg.parallel.accelerator == "cuda" and strategies.in_worker()
+    if not (carry_through_autograd or shared_gpu):
         return strategies.create(cfg)
     from phalanx.strategies.ddp import DDP
 
-    return DDP("cpu", None, cfg.parallel.sync_batchnorm, carry_through_autograd=True)
+    return DDP("cuda" if shared_gpu else "cpu", None, cfg.parallel.sync_batchnorm,
+               carry_through_autograd=carry_through_autograd, backend="gloo")
 
 
 def train(raw: dict, carry_through_autograd: bool = False) -> dict:

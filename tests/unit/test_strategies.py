@@ -41,6 +41,12 @@ def test_asking_for_gpus_without_any_names_the_fix():
         strategies.resolve_device(config.validate(toy.regression_config(model={"n_gpus": 2})))
 
 
+def test_nccl_on_the_cpu_names_the_fix():
+    with pytest.raises(ConfigError, match="parallel.backend=nccl joins CUDA GPUs.*set parallel.backend=auto or gloo"):
+        strategies.resolve_device(cfg(accelerator="cpu", devices=2, backend="nccl"))
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=2, backend="gloo")) == ("cpu", 2)
+
+
 def test_single_strategy_with_several_devices_is_refused(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="strategy=single"):

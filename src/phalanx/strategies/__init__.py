@@ -33,6 +33,9 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
                           f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
     if devices < 1:
         raise ConfigError(f"parallel.devices must be at least 1, got {devices}")
+    if cfg.parallel.backend == "nccl" and accelerator != "cuda":
+        raise ConfigError("parallel.backend=nccl joins CUDA GPUs, but this run is on the CPU; "
+                          "set parallel.backend=auto or gloo")
     return accelerator, devices
 
 
@@ -65,4 +68,4 @@ def create(cfg: Config) -> Strategy:
                           "(phalanx starts them), or start phalanx under torchrun")
     from phalanx.strategies.ddp import DDP
 
-    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm)
+    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm, backend=cfg.parallel.backend)

@@ -59,9 +59,10 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 class DDP:
     def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False,
-                 carry_through_autograd: bool = False):
+                 carry_through_autograd: bool = False, backend: str = "auto"):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
-        autograd, as on a torch without the reducer's direct entry point (for tests)."""
+        autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
+        nccl or gloo; auto picks nccl on GPUs and gloo on CPUs."""
         self.carry_through_autograd = carry_through_autograd
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if accelerator == "cuda":
@@ -72,7 +73,9 @@ class DDP:
         self.sync_batchnorm = sync_batchnorm
         if not dist.is_initialized():
             timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S[self.device.type])
-            dist.init_process_group("nccl" if accelerator == "cuda" else "gloo", timeout=timeout)
+            if backend == "auto":
+                backend = "nccl" if accelerator == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timeout)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.sum_factor = float(self.world_size)
         self.carrier: nn.Parameter | None = None

@@ -1,0 +1,146 @@
+"""The GPU tier: the CUDA paths of `single` and `ddp`, on whatever CUDA GPU is visible.
+
+Every test here skips, saying so, on a machine without one (CI has none). Two ranks share the one
+GPU over gloo (`parallel.backend: gloo`): NCCL refuses two ranks on one device, and the lent
+machines have one GPU. float64 on the GPU uses other kernels than on the CPU, so the comparisons
+allow 1e-10 relative, as the CPU invariance suite does.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "dist"))
+import toy  # noqa: E402
+import workers  # noqa: E402
+from phalanx import commands  # noqa: E402
+from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible"),
+              pytest.mark.timeout(600)]
+
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+N_TRAIN, N_VALID = 41, 10  # the last batch of 1 is smaller than the world size
+
+
+def scenario(accelerator: str, model: str = "toy.Linear", **parallel) -> dict:
+    return toy.regression_config(
+        model={"class": model, "features": 3, "hidden": 4 if model == "toy.Linear" else 6},
+        optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
+        dataset={"class": "toy.Regression", "batch_size": 10, "n_train": N_TRAIN, "n_valid": N_VALID},
+        parallel={"accelerator": accelerator, "devices": 1, "gradient_accumulation": 2, **parallel},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+
+
+def rel(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def assert_same_run(got: dict, want: dict) -> None:
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        if not name.endswith("num_batches_tracked"):
+            assert rel(got["params"][name], value) < 1e-10, name
+    assert len(got["losses"]) == len(want["losses"]) > 0
+    assert rel(got["losses"], want["losses"]) < 1e-10
+    for mine, theirs in zip(got["epochs"], want["epochs"], strict=True):
+        assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID
+        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
+
+
+@pytest.fixture(autouse=True)
+def _reset_logging():
+    yield
+    logger = logging.getLogger("phalanx")
+    for handler in list(logger.handlers):  # `logs.setup` points handlers at this test's files
+        logger.removeHandler(handler)
+        handler.close()
+    logger.propagate = True
+
+
+@pytest.fixture(scope="module")
+def one_gpu() -> dict[str, dict]:
+    return {"toy.Linear": workers.train(scenario("cuda"))}
+
+
+def test_float64_on_the_gpu_trains_as_on_the_cpu(one_gpu):
+    assert_same_run(one_gpu["toy.Linear"], workers.train(scenario("cpu")))
+
+
+@pytest.mark.parametrize("through_autograd", [False, True], ids=["carrier-direct", "carrier-autograd"])
+def test_two_ranks_sharing_the_gpu_train_as_one_process(one_gpu, through_autograd):
+    ranks = workers.run_ranks(2, workers.train_all, [scenario("cuda")], through_autograd,
+                              timeout=300, env={"LOCAL_RANK": "0"})
+    for [got] in ranks:
+        assert_same_run(got, one_gpu["toy.Linear"])
+        assert got["ids"] == one_gpu["toy.Linear"]["ids"]  # the same samples in the same order, gathered
+
+
+def test_sync_batchnorm_on_the_gpu_trains_as_one_process(one_gpu):
+    raw = scenario("cuda", "toy.BatchNormNet", sync_batchnorm=True)
+    raw["dataset"] = {**raw["dataset"], "n_train": 40}  # torch's SyncBatchNorm refuses an empty shard
+    raw["optimizer"] = {"class": "SGD", "lr": 0.05, "momentum": 0.9}  # Adam's 1/sqrt(v) magnifies rounding
+    want = workers.train({**raw, "parallel": {**raw["parallel"], "sync_batchnorm": False}})
+    for [got] in workers.run_ranks(2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}):
+        assert_same_run(got, want)
+
+
+def _latest_weights(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    step = ckpts.latest_valid()
+    return step, load_file(str(ckpts.path(step) / WEIGHTS))
+
+
+def test_resume_on_the_gpu_mid_epoch_is_bit_identical(tmp_path):
+    raw = toy.regression_config(parallel={"accelerator": "cuda"}, main_loop={"epochs": 3, "extra_streams": []})
+    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"]
+    assert commands.train(str(toy.write_config(tmp_path / "whole", raw)), []) == 0
+    [whole_dir] = (tmp_path / "whole" / "runs").iterdir()
+    end, whole = _latest_weights(whole_dir)
+    assert end == 15  # 40 samples, batch 8, 3 epochs
+
+    stopped = {**raw, "hooks": [*raw["hooks"], {"StopAfter": {"steps": 7}}]}
+    assert commands.train(str(toy.write_config(tmp_path / "parts", stopped)), []) == 0
+    [run_dir] = (tmp_path / "parts" / "runs").iterdir()
+    assert _latest_weights(run_dir)[0] == 7
+    assert commands.resume(str(run_dir), ["hooks.2.StopAfter.steps=1000"]) == 0
+    end, resumed = _latest_weights(run_dir)
+    assert end == 15
+    for key, value in whole.items():
+        assert value.device.type == "cpu" and value.dtype == torch.float64  # checkpoints load anywhere
+        assert torch.equal(resumed[key], value), key
+
+
+def test_gpt_in_bf16_with_compile_learns_on_the_gpu(tmp_path):
+    """examples/gpt/tiny.yaml on the GPU in bf16 autocast with torch.compile: it learns, keeps float32
+    weights, and `phalanx eval` of its checkpoint gives the logged validation loss."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([*PHALANX, "train", "examples/gpt/tiny.yaml", f"output_root={tmp_path}",
+                             "parallel.accelerator=cuda", "precision=bf16", "compile=true",
+                             "main_loop.epochs=1", "dataset.max_bytes=300000"],
+                            cwd=REPO, env=env, text=True, capture_output=True, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = list(tmp_path.iterdir())
+    with open(run / "metrics.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert float(row["valid.loss"]) < 0.55 * math.log(256), row
+    _, weights = _latest_weights(run)
+    assert {w.dtype for w in weights.values()} == {torch.float32}
+    result = subprocess.run([*PHALANX, "eval", str(run), "--stream", "valid"],
+                            cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [saved] = list(run.glob("eval-valid-step-*.json"))
+    assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(float(row["valid.loss"]), rel=2e-2)
