@@ -526,7 +526,8 @@ def interleave(work: Workload, args, device: torch.device) -> dict[str, Any]:
                                **{name: ws[0].seconds for name, ws in windows.items()}},
             "losses": {"phalanx": driver.epoch_losses, **{loop.name: loop.epoch_losses for loop in loops}},
             "epoch_end_s": driver.epoch_end_s[args.warmup:], "skipped": skipped, "hooks": hooks,
-            "config": raw, "flops": flops, "flops_logthroughput": counted, "wall_s": wall_s}
+            "config": raw, "flops": flops, "flops_logthroughput": counted, "wall_s": wall_s,
+            "profile": {k: round(v, 3) for k, v in trainer.profile.items()}}
 
 
 def loop_figures(mine: list[Window], base: list[Window], args, work: Workload, flops, peak, cuda) -> dict:
@@ -616,6 +617,9 @@ def measure(work: Workload, args, device: torch.device) -> dict[str, Any]:
            "peak_flops_from": "--peak-flops" if args.peak_flops else "phalanx.metrics.PEAK_FLOPS" if peak else None,
            "phalanx_hooks": found["hooks"], "phalanx_config": found["config"],
            "phalanx_epoch_end_s": summary(found["epoch_end_s"]) if found["epoch_end_s"] else None,
+           # phalanx's own split of its time (seconds, warm-up included; the CPU's view: without a
+           # synchronisation, a step's GPU work shows up wherever the CPU next waits for it)
+           "phalanx_profile_s": found["profile"],
            "skipped": found["skipped"], "results": results, "target": target(results, args), "wall_s": found["wall_s"]}
     if args.compile:  # graphs, graph breaks, recompilations: that every loop ran compiled code, and what
         from torch._dynamo.utils import counters
@@ -680,6 +684,8 @@ def print_target(report: dict[str, Any]) -> None:
         print(f"target: none for {report['workload']}")
     if not t["valid"]:
         print(f"({t['note']})")
+    if report.get("phalanx_profile_s"):
+        print("phalanx's own time split, s: " + ", ".join(f"{k} {v:.2f}" for k, v in report["phalanx_profile_s"].items()))
 
 
 def default_workers(args) -> int:

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One lease of a lent GPU machine, in stages: `check` (the CUDA paths at smoke sizes, the GPU test
+# tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes).
+# Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
+# The machines lack pydantic: carry its wheels in .whl (see BENCHMARKS.md).
+set -uo pipefail
+OUT=${OUT:-bench/results/gpu-session}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD/src:$PWD
+else
+    export PYTHONPATH=$PWD/src:$PWD
+fi
+export PYTHONUNBUFFERED=1
+for stage in "$@"; do
+    case $stage in
+    check)
+        { nvidia-smi; python3 -c "import torch, sys; print(sys.version, torch.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/machine.txt"
+        for w in gpt2-small resnet50 launch-bound; do
+            timeout 300 python3 bench/gpu.py --workload "$w" --smoke --device cuda --out "/tmp/smoke-$w.json" 2>&1 | tail -n 12
+        done > "$OUT/smoke.log"
+        tail -n 40 "$OUT/smoke.log"
+        timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests-gpu.log" | tail -n 30
+        timeout 300 python3 bench/gpu.py --workload launch-bound --out "$OUT/gpu-launch-bound.json" 2>&1 | tee "$OUT/launch-bound.log" | tail -n 20
+        ;;
+    gpt2|resnet50|launch-bound)
+        w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
+        timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
+        ;;
+    *) echo "unknown stage $stage; stages: check gpt2 resnet50 launch-bound" >&2; exit 2 ;;
+    esac
+done
