@@ -4,7 +4,12 @@
 and loss-scaler state, read only with `weights_only=True`), `trainer.json` (epoch, step, sampler
 cursor, every RNG, hook state) and `manifest.json` (sizes and SHA-256 of the others), written last.
 A step is built in a temporary folder, fsynced and renamed into place: a step without a manifest
-does not exist, and an interrupted save leaves nothing behind.
+does not exist, and an interrupted save leaves nothing behind. A step folder that does not verify
+(a damaged one that a resumed run trains through again) is replaced the same way.
+
+What a checkpoint holds is checked before it is used: the hashes, then that each file parses and the
+trainer state makes sense. Any failure is a CheckpointError naming the file, so that `resume` can
+fall back to the step before.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
+
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
@@ -29,6 +36,10 @@ WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = "model.safetensors", "optimizer.pt", "tr
 _in_progress: set[Path] = set()
 
 
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this run's model: an older step would not fit either."""
+
+
 def abort_in_progress() -> None:
     """Remove half-written checkpoint folders (on a second signal, before exiting at once)."""
     for path in list(_in_progress):
@@ -40,6 +51,7 @@ class Checkpoints:
 
     def __init__(self, root: Path, keep_last: int = 3):
         self.root, self.keep_last = Path(root), keep_last
+        self._written: set[int] = set()  # steps this object wrote: known intact without hashing them again
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -54,9 +66,10 @@ class Checkpoints:
 
     def save(self, step: int, module: nn.Module, optimizer_state: dict, trainer_state: dict,
              best: dict | None = None) -> Path:
-        """Write step `step` atomically; `best` (variable and value) marks it the best so far."""
+        """Write step `step` atomically; `best` (variable and value) marks it the best so far. An
+        existing step is kept if it verifies, and replaced if it does not."""
         final = self.path(step)
-        if not final.exists():
+        if step not in self._written and not (final.exists() and self._intact(step)):
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
@@ -64,15 +77,36 @@ class Checkpoints:
             _in_progress.add(tmp)
             try:
                 self._write(tmp, step, module, optimizer_state, trainer_state)
-                os.rename(tmp, final)
-                fsync_dir(self.root)
+                self._move_into_place(tmp, final)
             finally:
                 _in_progress.discard(tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
+        self._written.add(step)
         if best is not None:
             write_text_atomic(self.root / "best.json", json.dumps({"step": step, **best}), sync=True)
         self.prune()
         return final
+
+    def _intact(self, step: int) -> bool:
+        try:
+            self.verify(step)
+        except CheckpointError as e:
+            log.warning("replacing damaged checkpoint step-%d: %s", step, e)
+            return False
+        return True
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
+        """Rename `tmp` to `final`; a damaged folder already there is first renamed aside (a crash in
+        between leaves no step `final`, which is what a damaged step amounts to) and then removed."""
+        aside = None
+        if final.exists():
+            aside = self.root / f".tmp-replaced-{final.name}-{os.getpid()}"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
     def _write(self, folder: Path, step: int, module: nn.Module, optimizer_state: dict,
                trainer_state: dict) -> None:
@@ -152,26 +186,81 @@ class Checkpoints:
 
     def clean_stale(self) -> None:
         """Remove temporary folders that an interrupted process left."""
-        for tmp in self.root.glob(".tmp-step-*") if self.root.is_dir() else []:
+        for tmp in self.root.glob(".tmp-*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
 
     def load(self, step: int, module: nn.Module | None) -> tuple[dict, dict]:
-        """Load weights into `module` (if given); return optimizer state and trainer state."""
+        """Optimizer state and trainer state of step `step`, and its weights loaded into `module`
+        (if given) once every file has verified and parsed."""
         folder = self.verify(step)
+        trainer_state = read_trainer_state(folder / TRAINER)
+        optimizer_state = read_optimizer_state(folder / OPTIMIZER)
         if module is not None:
             load_weights(module, folder / WEIGHTS)
-        optimizer_state = torch.load(folder / OPTIMIZER, weights_only=True, map_location="cpu")
-        return optimizer_state, json.loads((folder / TRAINER).read_text())
+        return optimizer_state, trainer_state
+
+    def load_weights(self, step: int, module: nn.Module) -> None:
+        """Only the weights of step `step`, verified, into `module` (evaluation needs no more)."""
+        load_weights(module, self.verify(step) / WEIGHTS)
+
+
+# The trainer state's counters: each a whole number, at least this much.
+_COUNTERS = {"epoch": 0, "step": 0, "step_in_epoch": 0, "batch_size": 1}
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """`trainer.json`, checked for the keys and counters a resume relies on."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not readable JSON ({e}); the checkpoint is damaged") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is damaged")
+    missing = [k for k in (*_COUNTERS, "seed", "rng", "hooks") if k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; the checkpoint is damaged")
+    for key, least in _COUNTERS.items():
+        value = state[key]
+        if type(value) is not int or value < least:
+            raise CheckpointError(f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is damaged")
+    if state["step"] < state["epoch"] + state["step_in_epoch"]:  # every epoch takes one step at least
+        raise CheckpointError(f"{path} says step {state['step']} after {state['epoch']} epochs and "
+                              f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged")
+    if not isinstance(state["rng"], dict) or not isinstance(state["hooks"], dict):
+        raise CheckpointError(f"{path} has malformed rng or hooks entries; the checkpoint is damaged")
+    return state
+
+
+def read_optimizer_state(path: Path) -> dict[str, Any]:
+    """`optimizer.pt` through `torch.load(weights_only=True)`: tensors and plain containers only."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler makes of the bytes, the file is unusable
+        raise CheckpointError(f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
+                              "the checkpoint is damaged") from None
+    if not isinstance(state, dict) or not {"optimizer", "schedulers", "scaler"} <= set(state):
+        raise CheckpointError(f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged")
+    return state
 
 
 def load_weights(module: nn.Module, path: Path) -> None:
-    """Weights from a safetensors file; a checkpoint of another model is a CheckpointError."""
+    """Weights from a safetensors file: a file that does not parse is a CheckpointError, weights
+    of another model a CheckpointMismatch."""
     try:
         load_model(module, str(path), strict=True, device="cpu")
-    except (RuntimeError, SafetensorError) as e:
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the checkpoint is damaged") from None
+    except RuntimeError as e:
         lines = " ".join(str(e).split())
-        raise CheckpointError(f"{path} does not fit this model ({lines[:300]}); was it saved from "
-                              "another model config?") from None
+        raise CheckpointMismatch(f"{path} does not fit this model ({lines[:300]}); was it saved from "
+                                 "another model config?") from None
+
+
+def _unpickling_error(e: Exception) -> str:
+    """The gist of torch.load's error: for a refused pickle, what the restricted unpickler refused."""
+    text = str(e).split("WeightsUnpickler error:", 1)[-1].strip()
+    first = text.splitlines()[0].split(". ")[0] if text else ""
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
 def _sha256(path: Path) -> str:

@@ -30,9 +30,15 @@ def _optimizer_state(module: nn.Module) -> dict:
     return {"optimizer": optimizer.state_dict(), "schedulers": [], "scaler": {}}
 
 
+def _state(at: int, **changes) -> dict:
+    """A trainer state as the trainer saves it at step `at`: counters, the seed, RNG and hook entries."""
+    return {"epoch": 1, "step": at, "step_in_epoch": 0, "batch_size": 8, "seed": 0, "rng": {"x": [1, 2]},
+            "hooks": {}, **changes}
+
+
 def _save(ckpts: Checkpoints, step: int, best: dict | None = None, seed: int | None = None) -> nn.Module:
     module = _module(step if seed is None else seed)
-    ckpts.save(step, module, _optimizer_state(module), {"epoch": 1, "step": step, "rng": {"x": [1, 2]}}, best)
+    ckpts.save(step, module, _optimizer_state(module), _state(step), best)
     return module
 
 
@@ -74,7 +80,7 @@ def test_load_restores_weights_and_returns_the_states(ckpts):
     opt_state, trainer_state = ckpts.load(3, fresh)
     for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()):
         assert torch.equal(a, b)
-    assert trainer_state == {"epoch": 1, "step": 3, "rng": {"x": [1, 2]}}
+    assert trainer_state == _state(3)
     assert "momentum_buffer" in opt_state["optimizer"]["state"][0]
 
 
@@ -238,3 +244,68 @@ def test_loading_weights_into_another_model_is_an_error(ckpts):
     with pytest.raises(CheckpointError, match="does not fit this model"):
         load_weights(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), nn.Linear(1, 1)).double(),
                      ckpts.path(1) / WEIGHTS)
+
+
+# --- a damaged step is replaced; files that verify but do not parse -------------------------------
+
+@pytest.mark.parametrize("damage", [_truncate, lambda path: path.parent.joinpath(MANIFEST).unlink()],
+                         ids=["truncated-weights", "no-manifest"])
+def test_saving_over_a_damaged_step_replaces_it(ckpts, damage):
+    _save(ckpts, 4, seed=1)
+    damage(ckpts.path(4) / WEIGHTS)
+    fresh = Checkpoints(ckpts.root, keep_last=10)  # a resumed run: another process, another object
+    module = _save(fresh, 4, seed=2)
+    assert fresh.verify(4) == ckpts.path(4)
+    assert torch.equal(load_file(str(ckpts.path(4) / WEIGHTS))["0.weight"], module[0].weight)
+    assert [p.name for p in ckpts.root.iterdir() if p.name.startswith(".")] == []
+
+
+def test_saving_over_an_intact_step_keeps_it(ckpts):
+    saved = _save(ckpts, 4, seed=1)
+    before = (ckpts.path(4) / MANIFEST).stat().st_ino
+    _save(Checkpoints(ckpts.root, keep_last=10), 4, seed=2)
+    assert (ckpts.path(4) / MANIFEST).stat().st_ino == before
+    assert torch.equal(load_file(str(ckpts.path(4) / WEIGHTS))["0.weight"], saved[0].weight)
+
+
+def _rewrite(ckpts: Checkpoints, step: int, name: str, data: bytes) -> None:
+    """Replace one file of a step and update the manifest, so that the step still verifies."""
+    folder = ckpts.path(step)
+    (folder / name).write_bytes(data)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _refused_pickle() -> bytes:
+    """A real torch pickle whose class `weights_only` will not construct."""
+    import argparse
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"optimizer": argparse.Namespace(x=1), "schedulers": [], "scaler": {}}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name, data, words", [
+    (TRAINER, b"{}", "lacks epoch"),
+    (TRAINER, b"not json at all", "not readable JSON"),
+    (TRAINER, b"[1, 2]", "holds a list"),
+    (TRAINER, json.dumps(_state(3, step=-1)).encode(), "step=-1"),
+    (TRAINER, json.dumps(_state(3, epoch=True)).encode(), "epoch=True"),
+    (TRAINER, json.dumps(_state(3, epoch=5)).encode(), "step 3 after 5 epochs"),
+    (OPTIMIZER, os.urandom(4096), "cannot be read as optimizer state"),
+    (OPTIMIZER, _refused_pickle(), "cannot be read as optimizer state"),
+    (OPTIMIZER, b"", "cannot be read as optimizer state"),
+    (WEIGHTS, b"\x08" + bytes(15), "not a readable safetensors file"),
+], ids=["empty-object", "not-json", "a-list", "negative-step", "bool-epoch", "more-epochs-than-steps",
+        "random-bytes", "refused-pickle", "empty-file", "weights-not-safetensors"])
+def test_files_that_verify_but_do_not_parse_are_a_checkpoint_error_naming_them(ckpts, name, data, words):
+    saved = _save(ckpts, 3)
+    _rewrite(ckpts, 3, name, data)
+    assert ckpts.verify(3)
+    fresh = _module(99)
+    with pytest.raises(CheckpointError, match=words) as info:
+        ckpts.load(3, fresh)
+    assert str(ckpts.path(3) / name) in str(info.value)
+    assert not torch.equal(fresh[0].weight, saved[0].weight)  # nothing was loaded from the bad step
