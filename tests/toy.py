@@ -78,6 +78,17 @@ class Classifier(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, y, reduction="none")}
 
 
+def dropout_model() -> dict:
+    """A plain nn.Sequential with dropout for toy.Regression: no wrapper class, the batch mapped by `inputs`."""
+    return {"class": "torch.nn.Sequential", "args": [
+        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 8},
+        {"class": "torch.nn.Dropout", "p": 0.3},
+        {"class": "torch.nn.Linear", "in_features": 8, "out_features": 1},
+        {"class": "torch.nn.Flatten", "start_dim": 0}],
+        "inputs": {"x": "input"}, "outputs": "prediction",
+        "loss": {"function": "mse_loss", "output": "prediction", "target": "y"}}
+
+
 def regression_config(**sections: Any) -> dict:
     """A small float64 regression config; keyword sections replace or extend the defaults."""
     cfg = {

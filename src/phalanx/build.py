@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import inspect
 import logging
 import math
@@ -86,6 +87,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for rank `rank`'s random streams from step `step` on: independent of the others'."""
+    digest = hashlib.sha256(f"phalanx:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def rng_state() -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 from rich.table import Table
 
 from phalanx import __version__, config, launch, logs, metrics, rundir, strategies
-from phalanx.checkpoint import Checkpoints
+from phalanx.checkpoint import CheckpointMismatch, Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.files import write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
@@ -76,16 +76,13 @@ def resume(run_path: str, overrides: list[str]) -> int:
 
 def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
     """Train in an existing run directory in this process (one of several, or the only one)."""
-    cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    saved = rundir.load_config_text(run_dir)
+    cfg = config.validate(config.apply_overrides(saved, overrides))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy)
     if resume:
-        if strategy.is_main:
-            trainer.checkpoints.clean_stale()
-        step = strategy.broadcast(trainer.checkpoints.latest_valid() if strategy.is_main else None)
-        if step is None:
-            raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from; start again with phalanx train")
-        trainer.restore(step)
+        previous = rundir.resolved(config.validate(saved)) if overrides else None
+        _restore_latest(trainer, run_dir, previous)
         if overrides and strategy.is_main:  # the run's config changes only once the resume is sure to go on
             write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
             rundir.trace(run_dir, "overrides", values=list(overrides))
@@ -96,6 +93,31 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
     else:
         _log_start(cfg, strategy)
     return _run(trainer)
+
+
+def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
+    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step; every
+    rank takes the same step. Returns it."""
+    strategy, checkpoints = trainer.strategy, trainer.checkpoints
+    if strategy.is_main:
+        checkpoints.clean_stale()
+    first_error = None
+    for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
+        try:
+            trainer.restore(step, previous=previous)
+            error = None
+        except CheckpointMismatch:
+            raise  # the run's model changed: no older step fits either
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in strategy.gather(error) if e]
+        if not errors:
+            return step
+        first_error = first_error or errors[0]
+        if strategy.is_main:
+            log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0])
+    why = f" (the newest one: {first_error})" if first_error else ""
+    raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train")
 
 
 def _log_start(cfg: config.Config, strategy) -> None:

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from phalanx import data, rundir, strategies
-from phalanx.build import build_dataset, build_optimizer, build_schedulers, rng_state, seed_everything, set_rng_state
+from phalanx import data, resuming, rundir, strategies
+from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
+                           set_rng_state)
 from phalanx.checkpoint import Checkpoints
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, concat
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointError, ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
@@ -283,10 +284,16 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Trainer state as JSON: counters, the sampler cursor, every RNG and the hooks' state."""
-        return {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
-                "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "rng": rng_state(),
-                "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}}
+        """Trainer state as JSON: counters, the sampler cursor, every RNG of every rank and the
+        hooks' state. Every rank calls it: the RNG states are gathered, and hooks combine their
+        running values across ranks."""
+        rng = rng_state()
+        state = {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
+                 "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "rng": rng,
+                 "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}}
+        if self.strategy.world_size > 1:
+            state["rng_ranks"] = self.strategy.gather(rng)
+        return state
 
     def save_checkpoint(self, best: dict | None = None) -> Path | None:
         """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
@@ -302,22 +309,60 @@ class Trainer:
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
-    def restore(self, step: int, weights_only: bool = False) -> None:
-        """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else."""
-        optimizer_state, state = self.checkpoints.load(step, self.model)
+    def restore(self, step: int, weights_only: bool = False, previous: dict | None = None) -> None:
+        """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else.
+        `previous`: the run's resolved config before this resume's overrides, which are checked
+        against the checkpoint and, where they change the optimizer or the schedule, applied."""
         if weights_only:
+            self.checkpoints.load_weights(step, self.model)
             return
-        if state["step_in_epoch"] and state["batch_size"] != self.cfg.dataset.batch_size:
-            raise ConfigError(f"checkpoint step-{step} stopped mid-epoch with dataset.batch_size="
-                              f"{state['batch_size']}; resuming with {self.cfg.dataset.batch_size} would skip "
-                              f"or repeat samples. Resume with dataset.batch_size={state['batch_size']}")
-        self.optimizer.load_state_dict(optimizer_state["optimizer"])
-        for (scheduler, _), saved in zip(self.schedulers, optimizer_state["schedulers"]):
-            scheduler.load_state_dict(saved)
-        self.precision.load_state_dict(optimizer_state["scaler"])
+        path = self.checkpoints.path(step) / "trainer.json"
+        optimizer_state, state = self.checkpoints.load(step, self.model)
+        changed = resuming.changed_keys(previous, rundir.resolved(self.cfg)) if previous is not None else {}
+        resuming.check(changed, state, self.cfg.dataset.batch_size)
+        if state["step_in_epoch"] >= self.steps_per_epoch:
+            raise CheckpointError(f"{path} says step {state['step_in_epoch']} of an epoch that has "
+                                  f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset")
         self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
-        set_rng_state(state["rng"])
-        saved_hooks = state["hooks"]
+        settings, schedules = (self._replayed_schedule() if resuming.affects_schedule(changed)
+                               else (None, optimizer_state["schedulers"]))
+        try:
+            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            for group, new in zip(self.optimizer.param_groups, settings or [], strict=settings is not None):
+                group.update(new)  # the new settings at this step, over the saved moments and counts
+            for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):
+                scheduler.load_state_dict(saved)
+            self.precision.load_state_dict(optimizer_state["scaler"])
+            self._restore_rng(state)
+            self._restore_hooks(state["hooks"], step)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+            raise CheckpointError(f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
+                                  "is damaged or was saved from another config") from None
+
+    def _replayed_schedule(self) -> tuple[list[dict], list[dict]]:
+        """The optimizer's settings and the schedulers' states that the config gives at this step:
+        a fresh optimizer and schedulers, built from the config and stepped as far as training went."""
+        optimizer = build_optimizer(self.cfg.optimizer, self.model, self.search_dirs, self.cfg.dataset.batch_size,
+                                    fused=self.strategy.device.type == "cuda")
+        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs)
+        resuming.replay_schedule(schedulers, self.step, self.epoch, self.steps_per_epoch)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        return settings, [scheduler.state_dict() for scheduler, _ in schedulers]
+
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        """Each rank's own random streams where the process count is the checkpoint's; on another
+        count, streams re-derived from the seed, the step and the rank."""
+        saved = state.get("rng_ranks") or [state["rng"]]
+        rank, world_size = self.strategy.rank, self.strategy.world_size
+        if len(saved) == world_size:
+            set_rng_state(saved[rank])
+            return
+        seed_everything(derived_seed(self.cfg.seed, self.step, rank))
+        if self.strategy.is_main:
+            log.info("random streams re-derived from the seed, the step and the rank: the checkpoint was saved "
+                     "by %d process(es), this run has %d", len(saved), world_size)
+
+    def _restore_hooks(self, saved_hooks: dict[str, Any], step: int) -> None:
         for i, hook in enumerate(self.hooks):
             key = _hook_key(i, hook)
             if key in saved_hooks:

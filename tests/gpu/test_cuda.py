@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
 import os
 import subprocess
@@ -59,16 +58,6 @@ def assert_same_run(got: dict, want: dict) -> None:
     for mine, theirs in zip(got["epochs"], want["epochs"], strict=True):
         assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID
         assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
-
-
-@pytest.fixture(autouse=True)
-def _reset_logging():
-    yield
-    logger = logging.getLogger("phalanx")
-    for handler in list(logger.handlers):  # `logs.setup` points handlers at this test's files
-        logger.removeHandler(handler)
-        handler.close()
-    logger.propagate = True
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ same run trained without a stop; the sample order, optimizer, schedulers and RNG
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -19,16 +18,6 @@ from phalanx.errors import ConfigError
 pytestmark = pytest.mark.timeout(120)
 
 STOP = 3  # index of the StopAfter hook in the configs below
-
-
-@pytest.fixture(autouse=True)
-def _reset_logging():
-    yield
-    logger = logging.getLogger("phalanx")
-    for handler in list(logger.handlers):  # `logs.setup` points handlers at this test's files
-        logger.removeHandler(handler)
-        handler.close()
-    logger.propagate = True
 
 
 def _config(epochs: int = 3, stop_steps: int = 1000, **sections) -> dict:
@@ -98,19 +87,8 @@ def test_resume_mid_epoch_matches_uninterrupted_training(tmp_path, accumulation)
     assert saved["hooks"][STOP] == {"StopAfter": {"steps": 1000}}  # the override is recorded
 
 
-def _dropout_model() -> dict:
-    """A plain nn.Sequential with dropout: no wrapper class, the batch mapped by `inputs`."""
-    return {"class": "torch.nn.Sequential", "args": [
-        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 8},
-        {"class": "torch.nn.Dropout", "p": 0.3},
-        {"class": "torch.nn.Linear", "in_features": 8, "out_features": 1},
-        {"class": "torch.nn.Flatten", "start_dim": 0}],
-        "inputs": {"x": "input"}, "outputs": "prediction",
-        "loss": {"function": "mse_loss", "output": "prediction", "target": "y"}}
-
-
 def test_resume_mid_epoch_with_dropout_restores_the_rng(tmp_path):
-    raw = _config(model=_dropout_model())
+    raw = _config(model=toy.dropout_model())
     _, _, whole = _uninterrupted(tmp_path, raw)
     run_dir = _stopped(tmp_path, raw, stop=7)
     _check_mid_epoch_stop(run_dir, 7, 5)
@@ -122,8 +100,8 @@ def test_resume_mid_epoch_with_dropout_restores_the_rng(tmp_path):
 
 def test_dropout_draws_differ_between_seeds(tmp_path):
     """Guards the test above: with dropout, training does depend on the RNG stream."""
-    _, _, a = _uninterrupted(tmp_path, _config(epochs=1, model=_dropout_model()))
-    _, _, b = _uninterrupted(tmp_path / "other", _config(epochs=1, model=_dropout_model(), seed=1))
+    _, _, a = _uninterrupted(tmp_path, _config(epochs=1, model=toy.dropout_model()))
+    _, _, b = _uninterrupted(tmp_path / "other", _config(epochs=1, model=toy.dropout_model(), seed=1))
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
@@ -180,3 +158,101 @@ def test_resume_at_an_epoch_boundary_may_change_the_batch_size(tmp_path):
     assert commands.resume(str(run_dir), ["dataset.batch_size=4", f"hooks.{STOP}.StopAfter.epochs=1000"]) == 0
     step, state, _ = _latest(run_dir)
     assert (step, state["epoch"], state["batch_size"]) == (5 + 2 * 10, 3, 4)
+
+
+# --- damaged and unparsable checkpoints ------------------------------------------------------------
+
+def test_resume_through_a_damaged_step_writes_it_again(tmp_path):
+    """Falling back past a damaged step trains through that step again: it is saved anew, so the
+    best checkpoint it becomes can be evaluated."""
+    raw = _config()
+    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
+                    "SaveLatest", {"StopAfter": {"steps": 1000}}]
+    _uninterrupted(tmp_path, raw)
+    whole = Checkpoints(_run_dir(tmp_path / "whole") / "checkpoints")
+    run_dir = _stopped(tmp_path, raw, stop=10)
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert ckpts.steps() == [5, 10]  # the stop came before step 10's evaluation: the best is step 5
+    weights = ckpts.path(10) / WEIGHTS
+    weights.write_bytes(weights.read_bytes()[:-8])
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    assert ckpts.verify(10)  # written again when training passed step 10
+    _assert_equal(load_file(str(weights)), load_file(str(whole.path(10) / WEIGHTS)))
+    assert ckpts.verify(ckpts.best())
+    assert commands.evaluate(str(run_dir), "valid", "best")["checkpoint"] == ckpts.best()
+
+
+def _rewrite(folder: Path, name: str, data: bytes) -> None:
+    """Replace one file of a step and its manifest entry: the step verifies, its content is bad."""
+    import hashlib
+
+    (folder / name).write_bytes(data)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name, content", [
+    (TRAINER, lambda state: b"{}"),
+    (TRAINER, lambda state: json.dumps({**state, "step_in_epoch": 6}).encode()),  # an epoch has 5 steps
+    ("optimizer.pt", lambda state: bytes(range(256)) * 8),
+], ids=["empty-trainer-state", "step-beyond-the-epoch", "optimizer-of-random-bytes"])
+def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_path, name, content):
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    folder = Checkpoints(run_dir / "checkpoints").path(7)
+    _rewrite(folder, name, content(json.loads((folder / TRAINER).read_text())))
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    warning = next(line for line in (run_dir / "log.txt").read_text().splitlines() if "skipping checkpoint" in line)
+    assert "step-7" in warning and str(folder / name) in warning
+    end, _, resumed = _latest(run_dir)
+    assert end == 15
+    _assert_equal(resumed, whole)
+
+
+# --- overrides on resume ---------------------------------------------------------------------------
+
+def _final_lr(run_dir: Path) -> float:
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    saved = torch.load(ckpts.path(ckpts.latest_valid()) / "optimizer.pt", weights_only=True)
+    return saved["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_resume_applies_a_new_learning_rate_through_warmup_and_schedule(tmp_path):
+    """optimizer.lr=0.2 on resume: from then on the rate is the new config's at that step, as a run
+    configured with 0.2 from the start has it."""
+    raw = _config(optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9, "warmup_steps": 3},
+                  scheduler={"class": "StepLR", "step_size": 4, "gamma": 0.5})
+    _uninterrupted(tmp_path / "at-0.2", {**raw, "optimizer": {**raw["optimizer"], "lr": 0.2}})
+    _uninterrupted(tmp_path / "at-0.05", raw)
+    want, old = _final_lr(_run_dir(tmp_path / "at-0.2" / "whole")), _final_lr(_run_dir(tmp_path / "at-0.05" / "whole"))
+    assert want != old
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    assert commands.resume(str(run_dir), ["optimizer.lr=0.2", f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    assert _latest(run_dir)[0] == 15
+    assert _final_lr(run_dir) == want
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["optimizer"]["lr"] == 0.2
+
+
+@pytest.mark.parametrize("override, words", [
+    ("seed=1", "seed=1 would change the samples of the epoch in progress"),
+    ("dataset.n_train=30", "dataset.n_train=30 would change the samples"),
+    ("optimizer.class=AdamW", "optimizer.class=AdamW cannot take over on resume"),
+])
+def test_resume_refuses_an_override_the_checkpoint_cannot_take(tmp_path, override, words):
+    run_dir = _stopped(tmp_path, _config(), stop=7)
+    before = (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=words):
+        commands.resume(str(run_dir), [override, f"hooks.{STOP}.StopAfter.steps=1000"])
+    assert (run_dir / "config.yaml").read_text() == before
+    assert Checkpoints(run_dir / "checkpoints").latest_valid() == 7
+
+
+def test_resume_at_an_epoch_boundary_may_change_the_seed(tmp_path):
+    raw = _config(hooks=[{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest",
+                         {"StopAfter": {"epochs": 1}}])
+    assert commands.train(str(toy.write_config(tmp_path / "parts", raw)), []) == 0
+    run_dir = _run_dir(tmp_path / "parts")
+    assert commands.resume(str(run_dir), ["seed=1", f"hooks.{STOP}.StopAfter.epochs=1000"]) == 0
+    assert _latest(run_dir)[0] == 15
