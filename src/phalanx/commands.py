@@ -18,7 +18,7 @@ from rich.table import Table
 from phalanx import __version__, config, launch, logs, metrics, rundir, strategies
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
-from phalanx.files import write_text_atomic
+from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
 from phalanx.trainer import Trainer
 
@@ -313,7 +313,7 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
 from typing import Any
 
-from phalanx.files import write_text_atomic
+from phalanx.files import write_atomic, write_text_atomic, writing
 from phalanx.hooks.base import Hook
 
 log = logging.getLogger("phalanx")
@@ -170,7 +169,8 @@ class PlotLines(_Writer):
         from matplotlib import pyplot as plt
 
         folder = self.trainer.run_dir / self.path
-        folder.mkdir(exist_ok=True)
+        with writing(folder):
+            folder.mkdir(exist_ok=True)
         by_variable: dict[str, list[str]] = {}
         for name in self.history:
             by_variable.setdefault(name.split(".", 1)[1], []).append(name)
@@ -183,10 +183,10 @@ class PlotLines(_Writer):
             ax.grid(alpha=0.3)
             ax.legend()
             fig.tight_layout()
-            tmp = folder / f".{var}.png.tmp"
-            fig.savefig(tmp, format="png")
-            plt.close(fig)
-            os.replace(tmp, folder / f"{var}.png")
+            try:
+                write_atomic(folder / f"{var}.png", lambda f: fig.savefig(f, format="png"))
+            finally:
+                plt.close(fig)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
