@@ -11,6 +11,7 @@ from typing import Any
 from phalanx import __version__
 from phalanx.config import Config, dump, safe_load
 from phalanx.errors import RunDirError
+from phalanx.files import writing
 
 CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
 
@@ -24,11 +25,13 @@ def create(cfg: Config, config_path: Path) -> Path:
     while run_dir.exists():
         n += 1
         run_dir = root / f"{cfg.name}-{stamp}-{n}"
-    run_dir.mkdir(parents=True)
-    (run_dir / CONFIG).write_text(dump(resolved(cfg)))
-    meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),
-            "created": time.time(), "phalanx": __version__}
-    (run_dir / META).write_text(json.dumps(meta, indent=1))
+    with writing(run_dir, where="set output_root to a folder you can write"):
+        run_dir.mkdir(parents=True)
+    with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):  # none half-made
+        (run_dir / CONFIG).write_text(dump(resolved(cfg)))
+        meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),
+                "created": time.time(), "phalanx": __version__}
+        (run_dir / META).write_text(json.dumps(meta, indent=1))
     return run_dir
 
 
