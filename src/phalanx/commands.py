@@ -66,6 +66,7 @@ def _discard(run_dir: Path) -> None:
 
 def resume(run_path: str, overrides: list[str]) -> int:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
+    logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path)
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     if strategies.needs_launch(cfg):
