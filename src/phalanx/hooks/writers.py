@@ -56,8 +56,14 @@ class LogProfile(_Writer):
     """Where an epoch's time went: waiting for data, forward and backward (with the gradient
     all-reduce that overlaps backward), communication after backward (gradients summed by hand on
     steps where a process has no sample), the optimizer, hooks, evaluation; each with its share.
-    With several processes, also the gradient all-reduce inside backward per step, and how much of
-    it computation hid (DDP's own samples)."""
+
+    With several processes, also the gradient all-reduce inside backward per step and how much of
+    it computation hid. Those figures are DDP's own: running averages over the steps it sampled in
+    the whole run so far (the first 10, then 1 in 100), not this epoch's; they are labelled so and
+    logged only when a new sample changed them."""
+
+    def __init__(self) -> None:
+        self._reported: tuple[float, float] | None = None
 
     def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
                             extra_streams: list[str]) -> None:
@@ -67,11 +73,12 @@ class LogProfile(_Writer):
         parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         sampled = self.trainer.strategy.backward_communication()
-        if sampled is not None:
+        if sampled is not None and sampled != self._reported:
+            self._reported = sampled
             comm, overlap = sampled
-            log.info("epoch %d gradient all-reduce in backward | %.2f ms per step, %.0f%% of it hidden behind "
-                     "computation, %.2f ms waited", epoch, 1e3 * comm, 100 * min(overlap / comm, 1.0),
-                     1e3 * max(comm - overlap, 0.0))
+            log.info("gradient all-reduce in backward, DDP's sampled average over the run so far (the first 10 "
+                     "steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind computation, "
+                     "%.2f ms waited", 1e3 * comm, 100 * min(overlap / comm, 1.0), 1e3 * max(comm - overlap, 0.0))
 
 
 class WriteCSV(_Writer):
