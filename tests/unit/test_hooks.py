@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import errno
 import io
 import json
 import logging
@@ -22,7 +23,7 @@ from sklearn import metrics as skm
 
 import toy
 from phalanx import commands, config, data, logs, rundir
-from phalanx.errors import ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError, StorageError
 from phalanx.hooks import (
     ClassificationMetrics, ComputeStats, Hook, LogProfile, LogVariables, PlotLines, SaveBest, SaveEvery,
     SaveLatest, ShowProgress, StopAfter, StopOnNaN, StopOnPlateau, TrainingTerminated, WriteCSV,
@@ -304,6 +305,29 @@ def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_ch
     assert [m.split(" time")[0] for m in messages if " time |" in m] == ["epoch 1", "epoch 2", "epoch 3"]
 
 
+class _FullDisk(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_log_file_on_a_full_disk_says_so_once_in_one_line(tmp_path, capsys):
+    """logging's default prints a traceback for every record the file refuses."""
+    logs.setup(tmp_path)
+    [run_log] = [h for h in logging.getLogger("phalanx").handlers if isinstance(h, logs.RunLog)]
+    run_log.stream = _FullDisk()  # the seam: the file's writes fail as on a full disk
+    for i in range(3):
+        logging.getLogger("phalanx").info("epoch %d", i)
+    err = capsys.readouterr().err
+    logs.setup(None)
+    assert "Logging error" not in err and "Traceback" not in err, err
+    warnings = [line for line in err.splitlines() if line.startswith("phalanx:")]
+    assert warnings == [f"phalanx: warning: cannot write {tmp_path / 'log.txt'}: the disk is full (No space left "
+                        "on device); free space on it, or choose another disk (output_root in the config, or "
+                        "--output); the log continues on the console only"]
+    assert [line for line in err.splitlines() if line.startswith("INFO")] == ["INFO epoch 0", "INFO epoch 1",
+                                                                             "INFO epoch 2"]
+
+
 def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), LogVariables(["loss_max"])],
                            main_loop={"epochs": 1})
@@ -372,6 +396,13 @@ def test_write_tensorboard_writes_events_that_tensorboard_reads(tmp_path):
     for step, value in scalars["train/step_loss"]:
         assert value == pytest.approx(step_means[step], rel=1e-6)
     assert [v for _, v in scalars["lr/group0"]] == pytest.approx([0.05] * 5)
+
+
+def test_write_tensorboard_into_a_folder_that_cannot_be_made_is_one_error(tmp_path):
+    trainer = make_trainer(tmp_path, [WriteTensorBoard(log_dir="blocked/tensorboard")])
+    (trainer.run_dir / "blocked").write_text("a file where the folder should go\n")
+    with pytest.raises(StorageError, match=r"cannot write .*blocked/tensorboard: Not a directory"):
+        trainer.run()
 
 
 def test_write_tensorboard_keeps_every_event_across_a_resume(tmp_path):

@@ -120,7 +120,8 @@ class WriteCSV(_Writer):
 class WriteTensorBoard(_Writer):
     """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
     training loss every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
-    a resumed run drops the events it is about to write again."""
+    a resumed run drops the events it is about to write again. A write the system refuses (a full
+    disk: tensorboard's writer thread raises it at the next call) is a StorageError naming the folder."""
 
     gathers = False
 
@@ -131,29 +132,33 @@ class WriteTensorBoard(_Writer):
     def before_training(self) -> None:
         if self.active:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
-            self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
-                                         purge_step=self.trainer.step + 1 if self.trainer.step else None)
+            with writing(self.trainer.run_dir / self.log_dir):
+                self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
+                                             purge_step=self.trainer.step + 1 if self.trainer.step else None)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
         if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
-            self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
-            for i, lr in enumerate(self.trainer.engine.learning_rates()):
-                self._writer.add_scalar(f"lr/group{i}", lr, step)
+            with writing(self.trainer.run_dir / self.log_dir):
+                self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
+                for i, lr in enumerate(self.trainer.engine.learning_rates()):
+                    self._writer.add_scalar(f"lr/group{i}", lr, step)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if self._writer is None:
             return
         step = self.trainer.step
-        self._writer.add_scalar("epoch", epoch, step)
-        for name, value in _flatten(epoch_data).items():
-            self._writer.add_scalar(name.replace(".", "/", 1), value, step)
-        self._writer.flush()
+        with writing(self.trainer.run_dir / self.log_dir):
+            self._writer.add_scalar("epoch", epoch, step)
+            for name, value in _flatten(epoch_data).items():
+                self._writer.add_scalar(name.replace(".", "/", 1), value, step)
+            self._writer.flush()
 
     def after_training(self, success: bool) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with writing(self.trainer.run_dir / self.log_dir):
+                writer.close()
 
 
 class PlotLines(_Writer):
