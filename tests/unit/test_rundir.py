@@ -31,32 +31,23 @@ def test_opening_a_run_logs_the_folders_its_classes_are_imported_from(run, tmp_p
     assert f"imports its classes from {tmp_path / 'exp'}, then {tmp_path} (as its run.json says)" in caplog.text
 
 
-@pytest.mark.parametrize("content, words", [
-    (b'{"config_dir": "/x"', "not readable JSON"),
-    (b'{"config_dir": "/x"}', "does not name the folders config_dir and cwd"),
-    (b"[1, 2]", "does not name the folders"),
-    (b"\xff\xfe\x00binary", "not readable JSON"),
-], ids=["truncated", "a-key-missing", "not-a-mapping", "binary"])
-def test_a_damaged_run_json_names_itself_and_the_fix(run, content, words):
-    (run / rundir.META).write_bytes(content)
+@pytest.mark.parametrize("name, content, words", [
+    ("run.json", b'{"config_dir": "/x"', "not readable JSON"),
+    ("run.json", b'{"config_dir": "/x"}', "does not name the folders config_dir and cwd"),
+    ("run.json", b"[1, 2]", "does not name the folders"),
+    ("run.json", b"\xff\xfe\x00binary", "not readable JSON"),
+    ("config.yaml", b"model: [toy.Linear\n", "not valid YAML"),
+    ("config.yaml", b"- a\n- b\n", "holds a list, not a config"),
+    ("config.yaml", "name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+], ids=["json-truncated", "json-a-key-missing", "json-not-a-mapping", "json-binary", "yaml-not-yaml",
+        "yaml-a-list", "yaml-latin-1"])
+def test_a_damaged_run_file_names_itself_and_the_fix(run, name, content, words):
+    (run / name).write_bytes(content)
     with pytest.raises(RunDirError) as info:
-        rundir.open_run(run)
+        rundir.load_config_text(rundir.open_run(run))
     message = str(info.value)
-    assert str(run / rundir.META) in message and words in message and "restore run.json" in message
+    assert str(run / name) in message and words in message and f"restore {name}" in message
     assert "\n" not in message
-
-
-@pytest.mark.parametrize("content, words", [
-    (b"model: [toy.Linear\n", "not valid YAML"),
-    (b"- a\n- b\n", "holds a list, not a config"),
-    ("name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
-], ids=["not-yaml", "a-list", "latin-1"])
-def test_a_damaged_config_yaml_names_itself_and_the_fix(run, content, words):
-    (run / rundir.CONFIG).write_bytes(content)
-    with pytest.raises(RunDirError) as info:
-        rundir.load_config_text(run)
-    message = str(info.value)
-    assert str(run / rundir.CONFIG) in message and words in message and "restore config.yaml" in message
 
 
 def test_the_trace_skips_lines_that_are_not_events(run):
