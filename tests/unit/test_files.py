@@ -1,15 +1,19 @@
 """Writing files: atomic replacement, and writes the system refuses (a full disk, a folder that is not
-one) as one StorageError naming the path, with no temporary file left behind.
+one) as one StorageError naming the path, with no temporary file left behind; the run's log file on
+a full disk says so once.
 
 A full disk is simulated by a seam, a write function that raises ENOSPC after writing part of its
 bytes, never by filling the real disk."""
 from __future__ import annotations
 
 import errno
+import io
+import logging
 
 import pytest
 from safetensors import SafetensorError
 
+from phalanx import logs
 from phalanx.errors import StorageError
 from phalanx.files import os_error, write_atomic, write_text_atomic
 
@@ -57,3 +61,26 @@ def test_a_library_that_reports_the_os_error_in_its_message_counts_as_refused():
     error = os_error(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
     assert isinstance(error, OSError) and error.errno == errno.ENOSPC
     assert os_error(RuntimeError("shapes do not match")) is None
+
+
+class _FullDisk(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_log_file_on_a_full_disk_says_so_once_in_one_line(tmp_path, capsys):
+    """logging's default prints a traceback for every record the file refuses."""
+    logs.setup(tmp_path)
+    [run_log] = [h for h in logging.getLogger("phalanx").handlers if isinstance(h, logs.RunLog)]
+    run_log.stream = _FullDisk()  # the seam: the file's writes fail as on a full disk
+    for i in range(3):
+        logging.getLogger("phalanx").info("epoch %d", i)
+    err = capsys.readouterr().err
+    logs.setup(None)
+    assert "Logging error" not in err and "Traceback" not in err, err
+    warnings = [line for line in err.splitlines() if line.startswith("phalanx:")]
+    assert warnings == [f"phalanx: warning: cannot write {tmp_path / 'log.txt'}: the disk is full (No space left "
+                        "on device); free space on it, or choose another disk (output_root in the config, or "
+                        "--output); the log continues on the console only"]
+    assert [line for line in err.splitlines() if line.startswith("INFO")] == ["INFO epoch 0", "INFO epoch 1",
+                                                                             "INFO epoch 2"]
