@@ -27,7 +27,7 @@ from safetensors.torch import load_model, save_model
 from torch import nn
 
 from phalanx.errors import CheckpointError
-from phalanx.files import fsync_dir, fsync_file, write_text_atomic
+from phalanx.files import fsync_dir, fsync_file, write_text_atomic, writing
 
 log = logging.getLogger("phalanx")
 
@@ -76,8 +76,9 @@ class Checkpoints:
             tmp.mkdir()
             _in_progress.add(tmp)
             try:
-                self._write(tmp, step, module, optimizer_state, trainer_state)
-                self._move_into_place(tmp, final)
+                with writing(final):  # a full disk: one error naming the step (the finally removes tmp)
+                    self._write(tmp, step, module, optimizer_state, trainer_state)
+                    self._move_into_place(tmp, final)
             finally:
                 _in_progress.discard(tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -111,7 +112,8 @@ class Checkpoints:
     def _write(self, folder: Path, step: int, module: nn.Module, optimizer_state: dict,
                trainer_state: dict) -> None:
         save_model(module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True)
-        torch.save(optimizer_state, folder / OPTIMIZER)
+        with open(folder / OPTIMIZER, "wb") as f:  # through Python's file: a full disk is an OSError, with errno
+            torch.save(optimizer_state, f)
         (folder / TRAINER).write_text(json.dumps(trainer_state))
         files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
                  for name in (WEIGHTS, OPTIMIZER, TRAINER)}

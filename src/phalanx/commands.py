@@ -18,7 +18,7 @@ from rich.table import Table
 from phalanx import __version__, config, launch, logs, metrics, rundir, strategies
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
-from phalanx.files import write_text_atomic
+from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
 from phalanx.trainer import Trainer
 
@@ -66,6 +66,7 @@ def _discard(run_dir: Path) -> None:
 
 def resume(run_path: str, overrides: list[str]) -> int:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
+    logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path)
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     if strategies.needs_launch(cfg):
@@ -150,6 +151,7 @@ def _run(trainer: Trainer) -> int:
 
 def _open(run_path: str) -> tuple[Path, config.Config]:
     """A run and its config for one process on one device (checkpoints carry no device count)."""
+    logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path)
     one = ["parallel.devices=1", "parallel.strategy=auto", "parallel.shard_weights=null", "model.n_gpus=null"]
     return run_dir, config.validate(config.apply_overrides(rundir.load_config_text(run_dir), one))
@@ -157,7 +159,6 @@ def _open(run_path: str) -> tuple[Path, config.Config]:
 
 def _restored(run_dir: Path, cfg: config.Config, which: str, hooks: list[Hook]) -> tuple[Trainer, int]:
     """A trainer with the weights of checkpoint `which` and only the given hooks."""
-    logs.setup(None)
     trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks, inference=True)
     step = trainer.checkpoints.select(which)
     trainer.restore(step, weights_only=True)
@@ -207,6 +208,9 @@ class _Collect(Hook):
 
 def predict(run_path: str, stream: str, output: str, which: str) -> int:
     """Per-sample outputs of a checkpoint on a stream, written as CSV; returns the row count."""
+    if Path(output).is_dir():
+        raise PhalanxError(f"--output {output!r} is a directory; give the CSV file to write, such as "
+                           f"{Path(output) / 'predictions.csv'}")
     if not Path(output).resolve().parent.is_dir():
         raise PhalanxError(f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first")
     collect = _Collect()
@@ -230,14 +234,13 @@ def list_runs(root: str) -> list[dict[str, Any]]:
     for run_dir in rundir.list_runs(Path(root)):
         events = rundir.read_trace(run_dir)
         last = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
-        ckpts = Checkpoints(run_dir / "checkpoints")
-        steps = ckpts.steps()
-        best_path = run_dir / "checkpoints" / "best.json"
-        best = json.loads(best_path.read_text()) if best_path.is_file() else None
+        steps = Checkpoints(run_dir / "checkpoints").steps()
+        updated = last.get("time")
         rows.append({"run": run_dir.name, "status": last.get("event", "new"), "epoch": last.get("epoch", ""),
                      "step": last.get("step", ""), "latest": steps[-1] if steps else "",
-                     "best": f"{best['variable']}={best['value']:.4g} @ {best['step']}" if best else "",
-                     "updated": datetime.fromtimestamp(last["time"]).strftime("%Y-%m-%d %H:%M") if last else ""})
+                     "best": _best(run_dir / "checkpoints" / "best.json"),
+                     "updated": datetime.fromtimestamp(updated).strftime("%Y-%m-%d %H:%M")
+                     if isinstance(updated, (int, float)) else ""})
     table = Table(title=f"runs in {root}")
     for column in ("run", "status", "epoch", "step", "latest", "best", "updated"):
         table.add_column(column)
@@ -245,6 +248,17 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         table.add_row(*(str(v) for v in row.values()))
     logs.out.print(table if rows else f"no runs in {root}")
     return rows
+
+
+def _best(path: Path) -> str:
+    """best.json as `variable=value @ step`; a damaged one is shown as such, not a crash of the listing."""
+    if not path.is_file():
+        return ""
+    try:
+        best = json.loads(path.read_bytes())
+        return f"{best['variable']}={float(best['value']):.4g} @ {int(best['step'])}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "best.json unreadable"
 
 
 def info() -> dict[str, Any]:
@@ -335,7 +349,7 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, format="png"))
+    finally:
+        plt.close(fig)

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
 
-from phalanx.errors import ConfigError, did_you_mean
+from phalanx.errors import ConfigError, PhalanxError, did_you_mean
 
 
 class _Loader(yaml.SafeLoader):
@@ -34,6 +34,10 @@ _Loader.add_implicit_resolver(
 def safe_load(text: str) -> Any:
     """YAML text as plain Python values; never constructs arbitrary objects."""
     return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader subclass
+
+
+# Counts and sizes are StrictInt (and numbers StrictFloat): pydantic's lax int reads `true` as 1, so
+# `batch_size: true` trained with batch 1. Booleans are not numbers here.
 
 
 class _Section(BaseModel):
@@ -60,7 +64,7 @@ class LossConfig(_Section):
 
 
 class ModelConfig(_ClassSection):
-    n_gpus: int | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")
+    n_gpus: StrictInt | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")
     args: list[Any] = Field(default_factory=list, description="positional constructor arguments")
     inputs: dict[str, str] | None = Field(
         None, description="batch key -> forward argument, for modules that take tensors, not batches")
@@ -72,11 +76,11 @@ class LrScalingConfig(_Section):
     """Scale the learning rate with the global batch (Goyal et al. 2017): lr * f(batch / base)."""
 
     rule: Literal["linear", "sqrt", "none"] = "none"
-    base_batch_size: int = Field(gt=0, description="the batch size the configured lr was tuned for")
+    base_batch_size: StrictInt = Field(gt=0, description="the batch size the configured lr was tuned for")
 
 
 class OptimizerConfig(_ClassSection):
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
+    warmup_steps: StrictInt = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
     lr_scaling: LrScalingConfig | None = Field(None, description="scale lr with the global batch size")
 
 
@@ -85,9 +89,9 @@ class SchedulerConfig(_ClassSection):
 
 
 class DatasetConfig(_ClassSection):
-    batch_size: int = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
-    eval_batch_size: int | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
-    num_workers: int | Literal["auto"] = Field(
+    batch_size: StrictInt = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
+    eval_batch_size: StrictInt | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
+    num_workers: StrictInt | Literal["auto"] = Field(
         "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU")
 
     @field_validator("num_workers")
@@ -100,13 +104,13 @@ class DatasetConfig(_ClassSection):
 
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
-    devices: int | Literal["auto"] = 1
+    devices: StrictInt | Literal["auto"] = 1
     strategy: str = "auto"
-    gradient_accumulation: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    gradient_accumulation: StrictInt = Field(1, ge=1, description="micro-batches per optimizer step")
     sync_batchnorm: bool = Field(False, description="BatchNorm statistics over the global micro-batch")
-    shard_weights: list[float] | None = Field(
+    shard_weights: list[StrictFloat] | None = Field(
         None, description="relative shard size per rank, for mixed hardware; default equal")
-    timeout_s: float | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
+    timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
                             "several ranks share one GPU, which nccl refuses")
@@ -120,13 +124,13 @@ class ParallelConfig(_Section):
 
 
 class MainLoopConfig(_Section):
-    epochs: int = Field(1, ge=1, description="training epochs")
+    epochs: StrictInt = Field(1, ge=1, description="training epochs")
     extra_streams: list[str] = Field(default_factory=list, description="streams evaluated after each epoch")
     skip_zeroth_epoch: bool = Field(True, description="skip evaluating every stream before training")
 
 
 class CheckpointsConfig(_Section):
-    keep_last: int = Field(3, ge=1, description="checkpoints kept besides the best")
+    keep_last: StrictInt = Field(3, ge=1, description="checkpoints kept besides the best")
 
 
 class CompileConfig(_Section):
@@ -137,8 +141,8 @@ class CompileConfig(_Section):
 
 
 class ProfileConfig(_Section):
-    start_step: int = Field(10, ge=1, description="first optimizer step recorded")
-    steps: int = Field(5, ge=1, description="steps recorded")
+    start_step: StrictInt = Field(10, ge=1, description="first optimizer step recorded")
+    steps: StrictInt = Field(5, ge=1, description="steps recorded")
     record_shapes: bool = False
 
 
@@ -152,7 +156,7 @@ class Config(_Section):
     dataset: DatasetConfig
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
-    seed: int = 0
+    seed: StrictInt = 0
     main_loop: MainLoopConfig = Field(default_factory=MainLoopConfig)
     hooks: list[str | dict[str, dict[str, Any] | None]] | None = None
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
@@ -175,16 +179,28 @@ def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
-    try:
-        raw = safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    raw = read_yaml(path, "save the config as UTF-8 YAML, or check that this is the config file you meant")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a mapping of sections (model, optimizer, dataset ...), "
                           f"got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides)
     raw.setdefault("name", _default_name(path))
     return validate(raw), raw
+
+
+def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> Any:
+    """What a YAML file holds; an `error` naming the file and `fix` when it is unreadable, not UTF-8
+    (a Latin-1 or binary file) or not YAML."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); {fix}") from None
+    try:
+        return safe_load(text)
+    except yaml.YAMLError as e:
+        raise error(f"{path} is not valid YAML: {str(e).splitlines()[0]}; {fix}") from None
 
 
 def _default_name(path: Path) -> str:
@@ -196,7 +212,22 @@ def validate(raw: dict) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError("; ".join(_explain(err, raw) for err in e.errors())) from None
+        raise ConfigError("; ".join(_merge_alternatives([_explain(err, raw) for err in e.errors()]))) from None
+
+
+def _merge_alternatives(messages: list[str]) -> list[str]:
+    """A union's failed members at one key as one message: `parallel.devices: Input should be a valid
+    integer or 'auto' (got True)`, not one message per member."""
+    merged: list[str] = []
+    for message in messages:
+        head, sep, rest = message.partition(": Input should be ")
+        should, got_sep, got = rest.rpartition(" (got ")
+        last, tail = (merged[-1] if merged else ""), got_sep + got
+        if sep and got_sep and last.startswith(head + sep) and last.endswith(tail):
+            merged[-1] = f"{last[:-len(tail)]} or {should}{tail}"
+        else:
+            merged.append(message)
+    return merged
 
 
 def _explain(err: dict, raw: dict) -> str:

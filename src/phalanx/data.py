@@ -103,26 +103,102 @@ class _ShardSampler:
         return sum(len(micros) for _, micros in self.plan.steps(self.start))
 
 
-def collate(items: list[Any]) -> dict[str, Any] | None:
-    """Stack a list of dict items into a dict batch; an empty shard is None."""
+def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
+    """Stack a list of dict items into a dict batch; an empty shard is None. Items that cannot be
+    stacked are a DataError naming the stream `name`, the key and how the items differ."""
     if not items:
         return None
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; "
                         f"got {type(items[0]).__name__}. Return a dict from __getitem__")
-    return default_collate(items)
+    try:
+        return default_collate(items)
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
+        raise DataError(_why_not_batched(items, name, e)) from e
+
+
+def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
+    """Which key of the items default_collate could not batch, and how its values differ (found
+    only after a failure, so batching that works pays nothing for it)."""
+    where = f"stream {name!r}" if name else "a batch"
+    keys = set(items[0])
+    for item in items[1:]:
+        if not isinstance(item, Mapping) or set(item) != keys:
+            other = sorted(item) if isinstance(item, Mapping) else type(item).__name__
+            return (f"{where}: items hold different keys ({sorted(keys)} and {other}); every item of a "
+                    "stream must hold the same keys")
+    for key in items[0]:
+        values = [item[key] for item in items]
+        try:
+            default_collate(values)
+        except Exception as e:  # noqa: BLE001 - any failure of this key is the one to report
+            return f"{where}, key {key!r}: {_how_values_differ(values, key, e)}"
+    return f"{where}: the items cannot be batched ({_first_line(error)})"
+
+
+def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
+    shapes = [tuple(v.shape) for v in values if hasattr(v, "shape")]  # tensors and numpy arrays
+    if len(shapes) == len(values) and len(set(shapes)) > 1:
+        distinct = list(dict.fromkeys(shapes))
+        shown = " and ".join(str(list(shape)) for shape in distinct[:3]) + (" ..." if len(distinct) > 3 else "")
+        return (f"items of different shapes {shown} cannot be stacked into one batch; give every item's "
+                f"{key!r} one shape in the dataset (pad or crop it)")
+    types = list(dict.fromkeys(type(v).__name__ for v in values))
+    if len(types) > 1:
+        return f"items hold values of different types ({', '.join(types)}); give every item's {key!r} one type"
+    return (f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
+            "or dicts and lists of them")
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+class _Unbatchable:
+    """A collate error in a DataLoader worker, carried back as a value: the loader re-raises a
+    worker's exception with the worker's traceback inside its message, no longer one line."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+class _Collate:
+    """`collate` for one stream; in worker processes, errors travel back as `_Unbatchable`."""
+
+    def __init__(self, name: str, in_worker: bool):
+        self.name, self.in_worker = name, in_worker
+
+    def __call__(self, items: list[Any]) -> dict[str, Any] | _Unbatchable | None:
+        try:
+            return collate(items, self.name)
+        except DataError as e:
+            if not self.in_worker:
+                raise
+            return _Unbatchable(str(e))
+
+
+class _WorkersLoader(DataLoader):
+    """A DataLoader with worker processes that raises their collate errors as themselves."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            if isinstance(batch, _Unbatchable):
+                raise DataError(batch.message)
+            yield batch
 
 
 def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
-           seed: int = 0) -> DataLoader:
-    """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`.
+           seed: int = 0, name: str = "") -> DataLoader:
+    """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
+    `name` is the stream's, for errors.
 
     Its own generator, seeded by `seed`, seeds the workers: making the loader draws nothing from the
     global RNG, so a resumed run's dropout and augmentation continue exactly where they stopped.
     """
-    return DataLoader(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=collate,
-                      num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False,
-                      generator=torch.Generator().manual_seed(seed))
+    kind = _WorkersLoader if num_workers else DataLoader
+    return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0),
+                num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False,
+                generator=torch.Generator().manual_seed(seed))
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:
@@ -148,4 +224,7 @@ def get_stream(dataset: Any, name: str) -> Any:
     if not hasattr(stream, "__getitem__") or not hasattr(stream, "__len__"):
         raise DataError(f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset "
                         "(with __getitem__ and __len__)")
+    if len(stream) == 0:  # training on it would take no step, and its metrics would be those of nothing
+        raise DataError(f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
+                        f"sample: check what streams() returns for {name!r} (its path, split or filter)")
     return stream

@@ -32,6 +32,10 @@ class RunDirError(PhalanxError):
     """A path given as a run directory is not one."""
 
 
+class StorageError(PhalanxError):
+    """A file could not be written: the disk is full, the folder is read-only or not writable."""
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

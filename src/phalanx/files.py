@@ -1,20 +1,94 @@
-"""Writing files so that a crash leaves either the old file or the new one, never half of one."""
+"""Writing files so that a crash leaves either the old file or the new one, never half of one, and a
+write the system refuses (a full disk, a read-only folder, no permission) is one `StorageError`
+naming the path and the fix, with nothing partial left behind."""
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
+
+from phalanx.errors import StorageError
+
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+_REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
+# Rust's std::io::Error, as safetensors reports it: "... No space left on device (os error 28)"
+_OS_ERROR_IN_TEXT = re.compile(r"\(os error (\d+)\)")
+WHERE = "output_root in the config, or --output"
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The operating system's refusal behind `error`: the error itself, or one that a library
+    (safetensors' writer) reports only in its message; None for any other failure."""
+    if isinstance(error, OSError):
+        return error
+    found = _OS_ERROR_IN_TEXT.search(str(error))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code))
+
+
+def storage_error(path: Path, error: OSError, where: str = WHERE) -> StorageError:
+    """A one-line error for a write to `path` that the system refused; `where` says how to choose
+    another place."""
+    reason = error.strerror or str(error)
+    if error.errno in _FULL:
+        return StorageError(f"cannot write {path}: the disk is full ({reason}); free space on it, "
+                            f"or choose another disk ({where})")
+    if error.errno in _REFUSED:
+        return StorageError(f"cannot write {path}: {reason}; make it writable, or choose another folder ({where})")
+    return StorageError(f"cannot write {path}: {reason}; choose another path ({where})")
+
+
+@contextmanager
+def writing(path: Path, partial: Path | None = None, where: str = WHERE) -> Iterator[None]:
+    """Writes to `path` inside: a refused one becomes a StorageError naming it; on any failure
+    `partial` (a temporary file or folder) is removed first."""
+    try:
+        yield
+    except BaseException as e:
+        if partial is not None:
+            remove(partial)
+        refused = os_error(e)
+        if refused is None:
+            raise
+        raise storage_error(path, refused, where) from e
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a folder, if there is one; never fails."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], sync: bool = False) -> None:
+    """Write `path` through `write(file)` into a temporary file and a rename; `sync` also fsyncs it.
+    A failure leaves the previous file as it was and no temporary file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with writing(path, partial=tmp):
+        with open(tmp, "wb") as f:
+            write(f)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
-    """Write `text` to `path` through a temporary file and a rename; `sync` also fsyncs it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `text` (UTF-8) to `path` through a temporary file and a rename; `sync` also fsyncs it."""
+    data = text.encode("utf-8")
+    write_atomic(path, lambda f: f.write(data), sync)
 
 
 def fsync_file(path: Path) -> None:

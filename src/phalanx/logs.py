@@ -8,11 +8,35 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
+from phalanx.files import storage_error
+
 console = Console(stderr=True)   # progress and logs
 out = Console()                  # a command's results (eval tables, ls, info), on standard output
 if not out.is_terminal:
     out.width = 160              # a file or a pipe: no terminal width to fit, so do not squeeze tables
 log = logging.getLogger("phalanx")
+
+
+class RunLog(logging.FileHandler):
+    """`log.txt`. A write the system refuses (a full disk) is said once, in one line, and the log
+    continues on the console only: logging's default prints a traceback for every record."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, encoding="utf-8")
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        print(f"phalanx: warning: {storage_error(Path(self.baseFilename), error)}; the log continues on the console "
+              "only", file=sys.stderr)
 
 
 def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:
@@ -29,6 +53,6 @@ def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:
         plain.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         log.addHandler(plain)
     if run_dir is not None:
-        file = logging.FileHandler(run_dir / "log.txt", encoding="utf-8")
+        file = RunLog(run_dir / "log.txt")
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(file)

@@ -3,16 +3,19 @@ and `trace.jsonl`, an append-only record of the run's status."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from phalanx import __version__
-from phalanx.config import Config, dump, safe_load
+from phalanx.config import Config, dump, read_yaml
 from phalanx.errors import RunDirError
+from phalanx.files import writing
 
 CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
+log = logging.getLogger("phalanx")
 
 
 def create(cfg: Config, config_path: Path) -> Path:
@@ -24,11 +27,13 @@ def create(cfg: Config, config_path: Path) -> Path:
     while run_dir.exists():
         n += 1
         run_dir = root / f"{cfg.name}-{stamp}-{n}"
-    run_dir.mkdir(parents=True)
-    (run_dir / CONFIG).write_text(dump(resolved(cfg)))
-    meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),
-            "created": time.time(), "phalanx": __version__}
-    (run_dir / META).write_text(json.dumps(meta, indent=1))
+    with writing(run_dir, where="set output_root to a folder you can write"):
+        run_dir.mkdir(parents=True)
+    with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):  # none half-made
+        (run_dir / CONFIG).write_text(dump(resolved(cfg)))
+        meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),
+                "created": time.time(), "phalanx": __version__}
+        (run_dir / META).write_text(json.dumps(meta, indent=1))
     return run_dir
 
 
@@ -37,7 +42,8 @@ def resolved(cfg: Config) -> dict:
 
 
 def open_run(path: str | Path) -> Path:
-    """The run directory at `path`, or a RunDirError saying why it is not one."""
+    """The run directory at `path`, or a RunDirError saying why it is not one. Logs where the run's
+    classes will be imported from: opening a run runs the code its config names."""
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise RunDirError(f"{str(run_dir)!r} is not a directory; pass a run directory such as "
@@ -45,31 +51,51 @@ def open_run(path: str | Path) -> Path:
     if not (run_dir / CONFIG).is_file() or not (run_dir / META).is_file():
         raise RunDirError(f"{str(run_dir)!r} is not a run directory (it has no {CONFIG} and {META}); "
                           "`phalanx ls` lists the runs")
+    config_dir, cwd = search_dirs(run_dir)
+    log.info("run %s imports its classes from %s%s (as its %s says)", run_dir, config_dir,
+             "" if cwd == config_dir else f", then {cwd}", META)
     return run_dir
 
 
 def search_dirs(run_dir: Path) -> list[Path]:
     """Folders to import the run's classes from: the original config's folder and working directory."""
-    meta = json.loads((run_dir / META).read_text())
-    return [Path(meta["config_dir"]), Path(meta["cwd"])]
+    path = run_dir / META
+    fix = (f"the run directory is damaged: restore {META} from a copy of the run, or write it again as "
+           '{"config_dir": FOLDER, "cwd": FOLDER}, FOLDER being where the run\'s classes are imported from')
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise RunDirError(f"{path} is not readable JSON ({_first_line(e)}); {fix}") from None
+    folders = [meta.get(key) for key in ("config_dir", "cwd")] if isinstance(meta, dict) else [None]
+    if not all(isinstance(folder, str) and folder for folder in folders):
+        raise RunDirError(f"{path} does not name the folders config_dir and cwd; {fix}")
+    return [Path(folder) for folder in folders]
+
+
+def _first_line(error: BaseException) -> str:
+    return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
 
 
 def trace(run_dir: Path, event: str, **fields: Any) -> None:
-    with open(run_dir / TRACE, "a", encoding="utf-8") as f:
+    path = run_dir / TRACE
+    with writing(path), open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
 
 
 def read_trace(run_dir: Path) -> list[dict]:
+    """The run's events, skipping lines that are not one (a line cut short by a crash or a full disk)."""
     try:
-        lines = (run_dir / TRACE).read_text().splitlines()
+        lines = (run_dir / TRACE).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return []
     events = []
     for line in lines:
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except ValueError:
             continue
+        if isinstance(event, dict) and isinstance(event.get("event"), str):
+            events.append(event)
     return events
 
 
@@ -80,4 +106,11 @@ def list_runs(root: Path) -> list[Path]:
 
 
 def load_config_text(run_dir: Path) -> dict:
-    return safe_load((run_dir / CONFIG).read_text())
+    """The run's resolved config, as saved; a RunDirError where the file is damaged."""
+    path = run_dir / CONFIG
+    fix = (f"the run directory is damaged: restore {CONFIG} from a copy of the run, or write it again "
+           "from the config the run was trained with")
+    raw = read_yaml(path, fix, RunDirError)
+    if not isinstance(raw, dict):
+        raise RunDirError(f"{path} holds a {type(raw).__name__}, not a config; {fix}")
+    return raw

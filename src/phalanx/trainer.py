@@ -141,7 +141,8 @@ class Trainer:
                          self.shard_weights)
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
         self._check_sync_batchnorm(plan)
-        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, **self.loader_options))
+        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
+                                   **self.loader_options))
         profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
         try:
             self._train_steps(plan, batches, profile)
@@ -229,7 +230,7 @@ class Trainer:
         plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size,
                          self.shard_weights)
         listeners = self._listeners["after_batch"]
-        for k, batch in enumerate(data.loader(stream, plan, 0, **self.loader_options)):
+        for k, batch in enumerate(data.loader(stream, plan, 0, name=name, **self.loader_options)):
             self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
             outputs = None if batch is None else self.engine.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])

@@ -130,8 +130,11 @@ def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
     comm, overlap = first["sampled"]
     assert comm > 0 and 0 <= overlap
     reported = [line for line in first["lines"] if "gradient all-reduce in backward" in line]
-    assert [line.split(" ")[1] for line in reported] == ["1", "2"]  # one line per epoch, on rank 0
+    assert 1 <= len(reported) <= 2, reported  # at most once per epoch, on rank 0, when a sample changed it
+    for line in reported:  # DDP's averages cover the run so far, and say so
+        assert line.startswith("gradient all-reduce in backward, DDP's sampled average over the run so far")
     assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
+    assert f"{1e3 * comm:.2f} ms per step" in reported[-1]  # the last line is DDP's average at the end
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
 
 

@@ -24,7 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 import toy
-from phalanx import config
+from phalanx import commands, config
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,6 +53,27 @@ class TupleData(toy.Regression):
 
     def streams(self):
         return {name: TensorDataset(s.x, s.y) for name, s in super().streams().items()}
+
+
+class Ragged(toy.Regression):
+    """Training items whose `x` has 3 values, except sample 5's, which has 4."""
+
+    def streams(self):
+        streams = super().streams()
+        streams["train"] = RaggedItems(streams["train"])
+        return streams
+
+
+class RaggedItems(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        item = self.items[i]
+        return {**item, "x": torch.cat([item["x"], item["x"][:1]])} if i == 5 else item
 
 
 class NoLoss(nn.Module):
@@ -132,8 +153,10 @@ def trained(tmp_path_factory):
     """One `phalanx train` of 3 epochs (15 steps) with overrides, shared by the tests below."""
     folder = tmp_path_factory.mktemp("cli")
     exp = folder / "exp"
-    toy.write_config(exp, toy.regression_config(hooks=HOOKS))
+    path = toy.write_config(exp, toy.regression_config(hooks=HOOKS))
     (exp / "badparts.py").write_text(BAD_PARTS)
+    (exp / "latin1.yaml").write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    (folder / "a-file").write_text("an output_root below a file cannot be created\n")
     result = phalanx("train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp)
     assert result.returncode == 0, output(result)
     runs = sorted((exp / "runs").iterdir())
@@ -196,13 +219,26 @@ BAD = [
     ("not-a-run-dir", ["resume", "NOTRUN"], ["not a run directory"]),
     ("resume-another-model", ["resume", "RUN", "model.hidden=4"], ["does not fit", "model"]),
     ("eval-another-model", ["eval", "RUN", "--stream", "test"], ["does not fit", "model"]),
+    ("config-latin-1", ["train", "latin1.yaml"], ["latin1.yaml", "not UTF-8", "save the config as UTF-8"]),
+    ("output-root-not-writable", ["train", "config.yaml", "output_root=AFILE/runs"],
+     ["a-file", "Not a directory", "output_root"]),
+    ("items-of-different-shapes", ["train", "config.yaml", "dataset.class=badparts.Ragged"],
+     ["stream 'train', key 'x'", "different shapes", "[3]", "[4]"]),
+    ("empty-train-stream", ["train", "config.yaml", "dataset.n_train=0"], ["stream 'train'", "is empty"]),
+    ("run-config-malformed", ["eval", "RUN"], ["config.yaml", "not valid YAML", "restore"]),
+    ("run-json-malformed", ["resume", "RUN"], ["run.json", "not readable JSON", "restore"]),
+    ("predict-output-a-directory", ["predict", "RUN", "--output", "RUN/predictions"], ["--output", "is a directory"]),
 ]
+DAMAGE = {  # what a case writes into its copy of the run first
+    "run-config-malformed": ("config.yaml", b"model: [toy.Linear\n"),
+    "run-json-malformed": ("run.json", b'{"config_dir": "/somewhere", "cw'),
+}
 BAD_IDS = [case for case, _, _ in BAD]
 
 
 def _bad_command(trained, case: str, args: list[str], runs: dict, before: dict) -> list[str]:
-    args = list(args)
-    if args[0] == "train":
+    args = [arg.replace("AFILE", str(trained.folder / "a-file")) for arg in args]
+    if args[0] == "train" and not any(arg.startswith("output_root=") for arg in args):
         args.append(f"output_root={trained.folder / 'bad' / case}")
     if "RUN" in args:
         runs[case] = copy_run(trained, case)
@@ -211,7 +247,12 @@ def _bad_command(trained, case: str, args: list[str], runs: dict, before: dict) 
             saved = yaml.safe_load(path.read_text())
             saved["model"]["hidden"] = 4
             path.write_text(yaml.safe_dump(saved, sort_keys=False))
-        args[args.index("RUN")] = str(runs[case])
+        if case in DAMAGE:
+            name, content = DAMAGE[case]
+            (runs[case] / name).write_bytes(content)
+        args = [str(runs[case]) + arg[3:] if arg == "RUN" or arg.startswith("RUN/") else arg for arg in args]
+        if f"{runs[case]}/predictions" in args:  # an --output that is a directory
+            (runs[case] / "predictions").mkdir()
     if "NOTRUN" in args:
         runs[case] = trained.folder / "not-a-run"
         runs[case].mkdir()
@@ -295,6 +336,22 @@ def test_ls_lists_the_runs_with_status_and_best(ran):
     line = next(l for l in output(result).splitlines() if ran.run.name in l)
     assert "finished" in line and re.search(r"\b15\b", line)
     assert "valid.loss=" in line and "@ 5" in line
+
+
+def test_ls_lists_a_run_whose_best_json_and_trace_are_damaged(trained):
+    run = copy_run(trained, "ls-damaged")
+    (run / "checkpoints" / "best.json").write_text('{"step": 5, "variable": "valid.lo')
+    with open(run / "trace.jsonl", "a") as f:
+        f.write('[1, 2]\n{"event": "epoch", "time": "yesterday"}\n{"tim')
+    rows = commands.list_runs(str(run.parent))
+    assert [(row["run"], row["status"], row["best"], row["latest"]) for row in rows] == [
+        (run.name, "epoch", "best.json unreadable", 15)]
+
+
+def test_opening_a_run_logs_where_its_classes_are_imported_from(ran):
+    for key in ("eval-best", "predict", "resume"):
+        line = f"imports its classes from {ran.exp.resolve()} (as its run.json says)"
+        assert line in ran.results[key].stderr, (key, ran.results[key].stderr)
 
 
 def test_info_shows_versions_and_devices(ran):

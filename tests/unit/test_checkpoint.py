@@ -2,6 +2,7 @@
 the previous valid step, retention, atomic writes, and selecting a step."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from phalanx.checkpoint import MANIFEST, OPTIMIZER, TRAINER, WEIGHTS, Checkpoints, load_weights
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, StorageError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,6 +89,25 @@ def test_no_temporary_folders_remain(ckpts):
     for step in (1, 2, 3):
         _save(ckpts, step)
     assert [p.name for p in ckpts.root.iterdir() if p.name.startswith(".tmp")] == []
+
+
+class _FillsTheDisk:
+    """Pickled into optimizer.pt part-way through the step's files: the write fails as on a full disk."""
+
+    def __reduce__(self):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_during_a_save_is_one_error_naming_the_step_and_leaves_nothing(ckpts):
+    _save(ckpts, 1)
+    module = _module(2)
+    state = {**_optimizer_state(module), "scaler": {"seam": _FillsTheDisk()}}
+    with pytest.raises(StorageError) as info:
+        ckpts.save(2, module, state, {"epoch": 1, "step": 2}, best={"variable": "valid.loss", "value": 0.5})
+    message = str(info.value)
+    assert str(ckpts.path(2)) in message and "the disk is full" in message and "\n" not in message
+    assert sorted(p.name for p in ckpts.root.iterdir()) == ["step-1"]  # no temporary folder, no best.json
+    assert ckpts.steps() == [1]
 
 
 def test_clean_stale_removes_interrupted_saves(ckpts):

@@ -3,10 +3,12 @@ objects from `class:` sections."""
 from __future__ import annotations
 
 import sys
+import typing
 
 import pytest
 import torch
 import yaml
+from pydantic import BaseModel
 from torch import nn
 
 import toy
@@ -61,6 +63,20 @@ def test_load_rejects_a_missing_file_and_a_non_mapping(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping of sections"):
         config.load(path)
+
+
+@pytest.mark.parametrize("content", [
+    "name: caf\xe9\nseed: 0\n".encode("latin-1"),   # a Latin-1 file: \xe9 is not UTF-8
+    bytes(range(256)),                                # a binary file
+], ids=["latin-1", "binary"])
+def test_load_names_a_file_that_is_not_utf8_text(tmp_path, content):
+    path = tmp_path / "exp.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    message = str(info.value)
+    assert str(path) in message and "not UTF-8" in message and "save the config as UTF-8" in message
+    assert "\n" not in message
 
 
 def test_load_applies_overrides_before_validation(tmp_path):
@@ -129,6 +145,53 @@ def test_wrong_type_names_the_key_and_the_value():
     assert "precision" in message and "'fp8'" in message
     message = _error(toy.regression_config(main_loop={"epochs": 0}))
     assert "main_loop.epochs" in message and "0" in message
+
+
+def _number_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()):
+    """Every key of the schema that holds an int or a float (or a list of them), found by walking it."""
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name,)
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        sections = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if sections:
+            yield from _number_fields(sections[0], key)
+        elif _holds(field.annotation, (int, float)):
+            yield ".".join(key), _holds(field.annotation, (list,))
+
+
+def _holds(annotation, types: tuple[type, ...]) -> bool:
+    if annotation in types or typing.get_origin(annotation) in types:
+        return True
+    return any(_holds(arg, types) for arg in typing.get_args(annotation))
+
+
+NUMBER_FIELDS = sorted(_number_fields(config.Config))
+
+
+def test_the_schema_walk_finds_the_number_fields():
+    keys = [key for key, _ in NUMBER_FIELDS]
+    assert {"dataset.batch_size", "seed", "parallel.devices", "parallel.shard_weights",
+            "optimizer.lr_scaling.base_batch_size", "profile.steps"} <= set(keys)
+    assert len(keys) == 15, keys
+
+
+@pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])
+def test_a_boolean_is_not_a_number(key, is_list):
+    """`batch_size: true` trained with batch 1: pydantic's lax int reads True as 1."""
+    raw = toy.regression_config(optimizer={"lr_scaling": {"rule": "linear", "base_batch_size": 8}}, profile={})
+    config.validate(raw)  # valid before the boolean goes in
+    node = raw
+    *sections, last = key.split(".")
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[last] = [True] if is_list else True
+    message = _error(raw)
+    assert key in message and "True" in message
+
+
+def test_a_key_of_several_types_is_one_message():
+    message = _error(toy.regression_config(parallel={"devices": True}))
+    assert message == "parallel.devices: Input should be a valid integer or 'auto' (got True)"
 
 
 def test_hooks_item_with_two_keys_is_rejected():

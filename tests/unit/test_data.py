@@ -166,6 +166,45 @@ def test_collate_rejects_non_dict_items(item):
         data.collate([item, item])
 
 
+class Ragged(torch.utils.data.Dataset):
+    """Items whose `x` has 3 values, except item 2's, which has 4."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": torch.zeros(4 if i == 2 else 3), "y": i}
+
+
+def _one_line_error(stream, name: str, num_workers: int = 0) -> str:
+    plan = data.Plan(range(len(stream)), 4)
+    with pytest.raises(DataError) as info:
+        list(data.loader(stream, plan, num_workers=num_workers, name=name))
+    message = str(info.value)
+    assert "\n" not in message and "Traceback" not in message, message
+    return message
+
+
+def test_items_of_different_shapes_name_the_stream_the_key_and_the_shapes():
+    message = _one_line_error(Ragged(), "valid")
+    assert "stream 'valid', key 'x'" in message and "[3] and [4]" in message and "pad or crop" in message
+
+
+def test_a_collate_error_in_a_worker_process_is_the_same_one_line():
+    """DataLoader re-raises a worker's exception with the worker's traceback inside its message."""
+    message = _one_line_error(Ragged(), "train", num_workers=1)
+    assert "stream 'train', key 'x'" in message and "[3] and [4]" in message
+
+
+def test_items_with_different_keys_or_types_are_named():
+    items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2)}]
+    with pytest.raises(DataError, match=r"stream 'test': items hold different keys \(\['x', 'y'\] and \['x'\]\)"):
+        data.collate(items, "test")
+    items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2), "y": "one"}]
+    with pytest.raises(DataError, match=r"stream 'test', key 'y': items hold values of different types \(int, str\)"):
+        data.collate(items, "test")
+
+
 def test_batch_size_of():
     assert data.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
     with pytest.raises(DataError, match="no tensor"):
@@ -200,6 +239,12 @@ def test_get_stream_without_streams_method():
 
     with pytest.raises(DataError, match="no streams\\(\\) method"):
         data.get_stream(NotCallable(), "train")
+
+
+def test_get_stream_rejects_an_empty_stream():
+    """An empty train stream trained zero steps and exited 0."""
+    with pytest.raises(DataError, match="stream 'train' of Regression is empty"):
+        data.get_stream(toy.Regression(n_train=0), "train")
 
 
 def test_get_stream_rejects_non_map_style_streams():

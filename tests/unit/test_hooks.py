@@ -11,6 +11,7 @@ import logging
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from sklearn import metrics as skm
 
 import toy
 from phalanx import commands, config, data, logs, rundir
-from phalanx.errors import ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError, StorageError
 from phalanx.hooks import (
     ClassificationMetrics, ComputeStats, Hook, LogProfile, LogVariables, PlotLines, SaveBest, SaveEvery,
     SaveLatest, ShowProgress, StopAfter, StopOnNaN, StopOnPlateau, TrainingTerminated, WriteCSV,
@@ -264,6 +265,45 @@ def test_log_variables_and_log_profile_write_a_line_per_epoch(tmp_path):
         assert abs(sum(int(p) for _, _, p in parts) - 100) <= len(parts)
 
 
+class _SampledDDP:
+    """A main process whose DDP has sampled the backward all-reduce: `sampled` is what it reports."""
+
+    is_main = True
+
+    def __init__(self) -> None:
+        self.sampled = (0.004, 0.003)
+
+    def backward_communication(self) -> tuple[float, float]:
+        return self.sampled
+
+
+def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_changes():
+    """DDP's figures are averages over the steps it sampled in the whole run, not the epoch's."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("phalanx")
+    strategy = _SampledDDP()
+    hook = LogProfile()
+    hook.attach(SimpleNamespace(strategy=strategy))
+    profile = {"data": 0.1, "forward_backward": 0.3}
+    try:
+        logs.setup(None)  # INFO on, whatever earlier tests left
+        logger.addHandler(handler)
+        hook.after_epoch_profile(1, profile, "train", [])
+        hook.after_epoch_profile(2, profile, "train", [])  # no new sample: nothing new to say
+        strategy.sampled = (0.005, 0.003)
+        hook.after_epoch_profile(3, profile, "train", [])
+    finally:
+        logger.removeHandler(handler)
+    lines = [message for message in messages if "all-reduce" in message]
+    assert len(lines) == 2, lines
+    assert all(line.startswith("gradient all-reduce in backward, DDP's sampled average over the run so far")
+               for line in lines)
+    assert "4.00 ms per step, 75% of it hidden" in lines[0] and "5.00 ms per step, 60% of it hidden" in lines[1]
+    assert [m.split(" time")[0] for m in messages if " time |" in m] == ["epoch 1", "epoch 2", "epoch 3"]
+
+
 def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), LogVariables(["loss_max"])],
                            main_loop={"epochs": 1})
@@ -332,6 +372,13 @@ def test_write_tensorboard_writes_events_that_tensorboard_reads(tmp_path):
     for step, value in scalars["train/step_loss"]:
         assert value == pytest.approx(step_means[step], rel=1e-6)
     assert [v for _, v in scalars["lr/group0"]] == pytest.approx([0.05] * 5)
+
+
+def test_write_tensorboard_into_a_folder_that_cannot_be_made_is_one_error(tmp_path):
+    trainer = make_trainer(tmp_path, [WriteTensorBoard(log_dir="blocked/tensorboard")])
+    (trainer.run_dir / "blocked").write_text("a file where the folder should go\n")
+    with pytest.raises(StorageError, match=r"cannot write .*blocked/tensorboard: Not a directory"):
+        trainer.run()
 
 
 def test_write_tensorboard_keeps_every_event_across_a_resume(tmp_path):

@@ -7,10 +7,9 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
 from typing import Any
 
-from phalanx.files import write_text_atomic
+from phalanx.files import write_atomic, write_text_atomic, writing
 from phalanx.hooks.base import Hook
 
 log = logging.getLogger("phalanx")
@@ -57,8 +56,14 @@ class LogProfile(_Writer):
     """Where an epoch's time went: waiting for data, forward and backward (with the gradient
     all-reduce that overlaps backward), communication after backward (gradients summed by hand on
     steps where a process has no sample), the optimizer, hooks, evaluation; each with its share.
-    With several processes, also the gradient all-reduce inside backward per step, and how much of
-    it computation hid (DDP's own samples)."""
+
+    With several processes, also the gradient all-reduce inside backward per step and how much of
+    it computation hid. Those figures are DDP's own: running averages over the steps it sampled in
+    the whole run so far (the first 10, then 1 in 100), not this epoch's; they are labelled so and
+    logged only when a new sample changed them."""
+
+    def __init__(self) -> None:
+        self._reported: tuple[float, float] | None = None
 
     def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
                             extra_streams: list[str]) -> None:
@@ -68,11 +73,12 @@ class LogProfile(_Writer):
         parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         sampled = self.trainer.strategy.backward_communication()
-        if sampled is not None:
+        if sampled is not None and sampled != self._reported:
+            self._reported = sampled
             comm, overlap = sampled
-            log.info("epoch %d gradient all-reduce in backward | %.2f ms per step, %.0f%% of it hidden behind "
-                     "computation, %.2f ms waited", epoch, 1e3 * comm, 100 * min(overlap / comm, 1.0),
-                     1e3 * max(comm - overlap, 0.0))
+            log.info("gradient all-reduce in backward, DDP's sampled average over the run so far (the first 10 "
+                     "steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind computation, "
+                     "%.2f ms waited", 1e3 * comm, 100 * min(overlap / comm, 1.0), 1e3 * max(comm - overlap, 0.0))
 
 
 class WriteCSV(_Writer):
@@ -114,7 +120,8 @@ class WriteCSV(_Writer):
 class WriteTensorBoard(_Writer):
     """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
     training loss every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
-    a resumed run drops the events it is about to write again."""
+    a resumed run drops the events it is about to write again. A write the system refuses (a full
+    disk: tensorboard's writer thread raises it at the next call) is a StorageError naming the folder."""
 
     gathers = False
 
@@ -125,29 +132,33 @@ class WriteTensorBoard(_Writer):
     def before_training(self) -> None:
         if self.active:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
-            self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
-                                         purge_step=self.trainer.step + 1 if self.trainer.step else None)
+            with writing(self.trainer.run_dir / self.log_dir):
+                self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
+                                             purge_step=self.trainer.step + 1 if self.trainer.step else None)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
         if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
-            self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
-            for i, lr in enumerate(self.trainer.engine.learning_rates()):
-                self._writer.add_scalar(f"lr/group{i}", lr, step)
+            with writing(self.trainer.run_dir / self.log_dir):
+                self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
+                for i, lr in enumerate(self.trainer.engine.learning_rates()):
+                    self._writer.add_scalar(f"lr/group{i}", lr, step)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if self._writer is None:
             return
         step = self.trainer.step
-        self._writer.add_scalar("epoch", epoch, step)
-        for name, value in _flatten(epoch_data).items():
-            self._writer.add_scalar(name.replace(".", "/", 1), value, step)
-        self._writer.flush()
+        with writing(self.trainer.run_dir / self.log_dir):
+            self._writer.add_scalar("epoch", epoch, step)
+            for name, value in _flatten(epoch_data).items():
+                self._writer.add_scalar(name.replace(".", "/", 1), value, step)
+            self._writer.flush()
 
     def after_training(self, success: bool) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with writing(self.trainer.run_dir / self.log_dir):
+                writer.close()
 
 
 class PlotLines(_Writer):
@@ -170,7 +181,8 @@ class PlotLines(_Writer):
         from matplotlib import pyplot as plt
 
         folder = self.trainer.run_dir / self.path
-        folder.mkdir(exist_ok=True)
+        with writing(folder):
+            folder.mkdir(exist_ok=True)
         by_variable: dict[str, list[str]] = {}
         for name in self.history:
             by_variable.setdefault(name.split(".", 1)[1], []).append(name)
@@ -183,10 +195,10 @@ class PlotLines(_Writer):
             ax.grid(alpha=0.3)
             ax.legend()
             fig.tight_layout()
-            tmp = folder / f".{var}.png.tmp"
-            fig.savefig(tmp, format="png")
-            plt.close(fig)
-            os.replace(tmp, folder / f"{var}.png")
+            try:
+                write_atomic(folder / f"{var}.png", lambda f: fig.savefig(f, format="png"))
+            finally:
+                plt.close(fig)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
