@@ -110,19 +110,26 @@ def _counts(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from phalanx import signals
     from phalanx.errors import PhalanxError
-    from phalanx.launch import RankFailure
 
+    # Until training starts, SIGINT and SIGTERM raise signals.Interrupted: `train` removes the run
+    # directory it created, and the command exits with 128 + the signal's number.
+    previous = signals.install_startup_handlers()
     try:
         return run(args)
     except PhalanxError as e:
         if args.debug:
             raise
+        from phalanx.launch import RankFailure
+
         print(f"phalanx: error: {e}", file=sys.stderr)
         return EXIT_FAILED if isinstance(e, RankFailure) else EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("phalanx: interrupted", file=sys.stderr)
-        return 130
+        return e.exit_code if isinstance(e, signals.Interrupted) else 130
+    finally:
+        signals.restore(previous)
 
 
 if __name__ == "__main__":

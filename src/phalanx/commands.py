@@ -1,6 +1,7 @@
 """What each CLI subcommand does; `cli.py` only parses arguments and calls one of these."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import __version__, config, launch, logs, metrics, rundir, strategies
+from phalanx import __version__, config, launch, logs, metrics, rundir, runlock, strategies
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
@@ -31,31 +32,39 @@ def train(config_path: str, overrides: list[str]) -> int:
     path = Path(config_path)
     if strategies.needs_launch(cfg):
         run_dir = rundir.create(cfg, path)
-        logs.setup(run_dir)
-        devices = strategies.resolve_device(cfg)[1]
-        log.info("run directory: %s; starting %d workers", run_dir, devices)
-        try:
-            return launch.launch(run_dir, devices, resume=False)
-        except PhalanxError as e:
-            if not isinstance(e, launch.RankFailure) and not Checkpoints(run_dir / "checkpoints").steps():
-                _discard(run_dir)
-            raise
+        with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
+            try:
+                logs.setup(run_dir)
+                devices = strategies.resolve_device(cfg)[1]
+                log.info("run directory: %s; starting %d workers", run_dir, devices)
+                return launch.launch(run_dir, devices, resume=False)
+            except BaseException as e:
+                if not _worth_keeping(run_dir, e):
+                    _discard(run_dir)
+                raise
     strategy = strategies.create(cfg)
     run_dir = Path(strategy.broadcast(str(rundir.create(cfg, path)) if strategy.is_main else None))
-    try:
-        trainer = _worker_trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()], strategy)
-    except BaseException:
-        if strategy.is_main:
-            _discard(run_dir)
-        raise
-    log.info("run directory: %s", run_dir)
-    _log_start(cfg, strategy)
-    try:
-        return _run(trainer)
-    except PhalanxError:  # bad input found at the first batches: nothing worth keeping was written
-        if strategy.is_main and not trainer.checkpoints.steps():
-            _discard(run_dir)
-        raise
+    with _training_lock(run_dir, "train"):
+        try:
+            trainer = _worker_trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()], strategy)
+            log.info("run directory: %s", run_dir)
+            _log_start(cfg, strategy)
+            return _run(trainer)
+        except BaseException as e:
+            if strategy.is_main and not _worth_keeping(run_dir, e):
+                _discard(run_dir)
+            raise
+
+
+def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
+    """Whether a run directory that `train` created is kept after `error`: not where training never
+    started (bad input, a signal during start-up), nor for bad input found at the first batches,
+    before any checkpoint; a failing worker's is kept, with its log."""
+    if isinstance(error, launch.RankFailure):
+        return True
+    if not any(e.get("event") == "started" for e in rundir.read_trace(run_dir)):
+        return False
+    return not isinstance(error, PhalanxError) or bool(Checkpoints(run_dir / "checkpoints").steps())
 
 
 def _discard(run_dir: Path) -> None:
@@ -68,11 +77,28 @@ def resume(run_path: str, overrides: list[str]) -> int:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path)
+    with _training_lock(run_dir, "resume"):
+        return _resume(run_dir, overrides)
+
+
+def _resume(run_dir: Path, overrides: list[str]) -> int:
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     if strategies.needs_launch(cfg):
         logs.setup(run_dir)
         return launch.launch(run_dir, strategies.resolve_device(cfg)[1], resume=True, overrides=overrides)
     return run_worker(run_dir, resume=True, overrides=overrides)
+
+
+@contextlib.contextmanager
+def _training_lock(run_dir: Path, command: str):
+    """The run directory's lock, held while this process trains there (see runlock): by the launcher
+    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take it."""
+    if strategies.in_worker() and int(os.environ["RANK"]) != 0:
+        yield
+        return
+    with runlock.hold(run_dir, command):
+        launch.clear_requests(run_dir)  # stop requests left by a launcher that was killed
+        yield
 
 
 def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
@@ -138,6 +164,7 @@ def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], 
         check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy)
     trainer.stop.watch(run_dir / launch.STOP_FILE)
+    strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step
     return trainer
 
 

@@ -111,6 +111,7 @@ class ParallelConfig(_Section):
     shard_weights: list[StrictFloat] | None = Field(
         None, description="relative shard size per rank, for mixed hardware; default equal")
     timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
+    oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
                             "several ranks share one GPU, which nccl refuses")

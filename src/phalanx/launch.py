@@ -1,42 +1,56 @@
-"""Starting worker processes: torch.distributed's elastic launcher, rendezvous on loopback.
+"""Starting worker processes: torch.distributed's elastic launcher, everything on loopback.
 
 `phalanx train` with several devices starts one worker per device here; under `torchrun` (its
-environment present) the processes already exist and nothing is relaunched. A worker that fails
-records its traceback; the launcher prints the first failing rank's traceback once and ends every
-rank within a bounded time.
+environment present) the processes already exist and nothing is relaunched. The rendezvous and the
+store the workers share listen on 127.0.0.1 only (torch's store would listen on every interface),
+and gloo and NCCL connect the workers over the loopback interface.
 
-Stopping: the first SIGINT or SIGTERM to the launcher asks the workers to finish their step and
-save (through a request file they watch, so that a terminal's Ctrl-C, which reaches them directly
-too, counts once); a second one ends them at once.
+A worker that fails records its traceback (or, when a collective timed out, which ranks did not
+arrive) and tells the others to exit at once; the launcher prints the first failing rank's error once.
+
+Signals: only the launcher takes them. Its workers leave the terminal's process group, so a Ctrl-C
+reaches the launcher alone, which relays it through files in the run directory that the workers
+watch: the first SIGINT or SIGTERM once training runs asks them to finish their step and save
+(`STOP_FILE`); a second one, or one during start-up, ends them at once (`ABORT_FILE`). A worker
+that finds its launcher gone (killed with SIGKILL, say) exits within a second.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import _thread
+import threading
 import time
 import traceback
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
+from phalanx import rundir, signals
 from phalanx.errors import PhalanxError
 
 log = logging.getLogger("phalanx")
-STOP_FILE = ".stop-requested"
+STOP_FILE = ".stop-requested"  # the workers finish their step, save and exit
+ABORT_FILE = ".stop-now"  # the workers exit at once; it holds their exit code
 SHUTDOWN_TIMEOUT_S = 5
+GUARD_INTERVAL_S = 0.1
+RENDEZVOUS = "phalanx-loopback"
+_listeners: dict[str, socket.socket] = {}  # run id -> the rendezvous store's listening socket
 
 
 class RankFailure(PhalanxError):
     """A worker process failed; the message holds its rank and traceback."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def clear_requests(run_dir: Path) -> None:
+    """Remove stop requests a launcher left behind (one killed before it could clean up)."""
+    for name in (STOP_FILE, ABORT_FILE):
+        (run_dir / name).unlink(missing_ok=True)
 
 
 def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ()) -> int:
@@ -44,64 +58,252 @@ def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ())
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+    listener = _listen()
+    _listeners[run_id] = listener
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=devices, run_id=f"phalanx-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", local_addr="127.0.0.1",
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        min_nodes=1, max_nodes=1, nproc_per_node=devices, run_id=run_id,
+        rdzv_backend=_register_rendezvous(), rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
+        local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1, start_method="spawn",
         signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    stop_file = run_dir / STOP_FILE
-    stop_file.unlink(missing_ok=True)
-    previous = {sig: signal.signal(sig, _request_stop(stop_file)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    clear_requests(run_dir)
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
                  "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, worker)(str(run_dir), resume, list(overrides))
+        with _Relay(run_dir), _loopback_interfaces():
+            results = elastic_launch(config, worker)(str(run_dir), resume, list(overrides), os.getpid())
     except ChildFailedError as e:
         raise _explain(e) from None
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        stop_file.unlink(missing_ok=True)
+        unused = _listeners.pop(run_id, None)
+        if unused is not None:
+            unused.close()
+        clear_requests(run_dir)
     return int(results.get(0, 1))
 
 
-def _request_stop(stop_file: Path):
-    def handle(signum: int, frame: object) -> None:
-        if stop_file.exists():
-            raise KeyboardInterrupt  # the second signal: the launcher ends the workers now
-        stop_file.write_text(str(signum))
+# --- the launcher's signals ---------------------------------------------------------------------
+
+class _Relay:
+    """SIGINT and SIGTERM in the launcher, for the whole launch. The first once training runs writes
+    STOP_FILE; a second one, or one before training started, writes ABORT_FILE and raises
+    `signals.Interrupted` in the main thread (the elastic agent then ends the workers).
+
+    The signals are blocked in the main thread and taken by a thread of this class, one by one
+    (two in quick succession count twice) and at once (the main thread may be asleep). The workers,
+    forked from the main thread, start with them blocked too, and unblock them only once their own
+    handlers are in place: a Ctrl-C during their start-up never prints a KeyboardInterrupt traceback
+    from their imports."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.requested = False
+        self._started = _count_started(run_dir)  # "started" events before this launch (a resumed run)
+        self._previous: dict[int, object] = {}
+        self._interrupt: int | None = None  # the signal the receiving thread passed on to the main thread
+        self._closed = threading.Event()
+        self._receiver: threading.Thread | None = None
+
+    def __enter__(self) -> _Relay:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals.SIGNALS}
+        if hasattr(signal, "sigtimedwait"):
+            from multiprocessing import resource_tracker
+
+            # started now: started later, it would unblock the signals (it blocks them around its start)
+            resource_tracker.ensure_running()
+            self._receiver = threading.Thread(target=self._receive, name="phalanx-signals", daemon=True)
+            self._receiver.start()
+            signal.pthread_sigmask(signal.SIG_BLOCK, signals.SIGNALS)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._receiver is not None:
+            self._closed.set()
+            self._receiver.join()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._receiver is not None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.SIGNALS)
+
+    def training(self) -> bool:
+        return _count_started(self.run_dir) > self._started
+
+    def _receive(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals.SIGNALS)
+        while not self._closed.is_set():
+            info = signal.sigtimedwait(signals.SIGNALS, 0.1)
+            if info is not None and self._relay(info.si_signo):
+                self._interrupt = info.si_signo
+                _thread.interrupt_main(info.si_signo)  # runs _handle in the main thread
+
+    def _handle(self, signum: int, frame: object) -> None:
+        """A signal in the main thread: one delivered there, or one the receiving thread passes on."""
+        passed_on, self._interrupt = self._interrupt, None
+        if passed_on is not None or self._relay(signum):
+            raise signals.Interrupted(passed_on or signum)
+
+    def _relay(self, signum: int) -> bool:
+        """Tell the workers; whether the launch must end now."""
+        if self.requested or not self.training():
+            _write(self.run_dir / ABORT_FILE, str(128 + signum))  # the workers exit at once
+            return True
+        self.requested = True
+        _write(self.run_dir / STOP_FILE, str(signum))
         log.warning("%s received: the workers finish their step and save; send it again to stop at once",
                     signal.Signals(signum).name)
-    return handle
+        return False
 
 
-def worker(run_dir: str, resume: bool, overrides: list[str]) -> int:
+def _count_started(run_dir: Path) -> int:
+    return sum(1 for event in rundir.read_trace(run_dir) if event.get("event") == "started")
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError:  # the run directory is gone: there is nothing left to stop
+        pass
+
+
+# --- everything on loopback ---------------------------------------------------------------------
+
+def _listen() -> socket.socket:
+    """A socket listening on 127.0.0.1, on a port of its own."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(socket.SOMAXCONN)
+    return sock
+
+
+def _store_on(sock: socket.socket):
+    """A store server that listens on `sock` (which it takes over), instead of on every interface."""
+    from torch.distributed import TCPStore
+
+    port = sock.getsockname()[1]
+    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+                    timeout=timedelta(seconds=60))
+
+
+def _rendezvous_handler(params):
+    """torch's c10d rendezvous, with both of its store servers (the rendezvous' own, and the one the
+    workers share) listening on 127.0.0.1 only."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class Backend(C10dRendezvousBackend):
+        name = RENDEZVOUS  # the handler must answer to the name it was asked for
+
+    store = _store_on(_listeners.pop(params.run_id))
+    handler = create_handler(store, Backend(store, params.run_id), params)
+    handler._create_tcp_store_server = lambda addr, port: _store_on(_listen())
+    return handler
+
+
+def _register_rendezvous() -> str:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous_handler)
+    return RENDEZVOUS
+
+
+@contextlib.contextmanager
+def _loopback_interfaces():
+    """gloo and NCCL connect the workers over the loopback interface (unless the user chose one):
+    left to themselves, they listen on the address the host name resolves to."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = next((n for n in names if n in ("lo", "lo0")), None)
+    added = [key for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if loopback and key not in os.environ]
+    for key in added:
+        os.environ[key] = loopback
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+# --- the workers --------------------------------------------------------------------------------
+
+def worker(run_dir: str, resume: bool, overrides: list[str], launcher_pid: int) -> int:
     """Entry point of each worker process (picklable, module level)."""
+    _detach_from_terminal()
+    _Guard(Path(run_dir), launcher_pid).start()
     try:
         from phalanx import commands
 
         return commands.run_worker(Path(run_dir), resume, overrides)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded for the launcher, once
-        _record(e)
+        from phalanx.strategies import progress
+
+        _record(e, progress.explain(e))
+        _write(Path(run_dir) / ABORT_FILE, "1")  # the other workers need not wait for their timeout
         sys.stdout.flush()
         os._exit(2 if isinstance(e, PhalanxError) else 1)
 
 
-def _record(e: BaseException) -> None:
+def _detach_from_terminal() -> None:
+    """Leave the terminal's process group, so that a Ctrl-C reaches the launcher alone; from now on a
+    signal (the launcher ending this worker) ends it at once. The launcher started this process with
+    SIGINT and SIGTERM blocked: one that arrived during its start-up is handled now."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpgrp()
+    signals.end_at_once_on_signals()
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.SIGNALS)
+
+
+class _Guard(threading.Thread):
+    """Ends this worker at once when its launcher is gone, or has written ABORT_FILE."""
+
+    def __init__(self, run_dir: Path, launcher_pid: int):
+        super().__init__(name="phalanx-guard", daemon=True)
+        self.abort, self.launcher_pid = run_dir / ABORT_FILE, launcher_pid
+
+    def run(self) -> None:
+        while True:
+            if os.getppid() != self.launcher_pid:
+                _stderr(f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
+                        f"worker rank {os.environ.get('RANK', '?')} stops")
+                _end(1)
+            try:
+                code = int(self.abort.read_text() or 1)
+            except (OSError, ValueError):
+                code = None
+            if code is not None:
+                _end(code)
+            time.sleep(GUARD_INTERVAL_S)
+
+
+def _end(code: int) -> None:
+    from phalanx import checkpoint
+
+    checkpoint.abort_in_progress()
+    os._exit(code)
+
+
+def _stderr(text: str) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _record(e: BaseException, explained: str | None = None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": f"{type(e).__name__}: {e}",
                         "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}},
-            "phalanx": {"time": time.time(), "user_error": isinstance(e, PhalanxError), "text": str(e),
+            "phalanx": {"time": time.time(), "user_error": isinstance(e, PhalanxError),
+                        "text": explained or str(e), "explained": explained is not None,
                         "rank": int(os.environ.get("RANK", 0))}}
     with open(path, "w") as f:
         json.dump(data, f)
 
 
 def _explain(error) -> PhalanxError:
-    """The first failing rank's error: one line for a user error, else its traceback."""
+    """The first failing rank's error: one line for a user error, the ranks that did not arrive for a
+    collective's timeout, else its traceback."""
     recorded = sorted(_recorded(error), key=lambda info: info["time"])
     if not recorded:
         rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
@@ -110,6 +312,8 @@ def _explain(error) -> PhalanxError:
     first = recorded[0]
     if first["user_error"]:
         return PhalanxError(first["text"])
+    if first.get("explained"):
+        return RankFailure(first["text"])
     return RankFailure(f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
                        f"{first['callstack'].rstrip()}")
 

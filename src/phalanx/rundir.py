@@ -22,13 +22,15 @@ def create(cfg: Config, config_path: Path) -> Path:
     """A new run directory holding the resolved config and where it came from."""
     root = Path(cfg.output_root)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir = root / f"{cfg.name}-{stamp}"
-    n = 1
-    while run_dir.exists():
-        n += 1
-        run_dir = root / f"{cfg.name}-{stamp}-{n}"
+    run_dir, n = root / f"{cfg.name}-{stamp}", 1
     with writing(run_dir, where="set output_root to a folder you can write"):
-        run_dir.mkdir(parents=True)
+        while True:  # mkdir is the check: two commands started in the same second get a folder each
+            try:
+                run_dir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                n += 1
+                run_dir = root / f"{cfg.name}-{stamp}-{n}"
     with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):  # none half-made
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))
         meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),

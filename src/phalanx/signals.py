@@ -1,6 +1,17 @@
-"""Graceful stop: the first SIGINT or SIGTERM finishes the current step, saves and exits with
-128 + the signal number (130 for SIGINT, 143 for SIGTERM); a second one exits at once, removing any
-half-written checkpoint."""
+"""Signals: SIGINT (Ctrl-C) and SIGTERM.
+
+Before training starts (start-up: imports, the run directory, the model, the data), a signal raises
+`Interrupted`: the command removes the run directory it created and exits with 128 + the signal's
+number, printing `phalanx: interrupted`.
+
+Once training runs, the first signal finishes the current step, saves and exits with 128 + the
+signal number (130 for SIGINT, 143 for SIGTERM); a second one exits at once, removing any
+half-written checkpoint.
+
+A worker process of phalanx's launcher takes no stop request from signals: the launcher alone
+does, and tells its workers through files in the run directory. A signal that reaches such a worker
+(the launcher ending it) ends it at once.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,10 +20,57 @@ import signal
 import time
 from pathlib import Path
 
-from phalanx import checkpoint
-
 log = logging.getLogger("phalanx")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_at_once = False  # set in a worker of phalanx's launcher: every signal ends the process at once
+_pid = os.getpid()  # the process whose half-written checkpoints a signal removes (not a forked child's)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal arrived before training started (or, in the launcher, a second one): stop now."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def raise_interrupted(signum: int, frame: object = None) -> None:
+    """A signal handler: raise `Interrupted` (SIGTERM too, whose default would kill the process
+    without any clean-up)."""
+    raise Interrupted(signum)
+
+
+def install_startup_handlers() -> dict[int, object]:
+    """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers replaced."""
+    return {sig: signal.signal(sig, raise_interrupted) for sig in SIGNALS}
+
+
+def restore(handlers: dict[int, object]) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(sig, handler)
+
+
+def exit_at_once(signum: int, frame: object = None) -> None:
+    """A signal handler: remove any half-written checkpoint and exit with 128 + the signal number."""
+    from phalanx import checkpoint
+
+    if os.getpid() == _pid:  # a forked child (a data loader's worker) owns no checkpoint in progress
+        checkpoint.abort_in_progress()
+    os._exit(128 + signum)
+
+
+def end_at_once_on_signals() -> None:
+    """For a worker of phalanx's launcher: from now on, SIGINT and SIGTERM end this process at once,
+    also once training runs (the launcher takes stop requests, not its workers)."""
+    global _at_once, _pid
+    _at_once, _pid = True, os.getpid()
+    for sig in SIGNALS:
+        signal.signal(sig, exit_at_once)
 
 
 class GracefulStop:
@@ -48,9 +106,8 @@ class GracefulStop:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
-        if self.signum is not None:
-            checkpoint.abort_in_progress()
-            os._exit(128 + signum)
+        if self.signum is not None or _at_once:
+            exit_at_once(signum)
         self.signum = signum
         log.warning("%s received: finishing the current step and saving; send it again to exit at once",
                     signal.Signals(signum).name)

@@ -95,3 +95,30 @@ def test_shard_weights_must_match_the_process_count():
     assert _shard_weights(c, 2) == [1, 2]
     with pytest.raises(ConfigError, match="2 weights"):
         _shard_weights(c, 3)
+
+
+def _cores(monkeypatch, n: int) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(n)), raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: n)
+
+
+def test_more_cpu_processes_than_four_per_core_is_an_error_naming_the_override(monkeypatch):
+    _cores(monkeypatch, 2)
+    with pytest.raises(ConfigError, match=r"parallel.devices=1000 would start 1000 CPU processes on 2 core\(s\); "
+                                          r"at most 8 .*parallel.oversubscribe=true"):
+        strategies.needs_launch(cfg(accelerator="cpu", devices=1000))
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=8)) == ("cpu", 8)
+    with pytest.raises(ConfigError, match="would start 9 CPU processes"):
+        strategies.resolve_device(cfg(accelerator="cpu", devices=9))
+
+
+def test_the_test_suites_four_processes_run_on_one_or_two_cores(monkeypatch):
+    for n in (1, 2):
+        _cores(monkeypatch, n)
+        assert strategies.resolve_device(cfg(accelerator="cpu", devices=4)) == ("cpu", 4)
+
+
+def test_oversubscribe_lifts_the_cpu_process_limit(monkeypatch):
+    _cores(monkeypatch, 2)
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=1000, oversubscribe=True)) == ("cpu", 1000)

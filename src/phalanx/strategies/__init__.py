@@ -11,6 +11,18 @@ from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 
 STRATEGIES = ("single", "ddp")
+# CPU processes a launch may start per core: more only slow each other down (and a typo such as
+# parallel.devices=1000 would start processes until the machine gives out). parallel.oversubscribe=true
+# lifts the limit.
+CPU_PROCESSES_PER_CORE = 4
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def resolve_device(cfg: Config) -> tuple[str, int]:
@@ -33,6 +45,13 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
                           f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
     if devices < 1:
         raise ConfigError(f"parallel.devices must be at least 1, got {devices}")
+    if accelerator == "cpu" and not in_worker() and not cfg.parallel.oversubscribe:
+        cores = cpu_cores()
+        if devices > CPU_PROCESSES_PER_CORE * cores:
+            raise ConfigError(
+                f"parallel.devices={devices} would start {devices} CPU processes on {cores} core(s); at most "
+                f"{CPU_PROCESSES_PER_CORE * cores} ({CPU_PROCESSES_PER_CORE} per core) are allowed. Lower "
+                "parallel.devices, or set parallel.oversubscribe=true to start them anyway")
     if cfg.parallel.backend == "nccl" and accelerator != "cuda":
         raise ConfigError("parallel.backend=nccl joins CUDA GPUs, but this run is on the CPU; "
                           "set parallel.backend=auto or gloo")

@@ -5,6 +5,7 @@ The trainer never asks which strategy it runs; a new strategy is a new module be
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +29,10 @@ class Strategy(Protocol):
     @property
     def is_main(self) -> bool:
         """Whether this process writes logs, progress and checkpoints."""
+
+    def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
+        """`where()` returns the run's steps done and whether it is training: with several processes, a
+        collective's timeout then names the ranks that did not arrive and their step."""
 
     def setup(self, module: nn.Module) -> nn.Module:
         """Place (and wrap) the module; every rank starts from the same parameters."""

@@ -13,6 +13,10 @@ directly and DDP's reducer told it is ready, so it costs the step no autograd wo
 installed torch lacks that entry point, the carrier reaches the reducer through autograd instead.
 Steps where some rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead,
 so that rank can join with zero weight without running its model.
+
+Each collective this strategy enters is counted (`progress`), and a background thread publishes the
+count and the step to the process group's store: when a collective times out, the error names the
+ranks that never arrived and their step.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.errors import ConfigError
+from phalanx.strategies import progress
 from phalanx.strategies.syncbn import convert_sync_batchnorm
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -71,12 +76,14 @@ class DDP:
         else:
             self.device = torch.device("cpu")
         self.sync_batchnorm = sync_batchnorm
+        self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S[self.device.type]
         if not dist.is_initialized():
-            timeout = timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S[self.device.type])
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # what this rank is doing, for naming the rank that did not arrive when a collective times out
+        self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
         self.sum_factor = float(self.world_size)
         self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
@@ -86,8 +93,13 @@ class DDP:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
+        """`where()` tells the run's steps done and whether it is training, for naming a hung rank's step."""
+        self.progress.where = where
+
     def setup(self, module: nn.Module) -> nn.Module:
         module = module.to(self.device)
+        self.progress.enter("the broadcast of the initial parameters")
         if self.sync_batchnorm:
             module = convert_sync_batchnorm(module)
         carried = _Carried(module, _carrier_dtype(module), self.device)
@@ -120,6 +132,7 @@ class DDP:
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         out = tensor.detach().clone()
+        self.progress.enter("an all-reduce")
         dist.all_reduce(out, op=_OPS[op])
         return out
 
@@ -128,6 +141,7 @@ class DDP:
         backward, when the reducer expects every gradient; marking the carrier ready there costs no
         autograd work (it must not be marked twice: DDP's `find_unused_parameters` would)."""
         carrier = self.carrier
+        self.progress.enter("the gradient all-reduce")
         if self._mark_ready is None:
             carrier.grad = None
             return torch.dot(carrier, values)
@@ -141,6 +155,7 @@ class DDP:
 
     def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
         """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
+        self.progress.enter("the gradient all-reduce")
         self.carrier.grad = values
         params = [p for p in self._ddp.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -168,15 +183,18 @@ class DDP:
 
     def gather(self, value: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
+        self.progress.enter("a gather")
         dist.all_gather_object(out, value)
         return out
 
     def broadcast(self, value: Any) -> Any:
         box = [value]
+        self.progress.enter("a broadcast")
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
+        self.progress.enter("a barrier")
         dist.barrier()
 
     def unwrap(self, module: nn.Module) -> nn.Module:
@@ -185,8 +203,17 @@ class DDP:
         return module.module if isinstance(module, _Carried) else module
 
     def shutdown(self) -> None:
+        progress.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _default_store() -> Any:
+    """The process group's store (where ranks publish their progress), or None where torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: without it, hung ranks are not named
+        return None
 
 
 def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:

@@ -21,6 +21,9 @@ class Single:
     def is_main(self) -> bool:
         return True
 
+    def watch(self, where) -> None:
+        pass
+
     def setup(self, module: nn.Module) -> nn.Module:
         return module.to(self.device)
 

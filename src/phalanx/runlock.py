@@ -1,0 +1,96 @@
+"""One process trains in a run directory at a time.
+
+`phalanx train` and `phalanx resume` hold an OS advisory lock (`flock`) on `.lock` in the run
+directory for the whole run: the launcher where it starts workers (they do not lock), rank 0 under
+torchrun. The OS releases it when the holder ends, however it ends, so a killed run never leaves a
+stale lock. The holder writes its pid, host and command in the file, for the error a second process
+gets, and removes the file when it is done: a command that fails leaves the run directory as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+from phalanx.errors import RunDirError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock
+    fcntl = None
+
+LOCK = ".lock"
+
+
+class Lock:
+    """A held lock on a run directory, until `release()` or the end of this process."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):  # removed while held: the run directory was discarded
+            self.path.unlink()
+        os.close(self.fd)  # releases the lock
+        self.fd = None
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path, command: str) -> Iterator[Lock]:
+    """Hold the run directory's lock while the block runs; a RunDirError naming the holder if another
+    process holds it."""
+    lock = acquire(run_dir, command)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def acquire(run_dir: Path, command: str) -> Lock:
+    """Lock `run_dir` for this process, or raise a RunDirError naming the process that holds it."""
+    path = Path(run_dir) / LOCK
+    if fcntl is None:
+        return Lock(path, None)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirError(f"{str(run_dir)!r} is in use: {holder(path)} is training in it; wait for it to "
+                              "end, or stop it, and try again") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # the holder before removed the file between its opening and its locking: again
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "since": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(info).encode(), 0)
+    return Lock(path, fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
+def holder(path: Path) -> str:
+    """Who holds the lock, as its file says."""
+    try:
+        info = json.loads(path.read_text())
+        since = datetime.fromtimestamp(info["since"]).strftime("%Y-%m-%d %H:%M:%S")
+        return f"`phalanx {info['command']}` (pid {info['pid']} on host {info['host']}, since {since})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another phalanx process"

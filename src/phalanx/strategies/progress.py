@@ -1,0 +1,139 @@
+"""Which rank did not arrive: when a collective times out, the rank that waited names the ranks that
+never reached it, and the step they were in.
+
+Each rank counts the collectives it enters (an attribute write, no communication). A background
+thread publishes that count, the last collective and the training step to the process group's store
+whenever they change, at most ten times a second and off the training thread, so that no step pays
+for it. A rank whose collective times out compares its own count with the others' last reports: a
+rank with a smaller count never arrived.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+KEY = "phalanx/progress/{rank}"
+PUBLISH_INTERVAL_S = 0.1
+_current: Progress | None = None
+
+
+class Progress:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, store: Any = None,
+                 interval_s: float = PUBLISH_INTERVAL_S):
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.entered = 0  # collectives this rank has entered
+        self.what = "start-up"  # the last of them
+        self.where: Callable[[], tuple[int, bool]] | None = None  # (steps done, training) of the run
+        self._store = store
+        self._published: dict[str, Any] | None = None  # the last report this rank published
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if store is not None:
+            self._publish()
+            self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="phalanx-progress",
+                                            daemon=True)
+            self._thread.start()
+
+    def enter(self, what: str) -> None:
+        """This rank enters a collective."""
+        self.entered += 1
+        self.what = what
+
+    def position(self) -> str:
+        """Where the run is: 'step N' (the step being trained), 'evaluation after step N' or 'start-up'."""
+        if self.where is None:
+            return "start-up"
+        done, training = self.where()
+        return f"step {done + 1}" if training else f"evaluation after step {done}"
+
+    def report(self) -> dict[str, Any]:
+        return {"entered": self.entered, "what": self.what, "position": self.position(), "time": time.time()}
+
+    def _publish(self) -> tuple:
+        report = self.report()
+        self._store.set(KEY.format(rank=self.rank), json.dumps(report))
+        self._published = report
+        return report["entered"], report["what"], report["position"]
+
+    def _loop(self, interval_s: float) -> None:
+        last = None
+        while not self._stop.wait(interval_s):
+            try:
+                if (self.entered, self.what, self.position()) != last:
+                    last = self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone (the job is ending): nothing to report to
+                return
+
+    def reports(self) -> dict[int, dict | None]:
+        """Every other rank's last report (None where it never reported)."""
+        out: dict[int, dict | None] = {}
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = KEY.format(rank=rank)
+            try:
+                out[rank] = json.loads(self._store.get(key)) if self._store.check([key]) else None
+            except Exception:  # noqa: BLE001
+                out[rank] = None
+        return out
+
+    def explain(self, error: BaseException) -> str | None:
+        """A message naming the ranks that did not reach the collective this rank timed out in, and
+        where they were; None if `error` is not a collective's timeout or no rank is found behind."""
+        if not is_timeout(error) or self._store is None:
+            return None
+        # where this rank was while it waited (the error has since unwound the step), as published then
+        me = self._published if self._published and self._published["entered"] == self.entered else self.report()
+        me = {**me, "time": time.time()}
+        behind = {rank: info for rank, info in self.reports().items()
+                  if info is None or info["entered"] < me["entered"]}
+        if not behind:
+            return None
+        names = ", ".join(str(r) for r in behind)
+        lines = [f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} of {me['position']} "
+                 f"within the collective timeout (parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
+                 "waited for it there. Every rank was stopped."]
+        for rank, info in behind.items():
+            if info is None:
+                lines.append(f"  rank {rank}: no report (it had not finished starting)")
+            else:
+                ago = max(0.0, me["time"] - info["time"])
+                lines.append(f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); the last "
+                             f"collective it entered: {info['what']}")
+        lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
+
+def is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, (RuntimeError, TimeoutError)) and ("timed out" in text or "timeout" in text)
+
+
+def start(rank: int, world_size: int, timeout_s: float, store: Any) -> Progress:
+    """This process's progress, published to `store`; `explain` reads it."""
+    global _current
+    stop()
+    _current = Progress(rank, world_size, timeout_s, store)
+    return _current
+
+
+@atexit.register  # before the interpreter finalizes, with the publishing thread inside a store call
+def stop() -> None:
+    global _current
+    if _current is not None:
+        _current.close()
+        _current = None
+
+
+def explain(error: BaseException) -> str | None:
+    """See `Progress.explain`; None where this process runs no collectives."""
+    return _current.explain(error) if _current is not None else None

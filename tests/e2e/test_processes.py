@@ -1,0 +1,377 @@
+"""The launcher and its workers under hostile use, in real processes: a launcher killed with SIGKILL,
+the sockets a run listens on, a second signal, a hung rank, signals during start-up, and two commands
+in one run directory."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import toy
+
+pytestmark = pytest.mark.timeout(240)
+
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+TWO = ["parallel.accelerator=cpu", "parallel.devices=2"]
+
+PARTS = '''
+import os
+import time
+from pathlib import Path
+
+import toy
+
+
+class Slow(toy.Regression):
+    """toy.Regression whose training items take `delay` seconds each; `init_s` seconds to build, after
+    writing `ready-<rank>` in the working directory."""
+
+    def __init__(self, delay=0.0, init_s=0.0, **kwargs):
+        super().__init__(**kwargs)
+        Path(f"ready-{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
+        time.sleep(init_s)
+        train = self._streams["train"]
+        get = train.__getitem__
+
+        class Delayed(type(train)):
+            def __getitem__(self, i):
+                time.sleep(delay)
+                return get(i)
+
+        self._streams["train"] = Delayed(train.x, train.y)
+
+
+class HangAt(toy.Linear):
+    """Blocks for an hour in forward on rank `rank` at training step `step`, after writing `hung`."""
+
+    def __init__(self, features=3, rank=1, step=3):
+        super().__init__(features)
+        self.hang_rank, self.hang_step, self.calls = rank, step, 0
+
+    def forward(self, x, y):
+        if self.training:
+            self.calls += 1
+            if int(os.environ.get("RANK", 0)) == self.hang_rank and self.calls == self.hang_step:
+                Path("hung").write_text(str(time.time()))
+                time.sleep(3600)
+        return super().forward(x, y)
+
+
+class StuckAt(toy.Linear):
+    """On rank `rank` at training step `step`, blocks SIGINT and SIGTERM and sleeps for an hour, after
+    writing `stuck`: a main thread inside a long native call, where no Python signal handler runs."""
+
+    def __init__(self, features=3, rank=1, step=3):
+        super().__init__(features)
+        self.stuck_rank, self.stuck_step, self.calls = rank, step, 0
+
+    def forward(self, x, y):
+        import signal
+
+        if self.training:
+            self.calls += 1
+            if int(os.environ.get("RANK", 0)) == self.stuck_rank and self.calls == self.stuck_step:
+                signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+                Path("stuck").write_text(str(time.time()))
+                time.sleep(3600)
+        return super().forward(x, y)
+
+
+class SlowSave(toy.Linear):
+    """toy.Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds."""
+
+    def __init__(self, save_delay=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.save_delay = save_delay
+
+    def state_dict(self, *args, **kwargs):
+        time.sleep(self.save_delay)
+        return super().state_dict(*args, **kwargs)
+'''
+
+
+def experiment(folder: Path, **sections) -> Path:
+    cfg = toy.regression_config(**{"dataset": {"class": "parts.Slow", "batch_size": 4, "delay": 0.02},
+                                   "main_loop": {"epochs": 100}, "hooks": ["SaveLatest"], **sections})
+    path = toy.write_config(folder, cfg)
+    (folder / "parts.py").write_text(PARTS)
+    return path
+
+
+def start(*args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
+    return subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=new_session)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
+    out, err = proc.communicate(timeout=timeout)
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
+
+
+def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def events(root: Path) -> list[str]:
+    out = []
+    for trace in root.glob("*/trace.jsonl"):
+        out += [json.loads(line)["event"] for line in trace.read_text().splitlines() if line.endswith("}")]
+    return out
+
+
+def the_run(root: Path) -> Path:
+    [run] = [p for p in root.iterdir() if p.is_dir()]
+    return run
+
+
+def workers_of(pid: int) -> list[int]:
+    """The worker processes the launcher `pid` started (its children running multiprocessing's spawn)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket the processes `pids` hold, read from /proc."""
+    inodes = {}
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            hex_address, hex_port = fields[1].split(":")
+            raw = bytes.fromhex(hex_address)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.append((socket.inet_ntop(family, raw), int(hex_port, 16), inodes[fields[9]]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A 2-process run: its listening sockets once training runs; then its launcher killed with SIGKILL
+    while rank 1 is stuck in a long call and rank 0 waits for it in the all-reduce."""
+    exp = tmp_path_factory.mktemp("killed")
+    path = experiment(exp, model={"class": "parts.StuckAt", "rank": 1, "step": 13})
+    proc = start("train", str(path), *TWO, cwd=exp)
+    workers: list[int] = []
+    try:
+        wait_until(lambda: (exp / "stuck").is_file(), proc, what="rank 1 being stuck in its second epoch")
+        workers = workers_of(proc.pid)
+        sockets = listening_sockets([proc.pid, *workers])
+        proc.kill()
+        proc.wait()
+        killed_at = time.monotonic()
+        while any(alive(p) for p in workers) and time.monotonic() - killed_at < 30:
+            time.sleep(0.05)
+        return SimpleNamespace(workers=workers, sockets=sockets, survived=time.monotonic() - killed_at,
+                               left=[p for p in workers if alive(p)])
+    finally:
+        proc.kill()
+        kill_all(workers)
+
+
+def test_killing_the_launcher_ends_its_workers_within_seconds(killed):
+    assert len(killed.workers) == 2
+    assert not killed.left, f"workers {killed.left} outlived their launcher"
+    assert killed.survived < 5
+
+
+def test_a_run_listens_on_loopback_only(killed):
+    assert killed.sockets, "the run listens on no socket at all?"
+    public = [s for s in killed.sockets if s[0] not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+    assert not public, f"listening beyond loopback (address, port, pid): {public}"
+
+
+def test_a_second_signal_ends_every_worker_at_once(tmp_path):
+    # every checkpoint takes 5 s to write, so both signals arrive while one is half written
+    path = experiment(tmp_path, model={"class": "parts.SlowSave", "save_delay": 5.0},
+                      dataset={"class": "toy.Regression", "batch_size": 8}, main_loop={"epochs": 3})
+    proc = start("train", str(path), *TWO, cwd=tmp_path)
+    workers: list[int] = []
+    try:
+        wait_until(lambda: any((tmp_path / "runs").glob("*/checkpoints/.tmp-*")), proc,
+                   what="a checkpoint being written")
+        workers = workers_of(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        result = finish(proc, timeout=30)
+        elapsed = time.monotonic() - sent
+    finally:
+        proc.kill()
+        kill_all(workers)
+    assert result.returncode == 130, result.stderr
+    assert elapsed < 3, f"took {elapsed:.1f} s"  # not after the 5 s save, nor the agent's 5 s grace
+    assert not [p for p in workers if alive(p)]
+    folder = the_run(tmp_path / "runs") / "checkpoints"
+    assert not list(folder.glob(".tmp-*"))
+    assert "Traceback" not in result.stderr
+
+
+def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_timeout(tmp_path):
+    timeout = 3
+    path = experiment(tmp_path, model={"class": "parts.HangAt", "rank": 1, "step": 3},
+                      dataset={"class": "toy.Regression", "batch_size": 8},
+                      parallel={"accelerator": "cpu", "devices": 2, "timeout_s": timeout})
+    proc = start("train", str(path), cwd=tmp_path)
+    try:
+        wait_until(lambda: (tmp_path / "hung").is_file(), proc, what="rank 1 hanging")
+        hung = time.monotonic()
+        result = finish(proc, timeout=90)
+        elapsed = time.monotonic() - hung
+    finally:
+        proc.kill()
+    assert result.returncode == 1, result.stderr
+    assert elapsed < timeout + 5, f"the job ended {elapsed:.1f} s after the hang, with a {timeout} s timeout"
+    error = result.stderr[result.stderr.index("phalanx: error:"):]
+    assert "rank 1 did not reach the gradient all-reduce of step 3" in error, error
+    assert f"parallel.timeout_s={timeout}" in error
+    assert "rank 1: last seen in step 3" in error
+    assert "Traceback" not in result.stderr
+
+
+def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
+    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    proc = start("train", str(path), cwd=tmp_path)
+    wait_until(lambda: (tmp_path / "ready-0").is_file(), proc, what="the data set being built")
+    assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").iterdir())  # the run directory exists
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, timeout=30)
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "phalanx: interrupted"
+    assert "Traceback" not in result.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+@pytest.mark.parametrize("when", ["importing", "building"])
+def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
+    """A terminal's Ctrl-C reaches the whole foreground process group: the launcher and the workers
+    it started, here while they import torch or while they build the data set."""
+    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    proc = start("train", str(path), *TWO, cwd=tmp_path, new_session=True)  # its own group, as a terminal's job
+    workers: list[int] = []
+    try:
+        if when == "importing":
+            wait_until(lambda: len(workers_of(proc.pid)) == 2, proc, what="the workers being started")
+        else:
+            wait_until(lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)), proc,
+                       what="the workers building the data set")
+        workers = workers_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGINT)
+        result = finish(proc, timeout=30)
+    finally:
+        proc.kill()
+        kill_all(workers)
+    assert result.returncode == 130, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "phalanx: interrupted", result.stderr
+    assert "Traceback" not in result.stderr and "KeyboardInterrupt" not in result.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
+    time.sleep(0.5)
+    assert not [p for p in workers if alive(p)]
+
+
+def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
+    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    proc = start("train", str(path), *TWO, cwd=tmp_path)
+    workers: list[int] = []
+    try:
+        wait_until(lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)), proc,
+                   what="the workers building the data set")
+        workers = workers_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        result = finish(proc, timeout=30)
+    finally:
+        proc.kill()
+        kill_all(workers)
+    assert result.returncode == 143, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "phalanx: interrupted", result.stderr
+    assert list((tmp_path / "runs").iterdir()) == []
+    time.sleep(0.5)
+    assert not [p for p in workers if alive(p)]
+
+
+def test_a_run_directory_in_use_is_refused_naming_its_holder_and_a_killed_holder_leaves_no_lock(tmp_path):
+    path = experiment(tmp_path, hooks=[{"SaveEvery": {"steps": 2}}])
+    proc = start("train", str(path), *TWO, cwd=tmp_path)
+    workers: list[int] = []
+    try:
+        wait_until(lambda: "checkpoint" in events(tmp_path / "runs"), proc, what="a checkpoint")
+        run = the_run(tmp_path / "runs")
+        second = finish(start("resume", str(run), cwd=tmp_path))
+        assert second.returncode == 2, second.stderr
+        [line] = second.stderr.strip().splitlines()
+        assert line.startswith("phalanx: error:") and "in use" in line
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in line and "phalanx train" in line
+        assert proc.poll() is None  # the first run goes on, its workers untroubled by the lock
+        workers = workers_of(proc.pid)
+        proc.kill()  # SIGKILL: no clean-up at all
+        proc.wait()
+        before = events(tmp_path / "runs").count("started")
+        third = start("resume", str(run), cwd=tmp_path)
+        wait_until(lambda: events(tmp_path / "runs").count("started") > before, third,
+                   what="the resume to start training")
+        third.send_signal(signal.SIGTERM)
+        result = finish(third)
+        assert result.returncode == 143, result.stderr
+    finally:
+        proc.kill()
+        kill_all(workers)

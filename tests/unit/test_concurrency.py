@@ -1,0 +1,89 @@
+"""Two commands at once: run directories created in the same instant, and the lock that keeps a
+second process from training in a run directory in use."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import toy
+from phalanx import config, rundir, runlock
+from phalanx.errors import RunDirError
+from phalanx.strategies.progress import Progress
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_two_runs_created_in_the_same_instant_get_a_directory_each(tmp_path, monkeypatch):
+    """Another process creates the very directory this one chose, between its choice and its mkdir."""
+    cfg = config.validate({**toy.regression_config(), "output_root": str(tmp_path / "runs")})
+    real_mkdir = Path.mkdir
+    raced: list[Path] = []
+
+    def racing_mkdir(self, *args, **kwargs):
+        if self.name.startswith("toy-") and not raced:
+            raced.append(self)
+            real_mkdir(self, parents=True)  # the other process, first
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    run = rundir.create(cfg, tmp_path / "config.yaml")
+    assert raced and run != raced[0] and run.name == f"{raced[0].name}-2"
+    assert (run / rundir.CONFIG).is_file() and not any(raced[0].iterdir())
+
+
+def test_a_locked_run_directory_is_refused_naming_its_holder(tmp_path):
+    with runlock.hold(tmp_path, "train"):
+        with pytest.raises(RunDirError) as caught:
+            runlock.acquire(tmp_path, "resume")
+        message = str(caught.value)
+        assert "in use" in message and "`phalanx train`" in message
+        assert f"pid {os.getpid()} on host {socket.gethostname()}" in message
+        assert "\n" not in message
+    runlock.acquire(tmp_path, "resume").release()  # released with the block
+    assert not (tmp_path / runlock.LOCK).exists()  # nothing left in the run directory
+
+
+def test_a_killed_holder_leaves_no_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from phalanx import runlock; runlock.acquire(Path(sys.argv[1]), 'train'); "
+                               "print('locked', flush=True); time.sleep(600)", str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+            runlock.acquire(tmp_path, "resume")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        runlock.acquire(tmp_path, "resume").release()
+    finally:
+        holder.kill()
+
+
+def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_step():
+    """Three ranks trained 2 steps; ranks 0 and 2 entered step 3's all-reduce, rank 1 never did."""
+    store = dist.HashStore()
+    ranks = [Progress(r, 3, 4.0, store, interval_s=0.02) for r in range(3)]
+    try:
+        for progress in ranks:
+            progress.where = lambda: (2, True)  # 2 steps done, training
+            for _ in range(2):
+                progress.enter("the gradient all-reduce")
+        ranks[0].enter("the gradient all-reduce")
+        ranks[2].enter("the gradient all-reduce")
+        time.sleep(0.3)  # the reports are published
+        message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 4000ms for recv operation to complete"))
+        assert message.startswith("rank 1 did not reach the gradient all-reduce of step 3 within the collective "
+                                  "timeout (parallel.timeout_s=4); rank 0 waited for it there.")
+        assert "rank 1: last seen in step 3" in message and "rank 2:" not in message
+        assert ranks[0].explain(RuntimeError("Connection closed by peer")) is None  # not a timeout
+    finally:
+        for progress in ranks:
+            progress.close()
