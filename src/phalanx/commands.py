@@ -76,8 +76,9 @@ def _discard(run_dir: Path) -> None:
 def resume(run_path: str, overrides: list[str]) -> int:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
     logs.setup(None)  # first: opening the run logs where its classes come from
-    run_dir = rundir.open_run(run_path)
-    with _training_lock(run_dir, "resume"):
+    run_dir = rundir.open_run(run_path, announce=False)
+    with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
+        rundir.announce_imports(run_dir)
         return _resume(run_dir, overrides)
 
 

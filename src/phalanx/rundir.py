@@ -43,9 +43,9 @@ def resolved(cfg: Config) -> dict:
     return cfg.model_dump(mode="json", by_alias=True)
 
 
-def open_run(path: str | Path) -> Path:
+def open_run(path: str | Path, announce: bool = True) -> Path:
     """The run directory at `path`, or a RunDirError saying why it is not one. Logs where the run's
-    classes will be imported from: opening a run runs the code its config names."""
+    classes will be imported from (unless `announce` is False: the caller does, later)."""
     run_dir = Path(path)
     if not run_dir.is_dir():
         raise RunDirError(f"{str(run_dir)!r} is not a directory; pass a run directory such as "
@@ -53,10 +53,16 @@ def open_run(path: str | Path) -> Path:
     if not (run_dir / CONFIG).is_file() or not (run_dir / META).is_file():
         raise RunDirError(f"{str(run_dir)!r} is not a run directory (it has no {CONFIG} and {META}); "
                           "`phalanx ls` lists the runs")
+    if announce:
+        announce_imports(run_dir)
+    return run_dir
+
+
+def announce_imports(run_dir: Path) -> None:
+    """Log where the run's classes will be imported from: opening a run runs the code its config names."""
     config_dir, cwd = search_dirs(run_dir)
     log.info("run %s imports its classes from %s%s (as its %s says)", run_dir, config_dir,
              "" if cwd == config_dir else f", then {cwd}", META)
-    return run_dir
 
 
 def search_dirs(run_dir: Path) -> list[Path]:
