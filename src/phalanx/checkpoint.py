@@ -156,17 +156,31 @@ class Checkpoints:
         return None
 
     def best(self) -> int | None:
+        """The best step as `best.json` names it; None where there is none or it is unreadable."""
         try:
-            return int(json.loads((self.root / "best.json").read_text())["step"])
-        except (OSError, ValueError, KeyError):
+            return self._best()
+        except CheckpointError:
             return None
+
+    def _best(self) -> int | None:
+        path = self.root / "best.json"
+        if not path.is_file():
+            return None
+        try:
+            step = json.loads(path.read_text(encoding="utf-8"))["step"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+            step = None
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"{path} does not name a step; choose one with --checkpoint latest or N, or "
+                                  "delete it: the next SaveBest writes it again")
+        return step
 
     def select(self, which: str | int) -> int:
         """`latest`, `best` or a step number, verified."""
         if which == "latest":
             step = self.latest_valid()
         elif which == "best":
-            step = self.best()
+            step = self._best()
         else:
             step = int(which) if str(which).isdigit() else None
             if step is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -85,9 +86,14 @@ def _first_line(error: BaseException) -> str:
 
 
 def trace(run_dir: Path, event: str, **fields: Any) -> None:
+    """Append an event. A last line cut short (by a crash or a full disk) is ended first, so that it
+    costs only itself and not this event too."""
     path = run_dir / TRACE
-    with writing(path), open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({"time": time.time(), "event": event, **fields}) + "\n")
+    line = json.dumps({"time": time.time(), "event": event, **fields}).encode() + b"\n"
+    with writing(path), open(path, "ab+") as f:
+        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            line = b"\n" + line
+        f.write(line)
 
 
 def read_trace(run_dir: Path) -> list[dict]:

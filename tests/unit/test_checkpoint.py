@@ -254,6 +254,16 @@ def test_select_best_without_a_best(ckpts):
         ckpts.select("best")
 
 
+@pytest.mark.parametrize("content", ["[]", "{}", '{"step": "4"}', "not json", '{"step": -1}'])
+def test_a_best_json_that_names_no_step_is_an_error_saying_so(ckpts, content):
+    _save(ckpts, 1)
+    (ckpts.root / "best.json").write_text(content)
+    assert ckpts.best() is None  # retention and ls go on without it
+    ckpts.prune()
+    with pytest.raises(CheckpointError, match="best.json does not name a step; choose one with --checkpoint"):
+        ckpts.select("best")
+
+
 def test_loading_weights_into_another_model_is_an_error(ckpts):
     _save(ckpts, 1)
     with pytest.raises(CheckpointError) as info:

@@ -57,6 +57,14 @@ def test_the_trace_skips_lines_that_are_not_events(run):
     assert [e["event"] for e in rundir.read_trace(run)] == ["started"]
 
 
+def test_an_event_after_a_line_cut_short_is_kept(run):
+    rundir.trace(run, "started", step=0)
+    with open(run / rundir.TRACE, "a") as f:
+        f.write('{"event": "epo')  # a crash in the middle of a line
+    rundir.trace(run, "interrupted", step=3)
+    assert [e["event"] for e in rundir.read_trace(run)] == ["started", "interrupted"]
+
+
 def test_a_trace_that_cannot_be_written_is_one_error_naming_it(run):
     (run / rundir.TRACE).mkdir()  # as unwritable as a full disk, without filling one
     with pytest.raises(StorageError, match="trace.jsonl"):
