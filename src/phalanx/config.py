@@ -375,12 +375,23 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
             signature.bind(*args, **kwargs)
         except TypeError as e:
             raise ConfigError(f"{section}: {_name(factory)}: {e}; set it in the {section} section") from None
+        for key, value in kwargs.items():
+            if isinstance(value, bool) and key in params and _takes_numbers_not_bools(params[key]):
+                raise ConfigError(f"{section}: {_name(factory)}'s {key} takes a number, got {str(value).lower()}; "
+                                  f"write a number for {key} in the {section} section")
     try:
         return factory(*args, **kwargs)
     except (TypeError, ValueError) as e:  # the constructor rejected a value: name the section (--debug: traceback)
         given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         raise ConfigError(f"{section}: {_name(factory)}({given}) failed: {type(e).__name__}: {e}; "
                           f"fix the values in the {section} section") from e
+
+
+def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:
+    """Whether a parameter is annotated as a number and not as a bool (a bool is an int to Python,
+    so `steps: true` would quietly mean 1)."""
+    names = set(re.findall(r"[A-Za-z_]+", str(param.annotation)))
+    return bool(names & {"int", "float"}) and "bool" not in names
 
 
 def build_value(value: Any, where: str, search_dirs: list[Path]) -> Any:

@@ -361,3 +361,18 @@ def test_a_config_inside_its_package_finds_the_package_from_any_working_director
     assert config.import_object("zoo_pkg.models.net.Net", [folder]).__name__ == "Net"
     with pytest.raises(ConfigError, match="cannot import 'zoo_pkg.other'"):
         config.import_object("zoo_pkg.other.Thing", [folder])
+
+
+@pytest.mark.parametrize("section, raw", [
+    ("hooks.0.StopAfter", {"hooks": [{"StopAfter": {"epochs": True}}]}),
+    ("hooks.0.SaveEvery", {"hooks": [{"SaveEvery": {"steps": False}}]}),
+    ("optimizer", {"optimizer": {"class": "SGD", "lr": True}}),
+])
+def test_a_boolean_for_a_constructor_number_is_an_error(section, raw):
+    """Constructor keywords are not in the schema; their annotations say which take numbers."""
+    from phalanx.build import build_optimizer
+    from phalanx.hooks import build_hooks
+
+    cfg = config.validate(toy.regression_config(**raw))
+    with pytest.raises(ConfigError, match=f"{section}: .* takes a number, got (true|false)"):
+        build_hooks(cfg, []) if "hooks" in raw else build_optimizer(cfg.optimizer, torch.nn.Linear(3, 1), [], 8)
