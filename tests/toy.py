@@ -129,6 +129,43 @@ class BatchNormNet(nn.Module):
         return {"prediction": prediction, "loss": (prediction - y) ** 2}
 
 
+class SlowRegression(Regression):
+    """Regression whose training items take `delay` seconds each to load; with `init_s`, it takes that
+    long to build, after writing `ready-<rank>` in the working directory."""
+
+    def __init__(self, delay: float = 0.0, init_s: float = 0.0, **kwargs: Any):
+        import os
+        import time
+
+        super().__init__(**kwargs)
+        if init_s:
+            Path(f"ready-{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
+            time.sleep(init_s)
+        train = self._streams["train"]
+        get = train.__getitem__
+
+        class Delayed(type(train)):
+            def __getitem__(self, i: int) -> dict[str, Any]:
+                time.sleep(delay)
+                return get(i)
+
+        self._streams["train"] = Delayed(train.x, train.y)
+
+
+class SlowSave(Linear):
+    """Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds."""
+
+    def __init__(self, save_delay: float = 0.0, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.save_delay = save_delay
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        import time
+
+        time.sleep(self.save_delay)
+        return super().state_dict(*args, **kwargs)
+
+
 class FailAt(Linear):
     """Raises on rank `rank` at training step `step` (counting forward calls in training mode)."""
 

@@ -88,9 +88,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
 
 
 def test_a_stop_request_saves_and_resume_finishes(tmp_path):
-    slow = tmp_path / "slowtoy.py"
-    slow.write_text(SLOW)
-    cfg = {**CFG, "dataset": {"class": "slowtoy.Slow", "batch_size": 4, "delay": 0.02},
+    cfg = {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
            "main_loop": {"epochs": 6}}
     path = toy.write_config(tmp_path, cfg)
     proc = subprocess.Popen([*PHALANX, "train", str(path), "parallel.devices=2"], cwd=tmp_path, env=ENV,
@@ -115,29 +113,6 @@ def test_a_stop_request_saves_and_resume_finishes(tmp_path):
     resumed = phalanx("resume", str(run), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert '"finished"' in (run / "trace.jsonl").read_text()
-
-
-SLOW = '''
-import time
-
-import toy
-
-
-class Slow(toy.Regression):
-    """toy.Regression whose training items take `delay` seconds each to load."""
-
-    def __init__(self, delay=0.0, **kwargs):
-        super().__init__(**kwargs)
-        train = self._streams["train"]
-        get = train.__getitem__
-
-        class Delayed(type(train)):
-            def __getitem__(self, i):
-                time.sleep(delay)
-                return get(i)
-
-        self._streams["train"] = Delayed(train.x, train.y)
-'''
 
 
 def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path):

@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,12 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 import toy
+from procs import finish, start, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TWO = ["parallel.accelerator=cpu", "parallel.devices=2"]
 
 PARTS = '''
@@ -30,25 +26,6 @@ import time
 from pathlib import Path
 
 import toy
-
-
-class Slow(toy.Regression):
-    """toy.Regression whose training items take `delay` seconds each; `init_s` seconds to build, after
-    writing `ready-<rank>` in the working directory."""
-
-    def __init__(self, delay=0.0, init_s=0.0, **kwargs):
-        super().__init__(**kwargs)
-        Path(f"ready-{os.environ.get('RANK', 0)}").write_text(str(os.getpid()))
-        time.sleep(init_s)
-        train = self._streams["train"]
-        get = train.__getitem__
-
-        class Delayed(type(train)):
-            def __getitem__(self, i):
-                time.sleep(delay)
-                return get(i)
-
-        self._streams["train"] = Delayed(train.x, train.y)
 
 
 class HangAt(toy.Linear):
@@ -85,50 +62,15 @@ class StuckAt(toy.Linear):
                 Path("stuck").write_text(str(time.time()))
                 time.sleep(3600)
         return super().forward(x, y)
-
-
-class SlowSave(toy.Linear):
-    """toy.Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds."""
-
-    def __init__(self, save_delay=0.0, **kwargs):
-        super().__init__(**kwargs)
-        self.save_delay = save_delay
-
-    def state_dict(self, *args, **kwargs):
-        time.sleep(self.save_delay)
-        return super().state_dict(*args, **kwargs)
 '''
 
 
 def experiment(folder: Path, **sections) -> Path:
-    cfg = toy.regression_config(**{"dataset": {"class": "parts.Slow", "batch_size": 4, "delay": 0.02},
+    cfg = toy.regression_config(**{"dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
                                    "main_loop": {"epochs": 100}, "hooks": ["SaveLatest"], **sections})
     path = toy.write_config(folder, cfg)
     (folder / "parts.py").write_text(PARTS)
     return path
-
-
-def start(*args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=new_session)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
-    out, err = proc.communicate(timeout=timeout)
-    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
-
-
-def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.communicate()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def events(root: Path) -> list[str]:
@@ -242,7 +184,7 @@ def test_a_run_listens_on_loopback_only(killed):
 
 def test_a_second_signal_ends_every_worker_at_once(tmp_path):
     # every checkpoint takes 5 s to write, so both signals arrive while one is half written
-    path = experiment(tmp_path, model={"class": "parts.SlowSave", "save_delay": 5.0},
+    path = experiment(tmp_path, model={"class": "toy.SlowSave", "save_delay": 5.0},
                       dataset={"class": "toy.Regression", "batch_size": 8}, main_loop={"epochs": 3})
     proc = start("train", str(path), *TWO, cwd=tmp_path)
     workers: list[int] = []
@@ -290,7 +232,7 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
 
 
 def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
-    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
     proc = start("train", str(path), cwd=tmp_path)
     wait_until(lambda: (tmp_path / "ready-0").is_file(), proc, what="the data set being built")
     assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").iterdir())  # the run directory exists
@@ -306,7 +248,7 @@ def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
 def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
     """A terminal's Ctrl-C reaches the whole foreground process group: the launcher and the workers
     it started, here while they import torch or while they build the data set."""
-    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
     proc = start("train", str(path), *TWO, cwd=tmp_path, new_session=True)  # its own group, as a terminal's job
     workers: list[int] = []
     try:
@@ -330,7 +272,7 @@ def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
 
 
 def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
-    path = experiment(tmp_path, dataset={"class": "parts.Slow", "batch_size": 4, "init_s": 60})
+    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
     proc = start("train", str(path), *TWO, cwd=tmp_path)
     workers: list[int] = []
     try:

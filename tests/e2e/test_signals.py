@@ -4,11 +4,8 @@ ends; a second signal exits at once and leaves no half-written checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,15 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 import toy
+from procs import finish, start, wait_until
 from phalanx import config
 from phalanx.hooks import StopAfter
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(240)
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 EPOCHS, STEPS_PER_EPOCH = 8, 10
 
 SLOW = '''
@@ -58,18 +53,6 @@ class SlowRegression(toy.Regression):
 
     def streams(self):
         return {name: Slow(items, self.delay) for name, items in super().streams().items()}
-
-
-class SlowSave(toy.Linear):
-    """toy.Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds."""
-
-    def __init__(self, save_delay=0.0, **kwargs):
-        super().__init__(**kwargs)
-        self.save_delay = save_delay
-
-    def state_dict(self, *args, **kwargs):
-        time.sleep(self.save_delay)
-        return super().state_dict(*args, **kwargs)
 '''
 
 
@@ -77,30 +60,6 @@ def slow_config(delay: float) -> dict:
     return toy.regression_config(
         dataset={"class": "slowtoy.SlowRegression", "batch_size": 4, "delay": delay},
         main_loop={"epochs": EPOCHS}, hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest"])
-
-
-def start(*args: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
-    out, err = proc.communicate(timeout=timeout)
-    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
-
-
-def wait_until(condition, proc: subprocess.Popen, timeout: float = 90, what: str = "") -> None:
-    """Poll until `condition()` holds; fail, with the process's output, if it ends first."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            proc.communicate()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def trace(run: Path) -> list[dict]:
@@ -206,7 +165,7 @@ def test_resume_after_the_interruptions_ends_like_an_uninterrupted_run(chain):
 def test_a_second_signal_exits_at_once_leaving_no_partial_checkpoint(tmp_path):
     exp = tmp_path / "exp"
     # every checkpoint takes 5 s to write, so both signals arrive while one is half written
-    toy.write_config(exp, toy.regression_config(model={"class": "slowtoy.SlowSave", "save_delay": 5.0},
+    toy.write_config(exp, toy.regression_config(model={"class": "toy.SlowSave", "save_delay": 5.0},
                                                 main_loop={"epochs": 3}, hooks=["SaveLatest"]))
     (exp / "slowtoy.py").write_text(SLOW)
     checkpoints = lambda: next((exp / "runs").glob("*/checkpoints"), None)  # noqa: E731

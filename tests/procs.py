@@ -1,0 +1,41 @@
+"""Driving the `phalanx` command in real processes, for the end-to-end tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def start(*args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
+    """`phalanx ARGS...` started in `cwd`, its output captured."""
+    return subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=new_session)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
+    """Wait for the process; its exit code and output."""
+    out, err = proc.communicate(timeout=timeout)
+    return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)
+
+
+def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: str = "") -> None:
+    """Poll until `condition()` holds; fail, with the process's output, if it ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the process ended (code {proc.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
