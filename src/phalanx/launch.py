@@ -20,10 +20,12 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
 import _thread
+import tempfile
 import threading
 import time
 import traceback
@@ -55,17 +57,20 @@ def clear_requests(run_dir: Path) -> None:
 
 def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ()) -> int:
     """Run the training in `run_dir` on `devices` local worker processes; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+    records = Path(tempfile.mkdtemp(prefix="phalanx-workers-"))  # each worker's error.json, read on failure
     listener = _listen()
     _listeners[run_id] = listener
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=devices, run_id=run_id,
         rdzv_backend=_register_rendezvous(), rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
         local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1, start_method="spawn",
-        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        logs_specs=DefaultLogsSpecs(log_dir=str(records)))
     clear_requests(run_dir)
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
                  "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
@@ -74,8 +79,9 @@ def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ())
         with _Relay(run_dir), _loopback_interfaces():
             results = elastic_launch(config, worker)(str(run_dir), resume, list(overrides), os.getpid())
     except ChildFailedError as e:
-        raise _explain(e) from None
+        raise _explain(e, records) from None
     finally:
+        shutil.rmtree(records, ignore_errors=True)
         unused = _listeners.pop(run_id, None)
         if unused is not None:
             unused.close()
@@ -301,10 +307,10 @@ def _record(e: BaseException, explained: str | None = None) -> None:
         json.dump(data, f)
 
 
-def _explain(error) -> PhalanxError:
+def _explain(error, records: Path) -> PhalanxError:
     """The first failing rank's error: one line for a user error, the ranks that did not arrive for a
     collective's timeout, else its traceback."""
-    recorded = sorted(_recorded(error), key=lambda info: info["time"])
+    recorded = sorted(_recorded(records), key=lambda info: info["time"])
     if not recorded:
         rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
         return RankFailure(f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
@@ -318,12 +324,13 @@ def _explain(error) -> PhalanxError:
                        f"{first['callstack'].rstrip()}")
 
 
-def _recorded(error) -> list[dict]:
-    """What every worker recorded. The launcher reports the first exit it notices, which need not be
-    the first failure, so the error files of all local ranks (siblings of the reported one) are read."""
-    folders = {Path(f.error_file).parent.parent for f in error.failures.values() if f.error_file}
+def _recorded(records: Path) -> list[dict]:
+    """What every worker recorded under `records`. The launcher reports the first exit it notices,
+    which need not be the first failure (a worker that ended at once because another failed may be
+    noticed first), so every rank's error file is read."""
+    files = sorted(records.glob("*/attempt_*/*/error.json"))
     out = []
-    for file in sorted(p for folder in folders for p in folder.glob("*/error.json")):
+    for file in files:
         try:
             data = json.loads(file.read_text())
             info = data["phalanx"]
