@@ -204,7 +204,7 @@ class Record(Hook):
 
 
 class RequestStopAt(Hook):
-    """Asks for a graceful stop on rank `rank` alone, after training step `step`, as SIGTERM would."""
+    """Asks for a graceful stop on rank `rank` alone, after training step `step`: a real SIGTERM to itself."""
 
     gathers = False
 
@@ -213,9 +213,10 @@ class RequestStopAt(Hook):
 
     def after_batch(self, stream: str, batch: dict) -> None:
         if self.trainer.training and self.trainer.strategy.rank == self.rank and self.trainer.step == self.step:
+            import os
             import signal
 
-            self.trainer.stop.signum = signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class SeenIds(Hook):

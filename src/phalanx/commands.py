@@ -37,7 +37,7 @@ def train(config_path: str, overrides: list[str]) -> int:
                 logs.setup(run_dir)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                return launch.launch(run_dir, devices, resume=False)
+                return launch.launch(run_dir, devices, run_worker, False, [])
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
                     _discard(run_dir)
@@ -86,7 +86,7 @@ def _resume(run_dir: Path, overrides: list[str]) -> int:
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     if strategies.needs_launch(cfg):
         logs.setup(run_dir)
-        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], resume=True, overrides=overrides)
+        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides))
     return run_worker(run_dir, resume=True, overrides=overrides)
 
 
@@ -219,7 +219,7 @@ class _Collect(Hook):
         self.rows: list[dict[str, Any]] = []
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        outputs = self.trainer.forward.output_names
+        outputs = self.trainer.output_names
         n = len(batch["loss"])
         for i in range(n):
             row = {"index": len(self.rows)}

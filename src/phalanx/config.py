@@ -102,6 +102,13 @@ class DatasetConfig(_ClassSection):
         return n
 
 
+class DDPConfig(_Section):
+    """`parallel.ddp`: settings of the `ddp` strategy."""
+
+    bucket_cap_mb: StrictFloat | None = Field(
+        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)")
+
+
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -112,6 +119,7 @@ class ParallelConfig(_Section):
         None, description="relative shard size per rank, for mixed hardware; default equal")
     timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
+    ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
                             "several ranks share one GPU, which nccl refuses")
@@ -163,6 +171,8 @@ class Config(_Section):
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
     compile: bool | CompileConfig = Field(False, description="torch.compile the model")
     channels_last: bool = Field(False, description="channels-last memory format for 4-D weights and inputs")
+    activation_checkpointing: list[str] = Field(
+        default_factory=list, description="module class names whose activations are recomputed in backward")
     profile: ProfileConfig | None = Field(None, description="record a torch.profiler trace of a few steps")
     output_root: str = "runs"
 

@@ -6,7 +6,6 @@ loss, for uneven shards, short last batches and gradient accumulation alike.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +19,6 @@ from phalanx.model import Forward, check_loss
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
-_SYNCHRONISED = contextlib.nullcontext()  # the micro-batch whose backward reduces (it holds no state)
-
 
 @dataclass
 class StepResult:
@@ -31,69 +28,55 @@ class StepResult:
 
 
 class Engine:
+    """The contract's arithmetic for one optimizer step. The strategy decides how the micro-batches'
+    forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward` here."""
+
     def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
                  schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
-        self.module, self.forward, self.optimizer = module, forward, optimizer
+        self.module, self.forward_fn, self.optimizer = module, forward, optimizer
         self.precision, self.strategy = precision, strategy
         self._schedulers = {interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")}
         self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
-        self.carrier, self.factor = strategy.carrier, strategy.sum_factor
-        if self.carrier is not None:  # the stop flag as the carrier's gradient holds it, for either answer
-            self._flags = {flag: torch.tensor(float(flag) * self.factor, dtype=self.carrier.dtype,
-                                              device=self.carrier.device) for flag in (False, True)}
-        self._pending_stop: tuple[torch.Tensor, Any] | None = None
         self._gradients: dict[tuple, torch.Tensor] = {}
 
     def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
-        agreed among ranks in the gradient reduction, with the loss."""
+        agreed among ranks with the loss."""
         if not self.module.training:  # walking the module tree every step costs more than the check
             self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        strategy, carrier = self.strategy, self.carrier
-        # Where some rank's shard is empty, no rank lets backward synchronise: they reduce by hand.
-        by_hand = carrier is not None and micros[0][0].any_empty
-        last = len(micros) - 1
-        total, parts = None, []  # total: this rank's part of the global batch's mean loss (times the factor)
-        for i, (micro, batch) in enumerate(micros):
-            if batch is None:
-                parts.append(None)
-                continue
-            n = len(micro.shard)
-            # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
-            # times the factor by which the strategy's reduction divides
-            weight = n / micro.global_size * self.factor
-            sync = i == last and not by_hand
-            with _SYNCHRONISED if sync else strategy.no_sync(self.module):
-                loss, data = self._forward(batch, n)
-                if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
-                    part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
-                else:
-                    part, gradient = loss.detach(), None
-                    if weight != 1:
-                        loss = loss * weight
-                if weight != 1:
-                    part = part * weight
-                total = part if total is None else total + part
-                carried = strategy.carry(self._carried(total, stop)) if sync and carrier is not None else None
-                self.precision.backward(loss, gradient, carried)
-            parts.append(data)
-        clock = time.perf_counter
-        t0 = t1 = clock()
-        if by_hand:
-            strategy.reduce_gradients(self.module, self._carried(total, stop))
-            t1 = clock()
+        parts, loss, stop, communication = self.strategy.forward_backward(self, micros, stop)
+        start = time.perf_counter()
         self.precision.step(self.optimizer)
         for scheduler in self._schedulers["step"]:
             scheduler.step()
-        t2 = clock()
-        if carrier is None:
-            loss = total
-        else:  # the sums over ranks of the loss parts and of the stop flags
-            loss, flags = strategy.carried().unbind()
-            stop = self._agreed_stop(flags)
-        self.seconds = t1 - t0, t2 - t1  # communication outside backward, the optimizer
+        self.seconds = communication, time.perf_counter() - start
         return StepResult(loss, parts, stop)
+
+    def forward(self, micro: Micro, batch: Mapping, scale: float) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                           torch.Tensor, dict]:
+        """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
+        sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the global
+        batch's mean loss (times `scale`), and its outputs, detached, for the hooks."""
+        n = len(micro.shard)
+        # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
+        # times the factor by which the strategy's reduction divides
+        weight = n / micro.global_size * scale
+        loss, data = self._forward(batch, n)
+        if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
+            part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
+        else:
+            part, gradient = loss.detach(), None
+            if weight != 1:
+                loss = loss * weight
+        if weight != 1:
+            part = part * weight
+        return loss, gradient, part, data
+
+    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None) -> None:
+        """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that must
+        reach its reduction through autograd, unscaled)."""
+        self.precision.backward(loss, gradient, also)
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
         """A vector of `n` times `value`: the gradient of the objective with respect to each
@@ -106,32 +89,12 @@ class Engine:
             gradient = self._gradients[key] = torch.full((n,), value, dtype=like.dtype, device=like.device)
         return gradient
 
-    def _carried(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
-        """What this rank adds to the carrier's gradient: its part of the loss and its stop flag,
-        both times the factor the reduction divides by."""
-        carrier = self.carrier
-        if total is None:
-            total = carrier.new_zeros(())
-        elif total.dtype != carrier.dtype:
-            total = total.to(carrier.dtype)
-        return torch.stack((total, self._flags[stop]))
-
-    def _agreed_stop(self, flags: torch.Tensor) -> bool:
-        """Whether any rank asked to stop. On a GPU, reading the flag now would wait for the whole
-        step to finish: it is copied to the host behind the step and read a step later, the same
-        step on every rank."""
-        if flags.device.type != "cuda":
-            return flags.item() > 0
-        pending, done = self._pending_stop, torch.cuda.Event()
-        self._pending_stop = flags.to("cpu", non_blocking=True), done
-        done.record()
-        if pending is None:
-            return False
-        pending[1].synchronize()
-        return pending[0].item() > 0
-
     def eval_step(self, batch: Mapping) -> dict:
-        """Outputs of the model on an evaluation batch, gradients off."""
+        """Outputs of the model on an evaluation batch, as the strategy runs it."""
+        return self.strategy.evaluate(self, batch)
+
+    def eval_forward(self, batch: Mapping) -> dict:
+        """Outputs of the model on a batch, gradients off."""
         if self.module.training:
             self.module.eval()
         with torch.no_grad():
@@ -150,10 +113,10 @@ class Engine:
             batch = precision.convert_batch(batch)
         n = n if n is not None else _first_dim(batch)
         if precision.autocast_dtype is None:
-            outputs = self.forward(batch)
+            outputs = self.forward_fn(batch)
         else:
             with precision.autocast():
-                outputs = self.forward(batch)
+                outputs = self.forward_fn(batch)
         loss = outputs["loss"]
         if loss.dim() != 1 or loss.shape[0] != n:  # not one value per sample: check and reduce it
             loss = check_loss(loss, n)

@@ -30,8 +30,10 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from phalanx import rundir, signals
 from phalanx.errors import PhalanxError
@@ -55,8 +57,9 @@ def clear_requests(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ()) -> int:
-    """Run the training in `run_dir` on `devices` local worker processes; returns the exit code."""
+def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any) -> int:
+    """`run(run_dir, *args)` on `devices` local worker processes (a module-level function: each
+    worker imports it by name); returns rank 0's exit code."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -77,7 +80,7 @@ def launch(run_dir: Path, devices: int, resume: bool, overrides: list[str] = ())
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         with _Relay(run_dir), _loopback_interfaces():
-            results = elastic_launch(config, worker)(str(run_dir), resume, list(overrides), os.getpid())
+            results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         raise _explain(e, records) from None
     finally:
@@ -231,14 +234,12 @@ def _loopback_interfaces():
 
 # --- the workers --------------------------------------------------------------------------------
 
-def worker(run_dir: str, resume: bool, overrides: list[str], launcher_pid: int) -> int:
-    """Entry point of each worker process (picklable, module level)."""
+def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple) -> int:
+    """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
     _Guard(Path(run_dir), launcher_pid).start()
     try:
-        from phalanx import commands
-
-        return commands.run_worker(Path(run_dir), resume, overrides)
+        return run(Path(run_dir), *args)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded for the launcher, once
         from phalanx.strategies import progress
 

@@ -26,7 +26,8 @@ from phalanx.hooks.profiler import Profile
 from phalanx.model import Forward, build_model
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
-from phalanx.strategies.base import Strategy
+from phalanx.strategies.base import ModelOptions, Strategy
+from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
 TRAIN = "train"
@@ -48,16 +49,13 @@ class Trainer:
         self.strategy = strategy or strategies.create(cfg)
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
-        module = build_model(cfg.model, self.search_dirs)
+        with self.strategy.init_context():
+            module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
-        module = self.precision.convert_module(module)
-        if cfg.channels_last:
-            module = module.to(memory_format=torch.channels_last)
-        self.module = self.strategy.setup(module)
-        self.model = self.strategy.unwrap(self.module)  # the user's module: what checkpoints hold
-        if cfg.compile:
-            options = cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()
-            self.module = torch.compile(self.module, backend=options.backend, mode=options.mode)
+        compiled = (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()) if cfg.compile else None
+        options = ModelOptions(self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled)
+        # the module to call, and the user's module inside it: what the optimizer steps and checkpoints hold
+        self.module, self.model = self.strategy.setup(module, options)
         if self.strategy.rank:  # dropout and augmentation: independent streams per rank, rank 0 as one process
             seed_everything(cfg.seed + 1_000_003 * self.strategy.rank)
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
@@ -68,7 +66,7 @@ class Trainer:
                              self.precision, self.strategy)
         self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
-        self.shard_weights = _shard_weights(cfg, self.strategy.world_size)
+        self.shard_weights = _shard_weights(cfg, self.strategy.data_world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
         # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
         # overlaps backward); communication after backward; the optimizer; hooks; evaluation
@@ -81,8 +79,9 @@ class Trainer:
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.loader_options = _loader_options(cfg, self.strategy)
+        self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
-            hook.attach(self)
+            hook.attach(self.view)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
         self._gatherers = [h for h in self._listeners["after_batch"] if h.gathers]
         wanted = [h.gather_keys for h in self._gatherers]
@@ -137,9 +136,9 @@ class Trainer:
         self.epoch_data = {s: {} for s in self.streams}
         stream = data.get_stream(self.dataset, TRAIN)
         plan = data.Plan(data.permutation(self.cfg.seed, epoch, len(stream)), self.cfg.dataset.batch_size,
-                         self.cfg.parallel.gradient_accumulation, self.strategy.rank, self.strategy.world_size,
-                         self.shard_weights)
-        worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.rank)) % 2**62
+                         self.cfg.parallel.gradient_accumulation, self.strategy.data_rank,
+                         self.strategy.data_world_size, self.shard_weights)
+        worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
                                    **self.loader_options))
@@ -195,12 +194,12 @@ class Trainer:
 
     def _check_sync_batchnorm(self, plan: data.Plan) -> None:
         """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""
-        if not (self.cfg.parallel.sync_batchnorm and self.strategy.world_size > 1 and len(plan)):
+        if not (self.cfg.parallel.sync_batchnorm and self.strategy.data_world_size > 1 and len(plan)):
             return
         for k in {0, len(plan) - 1}:  # full batches all split alike; only the last may be short
             if any(micro.any_empty for micro in plan.step(k)):
                 raise ConfigError(
-                    f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.world_size} processes "
+                    f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.data_world_size} processes "
                     f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
                     "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
 
@@ -227,7 +226,7 @@ class Trainer:
         """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
         stream = data.get_stream(self.dataset, name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
-        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.rank, self.strategy.world_size,
+        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.data_rank, self.strategy.data_world_size,
                          self.shard_weights)
         listeners = self._listeners["after_batch"]
         for k, batch in enumerate(data.loader(stream, plan, 0, name=name, **self.loader_options)):
@@ -303,10 +302,10 @@ class Trainer:
         state = self.state_dict()  # on every rank: hooks combine their running values across ranks
         if not self.strategy.is_main:
             return None
-        optimizer_state = {"optimizer": self.optimizer.state_dict(),
+        optimizer_state = {"optimizer": self.strategy.optimizer_state(self.optimizer),
                            "schedulers": [s.state_dict() for s, _ in self.schedulers],
                            "scaler": self.precision.state_dict()}
-        path = self.checkpoints.save(self.step, self.model, optimizer_state, state, best)
+        path = self.checkpoints.save(self.step, self.strategy.model_state(), optimizer_state, state, best)
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
@@ -328,7 +327,7 @@ class Trainer:
         settings, schedules = (self._replayed_schedule() if resuming.affects_schedule(changed)
                                else (None, optimizer_state["schedulers"]))
         try:
-            self.optimizer.load_state_dict(optimizer_state["optimizer"])
+            self.strategy.load_optimizer_state(self.optimizer, optimizer_state["optimizer"])
             for group, new in zip(self.optimizer.param_groups, settings or [], strict=settings is not None):
                 group.update(new)  # the new settings at this step, over the saved moments and counts
             for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):

@@ -34,6 +34,8 @@ SCENARIOS = {
     "sync-batchnorm": scenario(8, 1, model={"class": "toy.BatchNormNet", "features": 3, "hidden": 6},
                                dataset={"n_train": 40}),
     "adamw-warmup": scenario(10, 2, optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3, "momentum": None}),
+    # buckets far smaller than a parameter: every gradient reduced in a bucket of its own
+    "ddp-small-buckets": scenario(7, 1, parallel={"ddp": {"bucket_cap_mb": 1e-6}}),
 }
 
 

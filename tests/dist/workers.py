@@ -87,7 +87,7 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd))
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
-    params = {k: v.detach().cpu().tolist() for k, v in trainer.strategy.unwrap(trainer.module).state_dict().items()}
+    params = {k: v.detach().cpu().tolist() for k, v in trainer.model.state_dict().items()}
     return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids}
 
 

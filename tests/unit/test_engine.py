@@ -16,7 +16,7 @@ from phalanx import config, data
 from phalanx.data import Micro
 from phalanx.engine import Engine, concat
 from phalanx.hooks import Hook
-from phalanx.strategies.single import Single
+from phalanx.strategies.ddp import DDP
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +195,7 @@ def test_epoch_scheduler_steps_once_per_epoch():
             self.lrs = []
 
         def after_epoch(self, epoch, epoch_data):
-            self.lrs.append(self.trainer.engine.learning_rates()[0])
+            self.lrs.append(self.trainer.learning_rates()[0])
 
     raw = toy.regression_config(main_loop={"epochs": 3, "extra_streams": []}, optimizer={"lr": LR},
                                 scheduler={"class": "StepLR", "step_size": 1, "gamma": 0.5, "interval": "epoch"})
@@ -234,28 +234,27 @@ def test_an_inference_trainer_evaluates_without_building_an_optimizer():
     assert out.stdout.split() == ["None", "[]", "False"]
 
 
-class _EmptyRank(Single):
-    """Rank 3 of 4, as a rank whose shards are all empty sees a step; records its reductions."""
-
-    rank, world_size, sum_factor = 3, 4, 4.0
+class _EmptyRank(DDP):
+    """Rank 3 of 4 as the ddp strategy sees a step where its shards are all empty; its reductions are
+    recorded instead of run (no process group: only the step's logic is under test)."""
 
     def __init__(self):
-        super().__init__(torch.device("cpu"))
+        self.rank, self.world_size, self.scale = 3, 4, 4.0
+        self.device = torch.device("cpu")
         self.carrier = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        self._flags = {flag: torch.tensor(float(flag) * self.scale, dtype=torch.float64) for flag in (False, True)}
+        self._ddp, self._pending_stop = None, None
         self.carried_values: list[list[float]] = []
 
     def reduce(self, tensor, op="sum"):
         raise AssertionError("the step needs no collective of its own")
 
-    def carry(self, values):
+    def _carry(self, values):
         raise AssertionError("a step with an empty shard on some rank must not let backward synchronise")
 
-    def reduce_gradients(self, module, values):
+    def _reduce_by_hand(self, values):
         self.carried_values.append(values.tolist())
         self.carrier.grad = values / self.world_size  # as the other ranks, with nothing to add, would leave it
-
-    def carried(self):
-        return self.carrier.grad.clone()
 
 
 def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():

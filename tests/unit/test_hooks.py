@@ -64,7 +64,7 @@ class Record(Hook):
 
     def after_epoch(self, epoch, epoch_data):
         self.epochs[epoch] = copy.deepcopy(epoch_data)
-        self.weights[epoch] = {k: v.detach().clone() for k, v in self.trainer.module.state_dict().items()}
+        self.weights[epoch] = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
 
     def after_epoch_profile(self, epoch, profile, train_stream, extra_streams):
         self.profiles.append(epoch)
@@ -654,3 +654,40 @@ def test_the_zeroth_epoch_evaluates_the_train_stream_without_training_hooks_firi
     assert len(record.epochs) == 2  # epoch 0 (evaluation only) and epoch 1
     assert "loss" in record.epochs[0]["train"]  # the train stream was evaluated before training
     assert min(trainer.checkpoints.steps()) >= 1  # no checkpoint "at step 0" from the evaluation
+
+
+def test_hooks_see_the_run_read_only():
+    from phalanx.trainer import Trainer
+
+    seen = []
+
+    class Meddler(Hook):
+        def after_batch(self, stream, batch):
+            seen.append(self.trainer.step)
+            with pytest.raises(AttributeError):
+                self.trainer.step = 1000  # a hook cannot move the run's counters
+
+    trainer = Trainer(config.validate(toy.regression_config(hooks=[])), None, [], hooks=[Meddler()])
+    assert trainer.run() == 0
+    assert seen[:3] == [1, 2, 3] and trainer.step == 10
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a source file imports, wherever the import stands (TYPE_CHECKING, functions)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_no_import_circle():
+    """Hooks see a view of the run, not the trainer; the launcher is handed the function it runs."""
+    src = Path(data.__file__).parent
+    for path in sorted((src / "hooks").glob("*.py")):
+        assert "phalanx.trainer" not in _imports(path), path.name
+    assert not {"phalanx.commands", "phalanx.trainer"} & _imports(src / "launch.py")

@@ -1,13 +1,16 @@
 """Choosing a strategy, and the start-up checks that do not need several processes."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 import toy
 from phalanx import config, strategies
 from phalanx.errors import ConfigError
-from phalanx.strategies.ddp import _flatten, check_same_config
+from phalanx.strategies.base import Strategy
+from phalanx.strategies.ddp import DDP, _flatten, check_same_config
 from phalanx.strategies.single import Single
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,7 +59,25 @@ def test_single_strategy_with_several_devices_is_refused(monkeypatch):
 def test_unknown_strategy_lists_the_choices(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="auto, single, ddp"):
-        strategies.create(cfg(strategy="towers"))
+        strategies.create(cfg(strategy="pipelines"))
+    with pytest.raises(ConfigError, match='"ddp"'):
+        strategies.create(cfg(strategy="dpp"))
+
+
+def test_a_strategy_section_refuses_unknown_keys_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"parallel\.ddp\.bucket_cap_m.*did you mean \"bucket_cap_mb\""):
+        cfg(ddp={"bucket_cap_m": 4})
+    assert cfg(ddp={"bucket_cap_mb": 4}).parallel.ddp.bucket_cap_mb == 4
+
+
+def test_every_registered_strategy_has_the_protocol_and_its_summary():
+    for name, entry in strategies.REGISTRY.items():
+        assert entry.summary and callable(entry.build), name
+    members = [m for m in vars(Strategy) if not m.startswith("_")]
+    single = Single(torch.device("cpu"))
+    assert [m for m in members if not hasattr(single, m)] == []
+    assert [m for m in members if not hasattr(DDP, m) and m not in ("rank", "world_size", "data_rank",
+                                                                     "data_world_size", "devices", "device")] == []
 
 
 class _TwoRanks:
@@ -122,3 +143,56 @@ def test_the_test_suites_four_processes_run_on_one_or_two_cores(monkeypatch):
 def test_oversubscribe_lifts_the_cpu_process_limit(monkeypatch):
     _cores(monkeypatch, 2)
     assert strategies.resolve_device(cfg(accelerator="cpu", devices=1000, oversubscribe=True)) == ("cpu", 1000)
+
+
+class _CountedTanh(torch.nn.Tanh):
+    calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def test_activation_checkpointing_recomputes_the_named_modules_with_the_same_gradients():
+    from phalanx.strategies.base import checkpoint_modules
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 8), _CountedTanh(), torch.nn.Linear(8, 1)).double()
+    recomputed = copy.deepcopy(plain)
+    assert checkpoint_modules(recomputed, ("_CountedTanh",)) == 1
+    assert list(recomputed.state_dict()) == list(plain.state_dict())  # the state's names do not change
+    x = torch.randn(5, 3, dtype=torch.float64)
+    grads = []
+    for model in (plain, recomputed):
+        _CountedTanh.calls = 0
+        model(x).pow(2).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+        calls = _CountedTanh.calls
+    assert calls == 2  # once forward, once again in backward
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    with torch.no_grad():
+        _CountedTanh.calls = 0
+        recomputed(x)
+        assert _CountedTanh.calls == 1  # nothing to recompute without gradients
+
+
+def test_activation_checkpointing_of_a_class_the_model_lacks_names_the_classes_it_has(tmp_path):
+    from phalanx.trainer import Trainer
+
+    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
+                                activation_checkpointing=["Block"])
+    with pytest.raises(ConfigError, match="no module of those classes; it has Linear, Sequential, Tanh"):
+        Trainer(config.validate(raw), None, [])
+
+
+def test_training_with_activation_checkpointing_ends_where_training_without_does():
+    from phalanx.trainer import Trainer
+
+    ends = []
+    for names in ([], ["Tanh"]):
+        raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
+                                    activation_checkpointing=names, hooks=[])
+        trainer = Trainer(config.validate(raw), None, [])
+        assert trainer.run() == 0
+        ends.append(trainer.model.state_dict())
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])

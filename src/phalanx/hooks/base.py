@@ -7,15 +7,13 @@ A hook stops training by raising `TrainingTerminated`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
-
-if TYPE_CHECKING:
-    from phalanx.trainer import Trainer
+from phalanx.view import RunView
 
 
 _ONE_PROCESS = Single(torch.device("cpu"))
@@ -32,7 +30,7 @@ class TrainingTerminated(Exception):
 class Hook:
     """Base of every hook. Override the events you need; the others cost nothing."""
 
-    trainer: Trainer
+    trainer: RunView  # the run, read-only: its state, its strategy's collectives, save_checkpoint, any_rank
 
     #: Whether `after_batch` needs the global batch. With several processes such a hook receives
     #: every rank's data gathered in dataset order (only the `gather_keys`, if given), on every rank.
@@ -46,9 +44,9 @@ class Hook:
         trainer = getattr(self, "trainer", None)
         return trainer.strategy if trainer is not None else _ONE_PROCESS
 
-    def attach(self, trainer: Trainer) -> None:
-        """Called once, before any event, with the trainer that runs the hook."""
-        self.trainer = trainer
+    def attach(self, run: RunView) -> None:
+        """Called once, before any event, with a view of the run the hook serves."""
+        self.trainer = run
 
     def before_training(self) -> None:
         pass

@@ -70,7 +70,7 @@ class LogThroughput(Hook):
         """FLOPs per sample, and tokens per sample, from this rank's first training batch."""
         self._counted = True
         trainer = self.trainer
-        inputs = {k: v for k, v in batch.items() if k not in trainer.forward.output_names}
+        inputs = {k: v for k, v in batch.items() if k not in trainer.output_names}
         n = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
         tokens = inputs.get(self.tokens_key) if self.tokens_key else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:

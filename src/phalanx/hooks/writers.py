@@ -11,6 +11,7 @@ from typing import Any
 
 from phalanx.files import write_atomic, write_text_atomic, writing
 from phalanx.hooks.base import Hook
+from phalanx.strategies.base import ReportsCommunication
 
 log = logging.getLogger("phalanx")
 
@@ -72,7 +73,8 @@ class LogProfile(_Writer):
         total = sum(profile.values()) or 1.0
         parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
-        sampled = self.trainer.strategy.backward_communication()
+        strategy = self.trainer.strategy
+        sampled = strategy.backward_communication() if isinstance(strategy, ReportsCommunication) else None
         if sampled is not None and sampled != self._reported:
             self._reported = sampled
             comm, overlap = sampled
@@ -141,7 +143,7 @@ class WriteTensorBoard(_Writer):
         if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
             with writing(self.trainer.run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
-                for i, lr in enumerate(self.trainer.engine.learning_rates()):
+                for i, lr in enumerate(self.trainer.learning_rates()):
                     self._writer.add_scalar(f"lr/group{i}", lr, step)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:

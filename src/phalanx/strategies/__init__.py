@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from phalanx.config import Config
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, did_you_mean
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 
-STRATEGIES = ("single", "ddp")
 # CPU processes a launch may start per core: more only slow each other down (and a typo such as
 # parallel.devices=1000 would start processes until the machine gives out). parallel.oversubscribe=true
 # lifts the limit.
@@ -63,28 +64,58 @@ def in_worker() -> bool:
     return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def needs_launch(cfg: Config) -> bool:
-    """Whether `phalanx train` must start worker processes itself."""
-    return resolve_device(cfg)[1] > 1 and not in_worker()
+@dataclass(frozen=True)
+class Entry:
+    """A strategy as the config names it: how to build it for this process, and whether it runs one
+    process per device (which `phalanx train` starts) or drives all of them from one."""
+
+    build: Callable[[Config, str, int], Strategy]  # (config, accelerator, devices per machine)
+    process_per_device: bool
+    summary: str
 
 
-def create(cfg: Config) -> Strategy:
-    """The strategy the config asks for, on this process's device."""
-    accelerator, devices = resolve_device(cfg)
-    name = cfg.parallel.strategy
-    if name == "auto":
-        name = "ddp" if in_worker() else "single"
-    if name not in STRATEGIES:
-        raise ConfigError(f"parallel.strategy {name!r} is not available; choose one of "
-                          f"{', '.join(['auto', *STRATEGIES])}")
-    if name == "single":
-        if in_worker() or devices > 1:
-            raise ConfigError(f"parallel.strategy=single runs one process on one device, but {devices} devices "
-                              "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1")
-        return Single(torch.device(accelerator))
+def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    if in_worker() or devices > 1:
+        raise ConfigError(f"parallel.strategy=single runs one process on one device, but {devices} devices "
+                          "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1")
+    return Single(torch.device(accelerator))
+
+
+def _ddp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     if not in_worker():
         raise ConfigError("parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
                           "(phalanx starts them), or start phalanx under torchrun")
     from phalanx.strategies.ddp import DDP
 
-    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm, backend=cfg.parallel.backend)
+    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm, backend=cfg.parallel.backend,
+               bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb)
+
+
+# parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named after it
+REGISTRY: dict[str, Entry] = {
+    "single": Entry(_single, False, "one process, one device"),
+    "ddp": Entry(_ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"),
+}
+
+
+def strategy_name(cfg: Config) -> str:
+    """The strategy the config names; `auto` is ddp for several devices (or inside a worker), else single."""
+    name = cfg.parallel.strategy
+    if name == "auto":
+        return "ddp" if in_worker() or resolve_device(cfg)[1] > 1 else "single"
+    if name not in REGISTRY:
+        raise ConfigError(f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose one of "
+                          f"{', '.join(['auto', *REGISTRY])}")
+    return name
+
+
+def needs_launch(cfg: Config) -> bool:
+    """Whether `phalanx train` must start worker processes itself."""
+    return (REGISTRY[strategy_name(cfg)].process_per_device and resolve_device(cfg)[1] > 1
+            and not in_worker())
+
+
+def create(cfg: Config) -> Strategy:
+    """The strategy the config asks for, on this process's devices."""
+    accelerator, devices = resolve_device(cfg)
+    return REGISTRY[strategy_name(cfg)].build(cfg, accelerator, devices)

@@ -1,30 +1,60 @@
-"""The strategy protocol: all the trainer knows of how devices and processes are used.
+"""The strategy protocol: all the trainer and the engine know of how devices and processes are used.
 
-The trainer never asks which strategy it runs; a new strategy is a new module behind this protocol.
+A strategy answers five questions, and nothing else reaches the trainer:
+- topology: which processes and devices there are, and which shards of each global batch this
+  process trains on (the *data* rank and world size, which need not be the process's: a process
+  driving several towers trains on several shards);
+- building: where the model is built (its init context) and how it is wrapped, in one fixed order
+  (`prepare`), and which parameters the optimizer updates;
+- the step: how the micro-batches' forward and backward run so that the gradients are the global
+  batch's, and how the ranks agree on the step's loss and stop flag (`forward_backward`, `agree`);
+- state: the model and optimizer state that a checkpoint holds;
+- collectives: reduce, gather, broadcast, barrier; shutdown.
+
+The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) in
+`Engine.forward`; a strategy only scales it where its reduction averages instead of adding.
+Optional abilities are mixins (`ReportsCommunication`), never stubs. A new strategy is a module
+that implements this protocol and an entry in `strategies.REGISTRY`.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Any, Protocol
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from phalanx.data import Micro
+    from phalanx.engine import Engine
+    from phalanx.precision import Precision
+
+Micros = list[tuple["Micro", Mapping | None]]  # a step's micro-batches: the plan's shard and its batch
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the config asks the model to be prepared (see `prepare`)."""
+
+    precision: Precision
+    channels_last: bool = False
+    checkpointed: tuple[str, ...] = ()   # module class names whose forward is recomputed in backward
+    compile: Any = None                  # a CompileConfig, or None
 
 
 class Strategy(Protocol):
     """How one module is trained on this process's devices: a strategy serves the one module it set up."""
 
-    rank: int
-    world_size: int
-    device: torch.device
-    # The factor each rank multiplies its objective by so that the gradient reduction adds the
-    # ranks' gradients (DDP averages: the world size).
-    sum_factor: float
-    # A parameter outside the model whose gradient the reduction adds over ranks with the model's:
-    # it carries each step's loss and stop flag, so that ranks agree on both without a collective of
-    # their own. None with one process. Its dtype and device are those of the values `carry` takes.
-    carrier: torch.Tensor | None
+    # --- topology
+    rank: int                     # this process among all
+    world_size: int               # processes
+    data_rank: int                # the first shard of each micro-batch that this process trains on
+    data_world_size: int          # shards of each micro-batch, over all processes
+    devices: tuple[torch.device, ...]  # the devices this process drives
+    device: torch.device          # where batches and the model's outputs live: devices[0]
 
     @property
     def is_main(self) -> bool:
@@ -34,30 +64,41 @@ class Strategy(Protocol):
         """`where()` returns the run's steps done and whether it is training: with several processes, a
         collective's timeout then names the ranks that did not arrive and their step."""
 
-    def setup(self, module: nn.Module) -> nn.Module:
-        """Place (and wrap) the module; every rank starts from the same parameters."""
+    # --- building
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """Where the model is built (a meta device where the strategy shards it)."""
 
-    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """A context in which backward does not synchronise gradients (all but the last micro-batch)."""
+    def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        """The module to call (wrapped, compiled) and the user's module inside it, whose parameters
+        the optimizer updates and whose state checkpoints hold; every rank starts from the same state."""
 
+    # --- the step
+    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
+                                                                                     bool, float]:
+        """Forward and backward over the step's micro-batches through `engine.forward` and
+        `engine.backward`, so that the gradients are the global batch's once it returns. Returns each
+        micro-batch's outputs (None for an empty shard), the global batch's mean loss and whether any
+        rank asked to stop (the same on every rank), and the seconds spent communicating after backward."""
+
+    def evaluate(self, engine: Engine, batch: Mapping) -> dict:
+        """The outputs of the model on an evaluation batch (this process's shard of it)."""
+
+    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        """The sum over ranks of a loss share, and whether any rank's flag is set."""
+
+    # --- state
+    def model_state(self) -> nn.Module:
+        """The module whose state a checkpoint holds, whole (on the main process at least)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state as a checkpoint holds it."""
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Give the optimizer the state a checkpoint held."""
+
+    # --- collectives
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The tensor reduced over ranks (op: sum, min or max); every rank gets the result."""
-
-    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
-        """Hand this rank's values (its loss part and stop flag, times `sum_factor`) to the gradient
-        reduction of the coming backward, which adds them over ranks. Returns a scalar to
-        back-propagate with the loss where they must reach the reduction through autograd, else None."""
-
-    def carried(self) -> torch.Tensor:
-        """After the reduction: the carried values added over ranks, in a tensor of the caller's own."""
-
-    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
-        """Reduce the gradients and the carried `values` over ranks by hand, as backward would have,
-        after backward ran without synchronising."""
-
-    def backward_communication(self) -> tuple[float, float] | None:
-        """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and
-        seconds of it that overlapped computation. None where there is none or no sample yet."""
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value (any picklable object), in rank order, on every rank."""
@@ -68,8 +109,86 @@ class Strategy(Protocol):
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        """The user's module, without any wrapper the strategy put around it."""
-
     def shutdown(self) -> None:
         """Release process groups and devices."""
+
+
+@runtime_checkable
+class ReportsCommunication(Protocol):
+    """A strategy whose gradient reduction runs inside backward and samples its own timing."""
+
+    def backward_communication(self) -> tuple[float, float] | None:
+        """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and
+        seconds of it that overlapped computation. None where there is no sample yet."""
+
+
+class Replicated:
+    """Shared members of strategies that keep a whole copy of the model and optimizer in each process."""
+
+    model: nn.Module
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def model_state(self) -> nn.Module:
+        return self.model
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
+    def evaluate(self, engine: Engine, batch: Mapping) -> dict:
+        return engine.eval_forward(batch)
+
+    def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
+        pass
+
+
+def prepare(module: nn.Module, options: ModelOptions, place: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """The one order in which every strategy prepares the user's module (`place` is the strategy's
+    part: moving it to its devices, wrapping or sharding it):
+
+    1. precision: parameters in float64 under fp64 (bf16 and fp16 are autocast, no cast);
+    2. channels-last memory format for 4-D weights (convolutions on GPUs);
+    3. activation checkpointing of the configured module classes, before any wrapper, so that
+       recomputation runs inside the wrapper's own hooks;
+    4. the strategy's placement and wrapper;
+    5. torch.compile last, over the wrapped module (DDP's graph is then split at its buckets).
+    """
+    module = options.precision.convert_module(module)
+    if options.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    if options.checkpointed:
+        checkpoint_modules(module, options.checkpointed)
+    module = place(module)
+    if options.compile is not None:
+        module = torch.compile(module, backend=options.compile.backend, mode=options.compile.mode)
+    return module
+
+
+def checkpoint_modules(module: nn.Module, class_names: tuple[str, ...]) -> int:
+    """Recompute the forward of every submodule of the named classes during backward instead of
+    keeping its activations. The module tree and its state's names are unchanged: each one's
+    forward is replaced on the instance. Returns how many were found."""
+    from phalanx.errors import ConfigError
+
+    found = 0
+    for sub in module.modules():
+        if type(sub).__name__ in class_names:
+            sub.forward = functools.partial(_recomputed, sub.forward)
+            found += 1
+    if not found:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        raise ConfigError(f"activation_checkpointing names {list(class_names)}, but the model has no module of "
+                          f"those classes; it has {', '.join(present)}")
+    return found
+
+
+def _recomputed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -3,7 +3,7 @@ overlapped all-reduce.
 
 Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*.
 DDP's built-in reduction averages, so each rank also multiplies its objective by the world size
-(`sum_factor`). Gradients are views into DDP's buckets (`gradient_as_bucket_view`): no copy back
+(the scale it passes to `Engine.forward`). Gradients are views into DDP's buckets (`gradient_as_bucket_view`): no copy back
 after each reduction, and no second copy of them in memory.
 
 Beside the model sits the carrier, a two-element parameter whose gradient is the rank's share of the
@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -35,9 +36,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.errors import ConfigError
 from phalanx.strategies import progress
+from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
 from phalanx.strategies.syncbn import convert_sync_batchnorm
 
+if TYPE_CHECKING:
+    from phalanx.engine import Engine
+
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_SYNCHRONISED = contextlib.nullcontext()  # the micro-batch whose backward reduces (it holds no state)
 DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
 
@@ -62,12 +68,12 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class DDP:
+class DDP(Replicated):
     def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False,
-                 carry_through_autograd: bool = False, backend: str = "auto"):
+                 carry_through_autograd: bool = False, backend: str = "auto", bucket_cap_mb: float | None = None):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
         autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
-        nccl or gloo; auto picks nccl on GPUs and gloo on CPUs."""
+        nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient bucket size."""
         self.carry_through_autograd = carry_through_autograd
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if accelerator == "cuda":
@@ -75,16 +81,18 @@ class DDP:
             self.device = torch.device("cuda", self.local_rank)
         else:
             self.device = torch.device("cpu")
-        self.sync_batchnorm = sync_batchnorm
+        self.devices = (self.device,)
+        self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
         self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S[self.device.type]
         if not dist.is_initialized():
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.data_rank, self.data_world_size = self.rank, self.world_size
         # what this rank is doing, for naming the rank that did not arrive when a collective times out
         self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
-        self.sum_factor = float(self.world_size)
+        self.scale = float(self.world_size)  # DDP averages: each rank's objective times the world size sums
         self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
         self._mark_ready: Callable[[int], None] | None = None  # the reducer's "this gradient is ready"
@@ -97,25 +105,91 @@ class DDP:
         """`where()` tells the run's steps done and whether it is training, for naming a hung rank's step."""
         self.progress.where = where
 
-    def setup(self, module: nn.Module) -> nn.Module:
+    def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        self.model = module
+        return prepare(module, options, self._wrap), self.model
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
         module = module.to(self.device)
         self.progress.enter("the broadcast of the initial parameters")
         if self.sync_batchnorm:
-            module = convert_sync_batchnorm(module)
+            module = self.model = convert_sync_batchnorm(module)
         carried = _Carried(module, _carrier_dtype(module), self.device)
         # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
         # re-broadcast every forward, so a rank that skips a forward never stalls the others.
         with warnings.catch_warnings():  # its successor still syncs buffers at init, which is what we want
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+            extra = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
             ddp = DistributedDataParallel(carried, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-                                          broadcast_buffers=False, gradient_as_bucket_view=True)
+                                          broadcast_buffers=False, gradient_as_bucket_view=True, **extra)
         self._check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
+        # the stop flag as the carrier's gradient holds it, for either answer
+        self._flags = {flag: torch.tensor(float(flag) * self.scale, dtype=self.carrier.dtype, device=self.device)
+                       for flag in (False, True)}
+        self._pending_stop: tuple[torch.Tensor, Any] | None = None
         # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
         # the reducer. Without it, `carry` goes through autograd: the same values, more work per step.
         self._mark_ready = None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
         return ddp
+
+    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
+                                                                                     bool, float]:
+        """Every micro-batch but the last runs without synchronising; the last one's backward reduces
+        the gradients and, through the carrier, the loss and the stop flag. Where some rank's shard is
+        empty, no rank lets backward synchronise: they reduce by hand, and a rank with nothing to do
+        joins with zero weight without running its model."""
+        by_hand = micros[0][0].any_empty
+        last, scale, ddp = len(micros) - 1, self.scale, self._ddp
+        total, parts = None, []  # total: this rank's part of the global batch's mean loss (times the scale)
+        for i, (micro, batch) in enumerate(micros):
+            if batch is None:
+                parts.append(None)
+                continue
+            sync = i == last and not by_hand
+            with _SYNCHRONISED if sync else ddp.no_sync():
+                loss, gradient, part, data = engine.forward(micro, batch, scale)
+                total = part if total is None else total + part
+                engine.backward(loss, gradient, self._carry(self._values(total, stop)) if sync else None)
+            parts.append(data)
+        communication = 0.0
+        if by_hand:
+            start = time.perf_counter()
+            self._reduce_by_hand(self._values(total, stop))
+            communication = time.perf_counter() - start
+        loss, flags = self._carried().unbind()  # the sums over ranks of the loss parts and of the stop flags
+        return parts, loss, self._agreed_stop(flags), communication
+
+    def _values(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
+        """What this rank adds to the carrier's gradient: its part of the loss and its stop flag,
+        both times the scale the reduction divides by."""
+        carrier = self.carrier
+        if total is None:
+            total = carrier.new_zeros(())
+        elif total.dtype != carrier.dtype:
+            total = total.to(carrier.dtype)
+        return torch.stack((total, self._flags[stop]))
+
+    def _agreed_stop(self, flags: torch.Tensor) -> bool:
+        """Whether any rank asked to stop. On a GPU, reading the flag now would wait for the whole
+        step to finish: it is copied to the host behind the step and read a step later, the same
+        step on every rank."""
+        if flags.device.type != "cuda":
+            return flags.item() > 0
+        pending, done = self._pending_stop, torch.cuda.Event()
+        self._pending_stop = flags.to("cpu", non_blocking=True), done
+        done.record()
+        if pending is None:
+            return False
+        pending[1].synchronize()
+        return pending[0].item() > 0
+
+    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        values = torch.stack((loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64,
+                                                                            device=loss.device)))
+        total, flags = self.reduce(values).unbind()
+        return total, bool(flags > 0)
 
     def _check_identical(self, module: nn.Module) -> None:
         digest = hashlib.sha256()
@@ -127,16 +201,13 @@ class DDP:
             differing = [r for r, d in enumerate(digests) if d != digests[0]]
             raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
 
-    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        return module.no_sync()
-
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         out = tensor.detach().clone()
         self.progress.enter("an all-reduce")
         dist.all_reduce(out, op=_OPS[op])
         return out
 
-    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
+    def _carry(self, values: torch.Tensor) -> torch.Tensor | None:
         """The values become the carrier's gradient. Called between a synchronising forward and its
         backward, when the reducer expects every gradient; marking the carrier ready there costs no
         autograd work (it must not be marked twice: DDP's `find_unused_parameters` would)."""
@@ -149,11 +220,11 @@ class DDP:
         self._mark_ready(0)  # the carrier's index in the reducer (see _Carried)
         return None
 
-    def carried(self) -> torch.Tensor:
+    def _carried(self) -> torch.Tensor:
         # a copy: the gradient is a view into DDP's bucket, which the next step overwrites
         return self.carrier.grad.clone()
 
-    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
+    def _reduce_by_hand(self, values: torch.Tensor) -> None:
         """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
         self.progress.enter("the gradient all-reduce")
         self.carrier.grad = values
@@ -197,14 +268,13 @@ class DDP:
         self.progress.enter("a barrier")
         dist.barrier()
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        if isinstance(module, DistributedDataParallel):
-            module = module.module
-        return module.module if isinstance(module, _Carried) else module
-
     def shutdown(self) -> None:
+        """After a successful run: every rank leaves the group together. A rank that tore its group
+        down while another still talked to it could abort at exit in gloo's threads ("terminate
+        called without an active exception"), failing a run that had succeeded."""
         progress.stop()
         if dist.is_initialized():
+            self.barrier()
             dist.destroy_process_group()
 
 

@@ -1,49 +1,48 @@
 """`single`: one process, one device."""
 from __future__ import annotations
 
-import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
 
-class Single:
-    rank = 0
-    world_size = 1
-    sum_factor = 1.0
-    carrier = None
+if TYPE_CHECKING:
+    from phalanx.engine import Engine
+
+
+class Single(Replicated):
+    rank = data_rank = 0
+    world_size = data_world_size = 1
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.devices = (device,)
 
     @property
     def is_main(self) -> bool:
         return True
 
-    def watch(self, where) -> None:
-        pass
+    def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        self.model = module  # preparing it keeps the same object: its methods change it in place
+        return prepare(module, options, lambda m: m.to(self.device)), self.model
 
-    def setup(self, module: nn.Module) -> nn.Module:
-        return module.to(self.device)
+    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
+                                                                                     bool, float]:
+        total, parts = None, []
+        for micro, batch in micros:  # one process: no shard is ever empty
+            loss, gradient, part, data = engine.forward(micro, batch, 1.0)
+            engine.backward(loss, gradient)
+            total = part if total is None else total + part
+            parts.append(data)
+        return parts, total, stop, 0.0
 
-    def no_sync(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        return loss, stop
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
-
-    def carry(self, values: torch.Tensor) -> torch.Tensor | None:
-        return None
-
-    def carried(self) -> torch.Tensor:
-        raise RuntimeError("one process carries nothing: it has no other rank to agree with")
-
-    def reduce_gradients(self, module: nn.Module, values: torch.Tensor) -> None:
-        pass
-
-    def backward_communication(self) -> tuple[float, float] | None:
-        return None
 
     def gather(self, value: Any) -> list[Any]:
         return [value]
@@ -53,9 +52,6 @@ class Single:
 
     def barrier(self) -> None:
         pass
-
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        return module
 
     def shutdown(self) -> None:
         pass

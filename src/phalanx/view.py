@@ -1,0 +1,107 @@
+"""What hooks see of a run: its state, read-only, its strategy's collectives, and the two things a
+hook may ask of it (save a checkpoint, agree on a flag across ranks).
+
+Hooks hold this view as `self.trainer`; they never import the trainer, and cannot change its counters.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from phalanx.config import Config
+    from phalanx.strategies.base import Strategy
+
+
+class RunView:
+    """A read-only view of one run (a `Trainer`), for its hooks."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Any):
+        self._run = run
+
+    # --- where the run is
+    @property
+    def epoch(self) -> int:
+        """Epochs finished."""
+        return self._run.epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self._run.step
+
+    @property
+    def step_in_epoch(self) -> int:
+        """Optimizer steps done in the epoch in progress."""
+        return self._run.step_in_epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._run.steps_per_epoch
+
+    @property
+    def training(self) -> bool:
+        """Whether the batch that `after_batch` sees came from an optimizer step (not an evaluation)."""
+        return self._run.training
+
+    @property
+    def last_loss(self) -> torch.Tensor | None:
+        """The last step's global mean loss (a tensor on the device: reading it waits for the step)."""
+        return self._run.last_loss
+
+    @property
+    def last_batch_size(self) -> int:
+        """Samples in the last batch, over every process."""
+        return self._run.last_batch_size
+
+    @property
+    def profile(self) -> dict[str, float]:
+        """Seconds this process spent so far, by part of the loop (a copy)."""
+        return dict(self._run.profile)
+
+    def learning_rates(self) -> list[float]:
+        """The optimizer's current learning rate of each parameter group."""
+        return self._run.engine.learning_rates()
+
+    # --- what the run is
+    @property
+    def cfg(self) -> Config:
+        return self._run.cfg
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self._run.run_dir
+
+    @property
+    def search_dirs(self) -> list[Path]:
+        """Where the config's classes are imported from."""
+        return list(self._run.search_dirs)
+
+    @property
+    def strategy(self) -> Strategy:
+        """Topology and collectives: rank, world size, `is_main`, reduce, gather, broadcast."""
+        return self._run.strategy
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's module (its parameters are the live ones: read them, do not change them)."""
+        return self._run.model
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """The names of the model's outputs in a batch (the rest are the batch's own values)."""
+        return tuple(self._run.forward.output_names)
+
+    # --- what a hook may ask
+    def save_checkpoint(self, best: dict | None = None) -> Path | None:
+        """Save the run's state at this step (every rank calls it; the main process writes)."""
+        return self._run.save_checkpoint(best)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (every rank must call it at the same point)."""
+        return self._run.any_rank(flag)
