@@ -109,6 +109,14 @@ class DDPConfig(_Section):
         None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)")
 
 
+class TowersConfig(_Section):
+    """`parallel.towers`: settings of the `towers` strategy."""
+
+    variables_on: Literal["device0", "cpu"] = Field(
+        "device0", description="where the master copy of the variables lives and the optimizer steps: on the "
+                               "first device (which is also the first tower), or on the CPU")
+
+
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -120,6 +128,7 @@ class ParallelConfig(_Section):
     timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
+    towers: TowersConfig = Field(default_factory=TowersConfig, description="settings of the towers strategy")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
                             "several ranks share one GPU, which nccl refuses")

@@ -53,16 +53,17 @@ class Engine:
         self.seconds = communication, time.perf_counter() - start
         return StepResult(loss, parts, stop)
 
-    def forward(self, micro: Micro, batch: Mapping, scale: float) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                           torch.Tensor, dict]:
+    def forward(self, micro: Micro, batch: Mapping, scale: float, call: Forward | None = None,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
         """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
         sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the global
-        batch's mean loss (times `scale`), and its outputs, detached, for the hooks."""
+        batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call` and
+        `device`: another replica of the model, and where its batch goes (a strategy's towers)."""
         n = len(micro.shard)
         # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
         # times the factor by which the strategy's reduction divides
         weight = n / micro.global_size * scale
-        loss, data = self._forward(batch, n)
+        loss, data = self._forward(batch, n, call, device)
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
             part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
         else:
@@ -93,30 +94,31 @@ class Engine:
         """Outputs of the model on an evaluation batch, as the strategy runs it."""
         return self.strategy.evaluate(self, batch)
 
-    def eval_forward(self, batch: Mapping) -> dict:
-        """Outputs of the model on a batch, gradients off."""
+    def eval_forward(self, batch: Mapping, call: Forward | None = None, device: torch.device | None = None) -> dict:
+        """Outputs of the model (or of the replica `call`, its batch on `device`) on a batch, gradients off."""
         if self.module.training:
             self.module.eval()
         with torch.no_grad():
-            _, data = self._forward(batch, None)
+            _, data = self._forward(batch, None, call, device)
         return data
 
     def end_epoch(self) -> None:
         for scheduler in self._schedulers["epoch"]:
             scheduler.step()
 
-    def _forward(self, batch: Mapping, n: int | None) -> tuple[torch.Tensor, dict]:
+    def _forward(self, batch: Mapping, n: int | None, call: Forward | None = None,
+                 device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
         """The model's loss, and the batch with every output, detached, for the hooks (`loss` per
         sample)."""
-        precision = self.precision
-        if not precision.passes_through:
-            batch = precision.convert_batch(batch)
+        precision, call = self.precision, call or self.forward_fn
+        if not precision.passes_through or device is not None:
+            batch = precision.convert_batch(batch, device)
         n = n if n is not None else _first_dim(batch)
         if precision.autocast_dtype is None:
-            outputs = self.forward_fn(batch)
+            outputs = call(batch)
         else:
             with precision.autocast():
-                outputs = self.forward_fn(batch)
+                outputs = call(batch)
         loss = outputs["loss"]
         if loss.dim() != 1 or loss.shape[0] != n:  # not one value per sample: check and reduce it
             loss = check_loss(loss, n)

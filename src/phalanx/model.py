@@ -6,6 +6,7 @@ arguments, `outputs:` names what they return, and `loss:` names a torch.nn.funct
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,6 +43,12 @@ class Forward:
         self.loss_cfg = cfg.loss
         self.params, self.takes_all = _forward_params(inner if inner is not None else module)
         self.output_names: list[str] = []
+
+    def bound_to(self, module: nn.Module) -> Forward:
+        """The same adapter calling another module of the same class (a replica on another device)."""
+        other = copy.copy(self)
+        other.module, other.output_names = module, []
+        return other
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         try:  # the mapping is checked only when it fails: this runs every step

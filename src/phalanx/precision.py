@@ -30,14 +30,15 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.double() if self.name == "fp64" else module
 
-    def convert_batch(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The batch on the device; floating tensors in float64 under fp64."""
-        if self.passes_through and isinstance(batch, dict):
+    def convert_batch(self, batch: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
+        """The batch on the device (or on `device`); floating tensors in float64 under fp64."""
+        if self.passes_through and device is None and isinstance(batch, dict):
             return batch
+        device = device or self.device
         out = {}
         for key, value in batch.items():
             if isinstance(value, torch.Tensor):
-                value = value.to(self.device, non_blocking=True)
+                value = value.to(device, non_blocking=True)
                 if self.name == "fp64" and value.is_floating_point():
                     value = value.double()
                 if self.channels_last and value.dim() == 4:

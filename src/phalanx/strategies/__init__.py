@@ -91,10 +91,28 @@ def _ddp(cfg: Config, accelerator: str, devices: int) -> Strategy:
                bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb)
 
 
+def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    if in_worker():
+        raise ConfigError("parallel.strategy=towers drives every device from one process, but this is one of "
+                          "several processes; start phalanx without torchrun, or use parallel.strategy=ddp")
+    unsupported = {"parallel.shard_weights": cfg.parallel.shard_weights is not None,
+                   "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm, "precision=fp16": cfg.precision == "fp16"}
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"parallel.strategy=towers does not support {', '.join(named)}; remove it, or use "
+                          "parallel.strategy=ddp (bf16 instead of fp16)")
+    from phalanx.strategies.towers import Towers
+
+    count = [torch.device(accelerator, i) for i in range(devices)] if accelerator == "cuda" \
+        else [torch.device("cpu")] * devices
+    return Towers(count, cfg.parallel.towers.variables_on)
+
+
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named after it
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
     "ddp": Entry(_ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"),
+    "towers": Entry(_towers, False, "one process driving every device, a replica on each, in threads"),
 }
 
 

@@ -13,7 +13,8 @@ A strategy answers five questions, and nothing else reaches the trainer:
 
 The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) in
 `Engine.forward`; a strategy only scales it where its reduction averages instead of adding.
-Optional abilities are mixins (`ReportsCommunication`), never stubs. A new strategy is a module
+Shared members come from mixins (`Replicated`, `OneProcess`); optional abilities are protocols a
+strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module
 that implements this protocol and an entry in `strategies.REGISTRY`.
 """
 from __future__ import annotations
@@ -143,6 +144,32 @@ class Replicated:
         return engine.eval_forward(batch)
 
     def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
+        pass
+
+
+class OneProcess:
+    """Shared members of strategies that run in one process: there is no other to talk to."""
+
+    rank = data_rank = 0
+    world_size = data_world_size = 1
+
+    @property
+    def is_main(self) -> bool:
+        return True
+
+    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        return loss, stop
+
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def gather(self, value: Any) -> list[Any]:
+        return [value]
+
+    def broadcast(self, value: Any) -> Any:
+        return value
+
+    def barrier(self) -> None:
         pass
 
 

@@ -1,28 +1,21 @@
 """`single`: one process, one device."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
+from phalanx.strategies.base import Micros, ModelOptions, OneProcess, Replicated, prepare
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
 
 
-class Single(Replicated):
-    rank = data_rank = 0
-    world_size = data_world_size = 1
-
+class Single(OneProcess, Replicated):
     def __init__(self, device: torch.device):
         self.device = device
         self.devices = (device,)
-
-    @property
-    def is_main(self) -> bool:
-        return True
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module  # preparing it keeps the same object: its methods change it in place
@@ -37,21 +30,6 @@ class Single(Replicated):
             total = part if total is None else total + part
             parts.append(data)
         return parts, total, stop, 0.0
-
-    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        return loss, stop
-
-    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def gather(self, value: Any) -> list[Any]:
-        return [value]
-
-    def broadcast(self, value: Any) -> Any:
-        return value
-
-    def barrier(self) -> None:
-        pass
 
     def shutdown(self) -> None:
         pass
