@@ -256,7 +256,7 @@ def build_phalanx(args, run_root: Path, driver):
     launcher's stop file watched; its hooks those the config lists, then `driver`."""
     from phalanx import __version__, config, launch, logs, rundir, strategies
     from phalanx.hooks import build_hooks, default_hooks
-    from phalanx.strategies.ddp import check_same_config
+    from phalanx.strategies.distributed import check_same_config
     from phalanx.trainer import Trainer
 
     raw = phalanx_config(args, str(run_root))

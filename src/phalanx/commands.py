@@ -160,7 +160,7 @@ def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], 
         if strategy.device.type == "cpu":  # the machine's cores shared among its workers
             local = int(os.environ.get("LOCAL_WORLD_SIZE", strategy.world_size))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        from phalanx.strategies.ddp import check_same_config
+        from phalanx.strategies.distributed import check_same_config
 
         check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy)

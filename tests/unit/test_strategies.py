@@ -10,7 +10,8 @@ import toy
 from phalanx import config, strategies
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.ddp import DDP, _flatten, check_same_config
+from phalanx.strategies.ddp import DDP
+from phalanx.strategies.distributed import _flatten, check_same_config
 from phalanx.strategies.single import Single
 
 pytestmark = pytest.mark.timeout(60)

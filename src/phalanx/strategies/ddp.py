@@ -14,19 +14,14 @@ installed torch lacks that entry point, the carrier reaches the reducer through 
 Steps where some rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead,
 so that rank can join with zero weight without running its model.
 
-Each collective this strategy enters is counted (`progress`), and a background thread publishes the
-count and the step to the process group's store: when a collective times out, the error names the
-ranks that never arrived and their step.
+The process group, its collectives and the naming of hung ranks are `distributed.ProcessGroup`'s.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import time
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,17 +29,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.errors import ConfigError
-from phalanx.strategies import progress
 from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
+from phalanx.strategies.distributed import ProcessGroup
 from phalanx.strategies.syncbn import convert_sync_batchnorm
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
 
-_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 _SYNCHRONISED = contextlib.nullcontext()  # the micro-batch whose backward reduces (it holds no state)
-DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
 
 class _Carried(nn.Module):
@@ -68,42 +60,19 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class DDP(Replicated):
+class DDP(ProcessGroup, Replicated):
     def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False,
                  carry_through_autograd: bool = False, backend: str = "auto", bucket_cap_mb: float | None = None):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
         autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
         nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient bucket size."""
+        super().__init__(accelerator, timeout_s, backend)
         self.carry_through_autograd = carry_through_autograd
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if accelerator == "cuda":
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
-        self.devices = (self.device,)
         self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
-        self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S[self.device.type]
-        if not dist.is_initialized():
-            if backend == "auto":
-                backend = "nccl" if accelerator == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.data_rank, self.data_world_size = self.rank, self.world_size
-        # what this rank is doing, for naming the rank that did not arrive when a collective times out
-        self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
         self.scale = float(self.world_size)  # DDP averages: each rank's objective times the world size sums
         self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
         self._mark_ready: Callable[[int], None] | None = None  # the reducer's "this gradient is ready"
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
-        """`where()` tells the run's steps done and whether it is training, for naming a hung rank's step."""
-        self.progress.where = where
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module
@@ -122,7 +91,7 @@ class DDP(Replicated):
             extra = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
             ddp = DistributedDataParallel(carried, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
                                           broadcast_buffers=False, gradient_as_bucket_view=True, **extra)
-        self._check_identical(module)
+        self.check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
         # the stop flag as the carrier's gradient holds it, for either answer
@@ -185,28 +154,6 @@ class DDP(Replicated):
         pending[1].synchronize()
         return pending[0].item() > 0
 
-    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        values = torch.stack((loss.detach().to(torch.float64), torch.tensor(float(stop), dtype=torch.float64,
-                                                                            device=loss.device)))
-        total, flags = self.reduce(values).unbind()
-        return total, bool(flags > 0)
-
-    def _check_identical(self, module: nn.Module) -> None:
-        digest = hashlib.sha256()
-        for name, tensor in module.state_dict().items():
-            digest.update(name.encode())
-            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-        digests = self.gather(digest.hexdigest())
-        if len(set(digests)) != 1:
-            differing = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
-
-    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        out = tensor.detach().clone()
-        self.progress.enter("an all-reduce")
-        dist.all_reduce(out, op=_OPS[op])
-        return out
-
     def _carry(self, values: torch.Tensor) -> torch.Tensor | None:
         """The values become the carrier's gradient. Called between a synchronising forward and its
         backward, when the reducer expects every gradient; marking the carrier ready there costs no
@@ -252,55 +199,4 @@ class DDP(Replicated):
             return None
         return comm / 1e9, (data.get("avg_backward_compute_comm_overlap_time") or 0) / 1e9
 
-    def gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        self.progress.enter("a gather")
-        dist.all_gather_object(out, value)
-        return out
 
-    def broadcast(self, value: Any) -> Any:
-        box = [value]
-        self.progress.enter("a broadcast")
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        self.progress.enter("a barrier")
-        dist.barrier()
-
-    def shutdown(self) -> None:
-        """After a successful run: every rank leaves the group together. A rank that tore its group
-        down while another still talked to it could abort at exit in gloo's threads ("terminate
-        called without an active exception"), failing a run that had succeeded."""
-        progress.stop()
-        if dist.is_initialized():
-            self.barrier()
-            dist.destroy_process_group()
-
-
-def _default_store() -> Any:
-    """The process group's store (where ranks publish their progress), or None where torch hides it."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private accessor: without it, hung ranks are not named
-        return None
-
-
-def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
-    """Every rank must run the same resolved config and library versions."""
-    mine = _flatten({"config": resolved, "versions": versions})
-    every = strategy.gather(mine)
-    differing = sorted({k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)})
-    if differing:
-        shown = ", ".join(differing[:8]) + (" ..." if len(differing) > 8 else "")
-        raise ConfigError(f"ranks run different configs or versions; differing keys: {shown}. "
-                          "Give every node the same config file and phalanx, torch versions")
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): repr(tree)}

@@ -1,0 +1,127 @@
+"""What strategies of one process per device share: the process group, its collectives, and the
+progress each rank publishes so that a timed-out collective names the ranks that did not arrive."""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.strategies import progress
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
+
+
+class ProcessGroup:
+    """This process's device, its place in the process group (joined here unless already joined) and
+    the collectives over it. Each collective is counted (`progress`): a background thread publishes
+    the count and the step to the group's store, so that a timed-out collective names the ranks
+    that never arrived and their step."""
+
+    def __init__(self, accelerator: str, timeout_s: float | None = None, backend: str = "auto"):
+        """`backend`: nccl or gloo; auto picks nccl on GPUs and gloo on CPUs."""
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if accelerator == "cuda":
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = torch.device("cpu")
+        self.devices = (self.device,)
+        self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S[self.device.type]
+        if not dist.is_initialized():
+            if backend == "auto":
+                backend = "nccl" if accelerator == "cuda" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.data_rank, self.data_world_size = self.rank, self.world_size
+        self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
+        """`where()` tells the run's steps done and whether it is training, for naming a hung rank's step."""
+        self.progress.where = where
+
+    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
+        values = torch.stack((loss.detach().to(torch.float64),
+                              torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
+        total, flags = self.reduce(values).unbind()
+        return total, bool(flags > 0)
+
+    def check_identical(self, module: nn.Module) -> None:
+        """Every rank holds the same parameters and buffers (a hash of them compared)."""
+        digest = hashlib.sha256()
+        for name, tensor in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        digests = self.gather(digest.hexdigest())
+        if len(set(digests)) != 1:
+            differing = [r for r, d in enumerate(digests) if d != digests[0]]
+            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
+
+    def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        out = tensor.detach().clone()
+        self.progress.enter("an all-reduce")
+        dist.all_reduce(out, op=_OPS[op])
+        return out
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self.progress.enter("a gather")
+        dist.all_gather_object(out, value)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        box = [value]
+        self.progress.enter("a broadcast")
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        self.progress.enter("a barrier")
+        dist.barrier()
+
+    def shutdown(self) -> None:
+        """After a successful run: every rank leaves the group together. A rank that tore its group
+        down while another still talked to it could abort at exit in gloo's threads ("terminate
+        called without an active exception"), failing a run that had succeeded."""
+        progress.stop()
+        if dist.is_initialized():
+            self.barrier()
+            dist.destroy_process_group()
+
+def _default_store() -> Any:
+    """The process group's store (where ranks publish their progress), or None where torch hides it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: without it, hung ranks are not named
+        return None
+
+
+def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
+    """Every rank must run the same resolved config and library versions."""
+    mine = _flatten({"config": resolved, "versions": versions})
+    every = strategy.gather(mine)
+    differing = sorted({k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)})
+    if differing:
+        shown = ", ".join(differing[:8]) + (" ..." if len(differing) > 8 else "")
+        raise ConfigError(f"ranks run different configs or versions; differing keys: {shown}. "
+                          "Give every node the same config file and phalanx, torch versions")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): repr(tree)}
