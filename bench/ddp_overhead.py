@@ -1,22 +1,26 @@
-"""Per-step overhead of phalanx's `ddp` strategy against a hand-written DistributedDataParallel loop:
-two CPU processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory
-dataset of bench/common.py, both loops taking turns every 20 steps inside each process.
+"""Per-step overhead of phalanx's `ddp` strategy against a hand-written DistributedDataParallel loop
+(or, with `--strategy fsdp`, of its `fsdp` strategy against a hand-written FSDP2 loop): two CPU
+processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory dataset of
+bench/common.py, both loops taking turns every 20 steps inside each process.
 
     .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~1 min
+    .venv/bin/python bench/ddp_overhead.py --strategy fsdp --out bench/results/fsdp_overhead.json
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
     .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
 
 What is timed (see BENCHMARKS.md): in each of the two processes,
 
-1. *hand DDP*: `DistributedDataParallel(model)` with default settings, AdamW, a DataLoader whose
+1. *hand DDP*: `DistributedDataParallel(model)` with default settings (*hand FSDP2*: `fully_shard`
+   on each Linear, then on the model, default settings), AdamW, a DataLoader whose
    batch sampler takes each global batch (2 x 64 samples) of a per-epoch permutation and yields
    this rank's contiguous half (no DistributedSampler: the same data work as phalanx), forward,
    `F.cross_entropy`, backward, step; the loss summed as `loss.detach()` every step and all-reduced
    once per epoch for logging.
 2. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
    `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
-   process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP.
+   process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP
+   (*phalanx fsdp*: `parallel.strategy=fsdp`, `parallel.fsdp.shard=[Linear]`, as the hand loop shards).
 
 The loops take turns every `--chunk` steps: a round is one chunk of phalanx, then one of hand DDP,
 every chunk starting right after a barrier, so both ranks start it together. The machine changes
@@ -69,6 +73,13 @@ DATA_KEY = "ddp_overhead"
 FEATURES, CLASSES = 32, 10
 WORLD = 2
 HAND, PHALANX, PHALANX_END = "hand DDP", "phalanx ddp", "phalanx incl. epoch end"
+TARGETS = {"ddp": 1.05, "fsdp": 1.10}  # phalanx's allowed ratio to the hand loop, per strategy
+
+
+def name_loops(strategy: str) -> None:
+    """The loops' names for `strategy` (in the parent and in each rank: the figures are keyed by them)."""
+    global HAND, PHALANX
+    HAND, PHALANX = ("hand FSDP2", "phalanx fsdp") if strategy == "fsdp" else ("hand DDP", "phalanx ddp")
 LOSS_SETUP, SETUP = "hand DDP, phalanx's loss and DDP options", "hand DDP, phalanx's set-up (+ carrier)"
 NO_HOOKS = "phalanx ddp, no hooks"
 
@@ -136,8 +147,16 @@ class HandDDP:
         self.global_batch = WORLD * args.batch_size
         torch.manual_seed(0)
         module = MLP(FEATURES, args.hidden, CLASSES)
-        options = {"broadcast_buffers": False, "gradient_as_bucket_view": True} if like_phalanx else {}
-        self.model = DistributedDataParallel(_WithCarrier(module) if self.carrier else module, **options)
+        if args.strategy == "fsdp":  # the FSDP2 loop one writes: each layer a unit, then the model
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in module.modules():
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            self.model = fully_shard(module)
+        else:
+            options = {"broadcast_buffers": False, "gradient_as_bucket_view": True} if like_phalanx else {}
+            self.model = DistributedDataParallel(_WithCarrier(module) if self.carrier else module, **options)
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler)
@@ -205,7 +224,8 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
         "optimizer": {"class": "AdamW", "lr": LR},
         # phalanx's batch_size is the global batch: WORLD x the per-rank batch of the hand loop
         "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": WORLD * args.batch_size},
-        "parallel": {"accelerator": "cpu", "devices": WORLD},
+        "parallel": {"accelerator": "cpu", "devices": WORLD, "strategy": args.strategy,
+                     **({"fsdp": {"shard": ["Linear"]}} if args.strategy == "fsdp" else {})},
         "seed": 0,
         "main_loop": {"epochs": args.warmup + args.rounds},
         "output_root": output_root,
@@ -265,7 +285,7 @@ def build_phalanx(args, run_root: Path, driver):
     assert len(raw["hooks"]) == len(specs) - 1, specs
     cfg = config.validate(raw)
     strategy = strategies.create(cfg)
-    assert type(strategy).__name__ == "DDP" and strategy.world_size == WORLD, strategy
+    assert type(strategy).__name__ == args.strategy.upper() and strategy.world_size == WORLD, strategy
     box = [str(rundir.create(cfg, run_root / "ddp_overhead.yaml")) if strategy.is_main else None]
     dist.broadcast_object_list(box, src=0)
     run_dir = Path(box[0])
@@ -308,6 +328,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
     try:
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore")
+        name_loops(args.strategy)
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         result = (profile_rank if args.profile else breakdown_rank if args.breakdown else measure_rank)(rank, args)
         queue.put((rank, True, result))
@@ -391,9 +412,9 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
     results[PHALANX_END] = with_epoch_end(measured[PHALANX], measured[HAND], end, per_epoch, args.steps)
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
     return {
-        "benchmark": "ddp_overhead",
+        "benchmark": "ddp_overhead" if args.strategy == "ddp" else "ddp_overhead --strategy fsdp",
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "settings": {"processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": args.steps,
+        "settings": {"strategy": args.strategy, "processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": args.steps,
                      "chunk": k, "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
                      "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "features": FEATURES,
                      "classes": CLASSES, "samples": args.steps * WORLD * args.batch_size,
@@ -403,7 +424,7 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         "method": "the loops take turns every `chunk` steps (a round is one chunk of each), every chunk starting "
                   "after a barrier; per chunk: wall = the slower rank's window, CPU = both ranks' process CPU "
                   "time; ms/step = median over chunks of (wall / chunk); ratio = median over rounds of the paired "
-                  "ratio to hand DDP's chunk; ratio_of_totals = all measured windows added up; windows exclude "
+                  "ratio to the hand loop's chunk; ratio_of_totals = all measured windows added up; windows exclude "
                   "phalanx's epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
         "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
         "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
@@ -422,10 +443,10 @@ def print_table(report: dict[str, Any]) -> None:
     print_results(report["results"], 26)
     end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
     print(f"\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks together); "
-          f"ratio: median of the per-chunk ratios to hand DDP's chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
+          f"ratio: median of the per-chunk ratios to {HAND}'s chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
           f"median {end['median']:.1f} ms per epoch, outside the windows.")
     t = report["target"]
-    print(f"target: phalanx ddp <= {t['phalanx_ratio_max']:.2f}x hand DDP (wall-clock): "
+    print(f"target: {PHALANX} <= {t['phalanx_ratio_max']:.2f}x {HAND} (wall-clock): "
           f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)", flush=True)
 
 
@@ -614,8 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
-    parser.add_argument("--target", type=float, default=1.05, help="phalanx's allowed ratio to hand DDP")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "ddp_overhead.json"))
+    parser.add_argument("--strategy", choices=sorted(TARGETS), default="ddp",
+                        help="phalanx's ddp against hand DDP (default), or its fsdp against hand FSDP2")
+    parser.add_argument("--target", type=float, default=None,
+                        help="phalanx's allowed ratio to the hand loop (default: 1.05 for ddp, 1.10 for fsdp)")
+    parser.add_argument("--out", default=None, help="the JSON report (default: bench/results/<strategy>_overhead.json)")
     parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx's ranks alone (no JSON)")
     parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")
     parser.add_argument("--breakdown", action="store_true",
@@ -630,7 +654,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps, --rounds and --warmup must be at least 1")
     if args.chunk < 1 or args.steps % args.chunk:
         parser.error(f"--chunk must divide --steps ({args.steps}); got {args.chunk}")
-    args.out = str(Path(args.out).resolve())
+    if args.breakdown and args.strategy != "ddp":
+        parser.error("--breakdown splits ddp's extra time (its variants are DDP loops); leave out --strategy")
+    args.target = TARGETS[args.strategy] if args.target is None else args.target
+    args.out = str(Path(args.out or ROOT / "bench" / "results" / f"{args.strategy}_overhead.json").resolve())
+    name_loops(args.strategy)
     return launch(args)
 
 

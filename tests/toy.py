@@ -68,6 +68,18 @@ class Linear(nn.Module):
         return {"prediction": prediction, "loss": (prediction - y) ** 2}
 
 
+class Scaled(Linear):
+    """toy.Linear with a learned output scale that the model holds itself, drawn in its __init__."""
+
+    def __init__(self, features: int = 3):
+        super().__init__(features)
+        self.scale = nn.Parameter(torch.rand(1) + 0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).squeeze(-1) * self.scale
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
 class Classifier(nn.Module):
     def __init__(self, features: int = 4, classes: int = 3):
         super().__init__()
@@ -106,6 +118,17 @@ def regression_config(**sections: Any) -> dict:
         else:
             cfg[key] = value
     return cfg
+
+
+def contract_config(batch: int, accumulation: int, n_train: int, n_valid: int = 10, **parallel: Any) -> dict:
+    """The float64 scenario that strategies are held to one device with: a hidden layer, AdamW with a
+    warm-up, two epochs and a validation stream; `parallel` adds to the CPU, one-device section."""
+    return regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4},
+        optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
+        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": n_train, "n_valid": n_valid},
+        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation, **parallel},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
 
 
 def write_config(folder: Path, cfg: dict, name: str = "config.yaml") -> Path:

@@ -3,9 +3,12 @@
 `checkpoints/step-<N>/` holds `model.safetensors` (weights), `optimizer.pt` (optimizer, scheduler
 and loss-scaler state, read only with `weights_only=True`), `trainer.json` (epoch, step, sampler
 cursor, every RNG, hook state) and `manifest.json` (sizes and SHA-256 of the others), written last.
-A step is built in a temporary folder, fsynced and renamed into place: a step without a manifest
-does not exist, and an interrupted save leaves nothing behind. A step folder that does not verify
-(a damaged one that a resumed run trains through again) is replaced the same way.
+A strategy that shards the model writes, instead of the weights and the optimizer's own state, a
+`shards/` folder of `torch.distributed.checkpoint` files (one per process, and `.metadata`), which
+any strategy on any process count reads back (`load_shards`). A step is built in a temporary
+folder, fsynced and renamed into place: a step without a manifest does not exist, and an
+interrupted save leaves nothing behind. A step folder that does not verify (a damaged one that a
+resumed run trains through again) is replaced the same way.
 
 What a checkpoint holds is checked before it is used: the hashes, then that each file parses and the
 trainer state makes sense. Any failure is a CheckpointError naming the file, so that `resume` can
@@ -13,26 +16,46 @@ fall back to the step before.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from phalanx.errors import CheckpointError
-from phalanx.files import fsync_dir, fsync_file, write_text_atomic, writing
+from phalanx.errors import CheckpointError, StorageError
+from phalanx.files import fsync_dir, fsync_file, os_error, storage_error, write_atomic, write_text_atomic, writing
 
 log = logging.getLogger("phalanx")
 
 FORMAT = 1
+# where a checkpoint's weights go: a module, or a function that loads them from the weights file or
+# the shards folder (a strategy's, which may also load the optimizer's state from the shards)
+Weights = nn.Module | Callable[[Path], None]
+
+
+class Group(Protocol):
+    """The processes that save a sharded step together (a strategy)."""
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def gather(self, value: Any) -> list[Any]: ...
+
+    def broadcast(self, value: Any) -> Any: ...
 WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = "model.safetensors", "optimizer.pt", "trainer.json", "manifest.json"
+SHARDS = "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
 _in_progress: set[Path] = set()
 
 
@@ -64,8 +87,8 @@ class Checkpoints:
                  if p.name[5:].isdigit() and (p / MANIFEST).is_file()]
         return sorted(found)
 
-    def save(self, step: int, module: nn.Module, optimizer_state: dict, trainer_state: dict,
-             best: dict | None = None) -> Path:
+    def save(self, step: int, module: nn.Module | dict[str, torch.Tensor], optimizer_state: dict,
+             trainer_state: dict, best: dict | None = None) -> Path:
         """Write step `step` atomically; `best` (variable and value) marks it the best so far. An
         existing step is kept if it verifies, and replaced if it does not."""
         final = self.path(step)
@@ -88,6 +111,70 @@ class Checkpoints:
         self.prune()
         return final
 
+    def save_sharded(self, step: int, write_shards: Callable[[Path], None], optimizer_state: dict,
+                     trainer_state: dict, group: Group, best: dict | None = None) -> Path:
+        """Step `step` of a sharded model, atomically. Every rank calls it: each writes its shards into
+        the temporary folder with `write_shards(folder)` (a collective), then the main process writes
+        the rest and the manifest over every file and renames. Every rank raises the same error."""
+        final = self.path(step)
+        tmp = self.root / f".tmp-step-{step}-shards"  # one name every rank knows (one job per run: the run lock)
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        began = self._begin_sharded(step, tmp) if group.is_main else None
+        began = group.broadcast(began)
+        if began == "kept":
+            self._written.add(step)
+            return final
+        if began != "ready":
+            raise StorageError(began)
+        try:
+            error = None
+            try:
+                write_shards(tmp / SHARDS)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must hear of it
+                error = _shard_error(final, e)
+            errors = [e for e in group.gather(error) if e]
+            if group.is_main and not errors:
+                errors = [self._finish_sharded(tmp, final, step, optimizer_state, trainer_state, best)]
+            error = group.broadcast(errors[0] if errors else None)
+        finally:
+            if group.is_main:
+                _in_progress.discard(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+        if error:
+            raise StorageError(error)
+        self._written.add(step)
+        return final
+
+    def _begin_sharded(self, step: int, tmp: Path) -> str:
+        """"kept" where the step exists and verifies, "ready" once the empty temporary folder is made,
+        else the error that prevented it."""
+        if step in self._written or (self.path(step).exists() and self._intact(step)):
+            return "kept"
+        try:
+            with writing(self.path(step)):
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                (tmp / SHARDS).mkdir(parents=True)
+        except StorageError as e:
+            return str(e)
+        _in_progress.add(tmp)
+        return "ready"
+
+    def _finish_sharded(self, tmp: Path, final: Path, step: int, optimizer_state: dict, trainer_state: dict,
+                        best: dict | None) -> str | None:
+        """The main process's part once every shard is written; the error, if any, as text."""
+        try:
+            with writing(final):
+                self._write(tmp, step, None, optimizer_state, trainer_state)
+                self._move_into_place(tmp, final)
+            if best is not None:
+                write_text_atomic(self.root / "best.json", json.dumps({"step": step, **best}), sync=True)
+            self.prune()
+        except StorageError as e:
+            return str(e)
+        return None
+
     def _intact(self, step: int) -> bool:
         try:
             self.verify(step)
@@ -109,18 +196,28 @@ class Checkpoints:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
 
-    def _write(self, folder: Path, step: int, module: nn.Module, optimizer_state: dict,
-               trainer_state: dict) -> None:
-        save_model(module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True)
+    def _write(self, folder: Path, step: int, module: nn.Module | dict[str, torch.Tensor] | None,
+               optimizer_state: dict, trainer_state: dict) -> None:
+        """Everything but the shards (already in `folder/shards` where `module` is None), then the
+        manifest over every file in `folder`."""
+        if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
+            save_model(module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True)
+        elif module is not None:  # a full state gathered from shards: no tensor shares another's storage
+            save_file({k: v.contiguous() for k, v in module.items()}, str(folder / WEIGHTS), metadata={"step": str(step)})
         with open(folder / OPTIMIZER, "wb") as f:  # through Python's file: a full disk is an OSError, with errno
             torch.save(optimizer_state, f)
         (folder / TRAINER).write_text(json.dumps(trainer_state))
-        files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-                 for name in (WEIGHTS, OPTIMIZER, TRAINER)}
-        for name in files:
-            fsync_file(folder / name)
-        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "files": files}, indent=1))
+        names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
+        for name in (WEIGHTS, OPTIMIZER, TRAINER):  # the shards' writers synced their own files
+            if name in files:
+                fsync_file(folder / name)
+        layout = "full" if module is not None else "sharded"
+        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "layout": layout, "files": files},
+                                                  indent=1))
         fsync_file(folder / MANIFEST)
+        if module is None:
+            fsync_dir(folder / SHARDS)
         fsync_dir(folder)
 
     def verify(self, step: int) -> Path:
@@ -205,19 +302,40 @@ class Checkpoints:
         for tmp in self.root.glob(".tmp-*") if self.root.is_dir() else []:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def load(self, step: int, module: nn.Module | None) -> tuple[dict, dict]:
-        """Optimizer state and trainer state of step `step`, and its weights loaded into `module`
-        (if given) once every file has verified and parsed."""
+    def load(self, step: int, weights: Weights | None) -> tuple[dict, dict]:
+        """Optimizer state and trainer state of step `step`, and its weights loaded into `weights`
+        once every file has verified and parsed. In a sharded step the optimizer's own state is in
+        the shards (its entry here is None): `weights` given a shards folder loads it from there."""
         folder = self.verify(step)
         trainer_state = read_trainer_state(folder / TRAINER)
         optimizer_state = read_optimizer_state(folder / OPTIMIZER)
-        if module is not None:
-            load_weights(module, folder / WEIGHTS)
+        if weights is not None:
+            _load_into(weights, _weights_path(folder))
         return optimizer_state, trainer_state
 
-    def load_weights(self, step: int, module: nn.Module) -> None:
-        """Only the weights of step `step`, verified, into `module` (evaluation needs no more)."""
-        load_weights(module, self.verify(step) / WEIGHTS)
+    def load_weights(self, step: int, weights: Weights) -> None:
+        """Only the weights of step `step`, verified, into `weights` (evaluation needs no more)."""
+        _load_into(weights, _weights_path(self.verify(step)))
+
+    def export(self, step: int, output: Path) -> int:
+        """The whole model of step `step` as one safetensors file at `output`, every name of its
+        state dict present (tied weights as copies), loadable by `load_state_dict` with no phalanx;
+        written atomically. Returns the number of tensors."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save
+
+        path = _weights_path(self.verify(step))
+        if path.name == SHARDS:
+            state = read_shards_model(path)
+        else:
+            state = load_file(str(path))
+            with safe_open(str(path), "pt") as f:  # names save_model dropped as duplicates: dropped -> kept
+                for dropped, kept in (f.metadata() or {}).items():
+                    if kept in state and dropped not in state:
+                        state[dropped] = state[kept].clone()
+        data = save(state, metadata={"step": str(step)})
+        write_atomic(output, lambda f: f.write(data), sync=True)
+        return len(state)
 
 
 # The trainer state's counters: each a whole number, at least this much.
@@ -259,6 +377,19 @@ def read_optimizer_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def _weights_path(folder: Path) -> Path:
+    return folder / SHARDS if (folder / SHARDS).is_dir() else folder / WEIGHTS
+
+
+def _load_into(weights: Weights, path: Path) -> None:
+    if not isinstance(weights, nn.Module):
+        weights(path)
+    elif path.name == SHARDS:
+        load_shards(path, weights)
+    else:
+        load_weights(weights, path)
+
+
 def load_weights(module: nn.Module, path: Path) -> None:
     """Weights from a safetensors file: a file that does not parse is a CheckpointError, weights
     of another model a CheckpointMismatch."""
@@ -285,3 +416,160 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+# --- sharded steps: torch.distributed.checkpoint, read without unpickling anything but data ------
+
+def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                collective: bool = False) -> None:
+    """The model's state (and the optimizer's, if given) from a shards folder, saved by any number of
+    processes. `collective`: the model is sharded over the process group and every rank calls this,
+    each reading the parts its shards need; otherwise this process reads the whole state alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    if optimizer is None:
+        state = {"model": get_model_state_dict(model)}
+    else:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+    reader = _reader(folder)
+    _check_fits(folder, reader.read_metadata(), state["model"])
+    try:
+        with _quiet_single_process():
+            dcp.load(state, storage_reader=reader, planner=_planner(), no_dist=not collective)
+    except (Exception, _checkpoint_exception()) as e:  # noqa: BLE001 - whatever the reader makes of the files
+        raise CheckpointError(f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged") from None
+    try:
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{folder} does not fit this run ({type(e).__name__}: {e}); the checkpoint is damaged "
+                              "or was saved from another config") from None
+
+
+def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The whole model's state from a shards folder, as CPU tensors, with no model to load it into."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _reader(folder)
+    metadata = reader.read_metadata()
+    state = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    try:
+        with _quiet_single_process():
+            dcp.load({"model": state}, storage_reader=reader, planner=_planner(), no_dist=True)
+    except (Exception, _checkpoint_exception()) as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged") from None
+    return state
+
+
+def _check_fits(folder: Path, metadata: Any, model_state: dict) -> None:
+    """The saved model's names and shapes are this model's: else a CheckpointMismatch."""
+    saved = {key[len("model."):]: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(meta, "size")}
+    mine = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    if saved == mine:
+        return
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    shapes = [f"{k} {saved[k]} vs {mine[k]}" for k in sorted(set(saved) & set(mine)) if saved[k] != mine[k]]
+    what = "; ".join(part for part in (f"missing {', '.join(missing[:5])}" if missing else "",
+                                       f"unexpected {', '.join(extra[:5])}" if extra else "",
+                                       f"shapes differ: {', '.join(shapes[:5])}" if shapes else "") if part)
+    raise CheckpointMismatch(f"{folder} does not fit this model ({what}); was it saved from another model config?")
+
+
+class _Unpickler(pickle.Unpickler):
+    """The shards' `.metadata` holds only checkpoint-layout records, paths, and torch's dtype, layout
+    and size objects: nothing else in it is loaded (torch's own reader unpickles it without restriction)."""
+
+    _NAMED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
+
+    def find_class(self, module: str, name: str) -> Any:
+        layout_record = module.startswith("torch.distributed.checkpoint.") and not name.startswith("__")
+        if (module, name) in self._NAMED or layout_record or module == "torch":
+            found = super().find_class(module, name)
+            if (module, name) in self._NAMED or isinstance(found, torch.dtype) or (
+                    layout_record and isinstance(found, type) and found.__module__ == module):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+@functools.cache
+def _dcp() -> tuple[type, type]:
+    """torch.distributed.checkpoint's file reader and load planner, made to load nothing but data
+    (torch's own unpickle `.metadata` and the non-tensor items, such as the optimizer's settings,
+    without restriction); built on first use, since the package is slow to import."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = Path(self.path) / ".metadata"
+            try:
+                with open(path, "rb") as f:
+                    metadata = _Unpickler(f).load()
+            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+                raise CheckpointError(f"{path} cannot be read as checkpoint metadata ({type(e).__name__}: {e}); "
+                                      "the checkpoint is damaged") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            torch.load(value, weights_only=True)  # refuses anything but data: torch's own read below meets only that
+            value.seek(0)
+            super().load_bytes(read_item, value)
+
+    return Reader, Planner
+
+
+def _reader(folder: Path) -> Any:
+    return _dcp()[0](str(folder))
+
+
+def _planner() -> Any:
+    return _dcp()[1]()
+
+
+def _checkpoint_exception() -> type:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _failure(error: BaseException) -> str:
+    """The first underlying error of a torch.distributed.checkpoint failure (it wraps every rank's)."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, CheckpointError):
+        return str(error)
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:300]}"
+
+
+def _shard_error(final: Path, error: BaseException) -> str:
+    """A failed write of shards as one line: a refused write is a storage error naming the step."""
+    failures = getattr(error, "failures", None)
+    cause = next(iter(failures.values()))[0] if failures else error
+    refused = os_error(cause)
+    if refused is not None:
+        return str(storage_error(final, refused))
+    return f"cannot write the shards of {final}: {_failure(error)}"
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """torch.distributed.checkpoint warns that a load without a process group is one process's: here it is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

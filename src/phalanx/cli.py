@@ -30,6 +30,13 @@ SUBCOMMANDS = {
     "predict": ("write a checkpoint's per-sample outputs on a stream as CSV", """\
         example:
           phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv"""),
+    "export": ("write a checkpoint's whole model as one safetensors file that plain PyTorch loads", """\
+        examples:
+          phalanx export runs/digits-20260101-120000 --output model.safetensors
+          phalanx export runs/gpt-20260101-120000 --checkpoint latest --output gpt.safetensors
+
+        then, with no phalanx:
+          model.load_state_dict(safetensors.torch.load_file("model.safetensors"))"""),
     "bench": ("train a config for a few steps at each device count and show how it scales", """\
         examples:
           phalanx bench examples/digits/config.yaml --devices 1,2 --steps 50
@@ -70,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
         made[name].add_argument("--checkpoint", default="best",
                                 help="best, latest or a step number (default: best)")
     made["predict"].add_argument("--output", required=True, help="the CSV file to write")
+    made["export"].add_argument("run_dir", help="a run directory")
+    made["export"].add_argument("--checkpoint", default="best", help="best, latest or a step number (default: best)")
+    made["export"].add_argument("--output", required=True, help="the safetensors file to write")
     made["bench"].add_argument("config", help="the YAML config file")
     made["bench"].add_argument("overrides", **overrides)
     made["bench"].add_argument("--devices", default="1,2", help="device counts, comma-separated (default: 1,2)")
@@ -90,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
         commands.evaluate(args.run_dir, args.stream, args.checkpoint)
     elif args.command == "predict":
         commands.predict(args.run_dir, args.stream, args.output, args.checkpoint)
+    elif args.command == "export":
+        commands.export(args.run_dir, args.output, args.checkpoint)
     elif args.command == "bench":
         commands.bench(args.config, _counts(args.devices), args.steps, args.overrides, args.output)
     elif args.command == "ls":

@@ -234,13 +234,17 @@ class _Collect(Hook):
             self.rows.append(row)
 
 
-def predict(run_path: str, stream: str, output: str, which: str) -> int:
-    """Per-sample outputs of a checkpoint on a stream, written as CSV; returns the row count."""
+def _check_output(output: str, example: str) -> None:
     if Path(output).is_dir():
-        raise PhalanxError(f"--output {output!r} is a directory; give the CSV file to write, such as "
-                           f"{Path(output) / 'predictions.csv'}")
+        raise PhalanxError(f"--output {output!r} is a directory; give the file to write, such as "
+                           f"{Path(output) / example}")
     if not Path(output).resolve().parent.is_dir():
         raise PhalanxError(f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first")
+
+
+def predict(run_path: str, stream: str, output: str, which: str) -> int:
+    """Per-sample outputs of a checkpoint on a stream, written as CSV; returns the row count."""
+    _check_output(output, "predictions.csv")
     collect = _Collect()
     trainer, _ = _restored(*_open(run_path), which, [collect])
     trainer.evaluate(stream)
@@ -254,6 +258,19 @@ def predict(run_path: str, stream: str, output: str, which: str) -> int:
     write_text_atomic(Path(output), text.getvalue())
     logs.out.print(f"wrote {len(collect.rows)} rows to {output}")
     return len(collect.rows)
+
+
+def export(run_path: str, output: str, which: str) -> int:
+    """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
+    returns the number of tensors. The model's code is not needed: the checkpoint holds every name."""
+    _check_output(output, "model.safetensors")
+    logs.setup(None)
+    run_dir = rundir.open_run(run_path)
+    checkpoints = Checkpoints(run_dir / "checkpoints")
+    step = checkpoints.select(which)
+    count = checkpoints.export(step, Path(output))
+    logs.out.print(f"wrote {count} tensors of {run_dir.name} at step {step} to {output}")
+    return count
 
 
 def list_runs(root: str) -> list[dict[str, Any]]:

@@ -117,6 +117,23 @@ class TowersConfig(_Section):
                                "first device (which is also the first tower), or on the CPU")
 
 
+class FSDPConfig(_Section):
+    """`parallel.fsdp`: settings of the `fsdp` strategy."""
+
+    shard: list[str] | None = Field(
+        None, description="module class names sharded as units of their own; default every child of the model "
+                          "that holds parameters, then the model itself")
+    param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
+        None, description="the dtype parameters are gathered in for forward and backward; default their own")
+    reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
+        None, description="the dtype gradients are reduced in; default param_dtype's")
+    offload: bool = Field(False, description="keep parameters and optimizer state in CPU memory between uses")
+    init: Literal["full", "meta"] = Field(
+        "full", description="full: every rank builds the whole model, then keeps its shards; meta: the model is "
+                            "built without memory and each module's reset_parameters() fills its shards one module "
+                            "at a time, so the whole model is never in one process's memory")
+
+
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -129,6 +146,7 @@ class ParallelConfig(_Section):
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
     towers: TowersConfig = Field(default_factory=TowersConfig, description="settings of the towers strategy")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="settings of the fsdp strategy")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
                             "several ranks share one GPU, which nccl refuses")

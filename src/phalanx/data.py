@@ -163,12 +163,15 @@ class _Unbatchable:
 
 
 class _Collate:
-    """`collate` for one stream; in worker processes, errors travel back as `_Unbatchable`."""
+    """`collate` for one stream; in worker processes, errors travel back as `_Unbatchable`. An empty
+    shard is None, or the zero-size batch `empty` where the strategy runs the model on it too."""
 
-    def __init__(self, name: str, in_worker: bool):
-        self.name, self.in_worker = name, in_worker
+    def __init__(self, name: str, in_worker: bool, empty: Mapping | None = None):
+        self.name, self.in_worker, self.empty = name, in_worker, empty
 
     def __call__(self, items: list[Any]) -> dict[str, Any] | _Unbatchable | None:
+        if not items and self.empty is not None:
+            return dict(self.empty)
         try:
             return collate(items, self.name)
         except DataError as e:
@@ -188,17 +191,27 @@ class _WorkersLoader(DataLoader):
 
 
 def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
-           seed: int = 0, name: str = "") -> DataLoader:
+           seed: int = 0, name: str = "", empty_batches: bool = False) -> DataLoader:
     """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
-    `name` is the stream's, for errors.
+    `name` is the stream's, for errors. An empty shard is None, or with `empty_batches` a batch of
+    zero samples shaped like the stream's items (for strategies whose every rank runs the model).
 
     Its own generator, seeded by `seed`, seeds the workers: making the loader draws nothing from the
     global RNG, so a resumed run's dropout and augmentation continue exactly where they stopped.
     """
     kind = _WorkersLoader if num_workers else DataLoader
-    return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0),
+    empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+    return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0, empty),
                 num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False,
                 generator=torch.Generator().manual_seed(seed))
+
+
+def empty_batch(dataset: Any, name: str = "") -> dict[str, Any]:
+    """A batch of zero samples shaped like the stream's items: each tensor value with a first
+    dimension of 0, lists empty, other values as the first item has them."""
+    batch = collate([dataset[0]], name)
+    return {k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
+            for k, v in batch.items()}
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:

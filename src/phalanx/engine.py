@@ -64,6 +64,8 @@ class Engine:
         # times the factor by which the strategy's reduction divides
         weight = n / micro.global_size * scale
         loss, data = self._forward(batch, n, call, device)
+        if not n:  # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
+            return loss.sum() * 0.0, None, loss.detach().new_zeros(()), data
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
             part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
         else:

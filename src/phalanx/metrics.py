@@ -71,6 +71,25 @@ def memory(device: torch.device) -> dict[str, float]:
     return {"memory_peak_gib": peak_kib / (2**30 if sys.platform == "darwin" else 2**20)}
 
 
+def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of the model's state that this process holds: its parameters, their gradients (one per
+    trainable parameter, as backward leaves them; the same size) and the optimizer's state. Where a
+    strategy shards them, each counts this process's shard only."""
+    parameters = gradients = 0
+    for p in module.parameters():
+        size = _local_bytes(p)
+        parameters += size
+        gradients += size if p.requires_grad else 0
+    held = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+    return {"parameters": parameters, "gradients": gradients, "optimizer": held}
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this process's shard
+    return local.numel() * local.element_size()
+
+
 def gpu_utilization(device: torch.device) -> float | None:
     """GPU utilisation in percent through NVML (nvidia-ml-py), when it is installed."""
     if device.type != "cuda":

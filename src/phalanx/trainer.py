@@ -26,7 +26,7 @@ from phalanx.hooks.profiler import Profile
 from phalanx.model import Forward, build_model
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
-from phalanx.strategies.base import ModelOptions, Strategy
+from phalanx.strategies.base import ModelOptions, SavesShards, Strategy
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
@@ -79,6 +79,8 @@ class Trainer:
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.loader_options = _loader_options(cfg, self.strategy)
+        # a strategy whose collectives need every rank in every forward gets zero-size batches, not None
+        self._empty_batches = self.strategy.runs_empty_shards
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -141,6 +143,7 @@ class Trainer:
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
+                                   empty_batches=self._empty_batches,
                                    **self.loader_options))
         profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
         try:
@@ -229,7 +232,8 @@ class Trainer:
         plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.data_rank, self.strategy.data_world_size,
                          self.shard_weights)
         listeners = self._listeners["after_batch"]
-        for k, batch in enumerate(data.loader(stream, plan, 0, name=name, **self.loader_options)):
+        for k, batch in enumerate(data.loader(stream, plan, 0, name=name, empty_batches=self._empty_batches,
+                                              **self.loader_options)):
             self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
             outputs = None if batch is None else self.engine.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])
@@ -300,12 +304,18 @@ class Trainer:
         if self.checkpoints is None:
             return None
         state = self.state_dict()  # on every rank: hooks combine their running values across ranks
+        rest = {"schedulers": [s.state_dict() for s, _ in self.schedulers], "scaler": self.precision.state_dict()}
+        if isinstance(self.strategy, SavesShards):  # every rank writes its shards; the optimizer's are among them
+            path = self.checkpoints.save_sharded(
+                self.step, lambda folder: self.strategy.save_shards(folder, self.optimizer), {"optimizer": None, **rest},
+                state, self.strategy, best)
+            if self.strategy.is_main:
+                self._trace("checkpoint", step=self.step, best=best is not None)
+            return path if self.strategy.is_main else None
+        weights, optimizer = self.strategy.model_state(), self.strategy.optimizer_state(self.optimizer)
         if not self.strategy.is_main:
             return None
-        optimizer_state = {"optimizer": self.strategy.optimizer_state(self.optimizer),
-                           "schedulers": [s.state_dict() for s, _ in self.schedulers],
-                           "scaler": self.precision.state_dict()}
-        path = self.checkpoints.save(self.step, self.strategy.model_state(), optimizer_state, state, best)
+        path = self.checkpoints.save(self.step, weights, {"optimizer": optimizer, **rest}, state, best)
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
@@ -314,10 +324,12 @@ class Trainer:
         `previous`: the run's resolved config before this resume's overrides, which are checked
         against the checkpoint and, where they change the optimizer or the schedule, applied."""
         if weights_only:
-            self.checkpoints.load_weights(step, self.model)
+            self.checkpoints.load_weights(step, self.strategy.load_model_state)
             return
         path = self.checkpoints.path(step) / "trainer.json"
-        optimizer_state, state = self.checkpoints.load(step, self.model)
+        # a sharded step's optimizer state is in its shards, loaded with the model's
+        optimizer_state, state = self.checkpoints.load(
+            step, lambda weights: self.strategy.load_model_state(weights, self.optimizer))
         changed = resuming.changed_keys(previous, rundir.resolved(self.cfg)) if previous is not None else {}
         resuming.check(changed, state, self.cfg.dataset.batch_size)
         if state["step_in_epoch"] >= self.steps_per_epoch:
@@ -327,7 +339,8 @@ class Trainer:
         settings, schedules = (self._replayed_schedule() if resuming.affects_schedule(changed)
                                else (None, optimizer_state["schedulers"]))
         try:
-            self.strategy.load_optimizer_state(self.optimizer, optimizer_state["optimizer"])
+            if optimizer_state["optimizer"] is not None:
+                self.strategy.load_optimizer_state(self.optimizer, optimizer_state["optimizer"])
             for group, new in zip(self.optimizer.param_groups, settings or [], strict=settings is not None):
                 group.update(new)  # the new settings at this step, over the saved moments and counts
             for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):

@@ -97,6 +97,13 @@ class RunView:
         """The names of the model's outputs in a batch (the rest are the batch's own values)."""
         return tuple(self._run.forward.output_names)
 
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state that this process holds (its shards,
+        where the strategy shards them): see `metrics.state_bytes`."""
+        from phalanx import metrics
+
+        return metrics.state_bytes(self._run.model, self._run.optimizer)
+
     # --- what a hook may ask
     def save_checkpoint(self, best: dict | None = None) -> Path | None:
         """Save the run's state at this step (every rank calls it; the main process writes)."""

@@ -57,12 +57,16 @@ def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple,
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                        "OMP_NUM_THREADS": "1", **env})
     torch.set_num_threads(1)
+    succeeded = False
     try:
         queue.put((rank, True, target(rank, *args)))
+        succeeded = True
     except BaseException:  # noqa: BLE001 - reported to the test
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
+            if succeeded:  # leave together: a group torn down while another rank still talks to it can abort
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 
@@ -87,8 +91,11 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd))
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
-    params = {k: v.detach().cpu().tolist() for k, v in trainer.model.state_dict().items()}
-    return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids}
+    state = trainer.strategy.model_state()  # the whole model: gathered to rank 0 where it is sharded
+    state = state.state_dict() if isinstance(state, torch.nn.Module) else state
+    params = {k: v.detach().cpu().tolist() for k, v in state.items()}
+    return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids,
+            "state_bytes": trainer.view.state_bytes()}
 
 
 def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int, carry_through_autograd: bool = False) -> dict:

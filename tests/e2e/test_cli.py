@@ -228,6 +228,9 @@ BAD = [
     ("run-config-malformed", ["eval", "RUN"], ["config.yaml", "not valid YAML", "restore"]),
     ("run-json-malformed", ["resume", "RUN"], ["run.json", "not readable JSON", "restore"]),
     ("predict-output-a-directory", ["predict", "RUN", "--output", "RUN/predictions"], ["--output", "is a directory"]),
+    ("export-output-a-directory", ["export", "RUN", "--output", "RUN/predictions"], ["--output", "is a directory"]),
+    ("export-no-such-step", ["export", "RUN", "--checkpoint", "99", "--output", "RUN.safetensors"],
+     ["no checkpoint at step 99", "there are"]),
 ]
 DAMAGE = {  # what a case writes into its copy of the run first
     "run-config-malformed": ("config.yaml", b"model: [toy.Linear\n"),
@@ -271,6 +274,8 @@ def ran(trained):
     commands = {f"eval-{which}": (["eval", str(run), "--stream", "test", "--checkpoint", which], exp)
                 for which in ("best", "latest", "10")}
     commands["predict"] = (["predict", str(run), "--stream", "test", "--output", str(folder / "pred.csv")], exp)
+    commands["export"] = (["export", str(run), "--checkpoint", "10", "--output", str(folder / "model.safetensors")],
+                          exp)
     commands["ls"] = (["ls", str(exp / "runs")], folder)
     commands["info"] = (["info"], folder)
     runs["resume"] = copy_run(trained, "resume")
@@ -328,6 +333,17 @@ def test_predict_writes_integer_values_as_integers(ran):
     ids above 2**24."""
     rows = _predictions(ran)
     assert [row["id"] for row in rows] == [str(i) for i in range(10)]
+
+
+def test_export_writes_the_whole_model_for_plain_load_state_dict(ran):
+    result = ran.results["export"]
+    assert result.returncode == 0, output(result)
+    assert f"wrote 2 tensors of {ran.run.name} at step 10" in output(result)
+    exported = load_file(str(ran.folder / "model.safetensors"))
+    model = toy.Linear(features=3)
+    model.load_state_dict(exported)  # no phalanx: torch alone, strict
+    for key, value in weights(ran.run, 10).items():
+        assert torch.equal(exported[key], value)
 
 
 def test_ls_lists_the_runs_with_status_and_best(ran):

@@ -54,6 +54,20 @@ def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
     assert math.isfinite(loss) and loss < math.log(10)  # below chance on 10 classes: it learned
 
 
+def test_fsdp_overhead_runs_phalanx_fsdp_against_a_hand_fsdp2_loop(tmp_path):
+    steps, chunk, rounds = 20, 10, 2
+    report = run(tmp_path, "ddp_overhead.py", "--strategy", "fsdp", "--steps", str(steps), "--chunk", str(chunk),
+                 "--rounds", str(rounds), "--warmup", "1")
+    results = report["results"]
+    assert report["settings"]["strategy"] == "fsdp" and report["target"]["phalanx_ratio_max"] == 1.10
+    assert report["phalanx_config"]["parallel"]["strategy"] == "fsdp"
+    for name in ("hand FSDP2", "phalanx fsdp"):
+        check_figures(results[name], rounds * steps // chunk)
+    assert report["phalanx_checkpoints"], "phalanx's SaveLatest wrote no checkpoint"
+    loss = report["final_epoch_loss"]["hand FSDP2"]
+    assert math.isfinite(loss) and loss < math.log(10)
+
+
 def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(tmp_path):
     steps, chunk, rounds = 20, 10, 2
     report = run(tmp_path, "overhead.py", "--steps", str(steps), "--chunk", str(chunk), "--rounds", str(rounds))

@@ -60,6 +60,8 @@ def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
     assert summary["flops_per_sample"] == pytest.approx(12)
     assert summary["mfu"] == pytest.approx(12 * 32 / 1e3)
     assert trainer.epoch_data["train"]["samples_per_s"] == pytest.approx(32)
+    # 3 weights and a bias in float64, a gradient of each, and plain SGD keeps no state
+    assert summary["state_bytes"] == {"parameters": 32, "gradients": 32, "optimizer": 0}
 
 
 def test_peak_flops_are_unknown_on_cpu():

@@ -23,12 +23,7 @@ N_TRAIN, N_VALID = 41, 10  # the last batch, 1 sample, leaves every tower but th
 
 
 def scenario(batch: int, accumulation: int, **parallel) -> dict:
-    return toy.regression_config(
-        model={"class": "toy.Linear", "features": 3, "hidden": 4},
-        optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
-        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": N_TRAIN, "n_valid": N_VALID},
-        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation, **parallel},
-        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+    return toy.contract_config(batch, accumulation, N_TRAIN, N_VALID, **parallel)
 
 
 def rel(a, b) -> float:

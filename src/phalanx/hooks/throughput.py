@@ -21,7 +21,9 @@ class LogThroughput(Hook):
     sequence under `tokens_key`), MFU (with a known `peak_flops` per device), memory and GPU use.
     After each epoch, put the epoch's figures into `epoch_data["train"]` (`samples_per_s`,
     `tokens_per_s`, `mfu`, `memory_peak_gib`) for the hooks listed after it, and at the end write
-    `throughput.json` with the steady-state figures (the first `warmup_steps` steps left out).
+    `throughput.json` with the steady-state figures (the first `warmup_steps` steps left out). The
+    bytes of parameters, gradients and optimizer state that a process holds (its shards under fsdp)
+    are logged once and written there too (`state_bytes`).
     """
 
     gathers = False  # reads the trainer's global batch size; times its own steps
@@ -38,6 +40,7 @@ class LogThroughput(Hook):
         self._steady = [0.0, 0]     # seconds, samples after warm-up, whole run
         self._steps = 0
         self._counted = False
+        self._state_logged = False
 
     @property
     def peak(self) -> float | None:
@@ -113,6 +116,11 @@ class LogThroughput(Hook):
         parts.append(f"peak memory {figures['memory_peak_gib']:.2f} GiB")
         if utilization is not None:
             parts.append(f"GPU {utilization:.0f}%")
+        if not self._state_logged:  # once the optimizer has taken a step, and made its state
+            self._state_logged = True
+            state = self.trainer.state_bytes()
+            log.info("model state held by the main process: %s (parameters %s, gradients %s, optimizer %s)",
+                     _mib(sum(state.values())), *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")))
         log.info("step %d | %s", self.trainer.step, ", ".join(parts))
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
@@ -126,7 +134,7 @@ class LogThroughput(Hook):
         seconds, samples = self._steady if self._steady[0] > 0 else self._epoch
         out = {"devices": self.trainer.strategy.world_size, "steps": self._steps,
                "flops_per_sample": self.flops_per_sample, "peak_flops": self.peak,
-               "profile": dict(self.trainer.profile)}
+               "profile": dict(self.trainer.profile), "state_bytes": self.trainer.state_bytes()}
         if seconds > 0:
             out.update(self._figures(seconds, samples))
         return out
@@ -134,3 +142,7 @@ class LogThroughput(Hook):
     def after_training(self, success: bool) -> None:
         if self.trainer.strategy.is_main and self.trainer.run_dir is not None:
             write_text_atomic(self.trainer.run_dir / "throughput.json", json.dumps(self.summary(), indent=1))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"

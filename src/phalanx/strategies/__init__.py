@@ -108,11 +108,26 @@ def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
     return Towers(count, cfg.parallel.towers.variables_on)
 
 
+def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    if not in_worker():
+        raise ConfigError("parallel.strategy=fsdp needs several processes; set parallel.devices to 2 or more "
+                          "(phalanx starts them), or start phalanx under torchrun")
+    unsupported = {"parallel.sync_batchnorm": cfg.parallel.sync_batchnorm, "precision=fp16": cfg.precision == "fp16"}
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(f"parallel.strategy=fsdp does not support {', '.join(named)}; remove it, or use "
+                          "parallel.strategy=ddp (bf16 instead of fp16)")
+    from phalanx.strategies.fsdp import FSDP
+
+    return FSDP(accelerator, cfg.parallel.fsdp, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+
+
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named after it
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
     "ddp": Entry(_ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"),
     "towers": Entry(_towers, False, "one process driving every device, a replica on each, in threads"),
+    "fsdp": Entry(_fsdp, True, "one process per device, parameters, gradients and optimizer state sharded (FSDP2)"),
 }
 
 

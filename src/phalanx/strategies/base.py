@@ -8,7 +8,7 @@ A strategy answers five questions, and nothing else reaches the trainer:
   (`prepare`), and which parameters the optimizer updates;
 - the step: how the micro-batches' forward and backward run so that the gradients are the global
   batch's, and how the ranks agree on the step's loss and stop flag (`forward_backward`, `agree`);
-- state: the model and optimizer state that a checkpoint holds;
+- state: the model and optimizer state that a checkpoint holds, whole or as shards (`SavesShards`);
 - collectives: reduce, gather, broadcast, barrier; shutdown.
 
 The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) in
@@ -23,6 +23,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -56,6 +57,9 @@ class Strategy(Protocol):
     data_world_size: int          # shards of each micro-batch, over all processes
     devices: tuple[torch.device, ...]  # the devices this process drives
     device: torch.device          # where batches and the model's outputs live: devices[0]
+    # True where every rank must run the model on every micro-batch (its collectives are inside the
+    # model's forward and backward): an empty shard then arrives as a batch of zero samples, not None
+    runs_empty_shards: bool
 
     @property
     def is_main(self) -> bool:
@@ -87,12 +91,19 @@ class Strategy(Protocol):
     def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
         """The sum over ranks of a loss share, and whether any rank's flag is set."""
 
-    # --- state
-    def model_state(self) -> nn.Module:
-        """The module whose state a checkpoint holds, whole (on the main process at least)."""
+    # --- state (every rank calls these at the same point: a sharded strategy gathers or scatters)
+    def model_state(self) -> nn.Module | dict[str, torch.Tensor]:
+        """The model's whole state as a checkpoint holds it, on the main process: a module whose
+        state is saved, or a state dict of CPU tensors (other processes may return an empty one)."""
+
+    def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a checkpoint's weights into the model: a safetensors file of the whole model, or a
+        shards folder (`checkpoint.SHARDS`, saved on any process count), which also holds the
+        optimizer's state: loaded into `optimizer` where it is given."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state as a checkpoint holds it."""
+        """The optimizer's whole state as a checkpoint holds it (parameters by index, in the order of
+        the model's trainable parameters), on the main process."""
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Give the optimizer the state a checkpoint held."""
@@ -115,6 +126,16 @@ class Strategy(Protocol):
 
 
 @runtime_checkable
+class SavesShards(Protocol):
+    """A strategy whose checkpoints hold the model and optimizer as each process's shards, written by
+    every process at once, instead of a whole copy gathered to one."""
+
+    def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Write the model's and optimizer's shards into `folder` (torch.distributed.checkpoint's
+        layout); every rank calls it."""
+
+
+@runtime_checkable
 class ReportsCommunication(Protocol):
     """A strategy whose gradient reduction runs inside backward and samples its own timing."""
 
@@ -126,6 +147,7 @@ class ReportsCommunication(Protocol):
 class Replicated:
     """Shared members of strategies that keep a whole copy of the model and optimizer in each process."""
 
+    runs_empty_shards = False
     model: nn.Module
 
     def init_context(self) -> contextlib.AbstractContextManager:
@@ -133,6 +155,14 @@ class Replicated:
 
     def model_state(self) -> nn.Module:
         return self.model
+
+    def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        from phalanx.checkpoint import SHARDS, load_shards, load_weights
+
+        if path.name == SHARDS:
+            load_shards(path, self.model, optimizer)  # the whole state, read by each process on its own
+        else:
+            load_weights(self.model, path)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()
@@ -150,6 +180,7 @@ class Replicated:
 class OneProcess:
     """Shared members of strategies that run in one process: there is no other to talk to."""
 
+    runs_empty_shards = False
     rank = data_rank = 0
     world_size = data_world_size = 1
 

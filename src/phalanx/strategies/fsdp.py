@@ -1,0 +1,236 @@
+"""`fsdp`: one process per device, the model's parameters, gradients and optimizer state sharded
+over them with FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+The contract's arithmetic is kept by making FSDP add instead of average: every sharded module's
+gradient divide factor is 1 and its reductions are plain sums, so each rank's objective (its
+samples' losses, each weighted 1/B of the global batch) adds up to the global batch's. Every rank
+runs every micro-batch, since the all-gathers and reduce-scatters live inside forward and backward:
+an empty shard arrives as a batch of zero samples and contributes zero gradient. Gradients are
+reduced only after the last micro-batch of a step. The ranks agree on the step's loss and stop
+flag with one small all-reduce.
+
+Checkpoints hold the model and optimizer as each rank's shards (torch.distributed.checkpoint), written
+by every rank at once into the step's folder; any strategy on any process count reads them, so a run
+saved with fsdp resumes with ddp, single or another process count. The whole state can also be
+gathered to the main process (`model_state`, `optimizer_state`).
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.strategies.base import Micros, ModelOptions, prepare
+from phalanx.strategies.distributed import ProcessGroup
+
+if TYPE_CHECKING:
+    from phalanx.config import FSDPConfig
+    from phalanx.engine import Engine
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+class FSDP(ProcessGroup):
+    runs_empty_shards = True
+
+    def __init__(self, accelerator: str, options: FSDPConfig, timeout_s: float | None = None, backend: str = "auto"):
+        super().__init__(accelerator, timeout_s, backend)
+        self.options = options
+        self.model: nn.Module | None = None
+
+    def init_context(self) -> contextlib.AbstractContextManager:
+        """Where the model is built: whole on every rank (`init: full`), or on the meta device, with
+        no memory (`init: meta`); see `setup`."""
+        return torch.device("meta") if self.options.init == "meta" else contextlib.nullcontext()
+
+    def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        """Every rank builds the model from the same seed, so its values are one process's, and keeps
+        its shard of each parameter. Built whole, it is sharded after; built on the meta device, it is
+        sharded first and each module's values are then drawn whole, one module at a time, in the
+        dtype the model was built in and in module order (as one process draws them), and cut to
+        this rank's shards."""
+        self.model = module
+        if self.options.init == "meta":
+            _check_resettable(module)
+            self._built = {name: t.dtype for name, t in _tensors(module)}  # before the precision's cast
+        return prepare(module, options, self._shard), self.model
+
+    def _shard(self, module: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        meta = self.options.init == "meta"
+        if not meta:
+            module = module.to(self.device)
+        self.progress.enter("the sharding of the model")
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        settings = {
+            "mesh": mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.options.param_dtype),
+                                              reduce_dtype=_DTYPES.get(self.options.reduce_dtype)),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.options.offload
+            else OffloadPolicy(),
+        }
+        units = _units(module, self.options.shard)
+        for unit in units:  # innermost first: a unit's parameters are those no inner unit took
+            fully_shard(unit, **settings)
+        fully_shard(module, **settings)
+        if meta:
+            module.to_empty(device="cpu" if self.options.offload else self.device)
+            self._initialise(module)
+        for sharded in module.modules():
+            if isinstance(sharded, FSDPModule):  # sums, not averages: the objective carries 1/B already
+                sharded.set_gradient_divide_factor(1.0)
+                sharded.set_force_sum_reduction_for_comms(True)
+        # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it would
+        # skip its backward hook; phalanx changes no output in place (it detaches them for the hooks)
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        return module
+
+    def _initialise(self, module: nn.Module) -> None:
+        """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors of
+        the dtype it was built in, then cast and cut to this rank's shards: no rank holds more than
+        one module whole, and every rank draws the same values (so no values are sent)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for prefix, sub in module.named_modules():
+            tables = {"parameters": sub._parameters, "buffers": sub._buffers}
+            live = {(kind, name): table[name] for kind, table in tables.items() for name in table
+                    if table[name] is not None}
+            if not live:
+                continue
+            for (kind, name), t in live.items():  # whole stand-ins, as the model was built
+                whole = torch.empty(t.shape, dtype=self._built.get(f"{prefix}.{name}" if prefix else name, t.dtype))
+                tables[kind][name] = nn.Parameter(whole, t.requires_grad) if kind == "parameters" else whole
+            try:
+                with torch.no_grad():
+                    sub.reset_parameters()
+                drawn = {key: tables[key[0]][key[1]].detach() for key in live}
+            finally:
+                for (kind, name), t in live.items():
+                    tables[kind][name] = t
+            with torch.no_grad():
+                for key, t in live.items():
+                    whole = drawn[key].to(t.dtype)
+                    if isinstance(t, DTensor):
+                        shard = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                        t.to_local().copy_(shard)
+                    else:
+                        t.copy_(whole)
+
+    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
+                                                                                     bool, float]:
+        model, last = self.model, len(micros) - 1
+        total, parts = None, []
+        self.progress.enter("the gradient reduce-scatter")
+        for i, (micro, batch) in enumerate(micros):
+            model.set_requires_gradient_sync(i == last)  # reduce once, after the step's last micro-batch
+            loss, gradient, part, data = engine.forward(micro, batch, 1.0)
+            engine.backward(loss, gradient)
+            total = part if total is None else total + part
+            parts.append(data if micro.shard else None)
+        loss, stop = self.agree(total, stop)
+        return parts, loss, stop, 0.0
+
+    def evaluate(self, engine: Engine, batch: Mapping) -> dict:
+        return engine.eval_forward(batch)  # on every rank, zero samples too: its all-gathers need all
+
+    # --- state: shards, or whole, gathered to the main process -----------------------------
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self.progress.enter("the gathering of the model's state")
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.is_main else {}
+
+    def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from phalanx.checkpoint import SHARDS, CheckpointMismatch, load_shards
+
+        if path.name == SHARDS:  # each rank reads the parts of the files its shards need
+            self.progress.enter("the loading of the checkpoint's shards")
+            load_shards(path, self.model, optimizer, collective=True)
+            return
+        state = load_file(str(path))
+        try:
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        except (RuntimeError, KeyError, ValueError) as e:
+            lines = " ".join(str(e).split())
+            raise CheckpointMismatch(f"{path} does not fit this model ({lines[:300]}); was it saved from another "
+                                     "model config?") from None
+
+    def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.progress.enter("the saving of the checkpoint's shards")
+        model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self.progress.enter("the gathering of the optimizer's state")
+        named = get_optimizer_state_dict(self.model, optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return _by_index(named, self._names()) if self.is_main else {}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, optimizer, _by_name(state, self._names()),
+                                 options=StateDictOptions(full_state_dict=True))
+
+    def _names(self) -> list[str]:
+        """The trainable parameters' names, in the order the optimizer holds them."""
+        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+
+
+def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
+    """The submodules sharded as units of their own, innermost first: those of the named classes,
+    or by default every child of the root that holds parameters."""
+    if classes is None:
+        return [child for child in module.children() if any(True for _ in child.parameters())]
+    units = [m for m in module.modules() if type(m).__name__ in classes and m is not module]
+    if not units:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        raise ConfigError(f"parallel.fsdp.shard names {classes}, but the model has no module of those classes; "
+                          f"it has {', '.join(present)}")
+    return units[::-1]
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _check_resettable(module: nn.Module) -> None:
+    """A meta build needs each module that holds parameters or buffers to draw them again."""
+    for name, sub in module.named_modules():
+        holds = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
+        if holds and not callable(getattr(sub, "reset_parameters", None)):
+            where = f"{type(sub).__name__} at {name!r}" if name else type(sub).__name__
+            raise ConfigError(f"parallel.fsdp.init: meta draws each module's values with its reset_parameters(), "
+                              f"which {where} does not define; define it, or use parallel.fsdp.init: full")
+
+
+def _by_index(state: dict, names: list[str]) -> dict:
+    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by index."""
+    index = {name: i for i, name in enumerate(names)}
+    return {"state": {index[name]: value for name, value in state["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                             for group in state["param_groups"]]}

@@ -1,0 +1,186 @@
+"""Sharded checkpoint steps in one process: torch.distributed.checkpoint files inside the atomic
+commit and the manifest, a damaged shard named and skipped, pickles in the shards refused, a model
+of another shape refused, and `export` of whole and sharded steps to one plain state-dict file."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+from phalanx.checkpoint import MANIFEST, OPTIMIZER, SHARDS, TRAINER, Checkpoints, CheckpointMismatch, load_shards
+from phalanx.errors import CheckpointError, StorageError
+
+pytestmark = pytest.mark.timeout(60)
+MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / "phalanx-unpickled-marker"
+
+
+class OneRank:
+    """A group of one process, as a strategy without a process group is."""
+
+    is_main = True
+
+    def gather(self, value):
+        return [value]
+
+    def broadcast(self, value):
+        return value
+
+
+def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.01)
+    module(torch.randn(5, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    return module, optimizer
+
+
+def _write(module: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | None = None):
+    def write(folder: Path) -> None:
+        model_state, optimizer_state = get_state_dict(module, optimizer)
+        optimizer_state["param_groups"][0].update(extra or {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+            dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder, no_dist=True)
+    return write
+
+
+def _state(step: int) -> dict:
+    return {"epoch": 0, "step": step, "step_in_epoch": step, "batch_size": 8, "seed": 0, "rng": {}, "hooks": {}}
+
+
+def _save(ckpts: Checkpoints, step: int, seed: int | None = None, extra: dict | None = None) -> nn.Module:
+    module, optimizer = _trained(step if seed is None else seed)
+    ckpts.save_sharded(step, _write(module, optimizer, extra), {"optimizer": None, "schedulers": [], "scaler": {}},
+                       _state(step), OneRank())
+    return module, optimizer
+
+
+def _rewrite_manifest(folder: Path) -> None:
+    """Make the manifest match the files again, as someone who replaced a file on purpose would."""
+    import hashlib
+
+    manifest = json.loads((folder / MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        data = (folder / name).read_bytes()
+        entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.fixture
+def ckpts(tmp_path) -> Checkpoints:
+    return Checkpoints(tmp_path / "checkpoints", keep_last=10)
+
+
+def test_a_sharded_step_holds_the_shards_under_its_manifest_and_loads_model_and_optimizer(ckpts):
+    module, optimizer = _save(ckpts, 4)
+    folder = ckpts.path(4)
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["layout"] == "sharded"
+    assert set(manifest["files"]) == {OPTIMIZER, TRAINER, f"{SHARDS}/.metadata", f"{SHARDS}/__0_0.distcp"}
+    assert not list(ckpts.root.glob(".tmp-*"))
+    fresh, fresh_optimizer = _trained(99)
+    optimizer_state, trainer_state = ckpts.load(4, lambda path: load_shards(path, fresh, fresh_optimizer))
+    assert optimizer_state["optimizer"] is None and trainer_state["step"] == 4
+    for mine, saved in zip(fresh.parameters(), module.parameters(), strict=True):
+        assert torch.equal(mine, saved)
+    for mine, saved in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
+        assert torch.equal(mine["exp_avg_sq"], saved["exp_avg_sq"]) and float(mine["step"]) == float(saved["step"])
+    weights_only, _ = _trained(98)
+    ckpts.load_weights(4, weights_only)  # a module: the model's part of the shards only
+    assert torch.equal(weights_only[0].weight, module[0].weight)
+
+
+def test_a_damaged_shard_is_named_and_the_previous_step_is_taken(ckpts):
+    _save(ckpts, 2)
+    _save(ckpts, 4)
+    shard = ckpts.path(4) / SHARDS / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="__0_0.distcp does not match its SHA-256"):
+        ckpts.verify(4)
+    assert ckpts.latest_valid() == 2
+
+
+def test_a_step_that_verifies_is_kept_and_a_failed_write_leaves_nothing(ckpts):
+    _save(ckpts, 3)
+    before = (ckpts.path(3) / MANIFEST).read_bytes()
+    again = Checkpoints(ckpts.root)  # another process: it verifies the step instead of writing it again
+    again.save_sharded(3, lambda folder: pytest.fail("wrote a step that was intact"), {}, _state(3), OneRank())
+    assert (ckpts.path(3) / MANIFEST).read_bytes() == before
+
+    def full_disk(folder: Path) -> None:
+        (folder / "__0_0.distcp").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(StorageError, match="step-5: the disk is full"):
+        ckpts.save_sharded(5, full_disk, {}, _state(5), OneRank())
+    assert not ckpts.path(5).exists() and not list(ckpts.root.glob(".tmp-*"))
+
+
+def test_pickled_objects_in_the_shards_are_refused_not_run(ckpts, tmp_path):
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    _save(ckpts, 1, extra={"lr": Evil()})  # among the optimizer's settings: non-tensor items, pickled
+    module, optimizer = _trained(7)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_shards(ckpts.path(1) / SHARDS, module, optimizer)
+    assert not marker.exists()
+
+    _save(ckpts, 2)
+    metadata = ckpts.path(2) / SHARDS / ".metadata"
+    import pickle
+
+    metadata.write_bytes(pickle.dumps(Evil()))
+    _rewrite_manifest(ckpts.path(2))
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*posix.system is not allowed"):
+        ckpts.load_weights(2, module)
+    assert not marker.exists()
+
+
+def test_shards_of_another_model_are_a_mismatch(ckpts):
+    _save(ckpts, 1)
+    other = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    with pytest.raises(CheckpointMismatch, match=r"shapes differ: 0.bias \(4,\) vs \(5,\)"):
+        ckpts.load_weights(1, other)
+    with pytest.raises(CheckpointMismatch, match="missing 3.bias, 3.weight"):
+        ckpts.load_weights(1, nn.Sequential(*_trained(0)[0], nn.Linear(1, 1).double()))
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        self.out.weight = self.embed.weight
+
+
+def test_export_writes_every_name_for_plain_load_state_dict(ckpts, tmp_path):
+    module, _ = _save(ckpts, 2)
+    out = tmp_path / "sharded.safetensors"
+    assert ckpts.export(2, out) == len(get_model_state_dict(module))
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    fresh.load_state_dict(load_file(str(out)))  # strict: every name, no more
+    assert torch.equal(fresh[2].weight, module[2].weight)
+
+    tied = Tied()
+    ckpts.save(3, tied, {"optimizer": {}, "schedulers": [], "scaler": {}}, _state(3))
+    out = tmp_path / "whole.safetensors"
+    assert ckpts.export(3, out) == 2  # the tied weight under both of its names
+    fresh = Tied()
+    fresh.load_state_dict(load_file(str(out)))
+    assert torch.equal(fresh.out.weight, tied.embed.weight)
