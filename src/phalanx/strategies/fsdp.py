@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError
@@ -128,15 +129,25 @@ class FSDP(ProcessGroup):
                                                                                      bool, float]:
         model, last = self.model, len(micros) - 1
         total, parts = None, []
-        self.progress.enter("the gradient reduce-scatter")
         for i, (micro, batch) in enumerate(micros):
             model.set_requires_gradient_sync(i == last)  # reduce once, after the step's last micro-batch
             loss, gradient, part, data = engine.forward(micro, batch, 1.0)
-            engine.backward(loss, gradient)
             total = part if total is None else total + part
+            if i == last:  # the loss and stop flag are known: agreed on while backward runs
+                values, agreement = self._agree_started(total, stop)
+                self.progress.enter("the gradient reduce-scatter")
+            engine.backward(loss, gradient)
             parts.append(data if micro.shard else None)
-        loss, stop = self.agree(total, stop)
-        return parts, loss, stop, 0.0
+        agreement.wait()
+        total, flags = values.unbind()
+        return parts, total, bool(flags > 0), 0.0
+
+    def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
+        """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once waited."""
+        values = torch.stack((loss.detach().to(torch.float64),
+                              torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
+        self.progress.enter("the agreement on the step's loss")
+        return values, dist.all_reduce(values, async_op=True)
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         return engine.eval_forward(batch)  # on every rank, zero samples too: its all-gathers need all
