@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in stages: `check` (the CUDA paths at smoke sizes, the GPU test
-# tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes).
+# tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes),
+# and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload` (bench/largest_model.py's
+# search, one mode each; LARGEST_ARGS such as "--start 16" start it nearer the answer).
 # Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
 # The machines lack pydantic: carry its wheels in .whl (see BENCHMARKS.md).
 set -uo pipefail
@@ -28,6 +30,9 @@ for stage in "$@"; do
         w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
         timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check gpt2 resnet50 launch-bound" >&2; exit 2 ;;
+    largest-plain|largest-checkpointed|largest-fsdp-offload)
+        timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
+        ;;
+    *) echo "unknown stage $stage; stages: check gpt2 resnet50 launch-bound largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done

@@ -104,3 +104,17 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
     dump("out.2", 1, "phalanx-step", 4_400_000)
     (tmp_path / "out.3-01").write_text("version: 1\ncmd: python\n")  # no client request: not a variant
     assert counts(tmp_path) == {"hand-step": 4_000_000, "phalanx-step": 4_400_000}
+
+
+def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
+    """The GPU benchmark's machinery at tiny sizes on the CPU: fsdp on one process with offload and a
+    meta-device build trains the example decoder (tied weights) at each size the search tries."""
+    out = tmp_path / "largest.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "largest_model.py"), "--smoke", "--mode",
+                             "fsdp-offload", "--max-layers", "3", "--out", str(out)],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = json.loads(out.read_text())["modes"]["fsdp-offload"]
+    assert [t["layers"] for t in found["trials"]] == [1, 2, 3] and all(t["fits"] for t in found["trials"])
+    assert found["largest_layers"] == 3 and found["capped_at_max_layers"]
+    assert found["largest_parameters"] == found["trials"][-1]["parameters"] > found["trials"][0]["parameters"]

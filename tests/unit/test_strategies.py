@@ -197,3 +197,39 @@ def test_training_with_activation_checkpointing_ends_where_training_without_does
         assert trainer.run() == 0
         ends.append(trainer.model.state_dict())
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+
+
+def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_single(monkeypatch, tmp_path):
+    """No launcher, no port: the group's store is in memory; float64 results are one device's, with
+    offload and the meta-device build, and its checkpoints are shards."""
+    from phalanx.checkpoint import SHARDS, Checkpoints
+    from phalanx.strategies.fsdp import FSDP
+    from phalanx.trainer import Trainer
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    ends = {}
+    for strategy in ("single", "fsdp"):
+        fsdp = {"fsdp": {"offload": True, "init": "meta"}} if strategy == "fsdp" else {}
+        raw = toy.contract_config(7, 3, 37, strategy=strategy, **fsdp)
+        (tmp_path / strategy).mkdir()
+        trainer = Trainer(config.validate({**raw, "hooks": ["SaveLatest"]}), tmp_path / strategy, [])
+        try:
+            assert isinstance(trainer.strategy, FSDP if strategy == "fsdp" else Single)
+            assert trainer.run() == 0
+            state = trainer.strategy.model_state()
+            ends[strategy] = state.state_dict() if isinstance(state, torch.nn.Module) else state
+        finally:
+            trainer.strategy.shutdown()
+    assert not torch.distributed.is_initialized()
+    for key, value in ends["single"].items():
+        assert torch.allclose(ends["fsdp"][key], value, rtol=1e-10, atol=0), key
+    step = Checkpoints(tmp_path / "fsdp" / "checkpoints").latest_valid()
+    assert (tmp_path / "fsdp" / "checkpoints" / f"step-{step}" / SHARDS / "__0_0.distcp").is_file()
+
+
+def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="strategy=fsdp on 2 devices runs one process per device; start it with "
+                                          "phalanx train"):
+        strategies.create(cfg(accelerator="cpu", devices=2, strategy="fsdp"))

@@ -109,9 +109,11 @@ def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
 
 
 def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    if not in_worker():
-        raise ConfigError("parallel.strategy=fsdp needs several processes; set parallel.devices to 2 or more "
-                          "(phalanx starts them), or start phalanx under torchrun")
+    """Several processes (phalanx starts one per device), or this one alone on one device (a group of
+    one: offload then trains a model larger than the device's memory)."""
+    if not in_worker() and devices > 1:
+        raise ConfigError(f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it with "
+                          "phalanx train (which starts them) or under torchrun")
     unsupported = {"parallel.sync_batchnorm": cfg.parallel.sync_batchnorm, "precision=fp16": cfg.precision == "fp16"}
     named = [name for name, used in unsupported.items() if used]
     if named:

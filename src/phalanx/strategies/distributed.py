@@ -38,7 +38,9 @@ class ProcessGroup:
         if not dist.is_initialized():
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s))
+            alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+            # alone: a group of this process only (fsdp on one device), its store in memory: no port opened
+            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s), **alone)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.data_rank, self.data_world_size = self.rank, self.world_size
         self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
