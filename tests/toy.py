@@ -206,6 +206,36 @@ class FailAt(Linear):
         return super().forward(x, y)
 
 
+class FaultAt(Linear):
+    """On rank `rank`, at its `step`-th training forward call of an attempt, SIGKILLs its own process
+    (`kind: kill`) or raises (`kind: raise`), on the launcher's attempts in `attempts` (all where
+    None); every attempt's start is appended to `record`, if given."""
+
+    def __init__(self, features: int = 3, rank: int = 1, step: int = 3, kind: str = "kill",
+                 attempts: list[int] | None = (0,), record: str | None = None):
+        import os
+
+        super().__init__(features)
+        self.rank, self.step, self.kind, self.calls = rank, step, kind, 0
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.armed = attempts is None or self.attempt in attempts
+        if record and int(os.environ.get("RANK", 0)) == rank:
+            with open(record, "a") as f:
+                f.write(f"{self.attempt}\n")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        import os
+        import signal
+
+        if self.training and self.armed:
+            self.calls += 1
+            if int(os.environ.get("RANK", 0)) == self.rank and self.calls == self.step:
+                if self.kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected failure on rank {self.rank}, attempt {self.attempt}")
+        return super().forward(x, y)
+
+
 from phalanx.hooks import Hook  # noqa: E402  (the toy hooks below need phalanx; the models above do not)
 
 

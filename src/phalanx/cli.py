@@ -18,7 +18,11 @@ SUBCOMMANDS = {
         examples:
           phalanx train examples/digits/config.yaml
           phalanx train examples/digits/config.yaml main_loop.epochs=5 dataset.batch_size=128
-          phalanx train config.yaml hooks.3.StopAfter.epochs=5 optimizer.lr=3e-4"""),
+          phalanx train config.yaml hooks.3.StopAfter.epochs=5 optimizer.lr=3e-4
+
+        on two machines (the same command on each; node 0 serves the rendezvous on the address):
+          phalanx train config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400
+          phalanx train config.yaml --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400"""),
     "resume": ("continue a run from its latest valid checkpoint", """\
         examples:
           phalanx resume runs/digits-20260101-120000
@@ -71,6 +75,12 @@ def parser() -> argparse.ArgumentParser:
     made["train"].add_argument("overrides", **overrides)
     made["resume"].add_argument("run_dir", help="the run directory to continue")
     made["resume"].add_argument("overrides", **overrides)
+    for name in ("train", "resume"):
+        made[name].add_argument("--nnodes", type=int, default=1,
+                                help="machines in the job (default 1); each runs parallel.devices processes")
+        made[name].add_argument("--node-rank", type=int, help="this machine's place among them: 0 .. nnodes-1")
+        made[name].add_argument("--rdzv", metavar="HOST:PORT",
+                                help="where node 0 serves the rendezvous: an address of node 0 that every node reaches")
     for name in ("eval", "predict"):
         made[name].add_argument("run_dir", help="a run directory")
         made[name].add_argument("--stream", default="test", help="the stream to run (default: test)")
@@ -93,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
     from phalanx import commands  # heavy imports (torch) only once the arguments are valid
 
     if args.command == "train":
-        return commands.train(args.config, args.overrides)
+        return commands.train(args.config, args.overrides, _nodes(args))
     if args.command == "resume":
-        return commands.resume(args.run_dir, args.overrides)
+        return commands.resume(args.run_dir, args.overrides, _nodes(args))
     if args.command == "eval":
         commands.evaluate(args.run_dir, args.stream, args.checkpoint)
     elif args.command == "predict":
@@ -109,6 +119,28 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "info":
         commands.info()
     return 0
+
+
+def _nodes(args: argparse.Namespace):
+    """The job's machines from --nnodes, --node-rank and --rdzv; None for one machine."""
+    from phalanx.errors import PhalanxError
+    from phalanx.launch import Nodes
+
+    if args.nnodes < 1:
+        raise PhalanxError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if args.nnodes == 1:
+        if args.node_rank not in (None, 0) or args.rdzv:
+            raise PhalanxError("--node-rank and --rdzv are for a job on several machines; give --nnodes too")
+        return None
+    if args.node_rank is None or args.rdzv is None:
+        raise PhalanxError(f"--nnodes {args.nnodes} needs --node-rank (this machine's, 0 .. {args.nnodes - 1}) and "
+                           "--rdzv HOST:PORT (node 0's address), the same --rdzv on every machine")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise PhalanxError(f"--node-rank {args.node_rank} is not among 0 .. {args.nnodes - 1}")
+    host, _, port = args.rdzv.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PhalanxError(f"--rdzv {args.rdzv!r} is not HOST:PORT, such as 10.0.0.1:29400")
+    return Nodes(args.nnodes, args.node_rank, host.strip("[]"), int(port))
 
 
 def _counts(text: str) -> list[int]:

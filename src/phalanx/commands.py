@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import __version__, config, launch, logs, metrics, rundir, runlock, strategies
+from phalanx import __version__, config, environment, launch, logs, metrics, rundir, runlock, strategies
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints
 from phalanx.errors import CheckpointError, PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
@@ -26,10 +26,13 @@ from phalanx.trainer import Trainer
 log = logging.getLogger("phalanx")
 
 
-def train(config_path: str, overrides: list[str]) -> int:
-    """Start a new run from a config file; returns the exit code."""
+def train(config_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
+    """Start a new run from a config file; returns the exit code. With `nodes`, this machine's part
+    of a job on several: node 0 makes the run directory, every node starts its own workers."""
     cfg, _ = config.load(config_path, overrides)
     path = Path(config_path)
+    if nodes is not None:
+        return _train_on_nodes(cfg, path, nodes)
     if strategies.needs_launch(cfg):
         run_dir = rundir.create(cfg, path)
         with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
@@ -37,7 +40,7 @@ def train(config_path: str, overrides: list[str]) -> int:
                 logs.setup(run_dir)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                return launch.launch(run_dir, devices, run_worker, False, [])
+                return launch.launch(run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts)
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
                     _discard(run_dir)
@@ -52,6 +55,27 @@ def train(config_path: str, overrides: list[str]) -> int:
             return _run(trainer)
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
+                _discard(run_dir)
+            raise
+
+
+def _train_on_nodes(cfg: config.Config, path: Path, nodes: launch.Nodes) -> int:
+    strategies.check_nodes(cfg, nodes.count)
+    devices = strategies.resolve_device(cfg)[1]
+    store = launch.join(nodes)
+    if nodes.rank != 0:
+        run_dir = launch.share_run_dir(store, None)
+        logs.setup(None)
+        log.info("node %d of %d: run directory %s; starting %d workers", nodes.rank, nodes.count, run_dir, devices)
+        return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store)
+    run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
+    with _training_lock(run_dir, "train"):
+        try:
+            logs.setup(run_dir)
+            log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
+            return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store)
+        except BaseException as e:
+            if not _worth_keeping(run_dir, e):
                 _discard(run_dir)
             raise
 
@@ -73,20 +97,34 @@ def _discard(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def resume(run_path: str, overrides: list[str]) -> int:
-    """Continue a run from its latest valid checkpoint, in the same run directory, on any device count."""
+def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
+    """Continue a run from its latest valid checkpoint, in the same run directory, on any device
+    count; with `nodes`, on several machines (each given the same run directory, on a shared file system)."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path, announce=False)
+    if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
+        cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+        strategies.check_nodes(cfg, nodes.count)
+        store = launch.join(nodes)
+        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
+                             nodes=nodes, store=store)
     with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
         rundir.announce_imports(run_dir)
-        return _resume(run_dir, overrides)
+        return _resume(run_dir, overrides, nodes)
 
 
-def _resume(run_dir: Path, overrides: list[str]) -> int:
+def _resume(run_dir: Path, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    if nodes is not None:
+        strategies.check_nodes(cfg, nodes.count)
+        store = launch.join(nodes)
+        logs.setup(run_dir)
+        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
+                             nodes=nodes, store=store)
     if strategies.needs_launch(cfg):
         logs.setup(run_dir)
-        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides))
+        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
+                             restarts=cfg.parallel.max_restarts)
     return run_worker(run_dir, resume=True, overrides=overrides)
 
 
@@ -94,7 +132,8 @@ def _resume(run_dir: Path, overrides: list[str]) -> int:
 def _training_lock(run_dir: Path, command: str):
     """The run directory's lock, held while this process trains there (see runlock): by the launcher
     or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take it."""
-    if strategies.in_worker() and int(os.environ["RANK"]) != 0:
+    place = environment.here()
+    if place.in_group and place.rank != 0:
         yield
         return
     with runlock.hold(run_dir, command):
@@ -108,6 +147,11 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
     cfg = config.validate(config.apply_overrides(saved, overrides))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy)
+    attempt = environment.here().attempt
+    if attempt and not resume:  # the launcher started the workers again after one failed
+        resume = bool(strategy.broadcast(Checkpoints(run_dir / "checkpoints").steps() if strategy.is_main else None))
+        log.warning("attempt %d of the run, after a worker failed: %s", attempt + 1,
+                    "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
     if resume:
         previous = rundir.resolved(config.validate(saved)) if overrides else None
         _restore_latest(trainer, run_dir, previous)
@@ -158,7 +202,7 @@ def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], 
     logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
     if strategy.world_size > 1:
         if strategy.device.type == "cpu":  # the machine's cores shared among its workers
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", strategy.world_size))
+            local = environment.here().local_world_size
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         from phalanx.strategies.distributed import check_same_config
 

@@ -144,6 +144,9 @@ class ParallelConfig(_Section):
         None, description="relative shard size per rank, for mixed hardware; default equal")
     timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
+    max_restarts: StrictInt = Field(
+        0, ge=0, description="times the workers are started again after one fails; each attempt resumes from "
+                             "the last checkpoint (one machine)")
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
     towers: TowersConfig = Field(default_factory=TowersConfig, description="settings of the towers strategy")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="settings of the fsdp strategy")

@@ -1,9 +1,14 @@
-"""Starting worker processes: torch.distributed's elastic launcher, everything on loopback.
+"""Starting worker processes: torch.distributed's elastic launcher, on loopback unless the user
+names an address.
 
 `phalanx train` with several devices starts one worker per device here; under `torchrun` (its
-environment present) the processes already exist and nothing is relaunched. The rendezvous and the
-store the workers share listen on 127.0.0.1 only (torch's store would listen on every interface),
-and gloo and NCCL connect the workers over the loopback interface.
+environment present) the processes already exist and nothing is relaunched. On one machine the
+rendezvous and the store the workers share listen on 127.0.0.1 only (torch's store would listen on
+every interface), and gloo and NCCL connect the workers over the loopback interface. On several
+machines (`Nodes`: `phalanx train --nnodes N --node-rank R --rdzv HOST:PORT` on each), node 0
+serves the job's one store on HOST:PORT alone, the other nodes connect to it, and every node's
+launcher starts its own workers; the workers use that store too. The run directory, which node 0
+makes, must be on a file system every node shares.
 
 A worker that fails records its traceback (or, when a collective timed out, which ranks did not
 arrive) and tells the others to exit at once; the launcher prints the first failing rank's error once.
@@ -17,6 +22,7 @@ that finds its launcher gone (killed with SIGKILL, say) exits within a second.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -31,11 +37,12 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from phalanx import rundir, signals
+from phalanx import environment, rundir, signals
 from phalanx.errors import PhalanxError
 
 log = logging.getLogger("phalanx")
@@ -51,35 +58,98 @@ class RankFailure(PhalanxError):
     """A worker process failed; the message holds its rank and traceback."""
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """This machine's part in a job on several: `count` machines, this one's `rank`, and the address
+    node 0 serves the job's store on."""
+
+    count: int
+    rank: int
+    host: str
+    port: int
+
+    @property
+    def run_id(self) -> str:  # the same on every node
+        return f"phalanx-{self.host}-{self.port}"
+
+
+def join(nodes: Nodes, timeout_s: float = 600) -> Any:
+    """The job's store: served on `nodes.host:port` by node 0 (that address alone), reached by the
+    others, who wait up to `timeout_s` for it."""
+    from torch.distributed import TCPStore
+
+    if nodes.rank != 0:
+        try:
+            return TCPStore(nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as e:
+            raise PhalanxError(f"node {nodes.rank} cannot reach node 0 at {nodes.host}:{nodes.port} within "
+                               f"{timeout_s:.0f} s ({' '.join(str(e).split())[:200]}); start node 0 with the same "
+                               "--rdzv, and check that this machine reaches that address") from None
+    try:
+        sock = socket.create_server((nodes.host, nodes.port))
+    except OSError as e:
+        raise PhalanxError(f"node 0 cannot serve the rendezvous on {nodes.host}:{nodes.port} ({e.strerror}); "
+                           "--rdzv must name an address of this machine and a free port") from None
+    return TCPStore(nodes.host, nodes.port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
+                    timeout=timedelta(seconds=timeout_s))
+
+
+RUN_DIR_KEY = "phalanx/run_dir"
+
+
+def share_run_dir(store: Any, run_dir: Path | None) -> Path:
+    """Node 0 gives the run directory it made; the others receive it, and check they see it."""
+    if run_dir is not None:
+        store.set(RUN_DIR_KEY, str(run_dir))
+        return run_dir
+    shared = Path(store.get(RUN_DIR_KEY).decode())
+    if not (shared / rundir.CONFIG).is_file():
+        raise PhalanxError(f"node 0's run directory {shared} is not visible on this machine; output_root must be "
+                           "on a file system every node shares")
+    return shared
+
+
 def clear_requests(run_dir: Path) -> None:
     """Remove stop requests a launcher left behind (one killed before it could clean up)."""
     for name in (STOP_FILE, ABORT_FILE):
         (run_dir / name).unlink(missing_ok=True)
 
 
-def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any) -> int:
+def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nodes: Nodes | None = None,
+           store: Any = None, restarts: int = 0) -> int:
     """`run(run_dir, *args)` on `devices` local worker processes (a module-level function: each
-    worker imports it by name); returns rank 0's exit code."""
+    worker imports it by name); returns the exit code of this machine's first worker. With `nodes`
+    (and the `store` that `join` gave), this machine's workers are part of a job on several. When a
+    worker fails, all of them are started again, up to `restarts` times (`run` then sees the attempt
+    in `environment.here().attempt`); the error is the first failure's."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
     records = Path(tempfile.mkdtemp(prefix="phalanx-workers-"))  # each worker's error.json, read on failure
-    listener = _listen()
-    _listeners[run_id] = listener
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=devices, run_id=run_id,
-        rdzv_backend=_register_rendezvous(), rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
-        local_addr="127.0.0.1", max_restarts=0, monitor_interval=0.1, start_method="spawn",
-        signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-        logs_specs=DefaultLogsSpecs(log_dir=str(records)))
+    common = dict(nproc_per_node=devices, max_restarts=restarts, monitor_interval=0.1, start_method="spawn",
+                  signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+                  logs_specs=DefaultLogsSpecs(log_dir=str(records)))
+    if nodes is None:
+        run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
+        listener = _listen()
+        _listeners[run_id] = listener
+        config = LaunchConfig(min_nodes=1, max_nodes=1, run_id=run_id, rdzv_backend=_register_rendezvous(),
+                              rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}", local_addr="127.0.0.1",
+                              **common)
+    else:
+        run_id = nodes.run_id
+        _stores[run_id] = store
+        config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, run_id=run_id,
+                              rdzv_backend=_register_nodes_rendezvous(), rdzv_endpoint=f"{nodes.host}:{nodes.port}",
+                              rdzv_configs={"rank": nodes.rank}, **common)
     clear_requests(run_dir)
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
                  "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _Relay(run_dir), _loopback_interfaces():
+        loopback = nodes is None or _is_loopback(nodes.host)
+        with _Relay(run_dir), _loopback_interfaces() if loopback else contextlib.nullcontext():
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         raise _explain(e, records) from None
@@ -88,8 +158,10 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any) -> 
         unused = _listeners.pop(run_id, None)
         if unused is not None:
             unused.close()
-        clear_requests(run_dir)
-    return int(results.get(0, 1))
+        _stores.pop(run_id, None)
+        if nodes is None or nodes.rank == 0:
+            clear_requests(run_dir)
+    return int(results[min(results)]) if results else 1
 
 
 # --- the launcher's signals ---------------------------------------------------------------------
@@ -216,6 +288,60 @@ def _register_rendezvous() -> str:
     return RENDEZVOUS
 
 
+NODES_RENDEZVOUS = "phalanx-nodes"
+_stores: dict[str, Any] = {}  # run id -> the job's store (`join`), for the rendezvous handler
+
+
+def _nodes_rendezvous_handler(params):
+    """A static rendezvous (each node's rank given, the node count fixed) over the store that `join`
+    made, instead of one listening on every interface; the workers share that store."""
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+    host, port = params.endpoint.rsplit(":", 1)
+    store, rank, count, run_id = _stores[params.run_id], int(params.config["rank"]), params.max_nodes, params.run_id
+
+    class Static(RendezvousHandler):
+        use_agent_store = True
+
+        def get_backend(self) -> str:
+            return NODES_RENDEZVOUS
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            return RendezvousInfo(PrefixStore(run_id, store), rank, count, RendezvousStoreInfo(host, int(port)))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self) -> None:
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return run_id
+
+        def shutdown(self) -> bool:
+            return True
+
+    return Static()
+
+
+def _register_nodes_rendezvous() -> str:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(NODES_RENDEZVOUS, _nodes_rendezvous_handler)
+    return NODES_RENDEZVOUS
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def _loopback_interfaces():
     """gloo and NCCL connect the workers over the loopback interface (unless the user chose one):
@@ -244,7 +370,8 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
         from phalanx.strategies import progress
 
         _record(e, progress.explain(e))
-        _write(Path(run_dir) / ABORT_FILE, "1")  # the other workers need not wait for their timeout
+        # the other workers of this attempt need not wait for their timeout (the next attempt's ignore it)
+        _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
         sys.stdout.flush()
         os._exit(2 if isinstance(e, PhalanxError) else 1)
 
@@ -266,15 +393,17 @@ class _Guard(threading.Thread):
     def __init__(self, run_dir: Path, launcher_pid: int):
         super().__init__(name="phalanx-guard", daemon=True)
         self.abort, self.launcher_pid = run_dir / ABORT_FILE, launcher_pid
+        self.attempt = str(environment.here().attempt)
 
     def run(self) -> None:
         while True:
             if os.getppid() != self.launcher_pid:
                 _stderr(f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
-                        f"worker rank {os.environ.get('RANK', '?')} stops")
+                        f"worker rank {environment.here().rank} stops")
                 _end(1)
-            try:
-                code = int(self.abort.read_text() or 1)
+            try:  # "CODE" from the launcher (a signal), "CODE ATTEMPT" from a worker that failed
+                code, *attempt = self.abort.read_text().split() or ["1"]
+                code = int(code) if attempt in ([], [self.attempt]) else None
             except (OSError, ValueError):
                 code = None
             if code is not None:
@@ -303,7 +432,7 @@ def _record(e: BaseException, explained: str | None = None) -> None:
                         "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}},
             "phalanx": {"time": time.time(), "user_error": isinstance(e, PhalanxError),
                         "text": explained or str(e), "explained": explained is not None,
-                        "rank": int(os.environ.get("RANK", 0))}}
+                        "rank": environment.here().rank}}
     with open(path, "w") as f:
         json.dump(data, f)
 

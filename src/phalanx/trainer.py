@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, resuming, rundir, strategies
+from phalanx import data, environment, resuming, rundir, strategies
 from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
                            set_rng_state)
 from phalanx.checkpoint import Checkpoints
@@ -390,7 +390,7 @@ def _loader_options(cfg: Config, strategy: Strategy) -> dict[str, Any]:
     workers = cfg.dataset.num_workers
     on_gpu = strategy.device.type == "cuda"
     if workers == "auto":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", strategy.world_size))
+        local = environment.here().local_world_size
         workers = min(4, (os.cpu_count() or 1) // max(1, local) - 1) if on_gpu else 0
     return {"num_workers": max(0, workers), "pin_memory": on_gpu}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,120 @@ def test_a_stop_request_saves_and_resume_finishes(tmp_path):
     resumed = phalanx("resume", str(run), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert '"finished"' in (run / "trace.jsonl").read_text()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def on_two_nodes(args: list[str], cwd: Path, first: int) -> list[tuple[str, str]]:
+    """`phalanx ARGS --nnodes 2 --node-rank R --rdzv 127.0.0.1:PORT` for R = 0, 1, node `first`
+    started first; both must succeed. Their (stdout, stderr), in the order they started."""
+    rdzv = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([*PHALANX, *args, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", rdzv], cwd=cwd,
+                              env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for rank in (first, 1 - first)]
+    return all_succeed(nodes)
+
+
+def all_succeed(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Wait for every process (none is left running); each must exit 0. Their (stdout, stderr)."""
+    try:
+        done = [proc.communicate(timeout=240) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [proc.returncode for proc in procs] == [0] * len(procs), done
+    return done
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
+    """`phalanx train --nnodes 2 --node-rank R --rdzv HOST:PORT` on each "machine" (here, two launchers
+    on one): node 0 serves the rendezvous and makes the run directory, each starts its workers, and
+    the job's result is one process's."""
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "nodes", CFG)
+    done = on_two_nodes(["train", str(path), f"parallel.devices={devices}"], tmp_path, first=1)
+    run = only_run(tmp_path / "nodes" / "runs")  # one run directory, node 0's
+    assert relative(weights(run), want) < 1e-10
+    assert f"on {2 * devices} process(es)" in (run / "log.txt").read_text()
+    assert f"node 1 of 2: run directory {run}" in done[0][1]
+
+
+def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "stopped", CFG)
+    assert phalanx("train", str(path), "hooks.3.StopAfter.steps=8", cwd=tmp_path).returncode == 0  # mid-epoch 2
+    run = only_run(tmp_path / "stopped" / "runs")
+    on_two_nodes(["resume", str(run), "hooks.3.StopAfter.steps=1000"], tmp_path, first=0)
+    assert relative(weights(run), want) < 1e-10
+    assert "resuming" in (run / "log.txt").read_text() and "from step 8" in (run / "log.txt").read_text()
+
+
+def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):
+    """kill -9 of rank 1 at step 9 with max_restarts 1: the launcher starts both workers again, they
+    resume from the checkpoint at the first epoch's end (step 6), and the end is an uninterrupted run's."""
+    hooks = ["SaveLatest"]
+    reference = toy.write_config(tmp_path / "ref", {**CFG, "hooks": hooks, "model": {"class": "toy.Linear"},
+                                                    "parallel": {"accelerator": "cpu", "devices": 2}})
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    faulty = {**CFG, "hooks": hooks, "model": {"class": "toy.FaultAt", "rank": 1, "step": 9, "kind": "kill"},
+              "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 1}}
+    result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(tmp_path / "faulty" / "runs")
+    assert relative(weights(run), want) < 1e-10
+    log = (run / "log.txt").read_text()
+    assert "attempt 2 of the run, after a worker failed: it resumes from the last checkpoint" in log
+    assert "resuming" in log and "from step 6 " in log
+
+
+def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_path):
+    record = tmp_path / "attempts.txt"
+    faulty = {**CFG, "model": {"class": "toy.FaultAt", "rank": 1, "step": 2, "kind": "raise", "attempts": None,
+                               "record": str(record)},
+              "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 2}}
+    result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
+    assert result.returncode == 1
+    assert record.read_text().split() == ["0", "1", "2"]  # exactly max_restarts + 1 attempts
+    assert "injected failure on rank 1, attempt 0" in result.stderr  # the first failure's traceback
+    assert "Traceback" in result.stderr
+
+
+def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_path):
+    """srun starts one `phalanx train` per task with Slurm's variables and no agent's: the tasks find
+    each other at the job's master address, rank 0 makes the run directory, and the result is one
+    process's."""
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "slurm", CFG)
+    port = _free_port()
+    agent = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    tasks = []
+    for rank in range(2):
+        env = {k: v for k, v in ENV.items() if k not in agent and not k.startswith("SLURM_")}
+        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="2",
+                   SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1", SLURM_JOB_ID="7",
+                   MASTER_PORT=str(port))
+        tasks.append(subprocess.Popen([*PHALANX, "train", str(path), "parallel.devices=2"], cwd=tmp_path, env=env,
+                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    all_succeed(tasks)
+    run = only_run(tmp_path / "slurm" / "runs")
+    assert relative(weights(run), want) < 1e-10
+    assert "on 2 process(es)" in (run / "log.txt").read_text()
 
 
 def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path):

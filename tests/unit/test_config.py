@@ -171,8 +171,9 @@ NUMBER_FIELDS = sorted(_number_fields(config.Config))
 def test_the_schema_walk_finds_the_number_fields():
     keys = [key for key, _ in NUMBER_FIELDS]
     assert {"dataset.batch_size", "seed", "parallel.devices", "parallel.shard_weights",
-            "optimizer.lr_scaling.base_batch_size", "profile.steps", "parallel.ddp.bucket_cap_mb"} <= set(keys)
-    assert len(keys) == 16, keys
+            "optimizer.lr_scaling.base_batch_size", "profile.steps", "parallel.ddp.bucket_cap_mb",
+            "parallel.max_restarts"} <= set(keys)
+    assert len(keys) == 17, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])

@@ -16,6 +16,7 @@ def _fail_on_rank(records, monkeypatch, rank: int, error: BaseException) -> None
     folder.mkdir(parents=True)
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(folder / "error.json"))
     monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
     try:
         raise error
     except BaseException as e:  # noqa: BLE001 - recorded as a worker records it

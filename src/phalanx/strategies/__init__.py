@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from phalanx import environment
 from phalanx.config import Config
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.strategies.base import Strategy
@@ -61,7 +62,7 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
 
 def in_worker() -> bool:
     """Whether this process is one of several started by a launcher (phalanx's own, or torchrun)."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return environment.here().in_group
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,18 @@ def needs_launch(cfg: Config) -> bool:
     """Whether `phalanx train` must start worker processes itself."""
     return (REGISTRY[strategy_name(cfg)].process_per_device and resolve_device(cfg)[1] > 1
             and not in_worker())
+
+
+def check_nodes(cfg: Config, count: int) -> None:
+    """A job on `count` machines runs one process per device on each: a strategy that does."""
+    name = "ddp" if cfg.parallel.strategy == "auto" else strategy_name(cfg)
+    if not REGISTRY[name].process_per_device:
+        raise ConfigError(f"parallel.strategy={name} runs in one process, but --nnodes {count} asks for a job on "
+                          f"{count} machines; use parallel.strategy=ddp or fsdp")
+    if cfg.parallel.max_restarts:
+        raise ConfigError(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine; "
+                          "a job on several machines cannot restart yet: set parallel.max_restarts=0 and resume "
+                          "it with phalanx resume --nnodes")
 
 
 def create(cfg: Config) -> Strategy:

@@ -3,7 +3,7 @@ progress each rank publishes so that a timed-out collective names the ranks that
 from __future__ import annotations
 
 import hashlib
-import os
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx import environment
 from phalanx.errors import ConfigError
 from phalanx.strategies import progress
 
@@ -27,7 +28,8 @@ class ProcessGroup:
 
     def __init__(self, accelerator: str, timeout_s: float | None = None, backend: str = "auto"):
         """`backend`: nccl or gloo; auto picks nccl on GPUs and gloo on CPUs."""
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        place = environment.here()
+        self.local_rank = place.local_rank
         if accelerator == "cuda":
             torch.cuda.set_device(self.local_rank)
             self.device = torch.device("cuda", self.local_rank)
@@ -38,9 +40,17 @@ class ProcessGroup:
         if not dist.is_initialized():
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
-            alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-            # alone: a group of this process only (fsdp on one device), its store in memory: no port opened
-            dist.init_process_group(backend, timeout=timedelta(seconds=self.timeout_s), **alone)
+            timeout = timedelta(seconds=self.timeout_s)
+            if place.launcher == "agent" and place.agent_store:  # the agent's store, outliving attempts
+                dist.init_process_group(backend, timeout=timeout, store=_attempt_store(place, timeout),
+                                        rank=place.rank, world_size=place.world_size)
+            elif place.launcher == "agent":  # rank 0 serves the store (torchrun's choice)
+                dist.init_process_group(backend, timeout=timeout)
+            elif place.launcher == "slurm":  # a task of srun's: the job's store on its first node
+                dist.init_process_group(backend, timeout=timeout, store=_job_store(place, timeout),
+                                        rank=place.rank, world_size=place.world_size)
+            else:  # alone: a group of this process only (fsdp on one device), its store in memory, no port
+                dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.data_rank, self.data_world_size = self.rank, self.world_size
         self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
@@ -100,6 +110,31 @@ class ProcessGroup:
         if dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
+    """The agent's store, under a prefix of this attempt: the agent keeps one store for every attempt
+    after a worker failed, and the previous attempt's keys (its ranks' addresses) are stale."""
+    store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, False, timeout=timeout)
+    return dist.PrefixStore(f"phalanx/attempt-{place.attempt}", store)
+
+
+def _job_store(place: environment.Place, timeout: timedelta) -> dist.TCPStore:
+    """The store of a job that Slurm started: served by rank 0 on the master address alone (not on
+    every interface, as torch's own would), the other ranks its clients."""
+    addr, port = place.master_addr, place.master_port
+    if not addr:
+        raise ConfigError("this Slurm job names no master address (MASTER_ADDR, or SLURM_JOB_NODELIST); "
+                          "export MASTER_ADDR in the job script")
+    if place.rank != 0:
+        return dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)
+    try:
+        sock = socket.create_server((addr, port))
+    except OSError as e:
+        raise ConfigError(f"cannot serve the job's store on {addr}:{port} ({e.strerror}); set MASTER_PORT to a "
+                          "free port in the job script") from None
+    return dist.TCPStore(addr, port, place.world_size, True, timeout=timeout, multi_tenant=True,
+                         master_listen_fd=sock.detach())
+
 
 def _default_store() -> Any:
     """The process group's store (where ranks publish their progress), or None where torch hides it."""
