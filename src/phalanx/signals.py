@@ -1,16 +1,18 @@
-"""Signals: SIGINT (Ctrl-C) and SIGTERM.
+"""Signals: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a cluster's notice of preemption).
 
 Before training starts (start-up: imports, the run directory, the model, the data), a signal raises
 `Interrupted`: the command removes the run directory it created and exits with 128 + the signal's
 number, printing `phalanx: interrupted`.
 
 Once training runs, the first signal finishes the current step, saves and exits with 128 + the
-signal number (130 for SIGINT, 143 for SIGTERM); a second one exits at once, removing any
-half-written checkpoint.
+signal number (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1); a second one exits at once,
+removing any half-written checkpoint.
 
-A worker process of phalanx's launcher takes no stop request from signals: the launcher alone
-does, and tells its workers through files in the run directory. A signal that reaches such a worker
-(the launcher ending it) ends it at once.
+phalanx's launcher relays the signals it receives to its workers through files in the run
+directory. A signal sent to one worker directly (a scheduler preempting it) is that worker's stop
+request once training runs: the ranks agree on stop flags at every step, so every rank finishes
+the same step and the checkpoint is saved once. Before training runs, and after, a signal ends a
+worker at once (the launcher ending it).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import time
 from pathlib import Path
 
 log = logging.getLogger("phalanx")
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_at_once = False  # set in a worker of phalanx's launcher: every signal ends the process at once
+SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
+_worker = False   # set in a worker of phalanx's launcher
+_at_once = False  # in such a worker, while it is not training: every signal ends the process at once
 _pid = os.getpid()  # the process whose half-written checkpoints a signal removes (not a forked child's)
 
 
@@ -65,10 +68,10 @@ def exit_at_once(signum: int, frame: object = None) -> None:
 
 
 def end_at_once_on_signals() -> None:
-    """For a worker of phalanx's launcher: from now on, SIGINT and SIGTERM end this process at once,
-    also once training runs (the launcher takes stop requests, not its workers)."""
-    global _at_once, _pid
-    _at_once, _pid = True, os.getpid()
+    """For a worker of phalanx's launcher: from now on, a signal ends this process at once, except
+    while it trains (`GracefulStop` installed), when the first is a stop request."""
+    global _worker, _at_once, _pid
+    _worker, _at_once, _pid = True, True, os.getpid()
     for sig in SIGNALS:
         signal.signal(sig, exit_at_once)
 
@@ -97,13 +100,17 @@ class GracefulStop:
         return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:
+        global _at_once
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
+        _at_once = False
 
     def restore(self) -> None:
+        global _at_once
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        _at_once = _worker
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None or _at_once:
