@@ -45,6 +45,15 @@ SUBCOMMANDS = {
         examples:
           phalanx bench examples/digits/config.yaml --devices 1,2 --steps 50
           phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling"""),
+    "slurm": ("write a Slurm batch script that trains a config on several machines, requeued on preemption", """\
+        examples:
+          phalanx slurm config.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 --output train.sbatch
+          sbatch train.sbatch"""),
+    "k8s": ("write a Kubeflow PyTorchJob manifest that trains a config on several machines", """\
+        examples:
+          phalanx k8s config.yaml --nodes 4 --gpus-per-node 8 --image registry/me/train:1 \\
+              --volume-claim runs --output job.yaml
+          kubectl apply -f job.yaml"""),
     "ls": ("list the runs under a folder", """\
         example:
           phalanx ls runs"""),
@@ -95,6 +104,18 @@ def parser() -> argparse.ArgumentParser:
     made["bench"].add_argument("--devices", default="1,2", help="device counts, comma-separated (default: 1,2)")
     made["bench"].add_argument("--steps", type=int, default=50, help="training steps at each count (default: 50)")
     made["bench"].add_argument("--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)")
+    for name in ("slurm", "k8s"):
+        made[name].add_argument("config", help="the YAML config file (for k8s: its path inside the image or volume)")
+        made[name].add_argument("overrides", **overrides)
+        made[name].add_argument("--nodes", type=int, required=True, help="machines (pods)")
+        made[name].add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each, one process each")
+        made[name].add_argument("--output", help="the file to write (default: print it)")
+    made["slurm"].add_argument("--time", help="the job's time limit, such as 24:00:00")
+    made["slurm"].add_argument("--partition", help="the Slurm partition")
+    made["slurm"].add_argument("--warning-s", type=int, default=120,
+                               help="seconds before the time limit that the job is told to save (default 120)")
+    made["k8s"].add_argument("--image", required=True, help="the container image with phalanx, torch and your code")
+    made["k8s"].add_argument("--volume-claim", help="a PersistentVolumeClaim mounted at output_root in every pod")
     made["ls"].add_argument("root", nargs="?", default="runs", help="the folder holding runs (default: runs)")
     return top
 
@@ -114,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         commands.export(args.run_dir, args.output, args.checkpoint)
     elif args.command == "bench":
         commands.bench(args.config, _counts(args.devices), args.steps, args.overrides, args.output)
+    elif args.command in ("slurm", "k8s"):
+        commands.cluster_job(args)
     elif args.command == "ls":
         commands.list_runs(args.root)
     elif args.command == "info":

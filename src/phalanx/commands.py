@@ -317,6 +317,26 @@ def export(run_path: str, output: str, which: str) -> int:
     return count
 
 
+def cluster_job(args: Any) -> str:
+    """`phalanx slurm` or `phalanx k8s`: the job file for the config, written to --output or printed."""
+    from phalanx import clusters
+
+    cfg, _ = config.load(args.config, args.overrides)
+    if args.command == "slurm":
+        text = clusters.slurm_script(cfg, args.config, args.nodes, args.gpus_per_node, args.time, args.partition,
+                                     args.warning_s, args.overrides)
+    else:
+        text = clusters.pytorchjob(cfg, args.config, args.nodes, args.gpus_per_node, args.image, args.volume_claim,
+                                   args.overrides)
+    if args.output:
+        _check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
+        write_text_atomic(Path(args.output), text)
+        logs.out.print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return text
+
+
 def list_runs(root: str) -> list[dict[str, Any]]:
     """A table of the runs under `root`: status, progress, checkpoints."""
     rows = []
