@@ -57,6 +57,11 @@ SUBCOMMANDS = {
     "ls": ("list the runs under a folder", """\
         example:
           phalanx ls runs"""),
+    "doctor": ("before a long job: try the config's devices, backend and an all-reduce among its processes", """\
+        examples:
+          phalanx doctor config.yaml
+          phalanx doctor config.yaml parallel.devices=8
+          phalanx doctor config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400   (on each machine)"""),
     "info": ("show versions, devices and distributed backends", """\
         example:
           phalanx info"""),
@@ -84,7 +89,9 @@ def parser() -> argparse.ArgumentParser:
     made["train"].add_argument("overrides", **overrides)
     made["resume"].add_argument("run_dir", help="the run directory to continue")
     made["resume"].add_argument("overrides", **overrides)
-    for name in ("train", "resume"):
+    made["doctor"].add_argument("config", help="the YAML config file")
+    made["doctor"].add_argument("overrides", **overrides)
+    for name in ("train", "resume", "doctor"):
         made[name].add_argument("--nnodes", type=int, default=1,
                                 help="machines in the job (default 1); each runs parallel.devices processes")
         made[name].add_argument("--node-rank", type=int, help="this machine's place among them: 0 .. nnodes-1")
@@ -139,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         commands.cluster_job(args)
     elif args.command == "ls":
         commands.list_runs(args.root)
+    elif args.command == "doctor":
+        commands.doctor(args.config, args.overrides, _nodes(args))
     elif args.command == "info":
         commands.info()
     return 0

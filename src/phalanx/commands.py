@@ -394,6 +394,74 @@ def info() -> dict[str, Any]:
     return facts
 
 
+def doctor(config_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> list[dict]:
+    """Before a long job: the config's devices and backend, tried by the processes the job would
+    start: each one's device computes, and an all-reduce among them returns the right sum in time.
+    Returns each process's report; a process that fails is one error naming it."""
+    import tempfile
+
+    info()
+    cfg, _ = config.load(config_path, overrides)
+    accelerator, devices = strategies.resolve_device(cfg)
+    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if accelerator == "cuda" else "gloo")
+    with tempfile.TemporaryDirectory(prefix="phalanx-doctor-") as tmp:
+        folder = Path(tmp)
+        (folder / rundir.CONFIG).write_text(config.dump(rundir.resolved(cfg)))  # other nodes check they see it
+        if nodes is not None or devices > 1:
+            store = launch.join(nodes) if nodes is not None else None
+            launch.launch(folder, devices, doctor_worker, accelerator, backend, nodes=nodes, store=store)
+        else:
+            doctor_worker(folder, accelerator, backend)
+        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("doctor-*.json"), key=lambda p: int(p.stem[7:]))]
+    table = Table(title=f"phalanx doctor: {len(reports)} process(es) on {accelerator}, {backend}")
+    for column in ("rank", "device", "computes", "all-reduce", "all-reduce ms"):
+        table.add_column(column)
+    for r in reports:
+        table.add_row(str(r["rank"]), r["device"], "ok", "ok" if r["sum_ok"] else "WRONG SUM",
+                      f"{r['all_reduce_ms']:.2f}" if r["all_reduce_ms"] is not None else "-")
+    logs.out.print(table)
+    wrong = [r["rank"] for r in reports if not r["sum_ok"]]
+    if wrong:
+        raise PhalanxError(f"the all-reduce gave a wrong sum on rank(s) {wrong}: the processes do not reach each "
+                           "other as they should; check the network interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
+    logs.out.print(f"all {len(reports)} process(es) ready")
+    return reports
+
+
+def doctor_worker(folder: Path, accelerator: str, backend: str) -> int:
+    """One process's checks (a launched worker, or the only process): see `doctor`."""
+    import time
+
+    place = environment.here()
+    if place.in_group:
+        from phalanx.strategies.distributed import ProcessGroup
+
+        group = ProcessGroup(accelerator, timeout_s=60, backend=backend)
+        device, rank, world = group.device, group.rank, group.world_size
+    else:
+        group, device, rank, world = None, torch.device(accelerator), 0, 1
+    x = torch.randn(256, 256, device=device)
+    if not torch.isfinite(x @ x).all():
+        raise PhalanxError(f"rank {rank}: a matrix product on {device} gave non-finite values")
+    elapsed, sum_ok = None, True
+    if group is not None:
+        values = torch.full((1024,), float(rank + 1), device=device)
+        torch.distributed.all_reduce(values.clone())  # the first one sets the connections up
+        started = time.perf_counter()
+        for _ in range(10):
+            out = values.clone()
+            torch.distributed.all_reduce(out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = (time.perf_counter() - started) / 10 * 1e3
+        sum_ok = bool((out == world * (world + 1) / 2).all())
+    report = {"rank": rank, "device": str(device), "sum_ok": sum_ok, "all_reduce_ms": elapsed}
+    (folder / f"doctor-{rank}.json").write_text(json.dumps(report))
+    if group is not None:
+        group.shutdown()
+    return 0
+
+
 def bench(config_path: str, devices: list[int], steps: int, overrides: list[str], output: str | None) -> list[dict]:
     """Train a config for `steps` steps at each device count; print and save the scaling table."""
     if not devices or min(devices) < 1 or steps < 2:

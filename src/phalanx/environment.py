@@ -100,3 +100,9 @@ def _int(env: Mapping[str, str], name: str, default: int | None | type = ValueEr
     except ValueError:
         raise ConfigError(f"the environment variable {name}={env[name]!r} is not a whole number; "
                           "check the launcher's settings") from None
+
+
+def nccl_trace_prefix(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where NCCL's flight recorder writes each rank's trace on a timeout (the path, before the rank)."""
+    env = os.environ if environ is None else environ
+    return env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")

@@ -22,6 +22,7 @@ that finds its launcher gone (killed with SIGKILL, say) exits within a second.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import ipaddress
 import json
 import logging
@@ -149,10 +150,11 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         loopback = nodes is None or _is_loopback(nodes.host)
-        with _Relay(run_dir), _loopback_interfaces() if loopback else contextlib.nullcontext():
+        with _Relay(run_dir), _loopback_interfaces() if loopback else contextlib.nullcontext(), \
+                _flight_recorder(run_dir / STACKS):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
-        raise _explain(e, records) from None
+        raise _explain(e, records, run_dir / STACKS) from None
     finally:
         shutil.rmtree(records, ignore_errors=True)
         unused = _listeners.pop(run_id, None)
@@ -343,6 +345,22 @@ def _is_loopback(host: str) -> bool:
 
 
 @contextlib.contextmanager
+def _flight_recorder(folder: Path):
+    """NCCL's flight recorder on for the workers (the user's settings kept): on a collective's timeout
+    each rank writes its last collectives to `folder/nccl-trace-rank-<R>`. gloo ignores it."""
+    settings = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl-trace-rank-")}
+    added = [key for key in settings if key not in os.environ]
+    for key in added:
+        os.environ[key] = settings[key]
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+@contextlib.contextmanager
 def _loopback_interfaces():
     """gloo and NCCL connect the workers over the loopback interface (unless the user chose one):
     left to themselves, they listen on the address the host name resolves to."""
@@ -369,6 +387,7 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
     except BaseException as e:  # noqa: BLE001 - every failure is recorded for the launcher, once
         from phalanx.strategies import progress
 
+        dump_stacks(Path(run_dir))
         _record(e, progress.explain(e))
         # the other workers of this attempt need not wait for their timeout (the next attempt's ignore it)
         _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
@@ -392,7 +411,7 @@ class _Guard(threading.Thread):
 
     def __init__(self, run_dir: Path, launcher_pid: int):
         super().__init__(name="phalanx-guard", daemon=True)
-        self.abort, self.launcher_pid = run_dir / ABORT_FILE, launcher_pid
+        self.run_dir, self.abort, self.launcher_pid = run_dir, run_dir / ABORT_FILE, launcher_pid
         self.attempt = str(environment.here().attempt)
 
     def run(self) -> None:
@@ -407,8 +426,23 @@ class _Guard(threading.Thread):
             except (OSError, ValueError):
                 code = None
             if code is not None:
+                dump_stacks(self.run_dir)  # where this rank was (stuck, perhaps) when the job ended
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
+
+
+STACKS = "stacks"  # in the run directory: each rank's Python stack when the job ended abnormally
+
+
+def dump_stacks(run_dir: Path) -> None:
+    """Every thread's Python stack of this worker into `stacks/rank-<R>.txt` (`-attempt-<A>` after a
+    restart), by faulthandler: it works while the main thread is stuck in a native call."""
+    place = environment.here()
+    name = f"rank-{place.rank}" + (f"-attempt-{place.attempt}" if place.attempt else "") + ".txt"
+    with contextlib.suppress(OSError):
+        (run_dir / STACKS).mkdir(exist_ok=True)
+        with open(run_dir / STACKS / name, "w") as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
 
 
 def _end(code: int) -> None:
@@ -437,9 +471,9 @@ def _record(e: BaseException, explained: str | None = None) -> None:
         json.dump(data, f)
 
 
-def _explain(error, records: Path) -> PhalanxError:
+def _explain(error, records: Path, stacks: Path | None = None) -> PhalanxError:
     """The first failing rank's error: one line for a user error, the ranks that did not arrive for a
-    collective's timeout, else its traceback."""
+    collective's timeout (and where every rank's stack was written), else its traceback."""
     recorded = sorted(_recorded(records), key=lambda info: info["time"])
     if not recorded:
         rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
@@ -449,7 +483,8 @@ def _explain(error, records: Path) -> PhalanxError:
     if first["user_error"]:
         return PhalanxError(first["text"])
     if first.get("explained"):
-        return RankFailure(first["text"])
+        where = f"; every rank's stack when the job ended: {stacks}" if stacks is not None and stacks.is_dir() else ""
+        return RankFailure(first["text"] + where)
     return RankFailure(f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
                        f"{first['callstack'].rstrip()}")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -246,3 +247,18 @@ def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path)
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     assert "on 2 process(es)" in log and "starting 2 workers" not in result.stderr + log
+
+
+def test_doctor_tries_the_devices_and_an_all_reduce_among_the_configured_processes(tmp_path):
+    path = toy.write_config(tmp_path, CFG)
+    result = phalanx("doctor", str(path), "parallel.devices=3", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "phalanx doctor: 3 process(es) on cpu, gloo" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if re.match(r"│ [0-9] ", line)]
+    assert [row.split("│")[1].strip() for row in rows] == ["0", "1", "2"]
+    assert all("ok" in row and "WRONG" not in row for row in rows)
+    assert "all 3 process(es) ready" in result.stdout
+    assert not (tmp_path / "runs").exists()  # it trains nothing and leaves nothing
+
+    alone = phalanx("doctor", str(path), cwd=tmp_path)
+    assert alone.returncode == 0 and "all 1 process(es) ready" in alone.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -229,6 +230,12 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     assert f"parallel.timeout_s={timeout}" in error
     assert "rank 1: last seen in step 3" in error
     assert "Traceback" not in result.stderr
+    stacks = the_run(tmp_path / "runs") / "stacks"
+    assert f"every rank's stack when the job ended: {stacks}" in error
+    assert sorted(p.name for p in stacks.glob("rank-*.txt")) == ["rank-0.txt", "rank-1.txt"]
+    stuck = (stacks / "rank-1.txt").read_text()  # where rank 1 was: asleep in the model's forward
+    assert "Current thread" in stuck or "Thread" in stuck
+    assert re.search(r'parts\.py", line \d+ in forward', stuck), stuck
 
 
 def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):

@@ -3,9 +3,11 @@ progress each rank publishes so that a timed-out collective names the ranks that
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,6 +18,7 @@ from phalanx import environment
 from phalanx.errors import ConfigError
 from phalanx.strategies import progress
 
+log = logging.getLogger("phalanx")
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
@@ -52,6 +55,12 @@ class ProcessGroup:
             else:  # alone: a group of this process only (fsdp on one device), its store in memory, no port
                 dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        trace = environment.nccl_trace_prefix() if dist.get_backend() == "nccl" else None
+        if trace:  # the flight recorder's folder (the launcher turned it on)
+            Path(trace).parent.mkdir(parents=True, exist_ok=True)
+            if self.rank == 0:
+                log.info("NCCL's flight recorder is on: on a collective's timeout, each rank writes its last "
+                         "collectives to %s<rank>", trace)
         self.data_rank, self.data_world_size = self.rank, self.world_size
         self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
 
