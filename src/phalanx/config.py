@@ -170,6 +170,8 @@ class MainLoopConfig(_Section):
 
 class CheckpointsConfig(_Section):
     keep_last: StrictInt = Field(3, ge=1, description="checkpoints kept besides the best")
+    async_: bool = Field(False, alias="async",
+                         description="copy the state to host memory and write it in the background, one at a time")
 
 
 class CompileConfig(_Section):

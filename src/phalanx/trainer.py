@@ -16,7 +16,7 @@ import torch
 from phalanx import data, environment, resuming, rundir, strategies
 from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
                            set_rng_state)
-from phalanx.checkpoint import Checkpoints
+from phalanx.checkpoint import Background, Checkpoints
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, concat
 from phalanx.errors import CheckpointError, ConfigError
@@ -65,6 +65,13 @@ class Trainer:
         self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
                              self.precision, self.strategy)
         self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
+        self.background = None  # checkpoints.async: a writer thread on the main process
+        if cfg.checkpoints.async_ and self.checkpoints is not None:
+            if isinstance(self.strategy, SavesShards):
+                log.info("checkpoints.async: every rank writes its own shards at once; they are saved as they are taken")
+            elif self.strategy.is_main:
+                self.background = Background(self.checkpoints, lambda step, best: self._trace(
+                    "checkpoint", step=step, best=best))
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         self.shard_weights = _shard_weights(cfg, self.strategy.data_world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
@@ -132,6 +139,13 @@ class Trainer:
     def _finish(self, success: bool) -> None:
         self.stop.restore()
         self._emit("after_training", success)
+        if self.background is not None:  # the last checkpoint is committed before the run ends
+            try:
+                self.background.wait()
+            except Exception as e:  # noqa: BLE001 - a failed run's own error is the one to raise
+                if success:
+                    raise
+                log.error("the last checkpoint could not be written: %s", e)
 
     def _train_epoch(self) -> None:
         epoch = self.epoch + 1
@@ -315,6 +329,8 @@ class Trainer:
         weights, optimizer = self.strategy.model_state(), self.strategy.optimizer_state(self.optimizer)
         if not self.strategy.is_main:
             return None
+        if self.background is not None:  # committed, and traced, by the writer's thread
+            return self.background.submit(self.step, weights, {"optimizer": optimizer, **rest}, state, best)
         path = self.checkpoints.save(self.step, weights, {"optimizer": optimizer, **rest}, state, best)
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path

@@ -118,3 +118,14 @@ def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
     assert [t["layers"] for t in found["trials"]] == [1, 2, 3] and all(t["fits"] for t in found["trials"])
     assert found["largest_layers"] == 3 and found["capped_at_max_layers"]
     assert found["largest_parameters"] == found["trials"][-1]["parameters"] > found["trials"][0]["parameters"]
+
+
+def test_async_checkpoint_benchmark_times_the_three_runs(tmp_path):
+    out = tmp_path / "async.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "async_checkpoints.py"), "--hidden", "1000",
+                             "--steps", "10", "--every", "2", "--rounds", "1", "--out", str(out)],
+                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["no checkpoints", "saved in the training thread", "saved in the background"]
+    assert results["no checkpoints"]["ratio"] == 1.0 and all(r["ms_per_step"] > 0 for r in results.values())
