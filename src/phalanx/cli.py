@@ -92,8 +92,9 @@ def parser() -> argparse.ArgumentParser:
     made["doctor"].add_argument("config", help="the YAML config file")
     made["doctor"].add_argument("overrides", **overrides)
     for name in ("train", "resume", "doctor"):
-        made[name].add_argument("--nnodes", type=int, default=1,
-                                help="machines in the job (default 1); each runs parallel.devices processes")
+        made[name].add_argument("--nnodes", default="1",
+                                help="machines in the job (default 1), or MIN:MAX for an elastic job that goes on "
+                                     "with as few as MIN; each runs parallel.devices processes")
         made[name].add_argument("--node-rank", type=int, help="this machine's place among them: 0 .. nnodes-1")
         made[name].add_argument("--rdzv", metavar="HOST:PORT",
                                 help="where node 0 serves the rendezvous: an address of node 0 that every node reaches")
@@ -158,9 +159,13 @@ def _nodes(args: argparse.Namespace):
     from phalanx.errors import PhalanxError
     from phalanx.launch import Nodes
 
-    if args.nnodes < 1:
-        raise PhalanxError(f"--nnodes must be at least 1, got {args.nnodes}")
-    if args.nnodes == 1:
+    least, _, most = str(args.nnodes).partition(":")
+    if not least.isdigit() or (most and not most.isdigit()) or int(least) < 1 or (most and int(most) < int(least)):
+        raise PhalanxError(f"--nnodes {args.nnodes!r} is not a machine count (such as 2) or MIN:MAX with "
+                           "1 <= MIN <= MAX (such as 1:4)")
+    least, count = int(least), int(most or least)
+    args.nnodes = count
+    if count == 1:
         if args.node_rank not in (None, 0) or args.rdzv:
             raise PhalanxError("--node-rank and --rdzv are for a job on several machines; give --nnodes too")
         return None
@@ -172,7 +177,7 @@ def _nodes(args: argparse.Namespace):
     host, _, port = args.rdzv.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise PhalanxError(f"--rdzv {args.rdzv!r} is not HOST:PORT, such as 10.0.0.1:29400")
-    return Nodes(args.nnodes, args.node_rank, host.strip("[]"), int(port))
+    return Nodes(count, args.node_rank, host.strip("[]"), int(port), least if least < count else None)
 
 
 def _counts(text: str) -> list[int]:

@@ -60,20 +60,22 @@ def train(config_path: str, overrides: list[str], nodes: launch.Nodes | None = N
 
 
 def _train_on_nodes(cfg: config.Config, path: Path, nodes: launch.Nodes) -> int:
-    strategies.check_nodes(cfg, nodes.count)
+    strategies.check_nodes(cfg, nodes.count, nodes.elastic)
     devices = strategies.resolve_device(cfg)[1]
     store = launch.join(nodes)
     if nodes.rank != 0:
         run_dir = launch.share_run_dir(store, None)
         logs.setup(None)
         log.info("node %d of %d: run directory %s; starting %d workers", nodes.rank, nodes.count, run_dir, devices)
-        return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store)
+        return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
+                             restarts=cfg.parallel.max_restarts)
     run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
     with _training_lock(run_dir, "train"):
         try:
             logs.setup(run_dir)
             log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
-            return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store)
+            return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
+                             restarts=cfg.parallel.max_restarts)
         except BaseException as e:
             if not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -104,10 +106,10 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
     run_dir = rundir.open_run(run_path, announce=False)
     if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
         cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
-        strategies.check_nodes(cfg, nodes.count)
+        strategies.check_nodes(cfg, nodes.count, nodes.elastic)
         store = launch.join(nodes)
         return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                             nodes=nodes, store=store)
+                             nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
     with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
         rundir.announce_imports(run_dir)
         return _resume(run_dir, overrides, nodes)
@@ -116,11 +118,11 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
 def _resume(run_dir: Path, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     if nodes is not None:
-        strategies.check_nodes(cfg, nodes.count)
+        strategies.check_nodes(cfg, nodes.count, nodes.elastic)
         store = launch.join(nodes)
         logs.setup(run_dir)
         return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                             nodes=nodes, store=store)
+                             nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
     if strategies.needs_launch(cfg):
         logs.setup(run_dir)
         return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),

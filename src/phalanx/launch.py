@@ -61,13 +61,18 @@ class RankFailure(PhalanxError):
 
 @dataclass(frozen=True)
 class Nodes:
-    """This machine's part in a job on several: `count` machines, this one's `rank`, and the address
-    node 0 serves the job's store on."""
+    """This machine's part in a job on several: `count` machines (between `least` and `count` where
+    the job is elastic), this one's `rank` (0: the one that serves the job's store, on `host:port`)."""
 
     count: int
     rank: int
     host: str
     port: int
+    least: int | None = None  # elastic: the job goes on with as few machines as this
+
+    @property
+    def elastic(self) -> bool:
+        return self.least is not None and self.least < self.count
 
     @property
     def run_id(self) -> str:  # the same on every node
@@ -141,9 +146,16 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
     else:
         run_id = nodes.run_id
         _stores[run_id] = store
-        config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, run_id=run_id,
-                              rdzv_backend=_register_nodes_rendezvous(), rdzv_endpoint=f"{nodes.host}:{nodes.port}",
-                              rdzv_configs={"rank": nodes.rank}, **common)
+        if nodes.elastic:  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+            config = LaunchConfig(min_nodes=nodes.least, max_nodes=nodes.count, run_id=run_id,
+                                  rdzv_backend=_register_elastic_rendezvous(),
+                                  rdzv_endpoint=f"{nodes.host}:{nodes.port}",
+                                  rdzv_configs={"last_call_timeout": LAST_CALL_S, "join_timeout": 600}, **common)
+        else:
+            config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, run_id=run_id,
+                                  rdzv_backend=_register_nodes_rendezvous(),
+                                  rdzv_endpoint=f"{nodes.host}:{nodes.port}", rdzv_configs={"rank": nodes.rank},
+                                  **common)
     clear_requests(run_dir)
     for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
                  "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
@@ -151,7 +163,7 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
     try:
         loopback = nodes is None or _is_loopback(nodes.host)
         with _Relay(run_dir), _loopback_interfaces() if loopback else contextlib.nullcontext(), \
-                _flight_recorder(run_dir / STACKS):
+                _flight_recorder(run_dir / STACKS), _no_worker_store(nodes is not None and nodes.elastic):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         raise _explain(e, records, run_dir / STACKS) from None
@@ -330,6 +342,67 @@ def _nodes_rendezvous_handler(params):
     return Static()
 
 
+ELASTIC_RENDEZVOUS = "phalanx-elastic"
+LAST_CALL_S = 3  # after the least count has joined a round, how long it waits for more machines
+ROUND_KEY = "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
+
+
+def _elastic_rendezvous_handler(params):
+    """torch's dynamic rendezvous over the store that `join` made. Its workers use that same store
+    (no other one is served), under the round's own prefix: machines restart their workers a
+    different number of times, so an attempt count would not agree among them, and keys of the
+    previous round (its ranks' addresses) are stale. The round's token is drawn by its rank 0 and
+    left for each machine's workers under `ROUND_KEY`."""
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class Backend(C10dRendezvousBackend):
+        name = ELASTIC_RENDEZVOUS
+
+    host, port = params.endpoint.rsplit(":", 1)
+    store = _stores[params.run_id]
+    inner = create_handler(store, Backend(store, params.run_id), params)
+
+    class Elastic(RendezvousHandler):
+        use_agent_store = True
+
+        def get_backend(self) -> str:
+            return ELASTIC_RENDEZVOUS
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            info = inner.next_rendezvous()
+            if info.rank == 0:
+                info.store.set("phalanx/round-token", uuid.uuid4().hex)
+            token = info.store.get("phalanx/round-token")  # in the round's own keys: waits for rank 0's
+            store.set(f"{ROUND_KEY}{info.rank}", token)
+            return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
+
+        def is_closed(self) -> bool:
+            return inner.is_closed()
+
+        def set_closed(self) -> None:
+            inner.set_closed()
+
+        def num_nodes_waiting(self) -> int:
+            return inner.num_nodes_waiting()
+
+        def get_run_id(self) -> str:
+            return inner.get_run_id()
+
+        def shutdown(self) -> bool:
+            return inner.shutdown()
+
+    return Elastic()
+
+
+def _register_elastic_rendezvous() -> str:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler)
+    return ELASTIC_RENDEZVOUS
+
+
 def _register_nodes_rendezvous() -> str:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
@@ -342,6 +415,20 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
     except (OSError, ValueError):
         return False
+
+
+@contextlib.contextmanager
+def _no_worker_store(elastic: bool):
+    """torch's dynamic rendezvous would serve one more store for the workers, on every interface; the
+    elastic handler gives them the job's store instead."""
+    added = elastic and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    if added:
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    try:
+        yield
+    finally:
+        if added:
+            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
 
 
 @contextlib.contextmanager

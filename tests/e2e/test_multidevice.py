@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import toy
+from procs import wait_until
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -172,6 +173,39 @@ def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
     on_two_nodes(["resume", str(run), "hooks.3.StopAfter.steps=1000"], tmp_path, first=0)
     assert relative(weights(run), want) < 1e-10
     assert "resuming" in (run / "log.txt").read_text() and "from step 8" in (run / "log.txt").read_text()
+
+
+def test_an_elastic_job_goes_on_when_a_machine_leaves_with_the_same_global_batch(tmp_path):
+    """--nnodes 1:2: node 1 is killed (SIGKILL) after a checkpoint; node 0's workers start again in a
+    round of one machine, resume from the checkpoint on half the processes, and end as an
+    uninterrupted run does (the global batch and the sample order are the job's, not the machines')."""
+    def slow(delay: float) -> dict:
+        return {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 7, "n_train": 41, "delay": delay},
+                "hooks": [{"SaveEvery": {"steps": 2}}, "SaveLatest"],
+                "parallel": {"accelerator": "cpu", "devices": 1, "max_restarts": 3}}
+    reference = toy.write_config(tmp_path / "ref", slow(0.0))
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "elastic", slow(0.05))
+    rdzv = f"127.0.0.1:{_free_port()}"
+    nodes = [subprocess.Popen([*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv",
+                               rdzv], cwd=tmp_path, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for rank in (0, 1)]
+    try:
+        runs = tmp_path / "elastic" / "runs"
+        checkpoints = lambda: list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []  # noqa: E731
+        wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the two machines")
+        nodes[1].kill()  # the machine leaves; its worker ends within a second
+        out, err = nodes[0].communicate(timeout=240)
+    finally:
+        for node in nodes:
+            node.kill()
+    assert nodes[0].returncode == 0, out + err
+    run = only_run(runs)
+    assert relative(weights(run), want) < 1e-10
+    log = (run / "log.txt").read_text()
+    assert "training on 2 process(es)" in log and "on 1 process(es)" in log.split("attempt 2 of the run")[-1]
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):

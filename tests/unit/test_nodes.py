@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(60)
     (["--nnodes", "2", "--node-rank", "0", "--rdzv", "h"], "--rdzv 'h' is not HOST:PORT"),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv", "h:99999"], "--rdzv 'h:99999' is not HOST:PORT"),
     (["--rdzv", "h:1"], "--node-rank and --rdzv are for a job on several machines; give --nnodes too"),
-    (["--nnodes", "0"], "--nnodes must be at least 1"),
+    (["--nnodes", "0"], "--nnodes '0' is not a machine count (such as 2) or MIN:MAX"),
+    (["--nnodes", "3:2", "--node-rank", "0", "--rdzv", "h:1"], "--nnodes '3:2' is not a machine count"),
 ])
 def test_node_flags_that_do_not_make_a_job_are_one_line_errors(flags, message, tmp_path, capsys):
     path = toy.write_config(tmp_path, toy.regression_config())
@@ -35,6 +36,16 @@ def test_a_strategy_of_one_process_is_refused_on_several_machines(tmp_path, caps
                                                                       "strategy": "towers"}))
     assert cli.main(["train", str(path), "--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:1"]) == 2
     assert "parallel.strategy=towers runs in one process, but --nnodes 2" in capsys.readouterr().err
+
+
+def test_restarts_need_an_elastic_job_and_an_elastic_job_needs_restarts(tmp_path, capsys):
+    fixed = toy.write_config(tmp_path / "fixed", toy.regression_config(parallel={"accelerator": "cpu",
+                                                                               "max_restarts": 2}))
+    assert cli.main(["train", str(fixed), "--nnodes", "2", "--node-rank", "0", "--rdzv", "127.0.0.1:1"]) == 2
+    assert "a job on a fixed number of machines cannot restart" in capsys.readouterr().err
+    elastic = toy.write_config(tmp_path / "elastic", toy.regression_config())
+    assert cli.main(["train", str(elastic), "--nnodes", "1:2", "--node-rank", "0", "--rdzv", "127.0.0.1:1"]) == 2
+    assert "an elastic job (--nnodes MIN:MAX) restarts its workers" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -151,16 +151,20 @@ def needs_launch(cfg: Config) -> bool:
             and not in_worker())
 
 
-def check_nodes(cfg: Config, count: int) -> None:
-    """A job on `count` machines runs one process per device on each: a strategy that does."""
+def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
+    """A job on `count` machines runs one process per device on each: a strategy that does. An
+    elastic one restarts its workers when the machines change, a fixed one cannot restart yet."""
     name = "ddp" if cfg.parallel.strategy == "auto" else strategy_name(cfg)
     if not REGISTRY[name].process_per_device:
         raise ConfigError(f"parallel.strategy={name} runs in one process, but --nnodes {count} asks for a job on "
                           f"{count} machines; use parallel.strategy=ddp or fsdp")
-    if cfg.parallel.max_restarts:
-        raise ConfigError(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine; "
-                          "a job on several machines cannot restart yet: set parallel.max_restarts=0 and resume "
-                          "it with phalanx resume --nnodes")
+    if elastic and not cfg.parallel.max_restarts:
+        raise ConfigError("an elastic job (--nnodes MIN:MAX) restarts its workers whenever machines leave or join; "
+                          "set parallel.max_restarts to the changes it may go through, such as 10")
+    if not elastic and cfg.parallel.max_restarts:
+        raise ConfigError(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine "
+                          "or of an elastic job (--nnodes MIN:MAX); a job on a fixed number of machines cannot "
+                          "restart: set parallel.max_restarts=0, or give --nnodes as MIN:MAX")
 
 
 def create(cfg: Config) -> Strategy:

@@ -121,9 +121,13 @@ class ProcessGroup:
             dist.destroy_process_group()
 
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
-    """The agent's store, under a prefix of this attempt: the agent keeps one store for every attempt
-    after a worker failed, and the previous attempt's keys (its ranks' addresses) are stale."""
+    """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the
+    agent keeps one store for every attempt after a worker failed, and the previous attempt's keys
+    (its ranks' addresses) are stale."""
     store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, False, timeout=timeout)
+    round_key = f"phalanx/round-of-node/{place.node_rank}"  # an elastic job's round (see launch)
+    if store.check([round_key]):
+        return dist.PrefixStore(f"phalanx/round-{store.get(round_key).decode()}", store)
     return dist.PrefixStore(f"phalanx/attempt-{place.attempt}", store)
 
 
