@@ -149,11 +149,14 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
     cfg = config.validate(config.apply_overrides(saved, overrides))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy)
-    attempt = environment.here().attempt
-    if attempt and not resume:  # the launcher started the workers again after one failed
-        resume = bool(strategy.broadcast(Checkpoints(run_dir / "checkpoints").steps() if strategy.is_main else None))
-        log.warning("attempt %d of the run, after a worker failed: %s", attempt + 1,
-                    "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
+    if not resume:  # workers of `train` that find the run started before: the launcher started them again
+        started, steps = strategy.broadcast(
+            (any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
+             Checkpoints(run_dir / "checkpoints").steps()) if strategy.is_main else None)
+        if started:  # after a worker failed, or (in an elastic job) when the machines changed
+            resume = bool(steps)
+            log.warning("the workers started again in this run (a worker failed, or the machines changed): %s",
+                        "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
     if resume:
         previous = rundir.resolved(config.validate(saved)) if overrides else None
         _restore_latest(trainer, run_dir, previous)

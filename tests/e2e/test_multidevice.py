@@ -175,37 +175,55 @@ def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
     assert "resuming" in (run / "log.txt").read_text() and "from step 8" in (run / "log.txt").read_text()
 
 
-def test_an_elastic_job_goes_on_when_a_machine_leaves_with_the_same_global_batch(tmp_path):
-    """--nnodes 1:2: node 1 is killed (SIGKILL) after a checkpoint; node 0's workers start again in a
-    round of one machine, resume from the checkpoint on half the processes, and end as an
-    uninterrupted run does (the global batch and the sample order are the job's, not the machines')."""
-    def slow(delay: float) -> dict:
-        return {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 7, "n_train": 41, "delay": delay},
-                "hooks": [{"SaveEvery": {"steps": 2}}, "SaveLatest"],
-                "parallel": {"accelerator": "cpu", "devices": 1, "max_restarts": 3}}
-    reference = toy.write_config(tmp_path / "ref", slow(0.0))
+def _elastic_config(delay: float) -> dict:
+    return {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 7, "n_train": 41, "delay": delay},
+            "hooks": [{"SaveEvery": {"steps": 2}}, "SaveLatest"],
+            "parallel": {"accelerator": "cpu", "devices": 1, "max_restarts": 3}}
+
+
+def _elastic_node(path: Path, rank: int, rdzv: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv",
+                             rdzv], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("change", ["leaves", "joins"])
+def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_global_batch(tmp_path, change):
+    """--nnodes 1:2. `leaves`: node 1 is killed (SIGKILL) after a checkpoint of the two; node 0's
+    workers start again in a round of one machine and resume on half the processes. `joins`: node 0
+    starts alone, node 1 comes after its first checkpoint, and the workers start again in a round of
+    two. Either way the run ends as an uninterrupted one does: the global batch and the sample order
+    are the job's, not the machines'."""
+    reference = toy.write_config(tmp_path / "ref", _elastic_config(0.0))
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
     want = weights(only_run(tmp_path / "ref" / "runs"))
 
-    path = toy.write_config(tmp_path / "elastic", slow(0.05))
+    path = toy.write_config(tmp_path / "elastic", _elastic_config(0.05))
     rdzv = f"127.0.0.1:{_free_port()}"
-    nodes = [subprocess.Popen([*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv",
-                               rdzv], cwd=tmp_path, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for rank in (0, 1)]
+    runs = tmp_path / "elastic" / "runs"
+    checkpoints = lambda: list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []  # noqa: E731
+    nodes = [_elastic_node(path, 0, rdzv, tmp_path)]
     try:
-        runs = tmp_path / "elastic" / "runs"
-        checkpoints = lambda: list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []  # noqa: E731
-        wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the two machines")
-        nodes[1].kill()  # the machine leaves; its worker ends within a second
-        out, err = nodes[0].communicate(timeout=240)
+        if change == "leaves":
+            nodes.append(_elastic_node(path, 1, rdzv, tmp_path))
+            wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the two machines")
+            nodes[1].kill()  # the machine leaves; its worker ends within a second
+        else:
+            wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the first machine alone")
+            nodes.append(_elastic_node(path, 1, rdzv, tmp_path))
+        done = [node.communicate(timeout=240) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
-    assert nodes[0].returncode == 0, out + err
+    assert nodes[0].returncode == 0, done[0]
+    if change == "joins":
+        assert nodes[1].returncode == 0, done[1]
     run = only_run(runs)
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
-    assert "training on 2 process(es)" in log and "on 1 process(es)" in log.split("attempt 2 of the run")[-1]
+    before, after = (2, 1) if change == "leaves" else (1, 2)
+    assert f"training on {before} process(es)" in log
+    restarted = log.split("the workers started again in this run")
+    assert len(restarted) == 2 and f"on {after} process(es)" in restarted[1]
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):
@@ -224,7 +242,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
     run = only_run(tmp_path / "faulty" / "runs")
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
-    assert "attempt 2 of the run, after a worker failed: it resumes from the last checkpoint" in log
+    assert "the workers started again in this run (a worker failed, or the machines changed): it resumes from " \
+           "the last checkpoint" in log
     assert "resuming" in log and "from step 6 " in log
 
 
