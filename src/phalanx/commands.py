@@ -75,7 +75,7 @@ def _train_on_nodes(cfg: config.Config, path: Path, nodes: launch.Nodes) -> int:
             logs.setup(run_dir)
             log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
             return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
-                             restarts=cfg.parallel.max_restarts)
+                                 restarts=cfg.parallel.max_restarts)
         except BaseException as e:
             if not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -105,11 +105,7 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path, announce=False)
     if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
-        cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
-        strategies.check_nodes(cfg, nodes.count, nodes.elastic)
-        store = launch.join(nodes)
-        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                             nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
+        return _resume(run_dir, overrides, nodes)
     with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
         rundir.announce_imports(run_dir)
         return _resume(run_dir, overrides, nodes)
@@ -117,17 +113,16 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
 
 def _resume(run_dir: Path, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
     cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    if nodes is None and not strategies.needs_launch(cfg):
+        return run_worker(run_dir, resume=True, overrides=overrides)
+    store = None
     if nodes is not None:
         strategies.check_nodes(cfg, nodes.count, nodes.elastic)
         store = launch.join(nodes)
+    if nodes is None or nodes.rank == 0:
         logs.setup(run_dir)
-        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                             nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
-    if strategies.needs_launch(cfg):
-        logs.setup(run_dir)
-        return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                             restarts=cfg.parallel.max_restarts)
-    return run_worker(run_dir, resume=True, overrides=overrides)
+    return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
+                         nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
 
 
 @contextlib.contextmanager

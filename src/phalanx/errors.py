@@ -28,6 +28,10 @@ class CheckpointError(PhalanxError):
     """A checkpoint is missing, truncated, altered, or belongs to another model."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that does not fit this run's model: an older step would not fit either."""
+
+
 class RunDirError(PhalanxError):
     """A path given as a run directory is not one."""
 

@@ -140,7 +140,7 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
         run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
         listener = _listen()
         _listeners[run_id] = listener
-        config = LaunchConfig(min_nodes=1, max_nodes=1, run_id=run_id, rdzv_backend=_register_rendezvous(),
+        config = LaunchConfig(min_nodes=1, max_nodes=1, run_id=run_id, rdzv_backend=_registered(RENDEZVOUS, _rendezvous_handler),
                               rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}", local_addr="127.0.0.1",
                               **common)
     else:
@@ -148,12 +148,12 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
         _stores[run_id] = store
         if nodes.elastic:  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
             config = LaunchConfig(min_nodes=nodes.least, max_nodes=nodes.count, run_id=run_id,
-                                  rdzv_backend=_register_elastic_rendezvous(),
+                                  rdzv_backend=_registered(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler),
                                   rdzv_endpoint=f"{nodes.host}:{nodes.port}",
                                   rdzv_configs={"last_call_timeout": LAST_CALL_S, "join_timeout": 600}, **common)
         else:
             config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, run_id=run_id,
-                                  rdzv_backend=_register_nodes_rendezvous(),
+                                  rdzv_backend=_registered(NODES_RENDEZVOUS, _nodes_rendezvous_handler),
                                   rdzv_endpoint=f"{nodes.host}:{nodes.port}", rdzv_configs={"rank": nodes.rank},
                                   **common)
     clear_requests(run_dir)
@@ -161,9 +161,7 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
                  "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        loopback = nodes is None or _is_loopback(nodes.host)
-        with _Relay(run_dir), _loopback_interfaces() if loopback else contextlib.nullcontext(), \
-                _flight_recorder(run_dir / STACKS), _no_worker_store(nodes is not None and nodes.elastic):
+        with _Relay(run_dir), _environment(_workers_settings(run_dir, nodes)):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         raise _explain(e, records, run_dir / STACKS) from None
@@ -295,11 +293,12 @@ def _rendezvous_handler(params):
     return handler
 
 
-def _register_rendezvous() -> str:
+def _registered(name: str, handler: Callable) -> str:
+    """`name`, registered with torch's launcher as the rendezvous that `handler` makes."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    rendezvous_handler_registry.register(RENDEZVOUS, _rendezvous_handler)
-    return RENDEZVOUS
+    rendezvous_handler_registry.register(name, handler)
+    return name
 
 
 NODES_RENDEZVOUS = "phalanx-nodes"
@@ -396,20 +395,6 @@ def _elastic_rendezvous_handler(params):
     return Elastic()
 
 
-def _register_elastic_rendezvous() -> str:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler)
-    return ELASTIC_RENDEZVOUS
-
-
-def _register_nodes_rendezvous() -> str:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(NODES_RENDEZVOUS, _nodes_rendezvous_handler)
-    return NODES_RENDEZVOUS
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
@@ -417,45 +402,32 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def _no_worker_store(elastic: bool):
-    """torch's dynamic rendezvous would serve one more store for the workers, on every interface; the
-    elastic handler gives them the job's store instead."""
-    added = elastic and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
-    if added:
-        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    try:
-        yield
-    finally:
-        if added:
-            os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-
-
-@contextlib.contextmanager
-def _flight_recorder(folder: Path):
-    """NCCL's flight recorder on for the workers (the user's settings kept): on a collective's timeout
-    each rank writes its last collectives to `folder/nccl-trace-rank-<R>`. gloo ignores it."""
+def _workers_settings(run_dir: Path, nodes: Nodes | None) -> dict[str, str]:
+    """Variables the workers start with (where the user has not set them):
+    - NCCL's flight recorder: on a collective's timeout each rank writes its last collectives to
+      `stacks/nccl-trace-rank-<R>` (gloo ignores it);
+    - on one machine, or a rendezvous on loopback, gloo and NCCL connect over the loopback interface
+      (left to themselves, they listen on the address the host name resolves to);
+    - in an elastic job, torch's dynamic rendezvous serves no store of its own for the workers (it
+      would listen on every interface): the elastic handler gives them the job's store."""
     settings = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_FR_DUMP_TEMP_FILE": str(folder / "nccl-trace-rank-")}
+                "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / STACKS / "nccl-trace-rank-")}
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    loopback = next((n for n in names if n in ("lo", "lo0")), None)
+    if loopback and (nodes is None or _is_loopback(nodes.host)):
+        settings |= {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
+    if nodes is not None and nodes.elastic:
+        settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return settings
+
+
+@contextlib.contextmanager
+def _environment(settings: dict[str, str]):
+    """`settings` in this process's environment, which the workers inherit, while the launch lasts;
+    a variable the user set is left as it is."""
     added = [key for key in settings if key not in os.environ]
     for key in added:
         os.environ[key] = settings[key]
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
-
-
-@contextlib.contextmanager
-def _loopback_interfaces():
-    """gloo and NCCL connect the workers over the loopback interface (unless the user chose one):
-    left to themselves, they listen on the address the host name resolves to."""
-    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
-    loopback = next((n for n in names if n in ("lo", "lo0")), None)
-    added = [key for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if loopback and key not in os.environ]
-    for key in added:
-        os.environ[key] = loopback
     try:
         yield
     finally:

@@ -86,8 +86,6 @@ class Trainer:
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.loader_options = _loader_options(cfg, self.strategy)
-        # a strategy whose collectives need every rank in every forward gets zero-size batches, not None
-        self._empty_batches = self.strategy.runs_empty_shards
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -157,7 +155,7 @@ class Trainer:
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
-                                   empty_batches=self._empty_batches,
+                                   empty_batches=self.strategy.runs_empty_shards,
                                    **self.loader_options))
         profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
         try:
@@ -246,8 +244,9 @@ class Trainer:
         plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.data_rank, self.strategy.data_world_size,
                          self.shard_weights)
         listeners = self._listeners["after_batch"]
-        for k, batch in enumerate(data.loader(stream, plan, 0, name=name, empty_batches=self._empty_batches,
-                                              **self.loader_options)):
+        batches = data.loader(stream, plan, 0, name=name, empty_batches=self.strategy.runs_empty_shards,
+                              **self.loader_options)
+        for k, batch in enumerate(batches):
             self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
             outputs = None if batch is None else self.engine.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])

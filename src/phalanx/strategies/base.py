@@ -157,7 +157,8 @@ class Replicated:
         return self.model
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        from phalanx.checkpoint import SHARDS, load_shards, load_weights
+        from phalanx.checkpoint import SHARDS, load_weights
+        from phalanx.shards import load_shards
 
         if path.name == SHARDS:
             load_shards(path, self.model, optimizer)  # the whole state, read by each process on its own

@@ -73,10 +73,7 @@ class ProcessGroup:
         self.progress.where = where
 
     def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        values = torch.stack((loss.detach().to(torch.float64),
-                              torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
-        total, flags = self.reduce(values).unbind()
-        return total, bool(flags > 0)
+        return agreed(self.reduce(agreement(loss, stop)))
 
     def check_identical(self, module: nn.Module) -> None:
         """Every rank holds the same parameters and buffers (a hash of them compared)."""
@@ -119,6 +116,18 @@ class ProcessGroup:
         if dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+
+def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
+    """What `agree` sums over ranks: this rank's loss share and its stop flag, in float64."""
+    return torch.stack((loss.detach().to(torch.float64),
+                        torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
+
+
+def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The summed `agreement`: the global loss, and whether any rank asked to stop."""
+    total, flags = values.unbind()
+    return total, bool(flags > 0)
+
 
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
     """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the

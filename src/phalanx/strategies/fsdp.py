@@ -28,7 +28,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Micros, ModelOptions, prepare
-from phalanx.strategies.distributed import ProcessGroup
+from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 
 if TYPE_CHECKING:
     from phalanx.config import FSDPConfig
@@ -134,18 +134,17 @@ class FSDP(ProcessGroup):
             loss, gradient, part, data = engine.forward(micro, batch, 1.0)
             total = part if total is None else total + part
             if i == last:  # the loss and stop flag are known: agreed on while backward runs
-                values, agreement = self._agree_started(total, stop)
+                values, pending = self._agree_started(total, stop)
                 self.progress.enter("the gradient reduce-scatter")
             engine.backward(loss, gradient)
             parts.append(data if micro.shard else None)
-        agreement.wait()
-        total, flags = values.unbind()
-        return parts, total, bool(flags > 0), 0.0
+        pending.wait()
+        loss, stop = agreed(values)
+        return parts, loss, stop, 0.0
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
         """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once waited."""
-        values = torch.stack((loss.detach().to(torch.float64),
-                              torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
+        values = agreement(loss, stop)
         self.progress.enter("the agreement on the step's loss")
         return values, dist.all_reduce(values, async_op=True)
 
@@ -165,7 +164,9 @@ class FSDP(ProcessGroup):
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from phalanx.checkpoint import SHARDS, CheckpointMismatch, load_shards
+        from phalanx.checkpoint import SHARDS
+        from phalanx.errors import CheckpointMismatch
+        from phalanx.shards import load_shards
 
         if path.name == SHARDS:  # each rank reads the parts of the files its shards need
             self.progress.enter("the loading of the checkpoint's shards")
