@@ -307,3 +307,93 @@ class ConvNet(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         prediction = self.net(x).squeeze(-1)
         return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
+class Sequences:
+    """Token sequences of different lengths, padded to one length: items {"tokens", "labels"}, the
+    labels -100 after each sequence's end (and on a few tokens inside it). Vocabulary `vocab`."""
+
+    def __init__(self, n_train: int = 37, n_valid: int = 11, length: int = 6, vocab: int = 5, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid)):
+            tokens = torch.randint(vocab, (n, length), generator=g)
+            lengths = torch.randint(1, length + 1, (n,), generator=g)
+            labels = torch.randint(vocab, (n, length), generator=g)
+            labels[torch.arange(length) >= lengths[:, None]] = -100
+            labels[torch.rand(n, length, generator=g) < 0.1] = -100  # some samples have no real token at all
+            self._streams[name] = SequenceItems(tokens, labels)
+
+    def streams(self) -> dict[str, Dataset]:
+        return self._streams
+
+
+class SequenceItems(Dataset):
+    def __init__(self, tokens: torch.Tensor, labels: torch.Tensor):
+        self.tokens, self.labels = tokens, labels
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"tokens": self.tokens[i], "labels": self.labels[i], "id": i}
+
+
+class TinyLM(nn.Module):
+    """forward(tokens) -> logits (batch, length, vocab): an embedding, a mix along the sequence, a head."""
+
+    def __init__(self, vocab: int = 5, width: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.mix = nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        h = torch.tanh(self.mix(h.cumsum(dim=1)))
+        return self.head(h)
+
+
+class WeighingLM(TinyLM):
+    """TinyLM that computes its own loss: per sample over its real tokens, with their count as
+    `loss_weight` (the protocol a model that weighs its samples follows)."""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = super().forward(tokens)
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # -100: 0
+        real = (labels != -100).sum(dim=1)
+        return {"logits": logits, "loss": losses.sum(dim=1) / real.clamp(min=1), "loss_weight": real}
+
+
+class CausalSequences:
+    """Hugging Face style causal language-model items, padded: {"input_ids", "attention_mask", "labels"}
+    with the labels the inputs themselves, -100 on the padding (the model shifts them)."""
+
+    def __init__(self, n_train: int = 21, n_valid: int = 7, length: int = 8, vocab: int = 50, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid)):
+            ids = torch.randint(vocab, (n, length), generator=g)
+            lengths = torch.randint(2, length + 1, (n,), generator=g)
+            mask = (torch.arange(length) < lengths[:, None]).long()
+            self._streams[name] = [{"input_ids": ids[i], "attention_mask": mask[i],
+                                    "labels": torch.where(mask[i] > 0, ids[i], -100), "id": i} for i in range(n)]
+
+    def streams(self) -> dict[str, list]:
+        return self._streams
+
+
+class InfAt(Linear):
+    """Linear whose loss is infinite on training step `step` (counted in its own forward calls)."""
+
+    def __init__(self, features: int = 3, step: int = 3):
+        super().__init__(features)
+        self.step, self.calls = step, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x, y)
+        if self.training:
+            self.calls += 1
+            if self.calls == self.step:
+                out["loss"] = out["loss"] * float("inf")
+        return out

@@ -98,3 +98,40 @@ class StdlibBytes:
     def tokens(self, stream: str = "train") -> int:
         """Tokens in one pass over `stream`: its windows times block_size."""
         return len(self._streams[stream]) * self.tokens_per_sample
+
+
+def write_tokens(path: Path, tokens: bytes) -> None:
+    """Byte tokens as a flat uint16 token file (the `train.bin` layout), written whole or not at all:
+    processes that prepare the same file at once each write their own and rename it into place."""
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    np.frombuffer(tokens, dtype=np.uint8).astype(np.uint16).tofile(partial)
+    os.replace(partial, path)
+
+
+class StdlibTokenFiles:
+    """The standard library's source as token files on disk, read through `phalanx.data.TokenWindows`
+    (memory-mapped: the files may be far larger than memory). `folder/train.bin` and
+    `folder/valid.bin` are prepared from the corpus where they are missing; a pretraining pipeline
+    would write its own tokenizer's ids there instead."""
+
+    vocab_size = 256
+
+    def __init__(self, folder: str = "data/stdlib-tokens", block_size: int = 256, max_bytes: int | None = 2_000_000,
+                 valid_fraction: float = 0.1):
+        from phalanx.data import TokenWindows
+
+        folder = Path(folder)
+        files = {"train": folder / "train.bin", "valid": folder / "valid.bin"}
+        if not all(f.is_file() for f in files.values()):
+            corpus = read_corpus(max_bytes=max_bytes)
+            n_train = len(corpus) - int(len(corpus) * valid_fraction)
+            write_tokens(files["train"], corpus[:n_train])
+            write_tokens(files["valid"], corpus[n_train:])
+        self.block_size = self.tokens_per_sample = block_size
+        self._streams = {name: TokenWindows(path, block_size, "uint16") for name, path in files.items()}
+
+    def streams(self) -> dict:
+        return self._streams

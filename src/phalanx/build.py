@@ -65,11 +65,17 @@ def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:
     return {**kwargs, "lr": scaled}
 
 
-def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs: list[Path]) -> list[tuple[Any, str]]:
+AUTO = "auto"
+
+
+def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs: list[Path],
+                     steps_per_epoch: int | None = None) -> list[tuple[Any, str]]:
     """(scheduler, interval) pairs: the linear warm-up first, then the configured scheduler.
 
     Both act multiplicatively on the learning rate, so a warm-up composes with any chainable
-    scheduler (StepLR, CosineAnnealingLR, ExponentialLR ...).
+    scheduler (StepLR, CosineAnnealingLR, ExponentialLR ...). A scheduler argument given as `auto`
+    (OneCycleLR's total_steps, CosineAnnealingLR's T_max, LinearLR's total_iters ...) is the number
+    of times the scheduler steps in the whole run: the optimizer steps of every epoch, or the epochs.
     """
     schedulers: list[tuple[Any, str]] = []
     warmup = cfg.optimizer.warmup_steps
@@ -78,8 +84,16 @@ def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs:
             optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup), "step"))
     if cfg.scheduler is not None:
         factory = import_object(cfg.scheduler.class_, search_dirs, default_module="torch.optim.lr_scheduler")
-        schedulers.append((instantiate("scheduler", factory, optimizer, **cfg.scheduler.kwargs()),
-                           cfg.scheduler.interval))
+        kwargs = cfg.scheduler.kwargs()
+        auto = [key for key, value in kwargs.items() if value == AUTO]
+        if auto:
+            if steps_per_epoch is None:
+                raise ConfigError(f"scheduler: {', '.join(auto)}: auto needs the run's length, which is not known here")
+            length = cfg.main_loop.epochs * (steps_per_epoch if cfg.scheduler.interval == "step" else 1)
+            kwargs.update(dict.fromkeys(auto, length))
+            log.info("scheduler %s: %s = %d (auto: the %s of the run)", cfg.scheduler.class_, ", ".join(auto), length,
+                     "optimizer steps" if cfg.scheduler.interval == "step" else "epochs")
+        schedulers.append((instantiate("scheduler", factory, optimizer, **kwargs), cfg.scheduler.interval))
     return schedulers
 
 

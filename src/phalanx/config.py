@@ -55,12 +55,18 @@ class _ClassSection(BaseModel):
         return dict(self.model_extra or {})
 
 
-class LossConfig(_Section):
-    """A torch.nn.functional loss computed from one model output and one batch key."""
+class LossConfig(BaseModel):
+    """A torch.nn.functional loss computed from one model output and one batch key; other keys
+    (ignore_index, label_smoothing, pos_weight ...) go to the function."""
 
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
     function: str = Field(description="name in torch.nn.functional, e.g. cross_entropy, or a dotted path")
     output: str = Field("output", description="the model output that is the loss's input")
     target: str = Field(description="the batch key that is the loss's target")
+
+    def kwargs(self) -> dict[str, Any]:
+        """The loss function's own keyword arguments."""
+        return dict(self.model_extra or {})
 
 
 class ModelConfig(_ClassSection):
@@ -82,6 +88,8 @@ class LrScalingConfig(_Section):
 class OptimizerConfig(_ClassSection):
     warmup_steps: StrictInt = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
     lr_scaling: LrScalingConfig | None = Field(None, description="scale lr with the global batch size")
+    max_grad_norm: StrictFloat | StrictInt | None = Field(
+        None, gt=0, description="clip the global gradient norm (over every rank and shard) to this value")
 
 
 class SchedulerConfig(_ClassSection):
@@ -166,6 +174,9 @@ class MainLoopConfig(_Section):
     epochs: StrictInt = Field(1, ge=1, description="training epochs")
     extra_streams: list[str] = Field(default_factory=list, description="streams evaluated after each epoch")
     skip_zeroth_epoch: bool = Field(True, description="skip evaluating every stream before training")
+    eval_every_n_steps: StrictInt | None = Field(
+        None, ge=1, description="evaluate the extra streams, and end an evaluation round (the after_epoch hooks: "
+        "checkpoints, early stopping, logs), every N optimizer steps instead of every epoch")
 
 
 class CheckpointsConfig(_Section):

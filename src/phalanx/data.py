@@ -1,13 +1,20 @@
 """Sample order, sharding and batching that do not depend on the number of devices.
 
-Epoch `e` visits the training samples in `permutation(seed, e)`; global step `k` takes
-`perm[k*B:(k+1)*B]` (the last batch may be short). Each global batch is cut into
+Epoch `e` visits the training samples in the order `Order(seed, e, n)`; global step `k` takes
+`order[k*B:(k+1)*B]` (the last batch may be short). Each global batch is cut into
 `gradient_accumulation` micro-batches, and each micro-batch into contiguous shards in rank order.
 A rank's DataLoader reads only its own shards. A cursor (epoch, step) says where to continue.
+
+The order is a keyed bijection of [0, n) computed per position (a Feistel network on the smallest
+even number of bits that holds n, walked again from any value >= n until it lands below n), so
+an epoch of 10^10 samples costs no memory and its first batch is immediate. Runs whose
+checkpoints predate it keep the order they started with (`ORDERS`: `randperm`, a list per epoch).
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -16,10 +23,77 @@ from torch.utils.data import DataLoader, default_collate
 from phalanx.errors import DataError
 
 
+FEISTEL, RANDPERM = "feistel", "randperm"
+ORDERS = (FEISTEL, RANDPERM)   # the order a run uses; checkpoints without one name used randperm
+_ROUNDS = 6
+_MASK32, _MIX = (1 << 32) - 1, 0x45D9F3B   # x < 2^32 times _MIX < 2^27: no int64 overflow
+
+
+class Order:
+    """The order of one epoch's n samples: position -> sample index, a pseudo-random bijection of
+    [0, n) that depends on the seed and the epoch alone, computed for each position when asked.
+    Indexing with an int gives an index; with a slice, a list of them."""
+
+    def __init__(self, seed: int, epoch: int, n: int):
+        self.n = n
+        bits = max(2, (n - 1).bit_length())
+        self._half = (bits + 1) // 2                  # each half of the Feistel network's word
+        self._low = (1 << self._half) - 1
+        digest = hashlib.sha256(f"phalanx-order:{seed}:{epoch}".encode()).digest()
+        self._keys = [int.from_bytes(digest[4 * r:4 * r + 4], "little") for r in range(_ROUNDS)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key: int | slice) -> int | list[int]:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.n)
+            return self.at(torch.arange(start, stop, step, dtype=torch.int64)).tolist()
+        if not -self.n <= key < self.n:
+            raise IndexError(f"position {key} of an epoch of {self.n} samples")
+        return int(self.at(torch.tensor([key % self.n], dtype=torch.int64))[0])
+
+    def __iter__(self) -> Iterator[int]:
+        chunk = 1 << 16
+        for start in range(0, self.n, chunk):
+            yield from self[start:start + chunk]
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The sample index at each position (an int64 tensor of positions in [0, n))."""
+        values = self._rounds(positions)
+        outside = values >= self.n
+        while bool(outside.any()):  # cycle-walking: a value beyond n goes round again, until it lands inside
+            values[outside] = self._rounds(values[outside])
+            outside = values >= self.n
+        return values
+
+    def _rounds(self, values: torch.Tensor) -> torch.Tensor:
+        left, right = values >> self._half, values & self._low
+        for key in self._keys:
+            left, right = right, left ^ (_mix(right ^ key) & self._low)
+        return (left << self._half) | right
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (multiply and xor-shift), in int64 arithmetic that cannot overflow."""
+    x = x & _MASK32
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    x = ((x >> 16) ^ x) * _MIX & _MASK32
+    return (x >> 16) ^ x
+
+
+def epoch_order(seed: int, epoch: int, n: int, kind: str = FEISTEL) -> Sequence[int]:
+    """The order of epoch `epoch`: a function of the seed and the epoch alone. `kind` randperm is the
+    order of runs that began before the Feistel order (a list of every index, drawn by torch.randperm)."""
+    if kind == RANDPERM:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=generator).tolist()
+    return Order(seed, epoch, n)
+
+
 def permutation(seed: int, epoch: int, n: int) -> list[int]:
-    """The order of epoch `epoch`: a function of the seed and the epoch alone."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=generator).tolist()
+    """The order of epoch `epoch`, every index of it, as a list."""
+    return list(Order(seed, epoch, n))
 
 
 def split_sizes(n: int, parts: int, weights: Sequence[float] | None = None) -> list[int]:
@@ -83,6 +157,14 @@ class Plan:
             any_empty = any_empty or 0 in sizes
         return [Micro(shard, n, any_empty) for shard in shards]
 
+    def micro_batches(self, start: int = 0) -> int:
+        """Micro-batches in steps `start` on: counted, not made (an epoch may hold billions of samples)."""
+        steps = len(self) - start
+        if steps <= 0:
+            return 0
+        last = len(self.order) - (len(self) - 1) * self.batch_size
+        return (steps - 1) * min(self.accumulation, self.batch_size) + min(self.accumulation, last)
+
     def steps(self, start: int = 0) -> Iterator[tuple[int, list[Micro]]]:
         for k in range(start, len(self)):
             yield k, self.step(k)
@@ -100,7 +182,7 @@ class _ShardSampler:
                 yield micro.shard
 
     def __len__(self) -> int:
-        return sum(len(micros) for _, micros in self.plan.steps(self.start))
+        return self.plan.micro_batches(self.start)
 
 
 def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
@@ -241,3 +323,50 @@ def get_stream(dataset: Any, name: str) -> Any:
         raise DataError(f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
                         f"sample: check what streams() returns for {name!r} (its path, split or filter)")
     return stream
+
+
+class TokenWindows:
+    """A flat file of token ids (the `train.bin` layout: one array of `dtype`, no header), memory-mapped
+    and read as a map-style stream of non-overlapping windows. Item i is tokens [i*block_size,
+    i*block_size + block_size + 1): `{"tokens": its first block_size, "targets": its last block_size}`
+    (int64), the next-token pairs a language model trains on. Reading a window reads only its pages,
+    so the file may be far larger than memory."""
+
+    def __init__(self, path: str | Path, block_size: int, dtype: str = "uint16",
+                 keys: tuple[str, str] = ("tokens", "targets")):
+        import numpy as np
+
+        self.path, self.block_size, self.keys = Path(path), block_size, tuple(keys)
+        if block_size < 1:
+            raise DataError(f"TokenWindows: block_size must be at least 1, got {block_size}")
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise DataError(f"TokenWindows: dtype {dtype!r} is not a numpy dtype; use uint16 (vocabularies up to "
+                            "65536) or uint32") from None
+        if not self.path.is_file():
+            raise DataError(f"TokenWindows: {self.path} is not a file; write the token ids there first (e.g. "
+                            f"numpy.array(ids, dtype={self.dtype.name}).tofile(path))")
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise DataError(f"TokenWindows: {self.path} holds {size} bytes, not a whole number of {self.dtype.name} "
+                            f"tokens ({self.dtype.itemsize} bytes each); is dtype right?")
+        self.tokens = size // self.dtype.itemsize
+        self._map = None  # opened in the process that reads it (DataLoader workers each map their own)
+
+    def __len__(self) -> int:
+        return max(0, (self.tokens - 1) // self.block_size)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        import numpy as np
+
+        if not 0 <= i < len(self):
+            raise IndexError(f"window {i} of {len(self)} in {self.path}")
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=self.dtype, mode="r")
+        start = i * self.block_size
+        window = torch.from_numpy(self._map[start:start + self.block_size + 1].astype(np.int64))
+        return {self.keys[0]: window[:-1], self.keys[1]: window[1:]}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_map": None}  # a worker process maps the file again

@@ -3,9 +3,18 @@
 Each rank scales the sum of its per-sample losses by 1/B_k, B_k the size of the whole global batch,
 and the strategy's reduction sums: the reduced gradient is exactly that of the global batch's mean
 loss, for uneven shards, short last batches and gradient accumulation alike.
+
+Weighted losses (a model that returns `loss_weight` per sample beside `loss`, such as a language
+model's count of real tokens) have the objective sum(w_i l_i) / sum(w_i) over the global batch. The
+denominator is known only once every rank has run its micro-batches, so each sample's loss goes
+back with w_i / B_k, and the step's sums (sum w_i l_i, sum w_i) travel with the strategy's loss
+agreement (no collective of their own); after the reduction the gradients are multiplied once by
+B_k / sum(w_i). Clipping (`max_grad_norm`) comes after that, on the global gradient.
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,16 +24,50 @@ import torch
 from torch import nn
 
 from phalanx.data import Micro
-from phalanx.model import Forward, check_loss
+from phalanx.model import Forward, check_loss, check_weights
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
+
+log = logging.getLogger("phalanx")
+
+
+WEIGHT = "loss_weight"  # the output that weighs each sample's loss
 
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor    # the global batch's mean loss, the same on every rank
+    loss: torch.Tensor    # the global batch's mean loss (weighted where the model weighs), the same on every rank
     parts: list[dict]     # this rank's inputs and outputs, one dict per micro-batch
     stop: bool            # whether any rank asked to stop
+
+
+class GradNorms:
+    """The global gradient norm of each step of an epoch, before clipping: mean, max, and how many
+    were not finite (those steps are skipped). The same on every rank."""
+
+    def __init__(self) -> None:
+        self.sum, self.max, self.count, self.nonfinite = 0.0, 0.0, 0, 0
+        self.last: float | None = None
+
+    def add(self, norm: float) -> None:
+        self.last = norm
+        if not math.isfinite(norm):
+            self.nonfinite += 1
+            return
+        self.sum, self.max, self.count = self.sum + norm, max(self.max, norm), self.count + 1
+
+    def variables(self) -> dict[str, float]:
+        """What the epoch's `train` row holds."""
+        out = {"grad_norm_nonfinite": self.nonfinite}
+        if self.count:
+            out.update(grad_norm=self.sum / self.count, grad_norm_max=self.max)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"sum": self.sum, "max": self.max, "count": self.count, "nonfinite": self.nonfinite}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sum, self.max, self.count, self.nonfinite = state["sum"], state["max"], state["count"], state["nonfinite"]
 
 
 class Engine:
@@ -32,9 +75,12 @@ class Engine:
     forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward` here."""
 
     def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
-                 schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy):
+                 schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy,
+                 max_grad_norm: float | None = None):
         self.module, self.forward_fn, self.optimizer = module, forward, optimizer
         self.precision, self.strategy = precision, strategy
+        self.max_grad_norm = max_grad_norm
+        self.norms = GradNorms()
         self._schedulers = {interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")}
         self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
         self._gradients: dict[tuple, torch.Tensor] = {}
@@ -47,7 +93,10 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         parts, loss, stop, communication = self.strategy.forward_backward(self, micros, stop)
         start = time.perf_counter()
-        self.precision.step(self.optimizer)
+        if loss.dim():  # weighted: (sum w_i l_i, sum w_i) / B over the global batch
+            loss = self._normalise(loss)
+        if self.max_grad_norm is None or self._clip(self.max_grad_norm):
+            self.precision.step(self.optimizer)
         for scheduler in self._schedulers["step"]:
             scheduler.step()
         self.seconds = communication, time.perf_counter() - start
@@ -58,12 +107,17 @@ class Engine:
         """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
         sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the global
         batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call` and
-        `device`: another replica of the model, and where its batch goes (a strategy's towers)."""
+        `device`: another replica of the model, and where its batch goes (a strategy's towers).
+        Where the model weighs its samples, the part is the pair (sum w_i l_i, sum w_i) / B times
+        `scale`, and each sample's gradient w_i / B times `scale`."""
         n = len(micro.shard)
         # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
         # times the factor by which the strategy's reduction divides
         weight = n / micro.global_size * scale
         loss, data = self._forward(batch, n, call, device)
+        weights = data.get(WEIGHT)
+        if weights is not None:
+            return self._weighted(loss, weights, scale / micro.global_size, data)
         if not n:  # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
             return loss.sum() * 0.0, None, loss.detach().new_zeros(()), data
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
@@ -75,6 +129,51 @@ class Engine:
         if weight != 1:
             part = part * weight
         return loss, gradient, part, data
+
+    @staticmethod
+    def _weighted(loss: torch.Tensor, weights: torch.Tensor, factor: float,
+                  data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """A weighted micro-batch: each sample's loss goes back with w_i * factor, and its part is
+        (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch)."""
+        dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32  # counts need the digits
+        weights = weights.to(dtype)
+        if not len(weights):
+            return loss.sum() * 0.0, None, loss.detach().new_zeros(2, dtype=dtype), data
+        part = torch.stack((torch.dot(weights, data["loss"].to(dtype)), weights.sum())) * factor
+        return loss, (weights * factor).to(loss.dtype), part, data
+
+    def _parameters(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _normalise(self, sums: torch.Tensor) -> torch.Tensor:
+        """The weighted step's mean loss, its gradients divided by the global sum of the weights (a
+        batch without weight, all padding, keeps its zero gradients)."""
+        inverse = torch.where(sums[1] > 0, 1.0 / sums[1], torch.zeros_like(sums[1]))
+        grads = [p.grad for p in self._parameters() if p.grad is not None]
+        if grads:
+            _scale(grads, inverse)
+        return sums[0] * inverse
+
+    def _clip(self, max_norm: float) -> bool:
+        """Scale the gradients so that their global norm (over every rank and shard) is at most
+        `max_norm`; whether the step may go on: a norm that is not finite skips it, and is counted."""
+        if self.precision.scaler is not None:
+            self.precision.scaler.unscale_(self.optimizer)
+        parameters = [p for p in self._parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
+        if hasattr(norm, "full_tensor"):  # sharded gradients: the local parts' norm, made global
+            norm = norm.full_tensor()
+        value = float(norm)
+        self.norms.add(value)
+        if not math.isfinite(value):
+            if self.precision.scaler is not None:  # the scaler skips the step and lowers its scale
+                return True
+            if self.norms.nonfinite == 1:
+                log.warning("the gradient norm is not finite (%s) at step %d: the step is skipped; such steps "
+                            "are counted in the epoch's grad_norm_nonfinite", value, self.norms.count + 1)
+            return False
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        return True
 
     def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None) -> None:
         """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that must
@@ -124,6 +223,9 @@ class Engine:
         loss = outputs["loss"]
         if loss.dim() != 1 or loss.shape[0] != n:  # not one value per sample: check and reduce it
             loss = check_loss(loss, n)
+        weights = outputs.get(WEIGHT)
+        if weights is not None:
+            check_weights(weights, loss, n)
         data = dict(batch)
         for key, value in outputs.items():
             if key == "loss":
@@ -134,6 +236,15 @@ class Engine:
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+
+def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply tensors in place by a 0-dim tensor, in one kernel where they allow it."""
+    try:
+        torch._foreach_mul_(tensors, factor)
+    except (RuntimeError, TypeError, NotImplementedError):  # sharded tensors of some versions: one by one
+        for t in tensors:
+            t.mul_(factor)
 
 
 def _first_dim(batch: Mapping) -> int:

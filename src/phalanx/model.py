@@ -1,8 +1,14 @@
 """Model protocol: `forward` takes the batch keys it names and returns a dict of named outputs.
 
-`loss` (a per-sample vector, or the mean over the batch) is the objective. Plain modules, which take
-tensors and return a tensor, work through the config alone: `inputs:` maps batch keys to forward
-arguments, `outputs:` names what they return, and `loss:` names a torch.nn.functional loss.
+`loss` (a per-sample vector, or the mean over the batch) is the objective; beside it, `loss_weight`
+(per sample) makes the objective sum(w_i l_i) / sum(w_i) over the global batch. Plain modules,
+which take tensors and return a tensor, work through the config alone: `inputs:` maps batch keys to
+forward arguments, `outputs:` names what they return, and `loss:` names a torch.nn.functional loss.
+A class-index loss (cross_entropy, nll_loss) on sequence outputs weighs every real token once: each
+sample's loss is the mean over its tokens whose target is not `ignore_index`, weighted by their
+count. Hugging Face models (`transformers`) whose batch holds `labels` have their per-token loss
+computed here from `logits` (shifted by one for causal language models, as their own loss is),
+since theirs is the mean over the micro-batch.
 """
 from __future__ import annotations
 
@@ -41,7 +47,15 @@ class Forward:
         self._single = self.outputs[0] if len(self.outputs) == 1 else None  # the name of a lone tensor output
         self.loss_fn = _loss_function(cfg.loss, search_dirs) if cfg.loss else None
         self.loss_cfg = cfg.loss
-        self.params, self.takes_all = _forward_params(inner if inner is not None else module)
+        self.loss_kwargs = cfg.loss.kwargs() if cfg.loss else {}
+        self.ignore_index = _ignore_index(self.loss_fn, self.loss_kwargs) if cfg.loss else None
+        user = inner if inner is not None else module
+        self.params, self.takes_all = _forward_params(user)
+        # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or "other"
+        self.hugging_face = _hugging_face_kind(user) if cfg.loss is None else None
+        if self.hugging_face:  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+            self.params.pop("labels", None)
+            self.takes_all = False  # its **kwargs are options of attention kernels, not the batch's other keys
         self.output_names: list[str] = []
 
     def bound_to(self, module: nn.Module) -> Forward:
@@ -60,7 +74,14 @@ class Forward:
         outputs = {self._single: raw} if self._single is not None and isinstance(raw, torch.Tensor) \
             else self._as_dict(raw)
         if self.loss_fn is not None:
-            outputs["loss"] = self._loss(outputs, batch)
+            outputs["loss"], weights = self._loss(outputs, batch)
+            if weights is not None:
+                outputs["loss_weight"] = weights
+        elif self.hugging_face and "labels" in batch and "logits" in outputs:
+            outputs["loss"], weights = hugging_face_loss(outputs["logits"], batch["labels"],
+                                                         self.hugging_face == "causal")
+            if weights is not None:
+                outputs["loss_weight"] = weights
         elif "loss" not in outputs:
             raise ModelError(f"the model returned outputs {sorted(outputs)} but no 'loss'; return "
                              "{'loss': ...} from forward, or name one with model.loss: "
@@ -94,7 +115,9 @@ class Forward:
                              f"{len(self.outputs)}: {self.outputs}")
         return dict(zip(self.outputs, values))
 
-    def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> torch.Tensor:
+    def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The configured loss per sample, and each sample's weight where its loss is over several
+        tokens of which some are ignored (None otherwise)."""
         cfg = self.loss_cfg
         try:
             prediction, target = outputs[cfg.output], batch[cfg.target]
@@ -104,8 +127,69 @@ class Forward:
                                  f"{sorted(outputs)}") from None
             raise ModelError(f"model.loss.target {cfg.target!r} is not a batch key; keys are "
                              f"{', '.join(batch)}") from None
-        loss = self.loss_fn(prediction, target, reduction="none")
-        return loss.reshape(loss.shape[0], -1).mean(dim=1) if loss.dim() > 1 else loss
+        return per_sample_loss(self.loss_fn, prediction, target, self.ignore_index, self._kwargs(prediction))
+
+    def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
+        """The loss function's keywords; lists (pos_weight, weight) as tensors beside the prediction."""
+        return {k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device) if isinstance(v, list) else v
+                for k, v in self.loss_kwargs.items()}
+
+
+def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.Tensor, ignore_index: int | None,
+                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`function(prediction, target, reduction="none")` per sample. A class-index loss on sequences
+    (several targets per sample, `ignore_index` set): each sample's mean over its real targets, and
+    their count as its weight. Class scores may come last (batch, tokens, classes), as language
+    models give them, or second, as torch's losses take them."""
+    if ignore_index is not None and target.dim() >= 2 and prediction.shape[:-1] == target.shape:
+        prediction = prediction.movedim(-1, 1)  # (where tokens = classes too, the scores are read as last)
+    loss = function(prediction, target, reduction="none", **kwargs)
+    if loss.dim() <= 1:
+        return loss, None
+    if ignore_index is None or target.shape != loss.shape:  # every element counts alike
+        return loss.flatten(1).mean(dim=1), None
+    real = (target != ignore_index).flatten(1)
+    counts = real.sum(dim=1)
+    summed = torch.where(real, loss.flatten(1), 0.0).sum(dim=1)
+    return summed / counts.clamp(min=1).to(summed.dtype), counts
+
+
+def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> tuple[torch.Tensor,
+                                                                                     torch.Tensor | None]:
+    """A Hugging Face model's loss per sample from its logits: cross-entropy over the labels that are
+    not -100 (shifted one token for a causal language model: the logits at t predict label t+1), or
+    the mean squared error where the labels are real numbers (regression heads)."""
+    import torch.nn.functional as F
+
+    if labels.is_floating_point():  # one score per sample: regression; several: independent labels
+        if labels.dim() == 1:
+            return per_sample_loss(F.mse_loss, logits.reshape(labels.shape), labels, None, {})
+        return per_sample_loss(F.binary_cross_entropy_with_logits, logits, labels, None, {})
+    if causal:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return per_sample_loss(F.cross_entropy, logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
+                           else logits, labels, -100, {})
+
+
+def _hugging_face_kind(module: nn.Module) -> str | None:
+    """"causal" for a Hugging Face causal language model, "other" for another of its models, None
+    for any other module (told by class names, without importing transformers)."""
+    names = [cls.__name__ for cls in type(module).__mro__]
+    if "PreTrainedModel" not in names:
+        return None
+    name = names[0]
+    return "causal" if name.endswith(("ForCausalLM", "LMHeadModel")) else "other"
+
+
+def _ignore_index(function: Callable, kwargs: dict[str, Any]) -> int | None:
+    """The target value a class-index loss ignores (the keyword given, or the function's default)."""
+    if "ignore_index" in kwargs:
+        return kwargs["ignore_index"]
+    try:
+        parameter = inspect.signature(function).parameters.get("ignore_index")
+    except (TypeError, ValueError):
+        return None
+    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
 
 
 def _loss_function(cfg: LossConfig, search_dirs: list[Path]) -> Callable:
@@ -129,6 +213,16 @@ def check_loss(loss: torch.Tensor, n: int) -> torch.Tensor:
     if loss.shape[0] != n:
         raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
     return loss if loss.dim() == 1 else loss.reshape(n, -1).mean(dim=1)
+
+
+def check_weights(weights: torch.Tensor, loss: torch.Tensor, n: int) -> None:
+    """`loss_weight` holds one number per sample, and weighs a per-sample loss."""
+    if weights.dim() != 1 or weights.shape[0] != n:
+        raise ModelError(f"'loss_weight' has shape {tuple(weights.shape)}; return one weight per sample ({n}), "
+                         "such as each sample's count of real tokens")
+    if loss.dim() != 1:
+        raise ModelError("the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per sample "
+                         "(reduction='none', averaged over each sample's tokens) beside its weight")
 
 
 def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:

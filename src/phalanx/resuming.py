@@ -48,7 +48,8 @@ def check(changed: dict[str, tuple[Any, Any]], state: dict[str, Any], batch_size
 def affects_schedule(changed: dict[str, tuple[Any, Any]]) -> bool:
     """Whether the optimizer's settings or the learning-rate schedule change (the scaled rate
     depends on the global batch too)."""
-    return any(k.startswith(("optimizer.", "scheduler")) or k == "dataset.batch_size" for k in changed)
+    return any(k.startswith(("optimizer.", "scheduler")) or k in ("dataset.batch_size", "main_loop.epochs")
+               for k in changed)  # the epochs: the length a scheduler argument given as auto takes
 
 
 def replay_schedule(schedulers: list[tuple[Any, str]], steps: int, epochs: int, steps_per_epoch: int) -> None:

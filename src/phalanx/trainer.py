@@ -18,7 +18,7 @@ from phalanx.build import (build_dataset, build_optimizer, build_schedulers, der
                            set_rng_state)
 from phalanx.checkpoint import Background, Checkpoints
 from phalanx.config import CompileConfig, Config
-from phalanx.engine import Engine, concat
+from phalanx.engine import Engine, GradNorms, concat
 from phalanx.errors import CheckpointError, ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
@@ -31,6 +31,7 @@ from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
 TRAIN = "train"
+_TRAINING_TIMES = ("data", "forward_backward", "communication", "optimizer", "hooks")
 EVENTS = ("before_training", "after_batch", "after_epoch", "after_epoch_profile", "after_training")
 
 
@@ -49,6 +50,7 @@ class Trainer:
         self.strategy = strategy or strategies.create(cfg)
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
+        self._streams: dict[str, Any] = {}
         with self.strategy.init_context():
             module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
@@ -61,9 +63,10 @@ class Trainer:
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
         self.optimizer = None if inference else build_optimizer(
             cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size, fused=self.strategy.device.type == "cuda")
-        self.schedulers = [] if inference else build_schedulers(cfg, self.optimizer, self.search_dirs)
+        self.schedulers = [] if inference else build_schedulers(cfg, self.optimizer, self.search_dirs,
+                                                                self.steps_per_epoch)
         self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
-                             self.precision, self.strategy)
+                             self.precision, self.strategy, cfg.optimizer.max_grad_norm)
         self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
         self.background = None  # checkpoints.async: a writer thread on the main process
         if cfg.checkpoints.async_ and self.checkpoints is not None:
@@ -73,11 +76,14 @@ class Trainer:
                 self.background = Background(self.checkpoints, lambda step, best: self._trace(
                     "checkpoint", step=step, best=best))
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        self.order = data.FEISTEL  # the kind of sample order; a run resumed from an older checkpoint keeps its own
+        self.rounds = 0  # evaluation rounds begun, with main_loop.eval_every_n_steps
         self.shard_weights = _shard_weights(cfg, self.strategy.data_world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
         # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
         # overlaps backward); communication after backward; the optimizer; hooks; evaluation
         self.profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0)
+        self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)  # the same, since the last evaluation round
         self.last_loss: torch.Tensor | None = None
         self.last_batch_size = 0
         self.training = False  # True while after_batch follows an optimizer step (not an evaluation)
@@ -98,9 +104,16 @@ class Trainer:
     def streams(self) -> list[str]:
         return [TRAIN, *self.cfg.main_loop.extra_streams]
 
+    def stream(self, name: str) -> Any:
+        """Stream `name` of the dataset, asked of `streams()` once."""
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = data.get_stream(self.dataset, name)
+        return stream
+
     @property
     def steps_per_epoch(self) -> int:
-        n = len(data.get_stream(self.dataset, TRAIN))
+        n = len(self.stream(TRAIN))
         return -(-n // self.cfg.dataset.batch_size)
 
     # --- the main loop -------------------------------------------------------------------------
@@ -116,6 +129,9 @@ class Trainer:
                 raise stop
             if not self.cfg.main_loop.skip_zeroth_epoch and self.step == 0:
                 self._evaluation_epoch(0, self.streams)
+            every = self.cfg.main_loop.eval_every_n_steps
+            if every is not None and self.step // every > self.rounds:  # saved on a beat, before its round
+                self._evaluation_round()
             while self.epoch < self.cfg.main_loop.epochs:
                 self._train_epoch()
         except TrainingTerminated as stop:
@@ -148,8 +164,8 @@ class Trainer:
     def _train_epoch(self) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
-        stream = data.get_stream(self.dataset, TRAIN)
-        plan = data.Plan(data.permutation(self.cfg.seed, epoch, len(stream)), self.cfg.dataset.batch_size,
+        stream = self.stream(TRAIN)
+        plan = data.Plan(data.epoch_order(self.cfg.seed, epoch, len(stream), self.order), self.cfg.dataset.batch_size,
                          self.cfg.parallel.gradient_accumulation, self.strategy.data_rank,
                          self.strategy.data_world_size, self.shard_weights)
         worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.data_rank)) % 2**62
@@ -165,7 +181,12 @@ class Trainer:
                 self.profile[key] += seconds
         self.epoch, self.step_in_epoch = epoch, 0
         self.engine.end_epoch()
-        self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
+        every = self.cfg.main_loop.eval_every_n_steps
+        if every is None:
+            self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
+        elif self.epoch == self.cfg.main_loop.epochs and self.step % every:  # the end of training, off the beat
+            self.rounds = self.step // every + 1
+            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self._round_profile)
 
     def _train_steps(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
         self.training = True
@@ -177,6 +198,7 @@ class Trainer:
     def _steps_loop(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
         clock, engine, stop = time.perf_counter, self.engine, self.stop
+        every = self.cfg.main_loop.eval_every_n_steps
         fetching = computing = communicating = optimizing = hooking = 0.0
         try:
             t0 = clock()
@@ -199,13 +221,30 @@ class Trainer:
                     raise terminated
                 if result.stop:
                     raise _Interrupted
+                if every is not None and self.step % every == 0:  # an evaluation round, inside the epoch
+                    for key, seconds in zip(_TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)):
+                        self._round_profile[key] += seconds
+                        profile[key] += seconds
+                    fetching = computing = communicating = optimizing = hooking = 0.0
+                    self._evaluation_round()
+                    t3 = clock()
                 t0 = t3
         finally:
-            profile["data"] += fetching
-            profile["forward_backward"] += computing
-            profile["communication"] += communicating
-            profile["optimizer"] += optimizing
-            profile["hooks"] += hooking
+            for key, seconds in zip(_TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)):
+                profile[key] += seconds
+                self._round_profile[key] += seconds
+
+    def _evaluation_round(self) -> None:
+        """Evaluate the extra streams after every `main_loop.eval_every_n_steps` optimizer steps, and
+        end an evaluation round: the after_epoch events, with the round's number (steps // N) as their
+        epoch, and the training variables of the steps since the last round."""
+        training, self.training = self.training, False
+        self.rounds = self.step // self.cfg.main_loop.eval_every_n_steps
+        try:
+            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self._round_profile)
+            self.epoch_data = {s: {} for s in self.streams}
+        finally:
+            self.training = training
 
     def _check_sync_batchnorm(self, plan: data.Plan) -> None:
         """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""
@@ -219,19 +258,26 @@ class Trainer:
                     "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
 
     def _evaluation_epoch(self, epoch: int, streams: list[str], profile: dict | None = None) -> None:
-        """Evaluate `streams`, then end epoch `epoch` with its after_epoch events."""
+        """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch events."""
         profile = dict(profile or {})
+        self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)
         self.epoch_data = self.epoch_data if epoch else {s: {} for s in self.streams}
         start = time.perf_counter()
         for name in streams:
             self.evaluate(name)
         profile["eval"] = time.perf_counter() - start
         self.profile["eval"] += profile["eval"]
+        if epoch and self.engine.max_grad_norm is not None:  # the norms of the epoch's steps
+            self.epoch_data.setdefault(TRAIN, {}).update(self.engine.norms.variables())
+            self.engine.norms = GradNorms()
         start = time.perf_counter()
         stop = self._emit("after_epoch", epoch, self.epoch_data)
         profile["after_epoch"] = time.perf_counter() - start
         stop = self._emit("after_epoch_profile", epoch, profile, TRAIN, self.cfg.main_loop.extra_streams) or stop
-        self._trace("epoch", epoch=epoch, step=self.step)
+        if self.cfg.main_loop.eval_every_n_steps is None:
+            self._trace("epoch", epoch=epoch, step=self.step)
+        else:
+            self._trace("epoch", epoch=self.epoch, step=self.step, round=epoch)
         if stop is not None:
             raise stop
         if self.any_rank(self.stop.requested):
@@ -239,7 +285,7 @@ class Trainer:
 
     def evaluate(self, name: str) -> None:
         """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
-        stream = data.get_stream(self.dataset, name)
+        stream = self.stream(name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
         plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.data_rank, self.strategy.data_world_size,
                          self.shard_weights)
@@ -306,8 +352,9 @@ class Trainer:
         running values across ranks."""
         rng = rng_state()
         state = {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
-                 "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "rng": rng,
-                 "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}}
+                 "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "order": self.order, "rounds": self.rounds, "rng": rng,
+                 "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
+                 "grad_norms": self.engine.norms.state_dict()}
         if self.strategy.world_size > 1:
             state["rng_ranks"] = self.strategy.gather(rng)
         return state
@@ -347,10 +394,18 @@ class Trainer:
             step, lambda weights: self.strategy.load_model_state(weights, self.optimizer))
         changed = resuming.changed_keys(previous, rundir.resolved(self.cfg)) if previous is not None else {}
         resuming.check(changed, state, self.cfg.dataset.batch_size)
-        if state["step_in_epoch"] >= self.steps_per_epoch:
+        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its evaluation)
+        if state["step_in_epoch"] > self.steps_per_epoch:
             raise CheckpointError(f"{path} says step {state['step_in_epoch']} of an epoch that has "
                                   f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset")
         self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+        self.rounds = state.get("rounds", 0)
+        self.order = state.get("order", data.RANDPERM)  # checkpoints that name none predate the Feistel order
+        if self.order not in data.ORDERS:
+            raise CheckpointError(f"{path} names the sample order {self.order!r}, which this version of phalanx does "
+                                  f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that saved it")
+        if self.order != data.FEISTEL and self.strategy.is_main:
+            log.info("this run keeps the sample order it started with (%s, from an older version of phalanx)", self.order)
         settings, schedules = (self._replayed_schedule() if resuming.affects_schedule(changed)
                                else (None, optimizer_state["schedulers"]))
         try:
@@ -363,6 +418,8 @@ class Trainer:
             self.precision.load_state_dict(optimizer_state["scaler"])
             self._restore_rng(state)
             self._restore_hooks(state["hooks"], step)
+            if "grad_norms" in state:
+                self.engine.norms.load_state_dict(state["grad_norms"])
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
             raise CheckpointError(f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
                                   "is damaged or was saved from another config") from None
@@ -372,7 +429,7 @@ class Trainer:
         a fresh optimizer and schedulers, built from the config and stepped as far as training went."""
         optimizer = build_optimizer(self.cfg.optimizer, self.model, self.search_dirs, self.cfg.dataset.batch_size,
                                     fused=self.strategy.device.type == "cuda")
-        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs)
+        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, self.steps_per_epoch)
         resuming.replay_schedule(schedulers, self.step, self.epoch, self.steps_per_epoch)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         return settings, [scheduler.state_dict() for scheduler, _ in schedulers]

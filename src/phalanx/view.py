@@ -36,6 +36,12 @@ class RunView:
         return self._run.step
 
     @property
+    def rounds(self) -> int:
+        """Evaluation rounds begun (with `main_loop.eval_every_n_steps`: one every N steps; their
+        number is the `epoch` that after_epoch receives)."""
+        return self._run.rounds
+
+    @property
     def step_in_epoch(self) -> int:
         """Optimizer steps done in the epoch in progress."""
         return self._run.step_in_epoch
@@ -53,6 +59,11 @@ class RunView:
     def last_loss(self) -> torch.Tensor | None:
         """The last step's global mean loss (a tensor on the device: reading it waits for the step)."""
         return self._run.last_loss
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None unless optimizer.max_grad_norm is set)."""
+        return self._run.engine.norms.last
 
     @property
     def last_batch_size(self) -> int:

@@ -21,6 +21,65 @@ def test_permutation_is_a_permutation():
         assert sorted(perm) == list(range(n))
 
 
+def test_the_order_is_a_bijection_for_every_size_and_seed():
+    """Every n up to 600 and a spread of sizes up to 10^5 (odd and even bit widths, powers of two
+    and their neighbours), for several seeds and epochs: every index exactly once."""
+    sizes = [*range(0, 601), 1023, 1024, 1025, 4095, 4097, 65535, 65536, 65537, 99_991, 100_000]
+    for n in sizes:
+        for seed, epoch in ((0, 1), (1, 2), (12345, 7)):
+            order = data.Order(seed, epoch, n)
+            values = order.at(torch.arange(n)) if n else torch.zeros(0, dtype=torch.int64)
+            assert torch.equal(values.sort().values, torch.arange(n)), (n, seed, epoch)
+
+
+def test_the_order_looks_random():
+    """No trace of the positions in the indices, and every first index about equally likely."""
+    order = torch.tensor(data.permutation(0, 1, 100_000), dtype=torch.float64)
+    positions = torch.arange(100_000, dtype=torch.float64)
+    assert abs(float(torch.corrcoef(torch.stack([order, positions]))[0, 1])) < 0.02
+    firsts = torch.bincount(torch.tensor([data.Order(seed, 1, 10)[0] for seed in range(5000)]), minlength=10)
+    assert int(firsts.min()) > 400 and int(firsts.max()) < 600  # 500 expected for each
+
+
+def test_an_epoch_of_ten_billion_samples_costs_no_memory_and_starts_at_once():
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    order = data.Order(0, 1, 10**10)
+    plan = data.Plan(order, 1024, accumulation=2, rank=1, world_size=3)
+    micros = plan.step(0)
+    seconds = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(plan) == -(-10**10 // 1024) and plan.micro_batches() == 2 * len(plan)
+    assert sum(len(m.shard) for m in micros) == 1024 // 3 + 1
+    assert all(0 <= i < 10**10 for m in micros for i in m.shard)
+    assert peak < 2 * 2**20, peak  # a list of every index would be 80 GB
+    assert seconds < 5  # generous: it takes milliseconds
+
+
+def test_the_order_does_not_depend_on_the_world_size():
+    order = data.Order(3, 2, 97)
+    for world_size in (1, 2, 3, 5):
+        for accumulation in (1, 3):
+            taken = []
+            plans = [data.Plan(order, 10, accumulation, rank, world_size) for rank in range(world_size)]
+            for k in range(len(plans[0])):
+                steps = [plan.step(k) for plan in plans]
+                for micro in range(len(steps[0])):
+                    taken += [i for rank_steps in steps for i in rank_steps[micro].shard]
+            assert taken == list(order)
+
+
+def test_runs_started_before_the_feistel_order_keep_theirs():
+    """randperm: the order of checkpoints that name none, still a function of the seed and epoch."""
+    old = data.epoch_order(7, 2, 50, data.RANDPERM)
+    assert old == data.epoch_order(7, 2, 50, data.RANDPERM) and sorted(old) == list(range(50))
+    assert old != list(data.epoch_order(7, 2, 50))
+
+
 def test_permutation_depends_only_on_seed_and_epoch():
     reference = data.permutation(7, 2, 50)
     torch.manual_seed(12345)  # the global RNG must not matter

@@ -241,8 +241,8 @@ class _EmptyRank(DDP):
     def __init__(self):
         self.rank, self.world_size, self.scale = 3, 4, 4.0
         self.device = torch.device("cpu")
-        self.carrier = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-        self._flags = {flag: torch.tensor(float(flag) * self.scale, dtype=torch.float64) for flag in (False, True)}
+        self.carrier = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self._tails = self._carried_tails()
         self._ddp, self._pending_stop = None, None
         self.carried_values: list[list[float]] = []
 
@@ -268,7 +268,7 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     assert [m.shard for m in micros] == [[]] and micros[0].global_size == 1
     before = _params(trainer.module)
     result = engine.train_step([(m, None) for m in micros], stop=True)
-    # it joins the hand reduction the other ranks make, with a zero loss share and its stop flag
-    assert strategy.carried_values == [[0.0, 4.0]]
+    # it joins the hand reduction the other ranks make, with a zero loss share (not weighted) and its stop flag
+    assert strategy.carried_values == [[0.0, 0.0, 0.0, 4.0]]
     assert float(result.loss) == 0.0 and result.stop is True
     assert _rel_diff(_params(trainer.module), before) == 0

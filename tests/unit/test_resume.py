@@ -256,3 +256,34 @@ def test_resume_at_an_epoch_boundary_may_change_the_seed(tmp_path):
     run_dir = _run_dir(tmp_path / "parts")
     assert commands.resume(str(run_dir), ["seed=1", f"hooks.{STOP}.StopAfter.epochs=1000"]) == 0
     assert _latest(run_dir)[0] == 15
+
+
+def test_a_checkpoint_after_an_epochs_last_step_resumes_with_that_epochs_end(tmp_path):
+    """Stopped right after step 5, the last of epoch 1, before its evaluation: the checkpoint says 5
+    steps into epoch 1, and resuming ends that epoch (its evaluation, its schedulers) and goes on."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=5)
+    step, state, _ = _latest(run_dir)
+    assert (step, state["epoch"], state["step_in_epoch"]) == (5, 0, 5)
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    end, state, resumed = _latest(run_dir)
+    assert (end, state["epoch"]) == (15, 3)
+    _assert_equal(resumed, whole)
+
+
+def test_a_run_from_before_the_feistel_order_keeps_its_own(tmp_path):
+    """A checkpoint whose trainer state names no order was saved by a run that visits each epoch in
+    torch.randperm's order: it resumes, and saves again, in that order."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    step, state, _ = _latest(run_dir)
+    assert state["order"] == "feistel"
+    del state["order"]
+    _rewrite(Checkpoints(run_dir / "checkpoints").path(step), TRAINER, json.dumps(state).encode())
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    assert "keeps the sample order it started with (randperm" in (run_dir / "log.txt").read_text()
+    end, state, resumed = _latest(run_dir)
+    assert end == 15 and state["order"] == "randperm"
+    assert any(not torch.equal(resumed[k], whole[k]) for k in whole)  # another order, other weights

@@ -14,10 +14,14 @@ from phalanx.errors import ConfigError, ModelError
 from phalanx.hooks.base import Hook
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
+WEIGHT = "loss_weight"
+_WEIGHTED = ("weights", "weighted", "weighted_squares")  # sums of w, w * x and w * x^2, where weighted
 
 
 class ComputeStats(Hook):
-    """Mean (and optionally std, min, max, sum, count) of per-sample variables over each stream."""
+    """Mean (and optionally std, min, max, sum, count) of per-sample variables over each stream. The
+    loss of a model that weighs its samples (`loss_weight`, such as real tokens) has the weighted
+    mean and std, sum(w_i l_i) / sum(w_i): the objective that training minimises."""
 
     gathers = False  # sums are added over ranks at the end of the epoch instead
     FLUSH_ELEMENTS = 1 << 16  # values held back before they are reduced together
@@ -32,6 +36,7 @@ class ComputeStats(Hook):
         # several small ones every step.
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._pending_elements = 0
+        self._weights: dict[tuple[str, str], list[torch.Tensor]] = {}  # each pending value's weight, where weighted
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -50,6 +55,9 @@ class ComputeStats(Hook):
                 values = pending[(stream, var)] = []
             values.append(value)
             self._pending_elements += value.numel()
+            if var == "loss" and WEIGHT in batch:
+                weights = self._weights.setdefault((stream, var), [])
+                weights.append(batch[WEIGHT].reshape(-1))
         if self._pending_elements >= self.FLUSH_ELEMENTS:
             self._flush()
 
@@ -64,7 +72,14 @@ class ComputeStats(Hook):
             for name, reduce, combine in self._needs:
                 part = reduce(v)
                 acc[name] = part if name not in acc else combine(acc[name], part)
+            weights = self._weights.get(key)
+            if weights:
+                w, v = torch.cat(weights).double(), v.double()
+                for name, part in (("weights", w.sum()), ("weighted", (w * v).sum()), ("weighted_squares",
+                                                                                   (w * v * v).sum())):
+                    acc[name] = acc.get(name, 0.0) + part
         self._pending.clear()
+        self._weights.clear()
         self._pending_elements = 0
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
@@ -74,6 +89,10 @@ class ComputeStats(Hook):
                 continue
             values["mean"] = values["sum"] / count
             values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
+            if values["weights"] > 0:  # weighted: the mean and spread the objective has
+                values["mean"] = values["weighted"] / values["weights"]
+                values["std"] = math.sqrt(max(values["weighted_squares"] / values["weights"] - values["mean"] ** 2,
+                                              0.0))
             target = epoch_data.setdefault(stream, {})
             for agg in self.aggregations:
                 target[var if agg == "mean" else f"{var}_{agg}"] = int(count) if agg == "count" else values[agg]
@@ -91,10 +110,11 @@ class ComputeStats(Hook):
             return torch.tensor([float(self._acc[k].get(name, default)) if k in self._acc else default
                                  for k in keys], dtype=torch.float64, device=strategy.device)
 
-        sums = strategy.reduce(torch.stack([column("count", 0.0), column("sum", 0.0), column("squares", 0.0)]))
+        added = ("count", "sum", "squares", *_WEIGHTED)
+        sums = strategy.reduce(torch.stack([column(name, 0.0) for name in added]))
         low = strategy.reduce(column("min", math.inf), "min")
         high = strategy.reduce(column("max", -math.inf), "max")
-        return {key: {"count": sums[0, i].item(), "sum": sums[1, i].item(), "squares": sums[2, i].item(),
+        return {key: {**{name: sums[j, i].item() for j, name in enumerate(added)},
                       "min": low[i].item(), "max": high[i].item()} for i, key in enumerate(keys)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -103,13 +123,14 @@ class ComputeStats(Hook):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending.clear()
+        self._weights.clear()
         self._pending_elements = 0
         # Sums go to rank 0 alone, so that adding over ranks counts them once; minima and maxima
         # may stand everywhere.
         first = self.strategy.rank == 0
         self._acc = {(s, v): {"count": int(values["count"]) if first else 0,
-                              **{k: torch.tensor(values[k] if first else 0.0, dtype=torch.float64)
-                                 for k in ("sum", "squares")},
+                              **{k: torch.tensor(values.get(k, 0.0) if first else 0.0, dtype=torch.float64)
+                                 for k in ("sum", "squares", *_WEIGHTED)},
                               **{k: torch.tensor(values[k], dtype=torch.float64) for k in ("min", "max")}}
                      for s, v, values in state["acc"]}
 

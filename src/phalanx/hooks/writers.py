@@ -84,9 +84,10 @@ class LogProfile(_Writer):
 
 
 class WriteCSV(_Writer):
-    """`metrics.csv` in the run directory: a row per epoch, a column per `stream.variable`.
+    """`metrics.csv` in the run directory: a row per epoch (or evaluation round, with
+    `main_loop.eval_every_n_steps`), a column per `stream.variable`.
 
-    On resume, rows after the restored epoch are dropped, so the file matches the run's history.
+    On resume, rows after the restored epoch (or round) are dropped, so the file matches the run's history.
     """
 
     def __init__(self, path: str = "metrics.csv"):
@@ -99,7 +100,9 @@ class WriteCSV(_Writer):
         file = self.trainer.run_dir / self.path
         if file.is_file():
             with open(file, newline="") as f:
-                self._rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= self.trainer.epoch]
+                done = self.trainer.epoch if self.trainer.cfg.main_loop.eval_every_n_steps is None \
+                    else self.trainer.rounds
+                self._rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= done]
             self._write()
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
@@ -121,7 +124,7 @@ class WriteCSV(_Writer):
 
 class WriteTensorBoard(_Writer):
     """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
-    training loss every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
+    training loss (and gradient norm, where it is clipped) every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
     a resumed run drops the events it is about to write again. A write the system refuses (a full
     disk: tensorboard's writer thread raises it at the next call) is a StorageError naming the folder."""
 
@@ -143,6 +146,8 @@ class WriteTensorBoard(_Writer):
         if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
             with writing(self.trainer.run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
+                if self.trainer.last_grad_norm is not None:
+                    self._writer.add_scalar("train/step_grad_norm", self.trainer.last_grad_norm, step)
                 for i, lr in enumerate(self.trainer.learning_rates()):
                     self._writer.add_scalar(f"lr/group{i}", lr, step)
 

@@ -6,8 +6,8 @@ DDP's built-in reduction averages, so each rank also multiplies its objective by
 (the scale it passes to `Engine.forward`). Gradients are views into DDP's buckets (`gradient_as_bucket_view`): no copy back
 after each reduction, and no second copy of them in memory.
 
-Beside the model sits the carrier, a two-element parameter whose gradient is the rank's share of the
-loss and its stop flag: DDP adds it over ranks with the gradients, so every rank learns the global
+Beside the model sits the carrier, a four-element parameter whose gradient is the rank's share of the
+loss (a weighted loss's two sums: of w_i l_i and of w_i), whether the loss is weighted, and its stop flag: DDP adds it over ranks with the gradients, so every rank learns the global
 loss and whether any rank asked to stop without a collective of its own. Its gradient is written
 directly and DDP's reducer told it is ready, so it costs the step no autograd work; where the
 installed torch lacks that entry point, the carrier reaches the reducer through autograd instead.
@@ -47,7 +47,7 @@ class _Carried(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.module = module
-        self.carrier = nn.Parameter(torch.zeros(2, dtype=dtype, device=device))
+        self.carrier = nn.Parameter(torch.zeros(4, dtype=dtype, device=device))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -94,9 +94,7 @@ class DDP(ProcessGroup, Replicated):
         self.check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
-        # the stop flag as the carrier's gradient holds it, for either answer
-        self._flags = {flag: torch.tensor(float(flag) * self.scale, dtype=self.carrier.dtype, device=self.device)
-                       for flag in (False, True)}
+        self._tails = self._carried_tails()
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
         # the reducer. Without it, `carry` goes through autograd: the same values, more work per step.
@@ -127,18 +125,27 @@ class DDP(ProcessGroup, Replicated):
             start = time.perf_counter()
             self._reduce_by_hand(self._values(total, stop))
             communication = time.perf_counter() - start
-        loss, flags = self._carried().unbind()  # the sums over ranks of the loss parts and of the stop flags
-        return parts, loss, self._agreed_stop(flags), communication
+        carried = self._carried()  # the sums over ranks of the loss parts, weighted flags and stop flags
+        # a rank knows whether the loss is weighted from its own forward, unless it ran none this step
+        weighted = bool(carried[2] > 0) if by_hand else total.dim() > 0
+        return parts, carried[:2] if weighted else carried[0], self._agreed_stop(carried[3]), communication
+
+    def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
+        """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the scale:
+        (weight 0, not weighted, flag) after a plain loss, (weighted, flag) after a weighted loss's two sums."""
+        return {(weighted, flag): torch.tensor([*([self.scale] if weighted else [0.0, 0.0]), float(flag) * self.scale],
+                                               dtype=self.carrier.dtype, device=self.device)
+                for weighted in (False, True) for flag in (False, True)}
 
     def _values(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
-        """What this rank adds to the carrier's gradient: its part of the loss and its stop flag,
-        both times the scale the reduction divides by."""
+        """What this rank adds to the carrier's gradient: its part of the loss, whether it is
+        weighted, and its stop flag, all times the scale the reduction divides by."""
         carrier = self.carrier
         if total is None:
             total = carrier.new_zeros(())
         elif total.dtype != carrier.dtype:
             total = total.to(carrier.dtype)
-        return torch.stack((total, self._flags[stop]))
+        return torch.cat((total.reshape(-1), self._tails[total.dim() > 0, stop]))
 
     def _agreed_stop(self, flags: torch.Tensor) -> bool:
         """Whether any rank asked to stop. On a GPU, reading the flag now would wait for the whole

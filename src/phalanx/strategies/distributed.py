@@ -118,15 +118,15 @@ class ProcessGroup:
             dist.destroy_process_group()
 
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
-    """What `agree` sums over ranks: this rank's loss share and its stop flag, in float64."""
-    return torch.stack((loss.detach().to(torch.float64),
-                        torch.tensor(float(stop), dtype=torch.float64, device=loss.device)))
+    """What `agree` sums over ranks: this rank's loss share (a scalar, or a weighted loss's pair of
+    sums) and its stop flag, in float64."""
+    return torch.cat((loss.detach().to(torch.float64).reshape(-1),
+                      torch.tensor([float(stop)], dtype=torch.float64, device=loss.device)))
 
 
 def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The summed `agreement`: the global loss, and whether any rank asked to stop."""
-    total, flags = values.unbind()
-    return total, bool(flags > 0)
+    """The summed `agreement`: the global loss (or pair of sums), and whether any rank asked to stop."""
+    return values[0] if len(values) == 2 else values[:-1], bool(values[-1] > 0)
 
 
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:

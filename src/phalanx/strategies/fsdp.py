@@ -209,14 +209,30 @@ class FSDP(ProcessGroup):
 
 def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
     """The submodules sharded as units of their own, innermost first: those of the named classes,
-    or by default every child of the root that holds parameters."""
+    or by default every child of the root that holds parameters and shares none with another child
+    (tied weights, such as a language model's embedding and head, stay with the root)."""
     if classes is None:
-        return [child for child in module.children() if any(True for _ in child.parameters())]
+        children = [child for child in module.children() if any(True for _ in child.parameters())]
+        owners: dict[int, int] = {}
+        for i, child in enumerate(children):
+            for p in child.parameters():
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        return [child for child in children if all(owners[id(p)] == 1 for p in child.parameters())]
     units = [m for m in module.modules() if type(m).__name__ in classes and m is not module]
     if not units:
         present = sorted({type(m).__name__ for m in module.modules()})
         raise ConfigError(f"parallel.fsdp.shard names {classes}, but the model has no module of those classes; "
                           f"it has {', '.join(present)}")
+    names = {id(m): name for name, m in module.named_modules()}
+    seen: dict[int, nn.Module] = {}
+    for unit in units:
+        for p in unit.parameters():
+            other = seen.setdefault(id(p), unit)
+            if other is not unit and not any(m is other for m in unit.modules()) \
+                    and not any(m is unit for m in other.modules()):
+                raise ConfigError(f"parallel.fsdp.shard: {names[id(unit)]!r} and {names[id(other)]!r} share a "
+                                  "parameter (tied weights), and FSDP shards each unit's parameters apart; leave one "
+                                  "of their classes out of parallel.fsdp.shard")
     return units[::-1]
 
 
