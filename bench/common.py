@@ -58,14 +58,33 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: int, total: torch.Tensor) -> None:
+def make_sequences(n: int, tokens: int, features: int, classes: int, seed: int = 0) -> Items:
+    """`make_items` as sequences of `tokens` positions, each sequence a random length (1 to `tokens`),
+    its labels -100 beyond its end: the padded, variable-length batches of a language model."""
+    g = torch.Generator().manual_seed(seed)
+    centers = 2 * torch.randn(classes, features, generator=g)
+    y = torch.randint(classes, (n, tokens), generator=g)
+    x = centers[y] + torch.randn(n, tokens, features, generator=g)
+    lengths = torch.randint(1, tokens + 1, (n, 1), generator=g)
+    return Items(x, torch.where(torch.arange(tokens) < lengths, y, -100))
+
+
+def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: int, total: torch.Tensor,
+               clip: float | None = None) -> None:
     """`k` steps of the loop one writes by hand (`model` may be wrapped in DDP): zero_grad, forward,
-    cross-entropy, backward, step, the loss added to `total` for the log."""
+    cross-entropy (over the real tokens, for sequences), backward, gradient clipping where asked,
+    step, the loss added to `total` for the log."""
     for _ in range(k):
         batch = next(batches)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        y = batch["y"]
+        if y.dim() == 1:
+            loss = F.cross_entropy(model(batch["x"]), y)
+        else:  # the mean over the batch's real tokens: one process's token-weighted objective
+            loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten())
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         total += loss.detach()
 

@@ -111,17 +111,12 @@ def _phalanx_step(trainer) -> Callable[[], None]:
 def _phalanx_epoch(trainer) -> Callable[[], None]:
     """One epoch of the trainer's own step loop, from its plan and loader to its after_batch hooks;
     the epoch end (evaluation, after_epoch hooks, checkpoint) left out."""
-    from phalanx import data
-
-    stream = data.get_stream(trainer.dataset, "train")
     profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
 
     def epoch() -> None:
         trainer.epoch += 1
-        plan = data.Plan(data.permutation(0, trainer.epoch, len(stream)), BATCH)
         trainer.step_in_epoch = 0
-        batches = iter(data.loader(stream, plan, 0, seed=trainer.epoch, **trainer.loader_options))
-        trainer._train_steps(plan, batches, profile)
+        trainer._train_steps(trainer._steps(trainer.epoch), profile)
 
     return epoch
 

@@ -6,6 +6,7 @@ by chunk in one process so that the machine's changes of speed affect each of th
     .venv/bin/python bench/overhead.py --steps 400 --rounds 25 --out /tmp/overhead.json
     .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (paired A/B)
     .venv/bin/python bench/overhead.py --profile       # cProfile of phalanx's steps alone
+    .venv/bin/python bench/overhead.py --tokens 16 --clip 1.0   # token-weighted loss and clipping, both loops
 
 What is timed (see BENCHMARKS.md): every loop trains its own copy of the same MLP (same init), with
 AdamW, on the same dataset object (a map-style dataset of dict items) batched by a torch DataLoader
@@ -45,7 +46,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, Coroutine, hand_steps, make_items, machine, mlp_model, phalanx_trainer,  # noqa: E402
+from bench.common import (MLP, REGISTRY, Coroutine, hand_steps, make_items, make_sequences, machine, mlp_model,  # noqa: E402
+                          phalanx_trainer,
                           against_hand, print_profile, print_results, source_state, with_epoch_end, write_report)
 
 clock = time.perf_counter
@@ -79,6 +81,7 @@ class HandLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         self.steps_per_epoch = args.steps
+        self.clip = args.clip
         self.epoch_losses: list[float] = []
         self._step, self._batches, self._total = 0, None, None
 
@@ -90,7 +93,7 @@ class HandLoop:
         if self._step == 0:
             self.model.train()
             self._batches, self._total = iter(self.loader), torch.zeros(())
-        hand_steps(self.model, self.optimizer, self._batches, k, self._total)
+        hand_steps(self.model, self.optimizer, self._batches, k, self._total, self.clip)
         self._step += k
         if self._step == self.steps_per_epoch:
             self.epoch_losses.append(self._total.item() / self._step)
@@ -106,7 +109,7 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     return {
         "name": "overhead",
         "model": mlp_model(args.hidden, FEATURES, CLASSES),
-        "optimizer": {"class": "AdamW", "lr": LR},
+        "optimizer": {"class": "AdamW", "lr": LR, **({"max_grad_norm": args.clip} if args.clip else {})},
         "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": args.batch_size},
         "parallel": {"accelerator": "cpu"},
         "seed": 0,
@@ -279,15 +282,24 @@ def optional(name: str, factory, dataset, args, skipped: dict[str, str]):
         return None
 
 
+def make_dataset(args) -> Any:
+    n = args.steps * args.batch_size
+    return make_sequences(n, args.tokens, FEATURES, CLASSES) if args.tokens else make_items(n, FEATURES, CLASSES)
+
+
 def run(args) -> dict[str, Any]:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # Lightning's advice on num_workers and the like
-    dataset = make_items(args.steps * args.batch_size, FEATURES, CLASSES)
+    dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
     skipped: dict[str, str] = {}
     hand = HandLoop(dataset, args)
-    others = [loop for loop in (optional("Lightning", LightningLoop, dataset, args, skipped),
-                                optional("Accelerate", AccelerateLoop, dataset, args, skipped)) if loop]
+    if args.tokens or args.clip:  # the other trainers' loops here train the plain objective
+        others = []
+        skipped.update(dict.fromkeys(("Lightning", "Accelerate"), "--tokens and --clip compare with the hand loop only"))
+    else:
+        others = [loop for loop in (optional("Lightning", LightningLoop, dataset, args, skipped),
+                                    optional("Accelerate", AccelerateLoop, dataset, args, skipped)) if loop]
     windows: dict[str, list[tuple[float, float]]] = {hand.name: [], **{loop.name: [] for loop in others}}
     total, per_epoch = args.warmup + args.rounds, args.steps // args.chunk
 
@@ -337,7 +349,7 @@ def run(args) -> dict[str, Any]:
         "benchmark": "overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "settings": {"steps": args.steps, "chunk": args.chunk, "rounds": args.rounds, "warmup": args.warmup,
-                     "batch_size": args.batch_size,
+                     "batch_size": args.batch_size, "tokens": args.tokens, "clip": args.clip,
                      "hidden": args.hidden, "features": FEATURES, "classes": CLASSES,
                      "samples": len(dataset), "optimizer": f"AdamW(lr={LR})", "threads": torch.get_num_threads()},
         "machine": machine(),
@@ -562,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument("--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="samples are padded sequences of this many tokens (token-weighted loss); 0: classes")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this (both loops)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx alone (no JSON)")
     parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")

@@ -397,3 +397,42 @@ class InfAt(Linear):
             if self.calls == self.step:
                 out["loss"] = out["loss"] * float("inf")
         return out
+
+
+class StreamItems(torch.utils.data.IterableDataset):
+    """A stream of Regression items in an order of its own (shuffled by `set_epoch`), with no length.
+    `stateful`: it says where it stands (`state_dict`) and starts there again (`load_state_dict`), as
+    Hugging Face's streaming datasets do. Each iteration's first position is appended to `log`."""
+
+    def __init__(self, items: Items, stateful: bool = False, log: str | None = None):
+        self.items, self.stateful, self.log = items, stateful, log
+        self.epoch, self.position, self._start = 0, 0, 0
+        if stateful:
+            self.state_dict = lambda: {"epoch": self.epoch, "position": self.position}
+            self.load_state_dict = self._load
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _load(self, state: dict) -> None:
+        self.epoch, self._start = state["epoch"], state["position"]
+
+    def __iter__(self):
+        order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        start, self._start = self._start, 0
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(f"{self.epoch} {start}\n")
+        for position in range(start, len(order)):
+            self.position = position + 1  # once this item is taken, the next one is where the stream stands
+            yield self.items[order[position]]
+
+
+class IterableRegression(Regression):
+    """Regression whose streams are StreamItems (valid and test too)."""
+
+    def __init__(self, n_train: int = 40, n_valid: int = 10, stateful: bool = False, log: str | None = None,
+                 **kwargs: Any):
+        super().__init__(n_train=n_train, n_valid=n_valid, **kwargs)
+        self._streams = {name: StreamItems(items, stateful, log if name == "train" else None)
+                         for name, items in self._streams.items()}

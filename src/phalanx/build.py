@@ -88,7 +88,8 @@ def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs:
         auto = [key for key, value in kwargs.items() if value == AUTO]
         if auto:
             if steps_per_epoch is None:
-                raise ConfigError(f"scheduler: {', '.join(auto)}: auto needs the run's length, which is not known here")
+                raise ConfigError(f"scheduler: {', '.join(auto)}: auto is the run's length, which an iterable training "
+                                  "stream without __len__ does not tell; give the number of steps instead")
             length = cfg.main_loop.epochs * (steps_per_epoch if cfg.scheduler.interval == "step" else 1)
             kwargs.update(dict.fromkeys(auto, length))
             log.info("scheduler %s: %s = %d (auto: the %s of the run)", cfg.scheduler.class_, ", ".join(auto), length,

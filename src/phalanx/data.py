@@ -13,12 +13,14 @@ checkpoints predate it keep the order they started with (`ORDERS`: `randperm`, a
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
 from phalanx.errors import DataError
 
@@ -26,7 +28,8 @@ from phalanx.errors import DataError
 FEISTEL, RANDPERM = "feistel", "randperm"
 ORDERS = (FEISTEL, RANDPERM)   # the order a run uses; checkpoints without one name used randperm
 _ROUNDS = 6
-_MASK32, _MIX = (1 << 32) - 1, 0x45D9F3B   # x < 2^32 times _MIX < 2^27: no int64 overflow
+_MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
+_BLOCK = 1 << 16                           # positions computed together
 
 
 class Order:
@@ -41,6 +44,7 @@ class Order:
         self._low = (1 << self._half) - 1
         digest = hashlib.sha256(f"phalanx-order:{seed}:{epoch}".encode()).digest()
         self._keys = [int.from_bytes(digest[4 * r:4 * r + 4], "little") for r in range(_ROUNDS)]
+        self._cached: tuple[int, list[int]] = (-1, [])
 
     def __len__(self) -> int:
         return self.n
@@ -48,38 +52,58 @@ class Order:
     def __getitem__(self, key: int | slice) -> int | list[int]:
         if isinstance(key, slice):
             start, stop, step = key.indices(self.n)
-            return self.at(torch.arange(start, stop, step, dtype=torch.int64)).tolist()
+            if step != 1:
+                return self.at(np.arange(start, stop, step, dtype=np.int64)).tolist()
+            out: list[int] = []
+            while start < stop:  # from the blocks of positions the slice spans
+                block = start // _BLOCK
+                values = self._block(block)
+                offset = block * _BLOCK
+                out += values[start - offset:stop - offset]
+                start = offset + len(values)
+            return out
         if not -self.n <= key < self.n:
             raise IndexError(f"position {key} of an epoch of {self.n} samples")
-        return int(self.at(torch.tensor([key % self.n], dtype=torch.int64))[0])
+        key %= self.n
+        return self._block(key // _BLOCK)[key % _BLOCK]
 
     def __iter__(self) -> Iterator[int]:
-        chunk = 1 << 16
-        for start in range(0, self.n, chunk):
-            yield from self[start:start + chunk]
+        for block in range(-(-self.n // _BLOCK)):
+            yield from self._block(block)
 
-    def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The sample index at each position (an int64 tensor of positions in [0, n))."""
-        values = self._rounds(positions)
-        outside = values >= self.n
-        while bool(outside.any()):  # cycle-walking: a value beyond n goes round again, until it lands inside
+    def _block(self, block: int) -> list[int]:
+        """The indices at positions [block * _BLOCK, (block + 1) * _BLOCK), computed together (a step's
+        few positions alone would cost the tensor operations' overhead each time) and kept until
+        another block is asked for: the memory of one block, whatever n."""
+        if self._cached[0] != block:
+            start = block * _BLOCK
+            self._cached = block, self.at(np.arange(start, min(self.n, start + _BLOCK), dtype=np.int64)).tolist()
+        return self._cached[1]
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """The sample index at each position (an int64 array of positions in [0, n)). In numpy: on a
+        step's few thousand values its operations cost a fraction of torch's."""
+        values = self._rounds(positions.astype(np.uint64))
+        outside = np.flatnonzero(values >= self.n)
+        while len(outside):  # cycle-walking: a value beyond n goes round again, until it lands inside
             values[outside] = self._rounds(values[outside])
-            outside = values >= self.n
-        return values
+            outside = outside[values[outside] >= self.n]
+        return values.astype(np.int64)
 
-    def _rounds(self, values: torch.Tensor) -> torch.Tensor:
-        left, right = values >> self._half, values & self._low
+    def _rounds(self, values: np.ndarray) -> np.ndarray:
+        half, low = np.uint64(self._half), np.uint64(self._low)
+        left, right = values >> half, values & low
         for key in self._keys:
-            left, right = right, left ^ (_mix(right ^ key) & self._low)
-        return (left << self._half) | right
+            left, right = right, left ^ (_mix(right ^ np.uint64(key)) & low)
+        return (left << half) | right
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (multiply and xor-shift), in int64 arithmetic that cannot overflow."""
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (multiply and xor-shift) of uint64 values."""
     x = x & _MASK32
-    x = ((x >> 16) ^ x) * _MIX & _MASK32
-    x = ((x >> 16) ^ x) * _MIX & _MASK32
-    return (x >> 16) ^ x
+    x = ((x >> _16) ^ x) * _MIX & _MASK32
+    x = ((x >> _16) ^ x) * _MIX & _MASK32
+    return (x >> _16) ^ x
 
 
 def epoch_order(seed: int, epoch: int, n: int, kind: str = FEISTEL) -> Sequence[int]:
@@ -291,9 +315,7 @@ def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_m
 def empty_batch(dataset: Any, name: str = "") -> dict[str, Any]:
     """A batch of zero samples shaped like the stream's items: each tensor value with a first
     dimension of 0, lists empty, other values as the first item has them."""
-    batch = collate([dataset[0]], name)
-    return {k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
-            for k, v in batch.items()}
+    return _empty_like(dataset[0], name)
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:
@@ -316,13 +338,85 @@ def get_stream(dataset: Any, name: str) -> Any:
         raise DataError(f"dataset {type(dataset).__name__} has no stream {name!r}; it has "
                         f"{', '.join(available) or 'none'}. Fix main_loop.extra_streams or the dataset")
     stream = available[name]
-    if not hasattr(stream, "__getitem__") or not hasattr(stream, "__len__"):
-        raise DataError(f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset "
-                        "(with __getitem__ and __len__)")
+    if is_iterable(stream):
+        if not hasattr(stream, "__iter__"):
+            raise DataError(f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset (with "
+                            "__getitem__ and __len__) or an iterable one (an IterableDataset, with __iter__)")
+        if hasattr(stream, "__next__"):
+            raise DataError(f"stream {name!r} is an iterator ({type(stream).__name__}), which can be read only once; "
+                            "give an iterable that starts again at each iter(), such as an IterableDataset, or a "
+                            "map-style dataset")
+        return stream
+    if not hasattr(stream, "__len__"):
+        raise DataError(f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; give "
+                        "it __len__ (a map-style dataset), or make it an IterableDataset")
     if len(stream) == 0:  # training on it would take no step, and its metrics would be those of nothing
         raise DataError(f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
                         f"sample: check what streams() returns for {name!r} (its path, split or filter)")
     return stream
+
+
+def is_iterable(stream: Any) -> bool:
+    """Whether a stream is read by iterating it (an IterableDataset, a generator-backed stream)
+    rather than by index."""
+    return isinstance(stream, IterableDataset) or not hasattr(stream, "__getitem__")
+
+
+def stream_length(stream: Any) -> int | None:
+    """Samples in a stream, where it says (an iterable stream may not know)."""
+    try:
+        return len(stream)
+    except TypeError:
+        return None
+
+
+class StreamSteps:
+    """The global steps of an iterable stream: each takes the next `batch_size` items in the stream's
+    own order (the last may be short), cut into micro-batches and shards exactly as `Plan` cuts
+    positions. Every rank reads every item and keeps its own shards, so the global batches are those
+    of one process on any number of them; the reading is repeated on each rank. Yields (step, [(micro,
+    batch) ...]) from step `start`: the items of the steps before are read and dropped, unless
+    `positioned` (the stream restored its own position)."""
+
+    def __init__(self, stream: Any, batch_size: int, accumulation: int = 1, rank: int = 0, world_size: int = 1,
+                 weights: Sequence[float] | None = None, start: int = 0, name: str = "",
+                 empty_batches: bool = False, positioned: bool = False):
+        self.stream, self.batch_size, self.accumulation = stream, batch_size, accumulation
+        self.rank, self.world_size, self.weights = rank, world_size, weights
+        self.start, self.name, self.empty_batches, self.positioned = start, name, empty_batches, positioned
+
+    def __iter__(self) -> Iterator[tuple[int, list[tuple[Micro, dict | None]]]]:
+        items = iter(self.stream)
+        if not self.positioned:
+            skipped = sum(1 for _ in itertools.islice(items, self.start * self.batch_size))
+            if skipped < self.start * self.batch_size:
+                raise DataError(f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
+                                f"{self.start} steps of {self.batch_size} into it: is it the stream the run began with?")
+        k = self.start
+        while True:
+            taken = list(itertools.islice(items, self.batch_size))
+            if not taken:
+                if k == 0:  # training on it would take no step, and its metrics would be those of nothing
+                    raise DataError(f"stream {self.name!r} yielded no item; a stream needs at least one sample: "
+                                    "check what it reads (its path, split or filter)")
+                return
+            first = k * self.batch_size
+            plan = Plan(range(first, first + len(taken)), len(taken), self.accumulation, self.rank,
+                        self.world_size, self.weights)
+            fetched = []
+            for micro in plan.step(0):
+                batch = collate([taken[p - first] for p in micro.shard], self.name)
+                if batch is None and self.empty_batches:  # a batch of zero samples, shaped like the items
+                    batch = _empty_like(taken[0], self.name)
+                fetched.append((micro, batch))
+            yield k, fetched
+            k += 1
+
+
+def _empty_like(item: Any, name: str) -> dict[str, Any]:
+    batch = collate([item], name)
+    return {k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
+            for k, v in batch.items()}
 
 
 class TokenWindows:
@@ -334,8 +428,6 @@ class TokenWindows:
 
     def __init__(self, path: str | Path, block_size: int, dtype: str = "uint16",
                  keys: tuple[str, str] = ("tokens", "targets")):
-        import numpy as np
-
         self.path, self.block_size, self.keys = Path(path), block_size, tuple(keys)
         if block_size < 1:
             raise DataError(f"TokenWindows: block_size must be at least 1, got {block_size}")
@@ -358,8 +450,6 @@ class TokenWindows:
         return max(0, (self.tokens - 1) // self.block_size)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        import numpy as np
-
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} of {len(self)} in {self.path}")
         if self._map is None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from phalanx.data import Micro
-from phalanx.model import Forward, check_loss, check_weights
+from phalanx.model import TOKENS, Forward, check_loss, check_weights
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
@@ -114,10 +114,10 @@ class Engine:
         # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
         # times the factor by which the strategy's reduction divides
         weight = n / micro.global_size * scale
-        loss, data = self._forward(batch, n, call, device)
+        loss, data, tokens = self._forward(batch, n, call, device)
         weights = data.get(WEIGHT)
         if weights is not None:
-            return self._weighted(loss, weights, scale / micro.global_size, data)
+            return self._weighted(loss, weights, scale / micro.global_size, data, tokens)
         if not n:  # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
             return loss.sum() * 0.0, None, loss.detach().new_zeros(()), data
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
@@ -130,15 +130,20 @@ class Engine:
             part = part * weight
         return loss, gradient, part, data
 
-    @staticmethod
-    def _weighted(loss: torch.Tensor, weights: torch.Tensor, factor: float,
-                  data: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def _weighted(self, loss: torch.Tensor, weights: torch.Tensor, factor: float, data: dict,
+                  tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
         """A weighted micro-batch: each sample's loss goes back with w_i * factor, and its part is
-        (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch)."""
+        (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch). A loss
+        over tokens goes back token by token, each with the factor: the same gradient, without the
+        per-sample means in the graph."""
         dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32  # counts need the digits
         weights = weights.to(dtype)
         if not len(weights):
-            return loss.sum() * 0.0, None, loss.detach().new_zeros(2, dtype=dtype), data
+            objective = tokens if tokens is not None else loss
+            return objective.sum() * 0.0, None, loss.detach().new_zeros(2, dtype=dtype), data
+        if tokens is not None:
+            part = torch.stack((tokens.detach().to(dtype).sum(), weights.sum())) * factor
+            return tokens, self._gradient(tokens.numel(), factor, tokens), part, data
         part = torch.stack((torch.dot(weights, data["loss"].to(dtype)), weights.sum())) * factor
         return loss, (weights * factor).to(loss.dtype), part, data
 
@@ -200,7 +205,7 @@ class Engine:
         if self.module.training:
             self.module.eval()
         with torch.no_grad():
-            _, data = self._forward(batch, None, call, device)
+            _, data, _ = self._forward(batch, None, call, device)
         return data
 
     def end_epoch(self) -> None:
@@ -208,9 +213,9 @@ class Engine:
             scheduler.step()
 
     def _forward(self, batch: Mapping, n: int | None, call: Forward | None = None,
-                 device: torch.device | None = None) -> tuple[torch.Tensor, dict]:
-        """The model's loss, and the batch with every output, detached, for the hooks (`loss` per
-        sample)."""
+                 device: torch.device | None = None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """The model's loss, the batch with every output, detached, for the hooks (`loss` per
+        sample), and the token losses to back-propagate where the loss was computed over tokens."""
         precision, call = self.precision, call or self.forward_fn
         if not precision.passes_through or device is not None:
             batch = precision.convert_batch(batch, device)
@@ -226,13 +231,15 @@ class Engine:
         weights = outputs.get(WEIGHT)
         if weights is not None:
             check_weights(weights, loss, n)
-        data = dict(batch)
+        data, tokens = dict(batch), None
         for key, value in outputs.items():
             if key == "loss":
                 data[key] = loss.detach() if loss.dim() else loss.detach().expand(n)
+            elif key == TOKENS:
+                tokens = value
             else:
                 data[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        return loss, data
+        return loss, data, tokens
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

@@ -16,7 +16,7 @@ import copy
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -74,14 +74,9 @@ class Forward:
         outputs = {self._single: raw} if self._single is not None and isinstance(raw, torch.Tensor) \
             else self._as_dict(raw)
         if self.loss_fn is not None:
-            outputs["loss"], weights = self._loss(outputs, batch)
-            if weights is not None:
-                outputs["loss_weight"] = weights
+            _put(outputs, self._loss(outputs, batch))
         elif self.hugging_face and "labels" in batch and "logits" in outputs:
-            outputs["loss"], weights = hugging_face_loss(outputs["logits"], batch["labels"],
-                                                         self.hugging_face == "causal")
-            if weights is not None:
-                outputs["loss_weight"] = weights
+            _put(outputs, hugging_face_loss(outputs["logits"], batch["labels"], self.hugging_face == "causal"))
         elif "loss" not in outputs:
             raise ModelError(f"the model returned outputs {sorted(outputs)} but no 'loss'; return "
                              "{'loss': ...} from forward, or name one with model.loss: "
@@ -115,9 +110,8 @@ class Forward:
                              f"{len(self.outputs)}: {self.outputs}")
         return dict(zip(self.outputs, values))
 
-    def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The configured loss per sample, and each sample's weight where its loss is over several
-        tokens of which some are ignored (None otherwise)."""
+    def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> Loss:
+        """The configured loss per sample (see `per_sample_loss`)."""
         cfg = self.loss_cfg
         try:
             prediction, target = outputs[cfg.output], batch[cfg.target]
@@ -135,27 +129,38 @@ class Forward:
                 for k, v in self.loss_kwargs.items()}
 
 
+class Loss(NamedTuple):
+    """A loss computed here: per sample, each sample's weight (None: all alike), and where the loss is
+    over tokens, their losses in the autograd graph (`per_sample` is then detached: the objective is
+    their sum over the global batch's real tokens, each token back-propagated with the same weight)."""
+
+    per_sample: torch.Tensor
+    weights: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
 def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.Tensor, ignore_index: int | None,
-                    kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    kwargs: dict[str, Any]) -> Loss:
     """`function(prediction, target, reduction="none")` per sample. A class-index loss on sequences
-    (several targets per sample, `ignore_index` set): each sample's mean over its real targets, and
-    their count as its weight. Class scores may come last (batch, tokens, classes), as language
+    (several targets per sample, `ignore_index` set): each sample's mean over its real targets, their
+    count as its weight, and the token losses to back-propagate (the function gives ignored targets
+    a loss of zero, as torch's do). Class scores may come last (batch, tokens, classes), as language
     models give them, or second, as torch's losses take them."""
     if ignore_index is not None and target.dim() >= 2 and prediction.shape[:-1] == target.shape:
-        prediction = prediction.movedim(-1, 1)  # (where tokens = classes too, the scores are read as last)
-    loss = function(prediction, target, reduction="none", **kwargs)
+        # scores last (also where tokens = classes): a row per token, as the loss reads them fastest
+        loss = function(prediction.flatten(0, -2), target.flatten(), reduction="none", **kwargs).view(target.shape)
+    else:
+        loss = function(prediction, target, reduction="none", **kwargs)
+    if ignore_index is not None and target.dim() >= 2 and loss.shape == target.shape:
+        counts = (target != ignore_index).flatten(1).sum(dim=1)
+        summed = loss.detach().flatten(1).sum(dim=1)
+        return Loss(summed / counts.clamp(min=1).to(summed.dtype), counts, loss.reshape(-1))
     if loss.dim() <= 1:
-        return loss, None
-    if ignore_index is None or target.shape != loss.shape:  # every element counts alike
-        return loss.flatten(1).mean(dim=1), None
-    real = (target != ignore_index).flatten(1)
-    counts = real.sum(dim=1)
-    summed = torch.where(real, loss.flatten(1), 0.0).sum(dim=1)
-    return summed / counts.clamp(min=1).to(summed.dtype), counts
+        return Loss(loss)
+    return Loss(loss.flatten(1).mean(dim=1))  # every element counts alike
 
 
-def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> tuple[torch.Tensor,
-                                                                                     torch.Tensor | None]:
+def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> Loss:
     """A Hugging Face model's loss per sample from its logits: cross-entropy over the labels that are
     not -100 (shifted one token for a causal language model: the logits at t predict label t+1), or
     the mean squared error where the labels are real numbers (regression heads)."""
@@ -169,6 +174,17 @@ def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) 
         logits, labels = logits[:, :-1], labels[:, 1:]
     return per_sample_loss(F.cross_entropy, logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
                            else logits, labels, -100, {})
+
+
+TOKENS = "_token_losses"  # the output that carries a Loss's token losses to the engine (not to the hooks)
+
+
+def _put(outputs: dict, loss: Loss) -> None:
+    outputs["loss"] = loss.per_sample
+    if loss.weights is not None:
+        outputs["loss_weight"] = loss.weights
+    if loss.tokens is not None:
+        outputs[TOKENS] = loss.tokens
 
 
 def _hugging_face_kind(module: nn.Module) -> str | None:

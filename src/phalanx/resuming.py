@@ -52,11 +52,14 @@ def affects_schedule(changed: dict[str, tuple[Any, Any]]) -> bool:
                for k in changed)  # the epochs: the length a scheduler argument given as auto takes
 
 
-def replay_schedule(schedulers: list[tuple[Any, str]], steps: int, epochs: int, steps_per_epoch: int) -> None:
+def replay_schedule(schedulers: list[tuple[Any, str]], steps: int, epochs: int, steps_per_epoch: int | None) -> None:
     """Step freshly built schedulers as training did up to `steps` optimizer steps and `epochs`
-    finished epochs: each epoch's steps, then the epoch's end."""
+    finished epochs: each epoch's steps, then the epoch's end. Where the epochs' length is not known
+    (an iterable stream), the epoch schedulers step after every step scheduler has."""
     by_step = [s for s, interval in schedulers if interval == "step"]
     by_epoch = [s for s, interval in schedulers if interval == "epoch"]
+    if steps_per_epoch is None:
+        steps_per_epoch = steps
     done = 0
     with warnings.catch_warnings():  # stepping a scheduler before its optimizer has stepped warns
         warnings.simplefilter("ignore", UserWarning)

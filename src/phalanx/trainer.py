@@ -5,9 +5,11 @@ only through its protocol.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,8 @@ class Trainer:
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
         self._streams: dict[str, Any] = {}
+        self._positioned = False  # an iterable training stream restored its own position from a checkpoint
+        self._warned_position = False
         with self.strategy.init_context():
             module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
@@ -112,9 +116,10 @@ class Trainer:
         return stream
 
     @property
-    def steps_per_epoch(self) -> int:
-        n = len(self.stream(TRAIN))
-        return -(-n // self.cfg.dataset.batch_size)
+    def steps_per_epoch(self) -> int | None:
+        """Optimizer steps in an epoch; None for an iterable stream that does not say its length."""
+        n = data.stream_length(self.stream(TRAIN))
+        return None if n is None else -(-n // self.cfg.dataset.batch_size)
 
     # --- the main loop -------------------------------------------------------------------------
 
@@ -164,18 +169,9 @@ class Trainer:
     def _train_epoch(self) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
-        stream = self.stream(TRAIN)
-        plan = data.Plan(data.epoch_order(self.cfg.seed, epoch, len(stream), self.order), self.cfg.dataset.batch_size,
-                         self.cfg.parallel.gradient_accumulation, self.strategy.data_rank,
-                         self.strategy.data_world_size, self.shard_weights)
-        worker_seed = hash((self.cfg.seed, epoch, self.step_in_epoch, self.strategy.data_rank)) % 2**62
-        self._check_sync_batchnorm(plan)
-        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
-                                   empty_batches=self.strategy.runs_empty_shards,
-                                   **self.loader_options))
         profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
         try:
-            self._train_steps(plan, batches, profile)
+            self._train_steps(self._steps(epoch), profile)
         finally:  # also when a hook or a signal ends the epoch early
             for key, seconds in profile.items():
                 self.profile[key] += seconds
@@ -188,25 +184,44 @@ class Trainer:
             self.rounds = self.step // every + 1
             self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self._round_profile)
 
-    def _train_steps(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
+    def _steps(self, epoch: int) -> Iterator[tuple[int, list[tuple[data.Micro, Any]]]]:
+        """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch) ...])."""
+        stream = self.stream(TRAIN)
+        cfg, strategy = self.cfg, self.strategy
+        if data.is_iterable(stream):  # the stream's own order: the next items, one global batch a step
+            if callable(getattr(stream, "set_epoch", None)):  # streams that shuffle per epoch (datasets, webdataset)
+                stream.set_epoch(epoch)
+            positioned, self._positioned = self._positioned, False
+            return iter(data.StreamSteps(stream, cfg.dataset.batch_size, cfg.parallel.gradient_accumulation,
+                                         strategy.data_rank, strategy.data_world_size, self.shard_weights,
+                                         self.step_in_epoch, TRAIN, strategy.runs_empty_shards, positioned))
+        plan = data.Plan(data.epoch_order(cfg.seed, epoch, len(stream), self.order), cfg.dataset.batch_size,
+                         cfg.parallel.gradient_accumulation, strategy.data_rank, strategy.data_world_size,
+                         self.shard_weights)
+        worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
+        self._check_sync_batchnorm(plan)
+        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
+                                   empty_batches=strategy.runs_empty_shards, **self.loader_options))
+        return ((k, [(micro, next(batches)) for micro in micros]) for k, micros in plan.steps(self.step_in_epoch))
+
+    def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
         self.training = True
         try:
-            self._steps_loop(plan, batches, profile)
+            self._steps_loop(steps, profile)
         finally:
             self.training = False
 
-    def _steps_loop(self, plan: data.Plan, batches, profile: dict[str, float]) -> None:
+    def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
         clock, engine, stop = time.perf_counter, self.engine, self.stop
         every = self.cfg.main_loop.eval_every_n_steps
         fetching = computing = communicating = optimizing = hooking = 0.0
         try:
             t0 = clock()
-            for k, micros in plan.steps(self.step_in_epoch):  # planning the step counts as data time
-                fetched = [(micro, next(batches)) for micro in micros]
+            for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
                 result = engine.train_step(fetched, stop.requested)
-                self.last_loss, self.last_batch_size = result.loss, micros[0].global_size
+                self.last_loss, self.last_batch_size = result.loss, fetched[0][0].global_size
                 self.step, self.step_in_epoch = self.step + 1, k + 1
                 t2 = clock()
                 terminated = self._after_batch(listeners, TRAIN, result.parts)
@@ -287,13 +302,19 @@ class Trainer:
         """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
         stream = self.stream(name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
-        plan = data.Plan(range(len(stream)), batch_size, 1, self.strategy.data_rank, self.strategy.data_world_size,
-                         self.shard_weights)
-        listeners = self._listeners["after_batch"]
-        batches = data.loader(stream, plan, 0, name=name, empty_batches=self.strategy.runs_empty_shards,
-                              **self.loader_options)
-        for k, batch in enumerate(batches):
-            self.last_batch_size = min(batch_size, len(stream) - k * batch_size)
+        strategy, listeners = self.strategy, self._listeners["after_batch"]
+        if data.is_iterable(stream):
+            steps = data.StreamSteps(stream, batch_size, 1, strategy.data_rank, strategy.data_world_size,
+                                     self.shard_weights, 0, name, strategy.runs_empty_shards)
+            batches = ((step[0][0].global_size, step[0][1]) for _, step in steps)
+        else:
+            plan = data.Plan(range(len(stream)), batch_size, 1, strategy.data_rank, strategy.data_world_size,
+                             self.shard_weights)
+            loaded = data.loader(stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards,
+                                 **self.loader_options)
+            batches = ((min(batch_size, len(stream) - k * batch_size), batch) for k, batch in enumerate(loaded))
+        for size, batch in batches:
+            self.last_batch_size = size
             outputs = None if batch is None else self.engine.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])
             if stop is not None:
@@ -355,9 +376,29 @@ class Trainer:
                  "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "order": self.order, "rounds": self.rounds, "rng": rng,
                  "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
                  "grad_norms": self.engine.norms.state_dict()}
+        position = self._stream_position()
+        if position is not None:
+            state["stream"] = position
         if self.strategy.world_size > 1:
             state["rng_ranks"] = self.strategy.gather(rng)
         return state
+
+    def _stream_position(self) -> Any:
+        """Where an iterable training stream that can say so stands (its `state_dict()`, as JSON)."""
+        stream = self.stream(TRAIN)
+        if not (data.is_iterable(stream) and callable(getattr(stream, "state_dict", None))
+                and callable(getattr(stream, "load_state_dict", None))):
+            return None
+        position = stream.state_dict()
+        try:
+            json.dumps(position)
+        except (TypeError, ValueError):
+            if not self._warned_position:
+                log.warning("stream train's state_dict() is not JSON; a resume reads the stream again up to its "
+                            "position instead")
+                self._warned_position = True
+            return None
+        return position
 
     def save_checkpoint(self, best: dict | None = None) -> Path | None:
         """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
@@ -395,7 +436,7 @@ class Trainer:
         changed = resuming.changed_keys(previous, rundir.resolved(self.cfg)) if previous is not None else {}
         resuming.check(changed, state, self.cfg.dataset.batch_size)
         # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its evaluation)
-        if state["step_in_epoch"] > self.steps_per_epoch:
+        if self.steps_per_epoch is not None and state["step_in_epoch"] > self.steps_per_epoch:
             raise CheckpointError(f"{path} says step {state['step_in_epoch']} of an epoch that has "
                                   f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset")
         self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
@@ -420,6 +461,9 @@ class Trainer:
             self._restore_hooks(state["hooks"], step)
             if "grad_norms" in state:
                 self.engine.norms.load_state_dict(state["grad_norms"])
+            if "stream" in state and state["step_in_epoch"]:  # the iterable stream goes on from where it stood
+                self.stream(TRAIN).load_state_dict(state["stream"])
+                self._positioned = True
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
             raise CheckpointError(f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
                                   "is damaged or was saved from another config") from None
