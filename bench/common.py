@@ -70,18 +70,25 @@ def make_sequences(n: int, tokens: int, features: int, classes: int, seed: int =
 
 
 def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: int, total: torch.Tensor,
-               clip: float | None = None) -> None:
-    """`k` steps of the loop one writes by hand (`model` may be wrapped in DDP): zero_grad, forward,
-    cross-entropy (over the real tokens, for sequences), backward, gradient clipping where asked,
-    step, the loss added to `total` for the log."""
+               clip: float | None = None, world: int = 1) -> None:
+    """`k` steps of the loop one writes by hand (`model` may be wrapped in DDP, `world` processes):
+    zero_grad, forward, cross-entropy (over the global batch's real tokens, for sequences: with
+    several processes, their count all-reduced before backward), backward, gradient clipping where
+    asked, step, the loss added to `total` for the log."""
     for _ in range(k):
         batch = next(batches)
         optimizer.zero_grad(set_to_none=True)
         y = batch["y"]
         if y.dim() == 1:
             loss = F.cross_entropy(model(batch["x"]), y)
-        else:  # the mean over the batch's real tokens: one process's token-weighted objective
+        elif world == 1:  # the mean over the batch's real tokens: one process's token-weighted objective
             loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten())
+        else:  # the sum over this rank's, divided by the global count (times the world: DDP averages)
+            import torch.distributed as dist
+
+            count = (y != -100).sum()
+            dist.all_reduce(count)
+            loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten(), reduction="sum") * (world / count)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

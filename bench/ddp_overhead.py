@@ -6,6 +6,7 @@ bench/common.py, both loops taking turns every 20 steps inside each process.
     .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~1 min
     .venv/bin/python bench/ddp_overhead.py --strategy fsdp --out bench/results/fsdp_overhead.json
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
+    .venv/bin/python bench/ddp_overhead.py --tokens 16 --clip 1.0   # token-weighted loss and clipping
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
     .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
 
@@ -65,7 +66,8 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, hand_steps, make_items, machine, mlp_model, against_hand,  # noqa: E402
+from bench.common import (MLP, REGISTRY, hand_steps, make_items, make_sequences, machine, mlp_model,  # noqa: E402
+                          against_hand,
                           print_profile, print_results, source_state, summary, with_epoch_end, write_report)
 
 LR = 1e-3
@@ -74,6 +76,11 @@ FEATURES, CLASSES = 32, 10
 WORLD = 2
 HAND, PHALANX, PHALANX_END = "hand DDP", "phalanx ddp", "phalanx incl. epoch end"
 TARGETS = {"ddp": 1.05, "fsdp": 1.10}  # phalanx's allowed ratio to the hand loop, per strategy
+
+
+def make_dataset(args) -> Any:
+    n = args.steps * WORLD * args.batch_size
+    return make_sequences(n, args.tokens, FEATURES, CLASSES) if args.tokens else make_items(n, FEATURES, CLASSES)
 
 
 def name_loops(strategy: str) -> None:
@@ -161,6 +168,7 @@ class HandDDP:
         self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler)
         self.steps_per_epoch = len(self.sampler)
+        self.clip = args.clip
         self.epoch_losses: list[float] = []
         self._step, self._batches, self._total = 0, None, None
 
@@ -177,7 +185,7 @@ class HandDDP:
         if self.like_phalanx:
             self._phalanx_like_steps(k)
         else:
-            hand_steps(self.model, self.optimizer, self._batches, k, self._total)
+            hand_steps(self.model, self.optimizer, self._batches, k, self._total, self.clip, WORLD)
         self._step += k
         if self._step == self.steps_per_epoch:
             dist.all_reduce(self._total)  # the epoch's mean loss over ranks, for the log
@@ -221,7 +229,7 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
     return {
         "name": "ddp_overhead",
         "model": mlp_model(args.hidden, FEATURES, CLASSES),
-        "optimizer": {"class": "AdamW", "lr": LR},
+        "optimizer": {"class": "AdamW", "lr": LR, **({"max_grad_norm": args.clip} if args.clip else {})},
         # phalanx's batch_size is the global batch: WORLD x the per-rank batch of the hand loop
         "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": WORLD * args.batch_size},
         "parallel": {"accelerator": "cpu", "devices": WORLD, "strategy": args.strategy,
@@ -343,7 +351,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
 
 def measure_rank(rank: int, args) -> dict[str, Any] | None:
     source = source_state(ROOT) if rank == 0 else None  # the phalanx this process imports, before it runs
-    dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
     hand = HandDDP(dataset, args, rank)
     windows: list[tuple[float, float]] = []
@@ -416,7 +424,8 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "settings": {"strategy": args.strategy, "processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": args.steps,
                      "chunk": k, "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
-                     "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "features": FEATURES,
+                     "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "tokens": args.tokens, "clip": args.clip,
+                     "features": FEATURES,
                      "classes": CLASSES, "samples": args.steps * WORLD * args.batch_size,
                      "optimizer": f"AdamW(lr={LR})", "threads_per_process": torch.get_num_threads()},
         "machine": machine(),
@@ -456,7 +465,7 @@ def profile_rank(rank: int, args) -> None:
     """cProfile of phalanx's ddp steps alone on each rank (warm-up epochs excluded); rank 0 prints."""
     import cProfile
 
-    REGISTRY[DATA_KEY] = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    REGISTRY[DATA_KEY] = make_dataset(args)
     profiler = cProfile.Profile()
 
     def on_epoch_end(epoch: int) -> None:
@@ -515,7 +524,7 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     from phalanx.trainer import Trainer
 
     source = source_state(ROOT) if rank == 0 else None
-    dataset = make_items(args.steps * WORLD * args.batch_size, FEATURES, CLASSES)
+    dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
     with shared_tmp(rank) as tmp:
         from phalanx.hooks import Hook
@@ -635,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
+    parser.add_argument("--tokens", type=int, default=0,
+                        help="samples are padded sequences of this many tokens (token-weighted loss; the hand loop "
+                             "all-reduces the global token count before backward); 0: classes")
+    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this (both loops)")
     parser.add_argument("--strategy", choices=sorted(TARGETS), default="ddp",
                         help="phalanx's ddp against hand DDP (default), or its fsdp against hand FSDP2")
     parser.add_argument("--target", type=float, default=None,

@@ -129,7 +129,8 @@ def test_a_step_whose_gradient_norm_is_not_finite_is_skipped_and_counted(tmp_pat
     raw = toy.regression_config(model={"class": "toy.InfAt", "features": 3, "step": 3},
                                 optimizer={"class": "SGD", "lr": 0.05, "max_grad_norm": 1.0},
                                 main_loop={"epochs": 2, "extra_streams": ["valid"]},
-                                hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest"])
+                                hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest",
+                                       {"WriteTensorBoard": {"every_n_steps": 1}}])
     assert phalanx("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path).returncode == 0
     run = only_run(tmp_path / "runs")
     got = rows(run)
@@ -141,6 +142,13 @@ def test_a_step_whose_gradient_norm_is_not_finite_is_skipped_and_counted(tmp_pat
     weights = load_file(checkpoints.path(checkpoints.latest_valid()) / "model.safetensors")
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
     assert "the gradient norm is not finite" in (run / "log.txt").read_text()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    norms = [e.value for e in events.Scalars("train/step_grad_norm")]
+    assert len(norms) == 10 and sum(not np.isfinite(v) for v in norms) == 1  # every step's, step 3's infinite
+    assert [e.value for e in events.Scalars("train/grad_norm_nonfinite")] == [1, 0]
 
 
 # --- token files -------------------------------------------------------------------------------

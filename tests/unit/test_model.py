@@ -181,3 +181,65 @@ def test_build_model_from_config_with_nested_modules():
 def test_build_model_rejects_a_non_module():
     with pytest.raises(ModelError, match="not a torch.nn.Module"):
         build_model(ModelConfig.model_validate({"class": "collections.OrderedDict"}), [])
+
+
+# --- losses over tokens -------------------------------------------------------------------------
+
+def _sequences(n: int = 5, length: int = 6, vocab: int = 4):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, length, vocab, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(vocab, (n, length), generator=g)
+    labels[:, 4:] = -100
+    labels[1] = -100  # a sequence without a real token
+    return logits, labels
+
+
+@pytest.mark.parametrize("extra", [{}, {"label_smoothing": 0.1}, {"ignore_index": 2}])
+def test_a_class_index_loss_on_sequences_weighs_every_real_token_once(extra):
+    """Each sample's loss is its mean over its real tokens, its weight their count; other keys of
+    model.loss reach the function. sum(w_i l_i) / sum(w_i) is torch's mean over the real tokens."""
+    logits, labels = _sequences()
+    if "ignore_index" in extra:  # the padding marked with the ignored class instead
+        labels[labels == -100] = extra["ignore_index"]
+    cfg = _cfg(outputs="logits", loss={"function": "cross_entropy", "output": "logits", "target": "labels", **extra})
+    outputs = Forward(nn.Identity(), cfg)({"input": logits, "labels": labels})
+    ignored = extra.get("ignore_index", -100)
+    real = labels != ignored
+    assert outputs["loss_weight"].tolist() == real.sum(dim=1).tolist()
+    kwargs = {k: v for k, v in extra.items()}
+    want = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", **{"ignore_index": -100, **kwargs})
+    for i in range(len(labels)):
+        expected = want[i][real[i]].mean() if real[i].any() else torch.tensor(0.0, dtype=torch.float64)
+        assert torch.allclose(outputs["loss"][i], expected), i
+    objective = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
+    assert torch.allclose(objective, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **{"ignore_index": -100,
+                                                                                                  **kwargs}))
+    # the token losses that go back: their sum is the objective's numerator
+    assert torch.allclose(outputs["_token_losses"].sum(), (outputs["loss"] * outputs["loss_weight"]).sum())
+
+
+def test_a_list_keyword_of_the_loss_becomes_a_tensor():
+    cfg = _cfg(outputs="logits", loss={"function": "binary_cross_entropy_with_logits", "output": "logits",
+                                       "target": "y", "pos_weight": [1.0, 3.0]})
+    logits, y = torch.randn(4, 2), torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    outputs = Forward(nn.Identity(), cfg)({"input": logits, "y": y})
+    want = F.binary_cross_entropy_with_logits(logits, y, pos_weight=torch.tensor([1.0, 3.0]), reduction="none")
+    assert torch.allclose(outputs["loss"], want.mean(dim=1)) and "loss_weight" not in outputs
+
+
+def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
+    """GPT-2 built from its config class (random weights): labels are not passed to it, and each row
+    has its own loss, shifted one token, weighted by its real tokens (not the batch mean on every row)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=8, bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(20, (3, 8))
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    outputs = Forward(model, _cfg(), inner=model)({"input_ids": ids, "labels": labels})
+    assert outputs["loss_weight"].tolist() == [4, 7, 7]  # shifted: positions 1..7 are predicted
+    assert len(set(outputs["loss"].tolist())) == 3
+    own = model(input_ids=ids, labels=labels).loss  # the model's own: the mean over the batch's tokens
+    mean = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
+    assert torch.allclose(mean, own, rtol=1e-5)
