@@ -56,6 +56,7 @@ class Forward:
         if self.hugging_face:  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
             self.params.pop("labels", None)
             self.takes_all = False  # its **kwargs are options of attention kernels, not the batch's other keys
+        self._no_cache = bool(self.hugging_face) and "use_cache" in self.params
         self.output_names: list[str] = []
 
     def bound_to(self, module: nn.Module) -> Forward:
@@ -70,6 +71,8 @@ class Forward:
                 else self._arguments(batch)
         except KeyError:
             arguments = self._arguments(batch)
+        if self._no_cache:  # a Hugging Face model keeps no attention cache it would hand back with its outputs
+            arguments["use_cache"] = False
         raw = self.module(**arguments)
         outputs = {self._single: raw} if self._single is not None and isinstance(raw, torch.Tensor) \
             else self._as_dict(raw)

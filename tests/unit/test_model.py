@@ -239,6 +239,7 @@ def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
     labels[0, 5:] = -100
     outputs = Forward(model, _cfg(), inner=model)({"input_ids": ids, "labels": labels})
     assert outputs["loss_weight"].tolist() == [4, 7, 7]  # shifted: positions 1..7 are predicted
+    assert "past_key_values" not in outputs  # no attention cache kept for the hooks
     assert len(set(outputs["loss"].tolist())) == 3
     own = model(input_ids=ids, labels=labels).loss  # the model's own: the mean over the batch's tokens
     mean = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
