@@ -4,13 +4,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-# Where no CUDA GPU is visible, pin the CPU build: an unpinned torch pulls a multi-GB CUDA build.
+# Which torch to install, and from where (both may be given on the command line):
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu    # PyTorch's CPU-only wheels
+#   make test TORCH="torch==2.12.0"
+# Where no CUDA GPU is visible torch is pinned to 2.13.0. Which build that is depends on the index:
+# PyPI's Linux wheel is the CUDA build (several GB); PyTorch's CPU index has the CPU build.
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_GPU),yes)
-TORCH := torch>=2.11
+TORCH ?= torch>=2.11
 else
-TORCH := torch==2.13.0
+TORCH ?= torch==2.13.0
 endif
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
 .PHONY: demo test bench clean
 
@@ -18,7 +24,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet $(TORCH_FROM) "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

@@ -436,3 +436,17 @@ class IterableRegression(Regression):
         super().__init__(n_train=n_train, n_valid=n_valid, **kwargs)
         self._streams = {name: StreamItems(items, stateful, log if name == "train" else None)
                          for name, items in self._streams.items()}
+
+
+class TupleRegression(Regression):
+    """Regression whose streams are TensorDatasets: items (x, y) tuples, named by dataset.keys."""
+
+    def streams(self) -> dict[str, Any]:
+        return {name: torch.utils.data.TensorDataset(s.x, s.y) for name, s in super().streams().items()}
+
+
+class ListRegression(Regression):
+    """Regression whose items are [x, y] lists."""
+
+    def streams(self) -> dict[str, Any]:
+        return {name: [[s.x[i], s.y[i]] for i in range(len(s))] for name, s in super().streams().items()}

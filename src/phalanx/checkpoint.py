@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from phalanx.errors import CheckpointError, CheckpointMismatch, StorageError
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, StorageError
 from phalanx.files import fsync_dir, fsync_file, write_atomic, write_text_atomic, writing
 from phalanx.shards import checkpoint_exception, load_shards, read_shards_model, shard_error
 
@@ -315,7 +315,9 @@ class Checkpoints:
         return step
 
     def select(self, which: str | int) -> int:
-        """`latest`, `best` or a step number, verified."""
+        """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number, verified."""
+        if which == "auto":
+            which = "best" if self.best() is not None else "latest"
         if which == "latest":
             step = self.latest_valid()
         elif which == "best":
@@ -323,7 +325,7 @@ class Checkpoints:
         else:
             step = int(which) if str(which).isdigit() else None
             if step is None:
-                raise CheckpointError(f"--checkpoint {which!r} is not best, latest or a step number")
+                raise CheckpointError(f"--checkpoint {which!r} is not best, latest, auto or a step number")
             if step not in self.steps():
                 raise CheckpointError(f"no checkpoint at step {step}; there are {self.steps() or 'none'}")
         if step is None:
@@ -363,18 +365,9 @@ class Checkpoints:
         """The whole model of step `step` as one safetensors file at `output`, every name of its
         state dict present (tied weights as copies), loadable by `load_state_dict` with no phalanx;
         written atomically. Returns the number of tensors."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file, save
+        from safetensors.torch import save
 
-        path = _weights_path(self.verify(step))
-        if path.name == SHARDS:
-            state = read_shards_model(path)
-        else:
-            state = load_file(str(path))
-            with safe_open(str(path), "pt") as f:  # names save_model dropped as duplicates: dropped -> kept
-                for dropped, kept in (f.metadata() or {}).items():
-                    if kept in state and dropped not in state:
-                        state[dropped] = state[kept].clone()
+        state = whole_state(_weights_path(self.verify(step)))
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
@@ -430,6 +423,40 @@ def _load_into(weights: Weights, path: Path) -> None:
         load_shards(path, weights)
     else:
         load_weights(weights, path)
+
+
+def whole_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every name of a model's state dict from a safetensors file (tied weights that saving dropped
+    as duplicates put back, as copies) or a shards folder, as CPU tensors."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if path.name == SHARDS:
+        return read_shards_model(path)
+    try:
+        state = load_file(str(path))
+        with safe_open(str(path), "pt") as f:  # names save_model dropped as duplicates: dropped -> kept
+            for dropped, kept in (f.metadata() or {}).items():
+                if kept in state and dropped not in state:
+                    state[dropped] = state[kept].clone()
+    except SafetensorError as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+    return state
+
+
+def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[str, torch.Tensor]]:
+    """The weights `model.init_from` names: a safetensors file, or checkpoint `which` of a run
+    directory (auto: its best, else its latest). The path read, and the whole state."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "checkpoints").is_dir():
+            raise ConfigError(f"model.init_from: {path} is a folder but not a run directory (it has no checkpoints/); "
+                              "name a run directory or a .safetensors file")
+        checkpoints = Checkpoints(path / "checkpoints")
+        path = _weights_path(checkpoints.path(checkpoints.select(which)))
+    elif not path.is_file():
+        raise ConfigError(f"model.init_from: {path} does not exist; name a run directory or a .safetensors file")
+    return path, whole_state(path)
 
 
 def load_weights(module: nn.Module, path: Path) -> None:

@@ -101,11 +101,12 @@ def parser() -> argparse.ArgumentParser:
     for name in ("eval", "predict"):
         made[name].add_argument("run_dir", help="a run directory")
         made[name].add_argument("--stream", default="test", help="the stream to run (default: test)")
-        made[name].add_argument("--checkpoint", default="best",
-                                help="best, latest or a step number (default: best)")
+        made[name].add_argument("--checkpoint", default="auto",
+                                help="best, latest or a step number (default: the best, else the latest)")
     made["predict"].add_argument("--output", required=True, help="the CSV file to write")
     made["export"].add_argument("run_dir", help="a run directory")
-    made["export"].add_argument("--checkpoint", default="best", help="best, latest or a step number (default: best)")
+    made["export"].add_argument("--checkpoint", default="auto",
+                                help="best, latest or a step number (default: the best, else the latest)")
     made["export"].add_argument("--output", required=True, help="the safetensors file to write")
     made["bench"].add_argument("config", help="the YAML config file")
     made["bench"].add_argument("overrides", **overrides)

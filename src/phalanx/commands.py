@@ -51,7 +51,8 @@ def train(config_path: str, overrides: list[str], nodes: launch.Nodes | None = N
         try:
             trainer = _worker_trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()], strategy)
             log.info("run directory: %s", run_dir)
-            _log_start(cfg, strategy)
+            _log_start(cfg, strategy, trainer)
+            trainer.initialise_from()
             return _run(trainer)
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
@@ -163,7 +164,8 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
         if trainer.epoch >= cfg.main_loop.epochs:
             log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
     else:
-        _log_start(cfg, strategy)
+        _log_start(cfg, strategy, trainer)
+        trainer.initialise_from()
     return _run(trainer)
 
 
@@ -192,9 +194,12 @@ def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> i
     raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train")
 
 
-def _log_start(cfg: config.Config, strategy) -> None:
+def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
+    from phalanx import metrics
+
     log.info("training on %d process(es) (%s), global batch %d", strategy.world_size, strategy.device.type,
              cfg.dataset.batch_size)
+    log.info("%s", metrics.summary(trainer.model))
 
 
 def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy) -> Trainer:

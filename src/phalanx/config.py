@@ -69,6 +69,14 @@ class LossConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+class InitFromConfig(_Section):
+    """Trained weights a new run starts from; its optimizer starts afresh."""
+
+    path: str = Field(description="a run directory, or a .safetensors file")
+    checkpoint: str | StrictInt = Field("auto", description="a run's best, latest or step N; auto: best, else latest")
+    strict: bool = Field(True, description="false: names the weights lack or the model lacks are listed, not errors")
+
+
 class ModelConfig(_ClassSection):
     n_gpus: StrictInt | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")
     args: list[Any] = Field(default_factory=list, description="positional constructor arguments")
@@ -76,6 +84,13 @@ class ModelConfig(_ClassSection):
         None, description="batch key -> forward argument, for modules that take tensors, not batches")
     outputs: str | list[str] = Field("output", description="names of a plain module's returned tensors")
     loss: LossConfig | None = Field(None, description="the objective, for modules that return no `loss`")
+    init_from: InitFromConfig | None = Field(
+        None, description="start from trained weights: a run directory or a .safetensors file, or {path, checkpoint, strict}")
+
+    @field_validator("init_from", mode="before")
+    @classmethod
+    def _path_alone(cls, value: Any) -> Any:
+        return {"path": value} if isinstance(value, str) else value
 
 
 class LrScalingConfig(_Section):
@@ -99,6 +114,9 @@ class SchedulerConfig(_ClassSection):
 class DatasetConfig(_ClassSection):
     batch_size: StrictInt = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
     eval_batch_size: StrictInt | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
+    keys: list[str] | None = Field(
+        None, min_length=1, description="names of the parts of items that are tuples or lists (TensorDataset, "
+        "torchvision), or the one name of items that are tensors")
     num_workers: StrictInt | Literal["auto"] = Field(
         "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU")
 

@@ -215,8 +215,11 @@ def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
     if not items:
         return None
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
-        raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; "
-                        f"got {type(items[0]).__name__}. Return a dict from __getitem__")
+        kind = type(items[0]).__name__
+        named = (f"name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
+                 if isinstance(items[0], (tuple, list)) else "name them with dataset.keys: [x], or return a dict")
+        raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
+                        f"{named} from __getitem__")
     try:
         return default_collate(items)
     except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
@@ -325,6 +328,59 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
             return value.shape[0]
     raise DataError(f"a batch holds no tensor with a batch dimension (keys: {', '.join(batch)}); "
                     "items must hold tensors or numbers")
+
+
+class _Named:
+    """Items of another stream as dicts: the parts of a tuple or list item under `keys` in order, or
+    a tensor item under its one key."""
+
+    def __init__(self, stream: Any, keys: Sequence[str], name: str):
+        self.stream, self.keys, self.name = stream, tuple(keys), name
+
+    def _named(self, item: Any) -> Any:
+        if isinstance(item, Mapping):
+            return item
+        if isinstance(item, (tuple, list)):
+            if len(item) != len(self.keys):
+                raise DataError(f"stream {self.name!r}: an item has {len(item)} parts but dataset.keys names "
+                                f"{len(self.keys)} ({', '.join(self.keys)}); give one name per part")
+            return dict(zip(self.keys, item))
+        if len(self.keys) != 1:
+            raise DataError(f"stream {self.name!r}: an item is a {type(item).__name__}, one value, but dataset.keys "
+                            f"names {len(self.keys)}; give it one name")
+        return {self.keys[0]: item}
+
+
+class NamedItems(_Named):
+    """A map-style stream whose items `_Named` names."""
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __getitem__(self, i: int) -> Any:
+        return self._named(self.stream[i])
+
+
+class NamedStream(_Named, IterableDataset):
+    """An iterable stream whose items `_Named` names; its position and epoch are the stream's."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self._named, self.stream)
+
+    def __len__(self) -> int:  # a TypeError where the stream has no length, as len() of it would give
+        return len(self.stream)
+
+    def __getattr__(self, attribute: str) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
+        if attribute == "stream":
+            raise AttributeError(attribute)
+        return getattr(self.stream, attribute)
+
+
+def named(stream: Any, keys: Sequence[str] | None, name: str) -> Any:
+    """`stream` with its items named by `keys` (dataset.keys), or itself where there are none."""
+    if not keys:
+        return stream
+    return NamedStream(stream, keys, name) if is_iterable(stream) else NamedItems(stream, keys, name)
 
 
 def get_stream(dataset: Any, name: str) -> Any:

@@ -85,6 +85,42 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     return {"parameters": parameters, "gradients": gradients, "optimizer": held}
 
 
+def summary(module: nn.Module, children: int = 8) -> str:
+    """One line about a model: its class, parameters (all, trainable), their size, and its largest
+    top-level parts (a sharded model counts its whole parameters)."""
+    def count(m: nn.Module) -> tuple[int, int, int]:
+        total = trainable = size = 0
+        for p in m.parameters():
+            total += p.numel()
+            trainable += p.numel() if p.requires_grad else 0
+            size += p.numel() * p.element_size()
+        return total, trainable, size
+
+    total, trainable, size = count(module)
+    parts = sorted(((count(child)[0], name, _class_name(child)) for name, child in module.named_children()),
+                   reverse=True)
+    shown = ", ".join(f"{name} ({kind}) {n:,}" for n, name, kind in parts[:children] if n)
+    more = f", and {len(parts) - children} more" if len(parts) > children else ""
+    return (f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), {_size(size)}"
+            + (f"; {shown}{more}" if shown else ""))
+
+
+def _class_name(module: nn.Module) -> str:
+    """The user's class name (fsdp makes each sharded module's class a subclass named FSDP<name>)."""
+    classes = type(module).__mro__
+    if any(c.__name__ == "FSDPModule" for c in classes):
+        return next(c.__name__ for c in classes[1:] if c.__name__ != "FSDPModule")
+    return classes[0].__name__
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
 def _local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this process's shard
     return local.numel() * local.element_size()

@@ -153,6 +153,8 @@ def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.
         # scores last (also where tokens = classes): a row per token, as the loss reads them fastest
         loss = function(prediction.flatten(0, -2), target.flatten(), reduction="none", **kwargs).view(target.shape)
     else:
+        if ignore_index is None and prediction.shape != target.shape:
+            _check_broadcast(function, prediction, target)
         loss = function(prediction, target, reduction="none", **kwargs)
     if ignore_index is not None and target.dim() >= 2 and loss.shape == target.shape:
         counts = (target != ignore_index).flatten(1).sum(dim=1)
@@ -161,6 +163,23 @@ def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.
     if loss.dim() <= 1:
         return Loss(loss)
     return Loss(loss.flatten(1).mean(dim=1))  # every element counts alike
+
+
+def _check_broadcast(function: Callable, prediction: torch.Tensor, target: torch.Tensor) -> None:
+    """An element-wise loss whose output and target broadcast to a shape that is neither's, such as
+    (B, 1) against (B,) making a (B, B) loss, would train on the wrong objective: an error."""
+    p, t = tuple(prediction.shape), tuple(target.shape)
+    try:
+        both = tuple(torch.broadcast_shapes(p, t))
+    except RuntimeError:
+        return  # the function says what is wrong itself
+    if both != p and both != t:
+        name = getattr(function, "__name__", "the loss")
+        squeeze = (" (for a single output, `.squeeze(-1)` it in forward, or give the model a final layer of "
+                   "that many outputs)") if p[-1:] == (1,) else ""
+        raise ModelError(f"model.loss: {name} compares an output of shape {list(p)} with a target of shape {list(t)}, "
+                         f"which broadcast to {list(both)}: every output against every target. Give the output "
+                         f"the target's shape{squeeze}")
 
 
 def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> Loss:

@@ -18,10 +18,10 @@ import torch
 from phalanx import data, environment, resuming, rundir, strategies
 from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
                            set_rng_state)
-from phalanx.checkpoint import Background, Checkpoints
+from phalanx.checkpoint import Background, Checkpoints, initial_weights
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, GradNorms, concat
-from phalanx.errors import CheckpointError, ConfigError
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
@@ -112,7 +112,7 @@ class Trainer:
         """Stream `name` of the dataset, asked of `streams()` once."""
         stream = self._streams.get(name)
         if stream is None:
-            stream = self._streams[name] = data.get_stream(self.dataset, name)
+            stream = self._streams[name] = data.named(data.get_stream(self.dataset, name), self.cfg.dataset.keys, name)
         return stream
 
     @property
@@ -382,6 +382,36 @@ class Trainer:
         if self.strategy.world_size > 1:
             state["rng_ranks"] = self.strategy.gather(rng)
         return state
+
+    def initialise_from(self) -> None:
+        """A new run's start from the trained weights `model.init_from` names (every rank reads them;
+        a sharded model keeps its shards of them). Not on resume: the checkpoint holds the weights."""
+        spec = self.cfg.model.init_from
+        if spec is None:
+            return
+        path, state = initial_weights(spec.path, spec.checkpoint)
+        sharded = any(hasattr(p, "full_tensor") for p in self.model.parameters())
+        try:
+            if sharded:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                result = set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True,
+                                                                                          strict=spec.strict))
+            else:
+                result = self.model.load_state_dict(state, strict=False)
+        except (RuntimeError, ValueError, KeyError) as e:
+            lines = " ".join(str(e).split())
+            raise CheckpointMismatch(f"model.init_from: {path} does not fit this model ({lines[:400]})") from None
+        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+        listed = "; ".join(f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''} ({len(keys)})"
+                           for what, keys in (("the weights lack", missing), ("the model lacks", unexpected)) if keys)
+        if listed and spec.strict:
+            raise CheckpointMismatch(f"model.init_from: {path} does not hold this model's weights ({listed}); set "
+                                     "model.init_from.strict: false to start the missing ones from their initial "
+                                     "values and ignore the others")
+        if self.strategy.is_main:
+            log.info("weights from %s: %d tensors%s; the optimizer starts afresh", path, len(state) - len(unexpected),
+                     f" ({listed})" if listed else "")
 
     def _stream_position(self) -> Any:
         """Where an iterable training stream that can say so stands (its `state_dict()`, as JSON)."""

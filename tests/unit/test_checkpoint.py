@@ -241,7 +241,7 @@ def test_select_best_latest_and_a_step(ckpts):
     assert ckpts.select("6") == 6
     with pytest.raises(CheckpointError, match="no checkpoint at step 3"):
         ckpts.select(3)
-    with pytest.raises(CheckpointError, match="not best, latest or a step number"):
+    with pytest.raises(CheckpointError, match="not best, latest, auto or a step number"):
         ckpts.select("newest")
     _truncate(ckpts.path(2) / WEIGHTS)
     with pytest.raises(CheckpointError, match="truncated"):
@@ -252,6 +252,11 @@ def test_select_best_without_a_best(ckpts):
     _save(ckpts, 1)
     with pytest.raises(CheckpointError, match="no best checkpoint"):
         ckpts.select("best")
+    _save(ckpts, 2)
+    assert ckpts.select("auto") == 2  # auto, the default of eval, predict and export: the latest, without a best
+    _save(ckpts, 3, best={"variable": "valid.loss", "value": 0.5, "epoch": 1})
+    _save(ckpts, 4)
+    assert ckpts.select("auto") == 3  # and the best where there is one
 
 
 @pytest.mark.parametrize("content", ["[]", "{}", '{"step": "4"}', "not json", '{"step": -1}'])

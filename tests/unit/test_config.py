@@ -172,8 +172,9 @@ def test_the_schema_walk_finds_the_number_fields():
     keys = [key for key, _ in NUMBER_FIELDS]
     assert {"dataset.batch_size", "seed", "parallel.devices", "parallel.shard_weights",
             "optimizer.lr_scaling.base_batch_size", "profile.steps", "parallel.ddp.bucket_cap_mb",
-            "parallel.max_restarts", "optimizer.max_grad_norm", "main_loop.eval_every_n_steps"} <= set(keys)
-    assert len(keys) == 19, keys
+            "parallel.max_restarts", "optimizer.max_grad_norm", "main_loop.eval_every_n_steps",
+            "model.init_from.checkpoint"} <= set(keys)
+    assert len(keys) == 20, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])

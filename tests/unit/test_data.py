@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,3 +320,39 @@ def test_get_stream_rejects_non_map_style_streams():
 
     with pytest.raises(DataError, match="map-style dataset .* or an iterable one"):
         data.get_stream(Neither(), "train")
+
+
+# --- items that are not dicts ------------------------------------------------------------------
+
+def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
+    x, y = torch.randn(5, 3), torch.randn(5)
+    pairs = torch.utils.data.TensorDataset(x, y)
+    named = data.named(pairs, ["x", "y"], "train")
+    assert len(named) == 5 and torch.equal(named[2]["x"], x[2]) and torch.equal(named[2]["y"], y[2])
+    assert torch.equal(data.named([x[0], x[1]], ["image"], "train")[1]["image"], x[1])
+    assert data.named(pairs, None, "train") is pairs
+    with pytest.raises(DataError, match="an item has 2 parts but dataset.keys names 3"):
+        data.named(pairs, ["x", "y", "z"], "train")[0]
+    with pytest.raises(DataError, match="name their parts with dataset.keys"):
+        data.collate([pairs[0], pairs[1]])
+    stream = data.named(toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid")
+    assert data.is_iterable(stream) and data.stream_length(stream) is None
+    assert callable(stream.set_epoch) and next(iter(stream))["x"].shape == (3,)  # dicts pass through
+
+
+@pytest.mark.parametrize("dataset", ["toy.TupleRegression", "toy.ListRegression"])
+def test_a_tensor_dataset_trains_as_its_dict_twin(dataset):
+    """The same samples as tuples (TensorDataset) or lists, named x and y, train to the very same
+    parameters as toy.Regression's dict items."""
+    from phalanx import config
+    from phalanx.trainer import Trainer
+
+    def trained(cls: str, keys: list[str] | None) -> dict:
+        raw = toy.regression_config(dataset={"class": cls, "batch_size": 8, **({"keys": keys} if keys else {})},
+                                    model={"class": "toy.Linear", "features": 3}, hooks=[])
+        trainer = Trainer(config.validate(raw), None, [Path(toy.__file__).parent])
+        assert trainer.run() == 0
+        return trainer.model.state_dict()
+
+    want, got = trained("toy.Regression", None), trained(dataset, ["x", "y"])
+    assert all(torch.equal(got[k], want[k]) for k in want)

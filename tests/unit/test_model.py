@@ -244,3 +244,15 @@ def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
     own = model(input_ids=ids, labels=labels).loss  # the model's own: the mean over the batch's tokens
     mean = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
     assert torch.allclose(mean, own, rtol=1e-5)
+
+
+def test_a_loss_whose_output_and_target_broadcast_to_another_shape_is_an_error():
+    """(B, 1) against (B,) would train on a (B, B) loss with only a torch warning."""
+    cfg = _cfg(inputs={"x": "input"}, outputs="prediction", loss={"function": "mse_loss", "output": "prediction",
+                                                                  "target": "y"})
+    with pytest.raises(ModelError, match=r"shape \[6, 1\] with a target of shape \[6\], which broadcast to \[6, 6\]"):
+        Forward(nn.Linear(3, 1), cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6)})
+    outputs = Forward(nn.Linear(3, 1), cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6, 1)})  # the same shapes
+    assert outputs["loss"].shape == (6,)
+    squeezed = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0))
+    assert Forward(squeezed, cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6)})["loss"].shape == (6,)

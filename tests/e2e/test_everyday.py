@@ -1,0 +1,63 @@
+"""The everyday path through the real CLI: fine-tuning from a trained run on several processes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import toy
+from phalanx.checkpoint import Checkpoints
+
+pytestmark = pytest.mark.timeout(300)
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def phalanx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=240)
+
+
+def only_run(root: Path) -> Path:
+    [run] = [p for p in root.iterdir() if p.is_dir()]
+    return run
+
+
+def test_init_from_on_two_processes_with_ddp_and_fsdp_trains_as_one(tmp_path):
+    """A run started from another's best checkpoint ends with the same weights on 1 process, ddp on 2
+    and fsdp on 2 (each rank loads the weights; fsdp keeps its shards of them)."""
+    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
+                                optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
+                                dataset={"class": "toy.Regression", "batch_size": 7, "n_train": 41},
+                                hooks=[{"ComputeStats": {"variables": ["loss"]}},
+                                       {"SaveBest": {"variable": "valid.loss", "mode": "min"}}, "SaveLatest"])
+    assert phalanx("train", str(toy.write_config(tmp_path / "source", raw)), cwd=tmp_path).returncode == 0
+    source = only_run(tmp_path / "source" / "runs")
+    ends = {}
+    for name, parallel in (("one", ["parallel.devices=1"]), ("ddp", ["parallel.devices=2"]),
+                           ("fsdp", ["parallel.devices=2", "parallel.strategy=fsdp"])):
+        path = toy.write_config(tmp_path / name, {**raw, "parallel": {"accelerator": "cpu"}})
+        result = phalanx("train", str(path), f"model.init_from={source}", *parallel, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        run = only_run(tmp_path / name / "runs")
+        log = (run / "log.txt").read_text()
+        assert f"weights from {source}" in log
+        # the model's size at the start: 3x4 + 4 and 4x1 + 1 parameters, in float64
+        assert "model Linear: 21 parameters (21 trainable), 168 B; net (Sequential) 21" in log
+        checkpoints = Checkpoints(run / "checkpoints")
+        step = checkpoints.latest_valid()
+        folder = checkpoints.path(step)
+        if (folder / "model.safetensors").is_file():
+            ends[name] = load_file(folder / "model.safetensors")
+        else:
+            from phalanx.shards import read_shards_model
+
+            ends[name] = read_shards_model(folder / "shards")
+    for name in ("ddp", "fsdp"):
+        for key, value in ends["one"].items():
+            assert torch.allclose(ends[name][key], value, rtol=1e-10, atol=1e-12), (name, key)
