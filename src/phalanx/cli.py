@@ -31,7 +31,7 @@ SUBCOMMANDS = {
         examples:
           phalanx eval runs/digits-20260101-120000
           phalanx eval runs/digits-20260101-120000 --stream valid --checkpoint latest"""),
-    "predict": ("write a checkpoint's per-sample outputs on a stream as CSV", """\
+    "predict": ("write a checkpoint's per-sample outputs on a stream as CSV or safetensors arrays", """\
         example:
           phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv"""),
     "export": ("write a checkpoint's whole model as one safetensors file that plain PyTorch loads", """\
@@ -103,7 +103,8 @@ def parser() -> argparse.ArgumentParser:
         made[name].add_argument("--stream", default="test", help="the stream to run (default: test)")
         made[name].add_argument("--checkpoint", default="auto",
                                 help="best, latest or a step number (default: the best, else the latest)")
-    made["predict"].add_argument("--output", required=True, help="the CSV file to write")
+    made["predict"].add_argument("--output", required=True,
+                                 help="the file to write: CSV, or arrays where it ends in .safetensors")
     made["export"].add_argument("run_dir", help="a run directory")
     made["export"].add_argument("--checkpoint", default="auto",
                                 help="best, latest or a step number (default: the best, else the latest)")

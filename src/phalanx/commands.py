@@ -264,23 +264,44 @@ def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
 
 
 class _Collect(Hook):
+    """Every batch's per-sample values (the batch's and the model's), in dataset order."""
+
+    CSV_VALUES = 32  # values per sample beyond which a tensor goes to an array file, not to CSV columns
+
     def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
+        self.columns: dict[str, list[torch.Tensor]] = {}
+        self.count = 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        outputs = self.trainer.output_names
         n = len(batch["loss"])
-        for i in range(n):
-            row = {"index": len(self.rows)}
-            for key, value in batch.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
-                    continue
-                item = value[i].detach().cpu()
-                item = item if not item.is_floating_point() else item.double()  # integers stay integers
-                if key in outputs or item.numel() == 1:
-                    row.update({key: item.item()} if item.numel() == 1 else
-                               {f"{key}.{j}": v for j, v in enumerate(item.reshape(-1).tolist())})
-            self.rows.append(row)
+        outputs = set(self.trainer.output_names)
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+                continue
+            value = value.detach().cpu()
+            self.columns.setdefault(key, []).append(value.double() if value.is_floating_point() else value)
+            if key in outputs and value.is_floating_point() and value.dim() == 2 and value.shape[1] > 1:
+                self.columns.setdefault(f"{key}.class", []).append(value.argmax(dim=1))  # scores: the class
+        self.count += n
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """Each value over every sample, the first dimension the sample, and `index` (dataset order)."""
+        arrays = {key: torch.cat(parts) for key, parts in self.columns.items()}
+        return {"index": torch.arange(self.count), **{k: v.contiguous() for k, v in arrays.items()}}
+
+    def rows(self, arrays: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[str]]:
+        """CSV rows: a column per one-value key, one per value of small tensors; the keys left out."""
+        flat, left = {}, []
+        for key, array in arrays.items():
+            values = array.reshape(len(array), -1)
+            if values.shape[1] == 1:
+                flat[key] = values[:, 0].tolist()
+            elif values.shape[1] <= self.CSV_VALUES:
+                flat.update({f"{key}.{j}": values[:, j].tolist() for j in range(values.shape[1])})
+            else:
+                left.append(f"{key} ({values.shape[1]} values each)")
+        rows = [{name: column[i] for name, column in flat.items()} for i in range(self.count)]
+        return rows, left
 
 
 def _check_output(output: str, example: str) -> None:
@@ -292,21 +313,31 @@ def _check_output(output: str, example: str) -> None:
 
 
 def predict(run_path: str, stream: str, output: str, which: str) -> int:
-    """Per-sample outputs of a checkpoint on a stream, written as CSV; returns the row count."""
+    """Per-sample values of a checkpoint on a stream (the batch's and the model's outputs, and the
+    class of outputs that are class scores), written as CSV, or whole as arrays where `output` is a
+    .safetensors file; returns the sample count."""
     _check_output(output, "predictions.csv")
     collect = _Collect()
     trainer, _ = _restored(*_open(run_path), which, [collect])
     trainer.evaluate(stream)
-    columns: list[str] = []
-    for row in collect.rows[:1]:
-        columns = list(row)
+    arrays = collect.arrays()
+    if output.endswith(".safetensors"):
+        from safetensors.torch import save
+
+        data = save(arrays, metadata={"stream": stream})
+        write_atomic(Path(output), lambda f: f.write(data), sync=True)
+        logs.out.print(f"wrote {collect.count} samples' {', '.join(arrays)} to {output}")
+        return collect.count
+    rows, left = collect.rows(arrays)
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]) if rows else [], restval="")
     writer.writeheader()
-    writer.writerows(collect.rows)
+    writer.writerows(rows)
     write_text_atomic(Path(output), text.getvalue())
-    logs.out.print(f"wrote {len(collect.rows)} rows to {output}")
-    return len(collect.rows)
+    logs.out.print(f"wrote {len(rows)} rows to {output}")
+    if left:
+        logs.out.print(f"left out of the CSV: {', '.join(left)}; write them whole with --output FILE.safetensors")
+    return len(rows)
 
 
 def export(run_path: str, output: str, which: str) -> int:

@@ -232,6 +232,12 @@ class Config(_Section):
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
     compile: bool | CompileConfig = Field(False, description="torch.compile the model")
     channels_last: bool = Field(False, description="channels-last memory format for 4-D weights and inputs")
+    cudnn_benchmark: bool = Field(
+        False, description="let cuDNN time its convolution algorithms and keep the fastest (faster convolutions of "
+        "fixed shapes; the choice, and so the last bits of the results, may differ between runs)")
+    matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest", description="float32 matrix products: highest (float32), high (TF32 on GPUs that have it: "
+        "faster, about 3 fewer decimal digits), medium (bfloat16 products)")
     activation_checkpointing: list[str] = Field(
         default_factory=list, description="module class names whose activations are recomputed in backward")
     profile: ProfileConfig | None = Field(None, description="record a torch.profiler trace of a few steps")

@@ -50,6 +50,8 @@ class Trainer:
         compiler stack, seconds of start-up that `phalanx eval` does not need)."""
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
         self.strategy = strategy or strategies.create(cfg)
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        torch.set_float32_matmul_precision(cfg.matmul_precision)
         seed_everything(cfg.seed)
         self.dataset = build_dataset(cfg.dataset, self.search_dirs)
         self._streams: dict[str, Any] = {}

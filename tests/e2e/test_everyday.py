@@ -61,3 +61,30 @@ def test_init_from_on_two_processes_with_ddp_and_fsdp_trains_as_one(tmp_path):
     for name in ("ddp", "fsdp"):
         for key, value in ends["one"].items():
             assert torch.allclose(ends[name][key], value, rtol=1e-10, atol=1e-12), (name, key)
+
+
+def test_predict_writes_arrays_or_csv_with_the_predicted_class(tmp_path):
+    """A classifier's predictions: CSV columns per logit and the argmax class; a .safetensors file
+    with every value whole; both the same numbers, reloaded."""
+    import csv
+
+    from safetensors.torch import load_file
+
+    raw = toy.regression_config(model={"class": "toy.Classifier", "features": 4, "classes": 3},
+                                dataset={"class": "toy.Classes", "batch_size": 8},
+                                hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"])
+    assert phalanx("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path).returncode == 0
+    run = only_run(tmp_path / "runs")
+    for name in ("pred.csv", "pred.safetensors"):  # no SaveBest: the default checkpoint is the latest
+        result = phalanx("predict", str(run), "--stream", "test", "--output", str(tmp_path / name), cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    arrays = load_file(tmp_path / "pred.safetensors")
+    assert arrays["logits"].shape == (20, 3) and torch.equal(arrays["index"], torch.arange(20))
+    assert torch.equal(arrays["logits.class"], arrays["logits"].argmax(dim=1))
+    with open(tmp_path / "pred.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 20 and {"logits.0", "logits.2", "logits.class", "loss", "y"} <= set(rows[0])
+    for i, row in enumerate(rows):
+        assert int(row["logits.class"]) == int(arrays["logits.class"][i])
+        assert float(row["logits.1"]) == pytest.approx(float(arrays["logits"][i, 1]), rel=1e-12)
+        assert float(row["loss"]) == pytest.approx(float(arrays["loss"][i]), rel=1e-12)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -378,3 +379,20 @@ def test_a_boolean_for_a_constructor_number_is_an_error(section, raw):
     cfg = config.validate(toy.regression_config(**raw))
     with pytest.raises(ConfigError, match=f"{section}: .* takes a number, got (true|false)"):
         build_hooks(cfg, []) if "hooks" in raw else build_optimizer(cfg.optimizer, torch.nn.Linear(3, 1), [], 8)
+
+
+def test_the_gpu_switches_reach_torch():
+    """cudnn_benchmark and matmul_precision are set when the run is built (they act on GPUs only)."""
+    from phalanx.trainer import Trainer
+
+    raw = toy.regression_config(cudnn_benchmark=True, matmul_precision="high", hooks=[])
+    try:
+        Trainer(config.validate(raw), None, [Path(toy.__file__).parent])
+        assert torch.backends.cudnn.benchmark is True and torch.get_float32_matmul_precision() == "high"
+        Trainer(config.validate(toy.regression_config(hooks=[])), None, [Path(toy.__file__).parent])
+        assert torch.backends.cudnn.benchmark is False and torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.backends.cudnn.benchmark = False
+        torch.set_float32_matmul_precision("highest")
+    with pytest.raises(ConfigError, match="matmul_precision"):
+        config.validate(toy.regression_config(matmul_precision="fast"))
