@@ -114,6 +114,10 @@ class SchedulerConfig(_ClassSection):
 class DatasetConfig(_ClassSection):
     batch_size: StrictInt = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
     eval_batch_size: StrictInt | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
+    pin_memory: bool | Literal["auto"] = Field(
+        "auto", description="page-locked batches, copied to the GPU without waiting; auto: on GPUs")
+    prefetch_factor: StrictInt | None = Field(
+        None, ge=1, description="batches each DataLoader worker prepares ahead (torch's default, 2, where unset)")
     keys: list[str] | None = Field(
         None, min_length=1, description="names of the parts of items that are tuples or lists (TensorDataset, "
         "torchvision), or the one name of items that are tensors")

@@ -300,6 +300,7 @@ class _WorkersLoader(DataLoader):
 
 
 def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
+           prefetch_factor: int | None = None,
            seed: int = 0, name: str = "", empty_batches: bool = False) -> DataLoader:
     """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
     `name` is the stream's, for errors. An empty shard is None, or with `empty_batches` a batch of
@@ -311,7 +312,7 @@ def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_m
     kind = _WorkersLoader if num_workers else DataLoader
     empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
     return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0, empty),
-                num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False,
+                num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False, prefetch_factor=prefetch_factor,
                 generator=torch.Generator().manual_seed(seed))
 
 

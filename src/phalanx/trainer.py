@@ -533,14 +533,21 @@ class Trainer:
 
 
 def _loader_options(cfg: Config, strategy: Strategy) -> dict[str, Any]:
-    """DataLoader workers and pinned memory: none on CPU; on a GPU, pinned memory and up to 4
-    workers per device, as the machine's cores allow."""
+    """DataLoader workers and pinned memory: by default none on CPU; on a GPU, pinned memory and up
+    to 4 workers per device, as the machine's cores allow."""
     workers = cfg.dataset.num_workers
     on_gpu = strategy.device.type == "cuda"
     if workers == "auto":
         local = environment.here().local_world_size
         workers = min(4, (os.cpu_count() or 1) // max(1, local) - 1) if on_gpu else 0
-    return {"num_workers": max(0, workers), "pin_memory": on_gpu}
+    pin = on_gpu if cfg.dataset.pin_memory == "auto" else cfg.dataset.pin_memory
+    options = {"num_workers": max(0, workers), "pin_memory": pin}
+    if cfg.dataset.prefetch_factor is not None:
+        if not options["num_workers"]:
+            raise ConfigError(f"dataset.prefetch_factor={cfg.dataset.prefetch_factor} is for DataLoader workers, but "
+                              "this run has none; set dataset.num_workers, or remove prefetch_factor")
+        options["prefetch_factor"] = cfg.dataset.prefetch_factor
+    return options
 
 
 def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:

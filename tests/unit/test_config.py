@@ -174,8 +174,8 @@ def test_the_schema_walk_finds_the_number_fields():
     assert {"dataset.batch_size", "seed", "parallel.devices", "parallel.shard_weights",
             "optimizer.lr_scaling.base_batch_size", "profile.steps", "parallel.ddp.bucket_cap_mb",
             "parallel.max_restarts", "optimizer.max_grad_norm", "main_loop.eval_every_n_steps",
-            "model.init_from.checkpoint"} <= set(keys)
-    assert len(keys) == 20, keys
+            "model.init_from.checkpoint", "dataset.prefetch_factor"} <= set(keys)
+    assert len(keys) == 21, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])
@@ -396,3 +396,17 @@ def test_the_gpu_switches_reach_torch():
         torch.set_float32_matmul_precision("highest")
     with pytest.raises(ConfigError, match="matmul_precision"):
         config.validate(toy.regression_config(matmul_precision="fast"))
+
+
+def test_the_dataloader_options_reach_the_loader():
+    from phalanx.trainer import Trainer
+
+    search = [Path(toy.__file__).parent]
+    raw = toy.regression_config(dataset={"class": "toy.Regression", "batch_size": 8, "num_workers": 1,
+                                         "prefetch_factor": 4, "pin_memory": False}, hooks=[])
+    trainer = Trainer(config.validate(raw), None, search)
+    assert trainer.loader_options == {"num_workers": 1, "pin_memory": False, "prefetch_factor": 4}
+    assert trainer.run() == 0  # a worker process that prepares 4 batches ahead
+    raw["dataset"]["num_workers"] = 0
+    with pytest.raises(ConfigError, match="dataset.prefetch_factor=4 is for DataLoader workers"):
+        Trainer(config.validate(raw), None, search)
