@@ -194,9 +194,12 @@ class Trainer:
             if callable(getattr(stream, "set_epoch", None)):  # streams that shuffle per epoch (datasets, webdataset)
                 stream.set_epoch(epoch)
             positioned, self._positioned = self._positioned, False
-            return iter(data.StreamSteps(stream, cfg.dataset.batch_size, cfg.parallel.gradient_accumulation,
-                                         strategy.data_rank, strategy.data_world_size, self.shard_weights,
-                                         self.step_in_epoch, TRAIN, strategy.runs_empty_shards, positioned))
+            steps = iter(data.StreamSteps(stream, cfg.dataset.batch_size, cfg.parallel.gradient_accumulation,
+                                          strategy.data_rank, strategy.data_world_size, self.shard_weights,
+                                          self.step_in_epoch, TRAIN, strategy.runs_empty_shards, positioned))
+            if cfg.parallel.sync_batchnorm and strategy.data_world_size > 1:  # its length is known only at its end
+                return ((k, self._full(k, fetched)) for k, fetched in steps)
+            return steps
         plan = data.Plan(data.epoch_order(cfg.seed, epoch, len(stream), self.order), cfg.dataset.batch_size,
                          cfg.parallel.gradient_accumulation, strategy.data_rank, strategy.data_world_size,
                          self.shard_weights)
@@ -268,11 +271,17 @@ class Trainer:
         if not (self.cfg.parallel.sync_batchnorm and self.strategy.data_world_size > 1 and len(plan)):
             return
         for k in {0, len(plan) - 1}:  # full batches all split alike; only the last may be short
-            if any(micro.any_empty for micro in plan.step(k)):
-                raise ConfigError(
-                    f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.data_world_size} processes "
-                    f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
-                    "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
+            self._full(k, [(micro, None) for micro in plan.step(k)])
+
+    def _full(self, k: int, fetched: list) -> list:
+        """Step `k`'s micro-batches, where synchronised BatchNorm finds a sample on every rank (every
+        rank knows the shards' sizes, so every rank stops here alike)."""
+        if any(micro.any_empty for micro, _ in fetched):
+            raise ConfigError(
+                f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.data_world_size} processes "
+                f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
+                "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
+        return fetched
 
     def _evaluation_epoch(self, epoch: int, streams: list[str], profile: dict | None = None) -> None:
         """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch events."""

@@ -107,3 +107,13 @@ def test_an_iterable_stream_resumes_at_the_same_item(tmp_path, stateful):
         assert torch.equal(final["resumed"][key], value), key
     # step 9 is 3 steps (24 items) into epoch 2: a stream that says where it stands starts there
     assert reads[0] == ("2 24" if stateful else "2 0")
+
+
+def test_sync_batchnorm_on_an_iterable_stream_with_an_empty_shard_is_a_clear_error_not_a_hang():
+    """41 items, batch 8: the last step has 1 sample for 3 processes. Every rank knows it from the
+    shards' sizes and stops with the same error, at that step."""
+    raw = config(3)
+    raw["model"] = {"class": "toy.BatchNormNet", "features": 3, "hidden": 6}
+    raw["parallel"]["sync_batchnorm"] = True
+    with pytest.raises(AssertionError, match="sync_batchnorm needs a sample for each of the 3 processes .* step 5"):
+        workers.run_ranks(3, workers.train_all, [raw], timeout=120)
