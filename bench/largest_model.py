@@ -22,7 +22,6 @@ float32 value, its gradient and AdamW's two moments): 80 GB / 16 B = 5.0 B param
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -39,3 +39,14 @@ def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: st
             proc.communicate()
             pytest.fail(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """`phalanx ARGS...` run to its end in `cwd`, its output captured."""
+    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def only_run(root: Path) -> Path:
+    """The one run directory under `root`."""
+    [run_dir] = [p for p in root.iterdir() if p.is_dir()]
+    return run_dir

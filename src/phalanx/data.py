@@ -216,7 +216,7 @@ def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
         return None
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         kind = type(items[0]).__name__
-        named = (f"name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
+        named = ("name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
                  if isinstance(items[0], (tuple, list)) else "name them with dataset.keys: [x], or return a dict")
         raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
                         f"{named} from __getitem__")

@@ -4,8 +4,6 @@ and `phalanx resume` continues from the one before as if nothing had happened.""
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,31 +1,18 @@
 """The everyday path through the real CLI: fine-tuning from a trained run on several processes."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import toy
+from procs import only_run
+from procs import run as phalanx
 from phalanx.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.timeout(300)
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def phalanx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=240)
-
-
-def only_run(root: Path) -> Path:
-    [run] = [p for p in root.iterdir() if p.is_dir()]
-    return run
 
 
 def test_init_from_on_two_processes_with_ddp_and_fsdp_trains_as_one(tmp_path):

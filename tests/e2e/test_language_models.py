@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +13,8 @@ import pytest
 import torch
 
 import toy
+from procs import only_run
+from procs import run as phalanx
 from phalanx import config, data
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import DataError
@@ -24,18 +23,8 @@ from phalanx.trainer import Trainer
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def phalanx(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def only_run(root: Path) -> Path:
-    [run] = [p for p in root.iterdir() if p.is_dir()]
-    return run
 
 
 def rows(run: Path) -> list[dict]:
@@ -177,8 +166,7 @@ def test_the_gpt_example_trains_from_token_files_it_prepares(tmp_path):
     overrides = [f"output_root={tmp_path / 'runs'}", f"dataset.folder={tmp_path / 'tokens'}",
                  "dataset.max_bytes=60000", "main_loop.epochs=1", "main_loop.eval_every_n_steps=10",
                  "dataset.batch_size=16"]
-    result = subprocess.run([*PHALANX, "train", "examples/gpt/tokens.yaml", *overrides], cwd=REPO, env=ENV,
-                            capture_output=True, text=True, timeout=240)
+    result = phalanx("train", "examples/gpt/tokens.yaml", *overrides, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "tokens" / "train.bin").stat().st_size == 2 * (60000 - 6000)
     run = only_run(tmp_path / "runs")

@@ -3,7 +3,6 @@ rank, portable checkpoints across device counts, and a stop request."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -17,22 +16,13 @@ import torch
 from safetensors.torch import load_file
 
 import toy
-from procs import wait_until
+from procs import ENV, PHALANX, only_run, wait_until
+from procs import run as phalanx
 
 pytestmark = pytest.mark.timeout(400)
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def phalanx(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def only_run(root: Path) -> Path:
-    [run] = [p for p in root.iterdir() if p.is_dir()]
-    return run
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
