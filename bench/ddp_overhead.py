@@ -279,7 +279,7 @@ def make_driver_hook(chunk: int, steps: int, on_chunk):
 
 
 def build_phalanx(args, run_root: Path, driver):
-    """A Trainer as `phalanx train` builds one in each worker (`commands._worker_trainer`): logs on
+    """A Trainer as `phalanx train` builds one in each worker (`api._worker_trainer`): logs on
     rank 0 (log.txt kept, the console copy dropped), the config checked alike on every rank, the
     launcher's stop file watched; its hooks those the config lists, then `driver`."""
     from phalanx import __version__, config, launch, logs, rundir, strategies

@@ -1,2 +1,15 @@
-"""phalanx: train any PyTorch model on one device, many devices or many machines from a YAML config."""
+"""phalanx: train any PyTorch model on one device, many devices or many machines from a YAML config.
+
+From Python: `phalanx.fit(config, model=..., dataset=..., hooks=[...])` trains and returns the run;
+`phalanx.resume(run_dir)` continues one; `phalanx.load(run_dir)` gives its trained model back.
+"""
 __version__ = "0.1.0"
+__all__ = ["Run", "fit", "load", "resume"]
+
+
+def __getattr__(name: str):
+    if name in __all__:  # imported on first use: `phalanx --version` and `--help` need no torch
+        from phalanx import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")

@@ -1,14 +1,12 @@
 """What each CLI subcommand does; `cli.py` only parses arguments and calls one of these."""
 from __future__ import annotations
 
-import contextlib
 import csv
 import io
 import json
 import logging
 import os
 import platform
-import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -16,9 +14,9 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import __version__, config, environment, launch, logs, metrics, rundir, runlock, strategies
-from phalanx.checkpoint import CheckpointMismatch, Checkpoints
-from phalanx.errors import CheckpointError, PhalanxError
+from phalanx import __version__, api, config, environment, launch, logs, metrics, rundir, strategies
+from phalanx.checkpoint import Checkpoints
+from phalanx.errors import PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
 from phalanx.trainer import Trainer
@@ -27,209 +25,20 @@ log = logging.getLogger("phalanx")
 
 
 def train(config_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
-    """Start a new run from a config file; returns the exit code. With `nodes`, this machine's part
-    of a job on several: node 0 makes the run directory, every node starts its own workers."""
-    cfg, _ = config.load(config_path, overrides)
-    path = Path(config_path)
-    if nodes is not None:
-        return _train_on_nodes(cfg, path, nodes)
-    if strategies.needs_launch(cfg):
-        run_dir = rundir.create(cfg, path)
-        with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
-            try:
-                logs.setup(run_dir)
-                devices = strategies.resolve_device(cfg)[1]
-                log.info("run directory: %s; starting %d workers", run_dir, devices)
-                return launch.launch(run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts)
-            except BaseException as e:
-                if not _worth_keeping(run_dir, e):
-                    _discard(run_dir)
-                raise
-    strategy = strategies.create(cfg)
-    run_dir = Path(strategy.broadcast(str(rundir.create(cfg, path)) if strategy.is_main else None))
-    with _training_lock(run_dir, "train"):
-        try:
-            trainer = _worker_trainer(cfg, run_dir, [path.resolve().parent, Path.cwd()], strategy)
-            log.info("run directory: %s", run_dir)
-            _log_start(cfg, strategy, trainer)
-            trainer.initialise_from()
-            return _run(trainer)
-        except BaseException as e:
-            if strategy.is_main and not _worth_keeping(run_dir, e):
-                _discard(run_dir)
-            raise
-
-
-def _train_on_nodes(cfg: config.Config, path: Path, nodes: launch.Nodes) -> int:
-    strategies.check_nodes(cfg, nodes.count, nodes.elastic)
-    devices = strategies.resolve_device(cfg)[1]
-    store = launch.join(nodes)
-    if nodes.rank != 0:
-        run_dir = launch.share_run_dir(store, None)
-        logs.setup(None)
-        log.info("node %d of %d: run directory %s; starting %d workers", nodes.rank, nodes.count, run_dir, devices)
-        return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
-                             restarts=cfg.parallel.max_restarts)
-    run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
-    with _training_lock(run_dir, "train"):
-        try:
-            logs.setup(run_dir)
-            log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
-            return launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
-                                 restarts=cfg.parallel.max_restarts)
-        except BaseException as e:
-            if not _worth_keeping(run_dir, e):
-                _discard(run_dir)
-            raise
-
-
-def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
-    """Whether a run directory that `train` created is kept after `error`: not where training never
-    started (bad input, a signal during start-up), nor for bad input found at the first batches,
-    before any checkpoint; a failing worker's is kept, with its log."""
-    if isinstance(error, launch.RankFailure):
-        return True
-    if not any(e.get("event") == "started" for e in rundir.read_trace(run_dir)):
-        return False
-    return not isinstance(error, PhalanxError) or bool(Checkpoints(run_dir / "checkpoints").steps())
-
-
-def _discard(run_dir: Path) -> None:
-    """Remove a run directory that this command created and in which nothing ran."""
-    logs.setup(None)
-    shutil.rmtree(run_dir, ignore_errors=True)
+    """`phalanx train`: a new run from a config file (see `phalanx.fit`); returns the exit code."""
+    return api.fit(config_path, overrides=overrides, nodes=nodes).code
 
 
 def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
-    """Continue a run from its latest valid checkpoint, in the same run directory, on any device
-    count; with `nodes`, on several machines (each given the same run directory, on a shared file system)."""
-    logs.setup(None)  # first: opening the run logs where its classes come from
-    run_dir = rundir.open_run(run_path, announce=False)
-    if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
-        return _resume(run_dir, overrides, nodes)
-    with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
-        rundir.announce_imports(run_dir)
-        return _resume(run_dir, overrides, nodes)
-
-
-def _resume(run_dir: Path, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
-    cfg = config.validate(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
-    if nodes is None and not strategies.needs_launch(cfg):
-        return run_worker(run_dir, resume=True, overrides=overrides)
-    store = None
-    if nodes is not None:
-        strategies.check_nodes(cfg, nodes.count, nodes.elastic)
-        store = launch.join(nodes)
-    if nodes is None or nodes.rank == 0:
-        logs.setup(run_dir)
-    return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                         nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
-
-
-@contextlib.contextmanager
-def _training_lock(run_dir: Path, command: str):
-    """The run directory's lock, held while this process trains there (see runlock): by the launcher
-    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take it."""
-    place = environment.here()
-    if place.in_group and place.rank != 0:
-        yield
-        return
-    with runlock.hold(run_dir, command):
-        launch.clear_requests(run_dir)  # stop requests left by a launcher that was killed
-        yield
-
-
-def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
-    """Train in an existing run directory in this process (one of several, or the only one)."""
-    saved = rundir.load_config_text(run_dir)
-    cfg = config.validate(config.apply_overrides(saved, overrides))
-    strategy = strategies.create(cfg)
-    trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy)
-    if not resume:  # workers of `train` that find the run started before: the launcher started them again
-        started, steps = strategy.broadcast(
-            (any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
-             Checkpoints(run_dir / "checkpoints").steps()) if strategy.is_main else None)
-        if started:  # after a worker failed, or (in an elastic job) when the machines changed
-            resume = bool(steps)
-            log.warning("the workers started again in this run (a worker failed, or the machines changed): %s",
-                        "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
-    if resume:
-        previous = rundir.resolved(config.validate(saved)) if overrides else None
-        _restore_latest(trainer, run_dir, previous)
-        if overrides and strategy.is_main:  # the run's config changes only once the resume is sure to go on
-            write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
-            rundir.trace(run_dir, "overrides", values=list(overrides))
-        log.info("resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
-                 run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch, strategy.world_size)
-        if trainer.epoch >= cfg.main_loop.epochs:
-            log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
-    else:
-        _log_start(cfg, strategy, trainer)
-        trainer.initialise_from()
-    return _run(trainer)
-
-
-def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
-    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step; every
-    rank takes the same step. Returns it."""
-    strategy, checkpoints = trainer.strategy, trainer.checkpoints
-    if strategy.is_main:
-        checkpoints.clean_stale()
-    first_error = None
-    for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
-        try:
-            trainer.restore(step, previous=previous)
-            error = None
-        except CheckpointMismatch:
-            raise  # the run's model changed: no older step fits either
-        except CheckpointError as e:
-            error = str(e)
-        errors = [e for e in strategy.gather(error) if e]
-        if not errors:
-            return step
-        first_error = first_error or errors[0]
-        if strategy.is_main:
-            log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0])
-    why = f" (the newest one: {first_error})" if first_error else ""
-    raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train")
-
-
-def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
-    from phalanx import metrics
-
-    log.info("training on %d process(es) (%s), global batch %d", strategy.world_size, strategy.device.type,
-             cfg.dataset.batch_size)
-    log.info("%s", metrics.summary(trainer.model))
-
-
-def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy) -> Trainer:
-    """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
-    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
-    if strategy.world_size > 1:
-        if strategy.device.type == "cpu":  # the machine's cores shared among its workers
-            local = environment.here().local_world_size
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        from phalanx.strategies.distributed import check_same_config
-
-        check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
-    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy)
-    trainer.stop.watch(run_dir / launch.STOP_FILE)
-    strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step
-    return trainer
-
-
-def _run(trainer: Trainer) -> int:
-    code = trainer.run()
-    # Only after success: closing the process group on a failure would make the other ranks fail
-    # on the closed connection before this rank has recorded the error that came first.
-    trainer.strategy.shutdown()
-    return code
+    """`phalanx resume`: continue a run (see `phalanx.resume`); returns the exit code."""
+    return api.resume(run_path, overrides=overrides, nodes=nodes).code
 
 
 def _open(run_path: str) -> tuple[Path, config.Config]:
     """A run and its config for one process on one device (checkpoints carry no device count)."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path)
+    api.check_built_from_config(run_dir, "phalanx eval and predict build")
     one = ["parallel.devices=1", "parallel.strategy=auto", "parallel.shard_weights=null", "model.n_gpus=null"]
     return run_dir, config.validate(config.apply_overrides(rundir.load_config_text(run_dir), one))
 

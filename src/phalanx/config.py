@@ -258,6 +258,12 @@ class Config(_Section):
 
 def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
     """Read, override and validate a config file. Returns the validated config and the raw dict."""
+    raw = read(path, overrides)
+    return validate(raw), raw
+
+
+def read(path: str | Path, overrides: list[str] = ()) -> dict:
+    """A config file's raw mapping, overridden, with its default name; not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
@@ -267,7 +273,7 @@ def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
                           f"got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides)
     raw.setdefault("name", _default_name(path))
-    return validate(raw), raw
+    return raw
 
 
 def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> Any:

@@ -56,3 +56,11 @@ def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:
         file = RunLog(run_dir / "log.txt")
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(file)
+
+
+def close_run_log() -> None:
+    """Stop writing to a run's `log.txt`; the console goes on."""
+    for handler in list(log.handlers):
+        if isinstance(handler, RunLog):
+            log.removeHandler(handler)
+            handler.close()

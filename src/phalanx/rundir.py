@@ -19,8 +19,9 @@ CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
 log = logging.getLogger("phalanx")
 
 
-def create(cfg: Config, config_path: Path) -> Path:
-    """A new run directory holding the resolved config and where it came from."""
+def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None = None) -> Path:
+    """A new run directory holding the resolved config and where it came from: the config file's
+    folder (the working directory for a config given as a dict), and the parts given as objects."""
     root = Path(cfg.output_root)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir, n = root / f"{cfg.name}-{stamp}", 1
@@ -34,8 +35,10 @@ def create(cfg: Config, config_path: Path) -> Path:
                 run_dir = root / f"{cfg.name}-{stamp}-{n}"
     with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):  # none half-made
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))
-        meta = {"config_dir": str(config_path.resolve().parent), "cwd": str(Path.cwd()),
-                "created": time.time(), "phalanx": __version__}
+        config_dir = config_path.resolve().parent if config_path is not None else Path.cwd()
+        meta = {"config_dir": str(config_dir), "cwd": str(Path.cwd()), "created": time.time(), "phalanx": __version__}
+        if objects:
+            meta["objects"] = objects
         (run_dir / META).write_text(json.dumps(meta, indent=1))
     return run_dir
 
@@ -79,6 +82,16 @@ def search_dirs(run_dir: Path) -> list[Path]:
     if not all(isinstance(folder, str) and folder for folder in folders):
         raise RunDirError(f"{path} does not name the folders config_dir and cwd; {fix}")
     return [Path(folder) for folder in folders]
+
+
+def objects(run_dir: Path) -> dict[str, Any]:
+    """The parts of a run given to `phalanx.fit` as objects: {"model": class, "dataset": class, "hooks": [...]}."""
+    try:
+        meta = json.loads((run_dir / META).read_bytes())
+    except (OSError, ValueError):
+        return {}  # search_dirs says what is wrong with the file, where it is needed
+    given = meta.get("objects") if isinstance(meta, dict) else None
+    return given if isinstance(given, dict) else {}
 
 
 def _first_line(error: BaseException) -> str:

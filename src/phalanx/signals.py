@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -100,7 +101,11 @@ class GracefulStop:
         return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:
+        """Take SIGINT and SIGTERM until `restore`; Python lets only the main thread take signals, so
+        a run started from another thread (phalanx.fit in a thread) keeps the handlers it found."""
         global _at_once
+        if threading.current_thread() is not threading.main_thread():
+            return
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         _at_once = False

@@ -25,7 +25,9 @@ from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
+from phalanx.hooks.variables import flat_variables
 from phalanx.model import Forward, build_model
+from phalanx.objects import Objects
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
 from phalanx.strategies.base import ModelOptions, SavesShards, Strategy
@@ -41,24 +43,46 @@ class _Interrupted(Exception):
     pass
 
 
+def _check_given_model(module: torch.nn.Module, strategy: Strategy) -> None:
+    """A model given as an object: built already, so not on the meta device; and, where each rank
+    built its own (under torchrun), the same on every rank, as one process's would be."""
+    where = strategy.init_context()
+    if isinstance(where, torch.device) and where.type == "meta":
+        raise ConfigError("parallel.fsdp.init: meta builds the model itself, one module at a time, but the model "
+                          "was given as an object, built already; name its class in model.class, or use init: full")
+    differing = strategy.differing_ranks(module) if hasattr(strategy, "differing_ranks") else []
+    if differing:
+        raise ConfigError(f"the model given differs on rank(s) {differing} from rank 0's: each process built its own "
+                          "from its own random state. Seed before building it (torch.manual_seed(0) first), so that "
+                          "every process starts from the same weights")
+
+
 class Trainer:
     """One run: the model, data, optimizer, strategy and hooks that a config describes."""
 
     def __init__(self, cfg: Config, run_dir: Path | None, search_dirs: list[Path] = (),
-                 hooks: list[Hook] | None = None, strategy: Strategy | None = None, inference: bool = False):
-        """`inference`: only evaluate and predict; no optimizer (building one imports torch's
-        compiler stack, seconds of start-up that `phalanx eval` does not need)."""
+                 hooks: list[Hook] | None = None, strategy: Strategy | None = None, inference: bool = False,
+                 objects: Objects | None = None):
+        """`hooks`: these instead of the config's. `objects`: a model, dataset or hooks given as
+        Python objects (by `phalanx.fit`), used instead of building what the config names, and the
+        hooks after the config's. `inference`: only evaluate and predict; no optimizer (building one
+        imports torch's compiler stack, seconds of start-up that `phalanx eval` does not need)."""
+        objects = objects or Objects()
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
         self.strategy = strategy or strategies.create(cfg)
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.set_float32_matmul_precision(cfg.matmul_precision)
         seed_everything(cfg.seed)
-        self.dataset = build_dataset(cfg.dataset, self.search_dirs)
+        self.dataset = objects.dataset if objects.dataset is not None else build_dataset(cfg.dataset, self.search_dirs)
         self._streams: dict[str, Any] = {}
         self._positioned = False  # an iterable training stream restored its own position from a checkpoint
         self._warned_position = False
-        with self.strategy.init_context():
-            module = build_model(cfg.model, self.search_dirs)
+        if objects.model is not None:
+            module = objects.model
+            _check_given_model(module, self.strategy)
+        else:
+            with self.strategy.init_context():
+                module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
         compiled = (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()) if cfg.compile else None
         options = ModelOptions(self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled)
@@ -86,6 +110,7 @@ class Trainer:
         self.rounds = 0  # evaluation rounds begun, with main_loop.eval_every_n_steps
         self.shard_weights = _shard_weights(cfg, self.strategy.data_world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
+        self.metrics: dict[str, float] = {}  # the numbers of the last evaluation round, as "stream.variable"
         # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
         # overlaps backward); communication after backward; the optimizer; hooks; evaluation
         self.profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0)
@@ -97,6 +122,7 @@ class Trainer:
         self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
+        self.hooks = [*self.hooks, *objects.hooks]
         self.loader_options = _loader_options(cfg, self.strategy)
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
@@ -300,10 +326,11 @@ class Trainer:
         stop = self._emit("after_epoch", epoch, self.epoch_data)
         profile["after_epoch"] = time.perf_counter() - start
         stop = self._emit("after_epoch_profile", epoch, profile, TRAIN, self.cfg.main_loop.extra_streams) or stop
+        self.metrics = flat_variables(self.epoch_data)
         if self.cfg.main_loop.eval_every_n_steps is None:
-            self._trace("epoch", epoch=epoch, step=self.step)
+            self._trace("epoch", epoch=epoch, step=self.step, metrics=self.metrics)
         else:
-            self._trace("epoch", epoch=self.epoch, step=self.step, round=epoch)
+            self._trace("epoch", epoch=self.epoch, step=self.step, round=epoch, metrics=self.metrics)
         if stop is not None:
             raise stop
         if self.any_rank(self.stop.requested):

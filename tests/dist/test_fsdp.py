@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
-from phalanx import cli, commands, config, rundir  # noqa: E402
+from phalanx import api, cli, config, rundir  # noqa: E402
 from phalanx.checkpoint import SHARDS, WEIGHTS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -116,7 +116,7 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
             shard = copy / "checkpoints" / "step-8" / SHARDS / "__1_0.distcp"
             shard.write_bytes(shard.read_bytes()[:-8])
         if processes == 1:
-            assert commands.run_worker(copy, True, [*more, *overrides]) == 0
+            assert api.run_worker(copy, True, [*more, *overrides]) == 0
         else:
             assert workers.run_ranks(processes, workers.run_dir_worker, str(copy), True, [*more, *overrides],
                                      timeout=300) == [0] * processes

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 import toy
-from phalanx import commands, config, strategies
+from phalanx import api, config, strategies
 from phalanx.hooks import ComputeStats
 from phalanx.trainer import Trainer
 
@@ -145,4 +145,4 @@ def train_all(rank: int, raws: list[dict], carry_through_autograd: bool = False)
 
 
 def run_dir_worker(rank: int, run_dir: str, resume: bool, overrides: list[str]) -> int:
-    return commands.run_worker(Path(run_dir), resume, overrides)
+    return api.run_worker(Path(run_dir), resume, overrides)

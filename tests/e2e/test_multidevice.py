@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import phalanx as phalanx_api
 import toy
 from procs import ENV, PHALANX, only_run, wait_until
 from procs import run as phalanx
@@ -290,6 +292,48 @@ def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path)
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     assert "on 2 process(es)" in log and "starting 2 workers" not in result.stderr + log
+
+
+FIT_SCRIPT = """
+import os, sys
+import torch
+import phalanx, toy
+
+torch.manual_seed(0 if sys.argv[2] == "seeded" else 1 + int(os.environ["RANK"]))
+streams = toy.Regression(n_train=41).streams()
+model = toy.Linear(features=3, hidden=4)
+run = phalanx.fit(sys.argv[1], overrides=["parallel.devices=2", "parallel.strategy=fsdp"], model=model,
+                  dataset={"train": streams["train"], "valid": streams["valid"]})
+print(os.environ["RANK"], run.status, run.metrics["valid.loss"])
+"""
+
+
+def test_under_torchrun_each_process_fits_its_own_objects(tmp_path):
+    """A script that calls phalanx.fit with a model and a dataset it built, in each process of a
+    torchrun job (fsdp: each keeps its shards of its own model), trains as one process would; models
+    that differ between the processes (not seeded) are an error, not a silent mix."""
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "objects", CFG)
+    (tmp_path / "objects" / "fit.py").write_text(FIT_SCRIPT)
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "fit.py"]
+    result = subprocess.run([*torchrun, str(path), "seeded"], cwd=tmp_path / "objects", env=ENV, capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = only_run(tmp_path / "objects" / "runs")
+    assert relative(phalanx_api.load(run, "latest", model=toy.Linear(features=3, hidden=4)).state_dict(), want) < 1e-10
+    ends = sorted(line.split() for line in result.stdout.splitlines())
+    assert [rank for rank, _, _ in ends] == ["0", "1"] and {status for _, status, _ in ends} == {"finished"}
+    assert ends[0][2] == ends[1][2]  # every process returns the same numbers
+
+    shutil.rmtree(tmp_path / "objects" / "runs")
+    result = subprocess.run([*torchrun, str(path), "unseeded"], cwd=tmp_path / "objects", env=ENV,
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "the model given differs on rank(s) [1] from rank 0's" in result.stderr
+    assert not list((tmp_path / "objects" / "runs").iterdir())  # nothing trained, nothing left
 
 
 def test_doctor_tries_the_devices_and_an_all_reduce_among_the_configured_processes(tmp_path):

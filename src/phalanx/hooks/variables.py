@@ -37,3 +37,14 @@ def check_mode(mode: str, hook: str) -> str:
     if mode not in ("min", "max"):
         raise ConfigError(f"{hook}: mode {mode!r} must be min or max")
     return mode
+
+
+def flat_variables(epoch_data: dict[str, dict[str, Any]], variables: list[str] | None = None) -> dict[str, float]:
+    """`{stream: {var: value}}` as `{"stream.var": value}`, numbers only, optionally filtered."""
+    flat = {}
+    for stream, values in epoch_data.items():
+        for var, value in values.items():
+            name = f"{stream}.{var}"
+            if isinstance(value, (int, float)) and (variables is None or var in variables or name in variables):
+                flat[name] = float(value)
+    return flat

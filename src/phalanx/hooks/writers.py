@@ -11,20 +11,10 @@ from typing import Any
 
 from phalanx.files import write_atomic, write_text_atomic, writing
 from phalanx.hooks.base import Hook
+from phalanx.hooks.variables import flat_variables
 from phalanx.strategies.base import ReportsCommunication
 
 log = logging.getLogger("phalanx")
-
-
-def _flatten(epoch_data: dict[str, dict[str, Any]], variables: list[str] | None = None) -> dict[str, float]:
-    """`{stream: {var: value}}` as `{"stream.var": value}`, numbers only, optionally filtered."""
-    flat = {}
-    for stream, values in epoch_data.items():
-        for var, value in values.items():
-            name = f"{stream}.{var}"
-            if isinstance(value, (int, float)) and (variables is None or var in variables or name in variables):
-                flat[name] = float(value)
-    return flat
 
 
 class _Writer(Hook):
@@ -108,7 +98,7 @@ class WriteCSV(_Writer):
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if not self.active:
             return
-        self._rows.append({"epoch": epoch, "step": self.trainer.step, **_flatten(epoch_data)})
+        self._rows.append({"epoch": epoch, "step": self.trainer.step, **flat_variables(epoch_data)})
         self._write()
 
     def _write(self) -> None:
@@ -157,7 +147,7 @@ class WriteTensorBoard(_Writer):
         step = self.trainer.step
         with writing(self.trainer.run_dir / self.log_dir):
             self._writer.add_scalar("epoch", epoch, step)
-            for name, value in _flatten(epoch_data).items():
+            for name, value in flat_variables(epoch_data).items():
                 self._writer.add_scalar(name.replace(".", "/", 1), value, step)
             self._writer.flush()
 
@@ -178,7 +168,7 @@ class PlotLines(_Writer):
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if not self.active:
             return
-        for name, value in _flatten(epoch_data, self.variables).items():
+        for name, value in flat_variables(epoch_data, self.variables).items():
             self.history.setdefault(name, []).append([epoch, value])
         self._plot()
 

@@ -77,14 +77,18 @@ class ProcessGroup:
 
     def check_identical(self, module: nn.Module) -> None:
         """Every rank holds the same parameters and buffers (a hash of them compared)."""
+        differing = self.differing_ranks(module)
+        if differing:
+            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
+
+    def differing_ranks(self, module: nn.Module) -> list[int]:
+        """The ranks whose parameters and buffers differ from rank 0's (a hash of them compared)."""
         digest = hashlib.sha256()
         for name, tensor in module.state_dict().items():
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         digests = self.gather(digest.hexdigest())
-        if len(set(digests)) != 1:
-            differing = [r for r, d in enumerate(digests) if d != digests[0]]
-            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
+        return [r for r, d in enumerate(digests) if d != digests[0]]
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         out = tensor.detach().clone()

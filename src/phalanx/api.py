@@ -1,0 +1,369 @@
+"""phalanx from Python: `fit` trains a config, `resume` continues a run, `load` gives a run's
+trained model back. `phalanx train` and `phalanx resume` are `fit` and `resume`.
+
+    run = phalanx.fit("config.yaml", model=Net(), dataset={"train": train_set, "valid": valid_set})
+    run.metrics["valid.loss"], run.model, run.run_dir
+    model = phalanx.load(run.run_dir, checkpoint="best")
+
+A config is a YAML file or a dict. A model, dataset or hooks given as objects take the place of
+the classes the config names (see `phalanx.objects`); such objects train in this process: on one
+device, with `towers` on several, or in each process of a `torchrun` job.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx import __version__, config, environment, launch, logs, rundir, runlock, strategies
+from phalanx.checkpoint import CheckpointMismatch, Checkpoints, initial_weights
+from phalanx.errors import CheckpointError, ConfigError, PhalanxError, RunDirError
+from phalanx.files import write_text_atomic
+from phalanx.model import build_model
+from phalanx.objects import Objects
+from phalanx.trainer import Trainer
+
+log = logging.getLogger("phalanx")
+
+
+@dataclass
+class Run:
+    """A run that `fit` or `resume` ended."""
+
+    run_dir: Path
+    code: int  # the command's exit code: 0 finished (or stopped by a hook), 1 failed, 128 + N interrupted by signal N
+    metrics: dict[str, float]  # the last evaluation's numbers, as {"valid.loss": ...}
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    @property
+    def status(self) -> str:
+        return "finished" if self.code == 0 else "interrupted" if self.code > 128 else "failed"
+
+    @property
+    def model(self) -> nn.Module:
+        """The trained module, as this process holds it (on its device; its shards under fsdp)."""
+        if self._model is None:
+            raise PhalanxError(f"the run trained in worker processes, so this process holds no model; read it from "
+                               f"a checkpoint: phalanx.load({str(self.run_dir)!r})")
+        return self._model
+
+
+def fit(config_source: str | os.PathLike | Mapping[str, Any], *, overrides: Sequence[str] = (),
+        model: nn.Module | None = None, dataset: Any = None, hooks: Sequence[Any] | None = None,
+        nodes: launch.Nodes | None = None) -> Run:
+    """Train a new run: `config_source` is a YAML file or a dict, `overrides` its `KEY=VALUE` changes.
+
+    `model`: a module, in place of `model.class`; `dataset`: an object with `streams()`, or
+    `{"train": ..., "valid": ...}`, in place of `dataset.class`; `hooks`: Hook objects, called after
+    the config's (or the default ones, where the config lists none). `nodes`: this machine's part of
+    a job on several, as `--nnodes/--node-rank/--rdzv` give it.
+    """
+    objects = Objects.given(model, dataset, hooks)
+    raw, path = _read(config_source, overrides)
+    cfg = config.validate(objects.into(raw))
+    if objects and (nodes is not None or strategies.needs_launch(cfg)):
+        raise ConfigError(_in_this_process(cfg))
+    if nodes is not None:
+        run_dir, code = _train_on_nodes(cfg, path, nodes)
+        return _launched(run_dir, code)
+    if strategies.needs_launch(cfg):
+        run_dir = rundir.create(cfg, path)
+        with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
+            try:
+                logs.setup(run_dir)
+                devices = strategies.resolve_device(cfg)[1]
+                log.info("run directory: %s; starting %d workers", run_dir, devices)
+                code = launch.launch(run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts)
+            except BaseException as e:
+                if not _worth_keeping(run_dir, e):
+                    _discard(run_dir)
+                raise
+            finally:
+                logs.close_run_log()
+        return _launched(run_dir, code)
+    strategy = strategies.create(cfg)
+    run_dir = Path(strategy.broadcast(str(rundir.create(cfg, path, objects.names())) if strategy.is_main else None))
+    search_dirs = [path.resolve().parent, Path.cwd()] if path is not None else [Path.cwd()]
+    with _training_lock(run_dir, "train"):
+        try:
+            trainer = _worker_trainer(cfg, run_dir, search_dirs, strategy, objects)
+            log.info("run directory: %s", run_dir)
+            for note in objects.notes:
+                log.info("%s", note)
+            _log_start(cfg, strategy, trainer)
+            trainer.initialise_from()
+            return _ended(trainer, _run(trainer))
+        except BaseException as e:
+            if strategy.is_main and not _worth_keeping(run_dir, e):
+                _discard(run_dir)
+            raise
+        finally:
+            logs.close_run_log()
+
+
+def resume(run_path: str | os.PathLike, *, overrides: Sequence[str] = (), model: nn.Module | None = None,
+           dataset: Any = None, hooks: Sequence[Any] | None = None, nodes: launch.Nodes | None = None) -> Run:
+    """Continue a run from its latest valid checkpoint, in the same run directory, on any device
+    count; `overrides` change its config from here on. A run trained with objects is given them again."""
+    logs.setup(None)  # first: opening the run logs where its classes come from
+    run_dir = rundir.open_run(run_path, announce=False)
+    objects = Objects.given(model, dataset, hooks)
+    _check_objects(run_dir, objects, "resume")
+    try:
+        if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
+            return _launched(run_dir, _resume(run_dir, list(overrides), objects, nodes))
+        with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
+            rundir.announce_imports(run_dir)
+            result = _resume(run_dir, list(overrides), objects, nodes)
+        return result if isinstance(result, Run) else _launched(run_dir, result)
+    finally:
+        logs.close_run_log()
+
+
+def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: nn.Module | None = None) -> nn.Module:
+    """A run's model with the weights of its `checkpoint` (best, latest, a step, or auto: the best
+    where there is one, else the latest), on the CPU, in eval mode, in the dtype it was trained in;
+    saved whole or in shards, on any process count. The module is built as the run's config says, or is `model`, given."""
+    logs.setup(None)
+    run_dir = rundir.open_run(run_path, announce=model is None)  # a model given imports nothing
+    if model is None:
+        _check_objects(run_dir, Objects(), "load", parts=("model",))
+        cfg = config.validate(rundir.load_config_text(run_dir))
+        model = build_model(cfg.model, rundir.search_dirs(run_dir))
+    elif not isinstance(model, nn.Module):
+        raise PhalanxError(f"model= is a {type(model).__name__}, not a torch.nn.Module")
+    path, state = initial_weights(str(run_dir), checkpoint)
+    try:
+        model.load_state_dict(state, assign=True)  # the tensors as trained: fp64 stays fp64
+    except RuntimeError as e:
+        lines = " ".join(str(e).split())
+        raise CheckpointMismatch(f"{path} does not fit this model ({lines[:400]})") from None
+    return model.cpu().eval()
+
+
+def _read(source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]) -> tuple[dict, Path | None]:
+    """The raw config and the file it came from (None for a dict)."""
+    if isinstance(source, Mapping):
+        raw = config.apply_overrides(dict(source), list(overrides))
+        raw.setdefault("name", "run")
+        return raw, None
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"the config is a {type(source).__name__}; give the path of a YAML file or a dict")
+    return config.read(source, list(overrides)), Path(source)
+
+
+def _in_this_process(cfg: config.Config) -> str:
+    devices = strategies.resolve_device(cfg)[1]
+    return (f"a model, dataset or hooks given as objects train in this process, but the config asks for "
+            f"{devices} processes ({strategies.strategy_name(cfg)} on parallel.devices={devices}); start the script "
+            f"with `torchrun --nproc-per-node {devices} script.py` (each process calls phalanx.fit), use "
+            "parallel.strategy=towers (one process driving several devices), or name the classes in the config "
+            "instead of giving objects")
+
+
+def _check_objects(run_dir: Path, objects: Objects, command: str, parts: Sequence[str] = ("model", "dataset")) -> None:
+    """A run trained with a model or dataset given as an object needs the object again; hooks
+    given as objects and not again are only said (their part of the checkpoint is not restored)."""
+    recorded = rundir.objects(run_dir)
+    missing = [part for part in parts if part in recorded and getattr(objects, part) is None]
+    if missing:
+        given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
+        raise RunDirError(f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
+                          f"({', '.join(recorded[p] for p in missing)}); {command} it from Python, giving them "
+                          f"again: phalanx.{command}({str(run_dir)!r}, {given})")
+    if "hooks" in recorded and not objects.hooks and command == "resume":
+        log.warning("%s was trained with hooks given as objects (%s); they are not part of this resume: pass "
+                    "them again with hooks=[...]", run_dir, ", ".join(recorded["hooks"]))
+
+
+def check_built_from_config(run_dir: Path, who: str) -> None:
+    """A RunDirError where the run's model or dataset was given as an object: `who` builds them
+    from the config, which names their classes but not how to build them."""
+    recorded = {part: name for part, name in rundir.objects(run_dir).items() if part in ("model", "dataset")}
+    if recorded:
+        raise RunDirError(f"{run_dir} was trained with {' and '.join(recorded)} given to phalanx.fit as objects "
+                          f"({', '.join(recorded.values())}); {who} them from the config, so they cannot here. In "
+                          f"Python, phalanx.load({str(run_dir)!r}, model=...) gives the model back with its weights")
+
+
+def _launched(run_dir: Path, code: int) -> Run:
+    """A run whose workers were other processes: its numbers from the run's trace."""
+    events = [e for e in rundir.read_trace(run_dir) if e.get("event") == "epoch" and "metrics" in e]
+    return Run(run_dir, code, events[-1]["metrics"] if events else {})
+
+
+def _ended(trainer: Trainer, code: int) -> Run:
+    metrics = trainer.metrics
+    if not metrics and trainer.strategy.is_main:  # resumed after its last evaluation: the one recorded
+        metrics = _launched(trainer.run_dir, code).metrics
+    return Run(trainer.run_dir, code, metrics, trainer.model)
+
+
+def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: launch.Nodes) -> tuple[Path, int]:
+    strategies.check_nodes(cfg, nodes.count, nodes.elastic)
+    devices = strategies.resolve_device(cfg)[1]
+    store = launch.join(nodes)
+    if nodes.rank != 0:
+        run_dir = launch.share_run_dir(store, None)
+        logs.setup(None)
+        log.info("node %d of %d: run directory %s; starting %d workers", nodes.rank, nodes.count, run_dir, devices)
+        return run_dir, launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
+                                      restarts=cfg.parallel.max_restarts)
+    run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
+    with _training_lock(run_dir, "train"):
+        try:
+            logs.setup(run_dir)
+            log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
+            return run_dir, launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
+                                          restarts=cfg.parallel.max_restarts)
+        except BaseException as e:
+            if not _worth_keeping(run_dir, e):
+                _discard(run_dir)
+            raise
+
+
+def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
+    """Whether a run directory that `train` created is kept after `error`: not where training never
+    started (bad input, a signal during start-up), nor for bad input found at the first batches,
+    before any checkpoint; a failing worker's is kept, with its log."""
+    if isinstance(error, launch.RankFailure):
+        return True
+    if not any(e.get("event") == "started" for e in rundir.read_trace(run_dir)):
+        return False
+    return not isinstance(error, PhalanxError) or bool(Checkpoints(run_dir / "checkpoints").steps())
+
+
+def _discard(run_dir: Path) -> None:
+    """Remove a run directory that this command created and in which nothing ran."""
+    logs.setup(None)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _resume(run_dir: Path, overrides: list[str], objects: Objects, nodes: launch.Nodes | None = None) -> Run | int:
+    cfg = config.validate(objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides)))
+    if nodes is None and not strategies.needs_launch(cfg):
+        return _ended(*_work(run_dir, True, overrides, objects))
+    if objects:
+        raise ConfigError(_in_this_process(cfg))
+    store = None
+    if nodes is not None:
+        strategies.check_nodes(cfg, nodes.count, nodes.elastic)
+        store = launch.join(nodes)
+    if nodes is None or nodes.rank == 0:
+        logs.setup(run_dir)
+    return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
+                         nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
+
+
+@contextlib.contextmanager
+def _training_lock(run_dir: Path, command: str):
+    """The run directory's lock, held while this process trains there (see runlock): by the launcher
+    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take it."""
+    place = environment.here()
+    if place.in_group and place.rank != 0:
+        yield
+        return
+    with runlock.hold(run_dir, command):
+        launch.clear_requests(run_dir)  # stop requests left by a launcher that was killed
+        yield
+
+
+def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
+    """Train in an existing run directory in this process (one of several, or the only one)."""
+    return _work(run_dir, resume, overrides)[1]
+
+
+def _work(run_dir: Path, resume: bool, overrides: list[str] = (), objects: Objects | None = None) -> tuple[Trainer, int]:
+    objects = objects or Objects()
+    saved = rundir.load_config_text(run_dir)
+    cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
+    strategy = strategies.create(cfg)
+    trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
+    if not resume:  # workers of `train` that find the run started before: the launcher started them again
+        started, steps = strategy.broadcast(
+            (any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
+             Checkpoints(run_dir / "checkpoints").steps()) if strategy.is_main else None)
+        if started:  # after a worker failed, or (in an elastic job) when the machines changed
+            resume = bool(steps)
+            log.warning("the workers started again in this run (a worker failed, or the machines changed): %s",
+                        "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
+    if resume:
+        previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
+        _restore_latest(trainer, run_dir, previous)
+        if overrides and strategy.is_main:  # the run's config changes only once the resume is sure to go on
+            write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
+            rundir.trace(run_dir, "overrides", values=list(overrides))
+        log.info("resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
+                 run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch, strategy.world_size)
+        if trainer.epoch >= cfg.main_loop.epochs:
+            log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
+    else:
+        _log_start(cfg, strategy, trainer)
+        trainer.initialise_from()
+    return trainer, _run(trainer)
+
+
+def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
+    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step; every
+    rank takes the same step. Returns it."""
+    strategy, checkpoints = trainer.strategy, trainer.checkpoints
+    if strategy.is_main:
+        checkpoints.clean_stale()
+    first_error = None
+    for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
+        try:
+            trainer.restore(step, previous=previous)
+            error = None
+        except CheckpointMismatch:
+            raise  # the run's model changed: no older step fits either
+        except CheckpointError as e:
+            error = str(e)
+        errors = [e for e in strategy.gather(error) if e]
+        if not errors:
+            return step
+        first_error = first_error or errors[0]
+        if strategy.is_main:
+            log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0])
+    why = f" (the newest one: {first_error})" if first_error else ""
+    raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train")
+
+
+def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
+    from phalanx import metrics
+
+    log.info("training on %d process(es) (%s), global batch %d", strategy.world_size, strategy.device.type,
+             cfg.dataset.batch_size)
+    log.info("%s", metrics.summary(trainer.model))
+
+
+def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy,
+                    objects: Objects | None = None) -> Trainer:
+    """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
+    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
+    if strategy.world_size > 1:
+        if strategy.device.type == "cpu":  # the machine's cores shared among its workers
+            local = environment.here().local_world_size
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        from phalanx.strategies.distributed import check_same_config
+
+        check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
+    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
+    trainer.stop.watch(run_dir / launch.STOP_FILE)
+    strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step
+    return trainer
+
+
+def _run(trainer: Trainer) -> int:
+    code = trainer.run()
+    # Only after success: closing the process group on a failure would make the other ranks fail
+    # on the closed connection before this rank has recorded the error that came first.
+    trainer.strategy.shutdown()
+    return code

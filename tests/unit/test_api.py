@@ -1,0 +1,192 @@
+"""phalanx from Python: `fit` with a config file or a dict, and a model, dataset and hooks given as
+objects, trains exactly what `phalanx train` trains; `resume` continues such a run; `load` gives the
+model back. The command is written on these functions, so `phalanx train` is tested with it."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import phalanx
+import toy
+from procs import run as phalanx_cli
+from phalanx import rundir
+from phalanx.checkpoint import Checkpoints
+from phalanx.errors import ConfigError, ModelError, PhalanxError, RunDirError
+from phalanx.hooks import Hook, StopAfter
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _raw(**more) -> dict:
+    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
+                                optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 2},
+                                dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 37},
+                                parallel={"accelerator": "cpu"})
+    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest",
+                    {"SaveBest": {"variable": "valid.loss", "mode": "min"}}]
+    return {**raw, **more}
+
+
+def _objects() -> tuple[torch.nn.Module, dict]:
+    """The config's model and dataset, built as the trainer builds them: from the config's seed."""
+    torch.manual_seed(0)
+    streams = toy.Regression(n_train=37).streams()
+    return toy.Linear(features=3, hidden=4), {"train": streams["train"], "valid": streams["valid"]}
+
+
+def _latest(run_dir: Path) -> dict[str, torch.Tensor]:
+    checkpoints = Checkpoints(run_dir / "checkpoints")
+    return load_file(checkpoints.path(checkpoints.select("latest")) / "model.safetensors")
+
+
+class Record(Hook):
+    """Every after_epoch call, and whether training ended well."""
+
+    def __init__(self) -> None:
+        self.epochs, self.ended = [], None
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self.epochs.append((epoch, epoch_data["valid"]["loss"]))
+
+    def after_training(self, success: bool) -> None:
+        self.ended = success
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cli")
+    result = phalanx_cli("train", str(toy.write_config(folder, _raw())), cwd=folder)
+    assert result.returncode == 0, result.stderr
+    [run_dir] = list((folder / "runs").iterdir())
+    return run_dir
+
+
+def test_fit_with_objects_trains_what_phalanx_train_trains(cli_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, streams = _objects()
+    record = Record()
+    raw = _raw(output_root=str(tmp_path / "runs"))
+    run = phalanx.fit(raw, model=model, dataset=streams, hooks=[record])
+    assert run.code == 0 and run.status == "finished"
+    assert run.model is model  # the object given, trained in place
+    want = _latest(cli_run)
+    got = model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # the run's numbers: the last evaluation's, as the CSV has them; the hook ran after the config's
+    last = (cli_run / "metrics.csv").read_text().splitlines()[-1].split(",")
+    header = (cli_run / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert run.metrics["valid.loss"] == float(last[header.index("valid.loss")])
+    assert [epoch for epoch, _ in record.epochs] == [1, 2] and record.ended is True
+    assert record.epochs[-1][1] == run.metrics["valid.loss"]
+    # the saved config names the objects' classes and keeps the framework's keys; run.json says they were given
+    saved = rundir.load_config_text(run.run_dir)
+    assert saved["model"] == {**saved["model"], "class": "toy.Linear"} and "hidden" not in saved["model"]
+    assert saved["dataset"]["class"] == "phalanx.objects.Streams" and saved["dataset"]["batch_size"] == 8
+    assert rundir.objects(run.run_dir) == {"model": "toy.Linear", "dataset": "phalanx.objects.Streams",
+                                           "hooks": ["test_api.Record"]}
+    assert "model: the object given replaces class toy.Linear and its arguments features, hidden" in \
+        (run.run_dir / "log.txt").read_text()
+
+
+def test_fit_of_a_config_file_is_phalanx_train(cli_run, tmp_path):
+    path = toy.write_config(tmp_path, _raw())
+    run = phalanx.fit(path, overrides=["main_loop.epochs=2"])
+    assert run.code == 0 and run.run_dir.parent == tmp_path / "runs"
+    want, got = _latest(cli_run), _latest(run.run_dir)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(run.model.state_dict()[k], want[k]) for k in want)
+    assert run.metrics == pytest.approx(_traced(run.run_dir))
+
+
+def _traced(run_dir: Path) -> dict:
+    return [e for e in rundir.read_trace(run_dir) if e["event"] == "epoch"][-1]["metrics"]
+
+
+def test_load_gives_the_model_back(cli_run):
+    best = phalanx.load(cli_run)  # auto: the best
+    checkpoints = Checkpoints(cli_run / "checkpoints")
+    want = load_file(checkpoints.path(checkpoints.select("best")) / "model.safetensors")
+    assert isinstance(best, toy.Linear) and not best.training
+    assert all(torch.equal(best.state_dict()[k], want[k]) for k in want)
+    latest = phalanx.load(cli_run, checkpoint="latest")
+    assert all(torch.equal(latest.state_dict()[k], v) for k, v in _latest(cli_run).items())
+    with pytest.raises(PhalanxError, match="not best, latest"):
+        phalanx.load(cli_run, checkpoint="newest")
+    with pytest.raises(PhalanxError, match="does not fit this model"):
+        phalanx.load(cli_run, model=toy.Linear(features=3, hidden=5))
+
+
+def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, streams = _objects()
+    straight = phalanx.fit(_raw(main_loop={"epochs": 3, "extra_streams": ["valid"]}), model=model, dataset=streams)
+    model, streams = _objects()
+    first = phalanx.fit(_raw(), model=model, dataset=streams, hooks=[StopAfter(epochs=1)])
+    assert first.code == 0 and first.metrics.keys() == straight.metrics.keys()
+    with pytest.raises(RunDirError, match=r"phalanx.resume\(.*model=toy.Linear\(...\), dataset=phalanx.objects.Streams"):
+        phalanx.resume(first.run_dir)
+    fresh, streams = _objects()
+    resumed = phalanx.resume(first.run_dir, overrides=["main_loop.epochs=3"], model=fresh, dataset=streams)
+    assert resumed.code == 0 and resumed.model is fresh and resumed.run_dir == first.run_dir
+    want = straight.model.state_dict()
+    assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
+    assert resumed.metrics == straight.metrics
+    with pytest.raises(RunDirError, match=r"phalanx.load\("):
+        phalanx.load(first.run_dir)
+    loaded = phalanx.load(first.run_dir, model=toy.Linear(features=3, hidden=4))
+    assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
+    result = phalanx_cli("eval", str(first.run_dir), "--stream", "valid", cwd=tmp_path)
+    assert result.returncode == 2 and "given to phalanx.fit as objects" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_objects_train_on_towers_as_on_one_device(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, streams = _objects()
+    one = phalanx.fit(_raw(hooks=[]), model=model, dataset=streams)
+    model, streams = _objects()
+    towers = phalanx.fit(_raw(hooks=[], parallel={"accelerator": "cpu", "devices": 2, "strategy": "towers"}),
+                         model=model, dataset=streams)
+    want = one.model.state_dict()
+    assert all(torch.allclose(towers.model.state_dict()[k], want[k], rtol=1e-10, atol=0) for k in want)
+
+
+def test_fit_from_another_thread(tmp_path, monkeypatch):
+    """A notebook's or a server's worker thread: signals stay with the main thread, training goes on."""
+    monkeypatch.chdir(tmp_path)
+    model, streams = _objects()
+    runs = []
+    thread = threading.Thread(target=lambda: runs.append(phalanx.fit(_raw(hooks=[]), model=model, dataset=streams)))
+    thread.start()
+    thread.join(120)
+    assert runs and runs[0].code == 0
+
+
+def test_bad_objects_are_errors_that_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, streams = _objects()
+    with pytest.raises(ModelError, match="not a torch.nn.Module"):
+        phalanx.fit(_raw(), model=lambda x: x)
+    with pytest.raises(ConfigError, match="no streams\\(\\) method"):
+        phalanx.fit(_raw(), dataset=[1, 2, 3])
+    with pytest.raises(ConfigError, match=r"hooks\[0\] is a str"):
+        phalanx.fit(_raw(), hooks=["StopAfter"])
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
+        phalanx.fit(_raw(parallel={"accelerator": "cpu", "devices": 2}), model=model, dataset=streams)
+    with pytest.raises(ConfigError, match="the config is a list"):
+        phalanx.fit([1])
+    with pytest.raises(ConfigError, match="batch_size"):
+        phalanx.fit({"model": {}, "optimizer": {"class": "SGD", "lr": 0.1}, "dataset": {}}, model=model,
+                    dataset=streams)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())  # nothing half-made
+
+
+def test_a_run_in_worker_processes_has_no_model_here(tmp_path):
+    run = phalanx.Run(tmp_path, 0, {})
+    with pytest.raises(PhalanxError, match="phalanx.load"):
+        run.model
