@@ -10,6 +10,8 @@ import json
 import logging
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -415,6 +417,40 @@ def test_plot_lines_write_png_files_that_matplotlib_reads(tmp_path):
         assert pixels.std() > 0  # something is drawn
     assert sorted(plot.history) == ["train.accuracy", "train.loss", "valid.accuracy", "valid.loss"]
     assert [e for e, _ in plot.history["valid.loss"]] == [1, 2]
+
+
+def test_plot_lines_draw_in_a_process_of_their_own(tmp_path):
+    """The training process never imports matplotlib: the curves are drawn by another process, and
+    are complete when training ends."""
+    script = tmp_path / "train.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+import phalanx, toy
+from phalanx.hooks import ComputeStats, PlotLines
+raw = toy.regression_config(output_root={str(tmp_path / "runs")!r}, hooks=[], main_loop={{"epochs": 3, "extra_streams": ["valid"]}})
+run = phalanx.fit(raw, hooks=[ComputeStats(), PlotLines()])
+assert run.code == 0
+assert not any(name.startswith("matplotlib") for name in sys.modules), "matplotlib in the training process"
+print(run.run_dir)
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from matplotlib import image
+
+    folder = Path(result.stdout.split()[-1]) / "plots"
+    assert sorted(p.name for p in folder.iterdir()) == ["loss.png"]
+    pixels = image.imread(folder / "loss.png")
+    assert pixels.ndim == 3 and pixels.std() > 0
+
+
+def test_plot_lines_that_cannot_write_fail_the_run_naming_the_folder(tmp_path):
+    plot = PlotLines(path="blocked")
+    trainer = make_trainer(tmp_path, [ComputeStats(), plot], main_loop={"epochs": 2})
+    (trainer.run_dir / "blocked").write_text("a file where the plots' folder would be")
+    with pytest.raises(StorageError, match="PlotLines: .*blocked"):
+        trainer.run()
+    assert not plot._painter  # the drawing process was closed
 
 
 # --- ShowProgress ------------------------------------------------------------------------------

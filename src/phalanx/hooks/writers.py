@@ -9,7 +9,8 @@ import io
 import logging
 from typing import Any
 
-from phalanx.files import write_atomic, write_text_atomic, writing
+from phalanx.errors import StorageError
+from phalanx.files import write_text_atomic, writing
 from phalanx.hooks.base import Hook
 from phalanx.hooks.variables import flat_variables
 from phalanx.strategies.base import ReportsCommunication
@@ -159,42 +160,36 @@ class WriteTensorBoard(_Writer):
 
 
 class PlotLines(_Writer):
-    """A PNG learning curve per variable under `plots/`, one line per stream."""
+    """A PNG learning curve per variable under `plots/`, one line per stream, drawn by a process of
+    its own (see `phalanx.plots`): training goes on while it draws. At the end of training, the
+    plots are complete."""
 
     def __init__(self, variables: list[str] | None = None, path: str = "plots"):
         self.variables, self.path = variables, path
         self.history: dict[str, list[list[float]]] = {}
+        self._painter = None
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if not self.active:
             return
         for name, value in flat_variables(epoch_data, self.variables).items():
             self.history.setdefault(name, []).append([epoch, value])
-        self._plot()
+        if self._painter is None:
+            from phalanx.plots import Painter
 
-    def _plot(self) -> None:
-        # matplotlib's object API on the Agg canvas: no pyplot figure manager, no global state
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+            self._painter = Painter()
+        self._painter.submit(self.trainer.run_dir / self.path, self.history)
 
-        folder = self.trainer.run_dir / self.path
-        with writing(folder):
-            folder.mkdir(exist_ok=True)
-        by_variable: dict[str, list[str]] = {}
-        for name in self.history:
-            by_variable.setdefault(name.split(".", 1)[1], []).append(name)
-        for var, names in by_variable.items():
-            fig = Figure(figsize=(6, 4))
-            FigureCanvasAgg(fig)
-            fig.subplots_adjust(left=0.14, right=0.97, top=0.91, bottom=0.13)  # tight_layout's cost is half the plot's
-            ax = fig.add_subplot()
-            for name in names:
-                epochs, values = zip(*self.history[name])
-                ax.plot(epochs, values, marker="o", label=name.split(".", 1)[0])
-            ax.set(xlabel="epoch", ylabel=var, title=var)
-            ax.grid(alpha=0.3)
-            ax.legend()
-            write_atomic(folder / f"{var}.png", lambda f, figure=fig: figure.savefig(f, format="png", dpi=80))
+    def after_training(self, success: bool) -> None:
+        painter, self._painter = self._painter, None
+        if painter is None:
+            return
+        try:
+            painter.close()
+        except StorageError as e:
+            if success:
+                raise
+            log.error("%s", e)  # a failed run's own error is the one to raise
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
