@@ -56,6 +56,11 @@ class RunView:
         return self._run.training
 
     @property
+    def stop_requested(self) -> bool:
+        """Whether a signal (or the launcher, on one's behalf) asked the run to save and stop."""
+        return self._run.stop.requested
+
+    @property
     def last_loss(self) -> torch.Tensor | None:
         """The last step's global mean loss (a tensor on the device: reading it waits for the step)."""
         return self._run.last_loss

@@ -12,11 +12,12 @@ from phalanx.hooks.saving import SaveBest, SaveEvery, SaveLatest
 from phalanx.hooks.stats import ClassificationMetrics, ComputeStats
 from phalanx.hooks.stopping import StopAfter, StopOnNaN, StopOnPlateau
 from phalanx.hooks.throughput import LogThroughput
+from phalanx.hooks.trackers import WriteMLflow, WriteWandb
 from phalanx.hooks.writers import LogProfile, LogVariables, PlotLines, WriteCSV, WriteTensorBoard
 
 BUILTIN: dict[str, type[Hook]] = {cls.__name__: cls for cls in (
     ShowProgress, ComputeStats, ClassificationMetrics, LogVariables, LogProfile, WriteCSV,
-    WriteTensorBoard, PlotLines, LogThroughput, SaveEvery, SaveBest, SaveLatest, StopAfter, StopOnNaN, StopOnPlateau)}
+    WriteTensorBoard, PlotLines, WriteMLflow, WriteWandb, LogThroughput, SaveEvery, SaveBest, SaveLatest, StopAfter, StopOnNaN, StopOnPlateau)}
 
 __all__ = ["BUILTIN", "Hook", "TrainingTerminated", "build_hooks", "default_hooks", *BUILTIN]
 
