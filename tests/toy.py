@@ -450,3 +450,31 @@ class ListRegression(Regression):
 
     def streams(self) -> dict[str, Any]:
         return {name: [[s.x[i], s.y[i]] for i in range(len(s))] for name, s in super().streams().items()}
+
+
+class _Noisy(Dataset):
+    """Items with noise drawn at read time from torch, numpy and random (augmentation, as a worker
+    draws it), and the pid of the process that read them."""
+
+    def __init__(self, items: Items):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import os
+        import random
+
+        import numpy as np
+
+        item = self.items[i]
+        noise = 0.01 * (torch.randn(()).item() + float(np.random.standard_normal()) + random.gauss(0, 1))
+        return {**item, "x": item["x"] + noise, "pid": os.getpid()}
+
+
+class NoisyRegression(Regression):
+    """toy.Regression whose items are augmented with noise when read."""
+
+    def streams(self) -> dict[str, Dataset]:
+        return {name: _Noisy(items) for name, items in self._streams.items()}

@@ -123,6 +123,9 @@ class DatasetConfig(_ClassSection):
         "torchvision), or the one name of items that are tensors")
     num_workers: StrictInt | Literal["auto"] = Field(
         "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU")
+    persistent_workers: bool | Literal["auto"] = Field(
+        "auto", description="keep each stream's DataLoader workers for the whole run instead of starting them "
+        "every epoch (they are seeded each epoch as fresh ones would be); auto: where there are workers")
 
     @field_validator("num_workers")
     @classmethod

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from phalanx.errors import DataError
 
@@ -195,15 +196,17 @@ class Plan:
 
 
 class _ShardSampler:
-    """Feeds a DataLoader the shards of a plan's steps, from a starting step on."""
+    """Feeds a DataLoader the shards of a plan's steps, from a starting step on; with `seed` (for
+    `_Reseeded` workers), each index as (seed, index)."""
 
-    def __init__(self, plan: Plan, start: int):
-        self.plan, self.start = plan, start
+    def __init__(self, plan: Plan, start: int, seed: tuple[int, int] | None = None):
+        self.plan, self.start, self.seed = plan, start, seed
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[int]] | Iterator[list[tuple[tuple[int, int], int]]]:
+        seed = self.seed
         for _, micros in self.plan.steps(self.start):
             for micro in micros:
-                yield micro.shard
+                yield micro.shard if seed is None else [(seed, i) for i in micro.shard]
 
     def __len__(self) -> int:
         return self.plan.micro_batches(self.start)
@@ -314,6 +317,70 @@ def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_m
     return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0, empty),
                 num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False, prefetch_factor=prefetch_factor,
                 generator=torch.Generator().manual_seed(seed))
+
+
+def base_seed(seed: int) -> int:
+    """The seed a DataLoader whose generator is seeded with `seed` gives its workers (worker w
+    seeds itself with it plus w)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed)).item())
+
+
+class _Reseeded(Dataset):
+    """A stream read by persistent workers, indexed by (seed, index): a worker that sees a new seed
+    (a new epoch's loader) seeds random, numpy and torch as a new DataLoader's worker would, so that
+    augmentation draws the same numbers as with workers started afresh each epoch."""
+
+    def __init__(self, dataset: Any):
+        self.dataset, self._seed = dataset, None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[tuple[int, int], int]) -> Any:
+        token, index = key  # token: (seed, the loader's use), new at every epoch even where the seed is not
+        if token != self._seed:
+            self._seed = token
+            _seed_worker(token[0], torch.utils.data.get_worker_info().id)
+        return self.dataset[index]
+
+
+def _seed_worker(seed: int, worker: int) -> None:
+    from torch.utils.data._utils.worker import _generate_state  # the seeding torch's workers start with
+
+    random.seed(seed + worker)
+    torch.manual_seed(seed + worker)
+    np.random.seed(_generate_state(seed, worker))
+
+
+class Loaders:
+    """DataLoaders whose workers live for the whole run (`dataset.persistent_workers`): one per
+    stream, pointed at each epoch's plan, its workers seeded at each epoch as `loader`'s fresh ones
+    are, so that a run reads and augments the same batches either way."""
+
+    def __init__(self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None):
+        self.options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor}
+        self._made: dict[str, tuple[Any, DataLoader, _ShardSampler]] = {}
+        self._uses = 0
+
+    def loader(self, dataset: Any, plan: Plan, start: int = 0, seed: int = 0, name: str = "",
+               empty_batches: bool = False) -> DataLoader:
+        """As `loader`, with this stream's workers, started at its first use."""
+        made = self._made.get(name)
+        self._uses += 1
+        token = (base_seed(seed), self._uses)
+        if made is None or made[0] is not dataset:
+            sampler = _ShardSampler(plan, start, token)
+            empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+            made = self._made[name] = (dataset, _WorkersLoader(
+                _Reseeded(dataset), batch_sampler=sampler, collate_fn=_Collate(name, True, empty),
+                persistent_workers=True, generator=torch.Generator().manual_seed(seed), **self.options), sampler)
+        _, made_loader, sampler = made
+        sampler.plan, sampler.start, sampler.seed = plan, start, token
+        return made_loader
+
+    def close(self) -> None:
+        """End the workers (they end with the process otherwise)."""
+        self._made.clear()
 
 
 def empty_batch(dataset: Any, name: str = "") -> dict[str, Any]:

@@ -123,7 +123,8 @@ class Trainer:
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.hooks = [*self.hooks, *objects.hooks]
-        self.loader_options = _loader_options(cfg, self.strategy)
+        self.loader_options, persistent = _loader_options(cfg, self.strategy)
+        self.loaders = data.Loaders(**self.loader_options) if persistent else None  # workers kept between epochs
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -185,6 +186,8 @@ class Trainer:
 
     def _finish(self, success: bool) -> None:
         self.stop.restore()
+        if self.loaders is not None:
+            self.loaders.close()
         self._emit("after_training", success)
         if self.background is not None:  # the last checkpoint is committed before the run ends
             try:
@@ -231,9 +234,17 @@ class Trainer:
                          self.shard_weights)
         worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
-        batches = iter(data.loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
-                                   empty_batches=strategy.runs_empty_shards, **self.loader_options))
+        batches = iter(self._loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
+                                    empty_batches=strategy.runs_empty_shards))
         return ((k, [(micro, next(batches)) for micro in micros]) for k, micros in plan.steps(self.step_in_epoch))
+
+    def _loader(self, stream: Any, plan: data.Plan, start: int, seed: int = 0, name: str = "",
+                empty_batches: bool = False) -> Any:
+        """The batches of `plan` from step `start`: from this stream's persistent workers, or a new DataLoader."""
+        if self.loaders is not None:
+            return self.loaders.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches)
+        return data.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
+                           **self.loader_options)
 
     def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
         self.training = True
@@ -348,8 +359,7 @@ class Trainer:
         else:
             plan = data.Plan(range(len(stream)), batch_size, 1, strategy.data_rank, strategy.data_world_size,
                              self.shard_weights)
-            loaded = data.loader(stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards,
-                                 **self.loader_options)
+            loaded = self._loader(stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards)
             batches = ((min(batch_size, len(stream) - k * batch_size), batch) for k, batch in enumerate(loaded))
         for size, batch in batches:
             self.last_batch_size = size
@@ -568,9 +578,9 @@ class Trainer:
                 log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
 
 
-def _loader_options(cfg: Config, strategy: Strategy) -> dict[str, Any]:
+def _loader_options(cfg: Config, strategy: Strategy) -> tuple[dict[str, Any], bool]:
     """DataLoader workers and pinned memory: by default none on CPU; on a GPU, pinned memory and up
-    to 4 workers per device, as the machine's cores allow."""
+    to 4 workers per device, as the machine's cores allow. And whether the workers persist."""
     workers = cfg.dataset.num_workers
     on_gpu = strategy.device.type == "cuda"
     if workers == "auto":
@@ -578,12 +588,15 @@ def _loader_options(cfg: Config, strategy: Strategy) -> dict[str, Any]:
         workers = min(4, (os.cpu_count() or 1) // max(1, local) - 1) if on_gpu else 0
     pin = on_gpu if cfg.dataset.pin_memory == "auto" else cfg.dataset.pin_memory
     options = {"num_workers": max(0, workers), "pin_memory": pin}
+    for key in ("prefetch_factor", "persistent_workers"):
+        value = getattr(cfg.dataset, key)
+        if value not in (None, "auto", False) and not options["num_workers"]:
+            raise ConfigError(f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has none; "
+                              f"set dataset.num_workers, or remove {key}")
     if cfg.dataset.prefetch_factor is not None:
-        if not options["num_workers"]:
-            raise ConfigError(f"dataset.prefetch_factor={cfg.dataset.prefetch_factor} is for DataLoader workers, but "
-                              "this run has none; set dataset.num_workers, or remove prefetch_factor")
         options["prefetch_factor"] = cfg.dataset.prefetch_factor
-    return options
+    persistent = cfg.dataset.persistent_workers
+    return options, bool(options["num_workers"]) and persistent in (True, "auto")
 
 
 def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:

@@ -8,7 +8,8 @@ import torch
 import toy
 from phalanx import config
 from phalanx.build import build_optimizer
-from phalanx.hooks import ComputeStats
+from phalanx.errors import ConfigError
+from phalanx.hooks import ComputeStats, Hook
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(240)
@@ -16,7 +17,7 @@ TESTS = toy.__file__.rsplit("/", 1)[0]
 
 
 def train(tmp_path, hooks=None, model=None, **sections) -> Trainer:
-    raw = toy.regression_config(main_loop={"epochs": 2, "extra_streams": []}, **sections)
+    raw = toy.regression_config(**{"main_loop": {"epochs": 2, "extra_streams": []}, **sections})
     raw["model"] = model or raw["model"]
     cfg = config.validate(raw)
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,48 @@ def test_loader_workers_give_the_same_batches(tmp_path):
     two = train(tmp_path / "two", hooks=[ComputeStats()], dataset={"num_workers": 2})
     assert two.loader_options["num_workers"] == 2
     assert_close(params(two), params(zero))
+
+
+class Pids(Hook):
+    """The processes that read each epoch's training batches."""
+
+    gather_keys = ("pid",)
+
+    def __init__(self) -> None:
+        self.epochs: list[set[int]] = [set()]
+        self.valid: list[float] = []
+
+    def after_batch(self, stream, batch) -> None:
+        if stream == "train":
+            self.epochs[-1].update(batch["pid"].tolist())
+
+    def after_epoch(self, epoch, epoch_data) -> None:
+        self.epochs.append(set())
+        self.valid.append(epoch_data["valid"]["loss"])
+
+
+def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
+    """Workers kept for the whole run (the default where there are workers) are the same processes
+    every epoch, and draw the same augmentation as workers started afresh each epoch: seeded at
+    each epoch as a new DataLoader seeds them (torch, numpy, random)."""
+    noisy = {"class": "toy.NoisyRegression", "batch_size": 8, "num_workers": 2}
+    runs = {}
+    for persistent in (True, False):
+        pids = Pids()
+        trainer = train(tmp_path / str(persistent), hooks=[ComputeStats(), pids],
+                        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+                        dataset={**noisy, "persistent_workers": persistent})
+        runs[persistent] = trainer, [epoch for epoch in pids.epochs if epoch], pids.valid
+    (kept, kept_pids, kept_valid), (fresh, fresh_pids, fresh_valid) = runs[True], runs[False]
+    assert kept_valid == fresh_valid  # the evaluation stream's workers too, seeded alike at each evaluation
+    assert len(kept_pids) == 2 and all(len(epoch) == 2 for epoch in kept_pids)
+    assert kept_pids[0] == kept_pids[1]  # the same two workers in both epochs
+    assert not (fresh_pids[0] & fresh_pids[1])  # new workers each epoch
+    assert_close(params(kept), params(fresh))
+    zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={**noisy, "num_workers": 0})
+    assert any(not torch.allclose(a, b) for a, b in zip(params(zero).values(), params(fresh).values()))  # noise drawn
+    with pytest.raises(ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"):
+        train(tmp_path / "none", dataset={**noisy, "num_workers": 0, "persistent_workers": True})
 
 
 def test_fused_optimizer_where_the_class_has_one():
