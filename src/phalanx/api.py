@@ -116,7 +116,7 @@ def resume(run_path: str | os.PathLike, *, overrides: Sequence[str] = (), model:
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path, announce=False)
     objects = Objects.given(model, dataset, hooks)
-    _check_objects(run_dir, objects, "resume")
+    check_objects_given(run_dir, objects, "resume")
     try:
         if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
             return _launched(run_dir, _resume(run_dir, list(overrides), objects, nodes))
@@ -135,7 +135,7 @@ def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: 
     logs.setup(None)
     run_dir = rundir.open_run(run_path, announce=model is None)  # a model given imports nothing
     if model is None:
-        _check_objects(run_dir, Objects(), "load", parts=("model",))
+        check_objects_given(run_dir, Objects(), "load", parts=("model",))
         cfg = config.validate(rundir.load_config_text(run_dir))
         model = build_model(cfg.model, rundir.search_dirs(run_dir))
     elif not isinstance(model, nn.Module):
@@ -147,6 +147,30 @@ def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: 
         lines = " ".join(str(e).split())
         raise CheckpointMismatch(f"{path} does not fit this model ({lines[:400]})") from None
     return model.cpu().eval()
+
+
+def evaluate(run_path: str | os.PathLike, stream: str = "test", checkpoint: str | int = "auto", *,
+             model: nn.Module | None = None, dataset: Any = None) -> dict[str, float]:
+    """A checkpoint's metrics on a stream (`phalanx eval`): the run's ComputeStats and
+    ClassificationMetrics hooks, on one process; also saved as `eval-<stream>-step-<N>.json`."""
+    from phalanx import commands
+
+    return commands.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))["metrics"]
+
+
+def predict(run_path: str | os.PathLike, stream: str = "test", checkpoint: str | int = "auto", *,
+            output: str | None = None, model: nn.Module | None = None, dataset: Any = None) -> dict[str, torch.Tensor]:
+    """A checkpoint's per-sample values on a stream (`phalanx predict`): every batch key and model
+    output, and `<output>.class` for class scores, each an array whose first dimension is the
+    sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors arrays)."""
+    from phalanx import commands
+
+    if output is not None:
+        commands.check_output(output, "predictions.csv")
+    arrays, collect = commands.predictions(run_path, stream, checkpoint, Objects.given(model, dataset))
+    if output is not None:
+        commands.write_predictions(arrays, collect, stream, output)
+    return arrays
 
 
 def _read(source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]) -> tuple[dict, Path | None]:
@@ -169,29 +193,21 @@ def _in_this_process(cfg: config.Config) -> str:
             "instead of giving objects")
 
 
-def _check_objects(run_dir: Path, objects: Objects, command: str, parts: Sequence[str] = ("model", "dataset")) -> None:
-    """A run trained with a model or dataset given as an object needs the object again; hooks
-    given as objects and not again are only said (their part of the checkpoint is not restored)."""
+def check_objects_given(run_dir: Path, objects: Objects, command: str,
+                        parts: Sequence[str] = ("model", "dataset")) -> None:
+    """A RunDirError where the run's model or dataset was given to `fit` as an object and is not
+    given again: its config names their classes but not how to build them. Hooks given as objects
+    and not again are only said, on resume (their part of the checkpoint is not restored)."""
     recorded = rundir.objects(run_dir)
     missing = [part for part in parts if part in recorded and getattr(objects, part) is None]
     if missing:
         given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
         raise RunDirError(f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
-                          f"({', '.join(recorded[p] for p in missing)}); {command} it from Python, giving them "
-                          f"again: phalanx.{command}({str(run_dir)!r}, {given})")
+                          f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to build; "
+                          f"give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})")
     if "hooks" in recorded and not objects.hooks and command == "resume":
         log.warning("%s was trained with hooks given as objects (%s); they are not part of this resume: pass "
                     "them again with hooks=[...]", run_dir, ", ".join(recorded["hooks"]))
-
-
-def check_built_from_config(run_dir: Path, who: str) -> None:
-    """A RunDirError where the run's model or dataset was given as an object: `who` builds them
-    from the config, which names their classes but not how to build them."""
-    recorded = {part: name for part, name in rundir.objects(run_dir).items() if part in ("model", "dataset")}
-    if recorded:
-        raise RunDirError(f"{run_dir} was trained with {' and '.join(recorded)} given to phalanx.fit as objects "
-                          f"({', '.join(recorded.values())}); {who} them from the config, so they cannot here. In "
-                          f"Python, phalanx.load({str(run_dir)!r}, model=...) gives the model back with its weights")
 
 
 def _launched(run_dir: Path, code: int) -> Run:

@@ -19,6 +19,7 @@ from phalanx.checkpoint import Checkpoints
 from phalanx.errors import PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
+from phalanx.objects import Objects
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
@@ -34,29 +35,33 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
     return api.resume(run_path, overrides=overrides, nodes=nodes).code
 
 
-def _open(run_path: str) -> tuple[Path, config.Config]:
-    """A run and its config for one process on one device (checkpoints carry no device count)."""
+def _open(run_path: str | os.PathLike, command: str, objects: Objects | None = None) -> tuple[Path, config.Config]:
+    """A run and its config for one process on one device (checkpoints carry no device count); a
+    run trained with objects needs them again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
-    run_dir = rundir.open_run(run_path)
-    api.check_built_from_config(run_dir, "phalanx eval and predict build")
+    objects = objects or Objects()
+    run_dir = rundir.open_run(run_path, announce=objects.model is None or objects.dataset is None)
+    api.check_objects_given(run_dir, objects, command)
     one = ["parallel.devices=1", "parallel.strategy=auto", "parallel.shard_weights=null", "model.n_gpus=null"]
-    return run_dir, config.validate(config.apply_overrides(rundir.load_config_text(run_dir), one))
+    return run_dir, config.validate(objects.into(config.apply_overrides(rundir.load_config_text(run_dir), one)))
 
 
-def _restored(run_dir: Path, cfg: config.Config, which: str, hooks: list[Hook]) -> tuple[Trainer, int]:
+def _restored(run_dir: Path, cfg: config.Config, which: str | int, hooks: list[Hook],
+              objects: Objects | None = None) -> tuple[Trainer, int]:
     """A trainer with the weights of checkpoint `which` and only the given hooks."""
-    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks, inference=True)
+    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks, inference=True,
+                      objects=Objects(objects.model, objects.dataset) if objects else None)
     step = trainer.checkpoints.select(which)
     trainer.restore(step, weights_only=True)
     return trainer, step
 
 
-def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
+def evaluate(run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None) -> dict[str, Any]:
     """Metrics of a checkpoint on a stream, computed by the run's metric hooks; saved as JSON too."""
-    run_dir, cfg = _open(run_path)
+    run_dir, cfg = _open(run_path, "evaluate", objects)
     metric_hooks = [h for h in build_hooks(cfg, rundir.search_dirs(run_dir))
                     if isinstance(h, (ComputeStats, ClassificationMetrics))] or [ComputeStats()]
-    trainer, step = _restored(run_dir, cfg, which, metric_hooks)
+    trainer, step = _restored(run_dir, cfg, which, metric_hooks, objects)
     trainer.epoch_data = {stream: {}}
     trainer.evaluate(stream)
     for hook in metric_hooks:
@@ -113,7 +118,7 @@ class _Collect(Hook):
         return rows, left
 
 
-def _check_output(output: str, example: str) -> None:
+def check_output(output: str, example: str) -> None:
     if Path(output).is_dir():
         raise PhalanxError(f"--output {output!r} is a directory; give the file to write, such as "
                            f"{Path(output) / example}")
@@ -121,15 +126,25 @@ def _check_output(output: str, example: str) -> None:
         raise PhalanxError(f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first")
 
 
-def predict(run_path: str, stream: str, output: str, which: str) -> int:
+def predictions(run_path: str | os.PathLike, stream: str, which: str | int,
+                objects: Objects | None = None) -> tuple[dict[str, torch.Tensor], _Collect]:
     """Per-sample values of a checkpoint on a stream (the batch's and the model's outputs, and the
-    class of outputs that are class scores), written as CSV, or whole as arrays where `output` is a
-    .safetensors file; returns the sample count."""
-    _check_output(output, "predictions.csv")
+    class of outputs that are class scores), each an array over the samples in dataset order."""
     collect = _Collect()
-    trainer, _ = _restored(*_open(run_path), which, [collect])
+    trainer, _ = _restored(*_open(run_path, "predict", objects), which, [collect], objects)
     trainer.evaluate(stream)
-    arrays = collect.arrays()
+    return collect.arrays(), collect
+
+
+def predict(run_path: str, stream: str, output: str, which: str) -> int:
+    """`predictions` written as CSV, or whole as arrays where `output` is a .safetensors file;
+    returns the sample count."""
+    check_output(output, "predictions.csv")
+    arrays, collect = predictions(run_path, stream, which)
+    return write_predictions(arrays, collect, stream, output)
+
+
+def write_predictions(arrays: dict[str, torch.Tensor], collect: _Collect, stream: str, output: str) -> int:
     if output.endswith(".safetensors"):
         from safetensors.torch import save
 
@@ -152,7 +167,7 @@ def predict(run_path: str, stream: str, output: str, which: str) -> int:
 def export(run_path: str, output: str, which: str) -> int:
     """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
     returns the number of tensors. The model's code is not needed: the checkpoint holds every name."""
-    _check_output(output, "model.safetensors")
+    check_output(output, "model.safetensors")
     logs.setup(None)
     run_dir = rundir.open_run(run_path)
     checkpoints = Checkpoints(run_dir / "checkpoints")
@@ -174,7 +189,7 @@ def cluster_job(args: Any) -> str:
         text = clusters.pytorchjob(cfg, args.config, args.nodes, args.gpus_per_node, args.image, args.volume_claim,
                                    args.overrides)
     if args.output:
-        _check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
+        check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
         write_text_atomic(Path(args.output), text)
         logs.out.print(f"wrote {args.output}")
     else:

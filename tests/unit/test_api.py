@@ -142,7 +142,19 @@ def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatc
     assert all(torch.equal(loaded.state_dict()[k], want[k]) for k in want)
     result = phalanx_cli("eval", str(first.run_dir), "--stream", "valid", cwd=tmp_path)
     assert result.returncode == 2 and "given to phalanx.fit as objects" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert "phalanx.evaluate(" in result.stderr and "Traceback" not in result.stderr
+    # evaluated and predicted from Python, given the objects again
+    metrics = phalanx.evaluate(first.run_dir, "valid", "latest", model=toy.Linear(features=3, hidden=4),
+                               dataset=streams)
+    assert metrics["loss"] == resumed.metrics["valid.loss"]
+    output = tmp_path / "valid.safetensors"
+    arrays = phalanx.predict(first.run_dir, "valid", "latest", output=str(output),
+                             model=toy.Linear(features=3, hidden=4), dataset=streams)
+    assert arrays["loss"].mean().item() == pytest.approx(metrics["loss"], rel=1e-12)
+    assert torch.equal(arrays["index"], torch.arange(10)) and torch.equal(arrays["y"], streams["valid"].y.double())
+    assert all(torch.equal(v, arrays[k]) for k, v in load_file(output).items())
+    with pytest.raises(RunDirError, match=r"phalanx.predict\("):
+        phalanx.predict(first.run_dir, "valid", model=toy.Linear(features=3, hidden=4))
 
 
 def test_objects_train_on_towers_as_on_one_device(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 import phalanx
 import toy
 from phalanx.errors import ConfigError
+from procs import run as phalanx_cli
 from phalanx.hooks import Hook, TrainingTerminated
 
 pytestmark = pytest.mark.timeout(180)
@@ -84,6 +85,23 @@ def test_mlflow_run_continues_on_resume_and_records_failure(tmp_path, monkeypatc
     statuses = {r.info.run_name: r.info.status for r in client.search_runs(
         [client.get_experiment_by_name("phalanx").experiment_id])}
     assert statuses[failed.run_dir.name] == "FAILED"
+
+
+def test_mlflow_on_two_processes_is_one_run_written_by_the_main_one(tmp_path):
+    from mlflow import MlflowClient
+
+    raw = _raw(tmp_path, {"WriteMLflow": {"every_n_steps": 0}})
+    raw["parallel"] = {"accelerator": "cpu", "devices": 2}
+    result = phalanx_cli("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    [found] = client.search_runs([client.get_experiment_by_name("phalanx").experiment_id])
+    assert found.info.status == "FINISHED"
+    [run_dir] = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("toy-")]
+    rows = _csv(run_dir)
+    history = client.get_metric_history(found.info.run_id, "valid.loss")
+    assert [(m.step, m.value) for m in history] == [(int(r["step"]), pytest.approx(float(r["valid.loss"]), rel=1e-12))
+                                                    for r in rows]
 
 
 # --- W&B ---------------------------------------------------------------------------------------
