@@ -1,10 +1,10 @@
 """Learning curves drawn in a process of their own, so that drawing never holds up training.
 
-`Painter` starts `python -m phalanx.plots` once and sends it each new history as a JSON line; the
-child draws the newest one it has, at most once every INTERVAL_S seconds (older ones are skipped),
-and the last one as soon as training ends; it answers a line per drawing, `ok` or the error. A fresh interpreter, not a fork or a multiprocessing spawn: those copy
-the trainer's threads or run the user's script again. The child ignores SIGINT and SIGTERM (the
-trainer handles them and closes it) and exits when its input ends, also when the trainer dies.
+`Painter` starts `python -m phalanx.plots` once and sends it each epoch's new points as a JSON
+line; the child keeps the history and draws it at most once every INTERVAL_S seconds, and at once
+when training ends; it answers a line per drawing, `ok` or the error. A fresh interpreter, not a
+fork or a multiprocessing spawn: those copy the trainer's threads or run the user's script again. The child ignores SIGINT and SIGTERM (the
+trainer handles them and closes it) and exits when told, or when its input ends (the trainer died).
 """
 from __future__ import annotations
 
@@ -78,49 +78,88 @@ class _Lines:
 
 
 class Painter:
-    """The drawing process of one run's PlotLines: `submit` a history, `close` at the end (which
-    waits for the newest to be drawn and raises the first error the child reported)."""
+    """The drawing process of one run's PlotLines: `submit` the history after each epoch, `close`
+    at the end, which waits for the last drawing and raises the first error the child reported.
+
+    Only the points the child has not had are sent, and without waiting: what the pipe does not
+    take now waits here for the next epoch. The end is a message, not the pipe's end: DataLoader
+    workers forked meanwhile hold copies of the pipe, which would keep it open.
+    """
 
     def __init__(self) -> None:
         self._child: subprocess.Popen | None = None
         self._answers: _Lines | None = None
+        self._sent: dict[str, int] = {}  # points of each curve the child has been given
+        self._unsent = b""
         self._inline = False  # the child could not start: draw here
 
     def submit(self, folder: Path, history: dict[str, list[list[float]]]) -> None:
-        self._raise_reported(self._answers.ready(0) if self._answers else [])
         if self._child is None and not self._inline:
             self._start()
         if self._inline:
             draw(folder, history)
             return
-        try:
-            self._child.stdin.write((json.dumps({"folder": str(folder), "history": history}) + "\n").encode())
-            self._child.stdin.flush()
-        except OSError:  # the child ended: what it said, or that it ended
-            self.close()
-            raise StorageError(f"PlotLines: the process drawing {folder} ended unexpectedly") from None
+        self._raise_reported(self._answers.ready(0))
+        new = {name: points[self._sent.get(name, 0):] for name, points in history.items()
+               if len(points) > self._sent.get(name, 0)}
+        self._sent = {name: len(points) for name, points in history.items()}
+        self._unsent += (json.dumps({"folder": str(folder), "add": new}) + "\n").encode()
+        self._send(deadline=None)
 
     def close(self) -> None:
-        """Wait for the last drawing; an error the child reported is raised here."""
-        child, answers, self._child, self._answers = self._child, self._answers, None, None
+        """Wait for the last drawing (CLOSE_TIMEOUT_S at most); an error the child reported is raised here."""
+        child, answers = self._child, self._answers
         if child is None:
             return
+        self._child, self._answers = None, None
+        said, deadline = [], time.monotonic() + CLOSE_TIMEOUT_S
         try:
-            child.stdin.close()
-        except OSError:
-            pass
-        said = []
-        try:
-            while (lines := answers.ready(None)) is not None:
-                said += lines
-            child.wait(CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            log.warning("PlotLines: drawing took over %d s; the plots may miss the last epochs", CLOSE_TIMEOUT_S)
+            self._unsent += b'{"end": true}\n'
+            ended = self._send(deadline, child) and self._drain(answers, said, deadline)
+            if not ended and child.poll() is None:
+                log.warning("PlotLines: drawing took over %d s; the plots may miss the last epochs", CLOSE_TIMEOUT_S)
         finally:
-            child.stdout.close()
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            for pipe in (child.stdin, child.stdout):
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         self._raise_reported(said)
+        if child.returncode not in (0, -9) and not any('"error"' in line for line in said):
+            raise StorageError(f"PlotLines: the drawing process ended with exit code {child.returncode}")
+
+    def _send(self, deadline: float | None, child: subprocess.Popen | None = None) -> bool:
+        """Write what the pipe takes: now (no deadline), or all of it by `deadline`. Whether all went."""
+        fd = (child or self._child).stdin.fileno()
+        while self._unsent:
+            wait = 0 if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([], [fd], [], wait)[1]:
+                return False
+            try:
+                written = os.write(fd, self._unsent[:select.PIPE_BUF])
+            except BlockingIOError:
+                continue
+            except OSError:  # the child ended: close says what it said, or how it ended
+                if deadline is None:
+                    self.close()
+                    raise StorageError("PlotLines: the drawing process ended unexpectedly") from None
+                return False
+            self._unsent = self._unsent[written:]
+        return True
+
+    @staticmethod
+    def _drain(answers: _Lines, said: list[str], deadline: float) -> bool:
+        """The child's answers up to its last; whether it ended by `deadline`."""
+        while (lines := answers.ready(max(0.0, deadline - time.monotonic()))) is not None:
+            said += lines
+            if '{"ended": true}' in lines:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return False
 
     def _start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[1])
@@ -133,6 +172,7 @@ class Painter:
             log.warning("PlotLines: cannot start a drawing process (%s); drawing in the training process", e)
             self._inline = True
             return
+        os.set_blocking(self._child.stdin.fileno(), False)
         self._answers = _Lines(self._child.stdout.fileno())
 
     @staticmethod
@@ -144,8 +184,8 @@ class Painter:
 
 
 def _serve() -> None:
-    """The child: draw the newest request, at most once every INTERVAL_S seconds while more come,
-    and at once when the input ends; answer each drawing."""
+    """The child: keep the history the trainer sends; draw it at most once every INTERVAL_S
+    seconds while points come, and at once at the end; answer each drawing, and the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:  # training comes first: this process runs on cores that training leaves idle
@@ -155,24 +195,36 @@ def _serve() -> None:
             os.nice(19)
         except OSError:
             pass
-    requests, newest, ended, last = _Lines(sys.stdin.fileno()), None, False, -INTERVAL_S
-    while not ended or newest is not None:
-        if not ended:
-            lines = requests.ready(None if newest is None else max(0.0, last + INTERVAL_S - time.monotonic()))
-            if lines is None:
+    requests = _Lines(sys.stdin.fileno())
+    history: dict[str, list[list[float]]] = {}
+    folder, drawn, ended, last = None, True, False, -INTERVAL_S
+    while not ended:
+        lines = requests.ready(None if drawn else max(0.0, last + INTERVAL_S - time.monotonic()))
+        if lines is None:  # the trainer is gone
+            return
+        for line in lines:
+            request = json.loads(line)
+            if request.get("end"):
                 ended = True
-            elif lines:
-                newest = lines[-1]  # older ones waiting would be drawn over anyway
-        if newest is not None and (ended or time.monotonic() >= last + INTERVAL_S):
-            request, newest = json.loads(newest), None
+                break
+            folder = Path(request["folder"])
+            for name, points in request["add"].items():
+                history.setdefault(name, []).extend(points)
+            drawn = False
+        if not drawn and (ended or time.monotonic() >= last + INTERVAL_S):
             try:
-                draw(Path(request["folder"]), request["history"])
+                draw(folder, history)
                 answer = {"ok": True}
             except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
                 answer = {"error": str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"}
-            last = time.monotonic()
-            sys.stdout.write(json.dumps(answer) + "\n")
-            sys.stdout.flush()
+            drawn, last = True, time.monotonic()
+            _answer(answer)
+    _answer({"ended": True})
+
+
+def _answer(answer: dict) -> None:
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

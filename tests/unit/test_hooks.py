@@ -421,36 +421,76 @@ def test_plot_lines_write_png_files_that_matplotlib_reads(tmp_path):
 
 def test_plot_lines_draw_in_a_process_of_their_own(tmp_path):
     """The training process never imports matplotlib: the curves are drawn by another process, and
-    are complete when training ends."""
+    are complete when training ends (the last picture is that of the whole history)."""
     script = tmp_path / "train.py"
     script.write_text(f"""
-import sys
+import json, sys
 sys.path.insert(0, {str(TESTS)!r})
 import phalanx, toy
 from phalanx.hooks import ComputeStats, PlotLines
-raw = toy.regression_config(output_root={str(tmp_path / "runs")!r}, hooks=[], main_loop={{"epochs": 3, "extra_streams": ["valid"]}})
-run = phalanx.fit(raw, hooks=[ComputeStats(), PlotLines()])
+raw = toy.regression_config(output_root={str(tmp_path / "runs")!r}, hooks=[], main_loop={{"epochs": 4, "extra_streams": ["valid"]}})
+plot = PlotLines()
+run = phalanx.fit(raw, hooks=[ComputeStats(), plot])
 assert run.code == 0
 assert not any(name.startswith("matplotlib") for name in sys.modules), "matplotlib in the training process"
-print(run.run_dir)
+print(json.dumps({{"run_dir": str(run.run_dir), "history": plot.history}}))
 """)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     from matplotlib import image
 
-    folder = Path(result.stdout.split()[-1]) / "plots"
+    from phalanx.plots import draw
+
+    done = json.loads(result.stdout.splitlines()[-1])
+    folder = Path(done["run_dir"]) / "plots"
     assert sorted(p.name for p in folder.iterdir()) == ["loss.png"]
+    assert [epoch for epoch, _ in done["history"]["valid.loss"]] == [1, 2, 3, 4]
+    draw(tmp_path / "whole", done["history"])  # the same picture, drawn here from the whole history
+    assert (folder / "loss.png").read_bytes() == (tmp_path / "whole" / "loss.png").read_bytes()
     pixels = image.imread(folder / "loss.png")
     assert pixels.ndim == 3 and pixels.std() > 0
 
 
+class _KeepsPainter(PlotLines):
+    """PlotLines that remembers its drawing process, to see that it ended."""
+
+    def after_epoch(self, epoch, epoch_data):
+        super().after_epoch(epoch, epoch_data)
+        self.child = self._painter._child
+
+
+class _FailsAt(Hook):
+    """Fails in the middle of an epoch, while its DataLoader workers run."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_batch(self, stream, batch):
+        if self.trainer.training and self.trainer.step == self.step:
+            raise RuntimeError("the model's code failed")
+
+
 def test_plot_lines_that_cannot_write_fail_the_run_naming_the_folder(tmp_path):
-    plot = PlotLines(path="blocked")
+    plot = _KeepsPainter(path="blocked")
     trainer = make_trainer(tmp_path, [ComputeStats(), plot], main_loop={"epochs": 2})
     (trainer.run_dir / "blocked").write_text("a file where the plots' folder would be")
     with pytest.raises(StorageError, match="PlotLines: .*blocked"):
         trainer.run()
-    assert not plot._painter  # the drawing process was closed
+    assert plot.child.poll() is not None  # the drawing process ended
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_run_with_plot_lines_and_loader_workers_ends(tmp_path):
+    """DataLoader workers forked while the drawing process lives hold copies of its pipe: the run
+    still ends, and its drawing process with it, when training fails."""
+    plot = _KeepsPainter()
+    trainer = make_trainer(tmp_path, [ComputeStats(), plot, _FailsAt(step=7)], main_loop={"epochs": 3},
+                           dataset={"class": "toy.Regression", "batch_size": 8, "num_workers": 1,
+                                    "persistent_workers": False})
+    with pytest.raises(RuntimeError, match="the model's code failed"):
+        trainer.run()
+    assert plot.child.poll() is not None
+    assert (trainer.run_dir / "plots" / "loss.png").is_file()
 
 
 # --- ShowProgress ------------------------------------------------------------------------------
