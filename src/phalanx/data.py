@@ -359,19 +359,20 @@ class Loaders:
 
     def __init__(self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None):
         self.options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor}
-        self._made: dict[str, tuple[Any, DataLoader, _ShardSampler]] = {}
+        self._made: dict[tuple[str, bool], tuple[Any, DataLoader, _ShardSampler]] = {}
         self._uses = 0
 
     def loader(self, dataset: Any, plan: Plan, start: int = 0, seed: int = 0, name: str = "",
-               empty_batches: bool = False) -> DataLoader:
-        """As `loader`, with this stream's workers, started at its first use."""
-        made = self._made.get(name)
+               empty_batches: bool = False, training: bool = False) -> DataLoader:
+        """As `loader`, with the workers of this stream (for training or evaluation: a stream may
+        be both, evaluated in the middle of its training epoch), started at their first use."""
+        made = self._made.get((name, training))
         self._uses += 1
         token = (base_seed(seed), self._uses)
         if made is None or made[0] is not dataset:
             sampler = _ShardSampler(plan, start, token)
             empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
-            made = self._made[name] = (dataset, _WorkersLoader(
+            made = self._made[name, training] = (dataset, _WorkersLoader(
                 _Reseeded(dataset), batch_sampler=sampler, collate_fn=_Collate(name, True, empty),
                 persistent_workers=True, generator=torch.Generator().manual_seed(seed), **self.options), sampler)
         _, made_loader, sampler = made
@@ -379,7 +380,12 @@ class Loaders:
         return made_loader
 
     def close(self) -> None:
-        """End the workers (they end with the process otherwise)."""
+        """End the workers now, even where an iterator of theirs is still referenced (by a
+        traceback, say); otherwise they would end with the process."""
+        for _, made_loader, _ in self._made.values():
+            iterator = getattr(made_loader, "_iterator", None)
+            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+                iterator._shutdown_workers()
         self._made.clear()
 
 

@@ -124,7 +124,8 @@ class Trainer:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.hooks = [*self.hooks, *objects.hooks]
         self.loader_options, persistent = _loader_options(cfg, self.strategy)
-        self.loaders = data.Loaders(**self.loader_options) if persistent else None  # workers kept between epochs
+        # workers kept between epochs; not for one evaluation (eval, predict), which nothing would end
+        self.loaders = data.Loaders(**self.loader_options) if persistent and not inference else None
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -235,14 +236,15 @@ class Trainer:
         worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(self._loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
-                                    empty_batches=strategy.runs_empty_shards))
+                                    empty_batches=strategy.runs_empty_shards, training=True))
         return ((k, [(micro, next(batches)) for micro in micros]) for k, micros in plan.steps(self.step_in_epoch))
 
     def _loader(self, stream: Any, plan: data.Plan, start: int, seed: int = 0, name: str = "",
-                empty_batches: bool = False) -> Any:
+                empty_batches: bool = False, training: bool = False) -> Any:
         """The batches of `plan` from step `start`: from this stream's persistent workers, or a new DataLoader."""
         if self.loaders is not None:
-            return self.loaders.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches)
+            return self.loaders.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
+                                       training=training)
         return data.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
                            **self.loader_options)
 

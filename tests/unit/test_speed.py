@@ -78,7 +78,7 @@ class Pids(Hook):
 
     def after_epoch(self, epoch, epoch_data) -> None:
         self.epochs.append(set())
-        self.valid.append(epoch_data["valid"]["loss"])
+        self.valid.append(epoch_data.get("valid", {}).get("loss"))
 
 
 def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
@@ -103,6 +103,39 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
     assert any(not torch.allclose(a, b) for a, b in zip(params(zero).values(), params(fresh).values()))  # noise drawn
     with pytest.raises(ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"):
         train(tmp_path / "none", dataset={**noisy, "num_workers": 0, "persistent_workers": True})
+
+
+def test_persistent_workers_resume_in_mid_epoch_and_serve_a_stream_trained_and_evaluated(tmp_path):
+    """The training stream evaluated every 3 steps, in the middle of its own epochs, and a run
+    stopped at step 7 (mid-epoch) and resumed: persistent workers give what fresh ones give, and
+    are gone when the run ends."""
+    import os
+
+    import phalanx
+    from phalanx.hooks import StopAfter
+
+    noisy = {"class": "toy.NoisyRegression", "batch_size": 8, "num_workers": 2}
+    ends = {}
+    for persistent in (True, False):
+        raw = toy.regression_config(dataset={**noisy, "persistent_workers": persistent}, parallel={"accelerator": "cpu"},
+                                    main_loop={"epochs": 3, "extra_streams": ["valid", "train"], "eval_every_n_steps": 3},
+                                    output_root=str(tmp_path / str(persistent)),
+                                    hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"])
+        pids = Pids()
+        first = phalanx.fit(raw, hooks=[StopAfter(steps=7), pids])
+        assert first.code == 0
+        resumed = phalanx.resume(first.run_dir)
+        ends[persistent] = resumed
+        for pid in set().union(*pids.epochs):  # the workers ended with the run
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    kept, fresh = ends[True], ends[False]
+    assert kept.metrics == fresh.metrics and "train.loss" in kept.metrics
+    assert_close(params_of(kept.model), params_of(fresh.model))
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_fused_optimizer_where_the_class_has_one():
