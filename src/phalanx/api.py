@@ -140,9 +140,15 @@ def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: 
         model = build_model(cfg.model, rundir.search_dirs(run_dir))
     elif not isinstance(model, nn.Module):
         raise PhalanxError(f"model= is a {type(model).__name__}, not a torch.nn.Module")
+    if not Checkpoints(run_dir / "checkpoints").steps():
+        raise CheckpointError(f"{run_dir} has no checkpoint yet: it saves them with SaveLatest, SaveBest or "
+                              "SaveEvery (the default hooks include SaveLatest)")
     path, state = initial_weights(str(run_dir), checkpoint)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # the dtype it trained in (fp64 stays fp64); copied in, so tied weights stay tied
+        model.to(dtypes.pop())
     try:
-        model.load_state_dict(state, assign=True)  # the tensors as trained: fp64 stays fp64
+        model.load_state_dict(state)
     except RuntimeError as e:
         lines = " ".join(str(e).split())
         raise CheckpointMismatch(f"{path} does not fit this model ({lines[:400]})") from None

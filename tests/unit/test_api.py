@@ -198,6 +198,32 @@ def test_bad_objects_are_errors_that_name_the_fix(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())  # nothing half-made
 
 
+class Tied(torch.nn.Module):
+    """Two layers that share their weight (as a language model's embedding and output layer do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(3, 1)
+        self.head2 = torch.nn.Linear(3, 1)
+        self.head2.weight = self.head.weight  # tied
+
+    def forward(self, x, y):
+        prediction = (self.head(x) + self.head2(x)).squeeze(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
+def test_load_keeps_tied_weights_tied_and_needs_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _, streams = _objects()
+    run = phalanx.fit(_raw(hooks=["SaveLatest"]), model=Tied(), dataset=streams)
+    loaded = phalanx.load(run.run_dir, model=Tied())
+    assert loaded.head2.weight is loaded.head.weight and loaded.head.weight.dtype == torch.float64
+    assert torch.equal(loaded.head.weight, run.model.head.weight.detach().cpu())
+    none = phalanx.fit(_raw(hooks=[]), model=Tied(), dataset=streams)
+    with pytest.raises(PhalanxError, match="has no checkpoint yet"):
+        phalanx.load(none.run_dir, model=Tied())
+
+
 def test_a_run_in_worker_processes_has_no_model_here(tmp_path):
     run = phalanx.Run(tmp_path, 0, {})
     with pytest.raises(PhalanxError, match="phalanx.load"):

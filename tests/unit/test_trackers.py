@@ -104,6 +104,30 @@ def test_mlflow_on_two_processes_is_one_run_written_by_the_main_one(tmp_path):
                                                     for r in rows]
 
 
+def test_a_tracker_that_cannot_start_is_one_error_and_one_that_fails_later_is_left(tmp_path, monkeypatch, caplog):
+    from phalanx.hooks import WriteMLflow
+
+    monkeypatch.chdir(tmp_path)
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the database's folder would be")
+    tracker = {"WriteMLflow": {"tracking_uri": f"sqlite:///{blocked / 'mlflow.db'}"}}
+    with pytest.raises(ConfigError, match="WriteMLflow: the tracker could not start a run .*remove the hook"):
+        phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression())
+
+    class Flaky(WriteMLflow):
+        def _log(self, values, step):
+            if step > 5:
+                raise ConnectionError("the server went away")
+            super()._log(values, step)
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = phalanx.fit(_raw(tmp_path, "WriteCSV", epochs=3), model=toy.Linear(), dataset=toy.Regression(),
+                      hooks=[Flaky(tracking_uri=store, every_n_steps=0)])
+    assert run.code == 0 and len(_csv(run.run_dir)) == 3  # training went on
+    log_text = (run.run_dir / "log.txt").read_text()
+    assert log_text.count("the tracker failed (ConnectionError: the server went away)") == 1
+
+
 # --- W&B ---------------------------------------------------------------------------------------
 
 def wandb_records(path: Path) -> list:

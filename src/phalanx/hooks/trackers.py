@@ -26,6 +26,10 @@ def _require(module: str, install: str, hook: str) -> None:
                           f"(or remove {hook} from hooks)")
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:300]
+
+
 def flat_config(tree: Any, prefix: str = "") -> dict[str, str]:
     """A resolved config as `section.key` -> text, for trackers' flat parameters."""
     if isinstance(tree, dict):
@@ -52,9 +56,17 @@ class _Tracker(_Writer):
         return rundir.resolved(self.trainer.cfg)
 
     def before_training(self) -> None:
-        if self.active:
+        """Start (or continue) the tracker's run: a failure here is a one-line error, before training."""
+        if not self.active:
+            return
+        try:
             self._start(resumed=self.run_id is not None)
-            self._started = True
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a tracker's errors (network, database, login) vary
+            raise ConfigError(f"{type(self).__name__}: the tracker could not start a run "
+                              f"({type(e).__name__}: {_first_line(e)}); check its settings, or remove the hook") from e
+        self._started = True
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
@@ -63,16 +75,27 @@ class _Tracker(_Writer):
             if self.trainer.last_grad_norm is not None:
                 values["train.step_grad_norm"] = self.trainer.last_grad_norm
             values.update({f"lr.group{i}": lr for i, lr in enumerate(self.trainer.learning_rates())})
-            self._log(values, step)
+            self._safely(self._log, values, step)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if self._started:
-            self._log({"epoch": float(epoch), **flat_variables(epoch_data)}, self.trainer.step)
+            self._safely(self._log, {"epoch": float(epoch), **flat_variables(epoch_data)}, self.trainer.step)
 
     def after_training(self, success: bool) -> None:
         if self._started:
+            status = "finished" if success else "interrupted" if self.trainer.stop_requested else "failed"
+            self._safely(self._end, status)
             self._started = False
-            self._end("finished" if success else "interrupted" if self.trainer.stop_requested else "failed")
+
+    def _safely(self, call: Any, *args: Any) -> None:
+        """A tracker that fails once training runs (a network hiccup, a locked database) is said
+        once and left; the training goes on, and metrics.csv and the logs hold everything."""
+        try:
+            call(*args)
+        except Exception as e:  # noqa: BLE001 - the tracker's own errors, whatever they are
+            self._started = False
+            log.error("%s: the tracker failed (%s: %s); training goes on without it", type(self).__name__,
+                      type(e).__name__, _first_line(e))
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
@@ -136,9 +159,13 @@ class WriteMLflow(_Tracker):
         self.run_id = run.info.run_id
         config = self._config()
         params = [Param(key, value[:6000]) for key, value in flat_config(config).items()]
-        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
-            client.log_batch(self.run_id, params=params[i:i + 100])
-        client.log_dict(self.run_id, config, "config.yaml")
+        try:
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
+                client.log_batch(self.run_id, params=params[i:i + 100])
+            client.log_dict(self.run_id, config, "config.yaml")
+        except Exception:
+            client.set_terminated(self.run_id, status="FAILED")  # not left RUNNING
+            raise
         log.info("WriteMLflow: MLflow run %s in %s", self.run_id, uri)
 
     def _log(self, values: dict[str, float], step: int) -> None:
@@ -160,7 +187,7 @@ class WriteWandb(_Tracker):
     preempted where a signal stopped it). Its files go to the run directory's `wandb/`.
 
     `mode`: online, offline (files only; `wandb sync` uploads them later) or disabled; default
-    W&B's own choice (WANDB_MODE, else online). Other keywords go to `wandb.init`.
+    W&B's own choice (WANDB_MODE, else online).
     """
 
     def __init__(self, project: str = "phalanx", entity: str | None = None, name: str | None = None,
@@ -182,9 +209,8 @@ class WriteWandb(_Tracker):
                                    id=self.run_id, resume="allow" if resumed else None,
                                    settings=wandb.Settings(console="off", silent=True))
         except Exception as e:  # noqa: BLE001 - W&B's errors (no API key, no network) vary by version
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"WriteWandb: W&B could not start a run ({first}); log in with `wandb login`, or "
-                              "write the run's files only with mode: offline (`wandb sync` uploads them later)") from e
+            raise ConfigError(f"WriteWandb: W&B could not start a run ({_first_line(e)}); log in with `wandb login`, "
+                              "or write the run's files only with mode: offline (`wandb sync` uploads them later)") from e
         self.run_id = self._run.id
         log.info("WriteWandb: W&B run %s (%s), files in %s", self._run.id, self._run.settings.mode, self._run.dir)
 
