@@ -478,3 +478,26 @@ class NoisyRegression(Regression):
 
     def streams(self) -> dict[str, Dataset]:
         return {name: _Noisy(items) for name, items in self._streams.items()}
+
+
+class _Batched(Dataset):
+    """Items read a batch at a time by __getitems__ (as Hugging Face datasets are), marked `batched`."""
+
+    def __init__(self, items: Items):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.items[i], "batched": 0}
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        return [{**self.items[i], "batched": 1} for i in indices]
+
+
+class BatchedRegression(Regression):
+    """toy.Regression whose streams have a batched read."""
+
+    def streams(self) -> dict[str, Dataset]:
+        return {name: _Batched(items) for name, items in self._streams.items()}

@@ -332,16 +332,27 @@ class _Reseeded(Dataset):
 
     def __init__(self, dataset: Any):
         self.dataset, self._seed = dataset, None
+        if callable(getattr(dataset, "__getitems__", None)):  # its batched read (Hugging Face datasets have one)
+            self.__getitems__ = self._getitems
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[tuple[int, int], int]) -> Any:
         token, index = key  # token: (seed, the loader's use), new at every epoch even where the seed is not
+        self._reseed(token)
+        return self.dataset[index]
+
+    def _getitems(self, keys: list[tuple[tuple[int, int], int]]) -> list[Any]:
+        if not keys:
+            return []
+        self._reseed(keys[0][0])
+        return self.dataset.__getitems__([index for _, index in keys])
+
+    def _reseed(self, token: tuple[int, int]) -> None:
         if token != self._seed:
             self._seed = token
             _seed_worker(token[0], torch.utils.data.get_worker_info().id)
-        return self.dataset[index]
 
 
 def _seed_worker(seed: int, worker: int) -> None:

@@ -134,6 +134,22 @@ def test_persistent_workers_resume_in_mid_epoch_and_serve_a_stream_trained_and_e
     assert_close(params_of(kept.model), params_of(fresh.model))
 
 
+def test_persistent_workers_keep_a_datasets_batched_read(tmp_path):
+    class Reads(Hook):
+        gather_keys = ("batched",)
+
+        def __init__(self):
+            self.seen = set()
+
+        def after_batch(self, stream, batch):
+            self.seen.update(batch["batched"].tolist())
+
+    reads = Reads()
+    train(tmp_path, hooks=[ComputeStats(), reads],
+          dataset={"class": "toy.BatchedRegression", "batch_size": 8, "num_workers": 2, "persistent_workers": True})
+    assert reads.seen == {1}  # every item came through __getitems__
+
+
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
