@@ -88,8 +88,10 @@ class Trainer:
         options = ModelOptions(self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled)
         # the module to call, and the user's module inside it: what the optimizer steps and checkpoints hold
         self.module, self.model = self.strategy.setup(module, options)
-        if self.strategy.rank:  # dropout and augmentation: independent streams per rank, rank 0 as one process
-            seed_everything(cfg.seed + 1_000_003 * self.strategy.rank)
+        # Dropout and augmentation: each rank's streams from the seed and the rank (rank 0's those of one
+        # process), as on a resume on another process count; not from what building the model drew,
+        # so that a model given as an object trains as the config's own would.
+        seed_everything(derived_seed(cfg.seed, 0, self.strategy.rank))
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
         self.optimizer = None if inference else build_optimizer(
             cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size, fused=self.strategy.device.type == "cuda")

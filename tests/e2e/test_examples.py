@@ -76,3 +76,23 @@ def test_the_full_example_writes_every_report(evaluated):
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"train.loss", "train.accuracy", "valid.accuracy", "valid.f1"} <= set(header)
     assert "epoch 15 time |" in (run / "log.txt").read_text()
+
+
+def test_the_python_example_trains_what_the_config_trains(evaluated, tmp_path):
+    """examples/digits/fit.py gives phalanx.fit the model and data as objects: the same best
+    checkpoint as `phalanx train` of the config, bit for bit, and the same test accuracy."""
+    from safetensors.torch import load_file
+
+    result = subprocess.run([sys.executable, str(REPO / "examples" / "digits" / "fit.py")], cwd=tmp_path, env=ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    cli = evaluated["config"][0]
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best == json.loads((cli / "checkpoints" / "best.json").read_text())
+    mine = load_file(run / "checkpoints" / f"step-{best['step']}" / "model.safetensors")
+    theirs = load_file(cli / "checkpoints" / f"step-{best['step']}" / "model.safetensors")
+    assert mine.keys() == theirs.keys() and all((mine[k] == theirs[k]).all() for k in mine)
+    accuracy = json.loads((cli / f"eval-test-step-{best['step']}.json").read_text())["metrics"]["accuracy"]
+    assert f"best checkpoint on the test stream: accuracy {accuracy:.4f}" in result.stdout
+    assert "the first test image is a " in result.stdout
