@@ -2,9 +2,11 @@
 
 `Painter` starts `python -m phalanx.plots` once and sends it each epoch's new points as a JSON
 line; the child keeps the history and draws it at most once every INTERVAL_S seconds, and at once
-when training ends; it answers a line per drawing, `ok` or the error. A fresh interpreter, not a
-fork or a multiprocessing spawn: those copy the trainer's threads or run the user's script again. The child ignores SIGINT and SIGTERM (the
-trainer handles them and closes it) and exits when told, or when its input ends (the trainer died).
+when training ends (or, where it has not within CLOSE_WAIT_S, the trainer draws the last picture
+itself); it answers a line per drawing, `ok` or the error. A fresh interpreter, not a fork or a
+multiprocessing spawn: those copy the trainer's threads or run the user's script again. The child
+ignores SIGINT and SIGTERM (the trainer handles them and closes it) and exits when told, or when its
+input ends (the trainer died).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from phalanx.errors import StorageError
 from phalanx.files import write_atomic, writing
 
 log = logging.getLogger("phalanx")
-CLOSE_TIMEOUT_S = 60
+CLOSE_WAIT_S = 5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
 INTERVAL_S = 2.0  # the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
 
 
@@ -106,18 +108,25 @@ class Painter:
         self._unsent += (json.dumps({"folder": str(folder), "add": new}) + "\n").encode()
         self._send(deadline=None)
 
-    def close(self) -> None:
-        """Wait for the last drawing (CLOSE_TIMEOUT_S at most); an error the child reported is raised here."""
+    def close(self, folder: Path | None = None, history: dict[str, list[list[float]]] | None = None,
+              wait_s: float | None = None) -> None:
+        """Wait `wait_s` (CLOSE_WAIT_S) at most for the last drawing; an error the child reported is
+        raised here. A child that has not drawn it by then (on a machine whose cores are all busy, a
+        child at idle priority waits) is ended, and `history`, where given, is drawn here instead."""
         child, answers = self._child, self._answers
         if child is None:
             return
         self._child, self._answers = None, None
-        said, deadline = [], time.monotonic() + CLOSE_TIMEOUT_S
+        wait_s = CLOSE_WAIT_S if wait_s is None else wait_s
+        said, deadline = [], time.monotonic() + wait_s
         try:
             self._unsent += b'{"end": true}\n'
             ended = self._send(deadline, child) and self._drain(answers, said, deadline)
-            if not ended and child.poll() is None:
-                log.warning("PlotLines: drawing took over %d s; the plots may miss the last epochs", CLOSE_TIMEOUT_S)
+            if not ended and child.poll() is None and history is not None:
+                child.kill()
+                log.info("PlotLines: the drawing process had not drawn the last epochs after %.0f s; drawn here",
+                         wait_s)
+                draw(folder, history)
         finally:
             if child.poll() is None:
                 child.kill()
@@ -128,7 +137,7 @@ class Painter:
                 except OSError:
                     pass
         self._raise_reported(said)
-        if child.returncode not in (0, -9) and not any('"error"' in line for line in said):
+        if child.returncode not in (0, -signal.SIGKILL) and not any('"error"' in line for line in said):
             raise StorageError(f"PlotLines: the drawing process ended with exit code {child.returncode}")
 
     def _send(self, deadline: float | None, child: subprocess.Popen | None = None) -> bool:

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -477,6 +478,20 @@ def test_plot_lines_that_cannot_write_fail_the_run_naming_the_folder(tmp_path):
     with pytest.raises(StorageError, match="PlotLines: .*blocked"):
         trainer.run()
     assert plot.child.poll() is not None  # the drawing process ended
+
+
+def test_plot_lines_draw_the_last_picture_themselves_when_the_child_is_late(tmp_path, monkeypatch):
+    """A drawing process that has not drawn the end in time (at idle priority on a busy machine) is
+    ended, and the trainer draws the last picture: the plots are complete, and the run ends soon."""
+    monkeypatch.setattr("phalanx.plots.CLOSE_WAIT_S", 0.0)
+    plot = _KeepsPainter()
+    trainer = make_trainer(tmp_path, [ComputeStats(), plot], main_loop={"epochs": 3})
+    assert trainer.run() == 0
+    assert plot.child.returncode == -signal.SIGKILL
+    from phalanx.plots import draw
+
+    draw(tmp_path / "whole", plot.history)
+    assert (trainer.run_dir / "plots" / "loss.png").read_bytes() == (tmp_path / "whole" / "loss.png").read_bytes()
 
 
 @pytest.mark.timeout(60)

@@ -184,8 +184,11 @@ class PlotLines(_Writer):
         painter, self._painter = self._painter, None
         if painter is None:
             return
+        # after a signal (a preemption's grace period runs), the run's end is not held up for the last picture
+        stopped = self.trainer.stop_requested
         try:
-            painter.close()
+            painter.close(self.trainer.run_dir / self.path, None if stopped else self.history,
+                          wait_s=1.0 if stopped or not success else None)
         except StorageError as e:
             if success:
                 raise
