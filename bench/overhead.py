@@ -437,6 +437,7 @@ def breakdown(args) -> dict[str, Any]:
     on one fixed batch (data excepted). Diagnostic: it reaches into phalanx's internals (Engine,
     Forward, data.Plan/loader, the hooks) as they are now."""
     from phalanx import data as pdata
+    from phalanx import loading as ploading
     from phalanx.data import Micro
 
     torch.set_num_threads(1)
@@ -532,7 +533,7 @@ def breakdown(args) -> dict[str, Any]:
             for _ in range(k):
                 epoch[0] += 1
                 plan = pdata.Plan(pdata.permutation(0, epoch[0], len(stream)), B)
-                batches = iter(pdata.loader(stream, plan))
+                batches = iter(ploading.loader(stream, plan))
                 for _, ms in plan.steps():
                     [(m, next(batches)) for m in ms]
 

@@ -399,6 +399,16 @@ def _set_path(node: Any, parts: list[str], value: Any, item: str) -> None:
             node = node[part]
 
 
+def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping's leaves by dotted key (`optimizer.lr`); an empty mapping is a leaf."""
+    if isinstance(tree, dict) and tree:
+        flat: dict[str, Any] = {}
+        for key, value in tree.items():
+            flat.update(flat_keys(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: tree}
+
+
 def dump(raw: dict) -> str:
     """YAML text of a raw config, keys in their given order."""
     return yaml.safe_dump(raw, sort_keys=False)

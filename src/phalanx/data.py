@@ -3,7 +3,8 @@
 Epoch `e` visits the training samples in the order `Order(seed, e, n)`; global step `k` takes
 `order[k*B:(k+1)*B]` (the last batch may be short). Each global batch is cut into
 `gradient_accumulation` micro-batches, and each micro-batch into contiguous shards in rank order.
-A rank's DataLoader reads only its own shards. A cursor (epoch, step) says where to continue.
+A rank's DataLoader (see `phalanx.loading`) reads only its own shards. A cursor (epoch, step) says where
+to continue.
 
 The order is a keyed bijection of [0, n) computed per position (a Feistel network on the smallest
 even number of bits that holds n, walked again from any value >= n until it lands below n), so
@@ -14,16 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import IterableDataset
 
 from phalanx.errors import DataError
+from phalanx.loading import collate, empty_like
 
 
 FEISTEL, RANDPERM = "feistel", "randperm"
@@ -195,226 +196,6 @@ class Plan:
             yield k, self.step(k)
 
 
-class _ShardSampler:
-    """Feeds a DataLoader the shards of a plan's steps, from a starting step on; with `seed` (for
-    `_Reseeded` workers), each index as (seed, index)."""
-
-    def __init__(self, plan: Plan, start: int, seed: tuple[int, int] | None = None):
-        self.plan, self.start, self.seed = plan, start, seed
-
-    def __iter__(self) -> Iterator[list[int]] | Iterator[list[tuple[tuple[int, int], int]]]:
-        seed = self.seed
-        for _, micros in self.plan.steps(self.start):
-            for micro in micros:
-                yield micro.shard if seed is None else [(seed, i) for i in micro.shard]
-
-    def __len__(self) -> int:
-        return self.plan.micro_batches(self.start)
-
-
-def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
-    """Stack a list of dict items into a dict batch; an empty shard is None. Items that cannot be
-    stacked are a DataError naming the stream `name`, the key and how the items differ."""
-    if not items:
-        return None
-    if type(items[0]) is not dict and not isinstance(items[0], Mapping):
-        kind = type(items[0]).__name__
-        named = ("name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
-                 if isinstance(items[0], (tuple, list)) else "name them with dataset.keys: [x], or return a dict")
-        raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
-                        f"{named} from __getitem__")
-    try:
-        return default_collate(items)
-    except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
-        raise DataError(_why_not_batched(items, name, e)) from e
-
-
-def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
-    """Which key of the items default_collate could not batch, and how its values differ (found
-    only after a failure, so batching that works pays nothing for it)."""
-    where = f"stream {name!r}" if name else "a batch"
-    keys = set(items[0])
-    for item in items[1:]:
-        if not isinstance(item, Mapping) or set(item) != keys:
-            other = sorted(item) if isinstance(item, Mapping) else type(item).__name__
-            return (f"{where}: items hold different keys ({sorted(keys)} and {other}); every item of a "
-                    "stream must hold the same keys")
-    for key in items[0]:
-        values = [item[key] for item in items]
-        try:
-            default_collate(values)
-        except Exception as e:  # noqa: BLE001 - any failure of this key is the one to report
-            return f"{where}, key {key!r}: {_how_values_differ(values, key, e)}"
-    return f"{where}: the items cannot be batched ({_first_line(error)})"
-
-
-def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
-    shapes = [tuple(v.shape) for v in values if hasattr(v, "shape")]  # tensors and numpy arrays
-    if len(shapes) == len(values) and len(set(shapes)) > 1:
-        distinct = list(dict.fromkeys(shapes))
-        shown = " and ".join(str(list(shape)) for shape in distinct[:3]) + (" ..." if len(distinct) > 3 else "")
-        return (f"items of different shapes {shown} cannot be stacked into one batch; give every item's "
-                f"{key!r} one shape in the dataset (pad or crop it)")
-    types = list(dict.fromkeys(type(v).__name__ for v in values))
-    if len(types) > 1:
-        return f"items hold values of different types ({', '.join(types)}); give every item's {key!r} one type"
-    return (f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
-            "or dicts and lists of them")
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-class _Unbatchable:
-    """A collate error in a DataLoader worker, carried back as a value: the loader re-raises a
-    worker's exception with the worker's traceback inside its message, no longer one line."""
-
-    def __init__(self, message: str):
-        self.message = message
-
-
-class _Collate:
-    """`collate` for one stream; in worker processes, errors travel back as `_Unbatchable`. An empty
-    shard is None, or the zero-size batch `empty` where the strategy runs the model on it too."""
-
-    def __init__(self, name: str, in_worker: bool, empty: Mapping | None = None):
-        self.name, self.in_worker, self.empty = name, in_worker, empty
-
-    def __call__(self, items: list[Any]) -> dict[str, Any] | _Unbatchable | None:
-        if not items and self.empty is not None:
-            return dict(self.empty)
-        try:
-            return collate(items, self.name)
-        except DataError as e:
-            if not self.in_worker:
-                raise
-            return _Unbatchable(str(e))
-
-
-class _WorkersLoader(DataLoader):
-    """A DataLoader with worker processes that raises their collate errors as themselves."""
-
-    def __iter__(self) -> Iterator[Any]:
-        for batch in super().__iter__():
-            if isinstance(batch, _Unbatchable):
-                raise DataError(batch.message)
-            yield batch
-
-
-def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
-           prefetch_factor: int | None = None,
-           seed: int = 0, name: str = "", empty_batches: bool = False) -> DataLoader:
-    """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
-    `name` is the stream's, for errors. An empty shard is None, or with `empty_batches` a batch of
-    zero samples shaped like the stream's items (for strategies whose every rank runs the model).
-
-    Its own generator, seeded by `seed`, seeds the workers: making the loader draws nothing from the
-    global RNG, so a resumed run's dropout and augmentation continue exactly where they stopped.
-    """
-    kind = _WorkersLoader if num_workers else DataLoader
-    empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
-    return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0, empty),
-                num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False, prefetch_factor=prefetch_factor,
-                generator=torch.Generator().manual_seed(seed))
-
-
-def base_seed(seed: int) -> int:
-    """The seed a DataLoader whose generator is seeded with `seed` gives its workers (worker w
-    seeds itself with it plus w)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed)).item())
-
-
-class _Reseeded(Dataset):
-    """A stream read by persistent workers, indexed by (seed, index): a worker that sees a new seed
-    (a new epoch's loader) seeds random, numpy and torch as a new DataLoader's worker would, so that
-    augmentation draws the same numbers as with workers started afresh each epoch."""
-
-    def __init__(self, dataset: Any):
-        self.dataset, self._seed = dataset, None
-        if callable(getattr(dataset, "__getitems__", None)):  # its batched read (Hugging Face datasets have one)
-            self.__getitems__ = self._getitems
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[tuple[int, int], int]) -> Any:
-        token, index = key  # token: (seed, the loader's use), new at every epoch even where the seed is not
-        self._reseed(token)
-        return self.dataset[index]
-
-    def _getitems(self, keys: list[tuple[tuple[int, int], int]]) -> list[Any]:
-        if not keys:
-            return []
-        self._reseed(keys[0][0])
-        return self.dataset.__getitems__([index for _, index in keys])
-
-    def _reseed(self, token: tuple[int, int]) -> None:
-        if token != self._seed:
-            self._seed = token
-            _seed_worker(token[0], torch.utils.data.get_worker_info().id)
-
-
-def _seed_worker(seed: int, worker: int) -> None:
-    from torch.utils.data._utils.worker import _generate_state  # the seeding torch's workers start with
-
-    random.seed(seed + worker)
-    torch.manual_seed(seed + worker)
-    np.random.seed(_generate_state(seed, worker))
-
-
-class Loaders:
-    """DataLoaders whose workers live for the whole run (`dataset.persistent_workers`): one per
-    stream, pointed at each epoch's plan, its workers seeded at each epoch as `loader`'s fresh ones
-    are, so that a run reads and augments the same batches either way."""
-
-    def __init__(self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None):
-        self.options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor}
-        self._made: dict[tuple[str, bool], tuple[Any, DataLoader, _ShardSampler]] = {}
-        self._uses = 0
-
-    def loader(self, dataset: Any, plan: Plan, start: int = 0, seed: int = 0, name: str = "",
-               empty_batches: bool = False, training: bool = False) -> DataLoader:
-        """As `loader`, with the workers of this stream (for training or evaluation: a stream may
-        be both, evaluated in the middle of its training epoch), started at their first use."""
-        made = self._made.get((name, training))
-        self._uses += 1
-        token = (base_seed(seed), self._uses)
-        if made is None or made[0] is not dataset:
-            sampler = _ShardSampler(plan, start, token)
-            empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
-            made = self._made[name, training] = (dataset, _WorkersLoader(
-                _Reseeded(dataset), batch_sampler=sampler, collate_fn=_Collate(name, True, empty),
-                persistent_workers=True, generator=torch.Generator().manual_seed(seed), **self.options), sampler)
-        _, made_loader, sampler = made
-        sampler.plan, sampler.start, sampler.seed = plan, start, token
-        return made_loader
-
-    def close(self) -> None:
-        """End the workers now, even where an iterator of theirs is still referenced (by a
-        traceback, say); otherwise they would end with the process."""
-        for _, made_loader, _ in self._made.values():
-            iterator = getattr(made_loader, "_iterator", None)
-            if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-                iterator._shutdown_workers()
-        self._made.clear()
-
-
-def empty_batch(dataset: Any, name: str = "") -> dict[str, Any]:
-    """A batch of zero samples shaped like the stream's items: each tensor value with a first
-    dimension of 0, lists empty, other values as the first item has them."""
-    return _empty_like(dataset[0], name)
-
-
-def batch_size_of(batch: Mapping[str, Any]) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.shape[0]
-    raise DataError(f"a batch holds no tensor with a batch dimension (keys: {', '.join(batch)}); "
-                    "items must hold tensors or numbers")
-
-
 class _Named:
     """Items of another stream as dicts: the parts of a tuple or list item under `keys` in order, or
     a tensor item under its one key."""
@@ -548,16 +329,10 @@ class StreamSteps:
             for micro in plan.step(0):
                 batch = collate([taken[p - first] for p in micro.shard], self.name)
                 if batch is None and self.empty_batches:  # a batch of zero samples, shaped like the items
-                    batch = _empty_like(taken[0], self.name)
+                    batch = empty_like(taken[0], self.name)
                 fetched.append((micro, batch))
             yield k, fetched
             k += 1
-
-
-def _empty_like(item: Any, name: str) -> dict[str, Any]:
-    batch = collate([item], name)
-    return {k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
-            for k, v in batch.items()}
 
 
 class TokenWindows:

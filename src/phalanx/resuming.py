@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 
 # dataset keys that change neither the data nor its order
@@ -18,7 +19,7 @@ _DATA_NEUTRAL = {"dataset.num_workers", "dataset.eval_batch_size"}
 
 def changed_keys(before: dict, after: dict) -> dict[str, tuple[Any, Any]]:
     """The dotted keys whose values differ between two resolved configs: (before, after)."""
-    old, new = _flatten(before), _flatten(after)
+    old, new = flat_keys(before), flat_keys(after)
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
 
 
@@ -73,12 +74,3 @@ def replay_schedule(schedulers: list[tuple[Any, str]], steps: int, epochs: int, 
         for _ in range(steps - done):
             for scheduler in by_step:
                 scheduler.step()
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out or {prefix.rstrip("."): {}}
-    return {prefix.rstrip("."): tree}

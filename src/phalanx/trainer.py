@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, environment, resuming, rundir, strategies
+from phalanx import data, loading, resuming, rundir, strategies
 from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
                            set_rng_state)
 from phalanx.checkpoint import Background, Checkpoints, initial_weights
@@ -125,9 +124,9 @@ class Trainer:
         if cfg.profile is not None and hooks is None:
             self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
         self.hooks = [*self.hooks, *objects.hooks]
-        self.loader_options, persistent = _loader_options(cfg, self.strategy)
+        self.loader_options, persistent = loading.loader_options(cfg, self.strategy)
         # workers kept between epochs; not for one evaluation (eval, predict), which nothing would end
-        self.loaders = data.Loaders(**self.loader_options) if persistent and not inference else None
+        self.loaders = loading.Loaders(**self.loader_options) if persistent and not inference else None
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -247,7 +246,7 @@ class Trainer:
         if self.loaders is not None:
             return self.loaders.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
                                        training=training)
-        return data.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
+        return loading.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
                            **self.loader_options)
 
     def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
@@ -580,27 +579,6 @@ class Trainer:
                 hook.load_state_dict(saved_hooks[key])
             else:
                 log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
-
-
-def _loader_options(cfg: Config, strategy: Strategy) -> tuple[dict[str, Any], bool]:
-    """DataLoader workers and pinned memory: by default none on CPU; on a GPU, pinned memory and up
-    to 4 workers per device, as the machine's cores allow. And whether the workers persist."""
-    workers = cfg.dataset.num_workers
-    on_gpu = strategy.device.type == "cuda"
-    if workers == "auto":
-        local = environment.here().local_world_size
-        workers = min(4, (os.cpu_count() or 1) // max(1, local) - 1) if on_gpu else 0
-    pin = on_gpu if cfg.dataset.pin_memory == "auto" else cfg.dataset.pin_memory
-    options = {"num_workers": max(0, workers), "pin_memory": pin}
-    for key in ("prefetch_factor", "persistent_workers"):
-        value = getattr(cfg.dataset, key)
-        if value not in (None, "auto", False) and not options["num_workers"]:
-            raise ConfigError(f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has none; "
-                              f"set dataset.num_workers, or remove {key}")
-    if cfg.dataset.prefetch_factor is not None:
-        options["prefetch_factor"] = cfg.dataset.prefetch_factor
-    persistent = cfg.dataset.persistent_workers
-    return options, bool(options["num_workers"]) and persistent in (True, "auto")
 
 
 def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import toy
-from phalanx import data
+from phalanx import data, loading
 from phalanx.errors import DataError
 
 pytestmark = pytest.mark.timeout(60)
@@ -200,10 +200,10 @@ def test_loader_from_a_start_yields_exactly_the_remaining_shards(world_size, acc
         plan = data.Plan(order, 8, accumulation, rank, world_size)
         expected = [m.shard for _, micros in plan.steps(start) for m in micros]
         got = []
-        for batch in data.loader(stream, plan, start):
+        for batch in loading.loader(stream, plan, start):
             got.append([] if batch is None else batch["id"].tolist())
         assert got == expected
-        for batch, shard in zip(data.loader(stream, plan, start), expected):
+        for batch, shard in zip(loading.loader(stream, plan, start), expected):
             if shard:
                 assert torch.equal(batch["x"], stream.x[shard])
                 assert torch.equal(batch["y"], stream.y[shard])
@@ -213,16 +213,16 @@ def test_loader_from_a_start_yields_exactly_the_remaining_shards(world_size, acc
 
 def test_collate_stacks_dict_items_and_empty_is_none():
     items = [{"x": torch.tensor([1.0, 2.0]), "y": 3}, {"x": torch.tensor([4.0, 5.0]), "y": 6}]
-    batch = data.collate(items)
+    batch = loading.collate(items)
     assert torch.equal(batch["x"], torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
     assert batch["y"].tolist() == [3, 6]
-    assert data.collate([]) is None
+    assert loading.collate([]) is None
 
 
 @pytest.mark.parametrize("item", [(torch.zeros(2), 1), torch.zeros(2), 5])
 def test_collate_rejects_non_dict_items(item):
     with pytest.raises(DataError, match="must be dicts"):
-        data.collate([item, item])
+        loading.collate([item, item])
 
 
 class Ragged(torch.utils.data.Dataset):
@@ -238,7 +238,7 @@ class Ragged(torch.utils.data.Dataset):
 def _one_line_error(stream, name: str, num_workers: int = 0) -> str:
     plan = data.Plan(range(len(stream)), 4)
     with pytest.raises(DataError) as info:
-        list(data.loader(stream, plan, num_workers=num_workers, name=name))
+        list(loading.loader(stream, plan, num_workers=num_workers, name=name))
     message = str(info.value)
     assert "\n" not in message and "Traceback" not in message, message
     return message
@@ -258,16 +258,16 @@ def test_a_collate_error_in_a_worker_process_is_the_same_one_line():
 def test_items_with_different_keys_or_types_are_named():
     items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2)}]
     with pytest.raises(DataError, match=r"stream 'test': items hold different keys \(\['x', 'y'\] and \['x'\]\)"):
-        data.collate(items, "test")
+        loading.collate(items, "test")
     items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2), "y": "one"}]
     with pytest.raises(DataError, match=r"stream 'test', key 'y': items hold values of different types \(int, str\)"):
-        data.collate(items, "test")
+        loading.collate(items, "test")
 
 
 def test_batch_size_of():
-    assert data.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
+    assert loading.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
     with pytest.raises(DataError, match="no tensor"):
-        data.batch_size_of({"name": ["a", "b"], "scalar": torch.tensor(1.0)})
+        loading.batch_size_of({"name": ["a", "b"], "scalar": torch.tensor(1.0)})
 
 
 # --- get_stream --------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
     with pytest.raises(DataError, match="an item has 2 parts but dataset.keys names 3"):
         data.named(pairs, ["x", "y", "z"], "train")[0]
     with pytest.raises(DataError, match="name their parts with dataset.keys"):
-        data.collate([pairs[0], pairs[1]])
+        loading.collate([pairs[0], pairs[1]])
     stream = data.named(toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid")
     assert data.is_iterable(stream) and data.stream_length(stream) is None
     assert callable(stream.set_epoch) and next(iter(stream))["x"].shape == (3,)  # dicts pass through

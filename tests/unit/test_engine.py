@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import toy
-from phalanx import config, data
+from phalanx import config, data, loading
 from phalanx.data import Micro
 from phalanx.engine import Engine, concat
 from phalanx.hooks import Hook
@@ -90,7 +90,7 @@ def _reference_run(module: torch.nn.Module, stream: toy.Items, seed: int, epochs
 
 
 def _fetch(stream, micros: list[Micro]) -> list[tuple[Micro, dict | None]]:
-    return [(m, data.collate([stream[i] for i in m.shard])) for m in micros]
+    return [(m, loading.collate([stream[i] for i in m.shard])) for m in micros]
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
@@ -209,7 +209,7 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
     trainer = _trainer()
     stream = data.get_stream(trainer.dataset, "valid")
     before = _params(trainer.module)
-    batch = data.collate([stream[i] for i in range(len(stream))])
+    batch = loading.collate([stream[i] for i in range(len(stream))])
     out = trainer.engine.eval_step(batch)
     assert _rel_diff(_params(trainer.module), before) == 0
     assert not out["loss"].requires_grad

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import toy
-from phalanx import data
+from phalanx import loading
 from phalanx.config import ModelConfig
 from phalanx.errors import ConfigError, ModelError
 from phalanx.model import Forward, build_model, check_loss, shard_loss_mean
@@ -73,7 +73,7 @@ def test_forward_missing_key_names_it():
 def test_forward_returns_outputs_and_records_their_names():
     forward = Forward(toy.Linear(3), _cfg())
     stream = toy.Regression().streams()["train"]
-    batch = data.collate([stream[i] for i in range(5)])
+    batch = loading.collate([stream[i] for i in range(5)])
     outputs = forward(batch)
     assert set(outputs) == {"prediction", "loss"}
     assert forward.output_names == ["prediction", "loss"]
@@ -106,7 +106,7 @@ def test_loss_spec_with_cross_entropy_gives_per_sample_loss(function):
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     stream = toy.Classes().streams()["train"]
-    batch = data.collate([stream[i] for i in range(7)])
+    batch = loading.collate([stream[i] for i in range(7)])
     cfg = _cfg(inputs={"x": "input"}, outputs="logits", loss={"function": function, "output": "logits", "target": "y"})
     outputs = Forward(net, cfg)(batch)
     logits = net(batch["x"])

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 from phalanx.hooks.variables import flat_variables
 from phalanx.hooks.writers import _Writer
@@ -28,16 +29,6 @@ def _require(module: str, install: str, hook: str) -> None:
 
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0][:300]
-
-
-def flat_config(tree: Any, prefix: str = "") -> dict[str, str]:
-    """A resolved config as `section.key` -> text, for trackers' flat parameters."""
-    if isinstance(tree, dict):
-        flat: dict[str, str] = {}
-        for key, value in tree.items():
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: str(tree)}
 
 
 class _Tracker(_Writer):
@@ -158,7 +149,7 @@ class WriteMLflow(_Tracker):
                                 tags={"phalanx.run_dir": str(run_dir.resolve())})
         self.run_id = run.info.run_id
         config = self._config()
-        params = [Param(key, value[:6000]) for key, value in flat_config(config).items()]
+        params = [Param(key, str(value)[:6000]) for key, value in flat_keys(config).items()]
         try:
             for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
                 client.log_batch(self.run_id, params=params[i:i + 100])

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx import environment
+from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 from phalanx.strategies import progress
 
@@ -181,10 +182,5 @@ def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
                           "Give every node the same config file and phalanx, torch versions")
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix.rstrip("."): repr(tree)}
+def _flatten(tree: Any) -> dict[str, str]:
+    return {key: repr(value) for key, value in flat_keys(tree).items()}
