@@ -11,6 +11,7 @@ no checkpoints; a checkpoint every `--every` steps written in the training threa
 in the background. Figures: the median over rounds of each run's mean step time (the steps that
 save and the others together), and the ratio to the run without checkpoints.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,11 +54,15 @@ def one_run(args, saves: str | None) -> float:
         model={"class": "toy.Linear", "features": 3, "hidden": args.hidden},
         optimizer={"class": "SGD", "lr": 0.01, "momentum": 0.9},
         dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 8 * args.steps},
-        main_loop={"epochs": 1, "extra_streams": []}, hooks=hooks,
-        checkpoints={"async": saves == "async", "keep_last": 2})
+        main_loop={"epochs": 1, "extra_streams": []},
+        hooks=hooks,
+        checkpoints={"async": saves == "async", "keep_last": 2},
+    )
     clock = StepClock()
     with tempfile.TemporaryDirectory(prefix="phalanx-async-bench-") as tmp:
-        trainer = Trainer(config.validate(raw), Path(tmp), [ROOT / "tests"], hooks=[*trainer_hooks(raw), clock])
+        trainer = Trainer(
+            config.validate(raw), Path(tmp), [ROOT / "tests"], hooks=[*trainer_hooks(raw), clock]
+        )
         assert trainer.run() == 0
     return statistics.fmean(clock.times)
 
@@ -70,29 +75,52 @@ def trainer_hooks(raw: dict) -> list[Hook]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=750_000, help="hidden width (float64 weights: 40 bytes each)")
+    parser.add_argument(
+        "--hidden", type=int, default=750_000, help="hidden width (float64 weights: 40 bytes each)"
+    )
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
     parser.add_argument("--every", type=int, default=5, help="a checkpoint every this many steps")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_checkpoints.json"))
     args = parser.parse_args(argv)
-    runs = {"no checkpoints": None, "saved in the training thread": "sync", "saved in the background": "async"}
+    runs = {
+        "no checkpoints": None,
+        "saved in the training thread": "sync",
+        "saved in the background": "async",
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         for name, saves in runs.items():
             times[name].append(one_run(args, saves))
-        print(f"  round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {1e3 * t[-1]:.1f}" for n, t in times.items())
-              + " ms/step", flush=True)
+        print(
+            f"  round {round_ + 1}/{args.rounds}: "
+            + ", ".join(f"{n} {1e3 * t[-1]:.1f}" for n, t in times.items())
+            + " ms/step",
+            flush=True,
+        )
     base = statistics.median(times["no checkpoints"])
-    results = {name: {"ms_per_step": 1e3 * statistics.median(t), "ratio": statistics.median(t) / base,
-                      "per_round_ms_per_step": [round(1e3 * x, 3) for x in t]} for name, t in times.items()}
+    results = {
+        name: {
+            "ms_per_step": 1e3 * statistics.median(t),
+            "ratio": statistics.median(t) / base,
+            "per_round_ms_per_step": [round(1e3 * x, 3) for x in t],
+        }
+        for name, t in times.items()
+    }
     print(f"\n{'run':<32}{'ms/step':>10}{'ratio':>9}")
     for name, r in results.items():
         print(f"{name:<32}{r['ms_per_step']:>10.2f}{r['ratio']:>8.3f}x")
-    write_report({"benchmark": "async_checkpoints", "command": " ".join([sys.executable, *sys.argv]),
-                  "machine": machine(), "phalanx_source": source_state(ROOT),
-                  "settings": vars(args) | {"checkpoint_mb": 2 * 8 * (5 * args.hidden + 1) / 1e6},
-                  "results": results}, args.out)
+    write_report(
+        {
+            "benchmark": "async_checkpoints",
+            "command": " ".join([sys.executable, *sys.argv]),
+            "machine": machine(),
+            "phalanx_source": source_state(ROOT),
+            "settings": vars(args) | {"checkpoint_mb": 2 * 8 * (5 * args.hidden + 1) / 1e6},
+            "results": results,
+        },
+        args.out,
+    )
     return 0
 
 

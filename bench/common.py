@@ -5,6 +5,7 @@ flow, statistics and a description of the machine.
 Importable as `bench.common` (the benchmarks put the repository root on sys.path), which is also the
 dotted path phalanx's config uses to find `MLP` and `SharedStreams`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,13 @@ class MLP(nn.Module):
 
     def __init__(self, features: int = 32, hidden: int = 128, classes: int = 10):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                 nn.Linear(hidden, classes))
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -69,8 +75,15 @@ def make_sequences(n: int, tokens: int, features: int, classes: int, seed: int =
     return Items(x, torch.where(torch.arange(tokens) < lengths, y, -100))
 
 
-def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: int, total: torch.Tensor,
-               clip: float | None = None, world: int = 1) -> None:
+def hand_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches,
+    k: int,
+    total: torch.Tensor,
+    clip: float | None = None,
+    world: int = 1,
+) -> None:
     """`k` steps of the loop one writes by hand (`model` may be wrapped in DDP, `world` processes):
     zero_grad, forward, cross-entropy (over the global batch's real tokens, for sequences: with
     several processes, their count all-reduced before backward), backward, gradient clipping where
@@ -81,14 +94,18 @@ def hand_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batches, k: i
         y = batch["y"]
         if y.dim() == 1:
             loss = F.cross_entropy(model(batch["x"]), y)
-        elif world == 1:  # the mean over the batch's real tokens: one process's token-weighted objective
+        elif (
+            world == 1
+        ):  # the mean over the batch's real tokens: one process's token-weighted objective
             loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten())
         else:  # the sum over this rank's, divided by the global count (times the world: DDP averages)
             import torch.distributed as dist
 
             count = (y != -100).sum()
             dist.all_reduce(count)
-            loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten(), reduction="sum") * (world / count)
+            loss = F.cross_entropy(
+                model(batch["x"]).flatten(0, -2), y.flatten(), reduction="sum"
+            ) * (world / count)
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -159,9 +176,15 @@ class Coroutine:
 def mlp_model(hidden: int, features: int = 32, classes: int = 10) -> dict[str, Any]:
     """The `model` section of a phalanx config for `MLP`, in the plain-module form (inputs,
     outputs and a torch.nn.functional loss), as the overhead benchmarks train it."""
-    return {"class": "bench.common.MLP", "features": features, "hidden": hidden, "classes": classes,
-            "inputs": {"x": "x"}, "outputs": "logits",
-            "loss": {"function": "cross_entropy", "output": "logits", "target": "y"}}
+    return {
+        "class": "bench.common.MLP",
+        "features": features,
+        "hidden": hidden,
+        "classes": classes,
+        "inputs": {"x": "x"},
+        "outputs": "logits",
+        "loss": {"function": "cross_entropy", "output": "logits", "target": "y"},
+    }
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> None:
@@ -176,38 +199,65 @@ def summary(values: list[float]) -> dict[str, float]:
     """Median, quartiles, min and max of a list of numbers."""
     ordered = sorted(values)
     q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
-    return {"median": statistics.median(ordered), "q1": q[0], "q3": q[2], "min": ordered[0], "max": ordered[-1]}
+    return {
+        "median": statistics.median(ordered),
+        "q1": q[0],
+        "q3": q[2],
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
 
 
 def against_hand(mine: list[float], base: list[float]) -> dict[str, Any]:
     """Figures of one loop's windows (seconds per step) against the hand loop's of the same rounds."""
-    return {"ms_per_step": summary([1e3 * t for t in mine]),
-            "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
-            "ratio_of_medians": statistics.median(mine) / statistics.median(base),
-            "ratio_of_totals": sum(mine) / sum(base)}
+    return {
+        "ms_per_step": summary([1e3 * t for t in mine]),
+        "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+        "ratio_of_medians": statistics.median(mine) / statistics.median(base),
+        "ratio_of_totals": sum(mine) / sum(base),
+    }
 
 
-def with_epoch_end(phalanx: list[tuple[float, float]], hand: list[tuple[float, float]],
-                   ends: list[tuple[float, float]], per_epoch: int, steps: int) -> dict[str, Any]:
+def with_epoch_end(
+    phalanx: list[tuple[float, float]],
+    hand: list[tuple[float, float]],
+    ends: list[tuple[float, float]],
+    per_epoch: int,
+    steps: int,
+) -> dict[str, Any]:
     """The row 'phalanx incl. epoch end': per epoch, phalanx's chunks plus its after_epoch hooks,
     against the hand loop's chunks of that epoch. Windows and ends are (wall, CPU) seconds."""
     entry: dict[str, Any] = {}
     for i, kind in enumerate(("wall", "cpu")):
+
         def epochs(ws):
-            return [sum(w[i] for w in ws[e:e + per_epoch]) / steps for e in range(0, len(ws), per_epoch)]
+            return [
+                sum(w[i] for w in ws[e : e + per_epoch]) / steps
+                for e in range(0, len(ws), per_epoch)
+            ]
+
         mine = [t + e[i] / steps for t, e in zip(epochs(phalanx), ends)]
-        entry[kind] = {**against_hand(mine, epochs(hand)), "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine]}
-    entry["epoch_end_ms"] = {"wall": summary([1e3 * e[0] for e in ends]), "cpu": summary([1e3 * e[1] for e in ends])}
+        entry[kind] = {
+            **against_hand(mine, epochs(hand)),
+            "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine],
+        }
+    entry["epoch_end_ms"] = {
+        "wall": summary([1e3 * e[0] for e in ends]),
+        "cpu": summary([1e3 * e[1] for e in ends]),
+    }
     return entry
 
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     facts: dict[str, Any] = {
-        "python": platform.python_version(), "platform": platform.platform(),
-        "processor": _cpu_name(), "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
     }
     for name in ("phalanx", "lightning", "accelerate"):
@@ -221,17 +271,23 @@ def machine() -> dict[str, Any]:
 
 def source_state(root: Path) -> dict[str, Any]:
     """The phalanx source measured: the commit, whether src/ differs from it, and a digest of src/."""
+
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
     digest = hashlib.sha256()
     for path in sorted((root / "src").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return {"commit": git("rev-parse", "HEAD") or None, "src_modified": bool(git("status", "--porcelain", "src")),
-            "src_sha256": digest.hexdigest()[:16]}
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "src_modified": bool(git("status", "--porcelain", "src")),
+        "src_sha256": digest.hexdigest()[:16],
+    }
 
 
 def _cpu_name() -> str:
@@ -249,9 +305,11 @@ def print_results(results: dict[str, Any], width: int) -> None:
     """The results table both overhead benchmarks print: wall-clock and CPU, median and IQR of ratios,
     and the ratio of total times where the results have it."""
     totals = all("ratio_of_totals" in r["wall"] for r in results.values())
-    header = (f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}{'total':>8}" if totals else
-              f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}") + \
-        f"  |{'CPU ms/step':>12}{'CPU ratio':>10}{'CPU IQR':>14}"
+    header = (
+        f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}{'total':>8}"
+        if totals
+        else f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}"
+    ) + f"  |{'CPU ms/step':>12}{'CPU ratio':>10}{'CPU IQR':>14}"
     print(header)
     print("-" * len(header))
     for name, r in results.items():
@@ -261,10 +319,14 @@ def print_results(results: dict[str, Any], width: int) -> None:
             cells.append((ms["median"], ratio["median"], f"{ratio['q1']:.3f}-{ratio['q3']:.3f}"))
         (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
         total = f"{r['wall']['ratio_of_totals']:>7.3f}x" if totals else ""
-        print(f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}")
+        print(
+            f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}"
+        )
 
 
-def phalanx_trainer(raw: dict[str, Any], tmp: Path, extra_hooks: list, search_dirs: list[Path], strategy=None):
+def phalanx_trainer(
+    raw: dict[str, Any], tmp: Path, extra_hooks: list, search_dirs: list[Path], strategy=None
+):
     """A phalanx Trainer built as `phalanx train` builds one from the config dict `raw`: a validated
     config, a real run directory, log.txt, and the hooks of `phalanx.hooks.default_hooks` less
     ShowProgress (a terminal progress bar), followed by `extra_hooks` (a benchmark's driver).
@@ -298,11 +360,22 @@ def print_profile(profiler, steps: int, heading: str, top: int) -> None:
     import pstats
 
     package = str(Path(__import__("phalanx").__file__).parent)
-    rows = [(tt, ct, nc, f"{Path(file).name}:{line}({func})" if line else func, file.startswith(package))
-            for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()]
+    rows = [
+        (
+            tt,
+            ct,
+            nc,
+            f"{Path(file).name}:{line}({func})" if line else func,
+            file.startswith(package),
+        )
+        for (file, line, func), (cc, nc, tt, ct, _) in pstats.Stats(profiler).stats.items()
+    ]
     print(f"cProfile of {steps} {heading} (times inflated by the profiler), per step:")
-    for title, key, only_phalanx in (("by own time", 0, False), ("by cumulative time", 1, False),
-                                     ("phalanx's own functions, by cumulative time", 1, True)):
+    for title, key, only_phalanx in (
+        ("by own time", 0, False),
+        ("by cumulative time", 1, False),
+        ("phalanx's own functions, by cumulative time", 1, True),
+    ):
         print(f"\n{title}\n{'own us':>10}{'cum us':>10}{'calls':>8}  function")
         chosen = [r for r in rows if r[4] or not only_phalanx]
         for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:top]:

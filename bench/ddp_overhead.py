@@ -32,6 +32,7 @@ all-reduce) into the next epoch's first. phalanx's epoch end (after_epoch hooks:
 all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart. A chunk's
 wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,9 +67,22 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, hand_steps, make_items, make_sequences, machine, mlp_model,  # noqa: E402
-                          against_hand,
-                          print_profile, print_results, source_state, summary, with_epoch_end, write_report)
+from bench.common import (  # noqa: E402
+    MLP,
+    REGISTRY,
+    against_hand,
+    hand_steps,
+    machine,
+    make_items,
+    make_sequences,
+    mlp_model,
+    print_profile,
+    print_results,
+    source_state,
+    summary,
+    with_epoch_end,
+    write_report,
+)
 
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
@@ -80,14 +94,25 @@ TARGETS = {"ddp": 1.05, "fsdp": 1.10}  # phalanx's allowed ratio to the hand loo
 
 def make_dataset(args) -> Any:
     n = args.steps * WORLD * args.batch_size
-    return make_sequences(n, args.tokens, FEATURES, CLASSES) if args.tokens else make_items(n, FEATURES, CLASSES)
+    return (
+        make_sequences(n, args.tokens, FEATURES, CLASSES)
+        if args.tokens
+        else make_items(n, FEATURES, CLASSES)
+    )
 
 
 def name_loops(strategy: str) -> None:
     """The loops' names for `strategy` (in the parent and in each rank: the figures are keyed by them)."""
     global HAND, PHALANX
-    HAND, PHALANX = ("hand FSDP2", "phalanx fsdp") if strategy == "fsdp" else ("hand DDP", "phalanx ddp")
-LOSS_SETUP, SETUP = "hand DDP, phalanx's loss and DDP options", "hand DDP, phalanx's set-up (+ carrier)"
+    HAND, PHALANX = (
+        ("hand FSDP2", "phalanx fsdp") if strategy == "fsdp" else ("hand DDP", "phalanx ddp")
+    )
+
+
+LOSS_SETUP, SETUP = (
+    "hand DDP, phalanx's loss and DDP options",
+    "hand DDP, phalanx's set-up (+ carrier)",
+)
 NO_HOOKS = "phalanx ddp, no hooks"
 
 
@@ -96,29 +121,38 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def since(start: tuple[float, float], end: tuple[float, float] | None = None) -> tuple[float, float]:
+def since(
+    start: tuple[float, float], end: tuple[float, float] | None = None
+) -> tuple[float, float]:
     end = end or now()
     return end[0] - start[0], end[1] - start[1]
 
 
 # --- 1 and 2. the hand-written DDP loops ----------------------------------------------------------
 
+
 class ShardBatches:
     """Batch sampler: global batches of a per-epoch permutation, each cut into contiguous per-rank
     pieces in rank order (as phalanx's data plan does); yields this rank's piece."""
 
     def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int = 0):
-        self.n, self.global_batch, self.rank, self.world, self.seed = n, global_batch, rank, world, seed
+        self.n, self.global_batch, self.rank, self.world, self.seed = (
+            n,
+            global_batch,
+            rank,
+            world,
+            seed,
+        )
         self.epoch = 0
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.n, generator=generator).tolist()
         for begin in range(0, self.n, self.global_batch):
-            batch = order[begin:begin + self.global_batch]
+            batch = order[begin : begin + self.global_batch]
             base, extra = divmod(len(batch), self.world)
             lo = self.rank * base + min(self.rank, extra)
-            yield batch[lo:lo + base + (self.rank < extra)]
+            yield batch[lo : lo + base + (self.rank < extra)]
 
     def __len__(self) -> int:
         return -(-self.n // self.global_batch)
@@ -147,8 +181,15 @@ class HandDDP:
     False, the loss share and a stop flag carried through the gradient all-reduce in a parameter
     beside the model, written as its gradient and handed to DDP's reducer, read back after the step."""
 
-    def __init__(self, dataset, args, rank: int, like_phalanx: bool = False, carrier: bool = True,
-                 name: str | None = None):
+    def __init__(
+        self,
+        dataset,
+        args,
+        rank: int,
+        like_phalanx: bool = False,
+        carrier: bool = True,
+        name: str | None = None,
+    ):
         self.name = name or HAND
         self.like_phalanx, self.carrier = like_phalanx, like_phalanx and carrier
         self.global_batch = WORLD * args.batch_size
@@ -162,8 +203,14 @@ class HandDDP:
                     fully_shard(layer)
             self.model = fully_shard(module)
         else:
-            options = {"broadcast_buffers": False, "gradient_as_bucket_view": True} if like_phalanx else {}
-            self.model = DistributedDataParallel(_WithCarrier(module) if self.carrier else module, **options)
+            options = (
+                {"broadcast_buffers": False, "gradient_as_bucket_view": True}
+                if like_phalanx
+                else {}
+            )
+            self.model = DistributedDataParallel(
+                _WithCarrier(module) if self.carrier else module, **options
+            )
         self.optimizer = torch.optim.AdamW(module.parameters(), lr=LR)
         self.sampler = ShardBatches(len(dataset), self.global_batch, rank, WORLD)
         self.loader = DataLoader(dataset, batch_sampler=self.sampler)
@@ -208,7 +255,9 @@ class HandDDP:
             loss = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
             n = len(loss)
             part = loss.detach().mean()
-            if carrier is not None:  # each rank's half of the global mean, times the 2 that DDP divides by
+            if (
+                carrier is not None
+            ):  # each rank's half of the global mean, times the 2 that DDP divides by
                 carrier.grad = torch.stack((part * (n * WORLD / self.global_batch), no_stop))
                 mark_ready(0)  # the carrier is _WithCarrier's own parameter: the reducer's first
             gradient = gradients.get(n)
@@ -224,16 +273,29 @@ class HandDDP:
 
 # --- 3. phalanx -----------------------------------------------------------------------------------
 
+
 def phalanx_config(args, output_root: str) -> dict[str, Any]:
     """No `hooks:` key would mean the defaults; they are listed without ShowProgress."""
     return {
         "name": "ddp_overhead",
         "model": mlp_model(args.hidden, FEATURES, CLASSES),
-        "optimizer": {"class": "AdamW", "lr": LR, **({"max_grad_norm": args.clip} if args.clip else {})},
+        "optimizer": {
+            "class": "AdamW",
+            "lr": LR,
+            **({"max_grad_norm": args.clip} if args.clip else {}),
+        },
         # phalanx's batch_size is the global batch: WORLD x the per-rank batch of the hand loop
-        "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": WORLD * args.batch_size},
-        "parallel": {"accelerator": "cpu", "devices": WORLD, "strategy": args.strategy,
-                     **({"fsdp": {"shard": ["Linear"]}} if args.strategy == "fsdp" else {})},
+        "dataset": {
+            "class": "bench.common.SharedStreams",
+            "key": DATA_KEY,
+            "batch_size": WORLD * args.batch_size,
+        },
+        "parallel": {
+            "accelerator": "cpu",
+            "devices": WORLD,
+            "strategy": args.strategy,
+            **({"fsdp": {"shard": ["Linear"]}} if args.strategy == "fsdp" else {}),
+        },
         "seed": 0,
         "main_loop": {"epochs": args.warmup + args.rounds},
         "output_root": output_root,
@@ -293,22 +355,31 @@ def build_phalanx(args, run_root: Path, driver):
     assert len(raw["hooks"]) == len(specs) - 1, specs
     cfg = config.validate(raw)
     strategy = strategies.create(cfg)
-    assert type(strategy).__name__ == args.strategy.upper() and strategy.world_size == WORLD, strategy
+    assert type(strategy).__name__ == args.strategy.upper() and strategy.world_size == WORLD, (
+        strategy
+    )
     box = [str(rundir.create(cfg, run_root / "ddp_overhead.yaml")) if strategy.is_main else None]
     dist.broadcast_object_list(box, src=0)
     run_dir = Path(box[0])
-    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
+    logs.setup(
+        run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
+    )
     phalanx_log = logging.getLogger("phalanx")
     for handler in list(phalanx_log.handlers):
         if not isinstance(handler, logging.FileHandler):
             phalanx_log.removeHandler(handler)
-    check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
-    trainer = Trainer(cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver], strategy=strategy)
+    check_same_config(
+        strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__}
+    )
+    trainer = Trainer(
+        cfg, run_dir, [ROOT], hooks=[*build_hooks(cfg, [ROOT]), driver], strategy=strategy
+    )
     trainer.stop.watch(run_dir / launch.STOP_FILE)
     return trainer, run_dir, raw
 
 
 # --- the ranks ------------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -320,8 +391,11 @@ def free_port() -> int:
 def shared_tmp(rank: int):
     """A temporary folder made by rank 0, its path the same on every rank (the config names it, and
     every rank must run the same config); removed by rank 0 once every rank is done with it."""
-    with (tempfile.TemporaryDirectory(prefix="phalanx-ddp-bench-") if rank == 0
-          else contextlib.nullcontext()) as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="phalanx-ddp-bench-")
+        if rank == 0
+        else contextlib.nullcontext()
+    ) as tmp:
         box = [tmp]
         dist.broadcast_object_list(box, src=0)
         try:
@@ -331,26 +405,37 @@ def shared_tmp(rank: int):
 
 
 def rank_main(rank: int, port: int, args, queue) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore")
         name_loops(args.strategy)
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-        result = (profile_rank if args.profile else breakdown_rank if args.breakdown else measure_rank)(rank, args)
+        result = (
+            profile_rank if args.profile else breakdown_rank if args.breakdown else measure_rank
+        )(rank, args)
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported by the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
         from phalanx import logs
+
         logs.setup(None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def measure_rank(rank: int, args) -> dict[str, Any] | None:
-    source = source_state(ROOT) if rank == 0 else None  # the phalanx this process imports, before it runs
+    source = (
+        source_state(ROOT) if rank == 0 else None
+    )  # the phalanx this process imports, before it runs
     dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
     hand = HandDDP(dataset, args, rank)
@@ -361,27 +446,40 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         windows.append(hand.chunk(args.chunk))
         if rank == 0 and len(windows) % per_epoch == 0:
             mine, theirs = driver.windows[-per_epoch:], windows[-per_epoch:]
-            print(f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
-                  f"{PHALANX} {1e3 * sum(w[0] for w in mine) / args.steps:.3f}, "
-                  f"{HAND} {1e3 * sum(w[0] for w in theirs) / args.steps:.3f} ms/step (rank 0)", flush=True)
+            print(
+                f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                f"{PHALANX} {1e3 * sum(w[0] for w in mine) / args.steps:.3f}, "
+                f"{HAND} {1e3 * sum(w[0] for w in theirs) / args.steps:.3f} ms/step (rank 0)",
+                flush=True,
+            )
 
     driver = make_driver_hook(args.chunk, args.steps, chunk_of_hand)
     with shared_tmp(rank) as tmp:
         trainer, run_dir, raw = build_phalanx(args, tmp / "runs", driver)
         if trainer.steps_per_epoch != args.steps:
-            raise RuntimeError(f"phalanx plans {trainer.steps_per_epoch} steps per epoch, not {args.steps}")
+            raise RuntimeError(
+                f"phalanx plans {trainer.steps_per_epoch} steps per epoch, not {args.steps}"
+            )
         hook_names = [type(h).__name__ for h in trainer.hooks]
         if rank == 0:
-            print(f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); strategy "
-                  f"{type(trainer.strategy).__name__}, world size {trainer.strategy.world_size}", flush=True)
+            print(
+                f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); strategy "
+                f"{type(trainer.strategy).__name__}, world size {trainer.strategy.world_size}",
+                flush=True,
+            )
         started = time.perf_counter()
         code = trainer.run()
         wall_s = time.perf_counter() - started
         if code != 0:
             raise RuntimeError(f"the phalanx run ended with exit code {code} on rank {rank}")
-        checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if rank == 0 else None
-    mine = {"windows": {PHALANX: driver.windows, HAND: windows}, "epoch_ends": driver.epoch_ends,
-            "losses": {HAND: hand.epoch_losses}}
+        checkpoints = (
+            sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if rank == 0 else None
+        )
+    mine = {
+        "windows": {PHALANX: driver.windows, HAND: windows},
+        "epoch_ends": driver.epoch_ends,
+        "losses": {HAND: hand.epoch_losses},
+    }
     every: list[Any] = [None] * WORLD
     dist.all_gather_object(every, mine)
     if rank != 0:
@@ -390,8 +488,11 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
     report["phalanx_source"] = source
     if source_state(ROOT) != source:
         report["phalanx_source"]["changed_during_run"] = True
-        print("warning: src/ changed while the benchmark ran; the figures are those of the source at its "
-              f"start (digest {source['src_sha256']})", flush=True)
+        print(
+            "warning: src/ changed while the benchmark ran; the figures are those of the source at its "
+            f"start (digest {source['src_sha256']})",
+            flush=True,
+        )
     print_table(report)
     write_report(report, args.out)
     return {"ratio": report["target"]["phalanx_ratio"]}
@@ -412,31 +513,59 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         results[name] = {}
         for i, kind in enumerate(("wall", "cpu")):
             mine, base = [w[i] / k for w in measured[name]], [w[i] / k for w in measured[HAND]]
-            results[name][kind] = {**against_hand(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+            results[name][kind] = {
+                **against_hand(mine, base),
+                "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine],
+            }
         results[name]["wall"]["per_rank_ms_per_step"] = [
-            summary([1e3 * w[0] / k for w in r["windows"][name][n:]]) for r in every]
-    ends = [r["epoch_ends"][args.warmup:] for r in every]
-    end = [(max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)]  # the slower rank; CPU of both
-    results[PHALANX_END] = with_epoch_end(measured[PHALANX], measured[HAND], end, per_epoch, args.steps)
+            summary([1e3 * w[0] / k for w in r["windows"][name][n:]]) for r in every
+        ]
+    ends = [r["epoch_ends"][args.warmup :] for r in every]
+    end = [
+        (max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)
+    ]  # the slower rank; CPU of both
+    results[PHALANX_END] = with_epoch_end(
+        measured[PHALANX], measured[HAND], end, per_epoch, args.steps
+    )
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "ddp_overhead" if args.strategy == "ddp" else "ddp_overhead --strategy fsdp",
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "settings": {"strategy": args.strategy, "processes": WORLD, "backend": "gloo", "address": "127.0.0.1", "steps": args.steps,
-                     "chunk": k, "rounds": args.rounds, "warmup": args.warmup, "batch_size_per_rank": args.batch_size,
-                     "global_batch": WORLD * args.batch_size, "hidden": args.hidden, "tokens": args.tokens, "clip": args.clip,
-                     "features": FEATURES,
-                     "classes": CLASSES, "samples": args.steps * WORLD * args.batch_size,
-                     "optimizer": f"AdamW(lr={LR})", "threads_per_process": torch.get_num_threads()},
+        "settings": {
+            "strategy": args.strategy,
+            "processes": WORLD,
+            "backend": "gloo",
+            "address": "127.0.0.1",
+            "steps": args.steps,
+            "chunk": k,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "batch_size_per_rank": args.batch_size,
+            "global_batch": WORLD * args.batch_size,
+            "hidden": args.hidden,
+            "tokens": args.tokens,
+            "clip": args.clip,
+            "features": FEATURES,
+            "classes": CLASSES,
+            "samples": args.steps * WORLD * args.batch_size,
+            "optimizer": f"AdamW(lr={LR})",
+            "threads_per_process": torch.get_num_threads(),
+        },
         "machine": machine(),
         "phalanx_source": None,
         "method": "the loops take turns every `chunk` steps (a round is one chunk of each), every chunk starting "
-                  "after a barrier; per chunk: wall = the slower rank's window, CPU = both ranks' process CPU "
-                  "time; ms/step = median over chunks of (wall / chunk); ratio = median over rounds of the paired "
-                  "ratio to the hand loop's chunk; ratio_of_totals = all measured windows added up; windows exclude "
-                  "phalanx's epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
-        "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
-        "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
+        "after a barrier; per chunk: wall = the slower rank's window, CPU = both ranks' process CPU "
+        "time; ms/step = median over chunks of (wall / chunk); ratio = median over rounds of the paired "
+        "ratio to the hand loop's chunk; ratio_of_totals = all measured windows added up; windows exclude "
+        "phalanx's epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
+        "phalanx_hooks": hook_names,
+        "phalanx_checkpoints": checkpoints,
+        "phalanx_config": raw,
+        "target": {
+            "phalanx_ratio_max": args.target,
+            "phalanx_ratio": ratio,
+            "met": ratio <= args.target,
+        },
         "results": results,
         "final_epoch_loss": {name: every[0]["losses"][name][-1] for name in every[0]["losses"]},
         "wall_s": wall_s,
@@ -445,21 +574,29 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
 
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
-    print(f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} epochs of {s['steps']} steps in chunks "
-          f"of {s['chunk']} (after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
-          f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
-          f"{m['cpu_count']} CPUs, {m['processor']}")
+    print(
+        f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} epochs of {s['steps']} steps in chunks "
+        f"of {s['chunk']} (after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
+        f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
+        f"{m['cpu_count']} CPUs, {m['processor']}"
+    )
     print_results(report["results"], 26)
     end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
-    print(f"\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks together); "
-          f"ratio: median of the per-chunk ratios to {HAND}'s chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
-          f"median {end['median']:.1f} ms per epoch, outside the windows.")
+    print(
+        f"\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks together); "
+        f"ratio: median of the per-chunk ratios to {HAND}'s chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
+        f"median {end['median']:.1f} ms per epoch, outside the windows."
+    )
     t = report["target"]
-    print(f"target: {PHALANX} <= {t['phalanx_ratio_max']:.2f}x {HAND} (wall-clock): "
-          f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)", flush=True)
+    print(
+        f"target: {PHALANX} <= {t['phalanx_ratio_max']:.2f}x {HAND} (wall-clock): "
+        f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)",
+        flush=True,
+    )
 
 
 # --- diagnostics ----------------------------------------------------------------------------------
+
 
 def profile_rank(rank: int, args) -> None:
     """cProfile of phalanx's ddp steps alone on each rank (warm-up epochs excluded); rank 0 prints."""
@@ -480,7 +617,12 @@ def profile_rank(rank: int, args) -> None:
     if rank != 0:
         return None
     steps = args.rounds * args.steps
-    print_profile(profiler, steps, "phalanx ddp steps on rank 0, default hooks minus ShowProgress, epoch ends included", args.profile_top)
+    print_profile(
+        profiler,
+        steps,
+        "phalanx ddp steps on rank 0, default hooks minus ShowProgress, epoch ends included",
+        args.profile_top,
+    )
     return None
 
 
@@ -528,7 +670,10 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     REGISTRY[DATA_KEY] = dataset
     with shared_tmp(rank) as tmp:
         from phalanx.hooks import Hook
-        first, _, _ = build_phalanx(args, tmp / "runs", Hook())  # validated config, strategy, logs as measured
+
+        first, _, _ = build_phalanx(
+            args, tmp / "runs", Hook()
+        )  # validated config, strategy, logs as measured
         cfg = first.cfg
 
         def trainer(hooks):  # a strategy of its own: a strategy serves the one module it set up
@@ -544,15 +689,21 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
         windows: dict[str, list[tuple[float, float]]] = {loop.name: [] for loop in loops}
         total = args.warmup + args.rounds
         if rank == 0:
-            print("loops, in the order of the figures on each round's line:\n"
-                  + "\n".join(f"  {i + 1}. {loop.name}" for i, loop in enumerate(loops)), flush=True)
+            print(
+                "loops, in the order of the figures on each round's line:\n"
+                + "\n".join(f"  {i + 1}. {loop.name}" for i, loop in enumerate(loops)),
+                flush=True,
+            )
         for epoch in range(1, total + 1):
             for loop in loops:
                 windows[loop.name].append(loop.epoch(epoch))
             if rank == 0:
-                print(f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
-                      + " ".join(f"{1e3 * w[-1][0] / args.steps:.3f}" for w in windows.values())
-                      + " ms/step (rank 0)", flush=True)
+                print(
+                    f"  round {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                    + " ".join(f"{1e3 * w[-1][0] / args.steps:.3f}" for w in windows.values())
+                    + " ms/step (rank 0)",
+                    flush=True,
+                )
         losses = {loop.name: loop.epoch_losses[-1] for loop in loops if isinstance(loop, HandDDP)}
         for loop in loops:
             if isinstance(loop, PhalanxEpochs):
@@ -568,37 +719,59 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
 
     measured = {name: rounds(name) for name in windows}
     base = measured[HAND]
-    rows = {name: {"ms_per_step": summary([1e3 * t for t in ts]),
-                   "ratio_vs_hand": summary([t / h for t, h in zip(ts, base)]),
-                   "extra_us_per_step_vs_hand": summary([1e6 * (t - h) for t, h in zip(ts, base)])}
-            for name, ts in measured.items()}
+    rows = {
+        name: {
+            "ms_per_step": summary([1e3 * t for t in ts]),
+            "ratio_vs_hand": summary([t / h for t, h in zip(ts, base)]),
+            "extra_us_per_step_vs_hand": summary([1e6 * (t - h) for t, h in zip(ts, base)]),
+        }
+        for name, ts in measured.items()
+    }
 
     def diff(a: str, b: str) -> dict[str, float]:
         """Paired per-round difference b - a (us/step) and ratio b / a."""
-        return {"us_per_step": statistics.median([1e6 * (y - x) for x, y in zip(measured[a], measured[b])]),
-                "ratio": statistics.median([y / x for x, y in zip(measured[a], measured[b])])}
+        return {
+            "us_per_step": statistics.median(
+                [1e6 * (y - x) for x, y in zip(measured[a], measured[b])]
+            ),
+            "ratio": statistics.median([y / x for x, y in zip(measured[a], measured[b])]),
+        }
 
     parts = [
         ("per-sample loss and DDP without the buffer broadcast, by hand", HAND, LOSS_SETUP),
         ("the carrier: (loss, stop) through the gradient all-reduce, by hand", LOSS_SETUP, SETUP),
-        ("the rest of phalanx's step and loop, no hooks (engine, Forward, data plan, loop)", SETUP, NO_HOOKS),
+        (
+            "the rest of phalanx's step and loop, no hooks (engine, Forward, data plan, loop)",
+            SETUP,
+            NO_HOOKS,
+        ),
         ("phalanx's default hooks' after_batch (minus ShowProgress)", NO_HOOKS, PHALANX),
         ("all of phalanx's extra time", HAND, PHALANX),
     ]
     found = {label: diff(a, b) for label, a, b in parts}
-    print(f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, batch "
-          f"{args.batch_size} per rank; per round, the slower rank's window; medians over rounds")
+    print(
+        f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, batch "
+        f"{args.batch_size} per rank; per round, the slower rank's window; medians over rounds"
+    )
     print(f"{'loop':<44}{'ms/step':>9}{'ratio vs hand':>15}{'extra us/step':>15}")
     for name, r in rows.items():
-        print(f"{name:<44}{r['ms_per_step']['median']:>9.3f}{r['ratio_vs_hand']['median']:>14.3f}x"
-              f"{r['extra_us_per_step_vs_hand']['median']:>15.0f}")
+        print(
+            f"{name:<44}{r['ms_per_step']['median']:>9.3f}{r['ratio_vs_hand']['median']:>14.3f}x"
+            f"{r['extra_us_per_step_vs_hand']['median']:>15.0f}"
+        )
     print(f"\n{'part (paired per round: B - A)':<84}{'us/step':>9}{'ratio':>8}")
     for label, a, b in parts:
         print(f"{label:<84}{found[label]['us_per_step']:>9.0f}{found[label]['ratio']:>8.3f}")
-    report = {"benchmark": "ddp_overhead --breakdown", "command": " ".join([".venv/bin/python", *sys.argv]),
-              "machine": machine(), "phalanx_source": source, "loops": rows, "parts": found,
-              "final_epoch_loss_hand_loops": losses,
-              "per_round_ms_per_step": {k: [round(1e3 * t, 5) for t in v] for k, v in measured.items()}}
+    report = {
+        "benchmark": "ddp_overhead --breakdown",
+        "command": " ".join([".venv/bin/python", *sys.argv]),
+        "machine": machine(),
+        "phalanx_source": source,
+        "loops": rows,
+        "parts": found,
+        "final_epoch_loss_hand_loops": losses,
+        "per_round_ms_per_step": {k: [round(1e3 * t, 5) for t in v] for k, v in measured.items()},
+    }
     if args.breakdown_out:
         Path(args.breakdown_out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.breakdown_out}", flush=True)
@@ -607,13 +780,16 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
 
 # --- the parent -----------------------------------------------------------------------------------
 
+
 def launch(args) -> int:
     """Start the two ranks; fail (and leave no process behind) if either fails or hangs."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(rank, port, args, queue), name=f"rank{rank}")
-             for rank in range(WORLD)]
+    procs = [
+        ctx.Process(target=rank_main, args=(rank, port, args, queue), name=f"rank{rank}")
+        for rank in range(WORLD)
+    ]
     for p in procs:
         p.start()
     failed = False
@@ -634,32 +810,70 @@ def launch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per epoch (per round, per loop)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="measured epochs of each loop; default 60, 30 with --breakdown, 10 with --profile")
-    parser.add_argument("--chunk", type=int, default=20,
-                        help="steps each loop runs before handing over (a divisor of --steps)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=100, help="optimizer steps per epoch (per round, per loop)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="measured epochs of each loop; default 60, 30 with --breakdown, 10 with --profile",
+    )
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=20,
+        help="steps each loop runs before handing over (a divisor of --steps)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per rank per step")
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
-    parser.add_argument("--tokens", type=int, default=0,
-                        help="samples are padded sequences of this many tokens (token-weighted loss; the hand loop "
-                             "all-reduces the global token count before backward); 0: classes")
-    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this (both loops)")
-    parser.add_argument("--strategy", choices=sorted(TARGETS), default="ddp",
-                        help="phalanx's ddp against hand DDP (default), or its fsdp against hand FSDP2")
-    parser.add_argument("--target", type=float, default=None,
-                        help="phalanx's allowed ratio to the hand loop (default: 1.05 for ddp, 1.10 for fsdp)")
-    parser.add_argument("--out", default=None, help="the JSON report (default: bench/results/<strategy>_overhead.json)")
-    parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx's ranks alone (no JSON)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="samples are padded sequences of this many tokens (token-weighted loss; the hand loop "
+        "all-reduces the global token count before backward); 0: classes",
+    )
+    parser.add_argument(
+        "--clip", type=float, default=None, help="clip the gradient norm to this (both loops)"
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=sorted(TARGETS),
+        default="ddp",
+        help="phalanx's ddp against hand DDP (default), or its fsdp against hand FSDP2",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="phalanx's allowed ratio to the hand loop (default: 1.05 for ddp, 1.10 for fsdp)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="the JSON report (default: bench/results/<strategy>_overhead.json)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="instead: cProfile phalanx's ranks alone (no JSON)"
+    )
     parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="instead: more variants of both loops, to split phalanx's extra time (no JSON unless "
-                             "--breakdown-out)")
-    parser.add_argument("--breakdown-out", default=None, help="where --breakdown writes its JSON (default: none)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds before a silent rank counts as hung")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: more variants of both loops, to split phalanx's extra time (no JSON unless "
+        "--breakdown-out)",
+    )
+    parser.add_argument(
+        "--breakdown-out", default=None, help="where --breakdown writes its JSON (default: none)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900, help="seconds before a silent rank counts as hung"
+    )
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = 30 if args.breakdown else 10 if args.profile else 60
@@ -668,9 +882,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk < 1 or args.steps % args.chunk:
         parser.error(f"--chunk must divide --steps ({args.steps}); got {args.chunk}")
     if args.breakdown and args.strategy != "ddp":
-        parser.error("--breakdown splits ddp's extra time (its variants are DDP loops); leave out --strategy")
+        parser.error(
+            "--breakdown splits ddp's extra time (its variants are DDP loops); leave out --strategy"
+        )
     args.target = TARGETS[args.strategy] if args.target is None else args.target
-    args.out = str(Path(args.out or ROOT / "bench" / "results" / f"{args.strategy}_overhead.json").resolve())
+    args.out = str(
+        Path(args.out or ROOT / "bench" / "results" / f"{args.strategy}_overhead.json").resolve()
+    )
     name_loops(args.strategy)
     return launch(args)
 

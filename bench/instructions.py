@@ -20,6 +20,7 @@ main thread's instructions per step; gloo's threads are counted apart and left o
 not time: the same count can take longer where it misses caches more, and at world size 2 phalanx's
 extra instructions cost about twice their share of the step (BENCHMARKS.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,13 +44,18 @@ if str(ROOT) not in sys.path:
 
 FEATURES, HIDDEN, CLASSES, BATCH, LR = 32, 128, 10, 64, 1e-3
 DATA_KEY = "instructions"
-PAIRS = [("hand-step", "phalanx-step"), ("hand-ddp-step", "phalanx-ddp-step"),
-         ("hand-epoch", "phalanx-epoch"), ("hand-ddp-epoch", "phalanx-ddp-epoch")]
+PAIRS = [
+    ("hand-step", "phalanx-step"),
+    ("hand-ddp-step", "phalanx-ddp-step"),
+    ("hand-epoch", "phalanx-epoch"),
+    ("hand-ddp-epoch", "phalanx-ddp-epoch"),
+]
 VARIANTS = [name for pair in PAIRS for name in pair]
 DEFAULT = "hand-ddp-step,phalanx-ddp-step,hand-ddp-epoch,phalanx-ddp-epoch"
 
 
 # --- the variants (in the worker) -----------------------------------------------------------------
+
 
 def make_variant(name: str, tmp: Path, epoch_steps: int) -> Callable[[], None]:
     """A function running one step (or one epoch) of variant `name`."""
@@ -86,11 +92,16 @@ def _phalanx(ddp: bool, tmp: Path):
     from bench.common import mlp_model, phalanx_trainer
     from phalanx.strategies.ddp import DDP
 
-    raw = {"name": "instructions", "model": mlp_model(HIDDEN, FEATURES, CLASSES),
-           "optimizer": {"class": "AdamW", "lr": LR},
-           "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": BATCH},
-           "parallel": {"accelerator": "cpu"}, "seed": 0, "main_loop": {"epochs": 1 << 20},
-           "output_root": str(tmp / "runs")}
+    raw = {
+        "name": "instructions",
+        "model": mlp_model(HIDDEN, FEATURES, CLASSES),
+        "optimizer": {"class": "AdamW", "lr": LR},
+        "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": BATCH},
+        "parallel": {"accelerator": "cpu"},
+        "seed": 0,
+        "main_loop": {"epochs": 1 << 20},
+        "output_root": str(tmp / "runs"),
+    }
     tmp.mkdir(parents=True, exist_ok=True)
     trainer, _, _ = phalanx_trainer(raw, tmp, [], [ROOT], strategy=DDP("cpu") if ddp else None)
     trainer._emit("before_training")
@@ -111,7 +122,9 @@ def _phalanx_step(trainer) -> Callable[[], None]:
 def _phalanx_epoch(trainer) -> Callable[[], None]:
     """One epoch of the trainer's own step loop, from its plan and loader to its after_batch hooks;
     the epoch end (evaluation, after_epoch hooks, checkpoint) left out."""
-    profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
+    profile = dict.fromkeys(
+        ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
+    )
 
     def epoch() -> None:
         trainer.epoch += 1
@@ -130,7 +143,13 @@ def worker(args) -> int:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.port),
+    )
     dist.init_process_group("gloo")
     run = _runner(args.native)
     try:
@@ -138,7 +157,9 @@ def worker(args) -> int:
             names = args.variants.split(",")
             variants = [make_variant(name, Path(tmp), args.epoch_steps) for name in names]
             for name, variant in zip(names, variants):
-                for _ in range(-(-args.warmup // args.epoch_steps) if is_epoch(name) else args.warmup):
+                for _ in range(
+                    -(-args.warmup // args.epoch_steps) if is_epoch(name) else args.warmup
+                ):
                     variant()
             for name, variant in zip(names, variants):
                 run(variant, args.epochs if is_epoch(name) else args.steps, name)
@@ -152,10 +173,12 @@ def worker(args) -> int:
 
 def _runner(native: bool) -> Callable[[Callable, int, str], None]:
     if native:
+
         def run(f: Callable, n: int, name: str) -> None:
             for _ in range(n):
                 f()
             print(f"{name}: {n} calls, not counted (--native)", flush=True)
+
         return run
     sys.path.insert(0, os.environ["PHALANX_CGMARK_DIR"])
     import cgmark
@@ -164,6 +187,7 @@ def _runner(native: bool) -> Callable[[Callable, int, str], None]:
 
 
 # --- the parent -----------------------------------------------------------------------------------
+
 
 def build_extension() -> Path:
     """bench/cgmark.c compiled for this Python, in a cache folder keyed by its source and Python."""
@@ -176,13 +200,33 @@ def build_extension() -> Path:
         return folder
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        raise SystemExit("bench/instructions.py: no C compiler (cc or gcc) to build bench/cgmark.c; install gcc")
+        raise SystemExit(
+            "bench/instructions.py: no C compiler (cc or gcc) to build bench/cgmark.c; install gcc"
+        )
     folder.mkdir(parents=True, exist_ok=True)
-    built = subprocess.run([compiler, "-O2", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}",
-                            str(source), "-o", str(target)], capture_output=True, text=True)
+    built = subprocess.run(
+        [
+            compiler,
+            "-O2",
+            "-shared",
+            "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}",
+            str(source),
+            "-o",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if built.returncode != 0:
-        hint = " (valgrind's headers are missing: install valgrind)" if "callgrind.h" in built.stderr else ""
-        raise SystemExit(f"bench/instructions.py: building bench/cgmark.c failed{hint}:\n{built.stderr}")
+        hint = (
+            " (valgrind's headers are missing: install valgrind)"
+            if "callgrind.h" in built.stderr
+            else ""
+        )
+        raise SystemExit(
+            f"bench/instructions.py: building bench/cgmark.c failed{hint}:\n{built.stderr}"
+        )
     return folder
 
 
@@ -203,7 +247,10 @@ def counts(folder: Path) -> dict[str, int]:
 
 
 def report(totals: dict[str, int], args) -> None:
-    per_step = {n: c / (args.epochs * args.epoch_steps if is_epoch(n) else args.steps) for n, c in totals.items()}
+    per_step = {
+        n: c / (args.epochs * args.epoch_steps if is_epoch(n) else args.steps)
+        for n, c in totals.items()
+    }
     print(f"\n{'variant':<20}{'instructions/step':>18}")
     for name, count in per_step.items():
         print(f"{name:<20}{count:>18,.0f}")
@@ -211,19 +258,36 @@ def report(totals: dict[str, int], args) -> None:
     for hand, phalanx in PAIRS:
         if hand in per_step and phalanx in per_step:
             extra = per_step[phalanx] - per_step[hand]
-            print(f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{per_step[phalanx] / per_step[hand]:>8.3f}")
+            print(
+                f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{per_step[phalanx] / per_step[hand]:>8.3f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=DEFAULT, help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    parser.add_argument("--steps", type=int, default=100, help="steps counted for each *-step variant")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs counted for each *-epoch variant")
-    parser.add_argument("--epoch-steps", type=int, default=20, help="steps in an epoch of the *-epoch variants")
-    parser.add_argument("--warmup", type=int, default=20, help="uncounted steps of each variant first (whole "
-                        "epochs for the *-epoch variants)")
-    parser.add_argument("--native", action="store_true", help="run the variants without valgrind; count nothing")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--variants", default=DEFAULT, help=f"comma-separated, of: {', '.join(VARIANTS)}"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=100, help="steps counted for each *-step variant"
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs counted for each *-epoch variant"
+    )
+    parser.add_argument(
+        "--epoch-steps", type=int, default=20, help="steps in an epoch of the *-epoch variants"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=20,
+        help="uncounted steps of each variant first (whole epochs for the *-epoch variants)",
+    )
+    parser.add_argument(
+        "--native", action="store_true", help="run the variants without valgrind; count nothing"
+    )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -240,16 +304,43 @@ def main(argv: list[str] | None = None) -> int:
 
 def measure(args) -> int:
     if shutil.which("valgrind") is None:
-        raise SystemExit("bench/instructions.py needs valgrind (Debian: apt install valgrind), or --native")
+        raise SystemExit(
+            "bench/instructions.py needs valgrind (Debian: apt install valgrind), or --native"
+        )
     extension = build_extension()
     with tempfile.TemporaryDirectory(prefix="phalanx-callgrind-") as out:
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
-                   f"--callgrind-out-file={out}/out", sys.executable, __file__, "--worker",
-                   "--variants", args.variants, "--steps", str(args.steps), "--epochs", str(args.epochs),
-                   "--epoch-steps", str(args.epoch_steps), "--warmup", str(args.warmup), "--port", str(_free_port())]
-        print("running under callgrind (minutes: torch's import alone takes about two) ...", flush=True)
-        done = subprocess.run(command, env={**os.environ, "PHALANX_CGMARK_DIR": str(extension)},
-                              capture_output=True, text=True)
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            "--separate-threads=yes",
+            f"--callgrind-out-file={out}/out",
+            sys.executable,
+            __file__,
+            "--worker",
+            "--variants",
+            args.variants,
+            "--steps",
+            str(args.steps),
+            "--epochs",
+            str(args.epochs),
+            "--epoch-steps",
+            str(args.epoch_steps),
+            "--warmup",
+            str(args.warmup),
+            "--port",
+            str(_free_port()),
+        ]
+        print(
+            "running under callgrind (minutes: torch's import alone takes about two) ...",
+            flush=True,
+        )
+        done = subprocess.run(
+            command,
+            env={**os.environ, "PHALANX_CGMARK_DIR": str(extension)},
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
             return 1

@@ -19,6 +19,7 @@ A trial that fails for any other reason stops the search with its output. Each t
 are counted on the meta device. The bound is the device's memory over 16 bytes per parameter (the
 float32 value, its gradient and AdamW's two moments): 80 GB / 16 B = 5.0 B parameters on an H100.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,27 +44,48 @@ CHECKPOINTED = {"activation_checkpointing": ["Block"]}
 MODES: dict[str, dict[str, Any]] = {
     "plain": {},
     "checkpointed": CHECKPOINTED,
-    "fsdp-offload": {**CHECKPOINTED, "parallel": {"strategy": "fsdp",
-                                                  "fsdp": {"offload": True, "init": "meta", "shard": ["Block"]}}},
+    "fsdp-offload": {
+        **CHECKPOINTED,
+        "parallel": {
+            "strategy": "fsdp",
+            "fsdp": {"offload": True, "init": "meta", "shard": ["Block"]},
+        },
+    },
 }
 OUT_OF_MEMORY = ("out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 def model_section(args, layers: int) -> dict[str, Any]:
-    return {"class": "examples.gpt.model.GPT", "vocab_size": 256, "block_size": args.seq_len, "n_layer": layers,
-            "n_head": max(1, args.width // 128), "n_embd": args.width, "dropout": 0.0, "bias": False}
+    return {
+        "class": "examples.gpt.model.GPT",
+        "vocab_size": 256,
+        "block_size": args.seq_len,
+        "n_layer": layers,
+        "n_head": max(1, args.width // 128),
+        "n_embd": args.width,
+        "dropout": 0.0,
+        "bias": False,
+    }
 
 
 def config(args, mode: str, layers: int, root: Path) -> dict[str, Any]:
     extra = MODES[mode]
-    tokens = 2 * args.seq_len * args.batch_size * (args.steps + 1)  # the train stream's windows and a few for valid
+    tokens = (
+        2 * args.seq_len * args.batch_size * (args.steps + 1)
+    )  # the train stream's windows and a few for valid
     return {
         "name": f"largest-{mode}-{layers}",
         "output_root": str(root),
         "model": model_section(args, layers),
         "optimizer": {"class": "AdamW", "lr": 1e-4},
-        "dataset": {"class": "examples.gpt.data.StdlibBytes", "block_size": args.seq_len, "max_bytes": tokens,
-                    "valid_fraction": 0.1, "batch_size": args.batch_size, "num_workers": 0},
+        "dataset": {
+            "class": "examples.gpt.data.StdlibBytes",
+            "block_size": args.seq_len,
+            "max_bytes": tokens,
+            "valid_fraction": 0.1,
+            "batch_size": args.batch_size,
+            "num_workers": 0,
+        },
         "precision": args.precision,
         "parallel": {"accelerator": args.device, "devices": 1, **extra.get("parallel", {})},
         "activation_checkpointing": extra.get("activation_checkpointing", []),
@@ -85,24 +107,46 @@ def trial(args, mode: str, layers: int) -> dict[str, Any]:
     """Train at `layers` in a fresh `phalanx train`; whether it fit, and why not."""
     with tempfile.TemporaryDirectory(prefix="phalanx-largest-") as tmp:
         path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(config(args, mode, layers, Path(tmp) / "runs"), sort_keys=False))
+        path.write_text(
+            yaml.safe_dump(config(args, mode, layers, Path(tmp) / "runs"), sort_keys=False)
+        )
         started = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "phalanx.cli", "train", str(path)], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=args.trial_timeout,
-                                  env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                      [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+            done = subprocess.run(
+                [sys.executable, "-m", "phalanx.cli", "train", str(path)],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=args.trial_timeout,
+                env={
+                    **os.environ,
+                    "PYTHONPATH": os.pathsep.join(
+                        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+                    ),
+                },
+            )
             code, text = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired:
             code, text = None, f"no result in {args.trial_timeout} s"
     seconds = time.perf_counter() - started
-    memory = any(marker in text for marker in OUT_OF_MEMORY) or code in (-9, 137)  # the host's: killed
-    result = {"layers": layers, "parameters": parameters(args, layers), "fits": code == 0, "seconds": round(seconds, 1)}
+    memory = any(marker in text for marker in OUT_OF_MEMORY) or code in (
+        -9,
+        137,
+    )  # the host's: killed
+    result = {
+        "layers": layers,
+        "parameters": parameters(args, layers),
+        "fits": code == 0,
+        "seconds": round(seconds, 1),
+    }
     if code != 0:
         result["why"] = "out of memory" if memory else f"exit {code}"
         result["output_tail"] = text[-2000:]
-    print(f"  {mode}: {layers} layers, {result['parameters'] / 1e9:.3f} B parameters: "
-          f"{'fits' if result['fits'] else result['why']} ({seconds:.0f} s)", flush=True)
+    print(
+        f"  {mode}: {layers} layers, {result['parameters'] / 1e9:.3f} B parameters: "
+        f"{'fits' if result['fits'] else result['why']} ({seconds:.0f} s)",
+        flush=True,
+    )
     return result
 
 
@@ -116,8 +160,10 @@ def search(args, mode: str) -> dict[str, Any]:
         elif trials[-1]["why"] == "out of memory":
             fails = layers
         else:
-            raise SystemExit(f"{mode} at {layers} layers failed for another reason than memory:\n"
-                             f"{trials[-1]['output_tail']}")
+            raise SystemExit(
+                f"{mode} at {layers} layers failed for another reason than memory:\n"
+                f"{trials[-1]['output_tail']}"
+            )
     if fails is None and fits < args.max_layers:
         layers = args.max_layers
         trials.append(trial(args, mode, layers))
@@ -130,24 +176,41 @@ def search(args, mode: str) -> dict[str, Any]:
         elif trials[-1]["why"] == "out of memory":
             fails = middle
         else:
-            raise SystemExit(f"{mode} at {middle} layers failed for another reason than memory:\n"
-                             f"{trials[-1]['output_tail']}")
-    return {"largest_layers": fits, "largest_parameters": parameters(args, fits) if fits else 0,
-            "first_that_does_not_fit": fails, "capped_at_max_layers": fails is None, "trials": trials}
+            raise SystemExit(
+                f"{mode} at {middle} layers failed for another reason than memory:\n"
+                f"{trials[-1]['output_tail']}"
+            )
+    return {
+        "largest_layers": fits,
+        "largest_parameters": parameters(args, fits) if fits else 0,
+        "first_that_does_not_fit": fails,
+        "capped_at_max_layers": fails is None,
+        "trials": trials,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=[*MODES, "all"], default="all")
     parser.add_argument("--width", type=int, default=None, help="n_embd (default 4096; smoke 64)")
-    parser.add_argument("--seq-len", type=int, default=None, help="block size (default 1024; smoke 32)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 8; smoke 4)")
+    parser.add_argument(
+        "--seq-len", type=int, default=None, help="block size (default 1024; smoke 32)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per step (default 8; smoke 4)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per trial")
-    parser.add_argument("--start", type=int, default=None, help="layers of the first trial (default 8; smoke 1)")
-    parser.add_argument("--max-layers", type=int, default=None, help="no trial beyond (default 256; smoke 2)")
+    parser.add_argument(
+        "--start", type=int, default=None, help="layers of the first trial (default 8; smoke 1)"
+    )
+    parser.add_argument(
+        "--max-layers", type=int, default=None, help="no trial beyond (default 256; smoke 2)"
+    )
     parser.add_argument("--trial-timeout", type=float, default=900)
     parser.add_argument("--smoke", action="store_true", help="tiny, float32, on the CPU")
-    parser.add_argument("--out", default=None, help="the JSON report (default bench/results/largest_model.json)")
+    parser.add_argument(
+        "--out", default=None, help="the JSON report (default bench/results/largest_model.json)"
+    )
     args = parser.parse_args(argv)
     small = args.smoke
     args.width = args.width or (64 if small else 4096)
@@ -163,9 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     bound = memory / 16 if memory else None
     modes = list(MODES) if args.mode == "all" else [args.mode]
     report: dict[str, Any] = {
-        "benchmark": "largest_model", "command": " ".join([sys.executable, *sys.argv]), "machine": machine(),
-        "phalanx_source": source_state(ROOT), "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "device_memory_bytes": memory, "bound_parameters": bound, "modes": {}}
+        "benchmark": "largest_model",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "machine": machine(),
+        "phalanx_source": source_state(ROOT),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "device_memory_bytes": memory,
+        "bound_parameters": bound,
+        "modes": {},
+    }
     for mode in modes:
         print(f"{mode}:", flush=True)
         found = search(args, mode)
@@ -176,8 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     for mode, found in report["modes"].items():
         share = f"{found['fraction_of_bound']:.2f}" if "fraction_of_bound" in found else "-"
         capped = " (the cap: --max-layers)" if found["capped_at_max_layers"] else ""
-        print(f"{mode:<15}{found['largest_layers']:>7}   {found['largest_parameters'] / 1e9:>8.3f} B   {share}{capped}")
-    out = Path(args.out or ROOT / "bench" / "results" / ("largest_model_smoke.json" if small else "largest_model.json"))
+        print(
+            f"{mode:<15}{found['largest_layers']:>7}   {found['largest_parameters'] / 1e9:>8.3f} B   {share}{capped}"
+        )
+    out = Path(
+        args.out
+        or ROOT
+        / "bench"
+        / "results"
+        / ("largest_model_smoke.json" if small else "largest_model.json")
+    )
     write_report(report, str(out))
     return 0
 

@@ -9,6 +9,7 @@ where it fits: 10^10 would take about 360 GB).
 Each case runs in a fresh process; its peak memory is the process's maximum resident set size
 minus that of the same process before it built the order (torch and phalanx imported).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,13 @@ print(json.dumps({"seconds": seconds, "peak_mb": peak / 1024, "first": first[:3]
 
 
 def case(kind: str, n: float, batch: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CASE, kind, str(n), str(batch)], capture_output=True, text=True,
-                         check=True, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, "-c", CASE, kind, str(n), str(batch)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1800,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -47,7 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e8, 1e10])
     parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--list-limit", type=float, default=1e8, help="largest size the list order is measured at")
+    parser.add_argument(
+        "--list-limit", type=float, default=1e8, help="largest size the list order is measured at"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "orders.json"))
     args = parser.parse_args()
     results = []
@@ -56,11 +64,21 @@ def main() -> None:
         if n <= args.list_limit:
             row["list"] = case("list", n, args.batch)
         results.append(row)
-        parts = [f"{kind} {r['seconds'] * 1e3:9.1f} ms {r['peak_mb']:9.1f} MB"
-                 for kind, r in row.items() if kind != "samples"]
+        parts = [
+            f"{kind} {r['seconds'] * 1e3:9.1f} ms {r['peak_mb']:9.1f} MB"
+            for kind, r in row.items()
+            if kind != "samples"
+        ]
         print(f"n = {n:8.0e}: " + " | ".join(parts), flush=True)
-    write_report({"machine": machine(), "source": source_state(ROOT), "batch": args.batch, "results": results},
-                 args.out)
+    write_report(
+        {
+            "machine": machine(),
+            "source": source_state(ROOT),
+            "batch": args.batch,
+            "results": results,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

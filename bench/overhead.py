@@ -20,6 +20,7 @@ statistics, log, metrics.csv, TensorBoard flush, the SaveLatest checkpoint) is o
 and reported on its own. Nobody saves a checkpoint inside a window. The first `--warmup` epochs are
 not counted.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,9 +47,23 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from bench.common import (MLP, REGISTRY, Coroutine, hand_steps, make_items, make_sequences, machine, mlp_model,  # noqa: E402
-                          phalanx_trainer,
-                          against_hand, print_profile, print_results, source_state, with_epoch_end, write_report)
+from bench.common import (  # noqa: E402
+    MLP,
+    REGISTRY,
+    Coroutine,
+    against_hand,
+    hand_steps,
+    machine,
+    make_items,
+    make_sequences,
+    mlp_model,
+    phalanx_trainer,
+    print_profile,
+    print_results,
+    source_state,
+    with_epoch_end,
+    write_report,
+)
 
 clock = time.perf_counter
 
@@ -59,9 +74,12 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def since(start: tuple[float, float], end: tuple[float, float] | None = None) -> tuple[float, float]:
+def since(
+    start: tuple[float, float], end: tuple[float, float] | None = None
+) -> tuple[float, float]:
     end = end or now()
     return end[0] - start[0], end[1] - start[1]
+
 
 LR = 1e-3
 DATA_KEY = "overhead"
@@ -69,6 +87,7 @@ FEATURES, CLASSES = 32, 10
 
 
 # --- 1. the hand-written loop ------------------------------------------------------------------
+
 
 class HandLoop:
     """What one would write without a framework, run a chunk of steps at a time."""
@@ -103,14 +122,23 @@ class HandLoop:
 
 # --- 2. phalanx ---------------------------------------------------------------------------------
 
+
 def phalanx_config(args, output_root: str) -> dict[str, Any]:
     """The run's config: no `hooks:` key would mean the defaults; they are listed here without
     ShowProgress (a terminal progress bar), everything else as phalanx.hooks.default_hooks has it."""
     return {
         "name": "overhead",
         "model": mlp_model(args.hidden, FEATURES, CLASSES),
-        "optimizer": {"class": "AdamW", "lr": LR, **({"max_grad_norm": args.clip} if args.clip else {})},
-        "dataset": {"class": "bench.common.SharedStreams", "key": DATA_KEY, "batch_size": args.batch_size},
+        "optimizer": {
+            "class": "AdamW",
+            "lr": LR,
+            **({"max_grad_norm": args.clip} if args.clip else {}),
+        },
+        "dataset": {
+            "class": "bench.common.SharedStreams",
+            "key": DATA_KEY,
+            "batch_size": args.batch_size,
+        },
         "parallel": {"accelerator": "cpu"},
         "seed": 0,
         "main_loop": {"epochs": args.warmup + args.rounds},
@@ -159,6 +187,7 @@ def make_driver_hook(chunk: int, on_chunk):
 
 # --- 3. Lightning -------------------------------------------------------------------------------
 
+
 class LightningLoop:
     """Lightning's Trainer.fit in barebones mode (no logger, progress bar, checkpointing, model
     summary, sanity check), driven as a coroutine: a callback hands control back after each chunk
@@ -179,7 +208,10 @@ class LightningLoop:
                 super().__init__()
                 torch.manual_seed(0)
                 self.model = MLP(FEATURES, args.hidden, CLASSES)
-                self.acc = {"total": torch.zeros(()), "batches": 0}  # a dict: no nn.Module __setattr__
+                self.acc = {
+                    "total": torch.zeros(()),
+                    "batches": 0,
+                }  # a dict: no nn.Module __setattr__
 
             def training_step(self, batch, batch_idx):
                 loss = F.cross_entropy(self.model(batch["x"]), batch["y"])
@@ -195,18 +227,28 @@ class LightningLoop:
             def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
                 if (batch_idx + 1) % chunk == 0:
                     outer.windows.append(since(outer.start))
-                    if trainer.current_epoch < epochs - 1 or batch_idx + 1 < steps:  # not the very last
+                    if (
+                        trainer.current_epoch < epochs - 1 or batch_idx + 1 < steps
+                    ):  # not the very last
                         self.pause()
                         outer.start = now()
 
-            def on_train_epoch_end(self, trainer, module):  # in the next epoch's first chunk, as set-up is
+            def on_train_epoch_end(
+                self, trainer, module
+            ):  # in the next epoch's first chunk, as set-up is
                 acc = module.acc
                 outer.epoch_losses.append(acc["total"].item() / acc["batches"])
                 acc["total"], acc["batches"] = torch.zeros(()), 0
 
         self.module, timer = Module(), Timer()
-        self.trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, barebones=True,
-                                  callbacks=[timer], deterministic=False)
+        self.trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=epochs,
+            barebones=True,
+            callbacks=[timer],
+            deterministic=False,
+        )
         self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         self.windows: list[tuple[float, float]] = []
         self.epoch_losses: list[float] = []
@@ -231,6 +273,7 @@ class LightningLoop:
 
 
 # --- 4. Accelerate ------------------------------------------------------------------------------
+
 
 class AccelerateLoop:
     """The hand loop through Accelerate's prepare(), accelerator.backward and its wrapped optimizer."""
@@ -274,6 +317,7 @@ class AccelerateLoop:
 
 # --- the benchmark ------------------------------------------------------------------------------
 
+
 def optional(name: str, factory, dataset, args, skipped: dict[str, str]):
     try:
         return factory(dataset, args)
@@ -284,7 +328,11 @@ def optional(name: str, factory, dataset, args, skipped: dict[str, str]):
 
 def make_dataset(args) -> Any:
     n = args.steps * args.batch_size
-    return make_sequences(n, args.tokens, FEATURES, CLASSES) if args.tokens else make_items(n, FEATURES, CLASSES)
+    return (
+        make_sequences(n, args.tokens, FEATURES, CLASSES)
+        if args.tokens
+        else make_items(n, FEATURES, CLASSES)
+    )
 
 
 def run(args) -> dict[str, Any]:
@@ -296,11 +344,24 @@ def run(args) -> dict[str, Any]:
     hand = HandLoop(dataset, args)
     if args.tokens or args.clip:  # the other trainers' loops here train the plain objective
         others = []
-        skipped.update(dict.fromkeys(("Lightning", "Accelerate"), "--tokens and --clip compare with the hand loop only"))
+        skipped.update(
+            dict.fromkeys(
+                ("Lightning", "Accelerate"), "--tokens and --clip compare with the hand loop only"
+            )
+        )
     else:
-        others = [loop for loop in (optional("Lightning", LightningLoop, dataset, args, skipped),
-                                    optional("Accelerate", AccelerateLoop, dataset, args, skipped)) if loop]
-    windows: dict[str, list[tuple[float, float]]] = {hand.name: [], **{loop.name: [] for loop in others}}
+        others = [
+            loop
+            for loop in (
+                optional("Lightning", LightningLoop, dataset, args, skipped),
+                optional("Accelerate", AccelerateLoop, dataset, args, skipped),
+            )
+            if loop
+        ]
+    windows: dict[str, list[tuple[float, float]]] = {
+        hand.name: [],
+        **{loop.name: [] for loop in others},
+    }
     total, per_epoch = args.warmup + args.rounds, args.steps // args.chunk
 
     def chunk_of_others(epoch: int) -> None:
@@ -310,16 +371,24 @@ def run(args) -> dict[str, Any]:
             windows[loop.name].append(loop.chunk(args.chunk))
         if len(driver.windows) % per_epoch == 0:
             shown = [("phalanx", driver.windows), *windows.items()]
-            print(f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
-                  + ", ".join(f"{n} {1e3 * sum(x[0] for x in w[-per_epoch:]) / args.steps:.3f}" for n, w in shown)
-                  + " ms/step", flush=True)
+            print(
+                f"  epoch {epoch}/{total}{' (warm-up)' if epoch <= args.warmup else ''}: "
+                + ", ".join(
+                    f"{n} {1e3 * sum(x[0] for x in w[-per_epoch:]) / args.steps:.3f}"
+                    for n, w in shown
+                )
+                + " ms/step",
+                flush=True,
+            )
 
     driver = make_driver_hook(args.chunk, chunk_of_others)
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
         hook_names = [type(h).__name__ for h in trainer.hooks]
-        print(f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory {run_dir}",
-              flush=True)
+        print(
+            f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory {run_dir}",
+            flush=True,
+        )
         started = clock()
         code = trainer.run()
         wall_s = clock() - started
@@ -327,6 +396,7 @@ def run(args) -> dict[str, Any]:
             raise RuntimeError(f"the phalanx run ended with exit code {code}")
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
         from phalanx import logs
+
         logs.setup(None)  # close log.txt before the folder goes
     for loop in others:
         if hasattr(loop, "close"):
@@ -340,53 +410,88 @@ def run(args) -> dict[str, Any]:
         for i, kind in enumerate(("wall", "cpu")):
             mine = [w[i] / k for w in measured[name]]
             base = [w[i] / k for w in measured[hand.name]]
-            entry[kind] = {**against_hand(mine, base), "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine]}
+            entry[kind] = {
+                **against_hand(mine, base),
+                "per_chunk_ms_per_step": [round(1e3 * t, 5) for t in mine],
+            }
         results[name] = entry
-    results["phalanx incl. epoch end"] = with_epoch_end(measured["phalanx"], measured[hand.name],
-                                                        driver.epoch_ends[args.warmup:], per_epoch, args.steps)
+    results["phalanx incl. epoch end"] = with_epoch_end(
+        measured["phalanx"],
+        measured[hand.name],
+        driver.epoch_ends[args.warmup :],
+        per_epoch,
+        args.steps,
+    )
     ratio = results["phalanx"]["wall"]["ratio_vs_hand"]["median"]
     return {
         "benchmark": "overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
-        "settings": {"steps": args.steps, "chunk": args.chunk, "rounds": args.rounds, "warmup": args.warmup,
-                     "batch_size": args.batch_size, "tokens": args.tokens, "clip": args.clip,
-                     "hidden": args.hidden, "features": FEATURES, "classes": CLASSES,
-                     "samples": len(dataset), "optimizer": f"AdamW(lr={LR})", "threads": torch.get_num_threads()},
+        "settings": {
+            "steps": args.steps,
+            "chunk": args.chunk,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "batch_size": args.batch_size,
+            "tokens": args.tokens,
+            "clip": args.clip,
+            "hidden": args.hidden,
+            "features": FEATURES,
+            "classes": CLASSES,
+            "samples": len(dataset),
+            "optimizer": f"AdamW(lr={LR})",
+            "threads": torch.get_num_threads(),
+        },
         "machine": machine(),
         "phalanx_source": source_state(ROOT),
         "method": "loops interleaved chunk by chunk (a round is one chunk of each loop); ms/step = median over "
-                  "chunks of (window / chunk); ratio = median over chunks of the paired ratio to the hand loop's "
-                  "chunk of the same round; ratio_of_totals = all measured windows added up; windows exclude "
-                  "phalanx's epoch-end hooks (row 'incl. epoch end', per epoch, adds them); no loop saves a "
-                  "checkpoint inside a window",
-        "phalanx_hooks": hook_names, "phalanx_checkpoints": checkpoints, "phalanx_config": raw,
+        "chunks of (window / chunk); ratio = median over chunks of the paired ratio to the hand loop's "
+        "chunk of the same round; ratio_of_totals = all measured windows added up; windows exclude "
+        "phalanx's epoch-end hooks (row 'incl. epoch end', per epoch, adds them); no loop saves a "
+        "checkpoint inside a window",
+        "phalanx_hooks": hook_names,
+        "phalanx_checkpoints": checkpoints,
+        "phalanx_config": raw,
         "skipped": skipped,
-        "target": {"phalanx_ratio_max": args.target, "phalanx_ratio": ratio, "met": ratio <= args.target},
+        "target": {
+            "phalanx_ratio_max": args.target,
+            "phalanx_ratio": ratio,
+            "met": ratio <= args.target,
+        },
         "results": results,
-        "final_epoch_loss": {hand.name: hand.epoch_losses[-1], **{loop.name: loop.epoch_losses[-1] for loop in others}},
+        "final_epoch_loss": {
+            hand.name: hand.epoch_losses[-1],
+            **{loop.name: loop.epoch_losses[-1] for loop in others},
+        },
         "wall_s": wall_s,
     }
 
 
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
-    print(f"\n{s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} warm-up), in chunks of {s['chunk']} "
-          f"steps, batch {s['batch_size']}, hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, "
-          f"{m['cpu_count']} CPUs, {m['processor']}")
+    print(
+        f"\n{s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} warm-up), in chunks of {s['chunk']} "
+        f"steps, batch {s['batch_size']}, hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, "
+        f"{m['cpu_count']} CPUs, {m['processor']}"
+    )
     print_results(report["results"], 24)
     end = report["results"]["phalanx incl. epoch end"]["epoch_end_ms"]["wall"]
-    print(f"\nms/step: median over chunks; ratio: median of the per-chunk ratios to the hand loop's chunk of the "
-          f"same round; total: all measured time over the hand loop's.\nphalanx's epoch end (after_epoch hooks: "
-          f"stats, log, CSV, TensorBoard, SaveLatest checkpoint) took a median {end['median']:.1f} ms per epoch; it "
-          f"is outside the windows, and 'incl. epoch end' (per epoch) adds it to the epoch's steps.")
+    print(
+        f"\nms/step: median over chunks; ratio: median of the per-chunk ratios to the hand loop's chunk of the "
+        f"same round; total: all measured time over the hand loop's.\nphalanx's epoch end (after_epoch hooks: "
+        f"stats, log, CSV, TensorBoard, SaveLatest checkpoint) took a median {end['median']:.1f} ms per epoch; it "
+        f"is outside the windows, and 'incl. epoch end' (per epoch) adds it to the epoch's steps."
+    )
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
     t = report["target"]
-    print(f"target: phalanx <= {t['phalanx_ratio_max']:.2f}x the hand loop (wall-clock): "
-          f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)")
+    print(
+        f"target: phalanx <= {t['phalanx_ratio_max']:.2f}x the hand loop (wall-clock): "
+        f"{'met' if t['met'] else 'NOT met'} ({t['phalanx_ratio']:.3f}x)"
+    )
 
 
 # --- diagnostics: where phalanx's per-step time goes --------------------------------------------
+
 
 def _steady_phalanx(args, tmp: Path, driver=None):
     from phalanx.hooks import Hook
@@ -403,7 +508,9 @@ def profile(args) -> None:
     profiler = cProfile.Profile()
 
     def on_chunk(epoch: int) -> None:
-        if len(driver.windows) == args.warmup * (args.steps // args.chunk):  # the warm-up's last chunk
+        if len(driver.windows) == args.warmup * (
+            args.steps // args.chunk
+        ):  # the warm-up's last chunk
             profiler.enable()
 
     driver = make_driver_hook(args.chunk, on_chunk)
@@ -412,9 +519,15 @@ def profile(args) -> None:
         trainer.run()
         profiler.disable()
         from phalanx import logs
+
         logs.setup(None)
     steps = args.rounds * args.steps
-    print_profile(profiler, steps, "phalanx steps with the default hooks minus ShowProgress, epoch ends included", args.profile_top)
+    print_profile(
+        profiler,
+        steps,
+        "phalanx steps with the default hooks minus ShowProgress, epoch ends included",
+        args.profile_top,
+    )
 
 
 def paired(a, b, n: int, blocks: int) -> tuple[float, float]:
@@ -423,7 +536,7 @@ def paired(a, b, n: int, blocks: int) -> tuple[float, float]:
     diffs, ratios = [], []
     for i in range(blocks):
         times = {}
-        for f in ((a, b) if i % 2 == 0 else (b, a)):
+        for f in (a, b) if i % 2 == 0 else (b, a):
             start = clock()
             f(n)
             times[f] = (clock() - start) / n
@@ -447,7 +560,12 @@ def breakdown(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer = _steady_phalanx(args, Path(tmp))
         trainer._emit("before_training")  # opens the TensorBoard writer, as run() would
-        engine, module, optimizer, forward = trainer.engine, trainer.module, trainer.optimizer, trainer.forward
+        engine, module, optimizer, forward = (
+            trainer.engine,
+            trainer.module,
+            trainer.optimizer,
+            trainer.forward,
+        )
         hand = HandLoop(dataset, args)
         model, hand_opt = hand.model, hand.optimizer
         batch = next(iter(hand.loader))
@@ -457,12 +575,16 @@ def breakdown(args) -> dict[str, Any]:
         stats_hook = next(h for h in trainer.hooks if type(h).__name__ == "ComputeStats")
         result = engine.train_step(micros)
         from phalanx.engine import concat
+
         trainer.last_loss, payload = result.loss, result.parts
         out = concat(result.parts)
-        per_sample = torch.full((B,), 1 / B)  # what the engine back-propagates into each sample's loss
+        per_sample = torch.full(
+            (B,), 1 / B
+        )  # what the engine back-propagates into each sample's loss
 
         def steps(opt, loss_of, gradient=None, before=None):
             """`k` optimizer steps of a hand-written variant: `loss_of()` is back-propagated."""
+
             def run_steps(k):
                 for _ in range(k):
                     if before is not None:
@@ -470,12 +592,15 @@ def breakdown(args) -> dict[str, Any]:
                     opt.zero_grad(set_to_none=True)
                     loss_of().backward(gradient)
                     opt.step()
+
             return run_steps
 
         hand_step = steps(hand_opt, lambda: F.cross_entropy(model(x), y))
         hand_step_phalanx_model = steps(optimizer, lambda: F.cross_entropy(module(x), y))
         hand_step_train = steps(hand_opt, lambda: F.cross_entropy(model(x), y), before=model.train)
-        per_sample_loss = steps(optimizer, lambda: F.cross_entropy(module(x), y, reduction="none"), per_sample)
+        per_sample_loss = steps(
+            optimizer, lambda: F.cross_entropy(module(x), y, reduction="none"), per_sample
+        )
         forward_wrapper = steps(optimizer, lambda: forward(batch)["loss"], per_sample)
 
         def engine_step(k):
@@ -511,6 +636,7 @@ def breakdown(args) -> dict[str, Any]:
         # In situ: whole epochs of the real loop (Trainer._train_epoch) against hand-loop epochs. No run
         # directory, so the writers and SaveLatest do nothing at the epoch end; ComputeStats runs.
         from phalanx.trainer import Trainer
+
         bare = Trainer(trainer.cfg, None, [ROOT], hooks=[])
         hooked = Trainer(trainer.cfg, None, [ROOT])
         hooked._emit("before_training")
@@ -538,51 +664,128 @@ def breakdown(args) -> dict[str, Any]:
                     [(m, next(batches)) for m in ms]
 
         rows = [
-            ("in situ: Trainer epoch, no hooks, vs hand-loop epoch", hand_epochs, bare_epochs, 1, args.steps),
-            ("in situ: Trainer epoch, default hooks (no run dir)", hand_epochs, hooked_epochs, 1, args.steps),
-            ("noise floor: the same hand step on two model copies", hand_step, hand_step_phalanx_model, n, 1),
+            (
+                "in situ: Trainer epoch, no hooks, vs hand-loop epoch",
+                hand_epochs,
+                bare_epochs,
+                1,
+                args.steps,
+            ),
+            (
+                "in situ: Trainer epoch, default hooks (no run dir)",
+                hand_epochs,
+                hooked_epochs,
+                1,
+                args.steps,
+            ),
+            (
+                "noise floor: the same hand step on two model copies",
+                hand_step,
+                hand_step_phalanx_model,
+                n,
+                1,
+            ),
             ("whole Engine.train_step vs hand step (fixed batch)", hand_step, engine_step, n, 1),
             ("  module.train() on every step", hand_step, hand_step_train, n, 1),
-            ("  per-sample loss: CE(none).backward(1/B each) vs CE(mean)", hand_step_phalanx_model, per_sample_loss, n, 1),
-            ("  Forward wrapper (inputs/outputs/loss mapping)", per_sample_loss, forward_wrapper, n, 1),
-            ("  rest of Engine (output dict, detach, time split)", forward_wrapper, engine_step_no_train, n, 1),
-            ("ComputeStats.after_batch vs total += loss.detach()", hand_accumulate, stats_after_batch, 400, 1),
-            ("all after_batch hooks vs total += loss.detach()", hand_accumulate, all_after_batch, 400, 1),
-            ("data: phalanx Plan+loader vs DataLoader(shuffle)", hand_epoch, phalanx_epoch, 1, args.steps),
+            (
+                "  per-sample loss: CE(none).backward(1/B each) vs CE(mean)",
+                hand_step_phalanx_model,
+                per_sample_loss,
+                n,
+                1,
+            ),
+            (
+                "  Forward wrapper (inputs/outputs/loss mapping)",
+                per_sample_loss,
+                forward_wrapper,
+                n,
+                1,
+            ),
+            (
+                "  rest of Engine (output dict, detach, time split)",
+                forward_wrapper,
+                engine_step_no_train,
+                n,
+                1,
+            ),
+            (
+                "ComputeStats.after_batch vs total += loss.detach()",
+                hand_accumulate,
+                stats_after_batch,
+                400,
+                1,
+            ),
+            (
+                "all after_batch hooks vs total += loss.detach()",
+                hand_accumulate,
+                all_after_batch,
+                400,
+                1,
+            ),
+            (
+                "data: phalanx Plan+loader vs DataLoader(shuffle)",
+                hand_epoch,
+                phalanx_epoch,
+                1,
+                args.steps,
+            ),
         ]
-        print(f"paired A/B wall-clock, {blocks} alternating pairs per row ({max(6, blocks // 3)} of whole epochs), "
-              f"batch {B}, hidden {args.hidden}, 1 thread")
+        print(
+            f"paired A/B wall-clock, {blocks} alternating pairs per row ({max(6, blocks // 3)} of whole epochs), "
+            f"batch {B}, hidden {args.hidden}, 1 thread"
+        )
         print(f"{'':54}{'extra us/step':>14}{'ratio':>8}")
         found = {}
         for label, a, b, k, per in rows:
-            extra, ratio = paired(a, b, k, blocks if per == 1 else max(6, blocks // 3))  # epochs: fewer pairs
+            extra, ratio = paired(
+                a, b, k, blocks if per == 1 else max(6, blocks // 3)
+            )  # epochs: fewer pairs
             found[label.strip()] = {"extra_us_per_step": 1e6 * extra / per, "ratio": ratio}
             print(f"{label:<54}{1e6 * extra / per:>14.1f}{ratio:>8.3f}", flush=True)
         trainer._emit("after_training", True)
         from phalanx import logs
+
         logs.setup(None)
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per epoch")
-    parser.add_argument("--chunk", type=int, default=20,
-                        help="steps each loop runs before the next takes over (a divisor of --steps)")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=20,
+        help="steps each loop runs before the next takes over (a divisor of --steps)",
+    )
     parser.add_argument("--rounds", type=int, default=40, help="measured epochs (of every loop)")
     parser.add_argument("--warmup", type=int, default=1, help="uncounted epochs first")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
-    parser.add_argument("--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop")
-    parser.add_argument("--tokens", type=int, default=0,
-                        help="samples are padded sequences of this many tokens (token-weighted loss); 0: classes")
-    parser.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this (both loops)")
+    parser.add_argument(
+        "--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=0,
+        help="samples are padded sequences of this many tokens (token-weighted loss); 0: classes",
+    )
+    parser.add_argument(
+        "--clip", type=float, default=None, help="clip the gradient norm to this (both loops)"
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
-    parser.add_argument("--profile", action="store_true", help="instead: cProfile phalanx alone (no JSON)")
+    parser.add_argument(
+        "--profile", action="store_true", help="instead: cProfile phalanx alone (no JSON)"
+    )
     parser.add_argument("--profile-top", type=int, default=30, help="rows of the profile")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="instead: paired A/B timings of the parts of a phalanx step (no JSON)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead: paired A/B timings of the parts of a phalanx step (no JSON)",
+    )
     parser.add_argument("--blocks", type=int, default=40, help="A/B pairs per --breakdown row")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:

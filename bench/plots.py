@@ -7,6 +7,7 @@ hooks less PlotLines, through `phalanx.fit`, in one process. A hook reads each e
 Reported per epoch (the first, which starts the drawing process, apart from the others): the
 `after_epoch` seconds and the epoch's seconds, with and without PlotLines, and PlotLines' share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, source_state, write_report  # noqa: E402
-
 import phalanx  # noqa: E402
+from bench.common import machine, source_state, write_report  # noqa: E402
 from phalanx import config  # noqa: E402
 from phalanx.hooks import Hook  # noqa: E402
 
@@ -43,8 +43,16 @@ def train(epochs: int, plots: bool, root: Path) -> list[dict[str, float]]:
     if not plots:
         hooks = [h for h in hooks if not (isinstance(h, dict) and "PlotLines" in h)]
     profiles = Profiles()
-    run = phalanx.fit(CONFIG, overrides=[f"main_loop.epochs={epochs}", f"output_root={root}",
-                                         "parallel.accelerator=cpu", f"hooks={json.dumps(hooks)}"], hooks=[profiles])
+    run = phalanx.fit(
+        CONFIG,
+        overrides=[
+            f"main_loop.epochs={epochs}",
+            f"output_root={root}",
+            "parallel.accelerator=cpu",
+            f"hooks={json.dumps(hooks)}",
+        ],
+        hooks=[profiles],
+    )
     assert run.code == 0 and (run.run_dir / "plots").is_dir() == plots
     return profiles.epochs
 
@@ -75,13 +83,25 @@ def main() -> None:
     result["epoch_ratio"] = with_["epoch_s"] / without["epoch_s"]
     for kind in ("without", "with"):
         r = result[kind]
-        print(f"{kind:8s} PlotLines: after_epoch {r['after_epoch_s'] * 1e3:7.1f} ms, epoch {r['epoch_s'] * 1e3:7.1f} ms"
-              f" (first epoch's after_epoch {r['first_after_epoch_s'] * 1e3:.1f} ms); "
-              + ", ".join(f"{part} {seconds * 1e3:.0f}" for part, seconds in r["parts_s"].items()))
-    print(f"epoch with / without PlotLines: {result['epoch_ratio']:.3f}x; PlotLines' share of an epoch "
-          f"{100 * result['plotlines_share_of_epoch']:.1f}%")
-    write_report({"machine": machine(), "source": source_state(ROOT), "epochs": args.epochs,
-                  "repeats": args.repeats, **result}, args.out)
+        print(
+            f"{kind:8s} PlotLines: after_epoch {r['after_epoch_s'] * 1e3:7.1f} ms, epoch {r['epoch_s'] * 1e3:7.1f} ms"
+            f" (first epoch's after_epoch {r['first_after_epoch_s'] * 1e3:.1f} ms); "
+            + ", ".join(f"{part} {seconds * 1e3:.0f}" for part, seconds in r["parts_s"].items())
+        )
+    print(
+        f"epoch with / without PlotLines: {result['epoch_ratio']:.3f}x; PlotLines' share of an epoch "
+        f"{100 * result['plotlines_share_of_epoch']:.1f}%"
+    )
+    write_report(
+        {
+            "machine": machine(),
+            "source": source_state(ROOT),
+            "epochs": args.epochs,
+            "repeats": args.repeats,
+            **result,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

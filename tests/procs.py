@@ -1,4 +1,5 @@
 """Driving the `phalanx` command in real processes, for the end-to-end tests."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 def start(*args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
     """`phalanx ARGS...` started in `cwd`, its output captured."""
-    return subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=new_session)
+    return subprocess.Popen(
+        [*PHALANX, *args],
+        cwd=cwd,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=new_session,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
@@ -43,7 +51,9 @@ def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: st
 
 def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """`phalanx ARGS...` run to its end in `cwd`, its output captured."""
-    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def only_run(root: Path) -> Path:

@@ -1,4 +1,5 @@
 """Tiny models and datasets for the tests: fast, deterministic, importable from configs as `toy.X`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +26,14 @@ class Items(Dataset):
 class Regression:
     """A linear regression problem with noise; streams train, valid, test of the given sizes."""
 
-    def __init__(self, n_train: int = 40, n_valid: int = 10, n_test: int = 10, features: int = 3, seed: int = 0):
+    def __init__(
+        self,
+        n_train: int = 40,
+        n_valid: int = 10,
+        n_test: int = 10,
+        features: int = 3,
+        seed: int = 0,
+    ):
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(features, generator=g)
         self._streams = {}
@@ -41,8 +49,15 @@ class Regression:
 class Classes:
     """Gaussian blobs for classification: items {"x": features, "y": class index}."""
 
-    def __init__(self, n_train: int = 60, n_valid: int = 20, n_test: int = 20, features: int = 4,
-                 classes: int = 3, seed: int = 0):
+    def __init__(
+        self,
+        n_train: int = 60,
+        n_valid: int = 20,
+        n_test: int = 20,
+        features: int = 4,
+        classes: int = 3,
+        seed: int = 0,
+    ):
         g = torch.Generator().manual_seed(seed)
         centers = 3 * torch.randn(classes, features, generator=g)
         self._streams = {}
@@ -60,8 +75,11 @@ class Linear(nn.Module):
 
     def __init__(self, features: int = 3, hidden: int = 0):
         super().__init__()
-        self.net = (nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 1)) if hidden
-                    else nn.Linear(features, 1))
+        self.net = (
+            nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+            if hidden
+            else nn.Linear(features, 1)
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         prediction = self.net(x).squeeze(-1)
@@ -92,13 +110,18 @@ class Classifier(nn.Module):
 
 def dropout_model() -> dict:
     """A plain nn.Sequential with dropout for toy.Regression: no wrapper class, the batch mapped by `inputs`."""
-    return {"class": "torch.nn.Sequential", "args": [
-        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 8},
-        {"class": "torch.nn.Dropout", "p": 0.3},
-        {"class": "torch.nn.Linear", "in_features": 8, "out_features": 1},
-        {"class": "torch.nn.Flatten", "start_dim": 0}],
-        "inputs": {"x": "input"}, "outputs": "prediction",
-        "loss": {"function": "mse_loss", "output": "prediction", "target": "y"}}
+    return {
+        "class": "torch.nn.Sequential",
+        "args": [
+            {"class": "torch.nn.Linear", "in_features": 3, "out_features": 8},
+            {"class": "torch.nn.Dropout", "p": 0.3},
+            {"class": "torch.nn.Linear", "in_features": 8, "out_features": 1},
+            {"class": "torch.nn.Flatten", "start_dim": 0},
+        ],
+        "inputs": {"x": "input"},
+        "outputs": "prediction",
+        "loss": {"function": "mse_loss", "output": "prediction", "target": "y"},
+    }
 
 
 def regression_config(**sections: Any) -> dict:
@@ -120,15 +143,29 @@ def regression_config(**sections: Any) -> dict:
     return cfg
 
 
-def contract_config(batch: int, accumulation: int, n_train: int, n_valid: int = 10, **parallel: Any) -> dict:
+def contract_config(
+    batch: int, accumulation: int, n_train: int, n_valid: int = 10, **parallel: Any
+) -> dict:
     """The float64 scenario that strategies are held to one device with: a hidden layer, AdamW with a
     warm-up, two epochs and a validation stream; `parallel` adds to the CPU, one-device section."""
     return regression_config(
         model={"class": "toy.Linear", "features": 3, "hidden": 4},
         optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
-        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": n_train, "n_valid": n_valid},
-        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation, **parallel},
-        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+        dataset={
+            "class": "toy.Regression",
+            "batch_size": batch,
+            "n_train": n_train,
+            "n_valid": n_valid,
+        },
+        parallel={
+            "accelerator": "cpu",
+            "devices": 1,
+            "gradient_accumulation": accumulation,
+            **parallel,
+        },
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
 
 
 def write_config(folder: Path, cfg: dict, name: str = "config.yaml") -> Path:
@@ -145,7 +182,9 @@ class BatchNormNet(nn.Module):
 
     def __init__(self, features: int = 3, hidden: int = 6):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(features, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden), nn.BatchNorm1d(hidden), nn.Tanh(), nn.Linear(hidden, 1)
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         prediction = self.net(x).squeeze(-1)
@@ -202,7 +241,9 @@ class FailAt(Linear):
         if self.training:
             self.calls += 1
             if int(os.environ.get("RANK", 0)) == self.fail_rank and self.calls == self.fail_step:
-                raise RuntimeError(f"injected failure on rank {self.fail_rank} at step {self.fail_step}")
+                raise RuntimeError(
+                    f"injected failure on rank {self.fail_rank} at step {self.fail_step}"
+                )
         return super().forward(x, y)
 
 
@@ -211,8 +252,15 @@ class FaultAt(Linear):
     (`kind: kill`) or raises (`kind: raise`), on the launcher's attempts in `attempts` (all where
     None); every attempt's start is appended to `record`, if given."""
 
-    def __init__(self, features: int = 3, rank: int = 1, step: int = 3, kind: str = "kill",
-                 attempts: list[int] | None = (0,), record: str | None = None):
+    def __init__(
+        self,
+        features: int = 3,
+        rank: int = 1,
+        step: int = 3,
+        kind: str = "kill",
+        attempts: list[int] | None = (0,),
+        record: str | None = None,
+    ):
         import os
 
         super().__init__(features)
@@ -265,7 +313,11 @@ class RequestStopAt(Hook):
         self.rank, self.step = rank, step
 
     def after_batch(self, stream: str, batch: dict) -> None:
-        if self.trainer.training and self.trainer.strategy.rank == self.rank and self.trainer.step == self.step:
+        if (
+            self.trainer.training
+            and self.trainer.strategy.rank == self.rank
+            and self.trainer.step == self.step
+        ):
             import os
             import signal
 
@@ -301,8 +353,13 @@ class ImageRegression:
 class ConvNet(nn.Module):
     def __init__(self, channels: int = 8):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(4, channels, 3, padding=1), nn.Tanh(), nn.AdaptiveAvgPool2d(1),
-                                 nn.Flatten(), nn.Linear(channels, 1))
+        self.net = nn.Sequential(
+            nn.Conv2d(4, channels, 3, padding=1),
+            nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(channels, 1),
+        )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         prediction = self.net(x).squeeze(-1)
@@ -313,7 +370,9 @@ class Sequences:
     """Token sequences of different lengths, padded to one length: items {"tokens", "labels"}, the
     labels -100 after each sequence's end (and on a few tokens inside it). Vocabulary `vocab`."""
 
-    def __init__(self, n_train: int = 37, n_valid: int = 11, length: int = 6, vocab: int = 5, seed: int = 0):
+    def __init__(
+        self, n_train: int = 37, n_valid: int = 11, length: int = 6, vocab: int = 5, seed: int = 0
+    ):
         g = torch.Generator().manual_seed(seed)
         self._streams = {}
         for name, n in (("train", n_train), ("valid", n_valid)):
@@ -321,7 +380,9 @@ class Sequences:
             lengths = torch.randint(1, length + 1, (n,), generator=g)
             labels = torch.randint(vocab, (n, length), generator=g)
             labels[torch.arange(length) >= lengths[:, None]] = -100
-            labels[torch.rand(n, length, generator=g) < 0.1] = -100  # some samples have no real token at all
+            labels[
+                torch.rand(n, length, generator=g) < 0.1
+            ] = -100  # some samples have no real token at all
             self._streams[name] = SequenceItems(tokens, labels)
 
     def streams(self) -> dict[str, Dataset]:
@@ -362,22 +423,35 @@ class WeighingLM(TinyLM):
         logits = super().forward(tokens)
         losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # -100: 0
         real = (labels != -100).sum(dim=1)
-        return {"logits": logits, "loss": losses.sum(dim=1) / real.clamp(min=1), "loss_weight": real}
+        return {
+            "logits": logits,
+            "loss": losses.sum(dim=1) / real.clamp(min=1),
+            "loss_weight": real,
+        }
 
 
 class CausalSequences:
     """Hugging Face style causal language-model items, padded: {"input_ids", "attention_mask", "labels"}
     with the labels the inputs themselves, -100 on the padding (the model shifts them)."""
 
-    def __init__(self, n_train: int = 21, n_valid: int = 7, length: int = 8, vocab: int = 50, seed: int = 0):
+    def __init__(
+        self, n_train: int = 21, n_valid: int = 7, length: int = 8, vocab: int = 50, seed: int = 0
+    ):
         g = torch.Generator().manual_seed(seed)
         self._streams = {}
         for name, n in (("train", n_train), ("valid", n_valid)):
             ids = torch.randint(vocab, (n, length), generator=g)
             lengths = torch.randint(2, length + 1, (n,), generator=g)
             mask = (torch.arange(length) < lengths[:, None]).long()
-            self._streams[name] = [{"input_ids": ids[i], "attention_mask": mask[i],
-                                    "labels": torch.where(mask[i] > 0, ids[i], -100), "id": i} for i in range(n)]
+            self._streams[name] = [
+                {
+                    "input_ids": ids[i],
+                    "attention_mask": mask[i],
+                    "labels": torch.where(mask[i] > 0, ids[i], -100),
+                    "id": i,
+                }
+                for i in range(n)
+            ]
 
     def streams(self) -> dict[str, list]:
         return self._streams
@@ -418,38 +492,54 @@ class StreamItems(torch.utils.data.IterableDataset):
         self.epoch, self._start = state["epoch"], state["position"]
 
     def __iter__(self):
-        order = torch.randperm(len(self.items), generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        order = torch.randperm(
+            len(self.items), generator=torch.Generator().manual_seed(100 + self.epoch)
+        ).tolist()
         start, self._start = self._start, 0
         if self.log:
             with open(self.log, "a") as f:
                 f.write(f"{self.epoch} {start}\n")
         for position in range(start, len(order)):
-            self.position = position + 1  # once this item is taken, the next one is where the stream stands
+            self.position = (
+                position + 1
+            )  # once this item is taken, the next one is where the stream stands
             yield self.items[order[position]]
 
 
 class IterableRegression(Regression):
     """Regression whose streams are StreamItems (valid and test too)."""
 
-    def __init__(self, n_train: int = 40, n_valid: int = 10, stateful: bool = False, log: str | None = None,
-                 **kwargs: Any):
+    def __init__(
+        self,
+        n_train: int = 40,
+        n_valid: int = 10,
+        stateful: bool = False,
+        log: str | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(n_train=n_train, n_valid=n_valid, **kwargs)
-        self._streams = {name: StreamItems(items, stateful, log if name == "train" else None)
-                         for name, items in self._streams.items()}
+        self._streams = {
+            name: StreamItems(items, stateful, log if name == "train" else None)
+            for name, items in self._streams.items()
+        }
 
 
 class TupleRegression(Regression):
     """Regression whose streams are TensorDatasets: items (x, y) tuples, named by dataset.keys."""
 
     def streams(self) -> dict[str, Any]:
-        return {name: torch.utils.data.TensorDataset(s.x, s.y) for name, s in super().streams().items()}
+        return {
+            name: torch.utils.data.TensorDataset(s.x, s.y) for name, s in super().streams().items()
+        }
 
 
 class ListRegression(Regression):
     """Regression whose items are [x, y] lists."""
 
     def streams(self) -> dict[str, Any]:
-        return {name: [[s.x[i], s.y[i]] for i in range(len(s))] for name, s in super().streams().items()}
+        return {
+            name: [[s.x[i], s.y[i]] for i in range(len(s))] for name, s in super().streams().items()
+        }
 
 
 class _Noisy(Dataset):
@@ -469,7 +559,9 @@ class _Noisy(Dataset):
         import numpy as np
 
         item = self.items[i]
-        noise = 0.01 * (torch.randn(()).item() + float(np.random.standard_normal()) + random.gauss(0, 1))
+        noise = 0.01 * (
+            torch.randn(()).item() + float(np.random.standard_normal()) + random.gauss(0, 1)
+        )
         return {**item, "x": item["x"] + noise, "pid": os.getpid()}
 
 

@@ -12,6 +12,7 @@ stream, the rest `train`; item `i` of a stream is the window of bytes [i*block_s
 i*block_size + block_size + 1): `tokens` its first block_size bytes, `targets` its last block_size.
 Windows do not overlap, and neither do the two streams.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-EXCLUDED_DIRS = {"site-packages", "dist-packages"}    # at the top of the standard library's folder
-GENERATED_PREFIX = "_sysconfigdata"                   # _sysconfigdata__linux_x86_64-linux-gnu.py ...
+EXCLUDED_DIRS = {"site-packages", "dist-packages"}  # at the top of the standard library's folder
+GENERATED_PREFIX = "_sysconfigdata"  # _sysconfigdata__linux_x86_64-linux-gnu.py ...
 
 
 def stdlib_dir() -> Path:
@@ -35,8 +36,12 @@ def source_files(root: Path) -> list[Path]:
     found = []
     for folder, dirs, files in os.walk(root):  # does not follow symbolic links into other folders
         rel = Path(folder).relative_to(root)
-        dirs[:] = [d for d in dirs if d != "__pycache__" and not (rel == Path(".") and d in EXCLUDED_DIRS)]
-        found += [rel / f for f in files if f.endswith(".py") and not f.startswith(GENERATED_PREFIX)]
+        dirs[:] = [
+            d for d in dirs if d != "__pycache__" and not (rel == Path(".") and d in EXCLUDED_DIRS)
+        ]
+        found += [
+            rel / f for f in files if f.endswith(".py") and not f.startswith(GENERATED_PREFIX)
+        ]
     return [root / rel for rel in sorted(found, key=lambda p: p.as_posix())]
 
 
@@ -66,7 +71,7 @@ class Windows(Dataset):
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
         start = i * self.block_size
-        chunk = self.data[start:start + self.block_size + 1].long()
+        chunk = self.data[start : start + self.block_size + 1].long()
         return {"tokens": chunk[:-1], "targets": chunk[1:]}
 
 
@@ -75,7 +80,9 @@ class StdlibBytes:
 
     vocab_size = 256
 
-    def __init__(self, block_size: int = 256, max_bytes: int | None = 2_000_000, valid_fraction: float = 0.1):
+    def __init__(
+        self, block_size: int = 256, max_bytes: int | None = 2_000_000, valid_fraction: float = 0.1
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0 < valid_fraction < 1:
@@ -84,13 +91,20 @@ class StdlibBytes:
         data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
         n_train = len(data) - int(len(data) * valid_fraction)
         self.block_size = block_size
-        self.tokens_per_sample = block_size  # every item has block_size tokens: tokens/s = samples/s * this
+        self.tokens_per_sample = (
+            block_size  # every item has block_size tokens: tokens/s = samples/s * this
+        )
         self.num_bytes = len(data)
-        self._streams = {"train": Windows(data[:n_train], block_size), "valid": Windows(data[n_train:], block_size)}
+        self._streams = {
+            "train": Windows(data[:n_train], block_size),
+            "valid": Windows(data[n_train:], block_size),
+        }
         for name, stream in self._streams.items():
             if len(stream) == 0:
-                raise ValueError(f"the {name} stream has no window of {block_size + 1} bytes; "
-                                 f"raise max_bytes ({max_bytes}) or lower block_size")
+                raise ValueError(
+                    f"the {name} stream has no window of {block_size + 1} bytes; "
+                    f"raise max_bytes ({max_bytes}) or lower block_size"
+                )
 
     def streams(self) -> dict[str, Windows]:
         return self._streams
@@ -119,8 +133,13 @@ class StdlibTokenFiles:
 
     vocab_size = 256
 
-    def __init__(self, folder: str = "data/stdlib-tokens", block_size: int = 256, max_bytes: int | None = 2_000_000,
-                 valid_fraction: float = 0.1):
+    def __init__(
+        self,
+        folder: str = "data/stdlib-tokens",
+        block_size: int = 256,
+        max_bytes: int | None = 2_000_000,
+        valid_fraction: float = 0.1,
+    ):
         from phalanx.data import TokenWindows
 
         folder = Path(folder)
@@ -131,7 +150,9 @@ class StdlibTokenFiles:
             write_tokens(files["train"], corpus[:n_train])
             write_tokens(files["valid"], corpus[n_train:])
         self.block_size = self.tokens_per_sample = block_size
-        self._streams = {name: TokenWindows(path, block_size, "uint16") for name, path in files.items()}
+        self._streams = {
+            name: TokenWindows(path, block_size, "uint16") for name, path in files.items()
+        }
 
     def streams(self) -> dict:
         return self._streams

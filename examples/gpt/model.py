@@ -5,6 +5,7 @@ LayerNorm, and a language-model head that shares its weight with the token embed
 forward(tokens, targets) returns {"logits": [B, T, vocab], "loss": [B]}, the loss being each
 sequence's mean next-token cross-entropy, so that phalanx's per-sample statistics are per sequence.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,9 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # [B, T, 3C] -> three [B, n_head, T, head_size]
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 
@@ -61,17 +63,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int = 256, block_size: int = 256, n_layer: int = 6, n_head: int = 6,
-                 n_embd: int = 384, dropout: float = 0.0, bias: bool = True):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 256,
+        n_layer: int = 6,
+        n_head: int = 6,
+        n_embd: int = 384,
+        dropout: float = 0.0,
+        bias: bool = True,
+    ):
         super().__init__()
         self.block_size = block_size
-        self.wte = nn.Embedding(vocab_size, n_embd)   # token embedding, also the LM head's weight
-        self.wpe = nn.Embedding(block_size, n_embd)   # learned position embedding
+        self.wte = nn.Embedding(vocab_size, n_embd)  # token embedding, also the LM head's weight
+        self.wpe = nn.Embedding(block_size, n_embd)  # learned position embedding
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight         # weight tying
+        self.lm_head.weight = self.wte.weight  # weight tying
 
         # GPT-2 initialisation: N(0, 0.02), the residual projections scaled by 1/sqrt(2 n_layer)
         self.apply(self._init_weights)
@@ -86,7 +96,9 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         B, T = tokens.shape
         if T > self.block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size {self.block_size}")
@@ -111,11 +123,17 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * n_layer * n_embd * self.block_size
 
     @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        tokens: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample `max_new_tokens` continuations of `tokens` ([B, T]), one token at a time."""
         for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.block_size:])["logits"][:, -1, :] / temperature
+            logits = self(tokens[:, -self.block_size :])["logits"][:, -1, :] / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

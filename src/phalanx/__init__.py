@@ -4,6 +4,7 @@ From Python: `phalanx.fit(config, model=..., dataset=..., hooks=[...])` trains a
 `phalanx.resume(run_dir)` continues one; `phalanx.load(run_dir)` gives its trained model back;
 `phalanx.evaluate` and `phalanx.predict` run a checkpoint on a stream.
 """
+
 __version__ = "0.1.0"
 __all__ = ["Run", "evaluate", "fit", "load", "predict", "resume"]
 

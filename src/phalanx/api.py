@@ -9,6 +9,7 @@ A config is a YAML file or a dict. A model, dataset or hooks given as objects ta
 the classes the config names (see `phalanx.objects`); such objects train in this process: on one
 device, with `towers` on several, or in each process of a `torchrun` job.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,14 +52,22 @@ class Run:
     def model(self) -> nn.Module:
         """The trained module, as this process holds it (on its device; its shards under fsdp)."""
         if self._model is None:
-            raise PhalanxError(f"the run trained in worker processes, so this process holds no model; read it from "
-                               f"a checkpoint: phalanx.load({str(self.run_dir)!r})")
+            raise PhalanxError(
+                f"the run trained in worker processes, so this process holds no model; read it from "
+                f"a checkpoint: phalanx.load({str(self.run_dir)!r})"
+            )
         return self._model
 
 
-def fit(config_source: str | os.PathLike | Mapping[str, Any], *, overrides: Sequence[str] = (),
-        model: nn.Module | None = None, dataset: Any = None, hooks: Sequence[Any] | None = None,
-        nodes: launch.Nodes | None = None) -> Run:
+def fit(
+    config_source: str | os.PathLike | Mapping[str, Any],
+    *,
+    overrides: Sequence[str] = (),
+    model: nn.Module | None = None,
+    dataset: Any = None,
+    hooks: Sequence[Any] | None = None,
+    nodes: launch.Nodes | None = None,
+) -> Run:
     """Train a new run: `config_source` is a YAML file or a dict, `overrides` its `KEY=VALUE` changes.
 
     `model`: a module, in place of `model.class`; `dataset`: an object with `streams()`, or
@@ -81,7 +90,9 @@ def fit(config_source: str | os.PathLike | Mapping[str, Any], *, overrides: Sequ
                 logs.setup(run_dir)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                code = launch.launch(run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts)
+                code = launch.launch(
+                    run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts
+                )
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
                     _discard(run_dir)
@@ -90,7 +101,11 @@ def fit(config_source: str | os.PathLike | Mapping[str, Any], *, overrides: Sequ
                 logs.close_run_log()
         return _launched(run_dir, code)
     strategy = strategies.create(cfg)
-    run_dir = Path(strategy.broadcast(str(rundir.create(cfg, path, objects.names())) if strategy.is_main else None))
+    run_dir = Path(
+        strategy.broadcast(
+            str(rundir.create(cfg, path, objects.names())) if strategy.is_main else None
+        )
+    )
     search_dirs = [path.resolve().parent, Path.cwd()] if path is not None else [Path.cwd()]
     with _training_lock(run_dir, "train"):
         try:
@@ -109,8 +124,15 @@ def fit(config_source: str | os.PathLike | Mapping[str, Any], *, overrides: Sequ
             logs.close_run_log()
 
 
-def resume(run_path: str | os.PathLike, *, overrides: Sequence[str] = (), model: nn.Module | None = None,
-           dataset: Any = None, hooks: Sequence[Any] | None = None, nodes: launch.Nodes | None = None) -> Run:
+def resume(
+    run_path: str | os.PathLike,
+    *,
+    overrides: Sequence[str] = (),
+    model: nn.Module | None = None,
+    dataset: Any = None,
+    hooks: Sequence[Any] | None = None,
+    nodes: launch.Nodes | None = None,
+) -> Run:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device
     count; `overrides` change its config from here on. A run trained with objects is given them again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
@@ -120,7 +142,9 @@ def resume(run_path: str | os.PathLike, *, overrides: Sequence[str] = (), model:
     try:
         if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
             return _launched(run_dir, _resume(run_dir, list(overrides), objects, nodes))
-        with _training_lock(run_dir, "resume"):  # a run in use is one error line, before anything else
+        with _training_lock(
+            run_dir, "resume"
+        ):  # a run in use is one error line, before anything else
             rundir.announce_imports(run_dir)
             result = _resume(run_dir, list(overrides), objects, nodes)
         return result if isinstance(result, Run) else _launched(run_dir, result)
@@ -128,7 +152,9 @@ def resume(run_path: str | os.PathLike, *, overrides: Sequence[str] = (), model:
         logs.close_run_log()
 
 
-def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: nn.Module | None = None) -> nn.Module:
+def load(
+    run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: nn.Module | None = None
+) -> nn.Module:
     """A run's model with the weights of its `checkpoint` (best, latest, a step, or auto: the best
     where there is one, else the latest), on the CPU, in eval mode, in the dtype it was trained in;
     saved whole or in shards, on any process count. The module is built as the run's config says, or is `model`, given."""
@@ -141,11 +167,15 @@ def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: 
     elif not isinstance(model, nn.Module):
         raise PhalanxError(f"model= is a {type(model).__name__}, not a torch.nn.Module")
     if not Checkpoints(run_dir / "checkpoints").steps():
-        raise CheckpointError(f"{run_dir} has no checkpoint yet: it saves them with SaveLatest, SaveBest or "
-                              "SaveEvery (the default hooks include SaveLatest)")
+        raise CheckpointError(
+            f"{run_dir} has no checkpoint yet: it saves them with SaveLatest, SaveBest or "
+            "SaveEvery (the default hooks include SaveLatest)"
+        )
     path, state = initial_weights(str(run_dir), checkpoint)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    if len(dtypes) == 1:  # the dtype it trained in (fp64 stays fp64); copied in, so tied weights stay tied
+    if (
+        len(dtypes) == 1
+    ):  # the dtype it trained in (fp64 stays fp64); copied in, so tied weights stay tied
         model.to(dtypes.pop())
     try:
         model.load_state_dict(state)
@@ -155,8 +185,14 @@ def load(run_path: str | os.PathLike, checkpoint: str | int = "auto", *, model: 
     return model.cpu().eval()
 
 
-def evaluate(run_path: str | os.PathLike, stream: str = "test", checkpoint: str | int = "auto", *,
-             model: nn.Module | None = None, dataset: Any = None) -> dict[str, float]:
+def evaluate(
+    run_path: str | os.PathLike,
+    stream: str = "test",
+    checkpoint: str | int = "auto",
+    *,
+    model: nn.Module | None = None,
+    dataset: Any = None,
+) -> dict[str, float]:
     """A checkpoint's metrics on a stream (`phalanx eval`): the run's ComputeStats and
     ClassificationMetrics hooks, on one process; also saved as `eval-<stream>-step-<N>.json`."""
     from phalanx import commands
@@ -164,8 +200,15 @@ def evaluate(run_path: str | os.PathLike, stream: str = "test", checkpoint: str 
     return commands.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))["metrics"]
 
 
-def predict(run_path: str | os.PathLike, stream: str = "test", checkpoint: str | int = "auto", *,
-            output: str | None = None, model: nn.Module | None = None, dataset: Any = None) -> dict[str, torch.Tensor]:
+def predict(
+    run_path: str | os.PathLike,
+    stream: str = "test",
+    checkpoint: str | int = "auto",
+    *,
+    output: str | None = None,
+    model: nn.Module | None = None,
+    dataset: Any = None,
+) -> dict[str, torch.Tensor]:
     """A checkpoint's per-sample values on a stream (`phalanx predict`): every batch key and model
     output, and `<output>.class` for class scores, each an array whose first dimension is the
     sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors arrays)."""
@@ -173,34 +216,43 @@ def predict(run_path: str | os.PathLike, stream: str = "test", checkpoint: str |
 
     if output is not None:
         commands.check_output(output, "predictions.csv")
-    arrays, collect = commands.predictions(run_path, stream, checkpoint, Objects.given(model, dataset))
+    arrays, collect = commands.predictions(
+        run_path, stream, checkpoint, Objects.given(model, dataset)
+    )
     if output is not None:
         commands.write_predictions(arrays, collect, stream, output)
     return arrays
 
 
-def _read(source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]) -> tuple[dict, Path | None]:
+def _read(
+    source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]
+) -> tuple[dict, Path | None]:
     """The raw config and the file it came from (None for a dict)."""
     if isinstance(source, Mapping):
         raw = config.apply_overrides(dict(source), list(overrides))
         raw.setdefault("name", "run")
         return raw, None
     if not isinstance(source, (str, os.PathLike)):
-        raise ConfigError(f"the config is a {type(source).__name__}; give the path of a YAML file or a dict")
+        raise ConfigError(
+            f"the config is a {type(source).__name__}; give the path of a YAML file or a dict"
+        )
     return config.read(source, list(overrides)), Path(source)
 
 
 def _in_this_process(cfg: config.Config) -> str:
     devices = strategies.resolve_device(cfg)[1]
-    return (f"a model, dataset or hooks given as objects train in this process, but the config asks for "
-            f"{devices} processes ({strategies.strategy_name(cfg)} on parallel.devices={devices}); start the script "
-            f"with `torchrun --nproc-per-node {devices} script.py` (each process calls phalanx.fit), use "
-            "parallel.strategy=towers (one process driving several devices), or name the classes in the config "
-            "instead of giving objects")
+    return (
+        f"a model, dataset or hooks given as objects train in this process, but the config asks for "
+        f"{devices} processes ({strategies.strategy_name(cfg)} on parallel.devices={devices}); start the script "
+        f"with `torchrun --nproc-per-node {devices} script.py` (each process calls phalanx.fit), use "
+        "parallel.strategy=towers (one process driving several devices), or name the classes in the config "
+        "instead of giving objects"
+    )
 
 
-def check_objects_given(run_dir: Path, objects: Objects, command: str,
-                        parts: Sequence[str] = ("model", "dataset")) -> None:
+def check_objects_given(
+    run_dir: Path, objects: Objects, command: str, parts: Sequence[str] = ("model", "dataset")
+) -> None:
     """A RunDirError where the run's model or dataset was given to `fit` as an object and is not
     given again: its config names their classes but not how to build them. Hooks given as objects
     and not again are only said, on resume (their part of the checkpoint is not restored)."""
@@ -208,12 +260,18 @@ def check_objects_given(run_dir: Path, objects: Objects, command: str,
     missing = [part for part in parts if part in recorded and getattr(objects, part) is None]
     if missing:
         given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
-        raise RunDirError(f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
-                          f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to build; "
-                          f"give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})")
+        raise RunDirError(
+            f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
+            f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to build; "
+            f"give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})"
+        )
     if "hooks" in recorded and not objects.hooks and command == "resume":
-        log.warning("%s was trained with hooks given as objects (%s); they are not part of this resume: pass "
-                    "them again with hooks=[...]", run_dir, ", ".join(recorded["hooks"]))
+        log.warning(
+            "%s was trained with hooks given as objects (%s); they are not part of this resume: pass "
+            "them again with hooks=[...]",
+            run_dir,
+            ", ".join(recorded["hooks"]),
+        )
 
 
 def _launched(run_dir: Path, code: int) -> Run:
@@ -224,7 +282,9 @@ def _launched(run_dir: Path, code: int) -> Run:
 
 def _ended(trainer: Trainer, code: int) -> Run:
     metrics = trainer.metrics
-    if not metrics and trainer.strategy.is_main:  # resumed after its last evaluation: the one recorded
+    if (
+        not metrics and trainer.strategy.is_main
+    ):  # resumed after its last evaluation: the one recorded
         metrics = _launched(trainer.run_dir, code).metrics
     return Run(trainer.run_dir, code, metrics, trainer.model)
 
@@ -236,16 +296,43 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: launch.Nodes) 
     if nodes.rank != 0:
         run_dir = launch.share_run_dir(store, None)
         logs.setup(None)
-        log.info("node %d of %d: run directory %s; starting %d workers", nodes.rank, nodes.count, run_dir, devices)
-        return run_dir, launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
-                                      restarts=cfg.parallel.max_restarts)
+        log.info(
+            "node %d of %d: run directory %s; starting %d workers",
+            nodes.rank,
+            nodes.count,
+            run_dir,
+            devices,
+        )
+        return run_dir, launch.launch(
+            run_dir,
+            devices,
+            run_worker,
+            False,
+            [],
+            nodes=nodes,
+            store=store,
+            restarts=cfg.parallel.max_restarts,
+        )
     run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
     with _training_lock(run_dir, "train"):
         try:
             logs.setup(run_dir)
-            log.info("run directory: %s; node 0 of %d, starting %d workers on each", run_dir, nodes.count, devices)
-            return run_dir, launch.launch(run_dir, devices, run_worker, False, [], nodes=nodes, store=store,
-                                          restarts=cfg.parallel.max_restarts)
+            log.info(
+                "run directory: %s; node 0 of %d, starting %d workers on each",
+                run_dir,
+                nodes.count,
+                devices,
+            )
+            return run_dir, launch.launch(
+                run_dir,
+                devices,
+                run_worker,
+                False,
+                [],
+                nodes=nodes,
+                store=store,
+                restarts=cfg.parallel.max_restarts,
+            )
         except BaseException as e:
             if not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -269,8 +356,12 @@ def _discard(run_dir: Path) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _resume(run_dir: Path, overrides: list[str], objects: Objects, nodes: launch.Nodes | None = None) -> Run | int:
-    cfg = config.validate(objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides)))
+def _resume(
+    run_dir: Path, overrides: list[str], objects: Objects, nodes: launch.Nodes | None = None
+) -> Run | int:
+    cfg = config.validate(
+        objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
+    )
     if nodes is None and not strategies.needs_launch(cfg):
         return _ended(*_work(run_dir, True, overrides, objects))
     if objects:
@@ -281,8 +372,16 @@ def _resume(run_dir: Path, overrides: list[str], objects: Objects, nodes: launch
         store = launch.join(nodes)
     if nodes is None or nodes.rank == 0:
         logs.setup(run_dir)
-    return launch.launch(run_dir, strategies.resolve_device(cfg)[1], run_worker, True, list(overrides),
-                         nodes=nodes, store=store, restarts=cfg.parallel.max_restarts)
+    return launch.launch(
+        run_dir,
+        strategies.resolve_device(cfg)[1],
+        run_worker,
+        True,
+        list(overrides),
+        nodes=nodes,
+        store=store,
+        restarts=cfg.parallel.max_restarts,
+    )
 
 
 @contextlib.contextmanager
@@ -303,30 +402,54 @@ def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
     return _work(run_dir, resume, overrides)[1]
 
 
-def _work(run_dir: Path, resume: bool, overrides: list[str] = (), objects: Objects | None = None) -> tuple[Trainer, int]:
+def _work(
+    run_dir: Path, resume: bool, overrides: list[str] = (), objects: Objects | None = None
+) -> tuple[Trainer, int]:
     objects = objects or Objects()
     saved = rundir.load_config_text(run_dir)
     cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
-    if not resume:  # workers of `train` that find the run started before: the launcher started them again
+    if (
+        not resume
+    ):  # workers of `train` that find the run started before: the launcher started them again
         started, steps = strategy.broadcast(
-            (any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
-             Checkpoints(run_dir / "checkpoints").steps()) if strategy.is_main else None)
+            (
+                any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
+                Checkpoints(run_dir / "checkpoints").steps(),
+            )
+            if strategy.is_main
+            else None
+        )
         if started:  # after a worker failed, or (in an elastic job) when the machines changed
             resume = bool(steps)
-            log.warning("the workers started again in this run (a worker failed, or the machines changed): %s",
-                        "it resumes from the last checkpoint" if resume else "no checkpoint yet, so it starts over")
+            log.warning(
+                "the workers started again in this run (a worker failed, or the machines changed): %s",
+                "it resumes from the last checkpoint"
+                if resume
+                else "no checkpoint yet, so it starts over",
+            )
     if resume:
         previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
         _restore_latest(trainer, run_dir, previous)
-        if overrides and strategy.is_main:  # the run's config changes only once the resume is sure to go on
+        if (
+            overrides and strategy.is_main
+        ):  # the run's config changes only once the resume is sure to go on
             write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
             rundir.trace(run_dir, "overrides", values=list(overrides))
-        log.info("resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
-                 run_dir, trainer.step, trainer.epoch + 1, trainer.step_in_epoch, strategy.world_size)
+        log.info(
+            "resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
+            run_dir,
+            trainer.step,
+            trainer.epoch + 1,
+            trainer.step_in_epoch,
+            strategy.world_size,
+        )
         if trainer.epoch >= cfg.main_loop.epochs:
-            log.info("the run has finished its %d epochs; raise main_loop.epochs to train more", cfg.main_loop.epochs)
+            log.info(
+                "the run has finished its %d epochs; raise main_loop.epochs to train more",
+                cfg.main_loop.epochs,
+            )
     else:
         _log_start(cfg, strategy, trainer)
         trainer.initialise_from()
@@ -353,30 +476,47 @@ def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> i
             return step
         first_error = first_error or errors[0]
         if strategy.is_main:
-            log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0])
+            log.warning(
+                "skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0]
+            )
     why = f" (the newest one: {first_error})" if first_error else ""
-    raise CheckpointError(f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train")
+    raise CheckpointError(
+        f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train"
+    )
 
 
 def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
     from phalanx import metrics
 
-    log.info("training on %d process(es) (%s), global batch %d", strategy.world_size, strategy.device.type,
-             cfg.dataset.batch_size)
+    log.info(
+        "training on %d process(es) (%s), global batch %d",
+        strategy.world_size,
+        strategy.device.type,
+        cfg.dataset.batch_size,
+    )
     log.info("%s", metrics.summary(trainer.model))
 
 
-def _worker_trainer(cfg: config.Config, run_dir: Path, search_dirs: list[Path], strategy,
-                    objects: Objects | None = None) -> Trainer:
+def _worker_trainer(
+    cfg: config.Config,
+    run_dir: Path,
+    search_dirs: list[Path],
+    strategy,
+    objects: Objects | None = None,
+) -> Trainer:
     """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
-    logs.setup(run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING)
+    logs.setup(
+        run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
+    )
     if strategy.world_size > 1:
         if strategy.device.type == "cpu":  # the machine's cores shared among its workers
             local = environment.here().local_world_size
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
         from phalanx.strategies.distributed import check_same_config
 
-        check_same_config(strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__})
+        check_same_config(
+            strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__}
+        )
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
     trainer.stop.watch(run_dir / launch.STOP_FILE)
     strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step

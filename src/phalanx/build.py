@@ -1,4 +1,5 @@
 """Builders for the parts a config names (dataset, optimizer, schedulers), and the RNG state."""
+
 from __future__ import annotations
 
 import base64
@@ -14,7 +15,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.config import Config, DatasetConfig, OptimizerConfig, build_value, import_object, instantiate
+from phalanx.config import (
+    Config,
+    DatasetConfig,
+    OptimizerConfig,
+    build_value,
+    import_object,
+    instantiate,
+)
 from phalanx.errors import ConfigError
 
 log = logging.getLogger("phalanx")
@@ -25,8 +33,13 @@ def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
     return instantiate("dataset", import_object(cfg.class_, search_dirs), **kwargs)
 
 
-def build_optimizer(cfg: OptimizerConfig, module: nn.Module, search_dirs: list[Path],
-                    batch_size: int, fused: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(
+    cfg: OptimizerConfig,
+    module: nn.Module,
+    search_dirs: list[Path],
+    batch_size: int,
+    fused: bool = False,
+) -> torch.optim.Optimizer:
     """The optimizer over the trainable parameters; on CUDA, the fused kernel where the class has one
     and the config does not choose."""
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
@@ -56,20 +69,32 @@ def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:
     if rule == "none":
         return kwargs
     if "lr" not in kwargs:
-        raise ConfigError("optimizer.lr_scaling needs optimizer.lr, the rate tuned for base_batch_size")
+        raise ConfigError(
+            "optimizer.lr_scaling needs optimizer.lr, the rate tuned for base_batch_size"
+        )
     ratio = batch_size / cfg.lr_scaling.base_batch_size
     factor = ratio if rule == "linear" else math.sqrt(ratio)
     scaled = kwargs["lr"] * factor
-    log.info("learning rate %g scaled to %g (%s rule: batch %d / base %d)", kwargs["lr"], scaled, rule,
-             batch_size, cfg.lr_scaling.base_batch_size)
+    log.info(
+        "learning rate %g scaled to %g (%s rule: batch %d / base %d)",
+        kwargs["lr"],
+        scaled,
+        rule,
+        batch_size,
+        cfg.lr_scaling.base_batch_size,
+    )
     return {**kwargs, "lr": scaled}
 
 
 AUTO = "auto"
 
 
-def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs: list[Path],
-                     steps_per_epoch: int | None = None) -> list[tuple[Any, str]]:
+def build_schedulers(
+    cfg: Config,
+    optimizer: torch.optim.Optimizer,
+    search_dirs: list[Path],
+    steps_per_epoch: int | None = None,
+) -> list[tuple[Any, str]]:
     """(scheduler, interval) pairs: the linear warm-up first, then the configured scheduler.
 
     Both act multiplicatively on the learning rate, so a warm-up composes with any chainable
@@ -80,21 +105,40 @@ def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer, search_dirs:
     schedulers: list[tuple[Any, str]] = []
     warmup = cfg.optimizer.warmup_steps
     if warmup:
-        schedulers.append((torch.optim.lr_scheduler.LinearLR(
-            optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup), "step"))
+        schedulers.append(
+            (
+                torch.optim.lr_scheduler.LinearLR(
+                    optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup
+                ),
+                "step",
+            )
+        )
     if cfg.scheduler is not None:
-        factory = import_object(cfg.scheduler.class_, search_dirs, default_module="torch.optim.lr_scheduler")
+        factory = import_object(
+            cfg.scheduler.class_, search_dirs, default_module="torch.optim.lr_scheduler"
+        )
         kwargs = cfg.scheduler.kwargs()
         auto = [key for key, value in kwargs.items() if value == AUTO]
         if auto:
             if steps_per_epoch is None:
-                raise ConfigError(f"scheduler: {', '.join(auto)}: auto is the run's length, which an iterable training "
-                                  "stream without __len__ does not tell; give the number of steps instead")
-            length = cfg.main_loop.epochs * (steps_per_epoch if cfg.scheduler.interval == "step" else 1)
+                raise ConfigError(
+                    f"scheduler: {', '.join(auto)}: auto is the run's length, which an iterable training "
+                    "stream without __len__ does not tell; give the number of steps instead"
+                )
+            length = cfg.main_loop.epochs * (
+                steps_per_epoch if cfg.scheduler.interval == "step" else 1
+            )
             kwargs.update(dict.fromkeys(auto, length))
-            log.info("scheduler %s: %s = %d (auto: the %s of the run)", cfg.scheduler.class_, ", ".join(auto), length,
-                     "optimizer steps" if cfg.scheduler.interval == "step" else "epochs")
-        schedulers.append((instantiate("scheduler", factory, optimizer, **kwargs), cfg.scheduler.interval))
+            log.info(
+                "scheduler %s: %s = %d (auto: the %s of the run)",
+                cfg.scheduler.class_,
+                ", ".join(auto),
+                length,
+                "optimizer steps" if cfg.scheduler.interval == "step" else "epochs",
+            )
+        schedulers.append(
+            (instantiate("scheduler", factory, optimizer, **kwargs), cfg.scheduler.interval)
+        )
     return schedulers
 
 
@@ -113,8 +157,11 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
 def rng_state() -> dict[str, Any]:
     """Every RNG's state, as JSON-serialisable values."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": _jsonable(random.getstate()), "torch": _b64(torch.get_rng_state()),
-             "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}
+    state = {
+        "python": _jsonable(random.getstate()),
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, gauss],
+    }
     if torch.cuda.is_available():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
@@ -125,7 +172,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(_unb64(state["torch"]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+    if (
+        "cuda" in state
+        and torch.cuda.is_available()
+        and len(state["cuda"]) == torch.cuda.device_count()
+    ):
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 

@@ -14,6 +14,7 @@ What a checkpoint holds is checked before it is used: the hashes, then that each
 trainer state makes sense. Any failure is a CheckpointError naming the file, so that `resume` can
 fall back to the step before.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,17 @@ class Group(Protocol):
     def gather(self, value: Any) -> list[Any]: ...
 
     def broadcast(self, value: Any) -> Any: ...
-WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = "model.safetensors", "optimizer.pt", "trainer.json", "manifest.json"
-SHARDS = "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
+
+
+WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = (
+    "model.safetensors",
+    "optimizer.pt",
+    "trainer.json",
+    "manifest.json",
+)
+SHARDS = (
+    "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
+)
 _in_progress: set[Path] = set()
 
 
@@ -69,13 +79,25 @@ class Background:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, step: int, weights: nn.Module | dict[str, torch.Tensor], optimizer_state: dict,
-               trainer_state: dict, best: dict | None = None) -> Path:
+    def submit(
+        self,
+        step: int,
+        weights: nn.Module | dict[str, torch.Tensor],
+        optimizer_state: dict,
+        trainer_state: dict,
+        best: dict | None = None,
+    ) -> Path:
         self.wait()
         if isinstance(weights, nn.Module):
             weights = weights.state_dict()
-        staged = (_host_copy(weights), _host_copy(optimizer_state), json.loads(json.dumps(trainer_state)))
-        self._thread = threading.Thread(target=self._write, args=(step, *staged, best), name="phalanx-checkpoint")
+        staged = (
+            _host_copy(weights),
+            _host_copy(optimizer_state),
+            json.loads(json.dumps(trainer_state)),
+        )
+        self._thread = threading.Thread(
+            target=self._write, args=(step, *staged, best), name="phalanx-checkpoint"
+        )
         self._thread.start()
         return self.checkpoints.path(step)
 
@@ -88,7 +110,14 @@ class Background:
         if error is not None:
             raise error
 
-    def _write(self, step: int, weights: dict, optimizer_state: dict, trainer_state: dict, best: dict | None) -> None:
+    def _write(
+        self,
+        step: int,
+        weights: dict,
+        optimizer_state: dict,
+        trainer_state: dict,
+        best: dict | None,
+    ) -> None:
         try:
             self.checkpoints.save(step, weights, optimizer_state, trainer_state, best)
             self.committed(step, best is not None)
@@ -118,7 +147,9 @@ class Checkpoints:
 
     def __init__(self, root: Path, keep_last: int = 3):
         self.root, self.keep_last = Path(root), keep_last
-        self._written: set[int] = set()  # steps this object wrote: known intact without hashing them again
+        self._written: set[int] = (
+            set()
+        )  # steps this object wrote: known intact without hashing them again
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -127,12 +158,21 @@ class Checkpoints:
         """Steps that have a manifest, oldest first (unverified)."""
         if not self.root.is_dir():
             return []
-        found = [int(p.name[5:]) for p in self.root.glob("step-*")
-                 if p.name[5:].isdigit() and (p / MANIFEST).is_file()]
+        found = [
+            int(p.name[5:])
+            for p in self.root.glob("step-*")
+            if p.name[5:].isdigit() and (p / MANIFEST).is_file()
+        ]
         return sorted(found)
 
-    def save(self, step: int, module: nn.Module | dict[str, torch.Tensor], optimizer_state: dict,
-             trainer_state: dict, best: dict | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        module: nn.Module | dict[str, torch.Tensor],
+        optimizer_state: dict,
+        trainer_state: dict,
+        best: dict | None = None,
+    ) -> Path:
         """Write step `step` atomically; `best` (variable and value) marks it the best so far. An
         existing step is kept if it verifies, and replaced if it does not."""
         final = self.path(step)
@@ -143,7 +183,9 @@ class Checkpoints:
             tmp.mkdir()
             _in_progress.add(tmp)
             try:
-                with writing(final):  # a full disk: one error naming the step (the finally removes tmp)
+                with writing(
+                    final
+                ):  # a full disk: one error naming the step (the finally removes tmp)
                     self._write(tmp, step, module, optimizer_state, trainer_state)
                     self._move_into_place(tmp, final)
             finally:
@@ -151,17 +193,28 @@ class Checkpoints:
                 shutil.rmtree(tmp, ignore_errors=True)
         self._written.add(step)
         if best is not None:
-            write_text_atomic(self.root / "best.json", json.dumps({"step": step, **best}), sync=True)
+            write_text_atomic(
+                self.root / "best.json", json.dumps({"step": step, **best}), sync=True
+            )
         self.prune()
         return final
 
-    def save_sharded(self, step: int, write_shards: Callable[[Path], None], optimizer_state: dict,
-                     trainer_state: dict, group: Group, best: dict | None = None) -> Path:
+    def save_sharded(
+        self,
+        step: int,
+        write_shards: Callable[[Path], None],
+        optimizer_state: dict,
+        trainer_state: dict,
+        group: Group,
+        best: dict | None = None,
+    ) -> Path:
         """Step `step` of a sharded model, atomically. Every rank calls it: each writes its shards into
         the temporary folder with `write_shards(folder)` (a collective), then the main process writes
         the rest and the manifest over every file and renames. Every rank raises the same error."""
         final = self.path(step)
-        tmp = self.root / f".tmp-step-{step}-shards"  # one name every rank knows (one job per run: the run lock)
+        tmp = (
+            self.root / f".tmp-step-{step}-shards"
+        )  # one name every rank knows (one job per run: the run lock)
         began = self._begin_sharded(step, tmp) if group.is_main else None
         began = group.broadcast(began)
         if began == "kept":
@@ -177,7 +230,9 @@ class Checkpoints:
                 error = shard_error(final, e)
             errors = [e for e in group.gather(error) if e]
             if group.is_main and not errors:
-                errors = [self._finish_sharded(tmp, final, step, optimizer_state, trainer_state, best)]
+                errors = [
+                    self._finish_sharded(tmp, final, step, optimizer_state, trainer_state, best)
+                ]
             error = group.broadcast(errors[0] if errors else None)
         finally:
             if group.is_main:
@@ -189,7 +244,7 @@ class Checkpoints:
         return final
 
     def _begin_sharded(self, step: int, tmp: Path) -> str:
-        """"kept" where the step exists and verifies, "ready" once the empty temporary folder is made,
+        """ "kept" where the step exists and verifies, "ready" once the empty temporary folder is made,
         else the error that prevented it."""
         if step in self._written or (self.path(step).exists() and self._intact(step)):
             return "kept"
@@ -203,15 +258,24 @@ class Checkpoints:
         _in_progress.add(tmp)
         return "ready"
 
-    def _finish_sharded(self, tmp: Path, final: Path, step: int, optimizer_state: dict, trainer_state: dict,
-                        best: dict | None) -> str | None:
+    def _finish_sharded(
+        self,
+        tmp: Path,
+        final: Path,
+        step: int,
+        optimizer_state: dict,
+        trainer_state: dict,
+        best: dict | None,
+    ) -> str | None:
         """The main process's part once every shard is written; the error, if any, as text."""
         try:
             with writing(final):
                 self._write(tmp, step, None, optimizer_state, trainer_state)
                 self._move_into_place(tmp, final)
             if best is not None:
-                write_text_atomic(self.root / "best.json", json.dumps({"step": step, **best}), sync=True)
+                write_text_atomic(
+                    self.root / "best.json", json.dumps({"step": step, **best}), sync=True
+                )
             self.prune()
         except StorageError as e:
             return str(e)
@@ -238,25 +302,45 @@ class Checkpoints:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
 
-    def _write(self, folder: Path, step: int, module: nn.Module | dict[str, torch.Tensor] | None,
-               optimizer_state: dict, trainer_state: dict) -> None:
+    def _write(
+        self,
+        folder: Path,
+        step: int,
+        module: nn.Module | dict[str, torch.Tensor] | None,
+        optimizer_state: dict,
+        trainer_state: dict,
+    ) -> None:
         """Everything but the shards (already in `folder/shards` where `module` is None), then the
         manifest over every file in `folder`."""
         if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
-            save_model(module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True)
-        elif module is not None:  # a full state gathered from shards: no tensor shares another's storage
-            save_file({k: v.contiguous() for k, v in module.items()}, str(folder / WEIGHTS), metadata={"step": str(step)})
-        with open(folder / OPTIMIZER, "wb") as f:  # through Python's file: a full disk is an OSError, with errno
+            save_model(
+                module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True
+            )
+        elif (
+            module is not None
+        ):  # a full state gathered from shards: no tensor shares another's storage
+            save_file(
+                {k: v.contiguous() for k, v in module.items()},
+                str(folder / WEIGHTS),
+                metadata={"step": str(step)},
+            )
+        with open(
+            folder / OPTIMIZER, "wb"
+        ) as f:  # through Python's file: a full disk is an OSError, with errno
             torch.save(optimizer_state, f)
         (folder / TRAINER).write_text(json.dumps(trainer_state))
         names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        files = {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
+        files = {
+            name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
+            for name in names
+        }
         for name in (WEIGHTS, OPTIMIZER, TRAINER):  # the shards' writers synced their own files
             if name in files:
                 fsync_file(folder / name)
         layout = "full" if module is not None else "sharded"
-        (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, "layout": layout, "files": files},
-                                                  indent=1))
+        (folder / MANIFEST).write_text(
+            json.dumps({"format": FORMAT, "step": step, "layout": layout, "files": files}, indent=1)
+        )
         fsync_file(folder / MANIFEST)
         if module is None:
             fsync_dir(folder / SHARDS)
@@ -270,18 +354,26 @@ class Checkpoints:
             manifest = json.loads(manifest_path.read_text())
             files = manifest["files"]
         except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{manifest_path} is missing or unreadable; this checkpoint is incomplete") from None
+            raise CheckpointError(
+                f"{manifest_path} is missing or unreadable; this checkpoint is incomplete"
+            ) from None
         if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads {FORMAT}")
+            raise CheckpointError(
+                f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads {FORMAT}"
+            )
         for name, meta in files.items():
             file = folder / name
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing; the checkpoint is damaged")
             if file.stat().st_size != meta["size"]:
-                raise CheckpointError(f"{file} has {file.stat().st_size} bytes, the manifest says "
-                                      f"{meta['size']}: the file is truncated or altered")
+                raise CheckpointError(
+                    f"{file} has {file.stat().st_size} bytes, the manifest says "
+                    f"{meta['size']}: the file is truncated or altered"
+                )
             if _sha256(file) != meta["sha256"]:
-                raise CheckpointError(f"{file} does not match its SHA-256 in the manifest: the file is altered")
+                raise CheckpointError(
+                    f"{file} does not match its SHA-256 in the manifest: the file is altered"
+                )
         return folder
 
     def latest_valid(self) -> int | None:
@@ -310,8 +402,10 @@ class Checkpoints:
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
             step = None
         if type(step) is not int or step < 0:
-            raise CheckpointError(f"{path} does not name a step; choose one with --checkpoint latest or N, or "
-                                  "delete it: the next SaveBest writes it again")
+            raise CheckpointError(
+                f"{path} does not name a step; choose one with --checkpoint latest or N, or "
+                "delete it: the next SaveBest writes it again"
+            )
         return step
 
     def select(self, which: str | int) -> int:
@@ -325,18 +419,24 @@ class Checkpoints:
         else:
             step = int(which) if str(which).isdigit() else None
             if step is None:
-                raise CheckpointError(f"--checkpoint {which!r} is not best, latest, auto or a step number")
+                raise CheckpointError(
+                    f"--checkpoint {which!r} is not best, latest, auto or a step number"
+                )
             if step not in self.steps():
-                raise CheckpointError(f"no checkpoint at step {step}; there are {self.steps() or 'none'}")
+                raise CheckpointError(
+                    f"no checkpoint at step {step}; there are {self.steps() or 'none'}"
+                )
         if step is None:
-            raise CheckpointError(f"no {which} checkpoint in {self.root}; train longer or save with SaveBest/SaveLatest")
+            raise CheckpointError(
+                f"no {which} checkpoint in {self.root}; train longer or save with SaveBest/SaveLatest"
+            )
         self.verify(step)
         return step
 
     def prune(self) -> None:
         """Keep the last `keep_last` steps and the best; delete the others."""
         steps = self.steps()
-        keep = set(steps[-self.keep_last:]) | {self.best()}
+        keep = set(steps[-self.keep_last :]) | {self.best()}
         for step in steps:
             if step not in keep:
                 shutil.rmtree(self.path(step), ignore_errors=True)
@@ -382,21 +482,33 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{path} is not readable JSON ({e}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{path} is not readable JSON ({e}); the checkpoint is damaged"
+        ) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is damaged"
+        )
     missing = [k for k in (*_COUNTERS, "seed", "rng", "hooks") if k not in state]
     if missing:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}; the checkpoint is damaged")
     for key, least in _COUNTERS.items():
         value = state[key]
         if type(value) is not int or value < least:
-            raise CheckpointError(f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is damaged")
-    if state["step"] < state["epoch"] + state["step_in_epoch"]:  # every epoch takes one step at least
-        raise CheckpointError(f"{path} says step {state['step']} after {state['epoch']} epochs and "
-                              f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged")
+            raise CheckpointError(
+                f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is damaged"
+            )
+    if (
+        state["step"] < state["epoch"] + state["step_in_epoch"]
+    ):  # every epoch takes one step at least
+        raise CheckpointError(
+            f"{path} says step {state['step']} after {state['epoch']} epochs and "
+            f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged"
+        )
     if not isinstance(state["rng"], dict) or not isinstance(state["hooks"], dict):
-        raise CheckpointError(f"{path} has malformed rng or hooks entries; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path} has malformed rng or hooks entries; the checkpoint is damaged"
+        )
     return state
 
 
@@ -405,10 +517,14 @@ def read_optimizer_state(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - whatever the unpickler makes of the bytes, the file is unusable
-        raise CheckpointError(f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
-                              "the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
+            "the checkpoint is damaged"
+        ) from None
     if not isinstance(state, dict) or not {"optimizer", "schedulers", "scaler"} <= set(state):
-        raise CheckpointError(f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged"
+        )
     return state
 
 
@@ -435,7 +551,9 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
         return read_shards_model(path)
     try:
         state = load_file(str(path))
-        with safe_open(str(path), "pt") as f:  # names save_model dropped as duplicates: dropped -> kept
+        with safe_open(
+            str(path), "pt"
+        ) as f:  # names save_model dropped as duplicates: dropped -> kept
             for dropped, kept in (f.metadata() or {}).items():
                 if kept in state and dropped not in state:
                     state[dropped] = state[kept].clone()
@@ -450,12 +568,16 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "checkpoints").is_dir():
-            raise ConfigError(f"model.init_from: {path} is a folder but not a run directory (it has no checkpoints/); "
-                              "name a run directory or a .safetensors file")
+            raise ConfigError(
+                f"model.init_from: {path} is a folder but not a run directory (it has no checkpoints/); "
+                "name a run directory or a .safetensors file"
+            )
         checkpoints = Checkpoints(path / "checkpoints")
         path = _weights_path(checkpoints.path(checkpoints.select(which)))
     elif not path.is_file():
-        raise ConfigError(f"model.init_from: {path} does not exist; name a run directory or a .safetensors file")
+        raise ConfigError(
+            f"model.init_from: {path} does not exist; name a run directory or a .safetensors file"
+        )
     return path, whole_state(path)
 
 
@@ -465,11 +587,15 @@ def load_weights(module: nn.Module, path: Path) -> None:
     try:
         load_model(module, str(path), strict=True, device="cpu")
     except SafetensorError as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file ({e}); the checkpoint is damaged"
+        ) from None
     except RuntimeError as e:
         lines = " ".join(str(e).split())
-        raise CheckpointMismatch(f"{path} does not fit this model ({lines[:300]}); was it saved from "
-                                 "another model config?") from None
+        raise CheckpointMismatch(
+            f"{path} does not fit this model ({lines[:300]}); was it saved from "
+            "another model config?"
+        ) from None
 
 
 def _unpickling_error(e: Exception) -> str:

@@ -2,6 +2,7 @@
 
 Errors that are the user's to fix print as one line and exit 2; `--debug` shows the traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,9 @@ EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 SUBCOMMANDS = {
-    "train": ("train a model from a YAML config", """\
+    "train": (
+        "train a model from a YAML config",
+        """\
         examples:
           phalanx train examples/digits/config.yaml
           phalanx train examples/digits/config.yaml main_loop.epochs=5 dataset.batch_size=128
@@ -22,69 +25,113 @@ SUBCOMMANDS = {
 
         on two machines (the same command on each; node 0 serves the rendezvous on the address):
           phalanx train config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400
-          phalanx train config.yaml --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400"""),
-    "resume": ("continue a run from its latest valid checkpoint", """\
+          phalanx train config.yaml --nnodes 2 --node-rank 1 --rdzv 10.0.0.1:29400""",
+    ),
+    "resume": (
+        "continue a run from its latest valid checkpoint",
+        """\
         examples:
           phalanx resume runs/digits-20260101-120000
-          phalanx resume runs/digits-20260101-120000 main_loop.epochs=30"""),
-    "eval": ("evaluate a checkpoint of a run on a stream", """\
+          phalanx resume runs/digits-20260101-120000 main_loop.epochs=30""",
+    ),
+    "eval": (
+        "evaluate a checkpoint of a run on a stream",
+        """\
         examples:
           phalanx eval runs/digits-20260101-120000
-          phalanx eval runs/digits-20260101-120000 --stream valid --checkpoint latest"""),
-    "predict": ("write a checkpoint's per-sample outputs on a stream as CSV or safetensors arrays", """\
+          phalanx eval runs/digits-20260101-120000 --stream valid --checkpoint latest""",
+    ),
+    "predict": (
+        "write a checkpoint's per-sample outputs on a stream as CSV or safetensors arrays",
+        """\
         example:
-          phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv"""),
-    "export": ("write a checkpoint's whole model as one safetensors file that plain PyTorch loads", """\
+          phalanx predict runs/digits-20260101-120000 --stream test --output predictions.csv""",
+    ),
+    "export": (
+        "write a checkpoint's whole model as one safetensors file that plain PyTorch loads",
+        """\
         examples:
           phalanx export runs/digits-20260101-120000 --output model.safetensors
           phalanx export runs/gpt-20260101-120000 --checkpoint latest --output gpt.safetensors
 
         then, with no phalanx:
-          model.load_state_dict(safetensors.torch.load_file("model.safetensors"))"""),
-    "bench": ("train a config for a few steps at each device count and show how it scales", """\
+          model.load_state_dict(safetensors.torch.load_file("model.safetensors"))""",
+    ),
+    "bench": (
+        "train a config for a few steps at each device count and show how it scales",
+        """\
         examples:
           phalanx bench examples/digits/config.yaml --devices 1,2 --steps 50
-          phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling"""),
-    "slurm": ("write a Slurm batch script that trains a config on several machines, requeued on preemption", """\
+          phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling""",
+    ),
+    "slurm": (
+        "write a Slurm batch script that trains a config on several machines, requeued on preemption",
+        """\
         examples:
           phalanx slurm config.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 --output train.sbatch
-          sbatch train.sbatch"""),
-    "k8s": ("write a Kubeflow PyTorchJob manifest that trains a config on several machines", """\
+          sbatch train.sbatch""",
+    ),
+    "k8s": (
+        "write a Kubeflow PyTorchJob manifest that trains a config on several machines",
+        """\
         examples:
           phalanx k8s config.yaml --nodes 4 --gpus-per-node 8 --image registry/me/train:1 \\
               --volume-claim runs --output job.yaml
-          kubectl apply -f job.yaml"""),
-    "ls": ("list the runs under a folder", """\
+          kubectl apply -f job.yaml""",
+    ),
+    "ls": (
+        "list the runs under a folder",
+        """\
         example:
-          phalanx ls runs"""),
-    "doctor": ("before a long job: try the config's devices, backend and an all-reduce among its processes", """\
+          phalanx ls runs""",
+    ),
+    "doctor": (
+        "before a long job: try the config's devices, backend and an all-reduce among its processes",
+        """\
         examples:
           phalanx doctor config.yaml
           phalanx doctor config.yaml parallel.devices=8
-          phalanx doctor config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400   (on each machine)"""),
-    "info": ("show versions, devices and distributed backends", """\
+          phalanx doctor config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400   (on each machine)""",
+    ),
+    "info": (
+        "show versions, devices and distributed backends",
+        """\
         example:
-          phalanx info"""),
+          phalanx info""",
+    ),
 }
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="phalanx",
-                                  description="Train any PyTorch model on one device or many, from a YAML config.")
+    top = argparse.ArgumentParser(
+        prog="phalanx",
+        description="Train any PyTorch model on one device or many, from a YAML config.",
+    )
     top.add_argument("--version", action="version", version=f"phalanx {__version__}")
     top.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     # Given after the subcommand too; SUPPRESS keeps a `--debug` given before it from being reset.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help="show the full traceback of an error")
+    common.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show the full traceback of an error",
+    )
     subs = top.add_subparsers(dest="command", metavar="COMMAND")
     subs.required = True
     made = {}
     for name, (summary, examples) in SUBCOMMANDS.items():
-        made[name] = subs.add_parser(name, parents=[common], help=summary, description=summary,
-                                     epilog=textwrap.dedent(examples),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    overrides = dict(nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3")
+        made[name] = subs.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=summary,
+            epilog=textwrap.dedent(examples),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    overrides = dict(
+        nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3"
+    )
     made["train"].add_argument("config", help="the YAML config file")
     made["train"].add_argument("overrides", **overrides)
     made["resume"].add_argument("run_dir", help="the run directory to continue")
@@ -92,41 +139,80 @@ def parser() -> argparse.ArgumentParser:
     made["doctor"].add_argument("config", help="the YAML config file")
     made["doctor"].add_argument("overrides", **overrides)
     for name in ("train", "resume", "doctor"):
-        made[name].add_argument("--nnodes", default="1",
-                                help="machines in the job (default 1), or MIN:MAX for an elastic job that goes on "
-                                     "with as few as MIN; each runs parallel.devices processes")
-        made[name].add_argument("--node-rank", type=int, help="this machine's place among them: 0 .. nnodes-1")
-        made[name].add_argument("--rdzv", metavar="HOST:PORT",
-                                help="where node 0 serves the rendezvous: an address of node 0 that every node reaches")
+        made[name].add_argument(
+            "--nnodes",
+            default="1",
+            help="machines in the job (default 1), or MIN:MAX for an elastic job that goes on "
+            "with as few as MIN; each runs parallel.devices processes",
+        )
+        made[name].add_argument(
+            "--node-rank", type=int, help="this machine's place among them: 0 .. nnodes-1"
+        )
+        made[name].add_argument(
+            "--rdzv",
+            metavar="HOST:PORT",
+            help="where node 0 serves the rendezvous: an address of node 0 that every node reaches",
+        )
     for name in ("eval", "predict"):
         made[name].add_argument("run_dir", help="a run directory")
-        made[name].add_argument("--stream", default="test", help="the stream to run (default: test)")
-        made[name].add_argument("--checkpoint", default="auto",
-                                help="best, latest or a step number (default: the best, else the latest)")
-    made["predict"].add_argument("--output", required=True,
-                                 help="the file to write: CSV, or arrays where it ends in .safetensors")
+        made[name].add_argument(
+            "--stream", default="test", help="the stream to run (default: test)"
+        )
+        made[name].add_argument(
+            "--checkpoint",
+            default="auto",
+            help="best, latest or a step number (default: the best, else the latest)",
+        )
+    made["predict"].add_argument(
+        "--output",
+        required=True,
+        help="the file to write: CSV, or arrays where it ends in .safetensors",
+    )
     made["export"].add_argument("run_dir", help="a run directory")
-    made["export"].add_argument("--checkpoint", default="auto",
-                                help="best, latest or a step number (default: the best, else the latest)")
+    made["export"].add_argument(
+        "--checkpoint",
+        default="auto",
+        help="best, latest or a step number (default: the best, else the latest)",
+    )
     made["export"].add_argument("--output", required=True, help="the safetensors file to write")
     made["bench"].add_argument("config", help="the YAML config file")
     made["bench"].add_argument("overrides", **overrides)
-    made["bench"].add_argument("--devices", default="1,2", help="device counts, comma-separated (default: 1,2)")
-    made["bench"].add_argument("--steps", type=int, default=50, help="training steps at each count (default: 50)")
-    made["bench"].add_argument("--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)")
+    made["bench"].add_argument(
+        "--devices", default="1,2", help="device counts, comma-separated (default: 1,2)"
+    )
+    made["bench"].add_argument(
+        "--steps", type=int, default=50, help="training steps at each count (default: 50)"
+    )
+    made["bench"].add_argument(
+        "--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)"
+    )
     for name in ("slurm", "k8s"):
-        made[name].add_argument("config", help="the YAML config file (for k8s: its path inside the image or volume)")
+        made[name].add_argument(
+            "config", help="the YAML config file (for k8s: its path inside the image or volume)"
+        )
         made[name].add_argument("overrides", **overrides)
         made[name].add_argument("--nodes", type=int, required=True, help="machines (pods)")
-        made[name].add_argument("--gpus-per-node", type=int, required=True, help="GPUs on each, one process each")
+        made[name].add_argument(
+            "--gpus-per-node", type=int, required=True, help="GPUs on each, one process each"
+        )
         made[name].add_argument("--output", help="the file to write (default: print it)")
     made["slurm"].add_argument("--time", help="the job's time limit, such as 24:00:00")
     made["slurm"].add_argument("--partition", help="the Slurm partition")
-    made["slurm"].add_argument("--warning-s", type=int, default=120,
-                               help="seconds before the time limit that the job is told to save (default 120)")
-    made["k8s"].add_argument("--image", required=True, help="the container image with phalanx, torch and your code")
-    made["k8s"].add_argument("--volume-claim", help="a PersistentVolumeClaim mounted at output_root in every pod")
-    made["ls"].add_argument("root", nargs="?", default="runs", help="the folder holding runs (default: runs)")
+    made["slurm"].add_argument(
+        "--warning-s",
+        type=int,
+        default=120,
+        help="seconds before the time limit that the job is told to save (default 120)",
+    )
+    made["k8s"].add_argument(
+        "--image", required=True, help="the container image with phalanx, torch and your code"
+    )
+    made["k8s"].add_argument(
+        "--volume-claim", help="a PersistentVolumeClaim mounted at output_root in every pod"
+    )
+    made["ls"].add_argument(
+        "root", nargs="?", default="runs", help="the folder holding runs (default: runs)"
+    )
     return top
 
 
@@ -162,24 +248,37 @@ def _nodes(args: argparse.Namespace):
     from phalanx.launch import Nodes
 
     least, _, most = str(args.nnodes).partition(":")
-    if not least.isdigit() or (most and not most.isdigit()) or int(least) < 1 or (most and int(most) < int(least)):
-        raise PhalanxError(f"--nnodes {args.nnodes!r} is not a machine count (such as 2) or MIN:MAX with "
-                           "1 <= MIN <= MAX (such as 1:4)")
+    if (
+        not least.isdigit()
+        or (most and not most.isdigit())
+        or int(least) < 1
+        or (most and int(most) < int(least))
+    ):
+        raise PhalanxError(
+            f"--nnodes {args.nnodes!r} is not a machine count (such as 2) or MIN:MAX with "
+            "1 <= MIN <= MAX (such as 1:4)"
+        )
     least, count = int(least), int(most or least)
     args.nnodes = count
     if count == 1:
         if args.node_rank not in (None, 0) or args.rdzv:
-            raise PhalanxError("--node-rank and --rdzv are for a job on several machines; give --nnodes too")
+            raise PhalanxError(
+                "--node-rank and --rdzv are for a job on several machines; give --nnodes too"
+            )
         return None
     if args.node_rank is None or args.rdzv is None:
-        raise PhalanxError(f"--nnodes {args.nnodes} needs --node-rank (this machine's, 0 .. {args.nnodes - 1}) and "
-                           "--rdzv HOST:PORT (node 0's address), the same --rdzv on every machine")
+        raise PhalanxError(
+            f"--nnodes {args.nnodes} needs --node-rank (this machine's, 0 .. {args.nnodes - 1}) and "
+            "--rdzv HOST:PORT (node 0's address), the same --rdzv on every machine"
+        )
     if not 0 <= args.node_rank < args.nnodes:
         raise PhalanxError(f"--node-rank {args.node_rank} is not among 0 .. {args.nnodes - 1}")
     host, _, port = args.rdzv.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise PhalanxError(f"--rdzv {args.rdzv!r} is not HOST:PORT, such as 10.0.0.1:29400")
-    return Nodes(count, args.node_rank, host.strip("[]"), int(port), least if least < count else None)
+    return Nodes(
+        count, args.node_rank, host.strip("[]"), int(port), least if least < count else None
+    )
 
 
 def _counts(text: str) -> list[int]:
@@ -188,7 +287,9 @@ def _counts(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise PhalanxError(f"--devices {text!r} is not a list of counts; write e.g. --devices 1,2,4") from None
+        raise PhalanxError(
+            f"--devices {text!r} is not a list of counts; write e.g. --devices 1,2,4"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

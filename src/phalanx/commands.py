@@ -1,4 +1,5 @@
 """What each CLI subcommand does; `cli.py` only parses arguments and calls one of these."""
+
 from __future__ import annotations
 
 import csv
@@ -35,32 +36,57 @@ def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = Non
     return api.resume(run_path, overrides=overrides, nodes=nodes).code
 
 
-def _open(run_path: str | os.PathLike, command: str, objects: Objects | None = None) -> tuple[Path, config.Config]:
+def _open(
+    run_path: str | os.PathLike, command: str, objects: Objects | None = None
+) -> tuple[Path, config.Config]:
     """A run and its config for one process on one device (checkpoints carry no device count); a
     run trained with objects needs them again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     objects = objects or Objects()
     run_dir = rundir.open_run(run_path, announce=objects.model is None or objects.dataset is None)
     api.check_objects_given(run_dir, objects, command)
-    one = ["parallel.devices=1", "parallel.strategy=auto", "parallel.shard_weights=null", "model.n_gpus=null"]
-    return run_dir, config.validate(objects.into(config.apply_overrides(rundir.load_config_text(run_dir), one)))
+    one = [
+        "parallel.devices=1",
+        "parallel.strategy=auto",
+        "parallel.shard_weights=null",
+        "model.n_gpus=null",
+    ]
+    return run_dir, config.validate(
+        objects.into(config.apply_overrides(rundir.load_config_text(run_dir), one))
+    )
 
 
-def _restored(run_dir: Path, cfg: config.Config, which: str | int, hooks: list[Hook],
-              objects: Objects | None = None) -> tuple[Trainer, int]:
+def _restored(
+    run_dir: Path,
+    cfg: config.Config,
+    which: str | int,
+    hooks: list[Hook],
+    objects: Objects | None = None,
+) -> tuple[Trainer, int]:
     """A trainer with the weights of checkpoint `which` and only the given hooks."""
-    trainer = Trainer(cfg, run_dir, rundir.search_dirs(run_dir), hooks=hooks, inference=True,
-                      objects=Objects(objects.model, objects.dataset) if objects else None)
+    trainer = Trainer(
+        cfg,
+        run_dir,
+        rundir.search_dirs(run_dir),
+        hooks=hooks,
+        inference=True,
+        objects=Objects(objects.model, objects.dataset) if objects else None,
+    )
     step = trainer.checkpoints.select(which)
     trainer.restore(step, weights_only=True)
     return trainer, step
 
 
-def evaluate(run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None) -> dict[str, Any]:
+def evaluate(
+    run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None
+) -> dict[str, Any]:
     """Metrics of a checkpoint on a stream, computed by the run's metric hooks; saved as JSON too."""
     run_dir, cfg = _open(run_path, "evaluate", objects)
-    metric_hooks = [h for h in build_hooks(cfg, rundir.search_dirs(run_dir))
-                    if isinstance(h, (ComputeStats, ClassificationMetrics))] or [ComputeStats()]
+    metric_hooks = [
+        h
+        for h in build_hooks(cfg, rundir.search_dirs(run_dir))
+        if isinstance(h, (ComputeStats, ClassificationMetrics))
+    ] or [ComputeStats()]
     trainer, step = _restored(run_dir, cfg, which, metric_hooks, objects)
     trainer.epoch_data = {stream: {}}
     trainer.evaluate(stream)
@@ -80,7 +106,9 @@ def evaluate(run_path: str | os.PathLike, stream: str, which: str | int, objects
 class _Collect(Hook):
     """Every batch's per-sample values (the batch's and the model's), in dataset order."""
 
-    CSV_VALUES = 32  # values per sample beyond which a tensor goes to an array file, not to CSV columns
+    CSV_VALUES = (
+        32  # values per sample beyond which a tensor goes to an array file, not to CSV columns
+    )
 
     def __init__(self) -> None:
         self.columns: dict[str, list[torch.Tensor]] = {}
@@ -93,9 +121,18 @@ class _Collect(Hook):
             if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
                 continue
             value = value.detach().cpu()
-            self.columns.setdefault(key, []).append(value.double() if value.is_floating_point() else value)
-            if key in outputs and value.is_floating_point() and value.dim() == 2 and value.shape[1] > 1:
-                self.columns.setdefault(f"{key}.class", []).append(value.argmax(dim=1))  # scores: the class
+            self.columns.setdefault(key, []).append(
+                value.double() if value.is_floating_point() else value
+            )
+            if (
+                key in outputs
+                and value.is_floating_point()
+                and value.dim() == 2
+                and value.shape[1] > 1
+            ):
+                self.columns.setdefault(f"{key}.class", []).append(
+                    value.argmax(dim=1)
+                )  # scores: the class
         self.count += n
 
     def arrays(self) -> dict[str, torch.Tensor]:
@@ -120,14 +157,19 @@ class _Collect(Hook):
 
 def check_output(output: str, example: str) -> None:
     if Path(output).is_dir():
-        raise PhalanxError(f"--output {output!r} is a directory; give the file to write, such as "
-                           f"{Path(output) / example}")
+        raise PhalanxError(
+            f"--output {output!r} is a directory; give the file to write, such as "
+            f"{Path(output) / example}"
+        )
     if not Path(output).resolve().parent.is_dir():
-        raise PhalanxError(f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first")
+        raise PhalanxError(
+            f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first"
+        )
 
 
-def predictions(run_path: str | os.PathLike, stream: str, which: str | int,
-                objects: Objects | None = None) -> tuple[dict[str, torch.Tensor], _Collect]:
+def predictions(
+    run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None
+) -> tuple[dict[str, torch.Tensor], _Collect]:
     """Per-sample values of a checkpoint on a stream (the batch's and the model's outputs, and the
     class of outputs that are class scores), each an array over the samples in dataset order."""
     collect = _Collect()
@@ -144,7 +186,9 @@ def predict(run_path: str, stream: str, output: str, which: str) -> int:
     return write_predictions(arrays, collect, stream, output)
 
 
-def write_predictions(arrays: dict[str, torch.Tensor], collect: _Collect, stream: str, output: str) -> int:
+def write_predictions(
+    arrays: dict[str, torch.Tensor], collect: _Collect, stream: str, output: str
+) -> int:
     if output.endswith(".safetensors"):
         from safetensors.torch import save
 
@@ -160,7 +204,9 @@ def write_predictions(arrays: dict[str, torch.Tensor], collect: _Collect, stream
     write_text_atomic(Path(output), text.getvalue())
     logs.out.print(f"wrote {len(rows)} rows to {output}")
     if left:
-        logs.out.print(f"left out of the CSV: {', '.join(left)}; write them whole with --output FILE.safetensors")
+        logs.out.print(
+            f"left out of the CSV: {', '.join(left)}; write them whole with --output FILE.safetensors"
+        )
     return len(rows)
 
 
@@ -183,11 +229,26 @@ def cluster_job(args: Any) -> str:
 
     cfg, _ = config.load(args.config, args.overrides)
     if args.command == "slurm":
-        text = clusters.slurm_script(cfg, args.config, args.nodes, args.gpus_per_node, args.time, args.partition,
-                                     args.warning_s, args.overrides)
+        text = clusters.slurm_script(
+            cfg,
+            args.config,
+            args.nodes,
+            args.gpus_per_node,
+            args.time,
+            args.partition,
+            args.warning_s,
+            args.overrides,
+        )
     else:
-        text = clusters.pytorchjob(cfg, args.config, args.nodes, args.gpus_per_node, args.image, args.volume_claim,
-                                   args.overrides)
+        text = clusters.pytorchjob(
+            cfg,
+            args.config,
+            args.nodes,
+            args.gpus_per_node,
+            args.image,
+            args.volume_claim,
+            args.overrides,
+        )
     if args.output:
         check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
         write_text_atomic(Path(args.output), text)
@@ -205,11 +266,19 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         last = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
         steps = Checkpoints(run_dir / "checkpoints").steps()
         updated = last.get("time")
-        rows.append({"run": run_dir.name, "status": last.get("event", "new"), "epoch": last.get("epoch", ""),
-                     "step": last.get("step", ""), "latest": steps[-1] if steps else "",
-                     "best": _best(run_dir / "checkpoints" / "best.json"),
-                     "updated": datetime.fromtimestamp(updated).strftime("%Y-%m-%d %H:%M")
-                     if isinstance(updated, (int, float)) else ""})
+        rows.append(
+            {
+                "run": run_dir.name,
+                "status": last.get("event", "new"),
+                "epoch": last.get("epoch", ""),
+                "step": last.get("step", ""),
+                "latest": steps[-1] if steps else "",
+                "best": _best(run_dir / "checkpoints" / "best.json"),
+                "updated": datetime.fromtimestamp(updated).strftime("%Y-%m-%d %H:%M")
+                if isinstance(updated, (int, float))
+                else "",
+            }
+        )
     table = Table(title=f"runs in {root}")
     for column in ("run", "status", "epoch", "step", "latest", "best", "updated"):
         table.add_column(column)
@@ -237,12 +306,25 @@ def info() -> dict[str, Any]:
 
     dist = torch.distributed
     facts: dict[str, Any] = {
-        "phalanx": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "pydantic": pydantic.__version__, "safetensors": safetensors.__version__,
-        "platform": platform.platform(), "cpu cores": os.cpu_count(),
-        "cuda": torch.version.cuda or "not built", "cuda devices": torch.cuda.device_count(),
-        "backends": ", ".join(b for b, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()),
-                                               ("mpi", dist.is_mpi_available())) if ok) or "none",
+        "phalanx": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "pydantic": pydantic.__version__,
+        "safetensors": safetensors.__version__,
+        "platform": platform.platform(),
+        "cpu cores": os.cpu_count(),
+        "cuda": torch.version.cuda or "not built",
+        "cuda devices": torch.cuda.device_count(),
+        "backends": ", ".join(
+            b
+            for b, ok in (
+                ("gloo", dist.is_gloo_available()),
+                ("nccl", dist.is_nccl_available()),
+                ("mpi", dist.is_mpi_available()),
+            )
+            if ok
+        )
+        or "none",
     }
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
@@ -263,27 +345,45 @@ def doctor(config_path: str, overrides: list[str], nodes: launch.Nodes | None = 
     info()
     cfg, _ = config.load(config_path, overrides)
     accelerator, devices = strategies.resolve_device(cfg)
-    backend = cfg.parallel.backend if cfg.parallel.backend != "auto" else ("nccl" if accelerator == "cuda" else "gloo")
+    backend = (
+        cfg.parallel.backend
+        if cfg.parallel.backend != "auto"
+        else ("nccl" if accelerator == "cuda" else "gloo")
+    )
     with tempfile.TemporaryDirectory(prefix="phalanx-doctor-") as tmp:
         folder = Path(tmp)
-        (folder / rundir.CONFIG).write_text(config.dump(rundir.resolved(cfg)))  # other nodes check they see it
+        (folder / rundir.CONFIG).write_text(
+            config.dump(rundir.resolved(cfg))
+        )  # other nodes check they see it
         if nodes is not None or devices > 1:
             store = launch.join(nodes) if nodes is not None else None
-            launch.launch(folder, devices, doctor_worker, accelerator, backend, nodes=nodes, store=store)
+            launch.launch(
+                folder, devices, doctor_worker, accelerator, backend, nodes=nodes, store=store
+            )
         else:
             doctor_worker(folder, accelerator, backend)
-        reports = [json.loads(p.read_text()) for p in sorted(folder.glob("doctor-*.json"), key=lambda p: int(p.stem[7:]))]
+        reports = [
+            json.loads(p.read_text())
+            for p in sorted(folder.glob("doctor-*.json"), key=lambda p: int(p.stem[7:]))
+        ]
     table = Table(title=f"phalanx doctor: {len(reports)} process(es) on {accelerator}, {backend}")
     for column in ("rank", "device", "computes", "all-reduce", "all-reduce ms"):
         table.add_column(column)
     for r in reports:
-        table.add_row(str(r["rank"]), r["device"], "ok", "ok" if r["sum_ok"] else "WRONG SUM",
-                      f"{r['all_reduce_ms']:.2f}" if r["all_reduce_ms"] is not None else "-")
+        table.add_row(
+            str(r["rank"]),
+            r["device"],
+            "ok",
+            "ok" if r["sum_ok"] else "WRONG SUM",
+            f"{r['all_reduce_ms']:.2f}" if r["all_reduce_ms"] is not None else "-",
+        )
     logs.out.print(table)
     wrong = [r["rank"] for r in reports if not r["sum_ok"]]
     if wrong:
-        raise PhalanxError(f"the all-reduce gave a wrong sum on rank(s) {wrong}: the processes do not reach each "
-                           "other as they should; check the network interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
+        raise PhalanxError(
+            f"the all-reduce gave a wrong sum on rank(s) {wrong}: the processes do not reach each "
+            "other as they should; check the network interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)"
+        )
     logs.out.print(f"all {len(reports)} process(es) ready")
     return reports
 
@@ -322,31 +422,55 @@ def doctor_worker(folder: Path, accelerator: str, backend: str) -> int:
     return 0
 
 
-def bench(config_path: str, devices: list[int], steps: int, overrides: list[str], output: str | None) -> list[dict]:
+def bench(
+    config_path: str, devices: list[int], steps: int, overrides: list[str], output: str | None
+) -> list[dict]:
     """Train a config for `steps` steps at each device count; print and save the scaling table."""
     if not devices or min(devices) < 1 or steps < 2:
-        raise PhalanxError(f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})")
+        raise PhalanxError(
+            f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})"
+        )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
-    hooks = f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {min(5, steps // 2)}}}}}, " \
-            f"{{StopAfter: {{steps: {steps}}}}}]"
+    hooks = (
+        f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {min(5, steps // 2)}}}}}, "
+        f"{{StopAfter: {{steps: {steps}}}}}]"
+    )
     rows = []
     for n in devices:
         name = f"devices{n}"
-        fixed = [*accelerator, f"parallel.devices={n}", f"output_root={out_dir}", f"name={name}", hooks,
-                 "main_loop.epochs=1000000", "main_loop.extra_streams=[]", "main_loop.skip_zeroth_epoch=true"]
+        fixed = [
+            *accelerator,
+            f"parallel.devices={n}",
+            f"output_root={out_dir}",
+            f"name={name}",
+            hooks,
+            "main_loop.epochs=1000000",
+            "main_loop.extra_streams=[]",
+            "main_loop.skip_zeroth_epoch=true",
+        ]
         code = train(config_path, [*overrides, *fixed])
         if code != 0:
-            raise PhalanxError(f"the run on {n} device(s) ended with exit code {code}; see {out_dir}")
+            raise PhalanxError(
+                f"the run on {n} device(s) ended with exit code {code}; see {out_dir}"
+            )
         [run_dir] = sorted(out_dir.glob(f"{name}-*"))[-1:]
         summary = json.loads((run_dir / "throughput.json").read_text())
         total = sum(summary["profile"].values()) or 1.0
-        rows.append({"devices": n, "samples_per_s": summary.get("samples_per_s", 0.0),
-                     "tokens_per_s": summary.get("tokens_per_s"), "mfu": summary.get("mfu"),
-                     **{f"{k}_share": v / total for k, v in summary["profile"].items()}})
+        rows.append(
+            {
+                "devices": n,
+                "samples_per_s": summary.get("samples_per_s", 0.0),
+                "tokens_per_s": summary.get("tokens_per_s"),
+                "mfu": summary.get("mfu"),
+                **{f"{k}_share": v / total for k, v in summary["profile"].items()},
+            }
+        )
     rows = metrics.scaling(rows)
-    write_text_atomic(out_dir / "bench.json", json.dumps({"config": str(config_path), "steps": steps,
-                                                          "rows": rows}, indent=1))
+    write_text_atomic(
+        out_dir / "bench.json",
+        json.dumps({"config": str(config_path), "steps": steps, "rows": rows}, indent=1),
+    )
     _plot_scaling(rows, out_dir / "scaling.png")
     _print_scaling(rows, out_dir)
     return rows
@@ -354,19 +478,37 @@ def bench(config_path: str, devices: list[int], steps: int, overrides: list[str]
 
 def _print_scaling(rows: list[dict], out_dir: Path) -> None:
     table = Table(title=f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))")
-    for column in ("devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "data", "fwd+bwd", "comm",
-                   "optimizer", "hooks"):
+    for column in (
+        "devices",
+        "samples/s",
+        "tokens/s",
+        "speedup",
+        "efficiency",
+        "MFU",
+        "data",
+        "fwd+bwd",
+        "comm",
+        "optimizer",
+        "hooks",
+    ):
         table.add_column(column, justify="right")
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
 
     for r in rows:
-        table.add_row(str(r["devices"]), f"{r['samples_per_s']:,.0f}",
-                      "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
-                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", pct(r["efficiency"]), pct(r["mfu"]),
-                      *(pct(r.get(f"{k}_share")) for k in ("data", "forward_backward", "communication", "optimizer",
-                                                            "hooks")))
+        table.add_row(
+            str(r["devices"]),
+            f"{r['samples_per_s']:,.0f}",
+            "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            pct(r["efficiency"]),
+            pct(r["mfu"]),
+            *(
+                pct(r.get(f"{k}_share"))
+                for k in ("data", "forward_backward", "communication", "optimizer", "hooks")
+            ),
+        )
     logs.out.print(table)
 
 
@@ -381,7 +523,13 @@ def _plot_scaling(rows: list[dict], path: Path) -> None:
     ax.plot(devices, [r["samples_per_s"] for r in rows], marker="o", label="measured")
     base = next((r["samples_per_s"] for r in rows if r["devices"] == 1), None)
     if base:
-        ax.plot(devices, [base * n for n in devices], linestyle="--", color="gray", label="perfect scaling")
+        ax.plot(
+            devices,
+            [base * n for n in devices],
+            linestyle="--",
+            color="gray",
+            label="perfect scaling",
+        )
     ax.set(xlabel="devices", ylabel="samples/s", title="throughput by device count", xticks=devices)
     ax.grid(alpha=0.3)
     ax.legend()

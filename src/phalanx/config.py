@@ -4,6 +4,7 @@ Framework sections reject unknown keys with a did-you-mean. A `class:` section (
 scheduler, dataset) passes its other keys to the constructor it names; that constructor's own
 signature is what checks them, when `instantiate` builds it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from phalanx.errors import ConfigError, PhalanxError, did_you_mean
 
@@ -26,9 +35,12 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"
+    ),
+    list("-+0123456789."),
+)
 
 
 def safe_load(text: str) -> Any:
@@ -60,7 +72,9 @@ class LossConfig(BaseModel):
     (ignore_index, label_smoothing, pos_weight ...) go to the function."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
-    function: str = Field(description="name in torch.nn.functional, e.g. cross_entropy, or a dotted path")
+    function: str = Field(
+        description="name in torch.nn.functional, e.g. cross_entropy, or a dotted path"
+    )
     output: str = Field("output", description="the model output that is the loss's input")
     target: str = Field(description="the batch key that is the loss's target")
 
@@ -73,19 +87,31 @@ class InitFromConfig(_Section):
     """Trained weights a new run starts from; its optimizer starts afresh."""
 
     path: str = Field(description="a run directory, or a .safetensors file")
-    checkpoint: str | StrictInt = Field("auto", description="a run's best, latest or step N; auto: best, else latest")
-    strict: bool = Field(True, description="false: names the weights lack or the model lacks are listed, not errors")
+    checkpoint: str | StrictInt = Field(
+        "auto", description="a run's best, latest or step N; auto: best, else latest"
+    )
+    strict: bool = Field(
+        True, description="false: names the weights lack or the model lacks are listed, not errors"
+    )
 
 
 class ModelConfig(_ClassSection):
     n_gpus: StrictInt | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")
     args: list[Any] = Field(default_factory=list, description="positional constructor arguments")
     inputs: dict[str, str] | None = Field(
-        None, description="batch key -> forward argument, for modules that take tensors, not batches")
-    outputs: str | list[str] = Field("output", description="names of a plain module's returned tensors")
-    loss: LossConfig | None = Field(None, description="the objective, for modules that return no `loss`")
+        None,
+        description="batch key -> forward argument, for modules that take tensors, not batches",
+    )
+    outputs: str | list[str] = Field(
+        "output", description="names of a plain module's returned tensors"
+    )
+    loss: LossConfig | None = Field(
+        None, description="the objective, for modules that return no `loss`"
+    )
     init_from: InitFromConfig | None = Field(
-        None, description="start from trained weights: a run directory or a .safetensors file, or {path, checkpoint, strict}")
+        None,
+        description="start from trained weights: a run directory or a .safetensors file, or {path, checkpoint, strict}",
+    )
 
     @field_validator("init_from", mode="before")
     @classmethod
@@ -97,14 +123,23 @@ class LrScalingConfig(_Section):
     """Scale the learning rate with the global batch (Goyal et al. 2017): lr * f(batch / base)."""
 
     rule: Literal["linear", "sqrt", "none"] = "none"
-    base_batch_size: StrictInt = Field(gt=0, description="the batch size the configured lr was tuned for")
+    base_batch_size: StrictInt = Field(
+        gt=0, description="the batch size the configured lr was tuned for"
+    )
 
 
 class OptimizerConfig(_ClassSection):
-    warmup_steps: StrictInt = Field(0, ge=0, description="linear warm-up of the learning rate, in optimizer steps")
-    lr_scaling: LrScalingConfig | None = Field(None, description="scale lr with the global batch size")
+    warmup_steps: StrictInt = Field(
+        0, ge=0, description="linear warm-up of the learning rate, in optimizer steps"
+    )
+    lr_scaling: LrScalingConfig | None = Field(
+        None, description="scale lr with the global batch size"
+    )
     max_grad_norm: StrictFloat | StrictInt | None = Field(
-        None, gt=0, description="clip the global gradient norm (over every rank and shard) to this value")
+        None,
+        gt=0,
+        description="clip the global gradient norm (over every rank and shard) to this value",
+    )
 
 
 class SchedulerConfig(_ClassSection):
@@ -112,20 +147,34 @@ class SchedulerConfig(_ClassSection):
 
 
 class DatasetConfig(_ClassSection):
-    batch_size: StrictInt = Field(gt=0, description="global batch: samples per optimizer step, for the whole job")
-    eval_batch_size: StrictInt | None = Field(None, gt=0, description="batch for evaluation streams; default batch_size")
+    batch_size: StrictInt = Field(
+        gt=0, description="global batch: samples per optimizer step, for the whole job"
+    )
+    eval_batch_size: StrictInt | None = Field(
+        None, gt=0, description="batch for evaluation streams; default batch_size"
+    )
     pin_memory: bool | Literal["auto"] = Field(
-        "auto", description="page-locked batches, copied to the GPU without waiting; auto: on GPUs")
+        "auto", description="page-locked batches, copied to the GPU without waiting; auto: on GPUs"
+    )
     prefetch_factor: StrictInt | None = Field(
-        None, ge=1, description="batches each DataLoader worker prepares ahead (torch's default, 2, where unset)")
+        None,
+        ge=1,
+        description="batches each DataLoader worker prepares ahead (torch's default, 2, where unset)",
+    )
     keys: list[str] | None = Field(
-        None, min_length=1, description="names of the parts of items that are tuples or lists (TensorDataset, "
-        "torchvision), or the one name of items that are tensors")
+        None,
+        min_length=1,
+        description="names of the parts of items that are tuples or lists (TensorDataset, "
+        "torchvision), or the one name of items that are tensors",
+    )
     num_workers: StrictInt | Literal["auto"] = Field(
-        "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU")
+        "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU"
+    )
     persistent_workers: bool | Literal["auto"] = Field(
-        "auto", description="keep each stream's DataLoader workers for the whole run instead of starting them "
-        "every epoch (they are seeded each epoch as fresh ones would be); auto: where there are workers")
+        "auto",
+        description="keep each stream's DataLoader workers for the whole run instead of starting them "
+        "every epoch (they are seeded each epoch as fresh ones would be); auto: where there are workers",
+    )
 
     @field_validator("num_workers")
     @classmethod
@@ -139,75 +188,115 @@ class DDPConfig(_Section):
     """`parallel.ddp`: settings of the `ddp` strategy."""
 
     bucket_cap_mb: StrictFloat | None = Field(
-        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)")
+        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)"
+    )
 
 
 class TowersConfig(_Section):
     """`parallel.towers`: settings of the `towers` strategy."""
 
     variables_on: Literal["device0", "cpu"] = Field(
-        "device0", description="where the master copy of the variables lives and the optimizer steps: on the "
-                               "first device (which is also the first tower), or on the CPU")
+        "device0",
+        description="where the master copy of the variables lives and the optimizer steps: on the "
+        "first device (which is also the first tower), or on the CPU",
+    )
 
 
 class FSDPConfig(_Section):
     """`parallel.fsdp`: settings of the `fsdp` strategy."""
 
     shard: list[str] | None = Field(
-        None, description="module class names sharded as units of their own; default every child of the model "
-                          "that holds parameters, then the model itself")
+        None,
+        description="module class names sharded as units of their own; default every child of the model "
+        "that holds parameters, then the model itself",
+    )
     param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None, description="the dtype parameters are gathered in for forward and backward; default their own")
+        None,
+        description="the dtype parameters are gathered in for forward and backward; default their own",
+    )
     reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None, description="the dtype gradients are reduced in; default param_dtype's")
-    offload: bool = Field(False, description="keep parameters and optimizer state in CPU memory between uses")
+        None, description="the dtype gradients are reduced in; default param_dtype's"
+    )
+    offload: bool = Field(
+        False, description="keep parameters and optimizer state in CPU memory between uses"
+    )
     init: Literal["full", "meta"] = Field(
-        "full", description="full: every rank builds the whole model, then keeps its shards; meta: the model is "
-                            "built without memory and each module's reset_parameters() fills its shards one module "
-                            "at a time, so the whole model is never in one process's memory")
+        "full",
+        description="full: every rank builds the whole model, then keeps its shards; meta: the model is "
+        "built without memory and each module's reset_parameters() fills its shards one module "
+        "at a time, so the whole model is never in one process's memory",
+    )
 
 
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
     strategy: str = "auto"
-    gradient_accumulation: StrictInt = Field(1, ge=1, description="micro-batches per optimizer step")
-    sync_batchnorm: bool = Field(False, description="BatchNorm statistics over the global micro-batch")
+    gradient_accumulation: StrictInt = Field(
+        1, ge=1, description="micro-batches per optimizer step"
+    )
+    sync_batchnorm: bool = Field(
+        False, description="BatchNorm statistics over the global micro-batch"
+    )
     shard_weights: list[StrictFloat] | None = Field(
-        None, description="relative shard size per rank, for mixed hardware; default equal")
-    timeout_s: StrictFloat | None = Field(None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU")
+        None, description="relative shard size per rank, for mixed hardware; default equal"
+    )
+    timeout_s: StrictFloat | None = Field(
+        None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU"
+    )
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
     max_restarts: StrictInt = Field(
-        0, ge=0, description="times the workers are started again after one fails; each attempt resumes from "
-                             "the last checkpoint (one machine)")
+        0,
+        ge=0,
+        description="times the workers are started again after one fails; each attempt resumes from "
+        "the last checkpoint (one machine)",
+    )
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
-    towers: TowersConfig = Field(default_factory=TowersConfig, description="settings of the towers strategy")
-    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="settings of the fsdp strategy")
+    towers: TowersConfig = Field(
+        default_factory=TowersConfig, description="settings of the towers strategy"
+    )
+    fsdp: FSDPConfig = Field(
+        default_factory=FSDPConfig, description="settings of the fsdp strategy"
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
-        "auto", description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
-                            "several ranks share one GPU, which nccl refuses")
+        "auto",
+        description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
+        "several ranks share one GPU, which nccl refuses",
+    )
 
     @field_validator("shard_weights")
     @classmethod
     def _positive_weights(cls, weights: list[float] | None) -> list[float] | None:
         if weights is not None and (not weights or any(w <= 0 for w in weights)):
-            raise ValueError(f"shard_weights must be positive numbers, one per device; got {weights}")
+            raise ValueError(
+                f"shard_weights must be positive numbers, one per device; got {weights}"
+            )
         return weights
 
 
 class MainLoopConfig(_Section):
     epochs: StrictInt = Field(1, ge=1, description="training epochs")
-    extra_streams: list[str] = Field(default_factory=list, description="streams evaluated after each epoch")
-    skip_zeroth_epoch: bool = Field(True, description="skip evaluating every stream before training")
+    extra_streams: list[str] = Field(
+        default_factory=list, description="streams evaluated after each epoch"
+    )
+    skip_zeroth_epoch: bool = Field(
+        True, description="skip evaluating every stream before training"
+    )
     eval_every_n_steps: StrictInt | None = Field(
-        None, ge=1, description="evaluate the extra streams, and end an evaluation round (the after_epoch hooks: "
-        "checkpoints, early stopping, logs), every N optimizer steps instead of every epoch")
+        None,
+        ge=1,
+        description="evaluate the extra streams, and end an evaluation round (the after_epoch hooks: "
+        "checkpoints, early stopping, logs), every N optimizer steps instead of every epoch",
+    )
 
 
 class CheckpointsConfig(_Section):
     keep_last: StrictInt = Field(3, ge=1, description="checkpoints kept besides the best")
-    async_: bool = Field(False, alias="async",
-                         description="copy the state to host memory and write it in the background, one at a time")
+    async_: bool = Field(
+        False,
+        alias="async",
+        description="copy the state to host memory and write it in the background, one at a time",
+    )
 
 
 class CompileConfig(_Section):
@@ -238,16 +327,26 @@ class Config(_Section):
     hooks: list[str | dict[str, dict[str, Any] | None]] | None = None
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
     compile: bool | CompileConfig = Field(False, description="torch.compile the model")
-    channels_last: bool = Field(False, description="channels-last memory format for 4-D weights and inputs")
+    channels_last: bool = Field(
+        False, description="channels-last memory format for 4-D weights and inputs"
+    )
     cudnn_benchmark: bool = Field(
-        False, description="let cuDNN time its convolution algorithms and keep the fastest (faster convolutions of "
-        "fixed shapes; the choice, and so the last bits of the results, may differ between runs)")
+        False,
+        description="let cuDNN time its convolution algorithms and keep the fastest (faster convolutions of "
+        "fixed shapes; the choice, and so the last bits of the results, may differ between runs)",
+    )
     matmul_precision: Literal["highest", "high", "medium"] = Field(
-        "highest", description="float32 matrix products: highest (float32), high (TF32 on GPUs that have it: "
-        "faster, about 3 fewer decimal digits), medium (bfloat16 products)")
+        "highest",
+        description="float32 matrix products: highest (float32), high (TF32 on GPUs that have it: "
+        "faster, about 3 fewer decimal digits), medium (bfloat16 products)",
+    )
     activation_checkpointing: list[str] = Field(
-        default_factory=list, description="module class names whose activations are recomputed in backward")
-    profile: ProfileConfig | None = Field(None, description="record a torch.profiler trace of a few steps")
+        default_factory=list,
+        description="module class names whose activations are recomputed in backward",
+    )
+    profile: ProfileConfig | None = Field(
+        None, description="record a torch.profiler trace of a few steps"
+    )
     output_root: str = "runs"
 
     @field_validator("hooks")
@@ -255,7 +354,9 @@ class Config(_Section):
     def _one_hook_per_item(cls, hooks: list | None) -> list | None:
         for i, item in enumerate(hooks or []):
             if isinstance(item, dict) and len(item) != 1:
-                raise ValueError(f"hooks.{i} has {len(item)} keys {list(item)}; write one hook per list item")
+                raise ValueError(
+                    f"hooks.{i} has {len(item)} keys {list(item)}; write one hook per list item"
+                )
         return hooks
 
 
@@ -270,10 +371,14 @@ def read(path: str | Path, overrides: list[str] = ()) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
-    raw = read_yaml(path, "save the config as UTF-8 YAML, or check that this is the config file you meant")
+    raw = read_yaml(
+        path, "save the config as UTF-8 YAML, or check that this is the config file you meant"
+    )
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path} must hold a mapping of sections (model, optimizer, dataset ...), "
-                          f"got {type(raw).__name__}")
+        raise ConfigError(
+            f"{path} must hold a mapping of sections (model, optimizer, dataset ...), "
+            f"got {type(raw).__name__}"
+        )
     raw = apply_overrides(raw, overrides)
     raw.setdefault("name", _default_name(path))
     return raw
@@ -287,7 +392,9 @@ def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> 
     except OSError as e:
         raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from None
     except UnicodeDecodeError as e:
-        raise error(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); {fix}") from None
+        raise error(
+            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); {fix}"
+        ) from None
     try:
         return safe_load(text)
     except yaml.YAMLError as e:
@@ -303,7 +410,9 @@ def validate(raw: dict) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError("; ".join(_merge_alternatives([_explain(err, raw) for err in e.errors()]))) from None
+        raise ConfigError(
+            "; ".join(_merge_alternatives([_explain(err, raw) for err in e.errors()]))
+        ) from None
 
 
 def _merge_alternatives(messages: list[str]) -> list[str]:
@@ -315,7 +424,7 @@ def _merge_alternatives(messages: list[str]) -> list[str]:
         should, got_sep, got = rest.rpartition(" (got ")
         last, tail = (merged[-1] if merged else ""), got_sep + got
         if sep and got_sep and last.startswith(head + sep) and last.endswith(tail):
-            merged[-1] = f"{last[:-len(tail)]} or {should}{tail}"
+            merged[-1] = f"{last[: -len(tail)]} or {should}{tail}"
         else:
             merged.append(message)
     return merged
@@ -341,7 +450,9 @@ def _user_path(loc: tuple, raw: Any) -> list[str]:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif isinstance(part, str) and (part in _TYPE_TAGS or "[" in part or part.startswith("function-")):
+        elif isinstance(part, str) and (
+            part in _TYPE_TAGS or "[" in part or part.startswith("function-")
+        ):
             continue
         else:
             node = None
@@ -360,7 +471,9 @@ def _section_model(loc: list[str]) -> type[BaseModel] | None:
             return None
         ann = field.annotation
         args = getattr(ann, "__args__", ())
-        model = next((a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        model = next(
+            (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
+        )
     return model
 
 
@@ -370,7 +483,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not KEY=VALUE; write e.g. dataset.batch_size=64")
+            raise ConfigError(
+                f"override {item!r} is not KEY=VALUE; write e.g. dataset.batch_size=64"
+            )
         try:
             value = safe_load(text)
         except yaml.YAMLError:
@@ -382,17 +497,21 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 def _set_path(node: Any, parts: list[str], value: Any, item: str) -> None:
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
-        where = ".".join(parts[:depth + 1])
+        where = ".".join(parts[: depth + 1])
         if isinstance(node, list):
             if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
-                raise ConfigError(f"override {item!r}: {where!r} is not an index of a list of {len(node)} items")
+                raise ConfigError(
+                    f"override {item!r}: {where!r} is not an index of a list of {len(node)} items"
+                )
             part = int(part)
         elif isinstance(node, dict):
             if not last and node.get(part) is None:
                 node[part] = {}
         else:
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])!r} is a "
-                              f"{type(node).__name__}, not a section")
+            raise ConfigError(
+                f"override {item!r}: {'.'.join(parts[:depth])!r} is a "
+                f"{type(node).__name__}, not a section"
+            )
         if last:
             node[part] = value
         else:
@@ -414,7 +533,9 @@ def dump(raw: dict) -> str:
     return yaml.safe_dump(raw, sort_keys=False)
 
 
-def import_object(path: str, search_dirs: list[Path] = (), default_module: str | None = None) -> Any:
+def import_object(
+    path: str, search_dirs: list[Path] = (), default_module: str | None = None
+) -> Any:
     """The object a dotted path names; `default_module` is tried first for a bare name."""
     for folder in [*search_dirs, Path.cwd()]:
         if str(folder) not in sys.path:
@@ -423,21 +544,29 @@ def import_object(path: str, search_dirs: list[Path] = (), default_module: str |
         module = importlib.import_module(default_module)
         if hasattr(module, path):
             return getattr(module, path)
-        raise ConfigError(f"{default_module} has no {path!r}{did_you_mean(path, dir(module))}; "
-                          f"give a name from {default_module} or a dotted path such as mypkg.MyClass")
+        raise ConfigError(
+            f"{default_module} has no {path!r}{did_you_mean(path, dir(module))}; "
+            f"give a name from {default_module} or a dotted path such as mypkg.MyClass"
+        )
     module_name, _, attr = path.rpartition(".")
     if not module_name:
-        raise ConfigError(f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass")
+        raise ConfigError(
+            f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass"
+        )
     for root in _package_roots(module_name, search_dirs):
         if str(root) not in sys.path:
             sys.path.append(str(root))
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"cannot import {module_name!r} for {path!r}: {e}; check the path, or run "
-                          f"from the folder that holds the package") from None
+        raise ConfigError(
+            f"cannot import {module_name!r} for {path!r}: {e}; check the path, or run "
+            f"from the folder that holds the package"
+        ) from None
     if not hasattr(module, attr):
-        raise ConfigError(f"module {module_name!r} has no {attr!r}{did_you_mean(attr, dir(module))}")
+        raise ConfigError(
+            f"module {module_name!r} has no {attr!r}{did_you_mean(attr, dir(module))}"
+        )
     return getattr(module, attr)
 
 
@@ -468,23 +597,38 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         for key in kwargs:
             if key not in params and not takes_any:
-                valid = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-                raise ConfigError(f"{section}: {_name(factory)} takes no argument {key!r}"
-                                  f"{did_you_mean(key, valid)}; it takes {', '.join(valid) or 'none'}")
+                valid = [
+                    n
+                    for n, p in params.items()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                ]
+                raise ConfigError(
+                    f"{section}: {_name(factory)} takes no argument {key!r}"
+                    f"{did_you_mean(key, valid)}; it takes {', '.join(valid) or 'none'}"
+                )
         try:
             signature.bind(*args, **kwargs)
         except TypeError as e:
-            raise ConfigError(f"{section}: {_name(factory)}: {e}; set it in the {section} section") from None
+            raise ConfigError(
+                f"{section}: {_name(factory)}: {e}; set it in the {section} section"
+            ) from None
         for key, value in kwargs.items():
             if isinstance(value, bool) and key in params and _takes_numbers_not_bools(params[key]):
-                raise ConfigError(f"{section}: {_name(factory)}'s {key} takes a number, got {str(value).lower()}; "
-                                  f"write a number for {key} in the {section} section")
+                raise ConfigError(
+                    f"{section}: {_name(factory)}'s {key} takes a number, got {str(value).lower()}; "
+                    f"write a number for {key} in the {section} section"
+                )
     try:
         return factory(*args, **kwargs)
-    except (TypeError, ValueError) as e:  # the constructor rejected a value: name the section (--debug: traceback)
+    except (
+        TypeError,
+        ValueError,
+    ) as e:  # the constructor rejected a value: name the section (--debug: traceback)
         given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        raise ConfigError(f"{section}: {_name(factory)}({given}) failed: {type(e).__name__}: {e}; "
-                          f"fix the values in the {section} section") from e
+        raise ConfigError(
+            f"{section}: {_name(factory)}({given}) failed: {type(e).__name__}: {e}; "
+            f"fix the values in the {section} section"
+        ) from e
 
 
 def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:
@@ -497,7 +641,9 @@ def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:
 def build_value(value: Any, where: str, search_dirs: list[Path]) -> Any:
     """Nested `{class: ..., ...}` mappings inside constructor arguments are built too."""
     if isinstance(value, dict) and "class" in value:
-        kwargs = {k: build_value(v, f"{where}.{k}", search_dirs) for k, v in value.items() if k != "class"}
+        kwargs = {
+            k: build_value(v, f"{where}.{k}", search_dirs) for k, v in value.items() if k != "class"
+        }
         args = kwargs.pop("args", [])
         return instantiate(where, import_object(value["class"], search_dirs), *args, **kwargs)
     if isinstance(value, list):

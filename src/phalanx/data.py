@@ -11,6 +11,7 @@ even number of bits that holds n, walked again from any value >= n until it land
 an epoch of 10^10 samples costs no memory and its first batch is immediate. Runs whose
 checkpoints predate it keep the order they started with (`ORDERS`: `randperm`, a list per epoch).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,12 +27,11 @@ from torch.utils.data import IterableDataset
 from phalanx.errors import DataError
 from phalanx.loading import collate, empty_like
 
-
 FEISTEL, RANDPERM = "feistel", "randperm"
-ORDERS = (FEISTEL, RANDPERM)   # the order a run uses; checkpoints without one name used randperm
+ORDERS = (FEISTEL, RANDPERM)  # the order a run uses; checkpoints without one name used randperm
 _ROUNDS = 6
 _MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
-_BLOCK = 1 << 16                           # positions computed together
+_BLOCK = 1 << 16  # positions computed together
 
 
 class Order:
@@ -42,10 +42,10 @@ class Order:
     def __init__(self, seed: int, epoch: int, n: int):
         self.n = n
         bits = max(2, (n - 1).bit_length())
-        self._half = (bits + 1) // 2                  # each half of the Feistel network's word
+        self._half = (bits + 1) // 2  # each half of the Feistel network's word
         self._low = (1 << self._half) - 1
         digest = hashlib.sha256(f"phalanx-order:{seed}:{epoch}".encode()).digest()
-        self._keys = [int.from_bytes(digest[4 * r:4 * r + 4], "little") for r in range(_ROUNDS)]
+        self._keys = [int.from_bytes(digest[4 * r : 4 * r + 4], "little") for r in range(_ROUNDS)]
         self._cached: tuple[int, list[int]] = (-1, [])
 
     def __len__(self) -> int:
@@ -61,7 +61,7 @@ class Order:
                 block = start // _BLOCK
                 values = self._block(block)
                 offset = block * _BLOCK
-                out += values[start - offset:stop - offset]
+                out += values[start - offset : stop - offset]
                 start = offset + len(values)
             return out
         if not -self.n <= key < self.n:
@@ -79,7 +79,10 @@ class Order:
         another block is asked for: the memory of one block, whatever n."""
         if self._cached[0] != block:
             start = block * _BLOCK
-            self._cached = block, self.at(np.arange(start, min(self.n, start + _BLOCK), dtype=np.int64)).tolist()
+            self._cached = (
+                block,
+                self.at(np.arange(start, min(self.n, start + _BLOCK), dtype=np.int64)).tolist(),
+            )
         return self._cached[1]
 
     def at(self, positions: np.ndarray) -> np.ndarray:
@@ -87,7 +90,9 @@ class Order:
         step's few thousand values its operations cost a fraction of torch's."""
         values = self._rounds(positions.astype(np.uint64))
         outside = np.flatnonzero(values >= self.n)
-        while len(outside):  # cycle-walking: a value beyond n goes round again, until it lands inside
+        while len(
+            outside
+        ):  # cycle-walking: a value beyond n goes round again, until it lands inside
             values[outside] = self._rounds(values[outside])
             outside = outside[values[outside] >= self.n]
         return values.astype(np.int64)
@@ -132,11 +137,13 @@ def split_sizes(n: int, parts: int, weights: Sequence[float] | None = None) -> l
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-def split(indices: Sequence[int], parts: int, weights: Sequence[float] | None = None) -> list[list[int]]:
+def split(
+    indices: Sequence[int], parts: int, weights: Sequence[float] | None = None
+) -> list[list[int]]:
     """`indices` cut into contiguous pieces, in order."""
     pieces, start = [], 0
     for size in split_sizes(len(indices), parts, weights):
-        pieces.append(list(indices[start:start + size]))
+        pieces.append(list(indices[start : start + size]))
         start += size
     return pieces
 
@@ -154,11 +161,20 @@ class Micro(NamedTuple):
 class Plan:
     """Which samples each step of an epoch takes, and this rank's part of them."""
 
-    def __init__(self, order: Sequence[int], batch_size: int, accumulation: int = 1,
-                 rank: int = 0, world_size: int = 1, weights: Sequence[float] | None = None):
+    def __init__(
+        self,
+        order: Sequence[int],
+        batch_size: int,
+        accumulation: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        weights: Sequence[float] | None = None,
+    ):
         self.order, self.batch_size, self.accumulation = order, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
-        self._steps: dict[int, list[Micro]] = {}  # the loader's sampler and the loop ask for each step
+        self._steps: dict[
+            int, list[Micro]
+        ] = {}  # the loader's sampler and the loop ask for each step
 
     def __len__(self) -> int:
         return -(-len(self.order) // self.batch_size)
@@ -171,15 +187,15 @@ class Plan:
         return micros
 
     def _make(self, k: int) -> list[Micro]:
-        batch = self.order[k * self.batch_size:(k + 1) * self.batch_size]
+        batch = self.order[k * self.batch_size : (k + 1) * self.batch_size]
         n = len(batch)
         if self.world_size == 1 and self.accumulation == 1:
             return [Micro(list(batch), n)]
         shards, any_empty = [], False
         for micro in [batch] if self.accumulation == 1 else split(batch, min(self.accumulation, n)):
             sizes = split_sizes(len(micro), self.world_size, self.weights)
-            start = sum(sizes[:self.rank])
-            shards.append(list(micro[start:start + sizes[self.rank]]))
+            start = sum(sizes[: self.rank])
+            shards.append(list(micro[start : start + sizes[self.rank]]))
             any_empty = any_empty or 0 in sizes
         return [Micro(shard, n, any_empty) for shard in shards]
 
@@ -208,12 +224,16 @@ class _Named:
             return item
         if isinstance(item, (tuple, list)):
             if len(item) != len(self.keys):
-                raise DataError(f"stream {self.name!r}: an item has {len(item)} parts but dataset.keys names "
-                                f"{len(self.keys)} ({', '.join(self.keys)}); give one name per part")
+                raise DataError(
+                    f"stream {self.name!r}: an item has {len(item)} parts but dataset.keys names "
+                    f"{len(self.keys)} ({', '.join(self.keys)}); give one name per part"
+                )
             return dict(zip(self.keys, item))
         if len(self.keys) != 1:
-            raise DataError(f"stream {self.name!r}: an item is a {type(item).__name__}, one value, but dataset.keys "
-                            f"names {len(self.keys)}; give it one name")
+            raise DataError(
+                f"stream {self.name!r}: an item is a {type(item).__name__}, one value, but dataset.keys "
+                f"names {len(self.keys)}; give it one name"
+            )
         return {self.keys[0]: item}
 
 
@@ -233,10 +253,14 @@ class NamedStream(_Named, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         return map(self._named, self.stream)
 
-    def __len__(self) -> int:  # a TypeError where the stream has no length, as len() of it would give
+    def __len__(
+        self,
+    ) -> int:  # a TypeError where the stream has no length, as len() of it would give
         return len(self.stream)
 
-    def __getattr__(self, attribute: str) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
+    def __getattr__(
+        self, attribute: str
+    ) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
         if attribute == "stream":
             raise AttributeError(attribute)
         return getattr(self.stream, attribute)
@@ -246,35 +270,51 @@ def named(stream: Any, keys: Sequence[str] | None, name: str) -> Any:
     """`stream` with its items named by `keys` (dataset.keys), or itself where there are none."""
     if not keys:
         return stream
-    return NamedStream(stream, keys, name) if is_iterable(stream) else NamedItems(stream, keys, name)
+    return (
+        NamedStream(stream, keys, name) if is_iterable(stream) else NamedItems(stream, keys, name)
+    )
 
 
 def get_stream(dataset: Any, name: str) -> Any:
     """Stream `name` of a dataset object: `dataset.streams()[name]`."""
     streams = getattr(dataset, "streams", None)
     if not callable(streams):
-        raise DataError(f"{type(dataset).__name__} has no streams() method; a dataset class returns its "
-                        "streams as {'train': ..., 'valid': ...} from streams()")
+        raise DataError(
+            f"{type(dataset).__name__} has no streams() method; a dataset class returns its "
+            "streams as {'train': ..., 'valid': ...} from streams()"
+        )
     available = streams()
     if name not in available:
-        raise DataError(f"dataset {type(dataset).__name__} has no stream {name!r}; it has "
-                        f"{', '.join(available) or 'none'}. Fix main_loop.extra_streams or the dataset")
+        raise DataError(
+            f"dataset {type(dataset).__name__} has no stream {name!r}; it has "
+            f"{', '.join(available) or 'none'}. Fix main_loop.extra_streams or the dataset"
+        )
     stream = available[name]
     if is_iterable(stream):
         if not hasattr(stream, "__iter__"):
-            raise DataError(f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset (with "
-                            "__getitem__ and __len__) or an iterable one (an IterableDataset, with __iter__)")
+            raise DataError(
+                f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset (with "
+                "__getitem__ and __len__) or an iterable one (an IterableDataset, with __iter__)"
+            )
         if hasattr(stream, "__next__"):
-            raise DataError(f"stream {name!r} is an iterator ({type(stream).__name__}), which can be read only once; "
-                            "give an iterable that starts again at each iter(), such as an IterableDataset, or a "
-                            "map-style dataset")
+            raise DataError(
+                f"stream {name!r} is an iterator ({type(stream).__name__}), which can be read only once; "
+                "give an iterable that starts again at each iter(), such as an IterableDataset, or a "
+                "map-style dataset"
+            )
         return stream
     if not hasattr(stream, "__len__"):
-        raise DataError(f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; give "
-                        "it __len__ (a map-style dataset), or make it an IterableDataset")
-    if len(stream) == 0:  # training on it would take no step, and its metrics would be those of nothing
-        raise DataError(f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
-                        f"sample: check what streams() returns for {name!r} (its path, split or filter)")
+        raise DataError(
+            f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; give "
+            "it __len__ (a map-style dataset), or make it an IterableDataset"
+        )
+    if (
+        len(stream) == 0
+    ):  # training on it would take no step, and its metrics would be those of nothing
+        raise DataError(
+            f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
+            f"sample: check what streams() returns for {name!r} (its path, split or filter)"
+        )
     return stream
 
 
@@ -300,35 +340,64 @@ class StreamSteps:
     batch) ...]) from step `start`: the items of the steps before are read and dropped, unless
     `positioned` (the stream restored its own position)."""
 
-    def __init__(self, stream: Any, batch_size: int, accumulation: int = 1, rank: int = 0, world_size: int = 1,
-                 weights: Sequence[float] | None = None, start: int = 0, name: str = "",
-                 empty_batches: bool = False, positioned: bool = False):
+    def __init__(
+        self,
+        stream: Any,
+        batch_size: int,
+        accumulation: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        weights: Sequence[float] | None = None,
+        start: int = 0,
+        name: str = "",
+        empty_batches: bool = False,
+        positioned: bool = False,
+    ):
         self.stream, self.batch_size, self.accumulation = stream, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
-        self.start, self.name, self.empty_batches, self.positioned = start, name, empty_batches, positioned
+        self.start, self.name, self.empty_batches, self.positioned = (
+            start,
+            name,
+            empty_batches,
+            positioned,
+        )
 
     def __iter__(self) -> Iterator[tuple[int, list[tuple[Micro, dict | None]]]]:
         items = iter(self.stream)
         if not self.positioned:
             skipped = sum(1 for _ in itertools.islice(items, self.start * self.batch_size))
             if skipped < self.start * self.batch_size:
-                raise DataError(f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
-                                f"{self.start} steps of {self.batch_size} into it: is it the stream the run began with?")
+                raise DataError(
+                    f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
+                    f"{self.start} steps of {self.batch_size} into it: is it the stream the run began with?"
+                )
         k = self.start
         while True:
             taken = list(itertools.islice(items, self.batch_size))
             if not taken:
-                if k == 0:  # training on it would take no step, and its metrics would be those of nothing
-                    raise DataError(f"stream {self.name!r} yielded no item; a stream needs at least one sample: "
-                                    "check what it reads (its path, split or filter)")
+                if (
+                    k == 0
+                ):  # training on it would take no step, and its metrics would be those of nothing
+                    raise DataError(
+                        f"stream {self.name!r} yielded no item; a stream needs at least one sample: "
+                        "check what it reads (its path, split or filter)"
+                    )
                 return
             first = k * self.batch_size
-            plan = Plan(range(first, first + len(taken)), len(taken), self.accumulation, self.rank,
-                        self.world_size, self.weights)
+            plan = Plan(
+                range(first, first + len(taken)),
+                len(taken),
+                self.accumulation,
+                self.rank,
+                self.world_size,
+                self.weights,
+            )
             fetched = []
             for micro in plan.step(0):
                 batch = collate([taken[p - first] for p in micro.shard], self.name)
-                if batch is None and self.empty_batches:  # a batch of zero samples, shaped like the items
+                if (
+                    batch is None and self.empty_batches
+                ):  # a batch of zero samples, shaped like the items
                     batch = empty_like(taken[0], self.name)
                 fetched.append((micro, batch))
             yield k, fetched
@@ -342,25 +411,38 @@ class TokenWindows:
     (int64), the next-token pairs a language model trains on. Reading a window reads only its pages,
     so the file may be far larger than memory."""
 
-    def __init__(self, path: str | Path, block_size: int, dtype: str = "uint16",
-                 keys: tuple[str, str] = ("tokens", "targets")):
+    def __init__(
+        self,
+        path: str | Path,
+        block_size: int,
+        dtype: str = "uint16",
+        keys: tuple[str, str] = ("tokens", "targets"),
+    ):
         self.path, self.block_size, self.keys = Path(path), block_size, tuple(keys)
         if block_size < 1:
             raise DataError(f"TokenWindows: block_size must be at least 1, got {block_size}")
         try:
             self.dtype = np.dtype(dtype)
         except TypeError:
-            raise DataError(f"TokenWindows: dtype {dtype!r} is not a numpy dtype; use uint16 (vocabularies up to "
-                            "65536) or uint32") from None
+            raise DataError(
+                f"TokenWindows: dtype {dtype!r} is not a numpy dtype; use uint16 (vocabularies up to "
+                "65536) or uint32"
+            ) from None
         if not self.path.is_file():
-            raise DataError(f"TokenWindows: {self.path} is not a file; write the token ids there first (e.g. "
-                            f"numpy.array(ids, dtype={self.dtype.name}).tofile(path))")
+            raise DataError(
+                f"TokenWindows: {self.path} is not a file; write the token ids there first (e.g. "
+                f"numpy.array(ids, dtype={self.dtype.name}).tofile(path))"
+            )
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:
-            raise DataError(f"TokenWindows: {self.path} holds {size} bytes, not a whole number of {self.dtype.name} "
-                            f"tokens ({self.dtype.itemsize} bytes each); is dtype right?")
+            raise DataError(
+                f"TokenWindows: {self.path} holds {size} bytes, not a whole number of {self.dtype.name} "
+                f"tokens ({self.dtype.itemsize} bytes each); is dtype right?"
+            )
         self.tokens = size // self.dtype.itemsize
-        self._map = None  # opened in the process that reads it (DataLoader workers each map their own)
+        self._map = (
+            None  # opened in the process that reads it (DataLoader workers each map their own)
+        )
 
     def __len__(self) -> int:
         return max(0, (self.tokens - 1) // self.block_size)
@@ -371,7 +453,7 @@ class TokenWindows:
         if self._map is None:
             self._map = np.memmap(self.path, dtype=self.dtype, mode="r")
         start = i * self.block_size
-        window = torch.from_numpy(self._map[start:start + self.block_size + 1].astype(np.int64))
+        window = torch.from_numpy(self._map[start : start + self.block_size + 1].astype(np.int64))
         return {self.keys[0]: window[:-1], self.keys[1]: window[1:]}
 
     def __getstate__(self) -> dict:

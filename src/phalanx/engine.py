@@ -11,6 +11,7 @@ back with w_i / B_k, and the step's sums (sum w_i l_i, sum w_i) travel with the 
 agreement (no collective of their own); after the reduction the gradients are multiplied once by
 B_k / sum(w_i). Clipping (`max_grad_norm`) comes after that, on the global gradient.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,9 +37,11 @@ WEIGHT = "loss_weight"  # the output that weighs each sample's loss
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor    # the global batch's mean loss (weighted where the model weighs), the same on every rank
-    parts: list[dict]     # this rank's inputs and outputs, one dict per micro-batch
-    stop: bool            # whether any rank asked to stop
+    loss: (
+        torch.Tensor
+    )  # the global batch's mean loss (weighted where the model weighs), the same on every rank
+    parts: list[dict]  # this rank's inputs and outputs, one dict per micro-batch
+    stop: bool  # whether any rank asked to stop
 
 
 class GradNorms:
@@ -67,25 +70,44 @@ class GradNorms:
         return {"sum": self.sum, "max": self.max, "count": self.count, "nonfinite": self.nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sum, self.max, self.count, self.nonfinite = state["sum"], state["max"], state["count"], state["nonfinite"]
+        self.sum, self.max, self.count, self.nonfinite = (
+            state["sum"],
+            state["max"],
+            state["count"],
+            state["nonfinite"],
+        )
 
 
 class Engine:
     """The contract's arithmetic for one optimizer step. The strategy decides how the micro-batches'
     forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward` here."""
 
-    def __init__(self, module: nn.Module, forward: Forward, optimizer: torch.optim.Optimizer,
-                 schedulers: list[tuple[Any, str]], precision: Precision, strategy: Strategy,
-                 max_grad_norm: float | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        forward: Forward,
+        optimizer: torch.optim.Optimizer,
+        schedulers: list[tuple[Any, str]],
+        precision: Precision,
+        strategy: Strategy,
+        max_grad_norm: float | None = None,
+    ):
         self.module, self.forward_fn, self.optimizer = module, forward, optimizer
         self.precision, self.strategy = precision, strategy
         self.max_grad_norm = max_grad_norm
         self.norms = GradNorms()
-        self._schedulers = {interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")}
-        self.seconds = (0.0, 0.0)  # the last step's time in communication (outside backward) and the optimizer
+        self._schedulers = {
+            interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")
+        }
+        self.seconds = (
+            0.0,
+            0.0,
+        )  # the last step's time in communication (outside backward) and the optimizer
         self._gradients: dict[tuple, torch.Tensor] = {}
 
-    def train_step(self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False) -> StepResult:
+    def train_step(
+        self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False
+    ) -> StepResult:
         """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
         agreed among ranks with the loss."""
         if not self.module.training:  # walking the module tree every step costs more than the check
@@ -102,8 +124,14 @@ class Engine:
         self.seconds = communication, time.perf_counter() - start
         return StepResult(loss, parts, stop)
 
-    def forward(self, micro: Micro, batch: Mapping, scale: float, call: Forward | None = None,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
+    def forward(
+        self,
+        micro: Micro,
+        batch: Mapping,
+        scale: float,
+        call: Forward | None = None,
+        device: torch.device | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
         """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
         sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the global
         batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call` and
@@ -130,13 +158,21 @@ class Engine:
             part = part * weight
         return loss, gradient, part, data
 
-    def _weighted(self, loss: torch.Tensor, weights: torch.Tensor, factor: float, data: dict,
-                  tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
+    def _weighted(
+        self,
+        loss: torch.Tensor,
+        weights: torch.Tensor,
+        factor: float,
+        data: dict,
+        tokens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
         """A weighted micro-batch: each sample's loss goes back with w_i * factor, and its part is
         (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch). A loss
         over tokens goes back token by token, each with the factor: the same gradient, without the
         per-sample means in the graph."""
-        dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32  # counts need the digits
+        dtype = (
+            loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
+        )  # counts need the digits
         weights = weights.to(dtype)
         if not len(weights):
             objective = tokens if tokens is not None else loss
@@ -174,13 +210,19 @@ class Engine:
             if self.precision.scaler is not None:  # the scaler skips the step and lowers its scale
                 return True
             if self.norms.nonfinite == 1:
-                log.warning("the gradient norm is not finite (%s) at step %d: the step is skipped; such steps "
-                            "are counted in the epoch's grad_norm_nonfinite", value, self.norms.count + 1)
+                log.warning(
+                    "the gradient norm is not finite (%s) at step %d: the step is skipped; such steps "
+                    "are counted in the epoch's grad_norm_nonfinite",
+                    value,
+                    self.norms.count + 1,
+                )
             return False
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
         return True
 
-    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None) -> None:
+    def backward(
+        self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None
+    ) -> None:
         """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that must
         reach its reduction through autograd, unscaled)."""
         self.precision.backward(loss, gradient, also)
@@ -193,14 +235,18 @@ class Engine:
         if gradient is None:
             if len(self._gradients) > 64:
                 self._gradients.clear()
-            gradient = self._gradients[key] = torch.full((n,), value, dtype=like.dtype, device=like.device)
+            gradient = self._gradients[key] = torch.full(
+                (n,), value, dtype=like.dtype, device=like.device
+            )
         return gradient
 
     def eval_step(self, batch: Mapping) -> dict:
         """Outputs of the model on an evaluation batch, as the strategy runs it."""
         return self.strategy.evaluate(self, batch)
 
-    def eval_forward(self, batch: Mapping, call: Forward | None = None, device: torch.device | None = None) -> dict:
+    def eval_forward(
+        self, batch: Mapping, call: Forward | None = None, device: torch.device | None = None
+    ) -> dict:
         """Outputs of the model (or of the replica `call`, its batch on `device`) on a batch, gradients off."""
         if self.module.training:
             self.module.eval()
@@ -212,8 +258,13 @@ class Engine:
         for scheduler in self._schedulers["epoch"]:
             scheduler.step()
 
-    def _forward(self, batch: Mapping, n: int | None, call: Forward | None = None,
-                 device: torch.device | None = None) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+    def _forward(
+        self,
+        batch: Mapping,
+        n: int | None,
+        call: Forward | None = None,
+        device: torch.device | None = None,
+    ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
         """The model's loss, the batch with every output, detached, for the hooks (`loss` per
         sample), and the token losses to back-propagate where the loss was computed over tokens."""
         precision, call = self.precision, call or self.forward_fn
@@ -249,7 +300,11 @@ def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply tensors in place by a 0-dim tensor, in one kernel where they allow it."""
     try:
         torch._foreach_mul_(tensors, factor)
-    except (RuntimeError, TypeError, NotImplementedError):  # sharded tensors of some versions: one by one
+    except (
+        RuntimeError,
+        TypeError,
+        NotImplementedError,
+    ):  # sharded tensors of some versions: one by one
         for t in tensors:
             t.mul_(factor)
 

@@ -9,6 +9,7 @@ Three ways a process can come to be one of several:
 - neither: it is alone.
 The agent's variables win where both are present (`torchrun` inside a Slurm job).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,14 +27,14 @@ class Place:
 
     launcher: Literal["alone", "agent", "slurm"]
     rank: int = 0
-    local_rank: int = 0           # among the processes of this machine: which device it takes
+    local_rank: int = 0  # among the processes of this machine: which device it takes
     node_rank: int = 0
     world_size: int = 1
-    local_world_size: int = 1     # processes on this machine
+    local_world_size: int = 1  # processes on this machine
     master_addr: str | None = None
     master_port: int | None = None
-    attempt: int = 0              # the agent's restarts of this machine's workers so far
-    agent_store: bool = False     # the agent serves the store the workers share (they are its clients)
+    attempt: int = 0  # the agent's restarts of this machine's workers so far
+    agent_store: bool = False  # the agent serves the store the workers share (they are its clients)
 
     @property
     def in_group(self) -> bool:
@@ -46,20 +47,31 @@ def here(environ: Mapping[str, str] | None = None) -> Place:
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world_size = _int(env, "WORLD_SIZE")
-        return Place("agent", rank=_int(env, "RANK"), local_rank=_int(env, "LOCAL_RANK", 0),
-                     node_rank=_int(env, "GROUP_RANK", 0), world_size=world_size,
-                     local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
-                     master_addr=env.get("MASTER_ADDR"), master_port=_int(env, "MASTER_PORT", None),
-                     attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
-                     agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+        return Place(
+            "agent",
+            rank=_int(env, "RANK"),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            node_rank=_int(env, "GROUP_RANK", 0),
+            world_size=world_size,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world_size),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_int(env, "MASTER_PORT", None),
+            attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
     if _int(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         nodes = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
         job = _int(env, "SLURM_JOB_ID", 0)
-        return Place("slurm", rank=_int(env, "SLURM_PROCID"), local_rank=_int(env, "SLURM_LOCALID", 0),
-                     node_rank=_int(env, "SLURM_NODEID", 0), world_size=_int(env, "SLURM_NTASKS"),
-                     local_world_size=tasks_on_this_node(env),
-                     master_addr=env.get("MASTER_ADDR") or nodes,
-                     master_port=_int(env, "MASTER_PORT", None) or 20000 + job % 20000)
+        return Place(
+            "slurm",
+            rank=_int(env, "SLURM_PROCID"),
+            local_rank=_int(env, "SLURM_LOCALID", 0),
+            node_rank=_int(env, "SLURM_NODEID", 0),
+            world_size=_int(env, "SLURM_NTASKS"),
+            local_world_size=tasks_on_this_node(env),
+            master_addr=env.get("MASTER_ADDR") or nodes,
+            master_port=_int(env, "MASTER_PORT", None) or 20000 + job % 20000,
+        )
     return Place("alone")
 
 
@@ -92,14 +104,18 @@ def tasks_on_this_node(env: Mapping[str, str]) -> int:
 def _int(env: Mapping[str, str], name: str, default: int | None | type = ValueError) -> int | None:
     if name not in env:
         if default is ValueError:
-            raise ConfigError(f"the environment variable {name} is missing; the launcher that started this "
-                              "process set only some of its variables")
+            raise ConfigError(
+                f"the environment variable {name} is missing; the launcher that started this "
+                "process set only some of its variables"
+            )
         return default  # type: ignore[return-value]
     try:
         return int(env[name])
     except ValueError:
-        raise ConfigError(f"the environment variable {name}={env[name]!r} is not a whole number; "
-                          "check the launcher's settings") from None
+        raise ConfigError(
+            f"the environment variable {name}={env[name]!r} is not a whole number; "
+            "check the launcher's settings"
+        ) from None
 
 
 def nccl_trace_prefix(environ: Mapping[str, str] | None = None) -> str | None:

@@ -2,6 +2,7 @@
 
 The CLI prints them as one line and exits 2; `--debug` shows the traceback.
 """
+
 from __future__ import annotations
 
 import difflib

@@ -1,6 +1,7 @@
 """Writing files so that a crash leaves either the old file or the new one, never half of one, and a
 write the system refuses (a full disk, a read-only folder, no permission) is one `StorageError`
 naming the path and the fix, with nothing partial left behind."""
+
 from __future__ import annotations
 
 import errno
@@ -38,10 +39,14 @@ def storage_error(path: Path, error: OSError, where: str = WHERE) -> StorageErro
     another place."""
     reason = error.strerror or str(error)
     if error.errno in _FULL:
-        return StorageError(f"cannot write {path}: the disk is full ({reason}); free space on it, "
-                            f"or choose another disk ({where})")
+        return StorageError(
+            f"cannot write {path}: the disk is full ({reason}); free space on it, "
+            f"or choose another disk ({where})"
+        )
     if error.errno in _REFUSED:
-        return StorageError(f"cannot write {path}: {reason}; make it writable, or choose another folder ({where})")
+        return StorageError(
+            f"cannot write {path}: {reason}; make it writable, or choose another folder ({where})"
+        )
     return StorageError(f"cannot write {path}: {reason}; choose another path ({where})")
 
 

@@ -19,8 +19,10 @@ watch: the first SIGINT or SIGTERM once training runs asks them to finish their 
 (`STOP_FILE`); a second one, or one during start-up, ends them at once (`ABORT_FILE`). A worker
 that finds its launcher gone (killed with SIGKILL, say) exits within a second.
 """
+
 from __future__ import annotations
 
+import _thread
 import contextlib
 import faulthandler
 import ipaddress
@@ -31,7 +33,6 @@ import shutil
 import signal
 import socket
 import sys
-import _thread
 import tempfile
 import threading
 import time
@@ -86,18 +87,30 @@ def join(nodes: Nodes, timeout_s: float = 600) -> Any:
 
     if nodes.rank != 0:
         try:
-            return TCPStore(nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            return TCPStore(
+                nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
         except (RuntimeError, OSError) as e:
-            raise PhalanxError(f"node {nodes.rank} cannot reach node 0 at {nodes.host}:{nodes.port} within "
-                               f"{timeout_s:.0f} s ({' '.join(str(e).split())[:200]}); start node 0 with the same "
-                               "--rdzv, and check that this machine reaches that address") from None
+            raise PhalanxError(
+                f"node {nodes.rank} cannot reach node 0 at {nodes.host}:{nodes.port} within "
+                f"{timeout_s:.0f} s ({' '.join(str(e).split())[:200]}); start node 0 with the same "
+                "--rdzv, and check that this machine reaches that address"
+            ) from None
     try:
         sock = socket.create_server((nodes.host, nodes.port))
     except OSError as e:
-        raise PhalanxError(f"node 0 cannot serve the rendezvous on {nodes.host}:{nodes.port} ({e.strerror}); "
-                           "--rdzv must name an address of this machine and a free port") from None
-    return TCPStore(nodes.host, nodes.port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                    timeout=timedelta(seconds=timeout_s))
+        raise PhalanxError(
+            f"node 0 cannot serve the rendezvous on {nodes.host}:{nodes.port} ({e.strerror}); "
+            "--rdzv must name an address of this machine and a free port"
+        ) from None
+    return TCPStore(
+        nodes.host,
+        nodes.port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 RUN_DIR_KEY = "phalanx/run_dir"
@@ -110,8 +123,10 @@ def share_run_dir(store: Any, run_dir: Path | None) -> Path:
         return run_dir
     shared = Path(store.get(RUN_DIR_KEY).decode())
     if not (shared / rundir.CONFIG).is_file():
-        raise PhalanxError(f"node 0's run directory {shared} is not visible on this machine; output_root must be "
-                           "on a file system every node shares")
+        raise PhalanxError(
+            f"node 0's run directory {shared} is not visible on this machine; output_root must be "
+            "on a file system every node shares"
+        )
     return shared
 
 
@@ -121,8 +136,15 @@ def clear_requests(run_dir: Path) -> None:
         (run_dir / name).unlink(missing_ok=True)
 
 
-def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nodes: Nodes | None = None,
-           store: Any = None, restarts: int = 0) -> int:
+def launch(
+    run_dir: Path,
+    devices: int,
+    run: Callable[..., int],
+    *args: Any,
+    nodes: Nodes | None = None,
+    store: Any = None,
+    restarts: int = 0,
+) -> int:
     """`run(run_dir, *args)` on `devices` local worker processes (a module-level function: each
     worker imports it by name); returns the exit code of this machine's first worker. With `nodes`
     (and the `store` that `join` gave), this machine's workers are part of a job on several. When a
@@ -132,33 +154,62 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    records = Path(tempfile.mkdtemp(prefix="phalanx-workers-"))  # each worker's error.json, read on failure
-    common = dict(nproc_per_node=devices, max_restarts=restarts, monitor_interval=0.1, start_method="spawn",
-                  signals_to_handle="SIGHUP,SIGQUIT", shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-                  logs_specs=DefaultLogsSpecs(log_dir=str(records)))
+    records = Path(
+        tempfile.mkdtemp(prefix="phalanx-workers-")
+    )  # each worker's error.json, read on failure
+    common = dict(
+        nproc_per_node=devices,
+        max_restarts=restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        signals_to_handle="SIGHUP,SIGQUIT",
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        logs_specs=DefaultLogsSpecs(log_dir=str(records)),
+    )
     if nodes is None:
         run_id = f"phalanx-{uuid.uuid4().hex[:12]}"
         listener = _listen()
         _listeners[run_id] = listener
-        config = LaunchConfig(min_nodes=1, max_nodes=1, run_id=run_id, rdzv_backend=_registered(RENDEZVOUS, _rendezvous_handler),
-                              rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}", local_addr="127.0.0.1",
-                              **common)
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            run_id=run_id,
+            rdzv_backend=_registered(RENDEZVOUS, _rendezvous_handler),
+            rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
+            local_addr="127.0.0.1",
+            **common,
+        )
     else:
         run_id = nodes.run_id
         _stores[run_id] = store
-        if nodes.elastic:  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
-            config = LaunchConfig(min_nodes=nodes.least, max_nodes=nodes.count, run_id=run_id,
-                                  rdzv_backend=_registered(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler),
-                                  rdzv_endpoint=f"{nodes.host}:{nodes.port}",
-                                  rdzv_configs={"last_call_timeout": LAST_CALL_S, "join_timeout": 600}, **common)
+        if (
+            nodes.elastic
+        ):  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+            config = LaunchConfig(
+                min_nodes=nodes.least,
+                max_nodes=nodes.count,
+                run_id=run_id,
+                rdzv_backend=_registered(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler),
+                rdzv_endpoint=f"{nodes.host}:{nodes.port}",
+                rdzv_configs={"last_call_timeout": LAST_CALL_S, "join_timeout": 600},
+                **common,
+            )
         else:
-            config = LaunchConfig(min_nodes=nodes.count, max_nodes=nodes.count, run_id=run_id,
-                                  rdzv_backend=_registered(NODES_RENDEZVOUS, _nodes_rendezvous_handler),
-                                  rdzv_endpoint=f"{nodes.host}:{nodes.port}", rdzv_configs={"rank": nodes.rank},
-                                  **common)
+            config = LaunchConfig(
+                min_nodes=nodes.count,
+                max_nodes=nodes.count,
+                run_id=run_id,
+                rdzv_backend=_registered(NODES_RENDEZVOUS, _nodes_rendezvous_handler),
+                rdzv_endpoint=f"{nodes.host}:{nodes.port}",
+                rdzv_configs={"rank": nodes.rank},
+                **common,
+            )
     clear_requests(run_dir)
-    for name in ("torch.distributed.elastic", "torch.distributed.elastic.multiprocessing.api",
-                 "torch.multiprocessing.spawn"):  # the launcher reports failures itself, once
+    for name in (
+        "torch.distributed.elastic",
+        "torch.distributed.elastic.multiprocessing.api",
+        "torch.multiprocessing.spawn",
+    ):  # the launcher reports failures itself, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         with _Relay(run_dir), _environment(_workers_settings(run_dir, nodes)):
@@ -178,6 +229,7 @@ def launch(run_dir: Path, devices: int, run: Callable[..., int], *args: Any, nod
 
 # --- the launcher's signals ---------------------------------------------------------------------
 
+
 class _Relay:
     """SIGINT and SIGTERM in the launcher, for the whole launch. The first once training runs writes
     STOP_FILE; a second one, or one before training started, writes ABORT_FILE and raises
@@ -192,9 +244,13 @@ class _Relay:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.requested = False
-        self._started = _count_started(run_dir)  # "started" events before this launch (a resumed run)
+        self._started = _count_started(
+            run_dir
+        )  # "started" events before this launch (a resumed run)
         self._previous: dict[int, object] = {}
-        self._interrupt: int | None = None  # the signal the receiving thread passed on to the main thread
+        self._interrupt: int | None = (
+            None  # the signal the receiving thread passed on to the main thread
+        )
         self._closed = threading.Event()
         self._receiver: threading.Thread | None = None
 
@@ -205,7 +261,9 @@ class _Relay:
 
             # started now: started later, it would unblock the signals (it blocks them around its start)
             resource_tracker.ensure_running()
-            self._receiver = threading.Thread(target=self._receive, name="phalanx-signals", daemon=True)
+            self._receiver = threading.Thread(
+                target=self._receive, name="phalanx-signals", daemon=True
+            )
             self._receiver.start()
             signal.pthread_sigmask(signal.SIG_BLOCK, signals.SIGNALS)
         return self
@@ -243,8 +301,10 @@ class _Relay:
             return True
         self.requested = True
         _write(self.run_dir / STOP_FILE, str(signum))
-        log.warning("%s received: the workers finish their step and save; send it again to stop at once",
-                    signal.Signals(signum).name)
+        log.warning(
+            "%s received: the workers finish their step and save; send it again to stop at once",
+            signal.Signals(signum).name,
+        )
         return False
 
 
@@ -261,6 +321,7 @@ def _write(path: Path, text: str) -> None:
 
 # --- everything on loopback ---------------------------------------------------------------------
 
+
 def _listen() -> socket.socket:
     """A socket listening on 127.0.0.1, on a port of its own."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -274,8 +335,14 @@ def _store_on(sock: socket.socket):
     from torch.distributed import TCPStore
 
     port = sock.getsockname()[1]
-    return TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True, master_listen_fd=sock.detach(),
-                    timeout=timedelta(seconds=60))
+    return TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+        timeout=timedelta(seconds=60),
+    )
 
 
 def _rendezvous_handler(params):
@@ -309,10 +376,19 @@ def _nodes_rendezvous_handler(params):
     """A static rendezvous (each node's rank given, the node count fixed) over the store that `join`
     made, instead of one listening on every interface; the workers share that store."""
     from torch.distributed import PrefixStore
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
 
     host, port = params.endpoint.rsplit(":", 1)
-    store, rank, count, run_id = _stores[params.run_id], int(params.config["rank"]), params.max_nodes, params.run_id
+    store, rank, count, run_id = (
+        _stores[params.run_id],
+        int(params.config["rank"]),
+        params.max_nodes,
+        params.run_id,
+    )
 
     class Static(RendezvousHandler):
         use_agent_store = True
@@ -321,7 +397,9 @@ def _nodes_rendezvous_handler(params):
             return NODES_RENDEZVOUS
 
         def next_rendezvous(self) -> RendezvousInfo:
-            return RendezvousInfo(PrefixStore(run_id, store), rank, count, RendezvousStoreInfo(host, int(port)))
+            return RendezvousInfo(
+                PrefixStore(run_id, store), rank, count, RendezvousStoreInfo(host, int(port))
+            )
 
         def is_closed(self) -> bool:
             return False
@@ -343,7 +421,9 @@ def _nodes_rendezvous_handler(params):
 
 ELASTIC_RENDEZVOUS = "phalanx-elastic"
 LAST_CALL_S = 3  # after the least count has joined a round, how long it waits for more machines
-ROUND_KEY = "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
+ROUND_KEY = (
+    "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
+)
 
 
 def _elastic_rendezvous_handler(params):
@@ -352,7 +432,11 @@ def _elastic_rendezvous_handler(params):
     different number of times, so an attempt count would not agree among them, and keys of the
     previous round (its ranks' addresses) are stale. The round's token is drawn by its rank 0 and
     left for each machine's workers under `ROUND_KEY`."""
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousInfo,
+        RendezvousStoreInfo,
+    )
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
@@ -373,9 +457,13 @@ def _elastic_rendezvous_handler(params):
             info = inner.next_rendezvous()
             if info.rank == 0:
                 info.store.set("phalanx/round-token", uuid.uuid4().hex)
-            token = info.store.get("phalanx/round-token")  # in the round's own keys: waits for rank 0's
+            token = info.store.get(
+                "phalanx/round-token"
+            )  # in the round's own keys: waits for rank 0's
             store.set(f"{ROUND_KEY}{info.rank}", token)
-            return RendezvousInfo(info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port)))
+            return RendezvousInfo(
+                info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port))
+            )
 
         def is_closed(self) -> bool:
             return inner.is_closed()
@@ -410,8 +498,11 @@ def _workers_settings(run_dir: Path, nodes: Nodes | None) -> dict[str, str]:
       (left to themselves, they listen on the address the host name resolves to);
     - in an elastic job, torch's dynamic rendezvous serves no store of its own for the workers (it
       would listen on every interface): the elastic handler gives them the job's store."""
-    settings = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / STACKS / "nccl-trace-rank-")}
+    settings = {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(run_dir / STACKS / "nccl-trace-rank-"),
+    }
     names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
     loopback = next((n for n in names if n in ("lo", "lo0")), None)
     if loopback and (nodes is None or _is_loopback(nodes.host)):
@@ -436,6 +527,7 @@ def _environment(settings: dict[str, str]):
 
 
 # --- the workers --------------------------------------------------------------------------------
+
 
 def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple) -> int:
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
@@ -476,8 +568,10 @@ class _Guard(threading.Thread):
     def run(self) -> None:
         while True:
             if os.getppid() != self.launcher_pid:
-                _stderr(f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
-                        f"worker rank {environment.here().rank} stops")
+                _stderr(
+                    f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
+                    f"worker rank {environment.here().rank} stops"
+                )
                 _end(1)
             try:  # "CODE" from the launcher (a signal), "CODE ATTEMPT" from a worker that failed
                 code, *attempt = self.abort.read_text().split() or ["1"]
@@ -521,11 +615,22 @@ def _record(e: BaseException, explained: str | None = None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(e).__name__}: {e}",
-                        "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}},
-            "phalanx": {"time": time.time(), "user_error": isinstance(e, PhalanxError),
-                        "text": explained or str(e), "explained": explained is not None,
-                        "rank": environment.here().rank}}
+    data = {
+        "message": {
+            "message": f"{type(e).__name__}: {e}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
+        },
+        "phalanx": {
+            "time": time.time(),
+            "user_error": isinstance(e, PhalanxError),
+            "text": explained or str(e),
+            "explained": explained is not None,
+            "rank": environment.here().rank,
+        },
+    }
     with open(path, "w") as f:
         json.dump(data, f)
 
@@ -536,16 +641,24 @@ def _explain(error, records: Path, stacks: Path | None = None) -> PhalanxError:
     recorded = sorted(_recorded(records), key=lambda info: info["time"])
     if not recorded:
         rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
-        return RankFailure(f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
-                           "no traceback was recorded")
+        return RankFailure(
+            f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
+            "no traceback was recorded"
+        )
     first = recorded[0]
     if first["user_error"]:
         return PhalanxError(first["text"])
     if first.get("explained"):
-        where = f"; every rank's stack when the job ended: {stacks}" if stacks is not None and stacks.is_dir() else ""
+        where = (
+            f"; every rank's stack when the job ended: {stacks}"
+            if stacks is not None and stacks.is_dir()
+            else ""
+        )
         return RankFailure(first["text"] + where)
-    return RankFailure(f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
-                       f"{first['callstack'].rstrip()}")
+    return RankFailure(
+        f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
+        f"{first['callstack'].rstrip()}"
+    )
 
 
 def _recorded(records: Path) -> list[dict]:

@@ -2,6 +2,7 @@
 items could not be batched), a loader per epoch, or persistent workers seeded per epoch as fresh
 ones would be (`Loaders`), and the DataLoader options a config and a device ask for.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,10 +47,15 @@ def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
         return None
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         kind = type(items[0]).__name__
-        named = ("name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
-                 if isinstance(items[0], (tuple, list)) else "name them with dataset.keys: [x], or return a dict")
-        raise DataError(f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
-                        f"{named} from __getitem__")
+        named = (
+            "name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
+            if isinstance(items[0], (tuple, list))
+            else "name them with dataset.keys: [x], or return a dict"
+        )
+        raise DataError(
+            f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
+            f"{named} from __getitem__"
+        )
     try:
         return default_collate(items)
     except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
@@ -64,8 +70,10 @@ def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
     for item in items[1:]:
         if not isinstance(item, Mapping) or set(item) != keys:
             other = sorted(item) if isinstance(item, Mapping) else type(item).__name__
-            return (f"{where}: items hold different keys ({sorted(keys)} and {other}); every item of a "
-                    "stream must hold the same keys")
+            return (
+                f"{where}: items hold different keys ({sorted(keys)} and {other}); every item of a "
+                "stream must hold the same keys"
+            )
     for key in items[0]:
         values = [item[key] for item in items]
         try:
@@ -79,14 +87,20 @@ def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
     shapes = [tuple(v.shape) for v in values if hasattr(v, "shape")]  # tensors and numpy arrays
     if len(shapes) == len(values) and len(set(shapes)) > 1:
         distinct = list(dict.fromkeys(shapes))
-        shown = " and ".join(str(list(shape)) for shape in distinct[:3]) + (" ..." if len(distinct) > 3 else "")
-        return (f"items of different shapes {shown} cannot be stacked into one batch; give every item's "
-                f"{key!r} one shape in the dataset (pad or crop it)")
+        shown = " and ".join(str(list(shape)) for shape in distinct[:3]) + (
+            " ..." if len(distinct) > 3 else ""
+        )
+        return (
+            f"items of different shapes {shown} cannot be stacked into one batch; give every item's "
+            f"{key!r} one shape in the dataset (pad or crop it)"
+        )
     types = list(dict.fromkeys(type(v).__name__ for v in values))
     if len(types) > 1:
         return f"items hold values of different types ({', '.join(types)}); give every item's {key!r} one type"
-    return (f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
-            "or dicts and lists of them")
+    return (
+        f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
+        "or dicts and lists of them"
+    )
 
 
 def _first_line(error: Exception) -> str:
@@ -129,9 +143,17 @@ class _WorkersLoader(DataLoader):
             yield batch
 
 
-def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_memory: bool = False,
-           prefetch_factor: int | None = None,
-           seed: int = 0, name: str = "", empty_batches: bool = False) -> DataLoader:
+def loader(
+    dataset: Any,
+    plan: Plan,
+    start: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+    seed: int = 0,
+    name: str = "",
+    empty_batches: bool = False,
+) -> DataLoader:
     """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
     `name` is the stream's, for errors. An empty shard is None, or with `empty_batches` a batch of
     zero samples shaped like the stream's items (for strategies whose every rank runs the model).
@@ -141,15 +163,26 @@ def loader(dataset: Any, plan: Plan, start: int = 0, num_workers: int = 0, pin_m
     """
     kind = _WorkersLoader if num_workers else DataLoader
     empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
-    return kind(dataset, batch_sampler=_ShardSampler(plan, start), collate_fn=_Collate(name, num_workers > 0, empty),
-                num_workers=num_workers, pin_memory=pin_memory, persistent_workers=False, prefetch_factor=prefetch_factor,
-                generator=torch.Generator().manual_seed(seed))
+    return kind(
+        dataset,
+        batch_sampler=_ShardSampler(plan, start),
+        collate_fn=_Collate(name, num_workers > 0, empty),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        prefetch_factor=prefetch_factor,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def base_seed(seed: int) -> int:
     """The seed a DataLoader whose generator is seeded with `seed` gives its workers (worker w
     seeds itself with it plus w)."""
-    return int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(seed)).item())
+    return int(
+        torch.empty((), dtype=torch.int64)
+        .random_(generator=torch.Generator().manual_seed(seed))
+        .item()
+    )
 
 
 class _Reseeded(Dataset):
@@ -159,14 +192,18 @@ class _Reseeded(Dataset):
 
     def __init__(self, dataset: Any):
         self.dataset, self._seed = dataset, None
-        if callable(getattr(dataset, "__getitems__", None)):  # its batched read (Hugging Face datasets have one)
+        if callable(
+            getattr(dataset, "__getitems__", None)
+        ):  # its batched read (Hugging Face datasets have one)
             self.__getitems__ = self._getitems
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[tuple[int, int], int]) -> Any:
-        token, index = key  # token: (seed, the loader's use), new at every epoch even where the seed is not
+        token, index = (
+            key  # token: (seed, the loader's use), new at every epoch even where the seed is not
+        )
         self._reseed(token)
         return self.dataset[index]
 
@@ -183,7 +220,9 @@ class _Reseeded(Dataset):
 
 
 def _seed_worker(seed: int, worker: int) -> None:
-    from torch.utils.data._utils.worker import _generate_state  # the seeding torch's workers start with
+    from torch.utils.data._utils.worker import (
+        _generate_state,  # the seeding torch's workers start with
+    )
 
     random.seed(seed + worker)
     torch.manual_seed(seed + worker)
@@ -195,13 +234,27 @@ class Loaders:
     stream, pointed at each epoch's plan, its workers seeded at each epoch as `loader`'s fresh ones
     are, so that a run reads and augments the same batches either way."""
 
-    def __init__(self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None):
-        self.options = {"num_workers": num_workers, "pin_memory": pin_memory, "prefetch_factor": prefetch_factor}
+    def __init__(
+        self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None
+    ):
+        self.options = {
+            "num_workers": num_workers,
+            "pin_memory": pin_memory,
+            "prefetch_factor": prefetch_factor,
+        }
         self._made: dict[tuple[str, bool], tuple[Any, DataLoader, _ShardSampler]] = {}
         self._uses = 0
 
-    def loader(self, dataset: Any, plan: Plan, start: int = 0, seed: int = 0, name: str = "",
-               empty_batches: bool = False, training: bool = False) -> DataLoader:
+    def loader(
+        self,
+        dataset: Any,
+        plan: Plan,
+        start: int = 0,
+        seed: int = 0,
+        name: str = "",
+        empty_batches: bool = False,
+        training: bool = False,
+    ) -> DataLoader:
         """As `loader`, with the workers of this stream (for training or evaluation: a stream may
         be both, evaluated in the middle of its training epoch), started at their first use."""
         made = self._made.get((name, training))
@@ -210,9 +263,18 @@ class Loaders:
         if made is None or made[0] is not dataset:
             sampler = _ShardSampler(plan, start, token)
             empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
-            made = self._made[name, training] = (dataset, _WorkersLoader(
-                _Reseeded(dataset), batch_sampler=sampler, collate_fn=_Collate(name, True, empty),
-                persistent_workers=True, generator=torch.Generator().manual_seed(seed), **self.options), sampler)
+            made = self._made[name, training] = (
+                dataset,
+                _WorkersLoader(
+                    _Reseeded(dataset),
+                    batch_sampler=sampler,
+                    collate_fn=_Collate(name, True, empty),
+                    persistent_workers=True,
+                    generator=torch.Generator().manual_seed(seed),
+                    **self.options,
+                ),
+                sampler,
+            )
         _, made_loader, sampler = made
         sampler.plan, sampler.start, sampler.seed = plan, start, token
         return made_loader
@@ -238,14 +300,18 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
     for value in batch.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
-    raise DataError(f"a batch holds no tensor with a batch dimension (keys: {', '.join(batch)}); "
-                    "items must hold tensors or numbers")
+    raise DataError(
+        f"a batch holds no tensor with a batch dimension (keys: {', '.join(batch)}); "
+        "items must hold tensors or numbers"
+    )
 
 
 def empty_like(item: Any, name: str) -> dict[str, Any]:
     batch = collate([item], name)
-    return {k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
-            for k, v in batch.items()}
+    return {
+        k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
+        for k, v in batch.items()
+    }
 
 
 def loader_options(cfg: Config, strategy: Strategy) -> tuple[dict[str, Any], bool]:
@@ -261,8 +327,10 @@ def loader_options(cfg: Config, strategy: Strategy) -> tuple[dict[str, Any], boo
     for key in ("prefetch_factor", "persistent_workers"):
         value = getattr(cfg.dataset, key)
         if value not in (None, "auto", False) and not options["num_workers"]:
-            raise ConfigError(f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has none; "
-                              f"set dataset.num_workers, or remove {key}")
+            raise ConfigError(
+                f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has none; "
+                f"set dataset.num_workers, or remove {key}"
+            )
     if cfg.dataset.prefetch_factor is not None:
         options["prefetch_factor"] = cfg.dataset.prefetch_factor
     persistent = cfg.dataset.persistent_workers

@@ -1,4 +1,5 @@
 """The console and the run's log: messages go to the terminal and to `log.txt`."""
+
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,10 @@ from rich.logging import RichHandler
 
 from phalanx.files import storage_error
 
-console = Console(stderr=True)   # progress and logs
-out = Console()                  # a command's results (eval tables, ls, info), on standard output
+console = Console(stderr=True)  # progress and logs
+out = Console()  # a command's results (eval tables, ls, info), on standard output
 if not out.is_terminal:
-    out.width = 160              # a file or a pipe: no terminal width to fit, so do not squeeze tables
+    out.width = 160  # a file or a pipe: no terminal width to fit, so do not squeeze tables
 log = logging.getLogger("phalanx")
 
 
@@ -35,8 +36,11 @@ class RunLog(logging.FileHandler):
             super().handleError(record)
             return
         self.failed = True
-        print(f"phalanx: warning: {storage_error(Path(self.baseFilename), error)}; the log continues on the console "
-              "only", file=sys.stderr)
+        print(
+            f"phalanx: warning: {storage_error(Path(self.baseFilename), error)}; the log continues on the console "
+            "only",
+            file=sys.stderr,
+        )
 
 
 def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:

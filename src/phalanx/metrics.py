@@ -3,6 +3,7 @@
 FLOPs are counted once, by torch.utils.flop_counter on a copy of the model on the meta device,
 so counting touches neither the real weights, nor their gradients, nor any random generator.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,18 @@ log = logging.getLogger("phalanx")
 # Dense bf16/fp16 tensor-core peak per GPU, FLOP/s (vendor datasheets, without sparsity). Matched
 # by substring of torch.cuda.get_device_name(); override with LogThroughput(peak_flops=...).
 PEAK_FLOPS = {
-    "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "A10": 125e12,
-    "L40S": 362e12, "L4": 121e12, "V100": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "T4": 65e12,
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "T4": 65e12,
 }
 
 
@@ -45,8 +56,11 @@ def count_flops(fn: Callable[[], Any]) -> int:
     return counter.get_total_flops()
 
 
-def training_flops(module: nn.Module, forward: Callable[[nn.Module, Mapping], torch.Tensor],
-                   batch: Mapping[str, Any]) -> int | None:
+def training_flops(
+    module: nn.Module,
+    forward: Callable[[nn.Module, Mapping], torch.Tensor],
+    batch: Mapping[str, Any],
+) -> int | None:
     """FLOPs of one forward and backward of `module` on `batch`, counted on meta tensors.
 
     `forward(module, batch)` returns the scalar to differentiate. None when the model cannot run on
@@ -54,19 +68,26 @@ def training_flops(module: nn.Module, forward: Callable[[nn.Module, Mapping], to
     """
     try:
         meta = copy.deepcopy(module).to("meta")
-        meta_batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        meta_batch = {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+        }
         return count_flops(lambda: forward(meta, meta_batch).backward())
     except Exception as e:  # noqa: BLE001 - any failure only means no MFU figure
-        log.warning("could not count the model's FLOPs on the meta device (%s: %s); MFU is not reported",
-                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        log.warning(
+            "could not count the model's FLOPs on the meta device (%s: %s); MFU is not reported",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
         return None
 
 
 def memory(device: torch.device) -> dict[str, float]:
     """Peak and current memory in GiB: the device's allocator on CUDA, the process's RSS on CPU."""
     if device.type == "cuda":
-        return {"memory_gib": torch.cuda.memory_allocated(device) / 2**30,
-                "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+        return {
+            "memory_gib": torch.cuda.memory_allocated(device) / 2**30,
+            "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        }
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"memory_peak_gib": peak_kib / (2**30 if sys.platform == "darwin" else 2**20)}
 
@@ -80,14 +101,19 @@ def state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
         size = _local_bytes(p)
         parameters += size
         gradients += size if p.requires_grad else 0
-    held = sum(_local_bytes(v) for state in optimizer.state.values() for v in state.values()
-               if isinstance(v, torch.Tensor))
+    held = sum(
+        _local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
     return {"parameters": parameters, "gradients": gradients, "optimizer": held}
 
 
 def summary(module: nn.Module, children: int = 8) -> str:
     """One line about a model: its class, parameters (all, trainable), their size, and its largest
     top-level parts (a sharded model counts its whole parameters)."""
+
     def count(m: nn.Module) -> tuple[int, int, int]:
         total = trainable = size = 0
         for p in m.parameters():
@@ -97,12 +123,16 @@ def summary(module: nn.Module, children: int = 8) -> str:
         return total, trainable, size
 
     total, trainable, size = count(module)
-    parts = sorted(((count(child)[0], name, _class_name(child)) for name, child in module.named_children()),
-                   reverse=True)
+    parts = sorted(
+        ((count(child)[0], name, _class_name(child)) for name, child in module.named_children()),
+        reverse=True,
+    )
     shown = ", ".join(f"{name} ({kind}) {n:,}" for n, name, kind in parts[:children] if n)
     more = f", and {len(parts) - children} more" if len(parts) > children else ""
-    return (f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), {_size(size)}"
-            + (f"; {shown}{more}" if shown else ""))
+    return (
+        f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), {_size(size)}"
+        + (f"; {shown}{more}" if shown else "")
+    )
 
 
 def _class_name(module: nn.Module) -> str:
@@ -122,7 +152,9 @@ def _size(n: int) -> str:
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this process's shard
+    local = (
+        tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    )  # a DTensor: this process's shard
     return local.numel() * local.element_size()
 
 
@@ -153,6 +185,11 @@ def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     out = []
     for row in rows:
         eff = row["samples_per_s"] / (row["devices"] * base["samples_per_s"]) if base else None
-        out.append({**row, "speedup": row["samples_per_s"] / base["samples_per_s"] if base else None,
-                    "efficiency": eff})
+        out.append(
+            {
+                **row,
+                "speedup": row["samples_per_s"] / base["samples_per_s"] if base else None,
+                "efficiency": eff,
+            }
+        )
     return out

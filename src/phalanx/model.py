@@ -10,6 +10,7 @@ count. Hugging Face models (`transformers`) whose batch holds `labels` have thei
 computed here from `logits` (shifted by one for causal language models, as their own loss is),
 since theirs is the mean over the micro-batch.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,20 +32,29 @@ def build_model(cfg: ModelConfig, search_dirs: list[Path]) -> nn.Module:
     args = build_value(cfg.args, "model.args", search_dirs)
     module = instantiate("model", import_object(cfg.class_, search_dirs), *args, **kwargs)
     if not isinstance(module, nn.Module):
-        raise ModelError(f"model.class {cfg.class_!r} built a {type(module).__name__}, not a torch.nn.Module")
+        raise ModelError(
+            f"model.class {cfg.class_!r} built a {type(module).__name__}, not a torch.nn.Module"
+        )
     return module
 
 
 class Forward:
     """Calls a module on a batch and returns its outputs as a dict holding a `loss`."""
 
-    def __init__(self, module: nn.Module, cfg: ModelConfig, search_dirs: list[Path] = (),
-                 inner: nn.Module | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        cfg: ModelConfig,
+        search_dirs: list[Path] = (),
+        inner: nn.Module | None = None,
+    ):
         """`module` is called; `inner` (the user's module inside any wrapper) says what forward takes."""
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
-        self._single = self.outputs[0] if len(self.outputs) == 1 else None  # the name of a lone tensor output
+        self._single = (
+            self.outputs[0] if len(self.outputs) == 1 else None
+        )  # the name of a lone tensor output
         self.loss_fn = _loss_function(cfg.loss, search_dirs) if cfg.loss else None
         self.loss_cfg = cfg.loss
         self.loss_kwargs = cfg.loss.kwargs() if cfg.loss else {}
@@ -53,9 +63,13 @@ class Forward:
         self.params, self.takes_all = _forward_params(user)
         # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or "other"
         self.hugging_face = _hugging_face_kind(user) if cfg.loss is None else None
-        if self.hugging_face:  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+        if (
+            self.hugging_face
+        ):  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
             self.params.pop("labels", None)
-            self.takes_all = False  # its **kwargs are options of attention kernels, not the batch's other keys
+            self.takes_all = (
+                False  # its **kwargs are options of attention kernels, not the batch's other keys
+            )
         self._no_cache = bool(self.hugging_face) and "use_cache" in self.params
         self.output_names: list[str] = []
 
@@ -67,23 +81,38 @@ class Forward:
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         try:  # the mapping is checked only when it fails: this runs every step
-            arguments = {arg: batch[key] for key, arg in self.inputs.items()} if self.inputs is not None \
+            arguments = (
+                {arg: batch[key] for key, arg in self.inputs.items()}
+                if self.inputs is not None
                 else self._arguments(batch)
+            )
         except KeyError:
             arguments = self._arguments(batch)
-        if self._no_cache:  # a Hugging Face model keeps no attention cache it would hand back with its outputs
+        if (
+            self._no_cache
+        ):  # a Hugging Face model keeps no attention cache it would hand back with its outputs
             arguments["use_cache"] = False
         raw = self.module(**arguments)
-        outputs = {self._single: raw} if self._single is not None and isinstance(raw, torch.Tensor) \
+        outputs = (
+            {self._single: raw}
+            if self._single is not None and isinstance(raw, torch.Tensor)
             else self._as_dict(raw)
+        )
         if self.loss_fn is not None:
             _put(outputs, self._loss(outputs, batch))
         elif self.hugging_face and "labels" in batch and "logits" in outputs:
-            _put(outputs, hugging_face_loss(outputs["logits"], batch["labels"], self.hugging_face == "causal"))
+            _put(
+                outputs,
+                hugging_face_loss(
+                    outputs["logits"], batch["labels"], self.hugging_face == "causal"
+                ),
+            )
         elif "loss" not in outputs:
-            raise ModelError(f"the model returned outputs {sorted(outputs)} but no 'loss'; return "
-                             "{'loss': ...} from forward, or name one with model.loss: "
-                             "{function: cross_entropy, output: ..., target: ...}")
+            raise ModelError(
+                f"the model returned outputs {sorted(outputs)} but no 'loss'; return "
+                "{'loss': ...} from forward, or name one with model.loss: "
+                "{function: cross_entropy, output: ..., target: ...}"
+            )
         self.output_names = list(outputs)
         return outputs
 
@@ -91,15 +120,19 @@ class Forward:
         if self.inputs is not None:
             missing = [k for k in self.inputs if k not in batch]
             if missing:
-                raise ModelError(f"model.inputs names batch keys {missing} that the batch lacks "
-                                 f"(it has {', '.join(batch)})")
+                raise ModelError(
+                    f"model.inputs names batch keys {missing} that the batch lacks "
+                    f"(it has {', '.join(batch)})"
+                )
             return {arg: batch[key] for key, arg in self.inputs.items()}
         if self.takes_all:
             return dict(batch)
         missing = [n for n, required in self.params.items() if required and n not in batch]
         if missing:
-            raise ModelError(f"{type(self.module).__name__}.forward needs {missing} but the batch has "
-                             f"{', '.join(batch)}; rename the dataset keys or map them with model.inputs")
+            raise ModelError(
+                f"{type(self.module).__name__}.forward needs {missing} but the batch has "
+                f"{', '.join(batch)}; rename the dataset keys or map them with model.inputs"
+            )
         return {n: batch[n] for n in self.params if n in batch}
 
     def _as_dict(self, raw: Any) -> dict[str, torch.Tensor]:
@@ -109,8 +142,10 @@ class Forward:
             return dict(raw)
         values = raw if isinstance(raw, (tuple, list)) else (raw,)
         if len(values) != len(self.outputs):
-            raise ModelError(f"the model returned {len(values)} values but model.outputs names "
-                             f"{len(self.outputs)}: {self.outputs}")
+            raise ModelError(
+                f"the model returned {len(values)} values but model.outputs names "
+                f"{len(self.outputs)}: {self.outputs}"
+            )
         return dict(zip(self.outputs, values))
 
     def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> Loss:
@@ -120,16 +155,25 @@ class Forward:
             prediction, target = outputs[cfg.output], batch[cfg.target]
         except KeyError:
             if cfg.output not in outputs:
-                raise ModelError(f"model.loss.output {cfg.output!r} is not an output; outputs are "
-                                 f"{sorted(outputs)}") from None
-            raise ModelError(f"model.loss.target {cfg.target!r} is not a batch key; keys are "
-                             f"{', '.join(batch)}") from None
-        return per_sample_loss(self.loss_fn, prediction, target, self.ignore_index, self._kwargs(prediction))
+                raise ModelError(
+                    f"model.loss.output {cfg.output!r} is not an output; outputs are "
+                    f"{sorted(outputs)}"
+                ) from None
+            raise ModelError(
+                f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
+            ) from None
+        return per_sample_loss(
+            self.loss_fn, prediction, target, self.ignore_index, self._kwargs(prediction)
+        )
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
         """The loss function's keywords; lists (pos_weight, weight) as tensors beside the prediction."""
-        return {k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device) if isinstance(v, list) else v
-                for k, v in self.loss_kwargs.items()}
+        return {
+            k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
+            if isinstance(v, list)
+            else v
+            for k, v in self.loss_kwargs.items()
+        }
 
 
 class Loss(NamedTuple):
@@ -142,8 +186,13 @@ class Loss(NamedTuple):
     tokens: torch.Tensor | None = None
 
 
-def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.Tensor, ignore_index: int | None,
-                    kwargs: dict[str, Any]) -> Loss:
+def per_sample_loss(
+    function: Callable,
+    prediction: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int | None,
+    kwargs: dict[str, Any],
+) -> Loss:
     """`function(prediction, target, reduction="none")` per sample. A class-index loss on sequences
     (several targets per sample, `ignore_index` set): each sample's mean over its real targets, their
     count as its weight, and the token losses to back-propagate (the function gives ignored targets
@@ -151,7 +200,9 @@ def per_sample_loss(function: Callable, prediction: torch.Tensor, target: torch.
     models give them, or second, as torch's losses take them."""
     if ignore_index is not None and target.dim() >= 2 and prediction.shape[:-1] == target.shape:
         # scores last (also where tokens = classes): a row per token, as the loss reads them fastest
-        loss = function(prediction.flatten(0, -2), target.flatten(), reduction="none", **kwargs).view(target.shape)
+        loss = function(
+            prediction.flatten(0, -2), target.flatten(), reduction="none", **kwargs
+        ).view(target.shape)
     else:
         if ignore_index is None and prediction.shape != target.shape:
             _check_broadcast(function, prediction, target)
@@ -175,11 +226,19 @@ def _check_broadcast(function: Callable, prediction: torch.Tensor, target: torch
         return  # the function says what is wrong itself
     if both != p and both != t:
         name = getattr(function, "__name__", "the loss")
-        squeeze = (" (for a single output, `.squeeze(-1)` it in forward, or give the model a final layer of "
-                   "that many outputs)") if p[-1:] == (1,) else ""
-        raise ModelError(f"model.loss: {name} compares an output of shape {list(p)} with a target of shape {list(t)}, "
-                         f"which broadcast to {list(both)}: every output against every target. Give the output "
-                         f"the target's shape{squeeze}")
+        squeeze = (
+            (
+                " (for a single output, `.squeeze(-1)` it in forward, or give the model a final layer of "
+                "that many outputs)"
+            )
+            if p[-1:] == (1,)
+            else ""
+        )
+        raise ModelError(
+            f"model.loss: {name} compares an output of shape {list(p)} with a target of shape {list(t)}, "
+            f"which broadcast to {list(both)}: every output against every target. Give the output "
+            f"the target's shape{squeeze}"
+        )
 
 
 def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> Loss:
@@ -194,8 +253,13 @@ def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) 
         return per_sample_loss(F.binary_cross_entropy_with_logits, logits, labels, None, {})
     if causal:
         logits, labels = logits[:, :-1], labels[:, 1:]
-    return per_sample_loss(F.cross_entropy, logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
-                           else logits, labels, -100, {})
+    return per_sample_loss(
+        F.cross_entropy,
+        logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
+        labels,
+        -100,
+        {},
+    )
 
 
 TOKENS = "_token_losses"  # the output that carries a Loss's token losses to the engine (not to the hooks)
@@ -210,7 +274,7 @@ def _put(outputs: dict, loss: Loss) -> None:
 
 
 def _hugging_face_kind(module: nn.Module) -> str | None:
-    """"causal" for a Hugging Face causal language model, "other" for another of its models, None
+    """ "causal" for a Hugging Face causal language model, "other" for another of its models, None
     for any other module (told by class names, without importing transformers)."""
     names = [cls.__name__ for cls in type(module).__mro__]
     if "PreTrainedModel" not in names:
@@ -227,7 +291,9 @@ def _ignore_index(function: Callable, kwargs: dict[str, Any]) -> int | None:
         parameter = inspect.signature(function).parameters.get("ignore_index")
     except (TypeError, ValueError):
         return None
-    return parameter.default if parameter is not None and isinstance(parameter.default, int) else None
+    return (
+        parameter.default if parameter is not None and isinstance(parameter.default, int) else None
+    )
 
 
 def _loss_function(cfg: LossConfig, search_dirs: list[Path]) -> Callable:
@@ -238,8 +304,11 @@ def _forward_params(module: nn.Module) -> tuple[dict[str, bool], bool]:
     """Forward's named parameters (name -> required) and whether it takes **kwargs."""
     params = inspect.signature(module.forward).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    named = {n: p.default is p.empty for n, p in params.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = {
+        n: p.default is p.empty
+        for n, p in params.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     return named, takes_all
 
 
@@ -249,18 +318,24 @@ def check_loss(loss: torch.Tensor, n: int) -> torch.Tensor:
     if loss.dim() == 0:
         return loss
     if loss.shape[0] != n:
-        raise ModelError(f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean")
+        raise ModelError(
+            f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean"
+        )
     return loss if loss.dim() == 1 else loss.reshape(n, -1).mean(dim=1)
 
 
 def check_weights(weights: torch.Tensor, loss: torch.Tensor, n: int) -> None:
     """`loss_weight` holds one number per sample, and weighs a per-sample loss."""
     if weights.dim() != 1 or weights.shape[0] != n:
-        raise ModelError(f"'loss_weight' has shape {tuple(weights.shape)}; return one weight per sample ({n}), "
-                         "such as each sample's count of real tokens")
+        raise ModelError(
+            f"'loss_weight' has shape {tuple(weights.shape)}; return one weight per sample ({n}), "
+            "such as each sample's count of real tokens"
+        )
     if loss.dim() != 1:
-        raise ModelError("the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per sample "
-                         "(reduction='none', averaged over each sample's tokens) beside its weight")
+        raise ModelError(
+            "the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per sample "
+            "(reduction='none', averaged over each sample's tokens) beside its weight"
+        )
 
 
 def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:

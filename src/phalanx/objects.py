@@ -4,6 +4,7 @@ The config still says how to train them. Its `model` and `dataset` sections keep
 keys (batch_size, loss, inputs ...) and name the object's class, which the run's `run.json` records
 as given, not built: such a run is resumed, evaluated and loaded from Python, with the objects again.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -38,24 +39,32 @@ class Objects:
     notes: list[str] = field(default_factory=list)  # what `into` replaced, for the run's log
 
     @classmethod
-    def given(cls, model: Any = None, dataset: Any = None, hooks: Sequence[Any] | None = None) -> Objects:
+    def given(
+        cls, model: Any = None, dataset: Any = None, hooks: Sequence[Any] | None = None
+    ) -> Objects:
         """Checked: a module, a dataset with streams() or a mapping of streams, and Hook instances."""
         from phalanx.hooks import Hook
 
         if model is not None and not isinstance(model, nn.Module):
-            raise ModelError(f"model= is a {type(model).__name__}, not a torch.nn.Module; give the module itself "
-                             "(or name its class in the config's model.class)")
+            raise ModelError(
+                f"model= is a {type(model).__name__}, not a torch.nn.Module; give the module itself "
+                "(or name its class in the config's model.class)"
+            )
         if isinstance(dataset, Mapping):
             dataset = Streams(dataset)
         elif dataset is not None and not callable(getattr(dataset, "streams", None)):
-            raise ConfigError(f"dataset= is a {type(dataset).__name__}, which has no streams() method; give "
-                              "{'train': ..., 'valid': ...} (a Dataset per stream), or an object whose streams() "
-                              "returns that")
+            raise ConfigError(
+                f"dataset= is a {type(dataset).__name__}, which has no streams() method; give "
+                "{'train': ..., 'valid': ...} (a Dataset per stream), or an object whose streams() "
+                "returns that"
+            )
         hooks = list(hooks or [])
         for i, hook in enumerate(hooks):
             if not isinstance(hook, Hook):
-                raise ConfigError(f"hooks[{i}] is a {type(hook).__name__}, not a phalanx.hooks.Hook; give hook "
-                                  "instances, such as phalanx.hooks.StopAfter(epochs=5)")
+                raise ConfigError(
+                    f"hooks[{i}] is a {type(hook).__name__}, not a phalanx.hooks.Hook; give hook "
+                    "instances, such as phalanx.hooks.StopAfter(epochs=5)"
+                )
         return cls(model, dataset, hooks)
 
     def __bool__(self) -> bool:
@@ -63,9 +72,11 @@ class Objects:
 
     def names(self) -> dict[str, Any]:
         """What `run.json` records: each given part's class."""
-        names: dict[str, Any] = {key: class_path(value) for key, value in (("model", self.model),
-                                                                           ("dataset", self.dataset))
-                                 if value is not None}
+        names: dict[str, Any] = {
+            key: class_path(value)
+            for key, value in (("model", self.model), ("dataset", self.dataset))
+            if value is not None
+        }
         if self.hooks:
             names["hooks"] = [class_path(hook) for hook in self.hooks]
         return names
@@ -82,14 +93,23 @@ class Objects:
             if given is None:
                 given = {}
             if not isinstance(given, dict):
-                raise ConfigError(f"{section}: must be a mapping of settings, got {type(given).__name__}")
-            own = {f.alias or name for name, f in _OWN_KEYS[section].model_fields.items()} - {"class"}
+                raise ConfigError(
+                    f"{section}: must be a mapping of settings, got {type(given).__name__}"
+                )
+            own = {f.alias or name for name, f in _OWN_KEYS[section].model_fields.items()} - {
+                "class"
+            }
             dropped = [key for key in given if key not in own and key != "class"]
             if "class" in given or dropped:
-                self.notes.append(f"{section}: the object given replaces "
-                                  f"{'class ' + given['class'] if 'class' in given else 'the section'}"
-                                  f"{' and its arguments ' + ', '.join(dropped) if dropped else ''}")
-            raw[section] = {"class": class_path(value), **{k: v for k, v in given.items() if k in own}}
+                self.notes.append(
+                    f"{section}: the object given replaces "
+                    f"{'class ' + given['class'] if 'class' in given else 'the section'}"
+                    f"{' and its arguments ' + ', '.join(dropped) if dropped else ''}"
+                )
+            raw[section] = {
+                "class": class_path(value),
+                **{k: v for k, v in given.items() if k in own},
+            }
         return raw
 
 

@@ -8,6 +8,7 @@ multiprocessing spawn: those copy the trainer's threads or run the user's script
 ignores SIGINT and SIGTERM (the trainer handles them and closes it) and exits when told, or when its
 input ends (the trainer died).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ from phalanx.errors import StorageError
 from phalanx.files import write_atomic, writing
 
 log = logging.getLogger("phalanx")
-CLOSE_WAIT_S = 5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
+CLOSE_WAIT_S = (
+    5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
+)
 INTERVAL_S = 2.0  # the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
 
 
@@ -43,7 +46,9 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
     for var, names in by_variable.items():
         fig = Figure(figsize=(6, 4))
         FigureCanvasAgg(fig)
-        fig.subplots_adjust(left=0.14, right=0.97, top=0.91, bottom=0.13)  # tight_layout's cost is half the plot's
+        fig.subplots_adjust(
+            left=0.14, right=0.97, top=0.91, bottom=0.13
+        )  # tight_layout's cost is half the plot's
         ax = fig.add_subplot()
         for name in names:
             epochs, values = zip(*history[name])
@@ -51,7 +56,9 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
         ax.set(xlabel="epoch", ylabel=var, title=var)
         ax.grid(alpha=0.3)
         ax.legend()
-        write_atomic(folder / f"{var}.png", lambda f, figure=fig: figure.savefig(f, format="png", dpi=dpi))
+        write_atomic(
+            folder / f"{var}.png", lambda f, figure=fig: figure.savefig(f, format="png", dpi=dpi)
+        )
 
 
 class _Lines:
@@ -102,14 +109,21 @@ class Painter:
             draw(folder, history)
             return
         self._raise_reported(self._answers.ready(0))
-        new = {name: points[self._sent.get(name, 0):] for name, points in history.items()
-               if len(points) > self._sent.get(name, 0)}
+        new = {
+            name: points[self._sent.get(name, 0) :]
+            for name, points in history.items()
+            if len(points) > self._sent.get(name, 0)
+        }
         self._sent = {name: len(points) for name, points in history.items()}
         self._unsent += (json.dumps({"folder": str(folder), "add": new}) + "\n").encode()
         self._send(deadline=None)
 
-    def close(self, folder: Path | None = None, history: dict[str, list[list[float]]] | None = None,
-              wait_s: float | None = None) -> None:
+    def close(
+        self,
+        folder: Path | None = None,
+        history: dict[str, list[list[float]]] | None = None,
+        wait_s: float | None = None,
+    ) -> None:
         """Wait `wait_s` (CLOSE_WAIT_S) at most for the last drawing; an error the child reported is
         raised here. A child that has not drawn it by then (on a machine whose cores are all busy, a
         child at idle priority waits) is ended, and `history`, where given, is drawn here instead."""
@@ -124,8 +138,10 @@ class Painter:
             ended = self._send(deadline, child) and self._drain(answers, said, deadline)
             if not ended and child.poll() is None and history is not None:
                 child.kill()
-                log.info("PlotLines: the drawing process had not drawn the last epochs after %.0f s; drawn here",
-                         wait_s)
+                log.info(
+                    "PlotLines: the drawing process had not drawn the last epochs after %.0f s; drawn here",
+                    wait_s,
+                )
                 draw(folder, history)
         finally:
             if child.poll() is None:
@@ -137,8 +153,12 @@ class Painter:
                 except OSError:
                     pass
         self._raise_reported(said)
-        if child.returncode not in (0, -signal.SIGKILL) and not any('"error"' in line for line in said):
-            raise StorageError(f"PlotLines: the drawing process ended with exit code {child.returncode}")
+        if child.returncode not in (0, -signal.SIGKILL) and not any(
+            '"error"' in line for line in said
+        ):
+            raise StorageError(
+                f"PlotLines: the drawing process ended with exit code {child.returncode}"
+            )
 
     def _send(self, deadline: float | None, child: subprocess.Popen | None = None) -> bool:
         """Write what the pipe takes: now (no deadline), or all of it by `deadline`. Whether all went."""
@@ -148,13 +168,15 @@ class Painter:
             if not select.select([], [fd], [], wait)[1]:
                 return False
             try:
-                written = os.write(fd, self._unsent[:select.PIPE_BUF])
+                written = os.write(fd, self._unsent[: select.PIPE_BUF])
             except BlockingIOError:
                 continue
             except OSError:  # the child ended: close says what it said, or how it ended
                 if deadline is None:
                     self.close()
-                    raise StorageError("PlotLines: the drawing process ended unexpectedly") from None
+                    raise StorageError(
+                        "PlotLines: the drawing process ended unexpectedly"
+                    ) from None
                 return False
             self._unsent = self._unsent[written:]
         return True
@@ -172,13 +194,23 @@ class Painter:
 
     def _start(self) -> None:
         package_root = str(Path(__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))
-                                                           if p)}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (package_root, os.environ.get("PYTHONPATH")) if p
+            ),
+        }
         try:
-            self._child = subprocess.Popen([sys.executable, "-m", "phalanx.plots"], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, env=env)
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "phalanx.plots"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )
         except OSError as e:
-            log.warning("PlotLines: cannot start a drawing process (%s); drawing in the training process", e)
+            log.warning(
+                "PlotLines: cannot start a drawing process (%s); drawing in the training process", e
+            )
             self._inline = True
             return
         os.set_blocking(self._child.stdin.fileno(), False)
@@ -225,7 +257,9 @@ def _serve() -> None:
                 draw(folder, history)
                 answer = {"ok": True}
             except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
-                answer = {"error": str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"}
+                answer = {
+                    "error": str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
+                }
             drawn, last = True, time.monotonic()
             _answer(answer)
     _answer({"ended": True})

@@ -2,6 +2,7 @@
 
 fp16 scales the loss with a GradScaler so small gradients do not underflow; bf16 needs no scaling.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,9 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module.double() if self.name == "fp64" else module
 
-    def convert_batch(self, batch: Mapping[str, Any], device: torch.device | None = None) -> dict[str, Any]:
+    def convert_batch(
+        self, batch: Mapping[str, Any], device: torch.device | None = None
+    ) -> dict[str, Any]:
         """The batch on the device (or on `device`); floating tensors in float64 under fp64."""
         if self.passes_through and device is None and isinstance(batch, dict):
             return batch
@@ -51,8 +54,12 @@ class Precision:
             return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def backward(self, loss: torch.Tensor, gradient: torch.Tensor | None = None,
-                 unscaled: torch.Tensor | None = None) -> None:
+    def backward(
+        self,
+        loss: torch.Tensor,
+        gradient: torch.Tensor | None = None,
+        unscaled: torch.Tensor | None = None,
+    ) -> None:
         """Back-propagate `loss` (scaled under fp16; a vector takes `gradient`), and with it
         `unscaled`, a scalar whose gradients must come out as they are (the strategy's carrier)."""
         if self.scaler:

@@ -1,5 +1,6 @@
 """The run directory: `runs/<name>-<time>/` with the resolved config, logs, metrics, checkpoints
 and `trace.jsonl`, an append-only record of the run's status."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,17 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
             except FileExistsError:
                 n += 1
                 run_dir = root / f"{cfg.name}-{stamp}-{n}"
-    with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):  # none half-made
+    with writing(
+        run_dir, partial=run_dir, where="set output_root to a folder you can write"
+    ):  # none half-made
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))
         config_dir = config_path.resolve().parent if config_path is not None else Path.cwd()
-        meta = {"config_dir": str(config_dir), "cwd": str(Path.cwd()), "created": time.time(), "phalanx": __version__}
+        meta = {
+            "config_dir": str(config_dir),
+            "cwd": str(Path.cwd()),
+            "created": time.time(),
+            "phalanx": __version__,
+        }
         if objects:
             meta["objects"] = objects
         (run_dir / META).write_text(json.dumps(meta, indent=1))
@@ -52,11 +60,15 @@ def open_run(path: str | Path, announce: bool = True) -> Path:
     classes will be imported from (unless `announce` is False: the caller does, later)."""
     run_dir = Path(path)
     if not run_dir.is_dir():
-        raise RunDirError(f"{str(run_dir)!r} is not a directory; pass a run directory such as "
-                          "runs/digits-20260101-120000 (`phalanx ls` lists them)")
+        raise RunDirError(
+            f"{str(run_dir)!r} is not a directory; pass a run directory such as "
+            "runs/digits-20260101-120000 (`phalanx ls` lists them)"
+        )
     if not (run_dir / CONFIG).is_file() or not (run_dir / META).is_file():
-        raise RunDirError(f"{str(run_dir)!r} is not a run directory (it has no {CONFIG} and {META}); "
-                          "`phalanx ls` lists the runs")
+        raise RunDirError(
+            f"{str(run_dir)!r} is not a run directory (it has no {CONFIG} and {META}); "
+            "`phalanx ls` lists the runs"
+        )
     if announce:
         announce_imports(run_dir)
     return run_dir
@@ -65,15 +77,22 @@ def open_run(path: str | Path, announce: bool = True) -> Path:
 def announce_imports(run_dir: Path) -> None:
     """Log where the run's classes will be imported from: opening a run runs the code its config names."""
     config_dir, cwd = search_dirs(run_dir)
-    log.info("run %s imports its classes from %s%s (as its %s says)", run_dir, config_dir,
-             "" if cwd == config_dir else f", then {cwd}", META)
+    log.info(
+        "run %s imports its classes from %s%s (as its %s says)",
+        run_dir,
+        config_dir,
+        "" if cwd == config_dir else f", then {cwd}",
+        META,
+    )
 
 
 def search_dirs(run_dir: Path) -> list[Path]:
     """Folders to import the run's classes from: the original config's folder and working directory."""
     path = run_dir / META
-    fix = (f"the run directory is damaged: restore {META} from a copy of the run, or write it again as "
-           '{"config_dir": FOLDER, "cwd": FOLDER}, FOLDER being where the run\'s classes are imported from')
+    fix = (
+        f"the run directory is damaged: restore {META} from a copy of the run, or write it again as "
+        '{"config_dir": FOLDER, "cwd": FOLDER}, FOLDER being where the run\'s classes are imported from'
+    )
     try:
         meta = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
@@ -135,8 +154,10 @@ def list_runs(root: Path) -> list[Path]:
 def load_config_text(run_dir: Path) -> dict:
     """The run's resolved config, as saved; a RunDirError where the file is damaged."""
     path = run_dir / CONFIG
-    fix = (f"the run directory is damaged: restore {CONFIG} from a copy of the run, or write it again "
-           "from the config the run was trained with")
+    fix = (
+        f"the run directory is damaged: restore {CONFIG} from a copy of the run, or write it again "
+        "from the config the run was trained with"
+    )
     raw = read_yaml(path, fix, RunDirError)
     if not isinstance(raw, dict):
         raise RunDirError(f"{path} holds a {type(raw).__name__}, not a config; {fix}")

@@ -6,6 +6,7 @@ torchrun. The OS releases it when the holder ends, however it ends, so a killed 
 stale lock. The holder writes its pid, host and command in the file, for the error a second process
 gets, and removes the file when it is done: a command that fails leaves the run directory as it was.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,9 @@ class Lock:
     def release(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(FileNotFoundError):  # removed while held: the run directory was discarded
+        with contextlib.suppress(
+            FileNotFoundError
+        ):  # removed while held: the run directory was discarded
             self.path.unlink()
         os.close(self.fd)  # releases the lock
         self.fd = None
@@ -64,15 +67,24 @@ def acquire(run_dir: Path, command: str) -> Lock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunDirError(f"{str(run_dir)!r} is in use: {holder(path)} is training in it; wait for it to "
-                              "end, or stop it, and try again") from None
+            raise RunDirError(
+                f"{str(run_dir)!r} is in use: {holder(path)} is training in it; wait for it to "
+                "end, or stop it, and try again"
+            ) from None
         except BaseException:
             os.close(fd)
             raise
         if _same_file(fd, path):
             break
-        os.close(fd)  # the holder before removed the file between its opening and its locking: again
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "since": time.time()}
+        os.close(
+            fd
+        )  # the holder before removed the file between its opening and its locking: again
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "command": command,
+        "since": time.time(),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     return Lock(path, fd)
@@ -91,6 +103,8 @@ def holder(path: Path) -> str:
     try:
         info = json.loads(path.read_text())
         since = datetime.fromtimestamp(info["since"]).strftime("%Y-%m-%d %H:%M:%S")
-        return f"`phalanx {info['command']}` (pid {info['pid']} on host {info['host']}, since {since})"
+        return (
+            f"`phalanx {info['command']}` (pid {info['pid']} on host {info['host']}, since {since})"
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return "another phalanx process"

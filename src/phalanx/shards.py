@@ -4,6 +4,7 @@ all (`export`). torch's own reader unpickles `.metadata`, and the non-tensor ite
 settings), without restriction; here the metadata goes through an unpickler that accepts only its
 layout records, and the items through `torch.load(weights_only=True)`, as every other file is read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,14 +22,22 @@ from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.files import os_error, storage_error
 
 
-def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                collective: bool = False) -> None:
+def load_shards(
+    folder: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    collective: bool = False,
+) -> None:
     """The model's state (and the optimizer's, if given) from a shards folder, saved by any number of
     processes. `collective`: the model is sharded over the process group and every rank calls this,
     each reading the parts its shards need; otherwise this process reads the whole state alone."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
@@ -41,15 +50,21 @@ def load_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=_planner(), no_dist=not collective)
     except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - whatever the reader makes of the files
-        raise CheckpointError(f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged"
+        ) from None
     try:
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
-        raise CheckpointError(f"{folder} does not fit this run ({type(e).__name__}: {e}); the checkpoint is damaged "
-                              "or was saved from another config") from None
+        raise CheckpointError(
+            f"{folder} does not fit this run ({type(e).__name__}: {e}); the checkpoint is damaged "
+            "or was saved from another config"
+        ) from None
 
 
 def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -59,45 +74,80 @@ def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
 
     reader = _reader(folder)
     metadata = reader.read_metadata()
-    state = {key[len("model."):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    state = {
+        key[len("model.") :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
     try:
         with _quiet_single_process():
             dcp.load({"model": state}, storage_reader=reader, planner=_planner(), no_dist=True)
     except (Exception, checkpoint_exception()) as e:  # noqa: BLE001
-        raise CheckpointError(f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged") from None
+        raise CheckpointError(
+            f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged"
+        ) from None
     return state
 
 
 def _check_fits(folder: Path, metadata: Any, model_state: dict) -> None:
     """The saved model's names and shapes are this model's: else a CheckpointMismatch."""
-    saved = {key[len("model."):]: tuple(meta.size) for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and hasattr(meta, "size")}
-    mine = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    saved = {
+        key[len("model.") :]: tuple(meta.size)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+    mine = {
+        key: tuple(value.shape)
+        for key, value in model_state.items()
+        if isinstance(value, torch.Tensor)
+    }
     if saved == mine:
         return
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-    shapes = [f"{k} {saved[k]} vs {mine[k]}" for k in sorted(set(saved) & set(mine)) if saved[k] != mine[k]]
-    what = "; ".join(part for part in (f"missing {', '.join(missing[:5])}" if missing else "",
-                                       f"unexpected {', '.join(extra[:5])}" if extra else "",
-                                       f"shapes differ: {', '.join(shapes[:5])}" if shapes else "") if part)
-    raise CheckpointMismatch(f"{folder} does not fit this model ({what}); was it saved from another model config?")
+    shapes = [
+        f"{k} {saved[k]} vs {mine[k]}"
+        for k in sorted(set(saved) & set(mine))
+        if saved[k] != mine[k]
+    ]
+    what = "; ".join(
+        part
+        for part in (
+            f"missing {', '.join(missing[:5])}" if missing else "",
+            f"unexpected {', '.join(extra[:5])}" if extra else "",
+            f"shapes differ: {', '.join(shapes[:5])}" if shapes else "",
+        )
+        if part
+    )
+    raise CheckpointMismatch(
+        f"{folder} does not fit this model ({what}); was it saved from another model config?"
+    )
 
 
 class _Unpickler(pickle.Unpickler):
     """The shards' `.metadata` holds only checkpoint-layout records, paths, and torch's dtype, layout
     and size objects: nothing else in it is loaded (torch's own reader unpickles it without restriction)."""
 
-    _NAMED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              *(("pathlib", name) for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"))}
+    _NAMED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        *(
+            ("pathlib", name)
+            for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+        ),
+    }
 
     def find_class(self, module: str, name: str) -> Any:
-        layout_record = module.startswith("torch.distributed.checkpoint.") and not name.startswith("__")
+        layout_record = module.startswith("torch.distributed.checkpoint.") and not name.startswith(
+            "__"
+        )
         if (module, name) in self._NAMED or layout_record or module == "torch":
             found = super().find_class(module, name)
-            if (module, name) in self._NAMED or isinstance(found, torch.dtype) or (
-                    layout_record and isinstance(found, type) and found.__module__ == module):
+            if (
+                (module, name) in self._NAMED
+                or isinstance(found, torch.dtype)
+                or (layout_record and isinstance(found, type) and found.__module__ == module)
+            ):
                 return found
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
 
@@ -116,9 +166,18 @@ def _dcp() -> tuple[type, type]:
             try:
                 with open(path, "rb") as f:
                     metadata = _Unpickler(f).load()
-            except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-                raise CheckpointError(f"{path} cannot be read as checkpoint metadata ({type(e).__name__}: {e}); "
-                                      "the checkpoint is damaged") from None
+            except (
+                OSError,
+                pickle.UnpicklingError,
+                EOFError,
+                AttributeError,
+                ValueError,
+                TypeError,
+            ) as e:
+                raise CheckpointError(
+                    f"{path} cannot be read as checkpoint metadata ({type(e).__name__}: {e}); "
+                    "the checkpoint is damaged"
+                ) from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -126,7 +185,9 @@ def _dcp() -> tuple[type, type]:
 
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            torch.load(value, weights_only=True)  # refuses anything but data: torch's own read below meets only that
+            torch.load(
+                value, weights_only=True
+            )  # refuses anything but data: torch's own read below meets only that
             value.seek(0)
             super().load_bytes(read_item, value)
 
@@ -172,5 +233,7 @@ def shard_error(final: Path, error: BaseException) -> str:
 def _quiet_single_process() -> Iterator[None]:
     """torch.distributed.checkpoint warns that a load without a process group is one process's: here it is meant."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield

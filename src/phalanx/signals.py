@@ -14,6 +14,7 @@ request once training runs: the ranks agree on stop flags at every step, so ever
 the same step and the checkpoint is saved once. Before training runs, and after, a signal ends a
 worker at once (the launcher ending it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,13 @@ from pathlib import Path
 
 log = logging.getLogger("phalanx")
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
-_worker = False   # set in a worker of phalanx's launcher
-_at_once = False  # in such a worker, while it is not training: every signal ends the process at once
-_pid = os.getpid()  # the process whose half-written checkpoints a signal removes (not a forked child's)
+_worker = False  # set in a worker of phalanx's launcher
+_at_once = (
+    False  # in such a worker, while it is not training: every signal ends the process at once
+)
+_pid = (
+    os.getpid()
+)  # the process whose half-written checkpoints a signal removes (not a forked child's)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -63,7 +68,9 @@ def exit_at_once(signum: int, frame: object = None) -> None:
     """A signal handler: remove any half-written checkpoint and exit with 128 + the signal number."""
     from phalanx import checkpoint
 
-    if os.getpid() == _pid:  # a forked child (a data loader's worker) owns no checkpoint in progress
+    if (
+        os.getpid() == _pid
+    ):  # a forked child (a data loader's worker) owns no checkpoint in progress
         checkpoint.abort_in_progress()
     os._exit(128 + signum)
 
@@ -86,7 +93,11 @@ class GracefulStop:
 
     @property
     def requested(self) -> bool:
-        if self.signum is None and self._request_file is not None and time.monotonic() - self._checked > 0.2:
+        if (
+            self.signum is None
+            and self._request_file is not None
+            and time.monotonic() - self._checked > 0.2
+        ):
             self._checked = time.monotonic()
             if self._request_file.exists():  # the launcher asks on behalf of a signal it received
                 self.signum = int(self._request_file.read_text() or signal.SIGTERM)
@@ -121,5 +132,7 @@ class GracefulStop:
         if self.signum is not None or _at_once:
             exit_at_once(signum)
         self.signum = signum
-        log.warning("%s received: finishing the current step and saving; send it again to exit at once",
-                    signal.Signals(signum).name)
+        log.warning(
+            "%s received: finishing the current step and saving; send it again to exit at once",
+            signal.Signals(signum).name,
+        )

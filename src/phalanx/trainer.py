@@ -3,6 +3,7 @@
 The loop is written once; how devices and processes are used is the strategy's business, reached
 only through its protocol.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,15 @@ from typing import Any
 import torch
 
 from phalanx import data, loading, resuming, rundir, strategies
-from phalanx.build import (build_dataset, build_optimizer, build_schedulers, derived_seed, rng_state, seed_everything,
-                           set_rng_state)
+from phalanx.build import (
+    build_dataset,
+    build_optimizer,
+    build_schedulers,
+    derived_seed,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 from phalanx.checkpoint import Background, Checkpoints, initial_weights
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, GradNorms, concat
@@ -47,21 +55,32 @@ def _check_given_model(module: torch.nn.Module, strategy: Strategy) -> None:
     built its own (under torchrun), the same on every rank, as one process's would be."""
     where = strategy.init_context()
     if isinstance(where, torch.device) and where.type == "meta":
-        raise ConfigError("parallel.fsdp.init: meta builds the model itself, one module at a time, but the model "
-                          "was given as an object, built already; name its class in model.class, or use init: full")
+        raise ConfigError(
+            "parallel.fsdp.init: meta builds the model itself, one module at a time, but the model "
+            "was given as an object, built already; name its class in model.class, or use init: full"
+        )
     differing = strategy.differing_ranks(module) if hasattr(strategy, "differing_ranks") else []
     if differing:
-        raise ConfigError(f"the model given differs on rank(s) {differing} from rank 0's: each process built its own "
-                          "from its own random state. Seed before building it (torch.manual_seed(0) first), so that "
-                          "every process starts from the same weights")
+        raise ConfigError(
+            f"the model given differs on rank(s) {differing} from rank 0's: each process built its own "
+            "from its own random state. Seed before building it (torch.manual_seed(0) first), so that "
+            "every process starts from the same weights"
+        )
 
 
 class Trainer:
     """One run: the model, data, optimizer, strategy and hooks that a config describes."""
 
-    def __init__(self, cfg: Config, run_dir: Path | None, search_dirs: list[Path] = (),
-                 hooks: list[Hook] | None = None, strategy: Strategy | None = None, inference: bool = False,
-                 objects: Objects | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path | None,
+        search_dirs: list[Path] = (),
+        hooks: list[Hook] | None = None,
+        strategy: Strategy | None = None,
+        inference: bool = False,
+        objects: Objects | None = None,
+    ):
         """`hooks`: these instead of the config's. `objects`: a model, dataset or hooks given as
         Python objects (by `phalanx.fit`), used instead of building what the config names, and the
         hooks after the config's. `inference`: only evaluate and predict; no optimizer (building one
@@ -72,9 +91,15 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         torch.set_float32_matmul_precision(cfg.matmul_precision)
         seed_everything(cfg.seed)
-        self.dataset = objects.dataset if objects.dataset is not None else build_dataset(cfg.dataset, self.search_dirs)
+        self.dataset = (
+            objects.dataset
+            if objects.dataset is not None
+            else build_dataset(cfg.dataset, self.search_dirs)
+        )
         self._streams: dict[str, Any] = {}
-        self._positioned = False  # an iterable training stream restored its own position from a checkpoint
+        self._positioned = (
+            False  # an iterable training stream restored its own position from a checkpoint
+        )
         self._warned_position = False
         if objects.model is not None:
             module = objects.model
@@ -83,8 +108,14 @@ class Trainer:
             with self.strategy.init_context():
                 module = build_model(cfg.model, self.search_dirs)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
-        compiled = (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()) if cfg.compile else None
-        options = ModelOptions(self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled)
+        compiled = (
+            (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig())
+            if cfg.compile
+            else None
+        )
+        options = ModelOptions(
+            self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled
+        )
         # the module to call, and the user's module inside it: what the optimizer steps and checkpoints hold
         self.module, self.model = self.strategy.setup(module, options)
         # Dropout and augmentation: each rank's streams from the seed and the rank (rank 0's those of one
@@ -92,41 +123,80 @@ class Trainer:
         # so that a model given as an object trains as the config's own would.
         seed_everything(derived_seed(cfg.seed, 0, self.strategy.rank))
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
-        self.optimizer = None if inference else build_optimizer(
-            cfg.optimizer, self.model, self.search_dirs, cfg.dataset.batch_size, fused=self.strategy.device.type == "cuda")
-        self.schedulers = [] if inference else build_schedulers(cfg, self.optimizer, self.search_dirs,
-                                                                self.steps_per_epoch)
-        self.engine = Engine(self.module, self.forward, self.optimizer, self.schedulers,
-                             self.precision, self.strategy, cfg.optimizer.max_grad_norm)
-        self.checkpoints = Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
+        self.optimizer = (
+            None
+            if inference
+            else build_optimizer(
+                cfg.optimizer,
+                self.model,
+                self.search_dirs,
+                cfg.dataset.batch_size,
+                fused=self.strategy.device.type == "cuda",
+            )
+        )
+        self.schedulers = (
+            []
+            if inference
+            else build_schedulers(cfg, self.optimizer, self.search_dirs, self.steps_per_epoch)
+        )
+        self.engine = Engine(
+            self.module,
+            self.forward,
+            self.optimizer,
+            self.schedulers,
+            self.precision,
+            self.strategy,
+            cfg.optimizer.max_grad_norm,
+        )
+        self.checkpoints = (
+            Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
+        )
         self.background = None  # checkpoints.async: a writer thread on the main process
         if cfg.checkpoints.async_ and self.checkpoints is not None:
             if isinstance(self.strategy, SavesShards):
-                log.info("checkpoints.async: every rank writes its own shards at once; they are saved as they are taken")
+                log.info(
+                    "checkpoints.async: every rank writes its own shards at once; they are saved as they are taken"
+                )
             elif self.strategy.is_main:
-                self.background = Background(self.checkpoints, lambda step, best: self._trace(
-                    "checkpoint", step=step, best=best))
+                self.background = Background(
+                    self.checkpoints,
+                    lambda step, best: self._trace("checkpoint", step=step, best=best),
+                )
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
-        self.order = data.FEISTEL  # the kind of sample order; a run resumed from an older checkpoint keeps its own
+        self.order = (
+            data.FEISTEL
+        )  # the kind of sample order; a run resumed from an older checkpoint keeps its own
         self.rounds = 0  # evaluation rounds begun, with main_loop.eval_every_n_steps
         self.shard_weights = _shard_weights(cfg, self.strategy.data_world_size)
         self.epoch_data: dict[str, dict[str, Any]] = {}
-        self.metrics: dict[str, float] = {}  # the numbers of the last evaluation round, as "stream.variable"
+        self.metrics: dict[
+            str, float
+        ] = {}  # the numbers of the last evaluation round, as "stream.variable"
         # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
         # overlaps backward); communication after backward; the optimizer; hooks; evaluation
-        self.profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0)
-        self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)  # the same, since the last evaluation round
+        self.profile = dict.fromkeys(
+            ("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0
+        )
+        self._round_profile = dict.fromkeys(
+            _TRAINING_TIMES, 0.0
+        )  # the same, since the last evaluation round
         self.last_loss: torch.Tensor | None = None
         self.last_batch_size = 0
-        self.training = False  # True while after_batch follows an optimizer step (not an evaluation)
+        self.training = (
+            False  # True while after_batch follows an optimizer step (not an evaluation)
+        )
         self.stop = GracefulStop()
         self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
         if cfg.profile is not None and hooks is None:
-            self.hooks.append(Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes))
+            self.hooks.append(
+                Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes)
+            )
         self.hooks = [*self.hooks, *objects.hooks]
         self.loader_options, persistent = loading.loader_options(cfg, self.strategy)
         # workers kept between epochs; not for one evaluation (eval, predict), which nothing would end
-        self.loaders = loading.Loaders(**self.loader_options) if persistent and not inference else None
+        self.loaders = (
+            loading.Loaders(**self.loader_options) if persistent and not inference else None
+        )
         self.view = RunView(self)  # what hooks see of the run
         for hook in self.hooks:
             hook.attach(self.view)
@@ -143,7 +213,9 @@ class Trainer:
         """Stream `name` of the dataset, asked of `streams()` once."""
         stream = self._streams.get(name)
         if stream is None:
-            stream = self._streams[name] = data.named(data.get_stream(self.dataset, name), self.cfg.dataset.keys, name)
+            stream = self._streams[name] = data.named(
+                data.get_stream(self.dataset, name), self.cfg.dataset.keys, name
+            )
         return stream
 
     @property
@@ -166,7 +238,9 @@ class Trainer:
             if not self.cfg.main_loop.skip_zeroth_epoch and self.step == 0:
                 self._evaluation_epoch(0, self.streams)
             every = self.cfg.main_loop.eval_every_n_steps
-            if every is not None and self.step // every > self.rounds:  # saved on a beat, before its round
+            if (
+                every is not None and self.step // every > self.rounds
+            ):  # saved on a beat, before its round
                 self._evaluation_round()
             while self.epoch < self.cfg.main_loop.epochs:
                 self._train_epoch()
@@ -176,14 +250,21 @@ class Trainer:
         except _Interrupted:
             self.save_checkpoint()
             success, code = False, self.stop.exit_code()
-            log.warning("interrupted at step %d; saved. Continue with: phalanx resume %s", self.step, self.run_dir)
+            log.warning(
+                "interrupted at step %d; saved. Continue with: phalanx resume %s",
+                self.step,
+                self.run_dir,
+            )
         except BaseException as e:
             self._trace("failed", step=self.step, error=f"{type(e).__name__}: {e}")
             self._finish(False)
             raise
         self._finish(success)
-        self._trace("interrupted" if code > 128 else "finished" if success else "failed",
-                    epoch=self.epoch, step=self.step)
+        self._trace(
+            "interrupted" if code > 128 else "finished" if success else "failed",
+            epoch=self.epoch,
+            step=self.step,
+        )
         return code
 
     def _finish(self, success: bool) -> None:
@@ -202,7 +283,9 @@ class Trainer:
     def _train_epoch(self) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
-        profile = dict.fromkeys(("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0)
+        profile = dict.fromkeys(
+            ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
+        )
         try:
             self._train_steps(self._steps(epoch), profile)
         finally:  # also when a hook or a signal ends the epoch early
@@ -213,41 +296,101 @@ class Trainer:
         every = self.cfg.main_loop.eval_every_n_steps
         if every is None:
             self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
-        elif self.epoch == self.cfg.main_loop.epochs and self.step % every:  # the end of training, off the beat
+        elif (
+            self.epoch == self.cfg.main_loop.epochs and self.step % every
+        ):  # the end of training, off the beat
             self.rounds = self.step // every + 1
-            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self._round_profile)
+            self._evaluation_epoch(
+                self.rounds, self.cfg.main_loop.extra_streams, self._round_profile
+            )
 
     def _steps(self, epoch: int) -> Iterator[tuple[int, list[tuple[data.Micro, Any]]]]:
         """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch) ...])."""
         stream = self.stream(TRAIN)
         cfg, strategy = self.cfg, self.strategy
-        if data.is_iterable(stream):  # the stream's own order: the next items, one global batch a step
-            if callable(getattr(stream, "set_epoch", None)):  # streams that shuffle per epoch (datasets, webdataset)
+        if data.is_iterable(
+            stream
+        ):  # the stream's own order: the next items, one global batch a step
+            if callable(
+                getattr(stream, "set_epoch", None)
+            ):  # streams that shuffle per epoch (datasets, webdataset)
                 stream.set_epoch(epoch)
             positioned, self._positioned = self._positioned, False
-            steps = iter(data.StreamSteps(stream, cfg.dataset.batch_size, cfg.parallel.gradient_accumulation,
-                                          strategy.data_rank, strategy.data_world_size, self.shard_weights,
-                                          self.step_in_epoch, TRAIN, strategy.runs_empty_shards, positioned))
-            if cfg.parallel.sync_batchnorm and strategy.data_world_size > 1:  # its length is known only at its end
+            steps = iter(
+                data.StreamSteps(
+                    stream,
+                    cfg.dataset.batch_size,
+                    cfg.parallel.gradient_accumulation,
+                    strategy.data_rank,
+                    strategy.data_world_size,
+                    self.shard_weights,
+                    self.step_in_epoch,
+                    TRAIN,
+                    strategy.runs_empty_shards,
+                    positioned,
+                )
+            )
+            if (
+                cfg.parallel.sync_batchnorm and strategy.data_world_size > 1
+            ):  # its length is known only at its end
                 return ((k, self._full(k, fetched)) for k, fetched in steps)
             return steps
-        plan = data.Plan(data.epoch_order(cfg.seed, epoch, len(stream), self.order), cfg.dataset.batch_size,
-                         cfg.parallel.gradient_accumulation, strategy.data_rank, strategy.data_world_size,
-                         self.shard_weights)
+        plan = data.Plan(
+            data.epoch_order(cfg.seed, epoch, len(stream), self.order),
+            cfg.dataset.batch_size,
+            cfg.parallel.gradient_accumulation,
+            strategy.data_rank,
+            strategy.data_world_size,
+            self.shard_weights,
+        )
         worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
-        batches = iter(self._loader(stream, plan, self.step_in_epoch, seed=worker_seed, name=TRAIN,
-                                    empty_batches=strategy.runs_empty_shards, training=True))
-        return ((k, [(micro, next(batches)) for micro in micros]) for k, micros in plan.steps(self.step_in_epoch))
+        batches = iter(
+            self._loader(
+                stream,
+                plan,
+                self.step_in_epoch,
+                seed=worker_seed,
+                name=TRAIN,
+                empty_batches=strategy.runs_empty_shards,
+                training=True,
+            )
+        )
+        return (
+            (k, [(micro, next(batches)) for micro in micros])
+            for k, micros in plan.steps(self.step_in_epoch)
+        )
 
-    def _loader(self, stream: Any, plan: data.Plan, start: int, seed: int = 0, name: str = "",
-                empty_batches: bool = False, training: bool = False) -> Any:
+    def _loader(
+        self,
+        stream: Any,
+        plan: data.Plan,
+        start: int,
+        seed: int = 0,
+        name: str = "",
+        empty_batches: bool = False,
+        training: bool = False,
+    ) -> Any:
         """The batches of `plan` from step `start`: from this stream's persistent workers, or a new DataLoader."""
         if self.loaders is not None:
-            return self.loaders.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
-                                       training=training)
-        return loading.loader(stream, plan, start, seed=seed, name=name, empty_batches=empty_batches,
-                           **self.loader_options)
+            return self.loaders.loader(
+                stream,
+                plan,
+                start,
+                seed=seed,
+                name=name,
+                empty_batches=empty_batches,
+                training=training,
+            )
+        return loading.loader(
+            stream,
+            plan,
+            start,
+            seed=seed,
+            name=name,
+            empty_batches=empty_batches,
+            **self.loader_options,
+        )
 
     def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
         self.training = True
@@ -281,8 +424,12 @@ class Trainer:
                     raise terminated
                 if result.stop:
                     raise _Interrupted
-                if every is not None and self.step % every == 0:  # an evaluation round, inside the epoch
-                    for key, seconds in zip(_TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)):
+                if (
+                    every is not None and self.step % every == 0
+                ):  # an evaluation round, inside the epoch
+                    for key, seconds in zip(
+                        _TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)
+                    ):
                         self._round_profile[key] += seconds
                         profile[key] += seconds
                     fetching = computing = communicating = optimizing = hooking = 0.0
@@ -290,7 +437,9 @@ class Trainer:
                     t3 = clock()
                 t0 = t3
         finally:
-            for key, seconds in zip(_TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)):
+            for key, seconds in zip(
+                _TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)
+            ):
                 profile[key] += seconds
                 self._round_profile[key] += seconds
 
@@ -301,14 +450,18 @@ class Trainer:
         training, self.training = self.training, False
         self.rounds = self.step // self.cfg.main_loop.eval_every_n_steps
         try:
-            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self._round_profile)
+            self._evaluation_epoch(
+                self.rounds, self.cfg.main_loop.extra_streams, self._round_profile
+            )
             self.epoch_data = {s: {} for s in self.streams}
         finally:
             self.training = training
 
     def _check_sync_batchnorm(self, plan: data.Plan) -> None:
         """Synchronised BatchNorm needs every rank in every forward: no empty shard may occur."""
-        if not (self.cfg.parallel.sync_batchnorm and self.strategy.data_world_size > 1 and len(plan)):
+        if not (
+            self.cfg.parallel.sync_batchnorm and self.strategy.data_world_size > 1 and len(plan)
+        ):
             return
         for k in {0, len(plan) - 1}:  # full batches all split alike; only the last may be short
             self._full(k, [(micro, None) for micro in plan.step(k)])
@@ -320,10 +473,13 @@ class Trainer:
             raise ConfigError(
                 f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.data_world_size} processes "
                 f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
-                "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off")
+                "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off"
+            )
         return fetched
 
-    def _evaluation_epoch(self, epoch: int, streams: list[str], profile: dict | None = None) -> None:
+    def _evaluation_epoch(
+        self, epoch: int, streams: list[str], profile: dict | None = None
+    ) -> None:
         """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch events."""
         profile = dict(profile or {})
         self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)
@@ -339,12 +495,19 @@ class Trainer:
         start = time.perf_counter()
         stop = self._emit("after_epoch", epoch, self.epoch_data)
         profile["after_epoch"] = time.perf_counter() - start
-        stop = self._emit("after_epoch_profile", epoch, profile, TRAIN, self.cfg.main_loop.extra_streams) or stop
+        stop = (
+            self._emit(
+                "after_epoch_profile", epoch, profile, TRAIN, self.cfg.main_loop.extra_streams
+            )
+            or stop
+        )
         self.metrics = flat_variables(self.epoch_data)
         if self.cfg.main_loop.eval_every_n_steps is None:
             self._trace("epoch", epoch=epoch, step=self.step, metrics=self.metrics)
         else:
-            self._trace("epoch", epoch=self.epoch, step=self.step, round=epoch, metrics=self.metrics)
+            self._trace(
+                "epoch", epoch=self.epoch, step=self.step, round=epoch, metrics=self.metrics
+            )
         if stop is not None:
             raise stop
         if self.any_rank(self.stop.requested):
@@ -356,14 +519,34 @@ class Trainer:
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
         strategy, listeners = self.strategy, self._listeners["after_batch"]
         if data.is_iterable(stream):
-            steps = data.StreamSteps(stream, batch_size, 1, strategy.data_rank, strategy.data_world_size,
-                                     self.shard_weights, 0, name, strategy.runs_empty_shards)
+            steps = data.StreamSteps(
+                stream,
+                batch_size,
+                1,
+                strategy.data_rank,
+                strategy.data_world_size,
+                self.shard_weights,
+                0,
+                name,
+                strategy.runs_empty_shards,
+            )
             batches = ((step[0][0].global_size, step[0][1]) for _, step in steps)
         else:
-            plan = data.Plan(range(len(stream)), batch_size, 1, strategy.data_rank, strategy.data_world_size,
-                             self.shard_weights)
-            loaded = self._loader(stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards)
-            batches = ((min(batch_size, len(stream) - k * batch_size), batch) for k, batch in enumerate(loaded))
+            plan = data.Plan(
+                range(len(stream)),
+                batch_size,
+                1,
+                strategy.data_rank,
+                strategy.data_world_size,
+                self.shard_weights,
+            )
+            loaded = self._loader(
+                stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards
+            )
+            batches = (
+                (min(batch_size, len(stream) - k * batch_size), batch)
+                for k, batch in enumerate(loaded)
+            )
         for size, batch in batches:
             self.last_batch_size = size
             outputs = None if batch is None else self.engine.eval_step(batch)
@@ -371,10 +554,14 @@ class Trainer:
             if stop is not None:
                 raise stop
 
-    def _after_batch(self, listeners: list[Hook], stream: str, parts: list[dict | None]) -> TrainingTerminated | None:
+    def _after_batch(
+        self, listeners: list[Hook], stream: str, parts: list[dict | None]
+    ) -> TrainingTerminated | None:
         """Call after_batch with this rank's data, or the gathered global batch for hooks that need it."""
         local = concat(parts)
-        merged = self._gathered(parts) if self._gatherers and self.strategy.world_size > 1 else local
+        merged = (
+            self._gathered(parts) if self._gatherers and self.strategy.world_size > 1 else local
+        )
         stop = None
         for hook in listeners:
             view = merged if hook.gathers else local  # empty where this rank had no samples
@@ -391,8 +578,11 @@ class Trainer:
         for part in parts:
             payload = None
             if part is not None:
-                payload = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in part.items()
-                           if self._gather_keys is None or k in self._gather_keys}
+                payload = {
+                    k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                    for k, v in part.items()
+                    if self._gather_keys is None or k in self._gather_keys
+                }
             out.append(concat(self.strategy.gather(payload)))
         return concat(out)
 
@@ -400,7 +590,10 @@ class Trainer:
         """Whether `flag` is set on any rank: decisions that end the loop are taken by all alike."""
         if self.strategy.world_size == 1:
             return flag
-        return bool(self.strategy.reduce(torch.tensor([float(flag)], device=self.strategy.device), "max") > 0)
+        return bool(
+            self.strategy.reduce(torch.tensor([float(flag)], device=self.strategy.device), "max")
+            > 0
+        )
 
     def _emit(self, event: str, *args: Any) -> TrainingTerminated | None:
         """Call every hook on `event`; a hook that stops training lets the later ones run first."""
@@ -423,10 +616,18 @@ class Trainer:
         hooks' state. Every rank calls it: the RNG states are gathered, and hooks combine their
         running values across ranks."""
         rng = rng_state()
-        state = {"epoch": self.epoch, "step": self.step, "step_in_epoch": self.step_in_epoch,
-                 "batch_size": self.cfg.dataset.batch_size, "seed": self.cfg.seed, "order": self.order, "rounds": self.rounds, "rng": rng,
-                 "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
-                 "grad_norms": self.engine.norms.state_dict()}
+        state = {
+            "epoch": self.epoch,
+            "step": self.step,
+            "step_in_epoch": self.step_in_epoch,
+            "batch_size": self.cfg.dataset.batch_size,
+            "seed": self.cfg.seed,
+            "order": self.order,
+            "rounds": self.rounds,
+            "rng": rng,
+            "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
+            "grad_norms": self.engine.norms.state_dict(),
+        }
         position = self._stream_position()
         if position is not None:
             state["stream"] = position
@@ -444,39 +645,61 @@ class Trainer:
         sharded = any(hasattr(p, "full_tensor") for p in self.model.parameters())
         try:
             if sharded:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions,
+                    set_model_state_dict,
+                )
 
-                result = set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True,
-                                                                                          strict=spec.strict))
+                result = set_model_state_dict(
+                    self.model,
+                    state,
+                    options=StateDictOptions(full_state_dict=True, strict=spec.strict),
+                )
             else:
                 result = self.model.load_state_dict(state, strict=False)
         except (RuntimeError, ValueError, KeyError) as e:
             lines = " ".join(str(e).split())
-            raise CheckpointMismatch(f"model.init_from: {path} does not fit this model ({lines[:400]})") from None
+            raise CheckpointMismatch(
+                f"model.init_from: {path} does not fit this model ({lines[:400]})"
+            ) from None
         missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
-        listed = "; ".join(f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''} ({len(keys)})"
-                           for what, keys in (("the weights lack", missing), ("the model lacks", unexpected)) if keys)
+        listed = "; ".join(
+            f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''} ({len(keys)})"
+            for what, keys in (("the weights lack", missing), ("the model lacks", unexpected))
+            if keys
+        )
         if listed and spec.strict:
-            raise CheckpointMismatch(f"model.init_from: {path} does not hold this model's weights ({listed}); set "
-                                     "model.init_from.strict: false to start the missing ones from their initial "
-                                     "values and ignore the others")
+            raise CheckpointMismatch(
+                f"model.init_from: {path} does not hold this model's weights ({listed}); set "
+                "model.init_from.strict: false to start the missing ones from their initial "
+                "values and ignore the others"
+            )
         if self.strategy.is_main:
-            log.info("weights from %s: %d tensors%s; the optimizer starts afresh", path, len(state) - len(unexpected),
-                     f" ({listed})" if listed else "")
+            log.info(
+                "weights from %s: %d tensors%s; the optimizer starts afresh",
+                path,
+                len(state) - len(unexpected),
+                f" ({listed})" if listed else "",
+            )
 
     def _stream_position(self) -> Any:
         """Where an iterable training stream that can say so stands (its `state_dict()`, as JSON)."""
         stream = self.stream(TRAIN)
-        if not (data.is_iterable(stream) and callable(getattr(stream, "state_dict", None))
-                and callable(getattr(stream, "load_state_dict", None))):
+        if not (
+            data.is_iterable(stream)
+            and callable(getattr(stream, "state_dict", None))
+            and callable(getattr(stream, "load_state_dict", None))
+        ):
             return None
         position = stream.state_dict()
         try:
             json.dumps(position)
         except (TypeError, ValueError):
             if not self._warned_position:
-                log.warning("stream train's state_dict() is not JSON; a resume reads the stream again up to its "
-                            "position instead")
+                log.warning(
+                    "stream train's state_dict() is not JSON; a resume reads the stream again up to its "
+                    "position instead"
+                )
                 self._warned_position = True
             return None
         return position
@@ -486,20 +709,37 @@ class Trainer:
         if self.checkpoints is None:
             return None
         state = self.state_dict()  # on every rank: hooks combine their running values across ranks
-        rest = {"schedulers": [s.state_dict() for s, _ in self.schedulers], "scaler": self.precision.state_dict()}
-        if isinstance(self.strategy, SavesShards):  # every rank writes its shards; the optimizer's are among them
+        rest = {
+            "schedulers": [s.state_dict() for s, _ in self.schedulers],
+            "scaler": self.precision.state_dict(),
+        }
+        if isinstance(
+            self.strategy, SavesShards
+        ):  # every rank writes its shards; the optimizer's are among them
             path = self.checkpoints.save_sharded(
-                self.step, lambda folder: self.strategy.save_shards(folder, self.optimizer), {"optimizer": None, **rest},
-                state, self.strategy, best)
+                self.step,
+                lambda folder: self.strategy.save_shards(folder, self.optimizer),
+                {"optimizer": None, **rest},
+                state,
+                self.strategy,
+                best,
+            )
             if self.strategy.is_main:
                 self._trace("checkpoint", step=self.step, best=best is not None)
             return path if self.strategy.is_main else None
-        weights, optimizer = self.strategy.model_state(), self.strategy.optimizer_state(self.optimizer)
+        weights, optimizer = (
+            self.strategy.model_state(),
+            self.strategy.optimizer_state(self.optimizer),
+        )
         if not self.strategy.is_main:
             return None
         if self.background is not None:  # committed, and traced, by the writer's thread
-            return self.background.submit(self.step, weights, {"optimizer": optimizer, **rest}, state, best)
-        path = self.checkpoints.save(self.step, weights, {"optimizer": optimizer, **rest}, state, best)
+            return self.background.submit(
+                self.step, weights, {"optimizer": optimizer, **rest}, state, best
+            )
+        path = self.checkpoints.save(
+            self.step, weights, {"optimizer": optimizer, **rest}, state, best
+        )
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
@@ -513,28 +753,53 @@ class Trainer:
         path = self.checkpoints.path(step) / "trainer.json"
         # a sharded step's optimizer state is in its shards, loaded with the model's
         optimizer_state, state = self.checkpoints.load(
-            step, lambda weights: self.strategy.load_model_state(weights, self.optimizer))
-        changed = resuming.changed_keys(previous, rundir.resolved(self.cfg)) if previous is not None else {}
+            step, lambda weights: self.strategy.load_model_state(weights, self.optimizer)
+        )
+        changed = (
+            resuming.changed_keys(previous, rundir.resolved(self.cfg))
+            if previous is not None
+            else {}
+        )
         resuming.check(changed, state, self.cfg.dataset.batch_size)
         # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its evaluation)
         if self.steps_per_epoch is not None and state["step_in_epoch"] > self.steps_per_epoch:
-            raise CheckpointError(f"{path} says step {state['step_in_epoch']} of an epoch that has "
-                                  f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset")
-        self.epoch, self.step, self.step_in_epoch = state["epoch"], state["step"], state["step_in_epoch"]
+            raise CheckpointError(
+                f"{path} says step {state['step_in_epoch']} of an epoch that has "
+                f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset"
+            )
+        self.epoch, self.step, self.step_in_epoch = (
+            state["epoch"],
+            state["step"],
+            state["step_in_epoch"],
+        )
         self.rounds = state.get("rounds", 0)
-        self.order = state.get("order", data.RANDPERM)  # checkpoints that name none predate the Feistel order
+        self.order = state.get(
+            "order", data.RANDPERM
+        )  # checkpoints that name none predate the Feistel order
         if self.order not in data.ORDERS:
-            raise CheckpointError(f"{path} names the sample order {self.order!r}, which this version of phalanx does "
-                                  f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that saved it")
+            raise CheckpointError(
+                f"{path} names the sample order {self.order!r}, which this version of phalanx does "
+                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that saved it"
+            )
         if self.order != data.FEISTEL and self.strategy.is_main:
-            log.info("this run keeps the sample order it started with (%s, from an older version of phalanx)", self.order)
-        settings, schedules = (self._replayed_schedule() if resuming.affects_schedule(changed)
-                               else (None, optimizer_state["schedulers"]))
+            log.info(
+                "this run keeps the sample order it started with (%s, from an older version of phalanx)",
+                self.order,
+            )
+        settings, schedules = (
+            self._replayed_schedule()
+            if resuming.affects_schedule(changed)
+            else (None, optimizer_state["schedulers"])
+        )
         try:
             if optimizer_state["optimizer"] is not None:
                 self.strategy.load_optimizer_state(self.optimizer, optimizer_state["optimizer"])
-            for group, new in zip(self.optimizer.param_groups, settings or [], strict=settings is not None):
-                group.update(new)  # the new settings at this step, over the saved moments and counts
+            for group, new in zip(
+                self.optimizer.param_groups, settings or [], strict=settings is not None
+            ):
+                group.update(
+                    new
+                )  # the new settings at this step, over the saved moments and counts
             for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):
                 scheduler.load_state_dict(saved)
             self.precision.load_state_dict(optimizer_state["scaler"])
@@ -542,21 +807,32 @@ class Trainer:
             self._restore_hooks(state["hooks"], step)
             if "grad_norms" in state:
                 self.engine.norms.load_state_dict(state["grad_norms"])
-            if "stream" in state and state["step_in_epoch"]:  # the iterable stream goes on from where it stood
+            if (
+                "stream" in state and state["step_in_epoch"]
+            ):  # the iterable stream goes on from where it stood
                 self.stream(TRAIN).load_state_dict(state["stream"])
                 self._positioned = True
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
-            raise CheckpointError(f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
-                                  "is damaged or was saved from another config") from None
+            raise CheckpointError(
+                f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
+                "is damaged or was saved from another config"
+            ) from None
 
     def _replayed_schedule(self) -> tuple[list[dict], list[dict]]:
         """The optimizer's settings and the schedulers' states that the config gives at this step:
         a fresh optimizer and schedulers, built from the config and stepped as far as training went."""
-        optimizer = build_optimizer(self.cfg.optimizer, self.model, self.search_dirs, self.cfg.dataset.batch_size,
-                                    fused=self.strategy.device.type == "cuda")
+        optimizer = build_optimizer(
+            self.cfg.optimizer,
+            self.model,
+            self.search_dirs,
+            self.cfg.dataset.batch_size,
+            fused=self.strategy.device.type == "cuda",
+        )
         schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, self.steps_per_epoch)
         resuming.replay_schedule(schedulers, self.step, self.epoch, self.steps_per_epoch)
-        settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        settings = [
+            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
+        ]
         return settings, [scheduler.state_dict() for scheduler, _ in schedulers]
 
     def _restore_rng(self, state: dict[str, Any]) -> None:
@@ -569,8 +845,12 @@ class Trainer:
             return
         seed_everything(derived_seed(self.cfg.seed, self.step, rank))
         if self.strategy.is_main:
-            log.info("random streams re-derived from the seed, the step and the rank: the checkpoint was saved "
-                     "by %d process(es), this run has %d", len(saved), world_size)
+            log.info(
+                "random streams re-derived from the seed, the step and the rank: the checkpoint was saved "
+                "by %d process(es), this run has %d",
+                len(saved),
+                world_size,
+            )
 
     def _restore_hooks(self, saved_hooks: dict[str, Any], step: int) -> None:
         for i, hook in enumerate(self.hooks):
@@ -586,8 +866,10 @@ def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:
     if weights is None or world_size == 1:
         return None
     if len(weights) != world_size:
-        raise ConfigError(f"parallel.shard_weights has {len(weights)} weights {weights} but the job has "
-                          f"{world_size} processes; give one weight per process, or remove shard_weights")
+        raise ConfigError(
+            f"parallel.shard_weights has {len(weights)} weights {weights} but the job has "
+            f"{world_size} processes; give one weight per process, or remove shard_weights"
+        )
     return weights
 
 

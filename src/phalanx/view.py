@@ -3,6 +3,7 @@ hook may ask of it (save a checkpoint, agree on a flag across ranks).
 
 Hooks hold this view as `self.trainer`; they never import the trainer, and cannot change its counters.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

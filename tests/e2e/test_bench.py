@@ -1,4 +1,5 @@
 """`phalanx bench` end to end on CPU with 1 and 2 devices: the table, bench.json and scaling.png."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 import toy
 
 pytestmark = pytest.mark.timeout(300)
@@ -17,17 +17,26 @@ PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phala
 
 
 def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
-    path = toy.write_config(tmp_path, toy.regression_config(
-        dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 200}))
+    path = toy.write_config(
+        tmp_path,
+        toy.regression_config(dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 200}),
+    )
     out = tmp_path / "bench"
-    result = subprocess.run([*PHALANX, "bench", str(path), "--devices", "1,2", "--steps", "20", "--output", str(out)],
-                            cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [*PHALANX, "bench", str(path), "--devices", "1,2", "--steps", "20", "--output", str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [1, 2]
     assert all(r["samples_per_s"] > 0 for r in rows)
     assert rows[0]["efficiency"] == 1.0
-    assert rows[1]["efficiency"] == pytest.approx(rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"]))
+    assert rows[1]["efficiency"] == pytest.approx(
+        rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"])
+    )
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "efficiency" in result.stdout and "samples/s" in result.stdout

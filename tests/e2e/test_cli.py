@@ -4,6 +4,7 @@
 Processes cost seconds each (importing torch), so runs are shared through module fixtures and the
 bad-input commands run side by side.
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,10 +21,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import toy
 import yaml
 from safetensors.torch import load_file
 
-import toy
 from phalanx import commands, config
 from phalanx.trainer import Trainer
 
@@ -35,10 +36,15 @@ PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phala
 ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TIMEOUT = 120
 
-HOOKS = [{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "WriteCSV",
-         # mode max on a falling loss keeps the best at epoch 1, so best, latest and a middle
-         # step are three different checkpoints
-         {"SaveBest": {"variable": "valid.loss", "mode": "max"}}, "SaveLatest"]
+HOOKS = [
+    {"ComputeStats": {"variables": ["loss"]}},
+    "LogVariables",
+    "WriteCSV",
+    # mode max on a falling loss keeps the best at epoch 1, so best, latest and a middle
+    # step are three different checkpoints
+    {"SaveBest": {"variable": "valid.loss", "mode": "max"}},
+    "SaveLatest",
+]
 
 BAD_PARTS = '''
 import torch
@@ -89,11 +95,14 @@ class NoLoss(nn.Module):
 
 
 def phalanx(*args: str, cwd: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run([*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
-def phalanx_all(commands: dict[str, tuple[list[str], Path]], parallel: int = 3,
-                timeout: float = 240) -> dict[str, subprocess.CompletedProcess]:
+def phalanx_all(
+    commands: dict[str, tuple[list[str], Path]], parallel: int = 3, timeout: float = 240
+) -> dict[str, subprocess.CompletedProcess]:
     """Run several commands side by side (at most `parallel` at once); results by key."""
     pending, running, done = list(commands.items()), {}, {}
     deadline = time.monotonic() + timeout
@@ -101,8 +110,17 @@ def phalanx_all(commands: dict[str, tuple[list[str], Path]], parallel: int = 3,
         while pending or running:
             while pending and len(running) < parallel:
                 key, (args, cwd) = pending.pop(0)
-                running[key] = (args, subprocess.Popen([*PHALANX, *args], cwd=cwd, env=ENV, text=True,
-                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+                running[key] = (
+                    args,
+                    subprocess.Popen(
+                        [*PHALANX, *args],
+                        cwd=cwd,
+                        env=ENV,
+                        text=True,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                    ),
+                )
             for key, (args, proc) in list(running.items()):
                 if proc.poll() is not None:
                     out, err = proc.communicate()
@@ -124,8 +142,11 @@ def output(result: subprocess.CompletedProcess) -> str:
 
 def snapshot(folder: Path) -> dict[str, str]:
     """Every file under a folder, by relative path, with the SHA-256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def trace(run: Path) -> list[dict]:
@@ -157,7 +178,9 @@ def trained(tmp_path_factory):
     (exp / "badparts.py").write_text(BAD_PARTS)
     (exp / "latin1.yaml").write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
     (folder / "a-file").write_text("an output_root below a file cannot be created\n")
-    result = phalanx("train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp)
+    result = phalanx(
+        "train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp
+    )
     assert result.returncode == 0, output(result)
     runs = sorted((exp / "runs").iterdir())
     assert len(runs) == 1, runs
@@ -173,19 +196,30 @@ def copy_run(trained, name: str) -> Path:
 
 # --- train -------------------------------------------------------------------------------------
 
+
 def test_train_creates_a_run_directory_with_the_resolved_config(trained):
     run = trained.run
     assert re.fullmatch(r"cli-\d{8}-\d{6}", run.name)
     for name in ("config.yaml", "log.txt", "metrics.csv", "trace.jsonl", "run.json"):
         assert (run / name).is_file(), name
     saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert saved["main_loop"]["epochs"] == 3 and saved["optimizer"]["lr"] == 0.04 and saved["name"] == "cli"
-    assert saved["checkpoints"]["keep_last"] == 3 and saved["parallel"]["strategy"] == "auto"  # defaults resolved
+    assert (
+        saved["main_loop"]["epochs"] == 3
+        and saved["optimizer"]["lr"] == 0.04
+        and saved["name"] == "cli"
+    )
+    assert (
+        saved["checkpoints"]["keep_last"] == 3 and saved["parallel"]["strategy"] == "auto"
+    )  # defaults resolved
     assert saved["hooks"] == HOOKS
     assert config.validate(saved).main_loop.epochs == 3  # the saved config is itself valid
     assert [int(r["epoch"]) for r in metrics_rows(run)] == [1, 2, 3]
     events = trace(run)
-    assert events[0]["event"] == "started" and events[-1] == {**events[-1], "event": "finished", "step": 15}
+    assert events[0]["event"] == "started" and events[-1] == {
+        **events[-1],
+        "event": "finished",
+        "step": 15,
+    }
     assert "epoch 3 (step 15)" in (run / "log.txt").read_text()
     assert str(run.name) in trained.result.stderr  # the run directory is announced
 
@@ -211,26 +245,59 @@ def test_train_checkpoints_have_manifests_matching_their_files(trained):
 # trained run, NOTRUN for a folder that is not a run; train commands get an output_root of their own.
 BAD = [
     ("misspelt-key", ["train", "config.yaml", "main_loop.epoch=3"], ["main_loop.epoch", "epochs"]),
-    ("wrong-type", ["train", "config.yaml", "dataset.batch_size=abc"], ["dataset.batch_size", "abc"]),
+    (
+        "wrong-type",
+        ["train", "config.yaml", "dataset.batch_size=abc"],
+        ["dataset.batch_size", "abc"],
+    ),
     ("class-does-not-import", ["train", "config.yaml", "model.class=nopkg.Linear"], ["nopkg"]),
     ("item-not-a-dict", ["train", "config.yaml", "dataset.class=badparts.TupleData"], ["dict"]),
     ("model-without-loss", ["train", "config.yaml", "model={class: badparts.NoLoss}"], ["loss"]),
-    ("unknown-hook", ["train", "config.yaml", "hooks=[ComputeStats, SaveLatests]"], ["SaveLatests", "SaveLatest"]),
+    (
+        "unknown-hook",
+        ["train", "config.yaml", "hooks=[ComputeStats, SaveLatests]"],
+        ["SaveLatests", "SaveLatest"],
+    ),
     ("not-a-run-dir", ["resume", "NOTRUN"], ["not a run directory"]),
     ("resume-another-model", ["resume", "RUN", "model.hidden=4"], ["does not fit", "model"]),
     ("eval-another-model", ["eval", "RUN", "--stream", "test"], ["does not fit", "model"]),
-    ("config-latin-1", ["train", "latin1.yaml"], ["latin1.yaml", "not UTF-8", "save the config as UTF-8"]),
-    ("output-root-not-writable", ["train", "config.yaml", "output_root=AFILE/runs"],
-     ["a-file", "Not a directory", "output_root"]),
-    ("items-of-different-shapes", ["train", "config.yaml", "dataset.class=badparts.Ragged"],
-     ["stream 'train', key 'x'", "different shapes", "[3]", "[4]"]),
-    ("empty-train-stream", ["train", "config.yaml", "dataset.n_train=0"], ["stream 'train'", "is empty"]),
+    (
+        "config-latin-1",
+        ["train", "latin1.yaml"],
+        ["latin1.yaml", "not UTF-8", "save the config as UTF-8"],
+    ),
+    (
+        "output-root-not-writable",
+        ["train", "config.yaml", "output_root=AFILE/runs"],
+        ["a-file", "Not a directory", "output_root"],
+    ),
+    (
+        "items-of-different-shapes",
+        ["train", "config.yaml", "dataset.class=badparts.Ragged"],
+        ["stream 'train', key 'x'", "different shapes", "[3]", "[4]"],
+    ),
+    (
+        "empty-train-stream",
+        ["train", "config.yaml", "dataset.n_train=0"],
+        ["stream 'train'", "is empty"],
+    ),
     ("run-config-malformed", ["eval", "RUN"], ["config.yaml", "not valid YAML", "restore"]),
     ("run-json-malformed", ["resume", "RUN"], ["run.json", "not readable JSON", "restore"]),
-    ("predict-output-a-directory", ["predict", "RUN", "--output", "RUN/predictions"], ["--output", "is a directory"]),
-    ("export-output-a-directory", ["export", "RUN", "--output", "RUN/predictions"], ["--output", "is a directory"]),
-    ("export-no-such-step", ["export", "RUN", "--checkpoint", "99", "--output", "RUN.safetensors"],
-     ["no checkpoint at step 99", "there are"]),
+    (
+        "predict-output-a-directory",
+        ["predict", "RUN", "--output", "RUN/predictions"],
+        ["--output", "is a directory"],
+    ),
+    (
+        "export-output-a-directory",
+        ["export", "RUN", "--output", "RUN/predictions"],
+        ["--output", "is a directory"],
+    ),
+    (
+        "export-no-such-step",
+        ["export", "RUN", "--checkpoint", "99", "--output", "RUN.safetensors"],
+        ["no checkpoint at step 99", "there are"],
+    ),
 ]
 DAMAGE = {  # what a case writes into its copy of the run first
     "run-config-malformed": ("config.yaml", b"model: [toy.Linear\n"),
@@ -253,7 +320,10 @@ def _bad_command(trained, case: str, args: list[str], runs: dict, before: dict) 
         if case in DAMAGE:
             name, content = DAMAGE[case]
             (runs[case] / name).write_bytes(content)
-        args = [str(runs[case]) + arg[3:] if arg == "RUN" or arg.startswith("RUN/") else arg for arg in args]
+        args = [
+            str(runs[case]) + arg[3:] if arg == "RUN" or arg.startswith("RUN/") else arg
+            for arg in args
+        ]
         if f"{runs[case]}/predictions" in args:  # an --output that is a directory
             (runs[case] / "predictions").mkdir()
     if "NOTRUN" in args:
@@ -271,29 +341,64 @@ def ran(trained):
     """eval, predict, ls, info, resume, a diverging run and every bad command, side by side."""
     run, exp, folder = trained.run, trained.exp, trained.folder
     runs, before = {}, {}
-    commands = {f"eval-{which}": (["eval", str(run), "--stream", "test", "--checkpoint", which], exp)
-                for which in ("best", "latest", "10")}
-    commands["predict"] = (["predict", str(run), "--stream", "test", "--output", str(folder / "pred.csv")], exp)
-    commands["export"] = (["export", str(run), "--checkpoint", "10", "--output", str(folder / "model.safetensors")],
-                          exp)
+    commands = {
+        f"eval-{which}": (["eval", str(run), "--stream", "test", "--checkpoint", which], exp)
+        for which in ("best", "latest", "10")
+    }
+    commands["predict"] = (
+        ["predict", str(run), "--stream", "test", "--output", str(folder / "pred.csv")],
+        exp,
+    )
+    commands["export"] = (
+        ["export", str(run), "--checkpoint", "10", "--output", str(folder / "model.safetensors")],
+        exp,
+    )
     commands["ls"] = (["ls", str(exp / "runs")], folder)
     commands["info"] = (["info"], folder)
     runs["resume"] = copy_run(trained, "resume")
     commands["resume"] = (["resume", str(runs["resume"]), "main_loop.epochs=5"], folder)
-    commands["nan"] = (["train", "config.yaml", "optimizer.lr=1e150", "main_loop.epochs=50", "hooks=[StopOnNaN, SaveLatest]",
-                        f"output_root={folder / 'nan'}"], exp)
+    commands["nan"] = (
+        [
+            "train",
+            "config.yaml",
+            "optimizer.lr=1e150",
+            "main_loop.epochs=50",
+            "hooks=[StopOnNaN, SaveLatest]",
+            f"output_root={folder / 'nan'}",
+        ],
+        exp,
+    )
     for case, args, _ in BAD:
         commands[case] = (_bad_command(trained, case, args, runs, before), exp)
     # --debug is offered after the subcommand and before it
-    commands["debug"] = (["train", "--debug", "config.yaml", "main_loop.epoch=3",
-                          f"output_root={folder / 'bad' / 'debug'}"], exp)
-    commands["debug-first"] = (["--debug", "train", "config.yaml", "main_loop.epoch=3",
-                                f"output_root={folder / 'bad' / 'debug-first'}"], exp)
+    commands["debug"] = (
+        [
+            "train",
+            "--debug",
+            "config.yaml",
+            "main_loop.epoch=3",
+            f"output_root={folder / 'bad' / 'debug'}",
+        ],
+        exp,
+    )
+    commands["debug-first"] = (
+        [
+            "--debug",
+            "train",
+            "config.yaml",
+            "main_loop.epoch=3",
+            f"output_root={folder / 'bad' / 'debug-first'}",
+        ],
+        exp,
+    )
     results = phalanx_all(commands)
-    return SimpleNamespace(results=results, runs=runs, before=before, bad=folder / "bad", **vars(trained))
+    return SimpleNamespace(
+        results=results, runs=runs, before=before, bad=folder / "bad", **vars(trained)
+    )
 
 
 # --- eval, predict, ls, info, --help -----------------------------------------------------------
+
 
 @pytest.mark.parametrize("which, step", [("best", 5), ("latest", 15), ("10", 10)])
 def test_eval_prints_and_saves_the_metrics_of_a_checkpoint(ran, which, step):
@@ -301,7 +406,11 @@ def test_eval_prints_and_saves_the_metrics_of_a_checkpoint(ran, which, step):
     assert result.returncode == 0, output(result)
     saved = json.loads((ran.run / f"eval-test-step-{step}.json").read_text())
     expected = hand_losses(weights(ran.run, step)).mean().item()
-    assert saved == {"stream": "test", "checkpoint": step, "metrics": {"loss": pytest.approx(expected, rel=1e-12)}}
+    assert saved == {
+        "stream": "test",
+        "checkpoint": step,
+        "metrics": {"loss": pytest.approx(expected, rel=1e-12)},
+    }
     assert f"{expected:.6g}" in output(result) and f"step {step}" in output(result)
 
 
@@ -361,7 +470,8 @@ def test_ls_lists_a_run_whose_best_json_and_trace_are_damaged(trained):
         f.write('[1, 2]\n{"event": "epoch", "time": "yesterday"}\n{"tim')
     rows = commands.list_runs(str(run.parent))
     assert [(row["run"], row["status"], row["best"], row["latest"]) for row in rows] == [
-        (run.name, "epoch", "best.json unreadable", 15)]
+        (run.name, "epoch", "best.json unreadable", 15)
+    ]
 
 
 def test_opening_a_run_logs_where_its_classes_are_imported_from(ran):
@@ -386,6 +496,7 @@ def test_help_of_each_subcommand_shows_an_example(command, tmp_path):
 
 
 # --- resume, a diverging run -------------------------------------------------------------------
+
 
 def test_resume_continues_in_the_same_directory_as_one_uninterrupted_run(ran):
     run, result = ran.runs["resume"], ran.results["resume"]
@@ -417,6 +528,7 @@ def test_a_nan_loss_fails_the_process_with_exit_code_1(ran):
 
 
 # --- bad input ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("case, words", [(c, w) for c, _, w in BAD], ids=BAD_IDS)
 def test_bad_input_is_one_error_line_and_exit_code_2(ran, case, words):

@@ -1,33 +1,43 @@
 """The everyday path through the real CLI: fine-tuning from a trained run on several processes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 import toy
 from procs import only_run
 from procs import run as phalanx
+from safetensors.torch import load_file
+
 from phalanx.checkpoint import Checkpoints
 
 pytestmark = pytest.mark.timeout(300)
 
 
-
-
 def test_init_from_on_two_processes_with_ddp_and_fsdp_trains_as_one(tmp_path):
     """A run started from another's best checkpoint ends with the same weights on 1 process, ddp on 2
     and fsdp on 2 (each rank loads the weights; fsdp keeps its shards of them)."""
-    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
-                                optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
-                                dataset={"class": "toy.Regression", "batch_size": 7, "n_train": 41},
-                                hooks=[{"ComputeStats": {"variables": ["loss"]}},
-                                       {"SaveBest": {"variable": "valid.loss", "mode": "min"}}, "SaveLatest"])
-    assert phalanx("train", str(toy.write_config(tmp_path / "source", raw)), cwd=tmp_path).returncode == 0
+    raw = toy.regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4},
+        optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
+        dataset={"class": "toy.Regression", "batch_size": 7, "n_train": 41},
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
+            "SaveLatest",
+        ],
+    )
+    assert (
+        phalanx("train", str(toy.write_config(tmp_path / "source", raw)), cwd=tmp_path).returncode
+        == 0
+    )
     source = only_run(tmp_path / "source" / "runs")
     ends = {}
-    for name, parallel in (("one", ["parallel.devices=1"]), ("ddp", ["parallel.devices=2"]),
-                           ("fsdp", ["parallel.devices=2", "parallel.strategy=fsdp"])):
+    for name, parallel in (
+        ("one", ["parallel.devices=1"]),
+        ("ddp", ["parallel.devices=2"]),
+        ("fsdp", ["parallel.devices=2", "parallel.strategy=fsdp"]),
+    ):
         path = toy.write_config(tmp_path / name, {**raw, "parallel": {"accelerator": "cpu"}})
         result = phalanx("train", str(path), f"model.init_from={source}", *parallel, cwd=tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -57,13 +67,20 @@ def test_predict_writes_arrays_or_csv_with_the_predicted_class(tmp_path):
 
     from safetensors.torch import load_file
 
-    raw = toy.regression_config(model={"class": "toy.Classifier", "features": 4, "classes": 3},
-                                dataset={"class": "toy.Classes", "batch_size": 8},
-                                hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"])
+    raw = toy.regression_config(
+        model={"class": "toy.Classifier", "features": 4, "classes": 3},
+        dataset={"class": "toy.Classes", "batch_size": 8},
+        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"],
+    )
     assert phalanx("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path).returncode == 0
     run = only_run(tmp_path / "runs")
-    for name in ("pred.csv", "pred.safetensors"):  # no SaveBest: the default checkpoint is the latest
-        result = phalanx("predict", str(run), "--stream", "test", "--output", str(tmp_path / name), cwd=tmp_path)
+    for name in (
+        "pred.csv",
+        "pred.safetensors",
+    ):  # no SaveBest: the default checkpoint is the latest
+        result = phalanx(
+            "predict", str(run), "--stream", "test", "--output", str(tmp_path / name), cwd=tmp_path
+        )
         assert result.returncode == 0, result.stderr[-2000:]
     arrays = load_file(tmp_path / "pred.safetensors")
     assert arrays["logits"].shape == (20, 3) and torch.equal(arrays["index"], torch.arange(20))

@@ -1,5 +1,6 @@
 """The shipped examples train to the accuracy their docs promise: `phalanx train` then `phalanx eval`
 in real processes, from the repository root so that `examples.digits...` imports."""
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,28 @@ EXAMPLES = {
     "config": ("examples/digits/config.yaml", [], 0.97),
     "plain": ("examples/digits/plain.yaml", [], 0.9),
     # the same run on two CPU processes reaches the one-process run's accuracy
-    "config-2cpu": ("examples/digits/config.yaml", ["parallel.accelerator=cpu", "parallel.devices=2"], 0.97),
+    "config-2cpu": (
+        "examples/digits/config.yaml",
+        ["parallel.accelerator=cpu", "parallel.devices=2"],
+        0.97,
+    ),
 }
 
 
-def run_side_by_side(commands: dict[str, list[str]], timeout: float) -> dict[str, subprocess.CompletedProcess]:
-    procs = {key: subprocess.Popen([*PHALANX, *args], cwd=REPO, env=ENV, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for key, args in commands.items()}
+def run_side_by_side(
+    commands: dict[str, list[str]], timeout: float
+) -> dict[str, subprocess.CompletedProcess]:
+    procs = {
+        key: subprocess.Popen(
+            [*PHALANX, *args],
+            cwd=REPO,
+            env=ENV,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for key, args in commands.items()
+    }
     deadline, results = time.monotonic() + timeout, {}
     try:
         for key, proc in procs.items():
@@ -46,13 +62,20 @@ def run_side_by_side(commands: dict[str, list[str]], timeout: float) -> dict[str
 def evaluated(tmp_path_factory):
     """Each example trained once and its best checkpoint evaluated on the test stream."""
     root = tmp_path_factory.mktemp("examples")
-    trained = run_side_by_side({name: ["train", path, *overrides, f"output_root={root / name}"]
-                                for name, (path, overrides, _) in EXAMPLES.items()}, timeout=300)
+    trained = run_side_by_side(
+        {
+            name: ["train", path, *overrides, f"output_root={root / name}"]
+            for name, (path, overrides, _) in EXAMPLES.items()
+        },
+        timeout=300,
+    )
     runs = {}
     for name, result in trained.items():
         assert result.returncode == 0, result.stderr[-3000:]
         [runs[name]] = list((root / name).iterdir())
-    evals = run_side_by_side({name: ["eval", str(run), "--stream", "test"] for name, run in runs.items()}, timeout=120)
+    evals = run_side_by_side(
+        {name: ["eval", str(run), "--stream", "test"] for name, run in runs.items()}, timeout=120
+    )
     return {name: (runs[name], trained[name], evals[name]) for name in EXAMPLES}
 
 
@@ -83,8 +106,14 @@ def test_the_python_example_trains_what_the_config_trains(evaluated, tmp_path):
     checkpoint as `phalanx train` of the config, bit for bit, and the same test accuracy."""
     from safetensors.torch import load_file
 
-    result = subprocess.run([sys.executable, str(REPO / "examples" / "digits" / "fit.py")], cwd=tmp_path, env=ENV,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "digits" / "fit.py")],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = list((tmp_path / "runs").iterdir())
     cli = evaluated["config"][0]
@@ -93,6 +122,8 @@ def test_the_python_example_trains_what_the_config_trains(evaluated, tmp_path):
     mine = load_file(run / "checkpoints" / f"step-{best['step']}" / "model.safetensors")
     theirs = load_file(cli / "checkpoints" / f"step-{best['step']}" / "model.safetensors")
     assert mine.keys() == theirs.keys() and all((mine[k] == theirs[k]).all() for k in mine)
-    accuracy = json.loads((cli / f"eval-test-step-{best['step']}.json").read_text())["metrics"]["accuracy"]
+    accuracy = json.loads((cli / f"eval-test-step-{best['step']}.json").read_text())["metrics"][
+        "accuracy"
+    ]
     assert f"best checkpoint on the test stream: accuracy {accuracy:.4f}" in result.stdout
     assert "the first test image is a " in result.stdout

@@ -1,6 +1,7 @@
 """The GPT example (examples/gpt): the model is a causal language model that starts at chance, the
 byte-level standard-library corpus is cut as documented, and `phalanx train examples/gpt/tiny.yaml`
 learns in a real process, from the repository root so that `examples.gpt...` imports."""
+
 from __future__ import annotations
 
 import csv
@@ -32,6 +33,7 @@ TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, drop
 
 # --- the model -------------------------------------------------------------------------------------
 
+
 def test_the_loss_at_initialisation_is_that_of_a_uniform_guess():
     torch.manual_seed(0)
     model = GPT(**TINY).eval()
@@ -60,11 +62,14 @@ def test_a_token_changes_no_logit_before_it(t):
     changed[:, t] = (changed[:, t] + 1) % 256
     with torch.no_grad():
         before, after = model(tokens)["logits"], model(changed)["logits"]
-    assert torch.allclose(before[:, :t], after[:, :t], rtol=0, atol=1e-6)  # the past does not see it
-    assert not torch.allclose(before[:, t], after[:, t])                  # its own position does
+    assert torch.allclose(
+        before[:, :t], after[:, :t], rtol=0, atol=1e-6
+    )  # the past does not see it
+    assert not torch.allclose(before[:, t], after[:, t])  # its own position does
 
 
 # --- the data --------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def corpus():
@@ -80,7 +85,9 @@ def test_the_corpus_is_the_standard_library_source_in_sorted_order(corpus):
     files = source_files(stdlib_dir())
     relative = [f.relative_to(stdlib_dir()).as_posix() for f in files]
     assert relative == sorted(relative) and "os.py" in relative
-    assert not any(r.startswith(("site-packages/", "dist-packages/", "_sysconfigdata")) for r in relative)
+    assert not any(
+        r.startswith(("site-packages/", "dist-packages/", "_sysconfigdata")) for r in relative
+    )
     expected = b""
     for f in files:
         expected += f.read_bytes()
@@ -95,7 +102,9 @@ def test_the_dataset_is_deterministic(dataset):
         a, b = dataset.streams()[name], again.streams()[name]
         assert len(a) == len(b) > 0
         for i in (0, len(a) // 2, len(a) - 1):
-            assert torch.equal(a[i]["tokens"], b[i]["tokens"]) and torch.equal(a[i]["targets"], b[i]["targets"])
+            assert torch.equal(a[i]["tokens"], b[i]["tokens"]) and torch.equal(
+                a[i]["targets"], b[i]["targets"]
+            )
 
 
 def test_windows_are_contiguous_non_overlapping_and_targets_are_shifted(dataset, corpus):
@@ -108,8 +117,8 @@ def test_windows_are_contiguous_non_overlapping_and_targets_are_shifted(dataset,
             item = stream[i]
             assert item["tokens"].dtype == torch.long and item["tokens"].shape == (32,)
             start = offset + 32 * i  # window i covers bytes [32 i, 32 i + 33) of its stream
-            assert bytes(item["tokens"].tolist()) == corpus[start:start + 32]
-            assert bytes(item["targets"].tolist()) == corpus[start + 1:start + 33]
+            assert bytes(item["tokens"].tolist()) == corpus[start : start + 32]
+            assert bytes(item["targets"].tolist()) == corpus[start + 1 : start + 33]
             assert torch.equal(item["targets"][:-1], item["tokens"][1:])
             if i + 1 < len(stream):  # the next window starts where this one's tokens end
                 assert item["targets"][-1] == stream[i + 1]["tokens"][0]
@@ -121,19 +130,35 @@ def test_train_and_valid_do_not_overlap(dataset, corpus):
     train, valid = dataset.streams()["train"], dataset.streams()["valid"]
     n_train = len(corpus) - int(len(corpus) * 0.25)
     # the split is contiguous: train is the first n_train bytes, valid the rest
-    assert bytes(train.data.tolist()) == corpus[:n_train] and bytes(valid.data.tolist()) == corpus[n_train:]
+    assert (
+        bytes(train.data.tolist()) == corpus[:n_train]
+        and bytes(valid.data.tolist()) == corpus[n_train:]
+    )
     assert 32 * len(train) + 1 <= n_train  # the last train window's last target is a train byte
 
 
 # --- end to end ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """tiny.yaml for one epoch on a 300 kB corpus (132 steps): about 20 s on one thread."""
     root = tmp_path_factory.mktemp("gpt")
-    result = subprocess.run([*PHALANX, "train", "examples/gpt/tiny.yaml", f"output_root={root}",
-                             "main_loop.epochs=1", "dataset.max_bytes=300000"],
-                            cwd=REPO, env=ENV, text=True, capture_output=True, timeout=180)
+    result = subprocess.run(
+        [
+            *PHALANX,
+            "train",
+            "examples/gpt/tiny.yaml",
+            f"output_root={root}",
+            "main_loop.epochs=1",
+            "dataset.max_bytes=300000",
+        ],
+        cwd=REPO,
+        env=ENV,
+        text=True,
+        capture_output=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = list(root.iterdir())
     with open(run / "metrics.csv", newline="") as f:
@@ -163,8 +188,16 @@ def test_tiny_learns_well_below_chance_and_below_byte_frequencies(trained):
 
 def test_the_tied_checkpoint_evaluates_to_the_logged_loss(trained):
     run, rows = trained
-    result = subprocess.run([*PHALANX, "eval", str(run), "--stream", "valid"],
-                            cwd=REPO, env=ENV, text=True, capture_output=True, timeout=120)
+    result = subprocess.run(
+        [*PHALANX, "eval", str(run), "--stream", "valid"],
+        cwd=REPO,
+        env=ENV,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [saved] = list(run.glob("eval-valid-step-*.json"))
-    assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(float(rows[0]["valid.loss"]), rel=1e-5)
+    assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(
+        float(rows[0]["valid.loss"]), rel=1e-5
+    )

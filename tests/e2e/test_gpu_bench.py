@@ -2,6 +2,7 @@
 row per loop, and the JSON holds the settings, each loop's figures, the skipped loops and the issue's
 target checks, with figures that agree with one another (tokens/s = samples/s x sequence length,
 MFU = FLOPs x samples/s / peak, FLOPs as phalanx's own LogThroughput counted them)."""
+
 from __future__ import annotations
 
 import importlib
@@ -24,7 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = REPO / "bench" / "gpu.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-OPTIONAL = {"Lightning": "lightning.pytorch", "Accelerate": "accelerate"}  # loop -> what it imports (the bench extra)
+OPTIONAL = {
+    "Lightning": "lightning.pytorch",
+    "Accelerate": "accelerate",
+}  # loop -> what it imports (the bench extra)
 PEAK = 1e12  # a made-up peak, so that the CPU run computes an MFU
 
 
@@ -39,8 +43,14 @@ def importable(module: str) -> bool:
 
 def smoke(tmp_path: Path, workload: str, *extra: str) -> tuple[dict, str]:
     out = tmp_path / f"gpu-{workload}.json"
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--workload", workload, "--out", str(out), *extra],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--workload", workload, "--out", str(out), *extra],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(out.read_text()), result.stdout
 
@@ -67,7 +77,9 @@ def check_loops(report: dict, stdout: str) -> None:
     assert results["hand loop"]["throughput_ratio_vs_hand"]["median"] == 1.0
     hand_ms = results["hand loop"]["per_chunk_ms_per_step"]
     phalanx = results["phalanx"]
-    assert phalanx["ratio_of_totals"] == pytest.approx(sum(hand_ms) / sum(phalanx["per_chunk_ms_per_step"]), rel=1e-3)
+    assert phalanx["ratio_of_totals"] == pytest.approx(
+        sum(hand_ms) / sum(phalanx["per_chunk_ms_per_step"]), rel=1e-3
+    )
     for name, package in OPTIONAL.items():
         if not importable(package):
             assert name not in results
@@ -84,16 +96,28 @@ def check_loops(report: dict, stdout: str) -> None:
 def test_gpt2_small_smoke_reports_tokens_mfu_and_the_targets(tmp_path):
     report, stdout = smoke(tmp_path, "gpt2-small", "--peak-flops", str(PEAK))
     s = report["settings"]
-    assert (s["workload"], s["smoke"], s["device"], s["precision"], s["compile"]) == \
-        ("gpt2-small", True, "cpu", "fp32", False)
+    assert (s["workload"], s["smoke"], s["device"], s["precision"], s["compile"]) == (
+        "gpt2-small",
+        True,
+        "cpu",
+        "fp32",
+        False,
+    )
     assert s["model"]["class"] == "examples.gpt.model.GPT"
-    assert (s["model"]["n_layer"], s["model"]["n_embd"], s["model"]["block_size"], s["seq_len"]) == (2, 64, 32, 32)
+    assert (
+        s["model"]["n_layer"],
+        s["model"]["n_embd"],
+        s["model"]["block_size"],
+        s["seq_len"],
+    ) == (2, 64, 32, 32)
     check_loops(report, stdout)
 
     flops = report["flops_per_sample"]
     assert flops == pytest.approx(report["flops_per_sample_phalanx_logthroughput"], rel=1e-9)
     model = GPT(**{k: v for k, v in s["model"].items() if k != "class"})
-    assert flops == pytest.approx(model.flops_per_token() * s["seq_len"], rel=0.05)  # 6N + attention
+    assert flops == pytest.approx(
+        model.flops_per_token() * s["seq_len"], rel=0.05
+    )  # 6N + attention
     for r in report["results"].values():
         rate = r["samples_per_s"]["median"]
         assert r["tokens_per_s"]["median"] == pytest.approx(rate * s["seq_len"])
@@ -102,7 +126,11 @@ def test_gpt2_small_smoke_reports_tokens_mfu_and_the_targets(tmp_path):
 
     phalanx, target = report["results"]["phalanx"], report["target"]
     ratio = phalanx["throughput_ratio_vs_hand"]["median"]
-    assert target["checks"]["phalanx_throughput_ratio"] == {"min": 0.98, "value": ratio, "met": ratio >= 0.98}
+    assert target["checks"]["phalanx_throughput_ratio"] == {
+        "min": 0.98,
+        "value": ratio,
+        "met": ratio >= 0.98,
+    }
     mfu = phalanx["mfu"]["median"]
     assert target["checks"]["phalanx_mfu"] == {"min": 0.40, "value": mfu, "met": mfu >= 0.40}
     assert target["valid"] is False  # a smoke run on the CPU says nothing of the target
@@ -112,8 +140,13 @@ def test_gpt2_small_smoke_reports_tokens_mfu_and_the_targets(tmp_path):
 def test_launch_bound_smoke_runs_the_mlp_in_fp32_and_has_no_target(tmp_path):
     report, stdout = smoke(tmp_path, "launch-bound")
     s = report["settings"]
-    assert (s["workload"], s["batch_size"], s["precision"], s["compile"], s["workers"]) == \
-        ("launch-bound", 64, "fp32", False, 0)
+    assert (s["workload"], s["batch_size"], s["precision"], s["compile"], s["workers"]) == (
+        "launch-bound",
+        64,
+        "fp32",
+        False,
+        0,
+    )
     assert s["model"] == {"class": "bench.common.MLP", "features": 32, "hidden": 128, "classes": 10}
     check_loops(report, stdout)
     phalanx = report["results"]["phalanx"]
@@ -136,6 +169,8 @@ def test_resnet50_smoke_is_skipped_with_the_reason_where_torchvision_is_missing(
         assert report["settings"]["model"]["class"] == "torchvision.models.resnet18"
         assert "resnet18 instead of resnet50" in stdout
         check_loops(report, stdout)
-        assert checks["phalanx_throughput_ratio"]["value"] == \
-            report["results"]["phalanx"]["throughput_ratio_vs_hand"]["median"]
+        assert (
+            checks["phalanx_throughput_ratio"]["value"]
+            == report["results"]["phalanx"]["throughput_ratio_vs_hand"]["median"]
+        )
     assert "phalanx_mfu" not in checks

@@ -1,5 +1,6 @@
 """`parallel.devices: N` through the real launcher: worker processes, gloo on loopback, a failing
 rank, portable checkpoints across device counts, and a stop request."""
+
 from __future__ import annotations
 
 import json
@@ -14,17 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-import phalanx as phalanx_api
 import toy
 from procs import ENV, PHALANX, only_run, wait_until
 from procs import run as phalanx
+from safetensors.torch import load_file
+
+import phalanx as phalanx_api
 
 pytestmark = pytest.mark.timeout(400)
-
-
-
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -42,7 +40,13 @@ CFG = toy.regression_config(
     dataset={"class": "toy.Regression", "batch_size": 7, "n_train": 41},
     parallel={"accelerator": "cpu", "devices": 1},
     main_loop={"epochs": 3, "extra_streams": ["valid"]},
-    hooks=[{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest", {"StopAfter": {"steps": 1000}}])
+    hooks=[
+        {"ComputeStats": {"variables": ["loss"]}},
+        "LogVariables",
+        "SaveLatest",
+        {"StopAfter": {"steps": 1000}},
+    ],
+)
 
 
 def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path):
@@ -51,17 +55,25 @@ def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path)
     want = weights(only_run(tmp_path / "ref" / "runs"))
 
     interrupted = toy.write_config(tmp_path / "n3", CFG)
-    first = phalanx("train", str(interrupted), "parallel.devices=3", "hooks.3.StopAfter.steps=9", cwd=tmp_path)
+    first = phalanx(
+        "train", str(interrupted), "parallel.devices=3", "hooks.3.StopAfter.steps=9", cwd=tmp_path
+    )
     assert first.returncode == 0, first.stderr
     run = only_run(tmp_path / "n3" / "runs")
-    assert (run / "checkpoints" / "step-9" / "manifest.json").is_file()  # 6 steps an epoch: step 9 is mid-epoch
+    assert (
+        run / "checkpoints" / "step-9" / "manifest.json"
+    ).is_file()  # 6 steps an epoch: step 9 is mid-epoch
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(run), str(copy)], check=True)
 
-    on_two = phalanx("resume", str(run), "parallel.devices=2", "hooks.3.StopAfter.steps=1000", cwd=tmp_path)
+    on_two = phalanx(
+        "resume", str(run), "parallel.devices=2", "hooks.3.StopAfter.steps=1000", cwd=tmp_path
+    )
     assert on_two.returncode == 0, on_two.stderr
     assert relative(weights(run), want) < 1e-10
-    on_one = phalanx("resume", str(copy), "parallel.devices=1", "hooks.3.StopAfter.steps=1000", cwd=tmp_path)
+    on_one = phalanx(
+        "resume", str(copy), "parallel.devices=1", "hooks.3.StopAfter.steps=1000", cwd=tmp_path
+    )
     assert on_one.returncode == 0, on_one.stderr
     assert relative(weights(copy), want) < 1e-10
     log = (run / "log.txt").read_text()
@@ -78,16 +90,27 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert elapsed < 60  # process start-up included; the failure itself ends the job in seconds
     assert result.stderr.count("injected failure on rank 1 at step 3") == 1  # its traceback, once
     assert "rank 1 failed first" in result.stderr
-    leftover = subprocess.run(["pgrep", "-f", "phalanx.launch"], capture_output=True, text=True).stdout
+    leftover = subprocess.run(
+        ["pgrep", "-f", "phalanx.launch"], capture_output=True, text=True
+    ).stdout
     assert not leftover.strip()
 
 
 def test_a_stop_request_saves_and_resume_finishes(tmp_path):
-    cfg = {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
-           "main_loop": {"epochs": 6}}
+    cfg = {
+        **CFG,
+        "dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
+        "main_loop": {"epochs": 6},
+    }
     path = toy.write_config(tmp_path, cfg)
-    proc = subprocess.Popen([*PHALANX, "train", str(path), "parallel.devices=2"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*PHALANX, "train", str(path), "parallel.devices=2"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -120,9 +143,17 @@ def on_two_nodes(args: list[str], cwd: Path, first: int) -> list[tuple[str, str]
     """`phalanx ARGS --nnodes 2 --node-rank R --rdzv 127.0.0.1:PORT` for R = 0, 1, node `first`
     started first; both must succeed. Their (stdout, stderr), in the order they started."""
     rdzv = f"127.0.0.1:{_free_port()}"
-    nodes = [subprocess.Popen([*PHALANX, *args, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", rdzv], cwd=cwd,
-                              env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for rank in (first, 1 - first)]
+    nodes = [
+        subprocess.Popen(
+            [*PHALANX, *args, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", rdzv],
+            cwd=cwd,
+            env=ENV,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (first, 1 - first)
+    ]
     return all_succeed(nodes)
 
 
@@ -160,26 +191,42 @@ def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
     want = weights(only_run(tmp_path / "ref" / "runs"))
 
     path = toy.write_config(tmp_path / "stopped", CFG)
-    assert phalanx("train", str(path), "hooks.3.StopAfter.steps=8", cwd=tmp_path).returncode == 0  # mid-epoch 2
+    assert (
+        phalanx("train", str(path), "hooks.3.StopAfter.steps=8", cwd=tmp_path).returncode == 0
+    )  # mid-epoch 2
     run = only_run(tmp_path / "stopped" / "runs")
     on_two_nodes(["resume", str(run), "hooks.3.StopAfter.steps=1000"], tmp_path, first=0)
     assert relative(weights(run), want) < 1e-10
-    assert "resuming" in (run / "log.txt").read_text() and "from step 8" in (run / "log.txt").read_text()
+    assert (
+        "resuming" in (run / "log.txt").read_text()
+        and "from step 8" in (run / "log.txt").read_text()
+    )
 
 
 def _elastic_config(delay: float) -> dict:
-    return {**CFG, "dataset": {"class": "toy.SlowRegression", "batch_size": 7, "n_train": 41, "delay": delay},
-            "hooks": [{"SaveEvery": {"steps": 2}}, "SaveLatest"],
-            "parallel": {"accelerator": "cpu", "devices": 1, "max_restarts": 3}}
+    return {
+        **CFG,
+        "dataset": {"class": "toy.SlowRegression", "batch_size": 7, "n_train": 41, "delay": delay},
+        "hooks": [{"SaveEvery": {"steps": 2}}, "SaveLatest"],
+        "parallel": {"accelerator": "cpu", "devices": 1, "max_restarts": 3},
+    }
 
 
 def _elastic_node(path: Path, rank: int, rdzv: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv",
-                             rdzv], cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv", rdzv],
+        cwd=cwd,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.parametrize("change", ["leaves", "joins"])
-def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_global_batch(tmp_path, change):
+def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_global_batch(
+    tmp_path, change
+):
     """--nnodes 1:2. `leaves`: node 1 is killed (SIGKILL) after a checkpoint of the two; node 0's
     workers start again in a round of one machine and resume on half the processes. `joins`: node 0
     starts alone, node 1 comes after its first checkpoint, and the workers start again in a round of
@@ -192,7 +239,9 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     path = toy.write_config(tmp_path / "elastic", _elastic_config(0.05))
     rdzv = f"127.0.0.1:{_free_port()}"
     runs = tmp_path / "elastic" / "runs"
-    checkpoints = lambda: list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []  # noqa: E731
+    checkpoints = lambda: (
+        list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []
+    )  # noqa: E731
     nodes = [_elastic_node(path, 0, rdzv, tmp_path)]
     try:
         if change == "leaves":
@@ -200,7 +249,9 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
             wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the two machines")
             nodes[1].kill()  # the machine leaves; its worker ends within a second
         else:
-            wait_until(lambda: checkpoints(), nodes[0], what="a checkpoint of the first machine alone")
+            wait_until(
+                lambda: checkpoints(), nodes[0], what="a checkpoint of the first machine alone"
+            )
             nodes.append(_elastic_node(path, 1, rdzv, tmp_path))
         done = [node.communicate(timeout=240) for node in nodes]
     finally:
@@ -222,28 +273,50 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
     """kill -9 of rank 1 at step 9 with max_restarts 1: the launcher starts both workers again, they
     resume from the checkpoint at the first epoch's end (step 6), and the end is an uninterrupted run's."""
     hooks = ["SaveLatest"]
-    reference = toy.write_config(tmp_path / "ref", {**CFG, "hooks": hooks, "model": {"class": "toy.Linear"},
-                                                    "parallel": {"accelerator": "cpu", "devices": 2}})
+    reference = toy.write_config(
+        tmp_path / "ref",
+        {
+            **CFG,
+            "hooks": hooks,
+            "model": {"class": "toy.Linear"},
+            "parallel": {"accelerator": "cpu", "devices": 2},
+        },
+    )
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
     want = weights(only_run(tmp_path / "ref" / "runs"))
 
-    faulty = {**CFG, "hooks": hooks, "model": {"class": "toy.FaultAt", "rank": 1, "step": 9, "kind": "kill"},
-              "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 1}}
+    faulty = {
+        **CFG,
+        "hooks": hooks,
+        "model": {"class": "toy.FaultAt", "rank": 1, "step": 9, "kind": "kill"},
+        "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 1},
+    }
     result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(tmp_path / "faulty" / "runs")
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
-    assert "the workers started again in this run (a worker failed, or the machines changed): it resumes from " \
-           "the last checkpoint" in log
+    assert (
+        "the workers started again in this run (a worker failed, or the machines changed): it resumes from "
+        "the last checkpoint" in log
+    )
     assert "resuming" in log and "from step 6 " in log
 
 
 def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_path):
     record = tmp_path / "attempts.txt"
-    faulty = {**CFG, "model": {"class": "toy.FaultAt", "rank": 1, "step": 2, "kind": "raise", "attempts": None,
-                               "record": str(record)},
-              "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 2}}
+    faulty = {
+        **CFG,
+        "model": {
+            "class": "toy.FaultAt",
+            "rank": 1,
+            "step": 2,
+            "kind": "raise",
+            "attempts": None,
+            "record": str(record),
+        },
+        "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 2},
+    }
     result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
     assert result.returncode == 1
     assert record.read_text().split() == ["0", "1", "2"]  # exactly max_restarts + 1 attempts
@@ -261,15 +334,38 @@ def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_pat
 
     path = toy.write_config(tmp_path / "slurm", CFG)
     port = _free_port()
-    agent = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+    agent = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    )
     tasks = []
     for rank in range(2):
         env = {k: v for k, v in ENV.items() if k not in agent and not k.startswith("SLURM_")}
-        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="2",
-                   SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="127.0.0.1", SLURM_JOB_ID="7",
-                   MASTER_PORT=str(port))
-        tasks.append(subprocess.Popen([*PHALANX, "train", str(path), "parallel.devices=2"], cwd=tmp_path, env=env,
-                                      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env.update(
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_NTASKS="2",
+            SLURM_TASKS_PER_NODE="2",
+            SLURM_JOB_NODELIST="127.0.0.1",
+            SLURM_JOB_ID="7",
+            MASTER_PORT=str(port),
+        )
+        tasks.append(
+            subprocess.Popen(
+                [*PHALANX, "train", str(path), "parallel.devices=2"],
+                cwd=tmp_path,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     all_succeed(tasks)
     run = only_run(tmp_path / "slurm" / "runs")
     assert relative(weights(run), want) < 1e-10
@@ -284,9 +380,20 @@ def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path)
     want = weights(only_run(tmp_path / "ref" / "runs"))
 
     path = toy.write_config(tmp_path / "torchrun", CFG)
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run([*torchrun, "-m", "phalanx.cli", "train", str(path), "parallel.devices=2"],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    result = subprocess.run(
+        [*torchrun, "-m", "phalanx.cli", "train", str(path), "parallel.devices=2"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(tmp_path / "torchrun" / "runs")  # one run directory: rank 0's
     assert relative(weights(run), want) < 1e-10
@@ -318,19 +425,45 @@ def test_under_torchrun_each_process_fits_its_own_objects(tmp_path):
 
     path = toy.write_config(tmp_path / "objects", CFG)
     (tmp_path / "objects" / "fit.py").write_text(FIT_SCRIPT)
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "fit.py"]
-    result = subprocess.run([*torchrun, str(path), "seeded"], cwd=tmp_path / "objects", env=ENV, capture_output=True,
-                            text=True, timeout=240)
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "fit.py",
+    ]
+    result = subprocess.run(
+        [*torchrun, str(path), "seeded"],
+        cwd=tmp_path / "objects",
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     run = only_run(tmp_path / "objects" / "runs")
-    assert relative(phalanx_api.load(run, "latest", model=toy.Linear(features=3, hidden=4)).state_dict(), want) < 1e-10
+    assert (
+        relative(
+            phalanx_api.load(run, "latest", model=toy.Linear(features=3, hidden=4)).state_dict(),
+            want,
+        )
+        < 1e-10
+    )
     ends = sorted(line.split() for line in result.stdout.splitlines())
-    assert [rank for rank, _, _ in ends] == ["0", "1"] and {status for _, status, _ in ends} == {"finished"}
+    assert [rank for rank, _, _ in ends] == ["0", "1"] and {status for _, status, _ in ends} == {
+        "finished"
+    }
     assert ends[0][2] == ends[1][2]  # every process returns the same numbers
 
     shutil.rmtree(tmp_path / "objects" / "runs")
-    result = subprocess.run([*torchrun, str(path), "unseeded"], cwd=tmp_path / "objects", env=ENV,
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [*torchrun, str(path), "unseeded"],
+        cwd=tmp_path / "objects",
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode != 0
     assert "the model given differs on rank(s) [1] from rank 0's" in result.stderr
     assert not list((tmp_path / "objects" / "runs").iterdir())  # nothing trained, nothing left

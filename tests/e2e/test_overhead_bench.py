@@ -3,6 +3,7 @@ chunk it should, both learn the same task, and the JSON's figures agree with one
 figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here. The instruction
 counter's variants run natively (callgrind itself takes minutes), and its reading of callgrind's
 dumps is checked on dumps written here."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ pytestmark = pytest.mark.timeout(300)
 
 def run(tmp_path: Path, script: str, *args: str) -> dict:
     out = tmp_path / "report.json"
-    result = subprocess.run([sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "target: phalanx" in result.stdout
     return json.loads(out.read_text())
@@ -39,8 +46,18 @@ def check_figures(entry: dict, chunks: int) -> None:
 
 def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
     steps, chunk, rounds = 20, 10, 2
-    report = run(tmp_path, "ddp_overhead.py", "--steps", str(steps), "--chunk", str(chunk),
-                 "--rounds", str(rounds), "--warmup", "1")
+    report = run(
+        tmp_path,
+        "ddp_overhead.py",
+        "--steps",
+        str(steps),
+        "--chunk",
+        str(chunk),
+        "--rounds",
+        str(rounds),
+        "--warmup",
+        "1",
+    )
     results, chunks = report["results"], rounds * steps // chunk
     assert report["settings"]["processes"] == 2 and report["settings"]["chunk"] == chunk
     for name in ("hand DDP", "phalanx ddp"):
@@ -48,7 +65,9 @@ def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
         assert len(results[name]["wall"]["per_rank_ms_per_step"]) == 2
     assert results["hand DDP"]["wall"]["ratio_vs_hand"]["median"] == 1.0
     assert len(results["phalanx incl. epoch end"]["wall"]["per_epoch_ms_per_step"]) == rounds
-    assert report["target"]["met"] == (report["target"]["phalanx_ratio"] <= report["target"]["phalanx_ratio_max"])
+    assert report["target"]["met"] == (
+        report["target"]["phalanx_ratio"] <= report["target"]["phalanx_ratio_max"]
+    )
     assert report["phalanx_checkpoints"], "phalanx's SaveLatest wrote no checkpoint"
     loss = report["final_epoch_loss"]["hand DDP"]
     assert math.isfinite(loss) and loss < math.log(10)  # below chance on 10 classes: it learned
@@ -56,10 +75,24 @@ def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
 
 def test_fsdp_overhead_runs_phalanx_fsdp_against_a_hand_fsdp2_loop(tmp_path):
     steps, chunk, rounds = 20, 10, 2
-    report = run(tmp_path, "ddp_overhead.py", "--strategy", "fsdp", "--steps", str(steps), "--chunk", str(chunk),
-                 "--rounds", str(rounds), "--warmup", "1")
+    report = run(
+        tmp_path,
+        "ddp_overhead.py",
+        "--strategy",
+        "fsdp",
+        "--steps",
+        str(steps),
+        "--chunk",
+        str(chunk),
+        "--rounds",
+        str(rounds),
+        "--warmup",
+        "1",
+    )
     results = report["results"]
-    assert report["settings"]["strategy"] == "fsdp" and report["target"]["phalanx_ratio_max"] == 1.10
+    assert (
+        report["settings"]["strategy"] == "fsdp" and report["target"]["phalanx_ratio_max"] == 1.10
+    )
     assert report["phalanx_config"]["parallel"]["strategy"] == "fsdp"
     for name in ("hand FSDP2", "phalanx fsdp"):
         check_figures(results[name], rounds * steps // chunk)
@@ -70,7 +103,16 @@ def test_fsdp_overhead_runs_phalanx_fsdp_against_a_hand_fsdp2_loop(tmp_path):
 
 def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(tmp_path):
     steps, chunk, rounds = 20, 10, 2
-    report = run(tmp_path, "overhead.py", "--steps", str(steps), "--chunk", str(chunk), "--rounds", str(rounds))
+    report = run(
+        tmp_path,
+        "overhead.py",
+        "--steps",
+        str(steps),
+        "--chunk",
+        str(chunk),
+        "--rounds",
+        str(rounds),
+    )
     chunks = rounds * steps // chunk
     for name in ("hand loop", "phalanx"):
         check_figures(report["results"][name], chunks)
@@ -83,11 +125,32 @@ def test_instruction_counter_runs_every_variant(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from instructions import VARIANTS
 
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "instructions.py"), "--native", "--steps", "2",
-                             "--epochs", "1", "--warmup", "1", "--epoch-steps", "3", "--variants", ",".join(VARIANTS)],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "instructions.py"),
+            "--native",
+            "--steps",
+            "2",
+            "--epochs",
+            "1",
+            "--warmup",
+            "1",
+            "--epoch-steps",
+            "3",
+            "--variants",
+            ",".join(VARIANTS),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert [line.split(":")[0] for line in result.stdout.splitlines() if "calls, not counted" in line] == VARIANTS
+    assert [
+        line.split(":")[0] for line in result.stdout.splitlines() if "calls, not counted" in line
+    ] == VARIANTS
 
 
 def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
@@ -97,12 +160,15 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
     def dump(name: str, thread: int, label: str, total: int) -> None:
         (tmp_path / f"{name}-{thread:02d}").write_text(
             f"version: 1\ncmd: python\npart: 1\ndesc: Trigger: Client Request: {label}\nthread: {thread}\n"
-            f"events: Ir\nsummary: {total}\n")
+            f"events: Ir\nsummary: {total}\n"
+        )
 
     dump("out.1", 1, "hand-step", 4_000_000)
     dump("out.1", 2, "hand-step", 9_999_999)  # gloo's thread: left out
     dump("out.2", 1, "phalanx-step", 4_400_000)
-    (tmp_path / "out.3-01").write_text("version: 1\ncmd: python\n")  # no client request: not a variant
+    (tmp_path / "out.3-01").write_text(
+        "version: 1\ncmd: python\n"
+    )  # no client request: not a variant
     assert counts(tmp_path) == {"hand-step": 4_000_000, "phalanx-step": 4_400_000}
 
 
@@ -110,22 +176,67 @@ def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
     """The GPU benchmark's machinery at tiny sizes on the CPU: fsdp on one process with offload and a
     meta-device build trains the example decoder (tied weights) at each size the search tries."""
     out = tmp_path / "largest.json"
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "largest_model.py"), "--smoke", "--mode",
-                             "fsdp-offload", "--max-layers", "3", "--out", str(out)],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "largest_model.py"),
+            "--smoke",
+            "--mode",
+            "fsdp-offload",
+            "--max-layers",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = json.loads(out.read_text())["modes"]["fsdp-offload"]
-    assert [t["layers"] for t in found["trials"]] == [1, 2, 3] and all(t["fits"] for t in found["trials"])
+    assert [t["layers"] for t in found["trials"]] == [1, 2, 3] and all(
+        t["fits"] for t in found["trials"]
+    )
     assert found["largest_layers"] == 3 and found["capped_at_max_layers"]
-    assert found["largest_parameters"] == found["trials"][-1]["parameters"] > found["trials"][0]["parameters"]
+    assert (
+        found["largest_parameters"]
+        == found["trials"][-1]["parameters"]
+        > found["trials"][0]["parameters"]
+    )
 
 
 def test_async_checkpoint_benchmark_times_the_three_runs(tmp_path):
     out = tmp_path / "async.json"
-    result = subprocess.run([sys.executable, str(REPO / "bench" / "async_checkpoints.py"), "--hidden", "1000",
-                             "--steps", "10", "--every", "2", "--rounds", "1", "--out", str(out)],
-                            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "async_checkpoints.py"),
+            "--hidden",
+            "1000",
+            "--steps",
+            "10",
+            "--every",
+            "2",
+            "--rounds",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["no checkpoints", "saved in the training thread", "saved in the background"]
-    assert results["no checkpoints"]["ratio"] == 1.0 and all(r["ms_per_step"] > 0 for r in results.values())
+    assert list(results) == [
+        "no checkpoints",
+        "saved in the training thread",
+        "saved in the background",
+    ]
+    assert results["no checkpoints"]["ratio"] == 1.0 and all(
+        r["ms_per_step"] > 0 for r in results.values()
+    )

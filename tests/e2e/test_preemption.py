@@ -2,6 +2,7 @@
 (as a scheduler preempting it would) stops every rank at the same step with one checkpoint and exit
 143; SIGUSR1 to the launcher (Slurm's `--signal` notice) does the same with 138; each time
 `phalanx resume` goes on, and the run ends as an uninterrupted one."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 import toy
 from procs import finish, start, wait_until
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.timeout(300)
 EPOCHS, STEPS = 6, 10  # 40 samples, batch 4
@@ -22,7 +22,11 @@ EPOCHS, STEPS = 6, 10  # 40 samples, batch 4
 
 def events(run: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in (run / "trace.jsonl").read_text().splitlines() if line.endswith("}")]
+        return [
+            json.loads(line)
+            for line in (run / "trace.jsonl").read_text().splitlines()
+            if line.endswith("}")
+        ]
     except OSError:
         return []
 
@@ -30,8 +34,10 @@ def events(run: Path) -> list[dict]:
 def config(delay: float) -> dict:
     return toy.regression_config(
         dataset={"class": "toy.SlowRegression", "batch_size": 4, "delay": delay, "init_s": 0.01},
-        parallel={"accelerator": "cpu", "devices": 2}, main_loop={"epochs": EPOCHS, "extra_streams": []},
-        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"])
+        parallel={"accelerator": "cpu", "devices": 2},
+        main_loop={"epochs": EPOCHS, "extra_streams": []},
+        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"],
+    )
 
 
 def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -48,8 +54,13 @@ def test_a_signal_to_one_worker_or_to_the_launcher_stops_every_rank_at_one_step(
     toy.write_config(exp, config(delay=0.02))
     proc = start("train", "config.yaml", cwd=exp)
     runs = exp / "runs"
-    wait_until(lambda: runs.is_dir() and any(e["event"] == "epoch" for r in runs.iterdir() for e in events(r)),
-               proc, what="the first epoch")
+    wait_until(
+        lambda: (
+            runs.is_dir() and any(e["event"] == "epoch" for r in runs.iterdir() for e in events(r))
+        ),
+        proc,
+        what="the first epoch",
+    )
     [run] = list(runs.iterdir())
     worker = int((exp / "ready-1").read_text())  # rank 1's pid, which toy.SlowRegression wrote
     os.kill(worker, signal.SIGTERM)
@@ -63,7 +74,11 @@ def test_a_signal_to_one_worker_or_to_the_launcher_stops_every_rank_at_one_step(
 
     proc = start("resume", str(run), cwd=exp)
     before = len(events(run))
-    wait_until(lambda: any(e["event"] == "epoch" for e in events(run)[before:]), proc, what="an epoch after resuming")
+    wait_until(
+        lambda: any(e["event"] == "epoch" for e in events(run)[before:]),
+        proc,
+        what="an epoch after resuming",
+    )
     proc.send_signal(signal.SIGUSR1)
     second = finish(proc, timeout=120)
     assert second.returncode == 138, second.stdout + second.stderr

@@ -1,6 +1,7 @@
 """The launcher and its workers under hostile use, in real processes: a launcher killed with SIGKILL,
 the sockets a run listens on, a second signal, a hung rank, signals during start-up, and two commands
 in one run directory."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 import toy
 from procs import finish, start, wait_until
 
@@ -67,8 +67,14 @@ class StuckAt(toy.Linear):
 
 
 def experiment(folder: Path, **sections) -> Path:
-    cfg = toy.regression_config(**{"dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
-                                   "main_loop": {"epochs": 100}, "hooks": ["SaveLatest"], **sections})
+    cfg = toy.regression_config(
+        **{
+            "dataset": {"class": "toy.SlowRegression", "batch_size": 4, "delay": 0.02},
+            "main_loop": {"epochs": 100},
+            "hooks": ["SaveLatest"],
+            **sections,
+        }
+    )
     path = toy.write_config(folder, cfg)
     (folder / "parts.py").write_text(PARTS)
     return path
@@ -77,7 +83,11 @@ def experiment(folder: Path, **sections) -> Path:
 def events(root: Path) -> list[str]:
     out = []
     for trace in root.glob("*/trace.jsonl"):
-        out += [json.loads(line)["event"] for line in trace.read_text().splitlines() if line.endswith("}")]
+        out += [
+            json.loads(line)["event"]
+            for line in trace.read_text().splitlines()
+            if line.endswith("}")
+        ]
     return out
 
 
@@ -142,7 +152,7 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
             hex_address, hex_port = fields[1].split(":")
             raw = bytes.fromhex(hex_address)
             # /proc prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             out.append((socket.inet_ntop(family, raw), int(hex_port, 16), inodes[fields[9]]))
     return out
 
@@ -156,7 +166,9 @@ def killed(tmp_path_factory):
     proc = start("train", str(path), *TWO, cwd=exp)
     workers: list[int] = []
     try:
-        wait_until(lambda: (exp / "stuck").is_file(), proc, what="rank 1 being stuck in its second epoch")
+        wait_until(
+            lambda: (exp / "stuck").is_file(), proc, what="rank 1 being stuck in its second epoch"
+        )
         workers = workers_of(proc.pid)
         sockets = listening_sockets([proc.pid, *workers])
         proc.kill()
@@ -164,8 +176,12 @@ def killed(tmp_path_factory):
         killed_at = time.monotonic()
         while any(alive(p) for p in workers) and time.monotonic() - killed_at < 30:
             time.sleep(0.05)
-        return SimpleNamespace(workers=workers, sockets=sockets, survived=time.monotonic() - killed_at,
-                               left=[p for p in workers if alive(p)])
+        return SimpleNamespace(
+            workers=workers,
+            sockets=sockets,
+            survived=time.monotonic() - killed_at,
+            left=[p for p in workers if alive(p)],
+        )
     finally:
         proc.kill()
         kill_all(workers)
@@ -185,13 +201,20 @@ def test_a_run_listens_on_loopback_only(killed):
 
 def test_a_second_signal_ends_every_worker_at_once(tmp_path):
     # every checkpoint takes 5 s to write, so both signals arrive while one is half written
-    path = experiment(tmp_path, model={"class": "toy.SlowSave", "save_delay": 5.0},
-                      dataset={"class": "toy.Regression", "batch_size": 8}, main_loop={"epochs": 3})
+    path = experiment(
+        tmp_path,
+        model={"class": "toy.SlowSave", "save_delay": 5.0},
+        dataset={"class": "toy.Regression", "batch_size": 8},
+        main_loop={"epochs": 3},
+    )
     proc = start("train", str(path), *TWO, cwd=tmp_path)
     workers: list[int] = []
     try:
-        wait_until(lambda: any((tmp_path / "runs").glob("*/checkpoints/.tmp-*")), proc,
-                   what="a checkpoint being written")
+        wait_until(
+            lambda: any((tmp_path / "runs").glob("*/checkpoints/.tmp-*")),
+            proc,
+            what="a checkpoint being written",
+        )
         workers = workers_of(proc.pid)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
@@ -212,9 +235,12 @@ def test_a_second_signal_ends_every_worker_at_once(tmp_path):
 
 def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_timeout(tmp_path):
     timeout = 3
-    path = experiment(tmp_path, model={"class": "parts.HangAt", "rank": 1, "step": 3},
-                      dataset={"class": "toy.Regression", "batch_size": 8},
-                      parallel={"accelerator": "cpu", "devices": 2, "timeout_s": timeout})
+    path = experiment(
+        tmp_path,
+        model={"class": "parts.HangAt", "rank": 1, "step": 3},
+        dataset={"class": "toy.Regression", "batch_size": 8},
+        parallel={"accelerator": "cpu", "devices": 2, "timeout_s": timeout},
+    )
     proc = start("train", str(path), cwd=tmp_path)
     try:
         wait_until(lambda: (tmp_path / "hung").is_file(), proc, what="rank 1 hanging")
@@ -224,8 +250,10 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     finally:
         proc.kill()
     assert result.returncode == 1, result.stderr
-    assert elapsed < timeout + 5, f"the job ended {elapsed:.1f} s after the hang, with a {timeout} s timeout"
-    error = result.stderr[result.stderr.index("phalanx: error:"):]
+    assert elapsed < timeout + 5, (
+        f"the job ended {elapsed:.1f} s after the hang, with a {timeout} s timeout"
+    )
+    error = result.stderr[result.stderr.index("phalanx: error:") :]
     assert "rank 1 did not reach the gradient all-reduce of step 3" in error, error
     assert f"parallel.timeout_s={timeout}" in error
     assert "rank 1: last seen in step 3" in error
@@ -239,10 +267,14 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
 
 
 def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
-    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
+    path = experiment(
+        tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60}
+    )
     proc = start("train", str(path), cwd=tmp_path)
     wait_until(lambda: (tmp_path / "ready-0").is_file(), proc, what="the data set being built")
-    assert (tmp_path / "runs").is_dir() and list((tmp_path / "runs").iterdir())  # the run directory exists
+    assert (tmp_path / "runs").is_dir() and list(
+        (tmp_path / "runs").iterdir()
+    )  # the run directory exists
     proc.send_signal(signal.SIGTERM)
     result = finish(proc, timeout=30)
     assert result.returncode == 143, result.stderr
@@ -255,15 +287,24 @@ def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
 def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
     """A terminal's Ctrl-C reaches the whole foreground process group: the launcher and the workers
     it started, here while they import torch or while they build the data set."""
-    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
-    proc = start("train", str(path), *TWO, cwd=tmp_path, new_session=True)  # its own group, as a terminal's job
+    path = experiment(
+        tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60}
+    )
+    proc = start(
+        "train", str(path), *TWO, cwd=tmp_path, new_session=True
+    )  # its own group, as a terminal's job
     workers: list[int] = []
     try:
         if when == "importing":
-            wait_until(lambda: len(workers_of(proc.pid)) == 2, proc, what="the workers being started")
+            wait_until(
+                lambda: len(workers_of(proc.pid)) == 2, proc, what="the workers being started"
+            )
         else:
-            wait_until(lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)), proc,
-                       what="the workers building the data set")
+            wait_until(
+                lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)),
+                proc,
+                what="the workers building the data set",
+            )
         workers = workers_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         result = finish(proc, timeout=30)
@@ -279,12 +320,17 @@ def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
 
 
 def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
-    path = experiment(tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60})
+    path = experiment(
+        tmp_path, dataset={"class": "toy.SlowRegression", "batch_size": 4, "init_s": 60}
+    )
     proc = start("train", str(path), *TWO, cwd=tmp_path)
     workers: list[int] = []
     try:
-        wait_until(lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)), proc,
-                   what="the workers building the data set")
+        wait_until(
+            lambda: all((tmp_path / f"ready-{r}").is_file() for r in (0, 1)),
+            proc,
+            what="the workers building the data set",
+        )
         workers = workers_of(proc.pid)
         proc.send_signal(signal.SIGTERM)
         result = finish(proc, timeout=30)
@@ -298,7 +344,9 @@ def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
     assert not [p for p in workers if alive(p)]
 
 
-def test_a_run_directory_in_use_is_refused_naming_its_holder_and_a_killed_holder_leaves_no_lock(tmp_path):
+def test_a_run_directory_in_use_is_refused_naming_its_holder_and_a_killed_holder_leaves_no_lock(
+    tmp_path,
+):
     path = experiment(tmp_path, hooks=[{"SaveEvery": {"steps": 2}}])
     proc = start("train", str(path), *TWO, cwd=tmp_path)
     workers: list[int] = []
@@ -316,8 +364,11 @@ def test_a_run_directory_in_use_is_refused_naming_its_holder_and_a_killed_holder
         proc.wait()
         before = events(tmp_path / "runs").count("started")
         third = start("resume", str(run), cwd=tmp_path)
-        wait_until(lambda: events(tmp_path / "runs").count("started") > before, third,
-                   what="the resume to start training")
+        wait_until(
+            lambda: events(tmp_path / "runs").count("started") > before,
+            third,
+            what="the resume to start training",
+        )
         third.send_signal(signal.SIGTERM)
         result = finish(third)
         assert result.returncode == 143, result.stderr

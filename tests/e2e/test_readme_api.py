@@ -1,4 +1,5 @@
 """The README's Python example, run as a user would: a script in a fresh folder."""
+
 from __future__ import annotations
 
 import re
@@ -7,13 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from procs import ENV
 
 pytestmark = pytest.mark.timeout(240)
 README = Path(__file__).resolve().parents[2] / "README.md"
 
-CHECKS = '''
+CHECKS = """
 import json
 from safetensors.torch import load_file
 step = json.loads((run.run_dir / "checkpoints" / "best.json").read_text())["step"]
@@ -21,7 +21,7 @@ want = load_file(next((run.run_dir / "checkpoints").glob(f"step-*{step}")) / "mo
 assert all(torch.equal(best.state_dict()[k], v) for k, v in want.items()), "load gave other weights"
 assert not best.training
 assert run.model.net.weight.shape == (1, 8) and run.metrics["valid.loss"] < 0.1, run.metrics
-'''
+"""
 
 
 def test_the_readmes_python_example_runs(tmp_path):
@@ -30,9 +30,17 @@ def test_the_readmes_python_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", text[marker:], re.S).group(1)
     script = tmp_path / "example.py"
     script.write_text(code + CHECKS)
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                            timeout=200)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     status, loss, run_dir = result.stdout.split()
     assert status == "finished" and float(loss) < 0.1
-    assert (tmp_path / run_dir).parent == tmp_path / "runs" and (tmp_path / run_dir / "metrics.csv").is_file()
+    assert (tmp_path / run_dir).parent == tmp_path / "runs" and (
+        tmp_path / run_dir / "metrics.csv"
+    ).is_file()

@@ -1,6 +1,7 @@
 """Signals sent to a real `phalanx train` process: the first SIGINT or SIGTERM finishes the step,
 saves and exits with 128 + the signal number; `phalanx resume` then ends where an uninterrupted run
 ends; a second signal exits at once and leaves no half-written checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 import toy
 from procs import finish, start, wait_until
+from safetensors.torch import load_file
+
 from phalanx import config
 from phalanx.hooks import StopAfter
 from phalanx.trainer import Trainer
@@ -59,7 +60,9 @@ class SlowRegression(toy.Regression):
 def slow_config(delay: float) -> dict:
     return toy.regression_config(
         dataset={"class": "slowtoy.SlowRegression", "batch_size": 4, "delay": delay},
-        main_loop={"epochs": EPOCHS}, hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest"])
+        main_loop={"epochs": EPOCHS},
+        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest"],
+    )
 
 
 def trace(run: Path) -> list[dict]:
@@ -99,26 +102,35 @@ def chain(tmp_path_factory):
     root = exp / "runs"
 
     proc = start("train", "config.yaml", cwd=exp)
-    wait_until(lambda: (run := the_run(root)) and any(e["event"] == "epoch" for e in trace(run)), proc,
-               what="the first epoch")
+    wait_until(
+        lambda: (run := the_run(root)) and any(e["event"] == "epoch" for e in trace(run)),
+        proc,
+        what="the first epoch",
+    )
     run = the_run(root)
     proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     first = finish(proc)
     first.seconds = time.monotonic() - sent
     first.trace = trace(run)
-    first.run = shutil.copytree(run, exp / "after-sigint")  # as it was: the resumes below prune checkpoints
+    first.run = shutil.copytree(
+        run, exp / "after-sigint"
+    )  # as it was: the resumes below prune checkpoints
 
     proc = start("resume", str(run), cwd=exp)
     before = len(first.trace)
-    wait_until(lambda: any(e["event"] == "epoch" for e in trace(run)[before:]), proc, what="an epoch after resuming")
+    wait_until(
+        lambda: any(e["event"] == "epoch" for e in trace(run)[before:]),
+        proc,
+        what="an epoch after resuming",
+    )
     proc.send_signal(signal.SIGTERM)
     second = finish(proc)
     second.trace = trace(run)[before:]
     second.run = shutil.copytree(run, exp / "after-sigterm")
 
     third = finish(start("resume", str(run), cwd=exp), timeout=120)
-    third.trace = trace(run)[before + len(second.trace):]
+    third.trace = trace(run)[before + len(second.trace) :]
     return SimpleNamespace(exp=exp, run=run, first=first, second=second, third=third)
 
 
@@ -145,7 +157,10 @@ def test_sigint_finishes_the_step_saves_and_exits_130(chain):
 def test_sigterm_saves_and_exits_143(chain):
     second = chain.second
     assert second.returncode == 143, second.stderr
-    assert second.trace[0]["event"] == "started" and second.trace[0]["step"] == chain.first.trace[-1]["step"]
+    assert (
+        second.trace[0]["event"] == "started"
+        and second.trace[0]["step"] == chain.first.trace[-1]["step"]
+    )
     last = second.trace[-1]
     assert last["event"] == "interrupted" and last["step"] > second.trace[0]["step"]
     assert (second.run / "checkpoints" / f"step-{last['step']}" / "manifest.json").is_file()
@@ -156,7 +171,10 @@ def test_resume_after_the_interruptions_ends_like_an_uninterrupted_run(chain):
     third = chain.third
     assert third.returncode == 0, third.stderr
     assert third.trace[0]["step"] == chain.second.trace[-1]["step"]
-    assert third.trace[-1]["event"] == "finished" and third.trace[-1]["step"] == EPOCHS * STEPS_PER_EPOCH
+    assert (
+        third.trace[-1]["event"] == "finished"
+        and third.trace[-1]["step"] == EPOCHS * STEPS_PER_EPOCH
+    )
     rows = (chain.run / "metrics.csv").read_text().splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(1, EPOCHS + 1))
     assert_weights_equal(chain.run, EPOCHS * STEPS_PER_EPOCH, reference_weights(chain.exp))
@@ -165,13 +183,22 @@ def test_resume_after_the_interruptions_ends_like_an_uninterrupted_run(chain):
 def test_a_second_signal_exits_at_once_leaving_no_partial_checkpoint(tmp_path):
     exp = tmp_path / "exp"
     # every checkpoint takes 5 s to write, so both signals arrive while one is half written
-    toy.write_config(exp, toy.regression_config(model={"class": "toy.SlowSave", "save_delay": 5.0},
-                                                main_loop={"epochs": 3}, hooks=["SaveLatest"]))
+    toy.write_config(
+        exp,
+        toy.regression_config(
+            model={"class": "toy.SlowSave", "save_delay": 5.0},
+            main_loop={"epochs": 3},
+            hooks=["SaveLatest"],
+        ),
+    )
     (exp / "slowtoy.py").write_text(SLOW)
     checkpoints = lambda: next((exp / "runs").glob("*/checkpoints"), None)  # noqa: E731
     proc = start("train", "config.yaml", cwd=exp)
-    wait_until(lambda: (c := checkpoints()) is not None and any(c.glob(".tmp-*")), proc,
-               what="a checkpoint being written")
+    wait_until(
+        lambda: (c := checkpoints()) is not None and any(c.glob(".tmp-*")),
+        proc,
+        what="a checkpoint being written",
+    )
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -183,5 +210,7 @@ def test_a_second_signal_exits_at_once_leaving_no_partial_checkpoint(tmp_path):
     assert [p.name for p in folder.iterdir() if p.name.startswith(".tmp")] == []
     for step in folder.glob("step-*"):
         assert (step / "manifest.json").is_file(), f"{step} has no manifest"
-    assert "interrupted" not in [e["event"] for e in trace(folder.parent)]  # it did not wait to save
+    assert "interrupted" not in [
+        e["event"] for e in trace(folder.parent)
+    ]  # it did not wait to save
     assert "Traceback" not in result.stderr

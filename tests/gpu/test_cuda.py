@@ -5,6 +5,7 @@ GPU over gloo (`parallel.backend: gloo`): NCCL refuses two ranks on one device, 
 machines have one GPU. float64 on the GPU uses other kernels than on the CPU, so the comparisons
 allow 1e-10 relative, as the CPU invariance suite does.
 """
+
 from __future__ import annotations
 
 import csv
@@ -23,11 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
 import toy  # noqa: E402
 import workers  # noqa: E402
+
 from phalanx import commands  # noqa: E402
 from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible"),
-              pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible"),
+    pytest.mark.timeout(600),
+]
 
 _SCRIPT = Path(sys.executable).with_name("phalanx")
 PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
@@ -38,9 +42,16 @@ def scenario(accelerator: str, model: str = "toy.Linear", **parallel) -> dict:
     return toy.regression_config(
         model={"class": model, "features": 3, "hidden": 4 if model == "toy.Linear" else 6},
         optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
-        dataset={"class": "toy.Regression", "batch_size": 10, "n_train": N_TRAIN, "n_valid": N_VALID},
+        dataset={
+            "class": "toy.Regression",
+            "batch_size": 10,
+            "n_train": N_TRAIN,
+            "n_valid": N_VALID,
+        },
         parallel={"accelerator": accelerator, "devices": 1, "gradient_accumulation": 2, **parallel},
-        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
 
 
 def rel(a, b) -> float:
@@ -57,7 +68,9 @@ def assert_same_run(got: dict, want: dict) -> None:
     assert rel(got["losses"], want["losses"]) < 1e-10
     for mine, theirs in zip(got["epochs"], want["epochs"], strict=True):
         assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID
-        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
+        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(
+            theirs["valid"]["loss"]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -69,21 +82,40 @@ def test_float64_on_the_gpu_trains_as_on_the_cpu(one_gpu):
     assert_same_run(one_gpu["toy.Linear"], workers.train(scenario("cpu")))
 
 
-@pytest.mark.parametrize("through_autograd", [False, True], ids=["carrier-direct", "carrier-autograd"])
+@pytest.mark.parametrize(
+    "through_autograd", [False, True], ids=["carrier-direct", "carrier-autograd"]
+)
 def test_two_ranks_sharing_the_gpu_train_as_one_process(one_gpu, through_autograd):
-    ranks = workers.run_ranks(2, workers.train_all, [scenario("cuda")], through_autograd,
-                              timeout=300, env={"LOCAL_RANK": "0"})
+    ranks = workers.run_ranks(
+        2,
+        workers.train_all,
+        [scenario("cuda")],
+        through_autograd,
+        timeout=300,
+        env={"LOCAL_RANK": "0"},
+    )
     for [got] in ranks:
         assert_same_run(got, one_gpu["toy.Linear"])
-        assert got["ids"] == one_gpu["toy.Linear"]["ids"]  # the same samples in the same order, gathered
+        assert (
+            got["ids"] == one_gpu["toy.Linear"]["ids"]
+        )  # the same samples in the same order, gathered
 
 
 def test_sync_batchnorm_on_the_gpu_trains_as_one_process(one_gpu):
     raw = scenario("cuda", "toy.BatchNormNet", sync_batchnorm=True)
-    raw["dataset"] = {**raw["dataset"], "n_train": 40}  # torch's SyncBatchNorm refuses an empty shard
-    raw["optimizer"] = {"class": "SGD", "lr": 0.05, "momentum": 0.9}  # Adam's 1/sqrt(v) magnifies rounding
+    raw["dataset"] = {
+        **raw["dataset"],
+        "n_train": 40,
+    }  # torch's SyncBatchNorm refuses an empty shard
+    raw["optimizer"] = {
+        "class": "SGD",
+        "lr": 0.05,
+        "momentum": 0.9,
+    }  # Adam's 1/sqrt(v) magnifies rounding
     want = workers.train({**raw, "parallel": {**raw["parallel"], "sync_batchnorm": False}})
-    for [got] in workers.run_ranks(2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}):
+    for [got] in workers.run_ranks(
+        2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
+    ):
         assert_same_run(got, want)
 
 
@@ -94,7 +126,9 @@ def _latest_weights(run_dir: Path) -> tuple[int, dict[str, torch.Tensor]]:
 
 
 def test_resume_on_the_gpu_mid_epoch_is_bit_identical(tmp_path):
-    raw = toy.regression_config(parallel={"accelerator": "cuda"}, main_loop={"epochs": 3, "extra_streams": []})
+    raw = toy.regression_config(
+        parallel={"accelerator": "cuda"}, main_loop={"epochs": 3, "extra_streams": []}
+    )
     raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"]
     assert commands.train(str(toy.write_config(tmp_path / "whole", raw)), []) == 0
     [whole_dir] = (tmp_path / "whole" / "runs").iterdir()
@@ -109,7 +143,9 @@ def test_resume_on_the_gpu_mid_epoch_is_bit_identical(tmp_path):
     end, resumed = _latest_weights(run_dir)
     assert end == 15
     for key, value in whole.items():
-        assert value.device.type == "cpu" and value.dtype == torch.float64  # checkpoints load anywhere
+        assert (
+            value.device.type == "cpu" and value.dtype == torch.float64
+        )  # checkpoints load anywhere
         assert torch.equal(resumed[key], value), key
 
 
@@ -117,10 +153,24 @@ def test_gpt_in_bf16_with_compile_learns_on_the_gpu(tmp_path):
     """examples/gpt/tiny.yaml on the GPU in bf16 autocast with torch.compile: it learns, keeps float32
     weights, and `phalanx eval` of its checkpoint gives the logged validation loss."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([*PHALANX, "train", "examples/gpt/tiny.yaml", f"output_root={tmp_path}",
-                             "parallel.accelerator=cuda", "precision=bf16", "compile=true",
-                             "main_loop.epochs=1", "dataset.max_bytes=300000"],
-                            cwd=REPO, env=env, text=True, capture_output=True, timeout=400)
+    result = subprocess.run(
+        [
+            *PHALANX,
+            "train",
+            "examples/gpt/tiny.yaml",
+            f"output_root={tmp_path}",
+            "parallel.accelerator=cuda",
+            "precision=bf16",
+            "compile=true",
+            "main_loop.epochs=1",
+            "dataset.max_bytes=300000",
+        ],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = list(tmp_path.iterdir())
     with open(run / "metrics.csv", newline="") as f:
@@ -128,8 +178,16 @@ def test_gpt_in_bf16_with_compile_learns_on_the_gpu(tmp_path):
     assert float(row["valid.loss"]) < 0.55 * math.log(256), row
     _, weights = _latest_weights(run)
     assert {w.dtype for w in weights.values()} == {torch.float32}
-    result = subprocess.run([*PHALANX, "eval", str(run), "--stream", "valid"],
-                            cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    result = subprocess.run(
+        [*PHALANX, "eval", str(run), "--stream", "valid"],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [saved] = list(run.glob("eval-valid-step-*.json"))
-    assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(float(row["valid.loss"]), rel=2e-2)
+    assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(
+        float(row["valid.loss"]), rel=2e-2
+    )

@@ -1,6 +1,7 @@
 """phalanx from Python: `fit` with a config file or a dict, and a model, dataset and hooks given as
 objects, trains exactly what `phalanx train` trains; `resume` continues such a run; `load` gives the
 model back. The command is written on these functions, so `phalanx train` is tested with it."""
+
 from __future__ import annotations
 
 import threading
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import toy
+from procs import run as phalanx_cli
 from safetensors.torch import load_file
 
 import phalanx
-import toy
-from procs import run as phalanx_cli
 from phalanx import rundir
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import ConfigError, ModelError, PhalanxError, RunDirError
@@ -22,12 +23,18 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _raw(**more) -> dict:
-    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
-                                optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 2},
-                                dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 37},
-                                parallel={"accelerator": "cpu"})
-    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest",
-                    {"SaveBest": {"variable": "valid.loss", "mode": "min"}}]
+    raw = toy.regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4},
+        optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 2},
+        dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 37},
+        parallel={"accelerator": "cpu"},
+    )
+    raw["hooks"] = [
+        {"ComputeStats": {"variables": ["loss"]}},
+        "WriteCSV",
+        "SaveLatest",
+        {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
+    ]
     return {**raw, **more}
 
 
@@ -85,12 +92,23 @@ def test_fit_with_objects_trains_what_phalanx_train_trains(cli_run, tmp_path, mo
     assert record.epochs[-1][1] == run.metrics["valid.loss"]
     # the saved config names the objects' classes and keeps the framework's keys; run.json says they were given
     saved = rundir.load_config_text(run.run_dir)
-    assert saved["model"] == {**saved["model"], "class": "toy.Linear"} and "hidden" not in saved["model"]
-    assert saved["dataset"]["class"] == "phalanx.objects.Streams" and saved["dataset"]["batch_size"] == 8
-    assert rundir.objects(run.run_dir) == {"model": "toy.Linear", "dataset": "phalanx.objects.Streams",
-                                           "hooks": ["test_api.Record"]}
-    assert "model: the object given replaces class toy.Linear and its arguments features, hidden" in \
-        (run.run_dir / "log.txt").read_text()
+    assert (
+        saved["model"] == {**saved["model"], "class": "toy.Linear"}
+        and "hidden" not in saved["model"]
+    )
+    assert (
+        saved["dataset"]["class"] == "phalanx.objects.Streams"
+        and saved["dataset"]["batch_size"] == 8
+    )
+    assert rundir.objects(run.run_dir) == {
+        "model": "toy.Linear",
+        "dataset": "phalanx.objects.Streams",
+        "hooks": ["test_api.Record"],
+    }
+    assert (
+        "model: the object given replaces class toy.Linear and its arguments features, hidden"
+        in (run.run_dir / "log.txt").read_text()
+    )
 
 
 def test_fit_of_a_config_file_is_phalanx_train(cli_run, tmp_path):
@@ -124,14 +142,21 @@ def test_load_gives_the_model_back(cli_run):
 def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, streams = _objects()
-    straight = phalanx.fit(_raw(main_loop={"epochs": 3, "extra_streams": ["valid"]}), model=model, dataset=streams)
+    straight = phalanx.fit(
+        _raw(main_loop={"epochs": 3, "extra_streams": ["valid"]}), model=model, dataset=streams
+    )
     model, streams = _objects()
     first = phalanx.fit(_raw(), model=model, dataset=streams, hooks=[StopAfter(epochs=1)])
     assert first.code == 0 and first.metrics.keys() == straight.metrics.keys()
-    with pytest.raises(RunDirError, match=r"phalanx.resume\(.*model=toy.Linear\(...\), dataset=phalanx.objects.Streams"):
+    with pytest.raises(
+        RunDirError,
+        match=r"phalanx.resume\(.*model=toy.Linear\(...\), dataset=phalanx.objects.Streams",
+    ):
         phalanx.resume(first.run_dir)
     fresh, streams = _objects()
-    resumed = phalanx.resume(first.run_dir, overrides=["main_loop.epochs=3"], model=fresh, dataset=streams)
+    resumed = phalanx.resume(
+        first.run_dir, overrides=["main_loop.epochs=3"], model=fresh, dataset=streams
+    )
     assert resumed.code == 0 and resumed.model is fresh and resumed.run_dir == first.run_dir
     want = straight.model.state_dict()
     assert all(torch.equal(fresh.state_dict()[k], want[k]) for k in want)
@@ -144,14 +169,23 @@ def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatc
     assert result.returncode == 2 and "given to phalanx.fit as objects" in result.stderr
     assert "phalanx.evaluate(" in result.stderr and "Traceback" not in result.stderr
     # evaluated and predicted from Python, given the objects again
-    metrics = phalanx.evaluate(first.run_dir, "valid", "latest", model=toy.Linear(features=3, hidden=4),
-                               dataset=streams)
+    metrics = phalanx.evaluate(
+        first.run_dir, "valid", "latest", model=toy.Linear(features=3, hidden=4), dataset=streams
+    )
     assert metrics["loss"] == resumed.metrics["valid.loss"]
     output = tmp_path / "valid.safetensors"
-    arrays = phalanx.predict(first.run_dir, "valid", "latest", output=str(output),
-                             model=toy.Linear(features=3, hidden=4), dataset=streams)
+    arrays = phalanx.predict(
+        first.run_dir,
+        "valid",
+        "latest",
+        output=str(output),
+        model=toy.Linear(features=3, hidden=4),
+        dataset=streams,
+    )
     assert arrays["loss"].mean().item() == pytest.approx(metrics["loss"], rel=1e-12)
-    assert torch.equal(arrays["index"], torch.arange(10)) and torch.equal(arrays["y"], streams["valid"].y.double())
+    assert torch.equal(arrays["index"], torch.arange(10)) and torch.equal(
+        arrays["y"], streams["valid"].y.double()
+    )
     assert all(torch.equal(v, arrays[k]) for k, v in load_file(output).items())
     with pytest.raises(RunDirError, match=r"phalanx.predict\("):
         phalanx.predict(first.run_dir, "valid", model=toy.Linear(features=3, hidden=4))
@@ -162,10 +196,15 @@ def test_objects_train_on_towers_as_on_one_device(tmp_path, monkeypatch):
     model, streams = _objects()
     one = phalanx.fit(_raw(hooks=[]), model=model, dataset=streams)
     model, streams = _objects()
-    towers = phalanx.fit(_raw(hooks=[], parallel={"accelerator": "cpu", "devices": 2, "strategy": "towers"}),
-                         model=model, dataset=streams)
+    towers = phalanx.fit(
+        _raw(hooks=[], parallel={"accelerator": "cpu", "devices": 2, "strategy": "towers"}),
+        model=model,
+        dataset=streams,
+    )
     want = one.model.state_dict()
-    assert all(torch.allclose(towers.model.state_dict()[k], want[k], rtol=1e-10, atol=0) for k in want)
+    assert all(
+        torch.allclose(towers.model.state_dict()[k], want[k], rtol=1e-10, atol=0) for k in want
+    )
 
 
 def test_fit_from_another_thread(tmp_path, monkeypatch):
@@ -173,7 +212,9 @@ def test_fit_from_another_thread(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, streams = _objects()
     runs = []
-    thread = threading.Thread(target=lambda: runs.append(phalanx.fit(_raw(hooks=[]), model=model, dataset=streams)))
+    thread = threading.Thread(
+        target=lambda: runs.append(phalanx.fit(_raw(hooks=[]), model=model, dataset=streams))
+    )
     thread.start()
     thread.join(120)
     assert runs and runs[0].code == 0
@@ -189,13 +230,20 @@ def test_bad_objects_are_errors_that_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"hooks\[0\] is a str"):
         phalanx.fit(_raw(), hooks=["StopAfter"])
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
-        phalanx.fit(_raw(parallel={"accelerator": "cpu", "devices": 2}), model=model, dataset=streams)
+        phalanx.fit(
+            _raw(parallel={"accelerator": "cpu", "devices": 2}), model=model, dataset=streams
+        )
     with pytest.raises(ConfigError, match="the config is a list"):
         phalanx.fit([1])
     with pytest.raises(ConfigError, match="batch_size"):
-        phalanx.fit({"model": {}, "optimizer": {"class": "SGD", "lr": 0.1}, "dataset": {}}, model=model,
-                    dataset=streams)
-    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())  # nothing half-made
+        phalanx.fit(
+            {"model": {}, "optimizer": {"class": "SGD", "lr": 0.1}, "dataset": {}},
+            model=model,
+            dataset=streams,
+        )
+    assert not (tmp_path / "runs").exists() or not list(
+        (tmp_path / "runs").iterdir()
+    )  # nothing half-made
 
 
 class Tied(torch.nn.Module):

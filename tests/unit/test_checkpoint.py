@@ -1,5 +1,6 @@
 """Checkpoints: the files a step holds, integrity checks that name the damaged file, falling back to
 the previous valid step, retention, atomic writes, and selecting a step."""
+
 from __future__ import annotations
 
 import errno
@@ -33,11 +34,21 @@ def _optimizer_state(module: nn.Module) -> dict:
 
 def _state(at: int, **changes) -> dict:
     """A trainer state as the trainer saves it at step `at`: counters, the seed, RNG and hook entries."""
-    return {"epoch": 1, "step": at, "step_in_epoch": 0, "batch_size": 8, "seed": 0, "rng": {"x": [1, 2]},
-            "hooks": {}, **changes}
+    return {
+        "epoch": 1,
+        "step": at,
+        "step_in_epoch": 0,
+        "batch_size": 8,
+        "seed": 0,
+        "rng": {"x": [1, 2]},
+        "hooks": {},
+        **changes,
+    }
 
 
-def _save(ckpts: Checkpoints, step: int, best: dict | None = None, seed: int | None = None) -> nn.Module:
+def _save(
+    ckpts: Checkpoints, step: int, best: dict | None = None, seed: int | None = None
+) -> nn.Module:
     module = _module(step if seed is None else seed)
     ckpts.save(step, module, _optimizer_state(module), _state(step), best)
     return module
@@ -51,10 +62,17 @@ def ckpts(tmp_path) -> Checkpoints:
 def test_save_writes_every_file_and_a_manifest_of_them(ckpts):
     module = _module(1)
     opt_state = _optimizer_state(module)
-    trainer_state = {"epoch": 2, "step": 7, "step_in_epoch": 3, "hooks": {"0:SaveBest": {"best": 0.5}}}
+    trainer_state = {
+        "epoch": 2,
+        "step": 7,
+        "step_in_epoch": 3,
+        "hooks": {"0:SaveBest": {"best": 0.5}},
+    }
     folder = ckpts.save(7, module, opt_state, trainer_state)
     assert folder == ckpts.path(7) and folder.name == "step-7"
-    assert sorted(p.name for p in folder.iterdir()) == sorted([WEIGHTS, OPTIMIZER, TRAINER, MANIFEST])
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [WEIGHTS, OPTIMIZER, TRAINER, MANIFEST]
+    )
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["step"] == 7
     assert set(manifest["files"]) == {WEIGHTS, OPTIMIZER, TRAINER}
@@ -103,10 +121,14 @@ def test_a_full_disk_during_a_save_is_one_error_naming_the_step_and_leaves_nothi
     module = _module(2)
     state = {**_optimizer_state(module), "scaler": {"seam": _FillsTheDisk()}}
     with pytest.raises(StorageError) as info:
-        ckpts.save(2, module, state, {"epoch": 1, "step": 2}, best={"variable": "valid.loss", "value": 0.5})
+        ckpts.save(
+            2, module, state, {"epoch": 1, "step": 2}, best={"variable": "valid.loss", "value": 0.5}
+        )
     message = str(info.value)
     assert str(ckpts.path(2)) in message and "the disk is full" in message and "\n" not in message
-    assert sorted(p.name for p in ckpts.root.iterdir()) == ["step-1"]  # no temporary folder, no best.json
+    assert sorted(p.name for p in ckpts.root.iterdir()) == [
+        "step-1"
+    ]  # no temporary folder, no best.json
     assert ckpts.steps() == [1]
 
 
@@ -134,7 +156,7 @@ def test_a_step_without_manifest_does_not_exist(ckpts):
 
 def _truncate(path):
     data = path.read_bytes()
-    path.write_bytes(data[:len(data) // 2])
+    path.write_bytes(data[: len(data) // 2])
 
 
 def _flip_byte(path):
@@ -144,11 +166,14 @@ def _flip_byte(path):
 
 
 @pytest.mark.parametrize("name", [WEIGHTS, OPTIMIZER, TRAINER])
-@pytest.mark.parametrize("damage, words", [
-    (_truncate, ["truncated"]),
-    (_flip_byte, ["SHA-256", "altered"]),
-    (lambda path: path.unlink(), ["missing"]),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_truncate, ["truncated"]),
+        (_flip_byte, ["SHA-256", "altered"]),
+        (lambda path: path.unlink(), ["missing"]),
+    ],
+)
 def test_verify_names_the_damaged_file(ckpts, name, damage, words):
     _save(ckpts, 4)
     size = (ckpts.path(4) / name).stat().st_size
@@ -190,7 +215,9 @@ def test_latest_valid_falls_back_with_a_warning(ckpts, phalanx_warnings):
         _save(ckpts, step)
     _flip_byte(ckpts.path(3) / WEIGHTS)
     assert ckpts.latest_valid() == 2
-    warnings = [r for r in phalanx_warnings.records if r.name == "phalanx" and r.levelno == logging.WARNING]
+    warnings = [
+        r for r in phalanx_warnings.records if r.name == "phalanx" and r.levelno == logging.WARNING
+    ]
     assert len(warnings) == 1
     assert str(ckpts.path(3) / WEIGHTS) in warnings[0].getMessage()
     _truncate(ckpts.path(2) / TRAINER)
@@ -214,7 +241,11 @@ def test_retention_keeps_the_last_k_and_the_best(tmp_path):
     for step in (3, 4, 5, 6):
         _save(ckpts, step)
         assert ckpts.steps() == sorted({2, step - 1, step})
-    assert sorted(p.name for p in ckpts.root.iterdir() if p.is_dir()) == ["step-2", "step-5", "step-6"]
+    assert sorted(p.name for p in ckpts.root.iterdir() if p.is_dir()) == [
+        "step-2",
+        "step-5",
+        "step-6",
+    ]
     assert ckpts.best() == 2
     _save(ckpts, 7, best={"variable": "valid.loss", "value": 0.05, "epoch": 7})
     assert ckpts.steps() == [6, 7]  # the old best is no longer the best nor among the last two
@@ -226,7 +257,11 @@ def test_saving_an_existing_step_again_can_mark_it_best(ckpts):
     _save(ckpts, 5, best={"variable": "valid.loss", "value": 0.2, "epoch": 1}, seed=2)
     assert ckpts.best() == 5
     assert json.loads((ckpts.root / "best.json").read_text()) == {
-        "step": 5, "variable": "valid.loss", "value": 0.2, "epoch": 1}
+        "step": 5,
+        "variable": "valid.loss",
+        "value": 0.2,
+        "epoch": 1,
+    }
     ckpts.verify(5)
     weights = load_file(str(ckpts.path(5) / WEIGHTS))
     assert torch.equal(weights["0.weight"], first[0].weight)  # the first save of a step stands
@@ -234,7 +269,11 @@ def test_saving_an_existing_step_again_can_mark_it_best(ckpts):
 
 def test_select_best_latest_and_a_step(ckpts):
     for step in (2, 4, 6):
-        _save(ckpts, step, best={"variable": "valid.loss", "value": 1.0, "epoch": 1} if step == 4 else None)
+        _save(
+            ckpts,
+            step,
+            best={"variable": "valid.loss", "value": 1.0, "epoch": 1} if step == 4 else None,
+        )
     assert ckpts.select("latest") == 6
     assert ckpts.select("best") == 4
     assert ckpts.select(2) == 2
@@ -253,7 +292,9 @@ def test_select_best_without_a_best(ckpts):
     with pytest.raises(CheckpointError, match="no best checkpoint"):
         ckpts.select("best")
     _save(ckpts, 2)
-    assert ckpts.select("auto") == 2  # auto, the default of eval, predict and export: the latest, without a best
+    assert (
+        ckpts.select("auto") == 2
+    )  # auto, the default of eval, predict and export: the latest, without a best
     _save(ckpts, 3, best={"variable": "valid.loss", "value": 0.5, "epoch": 1})
     _save(ckpts, 4)
     assert ckpts.select("auto") == 3  # and the best where there is one
@@ -265,7 +306,9 @@ def test_a_best_json_that_names_no_step_is_an_error_saying_so(ckpts, content):
     (ckpts.root / "best.json").write_text(content)
     assert ckpts.best() is None  # retention and ls go on without it
     ckpts.prune()
-    with pytest.raises(CheckpointError, match="best.json does not name a step; choose one with --checkpoint"):
+    with pytest.raises(
+        CheckpointError, match="best.json does not name a step; choose one with --checkpoint"
+    ):
         ckpts.select("best")
 
 
@@ -277,14 +320,20 @@ def test_loading_weights_into_another_model_is_an_error(ckpts):
     with pytest.raises(CheckpointError, match="does not fit this model"):
         load_weights(nn.Linear(3, 1).double(), ckpts.path(1) / WEIGHTS)
     with pytest.raises(CheckpointError, match="does not fit this model"):
-        load_weights(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), nn.Linear(1, 1)).double(),
-                     ckpts.path(1) / WEIGHTS)
+        load_weights(
+            nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), nn.Linear(1, 1)).double(),
+            ckpts.path(1) / WEIGHTS,
+        )
 
 
 # --- a damaged step is replaced; files that verify but do not parse -------------------------------
 
-@pytest.mark.parametrize("damage", [_truncate, lambda path: path.parent.joinpath(MANIFEST).unlink()],
-                         ids=["truncated-weights", "no-manifest"])
+
+@pytest.mark.parametrize(
+    "damage",
+    [_truncate, lambda path: path.parent.joinpath(MANIFEST).unlink()],
+    ids=["truncated-weights", "no-manifest"],
+)
 def test_saving_over_a_damaged_step_replaces_it(ckpts, damage):
     _save(ckpts, 4, seed=1)
     damage(ckpts.path(4) / WEIGHTS)
@@ -322,20 +371,36 @@ def _refused_pickle() -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("name, data, words", [
-    (TRAINER, b"{}", "lacks epoch"),
-    (TRAINER, b"not json at all", "not readable JSON"),
-    (TRAINER, b"[1, 2]", "holds a list"),
-    (TRAINER, json.dumps(_state(3, step=-1)).encode(), "step=-1"),
-    (TRAINER, json.dumps(_state(3, epoch=True)).encode(), "epoch=True"),
-    (TRAINER, json.dumps(_state(3, epoch=5)).encode(), "step 3 after 5 epochs"),
-    (OPTIMIZER, os.urandom(4096), "cannot be read as optimizer state"),
-    (OPTIMIZER, _refused_pickle(), "cannot be read as optimizer state"),
-    (OPTIMIZER, b"", "cannot be read as optimizer state"),
-    (WEIGHTS, b"\x08" + bytes(15), "not a readable safetensors file"),
-], ids=["empty-object", "not-json", "a-list", "negative-step", "bool-epoch", "more-epochs-than-steps",
-        "random-bytes", "refused-pickle", "empty-file", "weights-not-safetensors"])
-def test_files_that_verify_but_do_not_parse_are_a_checkpoint_error_naming_them(ckpts, name, data, words):
+@pytest.mark.parametrize(
+    "name, data, words",
+    [
+        (TRAINER, b"{}", "lacks epoch"),
+        (TRAINER, b"not json at all", "not readable JSON"),
+        (TRAINER, b"[1, 2]", "holds a list"),
+        (TRAINER, json.dumps(_state(3, step=-1)).encode(), "step=-1"),
+        (TRAINER, json.dumps(_state(3, epoch=True)).encode(), "epoch=True"),
+        (TRAINER, json.dumps(_state(3, epoch=5)).encode(), "step 3 after 5 epochs"),
+        (OPTIMIZER, os.urandom(4096), "cannot be read as optimizer state"),
+        (OPTIMIZER, _refused_pickle(), "cannot be read as optimizer state"),
+        (OPTIMIZER, b"", "cannot be read as optimizer state"),
+        (WEIGHTS, b"\x08" + bytes(15), "not a readable safetensors file"),
+    ],
+    ids=[
+        "empty-object",
+        "not-json",
+        "a-list",
+        "negative-step",
+        "bool-epoch",
+        "more-epochs-than-steps",
+        "random-bytes",
+        "refused-pickle",
+        "empty-file",
+        "weights-not-safetensors",
+    ],
+)
+def test_files_that_verify_but_do_not_parse_are_a_checkpoint_error_naming_them(
+    ckpts, name, data, words
+):
     saved = _save(ckpts, 3)
     _rewrite(ckpts, 3, name, data)
     assert ckpts.verify(3)

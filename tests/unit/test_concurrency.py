@@ -1,5 +1,6 @@
 """Two commands at once: run directories created in the same instant, and the lock that keeps a
 second process from training in a run directory in use."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 import toy
+
 from phalanx import config, rundir, runlock
 from phalanx.errors import RunDirError
 from phalanx.strategies.progress import Progress
@@ -52,10 +53,18 @@ def test_a_locked_run_directory_is_refused_naming_its_holder(tmp_path):
 
 
 def test_a_killed_holder_leaves_no_lock(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from phalanx import runlock; runlock.acquire(Path(sys.argv[1]), 'train'); "
-                               "print('locked', flush=True); time.sleep(600)", str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; "
+            "from phalanx import runlock; runlock.acquire(Path(sys.argv[1]), 'train'); "
+            "print('locked', flush=True); time.sleep(600)",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
@@ -79,9 +88,13 @@ def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_st
         ranks[0].enter("the gradient all-reduce")
         ranks[2].enter("the gradient all-reduce")
         time.sleep(0.3)  # the reports are published
-        message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 4000ms for recv operation to complete"))
-        assert message.startswith("rank 1 did not reach the gradient all-reduce of step 3 within the collective "
-                                  "timeout (parallel.timeout_s=4); rank 0 waited for it there.")
+        message = ranks[0].explain(
+            RuntimeError("[gloo] Timed out waiting 4000ms for recv operation to complete")
+        )
+        assert message.startswith(
+            "rank 1 did not reach the gradient all-reduce of step 3 within the collective "
+            "timeout (parallel.timeout_s=4); rank 0 waited for it there."
+        )
         assert "rank 1: last seen in step 3" in message and "rank 2:" not in message
         assert ranks[0].explain(RuntimeError("Connection closed by peer")) is None  # not a timeout
     finally:

@@ -1,5 +1,6 @@
 """The config: YAML reading, schema errors that name the key and the fix, overrides, and building
 objects from `class:` sections."""
+
 from __future__ import annotations
 
 import sys
@@ -8,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import toy
 import yaml
 from pydantic import BaseModel
 from torch import nn
 
-import toy
 from phalanx import config
 from phalanx.errors import ConfigError
 
@@ -26,6 +27,7 @@ def _error(raw: dict) -> str:
 
 
 # --- reading YAML ------------------------------------------------------------------------------
+
 
 def test_load_reads_yaml_and_names_the_run_after_the_file(tmp_path):
     raw = toy.regression_config()
@@ -66,10 +68,14 @@ def test_load_rejects_a_missing_file_and_a_non_mapping(tmp_path):
         config.load(path)
 
 
-@pytest.mark.parametrize("content", [
-    "name: caf\xe9\nseed: 0\n".encode("latin-1"),   # a Latin-1 file: \xe9 is not UTF-8
-    bytes(range(256)),                                # a binary file
-], ids=["latin-1", "binary"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "name: caf\xe9\nseed: 0\n".encode("latin-1"),  # a Latin-1 file: \xe9 is not UTF-8
+        bytes(range(256)),  # a binary file
+    ],
+    ids=["latin-1", "binary"],
+)
 def test_load_names_a_file_that_is_not_utf8_text(tmp_path, content):
     path = tmp_path / "exp.yaml"
     path.write_bytes(content)
@@ -92,6 +98,7 @@ def test_load_applies_overrides_before_validation(tmp_path):
 
 # --- schema errors -----------------------------------------------------------------------------
 
+
 def test_unknown_key_in_framework_section_suggests_the_right_one():
     message = _error(toy.regression_config(main_loop={"epoch": 3}))
     assert "main_loop.epoch" in message
@@ -106,11 +113,14 @@ def test_unknown_top_level_key_suggests_the_section():
     assert "missing key 'optimizer'" in message
 
 
-@pytest.mark.parametrize("section, typo, expected", [
-    ("main_loop", "extra_stream", "extra_streams"),
-    ("parallel", "strategi", "strategy"),       # a key that starts with "str"
-    ("main_loop", "streams", "extra_streams"),  # likewise
-])
+@pytest.mark.parametrize(
+    "section, typo, expected",
+    [
+        ("main_loop", "extra_stream", "extra_streams"),
+        ("parallel", "strategi", "strategy"),  # a key that starts with "str"
+        ("main_loop", "streams", "extra_streams"),  # likewise
+    ],
+)
 def test_unknown_key_is_named_in_full(section, typo, expected):
     raw = toy.regression_config()
     raw.setdefault(section, {})[typo] = "x"
@@ -171,17 +181,29 @@ NUMBER_FIELDS = sorted(_number_fields(config.Config))
 
 def test_the_schema_walk_finds_the_number_fields():
     keys = [key for key, _ in NUMBER_FIELDS]
-    assert {"dataset.batch_size", "seed", "parallel.devices", "parallel.shard_weights",
-            "optimizer.lr_scaling.base_batch_size", "profile.steps", "parallel.ddp.bucket_cap_mb",
-            "parallel.max_restarts", "optimizer.max_grad_norm", "main_loop.eval_every_n_steps",
-            "model.init_from.checkpoint", "dataset.prefetch_factor"} <= set(keys)
+    assert {
+        "dataset.batch_size",
+        "seed",
+        "parallel.devices",
+        "parallel.shard_weights",
+        "optimizer.lr_scaling.base_batch_size",
+        "profile.steps",
+        "parallel.ddp.bucket_cap_mb",
+        "parallel.max_restarts",
+        "optimizer.max_grad_norm",
+        "main_loop.eval_every_n_steps",
+        "model.init_from.checkpoint",
+        "dataset.prefetch_factor",
+    } <= set(keys)
     assert len(keys) == 21, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])
 def test_a_boolean_is_not_a_number(key, is_list):
     """`batch_size: true` trained with batch 1: pydantic's lax int reads True as 1."""
-    raw = toy.regression_config(optimizer={"lr_scaling": {"rule": "linear", "base_batch_size": 8}}, profile={})
+    raw = toy.regression_config(
+        optimizer={"lr_scaling": {"rule": "linear", "base_batch_size": 8}}, profile={}
+    )
     config.validate(raw)  # valid before the boolean goes in
     node = raw
     *sections, last = key.split(".")
@@ -198,24 +220,39 @@ def test_a_key_of_several_types_is_one_message():
 
 
 def test_hooks_item_with_two_keys_is_rejected():
-    raw = toy.regression_config(hooks=["LogVariables", {"SaveBest": {"mode": "max"}, "StopAfter": {"epochs": 2}}])
+    raw = toy.regression_config(
+        hooks=["LogVariables", {"SaveBest": {"mode": "max"}, "StopAfter": {"epochs": 2}}]
+    )
     message = _error(raw)
     assert "hooks.1" in message and "one hook per list item" in message
 
 
 def test_hooks_items_may_be_names_or_one_key_mappings():
-    cfg = config.validate(toy.regression_config(hooks=["LogVariables", {"SaveBest": None},
-                                                       {"StopAfter": {"epochs": 2}}]))
+    cfg = config.validate(
+        toy.regression_config(
+            hooks=["LogVariables", {"SaveBest": None}, {"StopAfter": {"epochs": 2}}]
+        )
+    )
     assert cfg.hooks == ["LogVariables", {"SaveBest": None}, {"StopAfter": {"epochs": 2}}]
 
 
 # --- overrides ---------------------------------------------------------------------------------
 
+
 def test_override_values_are_parsed_as_yaml():
     raw = toy.regression_config()
-    out = config.apply_overrides(raw, ["dataset.batch_size=16", "optimizer.lr=0.5", "name=run 2",
-                                       "main_loop.skip_zeroth_epoch=false", "main_loop.extra_streams=[a, b]",
-                                       "scheduler={class: StepLR, step_size: 3}", "seed=null"])
+    out = config.apply_overrides(
+        raw,
+        [
+            "dataset.batch_size=16",
+            "optimizer.lr=0.5",
+            "name=run 2",
+            "main_loop.skip_zeroth_epoch=false",
+            "main_loop.extra_streams=[a, b]",
+            "scheduler={class: StepLR, step_size: 3}",
+            "seed=null",
+        ],
+    )
     assert out["dataset"]["batch_size"] == 16 and isinstance(out["dataset"]["batch_size"], int)
     assert out["optimizer"]["lr"] == 0.5
     assert out["name"] == "run 2"
@@ -233,8 +270,13 @@ def test_override_creates_missing_sections():
 
 
 def test_override_indexes_lists():
-    raw = toy.regression_config(hooks=[{"ComputeStats": {"variables": ["loss"]}},
-                                       {"SaveBest": {"variable": "valid.loss", "mode": "min"}}, "SaveLatest"])
+    raw = toy.regression_config(
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
+            "SaveLatest",
+        ]
+    )
     out = config.apply_overrides(raw, ["hooks.1.SaveBest.mode=max"])
     assert out["hooks"][1] == {"SaveBest": {"variable": "valid.loss", "mode": "max"}}
     assert out["hooks"][0] == raw["hooks"][0] and out["hooks"][2] == "SaveLatest"
@@ -244,13 +286,16 @@ def test_override_indexes_lists():
     assert out["hooks"][0]["ComputeStats"]["variables"] == ["accuracy"]
 
 
-@pytest.mark.parametrize("override, words", [
-    ("hooks.3.SaveLatest.x=1", ["'hooks.3'", "list of 3 items"]),
-    ("hooks.-4.SaveLatest.x=1", ["'hooks.-4'", "list of 3 items"]),
-    ("hooks.first.x=1", ["'hooks.first'", "not an index"]),
-    ("hooks.2.SaveLatest.x=1", ["'hooks.2'", "str", "not a section"]),
-    ("main_loop.epochs.max=1", ["'main_loop.epochs'", "int", "not a section"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("hooks.3.SaveLatest.x=1", ["'hooks.3'", "list of 3 items"]),
+        ("hooks.-4.SaveLatest.x=1", ["'hooks.-4'", "list of 3 items"]),
+        ("hooks.first.x=1", ["'hooks.first'", "not an index"]),
+        ("hooks.2.SaveLatest.x=1", ["'hooks.2'", "str", "not a section"]),
+        ("main_loop.epochs.max=1", ["'main_loop.epochs'", "int", "not a section"]),
+    ],
+)
 def test_bad_override_paths(override, words):
     raw = toy.regression_config()
     with pytest.raises(ConfigError) as info:
@@ -273,6 +318,7 @@ def test_override_with_invalid_yaml_value():
 
 
 # --- import_object, instantiate, build_value ---------------------------------------------------
+
 
 def test_import_object_by_dotted_path_and_from_search_dirs(tmp_path):
     assert config.import_object("torch.nn.Linear") is nn.Linear
@@ -302,7 +348,9 @@ def test_import_object_bare_name_needs_a_dot():
 
 def test_import_object_bare_torch_optim_name():
     assert config.import_object("SGD", default_module="torch.optim") is torch.optim.SGD
-    assert config.import_object("torch.optim.AdamW", default_module="torch.optim") is torch.optim.AdamW
+    assert (
+        config.import_object("torch.optim.AdamW", default_module="torch.optim") is torch.optim.AdamW
+    )
     with pytest.raises(ConfigError) as info:
         config.import_object("SDG", default_module="torch.optim")
     assert "torch.optim has no 'SDG'" in str(info.value) and 'did you mean "SGD"' in str(info.value)
@@ -331,10 +379,14 @@ def test_instantiate_builds_with_good_arguments():
 
 
 def test_build_value_builds_nested_class_mappings():
-    spec = {"class": "torch.nn.Sequential", "args": [
-        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 5},
-        {"class": "torch.nn.Tanh"},
-        {"class": "torch.nn.Linear", "in_features": 5, "out_features": 1, "bias": False}]}
+    spec = {
+        "class": "torch.nn.Sequential",
+        "args": [
+            {"class": "torch.nn.Linear", "in_features": 3, "out_features": 5},
+            {"class": "torch.nn.Tanh"},
+            {"class": "torch.nn.Linear", "in_features": 5, "out_features": 1, "bias": False},
+        ],
+    }
     built = config.build_value(spec, "model.net", [])
     assert isinstance(built, nn.Sequential) and len(built) == 3
     assert isinstance(built[0], nn.Linear) and built[0].weight.shape == (5, 3)
@@ -345,13 +397,18 @@ def test_build_value_builds_nested_class_mappings():
 
 
 def test_build_value_nested_error_names_where():
-    spec = {"class": "torch.nn.Sequential", "args": [{"class": "torch.nn.Linear", "in_feat": 3, "out_features": 1}]}
+    spec = {
+        "class": "torch.nn.Sequential",
+        "args": [{"class": "torch.nn.Linear", "in_feat": 3, "out_features": 1}],
+    }
     with pytest.raises(ConfigError) as info:
         config.build_value(spec, "model.net", [])
     assert "model.net.args.0" in str(info.value) and "'in_feat'" in str(info.value)
 
 
-def test_a_config_inside_its_package_finds_the_package_from_any_working_directory(tmp_path, monkeypatch):
+def test_a_config_inside_its_package_finds_the_package_from_any_working_directory(
+    tmp_path, monkeypatch
+):
     """A config at <root>/zoo_pkg/models/config.yaml naming zoo_pkg.models.net.Net imports it with
     the working directory elsewhere: the package's root is found from the config's folder."""
     folder = tmp_path / "root" / "zoo_pkg" / "models"
@@ -366,11 +423,14 @@ def test_a_config_inside_its_package_finds_the_package_from_any_working_director
         config.import_object("zoo_pkg.other.Thing", [folder])
 
 
-@pytest.mark.parametrize("section, raw", [
-    ("hooks.0.StopAfter", {"hooks": [{"StopAfter": {"epochs": True}}]}),
-    ("hooks.0.SaveEvery", {"hooks": [{"SaveEvery": {"steps": False}}]}),
-    ("optimizer", {"optimizer": {"class": "SGD", "lr": True}}),
-])
+@pytest.mark.parametrize(
+    "section, raw",
+    [
+        ("hooks.0.StopAfter", {"hooks": [{"StopAfter": {"epochs": True}}]}),
+        ("hooks.0.SaveEvery", {"hooks": [{"SaveEvery": {"steps": False}}]}),
+        ("optimizer", {"optimizer": {"class": "SGD", "lr": True}}),
+    ],
+)
 def test_a_boolean_for_a_constructor_number_is_an_error(section, raw):
     """Constructor keywords are not in the schema; their annotations say which take numbers."""
     from phalanx.build import build_optimizer
@@ -378,7 +438,9 @@ def test_a_boolean_for_a_constructor_number_is_an_error(section, raw):
 
     cfg = config.validate(toy.regression_config(**raw))
     with pytest.raises(ConfigError, match=f"{section}: .* takes a number, got (true|false)"):
-        build_hooks(cfg, []) if "hooks" in raw else build_optimizer(cfg.optimizer, torch.nn.Linear(3, 1), [], 8)
+        build_hooks(cfg, []) if "hooks" in raw else build_optimizer(
+            cfg.optimizer, torch.nn.Linear(3, 1), [], 8
+        )
 
 
 def test_the_gpu_switches_reach_torch():
@@ -388,9 +450,15 @@ def test_the_gpu_switches_reach_torch():
     raw = toy.regression_config(cudnn_benchmark=True, matmul_precision="high", hooks=[])
     try:
         Trainer(config.validate(raw), None, [Path(toy.__file__).parent])
-        assert torch.backends.cudnn.benchmark is True and torch.get_float32_matmul_precision() == "high"
+        assert (
+            torch.backends.cudnn.benchmark is True
+            and torch.get_float32_matmul_precision() == "high"
+        )
         Trainer(config.validate(toy.regression_config(hooks=[])), None, [Path(toy.__file__).parent])
-        assert torch.backends.cudnn.benchmark is False and torch.get_float32_matmul_precision() == "highest"
+        assert (
+            torch.backends.cudnn.benchmark is False
+            and torch.get_float32_matmul_precision() == "highest"
+        )
     finally:
         torch.backends.cudnn.benchmark = False
         torch.set_float32_matmul_precision("highest")
@@ -402,8 +470,16 @@ def test_the_dataloader_options_reach_the_loader():
     from phalanx.trainer import Trainer
 
     search = [Path(toy.__file__).parent]
-    raw = toy.regression_config(dataset={"class": "toy.Regression", "batch_size": 8, "num_workers": 1,
-                                         "prefetch_factor": 4, "pin_memory": False}, hooks=[])
+    raw = toy.regression_config(
+        dataset={
+            "class": "toy.Regression",
+            "batch_size": 8,
+            "num_workers": 1,
+            "prefetch_factor": 4,
+            "pin_memory": False,
+        },
+        hooks=[],
+    )
     trainer = Trainer(config.validate(raw), None, search)
     assert trainer.loader_options == {"num_workers": 1, "pin_memory": False, "prefetch_factor": 4}
     assert trainer.run() == 0  # a worker process that prepares 4 batches ahead

@@ -1,4 +1,5 @@
 """Sample order, sharding and batching that do not depend on the number of devices (contract 2, 3)."""
+
 from __future__ import annotations
 
 import itertools
@@ -6,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import toy
+
 from phalanx import data, loading
 from phalanx.errors import DataError
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # --- permutation -------------------------------------------------------------------------------
+
 
 def test_permutation_is_a_permutation():
     for n in (1, 2, 17, 100):
@@ -37,7 +39,9 @@ def test_the_order_looks_random():
     order = torch.tensor(data.permutation(0, 1, 100_000), dtype=torch.float64)
     positions = torch.arange(100_000, dtype=torch.float64)
     assert abs(float(torch.corrcoef(torch.stack([order, positions]))[0, 1])) < 0.02
-    firsts = torch.bincount(torch.tensor([data.Order(seed, 1, 10)[0] for seed in range(5000)]), minlength=10)
+    firsts = torch.bincount(
+        torch.tensor([data.Order(seed, 1, 10)[0] for seed in range(5000)]), minlength=10
+    )
     assert int(firsts.min()) > 400 and int(firsts.max()) < 600  # 500 expected for each
 
 
@@ -53,7 +57,7 @@ def test_an_epoch_of_ten_billion_samples_costs_no_memory_and_starts_at_once():
     seconds = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert len(plan) == -(-10**10 // 1024) and plan.micro_batches() == 2 * len(plan)
+    assert len(plan) == -(-(10**10) // 1024) and plan.micro_batches() == 2 * len(plan)
     assert sum(len(m.shard) for m in micros) == 1024 // 3 + 1
     assert all(0 <= i < 10**10 for m in micros for i in m.shard)
     assert peak < 16 * 2**20, peak  # one block of positions; a list of every index would be 80 GB
@@ -65,7 +69,9 @@ def test_the_order_does_not_depend_on_the_world_size():
     for world_size in (1, 2, 3, 5):
         for accumulation in (1, 3):
             taken = []
-            plans = [data.Plan(order, 10, accumulation, rank, world_size) for rank in range(world_size)]
+            plans = [
+                data.Plan(order, 10, accumulation, rank, world_size) for rank in range(world_size)
+            ]
             for k in range(len(plans[0])):
                 steps = [plan.step(k) for plan in plans]
                 for micro in range(len(steps[0])):
@@ -95,6 +101,7 @@ def test_permutation_depends_only_on_seed_and_epoch():
 
 # --- split_sizes -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [0, 1, 3, 7, 8, 10, 23])
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 5])
 def test_split_sizes_even(n, parts):
@@ -105,8 +112,16 @@ def test_split_sizes_even(n, parts):
     assert sizes == sorted(sizes, reverse=True)  # the extra samples go to the first ranks
 
 
-@pytest.mark.parametrize("n, weights", [(10, [1, 1, 2]), (100, [3, 1]), (7, [0.5, 0.25, 0.25]),
-                                        (13, [2, 1, 1, 1]), (5, [1, 1, 1, 1, 1, 1])])
+@pytest.mark.parametrize(
+    "n, weights",
+    [
+        (10, [1, 1, 2]),
+        (100, [3, 1]),
+        (7, [0.5, 0.25, 0.25]),
+        (13, [2, 1, 1, 1]),
+        (5, [1, 1, 1, 1, 1, 1]),
+    ],
+)
 def test_split_sizes_follow_weights(n, weights):
     sizes = data.split_sizes(n, len(weights), weights)
     assert sum(sizes) == n
@@ -129,21 +144,28 @@ def test_split_is_contiguous_and_in_order():
 
 # --- Plan --------------------------------------------------------------------------------------
 
+
 def _plans(order, batch_size, accumulation, world_size):
-    return [data.Plan(order, batch_size, accumulation, rank, world_size) for rank in range(world_size)]
+    return [
+        data.Plan(order, batch_size, accumulation, rank, world_size) for rank in range(world_size)
+    ]
 
 
-@pytest.mark.parametrize("n", [41, 22])  # last batch of 41 with B=8 or 10, and of 22 with B=7: one sample
+@pytest.mark.parametrize(
+    "n", [41, 22]
+)  # last batch of 41 with B=8 or 10, and of 22 with B=7: one sample
 @pytest.mark.parametrize("batch_size", [7, 8, 10])
 @pytest.mark.parametrize("accumulation", [1, 3])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_plan_covers_every_sample_once_and_reassembles_the_global_batch(n, batch_size, accumulation, world_size):
+def test_plan_covers_every_sample_once_and_reassembles_the_global_batch(
+    n, batch_size, accumulation, world_size
+):
     order = data.permutation(5, 1, n)
     plans = _plans(order, batch_size, accumulation, world_size)
     assert all(len(p) == -(-n // batch_size) for p in plans)
     seen = []
     for k in range(len(plans[0])):
-        expected = order[k * batch_size:(k + 1) * batch_size]
+        expected = order[k * batch_size : (k + 1) * batch_size]
         per_rank = [p.step(k) for p in plans]
         n_micro = len(per_rank[0])
         assert all(len(m) == n_micro for m in per_rank)  # every rank runs every micro-batch
@@ -190,6 +212,7 @@ def test_plan_steps_from_a_start():
 
 
 # --- loader ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world_size, accumulation", [(1, 1), (3, 1), (2, 3)])
 @pytest.mark.parametrize("start", [0, 2, 5])
@@ -246,7 +269,11 @@ def _one_line_error(stream, name: str, num_workers: int = 0) -> str:
 
 def test_items_of_different_shapes_name_the_stream_the_key_and_the_shapes():
     message = _one_line_error(Ragged(), "valid")
-    assert "stream 'valid', key 'x'" in message and "[3] and [4]" in message and "pad or crop" in message
+    assert (
+        "stream 'valid', key 'x'" in message
+        and "[3] and [4]" in message
+        and "pad or crop" in message
+    )
 
 
 def test_a_collate_error_in_a_worker_process_is_the_same_one_line():
@@ -257,10 +284,15 @@ def test_a_collate_error_in_a_worker_process_is_the_same_one_line():
 
 def test_items_with_different_keys_or_types_are_named():
     items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2)}]
-    with pytest.raises(DataError, match=r"stream 'test': items hold different keys \(\['x', 'y'\] and \['x'\]\)"):
+    with pytest.raises(
+        DataError, match=r"stream 'test': items hold different keys \(\['x', 'y'\] and \['x'\]\)"
+    ):
         loading.collate(items, "test")
     items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2), "y": "one"}]
-    with pytest.raises(DataError, match=r"stream 'test', key 'y': items hold values of different types \(int, str\)"):
+    with pytest.raises(
+        DataError,
+        match=r"stream 'test', key 'y': items hold values of different types \(int, str\)",
+    ):
         loading.collate(items, "test")
 
 
@@ -271,6 +303,7 @@ def test_batch_size_of():
 
 
 # --- get_stream --------------------------------------------------------------------------------
+
 
 def test_get_stream_returns_the_named_stream():
     dataset = toy.Regression()
@@ -324,6 +357,7 @@ def test_get_stream_rejects_non_map_style_streams():
 
 # --- items that are not dicts ------------------------------------------------------------------
 
+
 def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
     x, y = torch.randn(5, 3), torch.randn(5)
     pairs = torch.utils.data.TensorDataset(x, y)
@@ -337,7 +371,9 @@ def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
         loading.collate([pairs[0], pairs[1]])
     stream = data.named(toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid")
     assert data.is_iterable(stream) and data.stream_length(stream) is None
-    assert callable(stream.set_epoch) and next(iter(stream))["x"].shape == (3,)  # dicts pass through
+    assert callable(stream.set_epoch) and next(iter(stream))["x"].shape == (
+        3,
+    )  # dicts pass through
 
 
 @pytest.mark.parametrize("dataset", ["toy.TupleRegression", "toy.ListRegression"])
@@ -348,8 +384,11 @@ def test_a_tensor_dataset_trains_as_its_dict_twin(dataset):
     from phalanx.trainer import Trainer
 
     def trained(cls: str, keys: list[str] | None) -> dict:
-        raw = toy.regression_config(dataset={"class": cls, "batch_size": 8, **({"keys": keys} if keys else {})},
-                                    model={"class": "toy.Linear", "features": 3}, hooks=[])
+        raw = toy.regression_config(
+            dataset={"class": cls, "batch_size": 8, **({"keys": keys} if keys else {})},
+            model={"class": "toy.Linear", "features": 3},
+            hooks=[],
+        )
         trainer = Trainer(config.validate(raw), None, [Path(toy.__file__).parent])
         assert trainer.run() == 0
         return trainer.model.state_dict()

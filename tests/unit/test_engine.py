@@ -1,5 +1,6 @@
 """The engine against plain PyTorch, in float64: one optimizer step is the SGD step of the global
 batch's mean loss (contract 4), for accumulation, short last batches and scalar-mean losses alike."""
+
 from __future__ import annotations
 
 import copy
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import toy
+
 from phalanx import config, data, loading
 from phalanx.data import Micro
 from phalanx.engine import Engine, concat
@@ -39,12 +40,21 @@ def _models_module(monkeypatch):
     monkeypatch.setitem(sys.modules, "unit_engine_models", module)
 
 
-def _trainer(n_train: int = 40, batch_size: int = 8, accumulation: int = 1, epochs: int = 1,
-             model: str = "toy.Linear", **sections) -> Trainer:
+def _trainer(
+    n_train: int = 40,
+    batch_size: int = 8,
+    accumulation: int = 1,
+    epochs: int = 1,
+    model: str = "toy.Linear",
+    **sections,
+) -> Trainer:
     raw = toy.regression_config(
-        model={"class": model, "hidden": 4}, dataset={"n_train": n_train, "batch_size": batch_size},
-        optimizer={"lr": LR}, parallel={"gradient_accumulation": accumulation},
-        main_loop={"epochs": epochs, "extra_streams": []})
+        model={"class": model, "hidden": 4},
+        dataset={"n_train": n_train, "batch_size": batch_size},
+        optimizer={"lr": LR},
+        parallel={"gradient_accumulation": accumulation},
+        main_loop={"epochs": epochs, "extra_streams": []},
+    )
     for key, value in sections.items():
         raw[key] = {**raw[key], **value} if isinstance(raw.get(key), dict) else value
     return Trainer(config.validate(raw), None, [], hooks=[])
@@ -69,7 +79,9 @@ def _reference_loss(module: torch.nn.Module, stream: toy.Items, indices: list[in
     return (module.net(x).squeeze(-1) - y) ** 2
 
 
-def _reference_sgd_step(module: torch.nn.Module, stream: toy.Items, indices: list[int], lr: float) -> torch.Tensor:
+def _reference_sgd_step(
+    module: torch.nn.Module, stream: toy.Items, indices: list[int], lr: float
+) -> torch.Tensor:
     params = list(module.parameters())
     loss = _reference_loss(module, stream, indices).mean()
     grads = torch.autograd.grad(loss, params)
@@ -79,13 +91,15 @@ def _reference_sgd_step(module: torch.nn.Module, stream: toy.Items, indices: lis
     return loss.detach()
 
 
-def _reference_run(module: torch.nn.Module, stream: toy.Items, seed: int, epochs: int, batch_size: int) -> dict:
+def _reference_run(
+    module: torch.nn.Module, stream: toy.Items, seed: int, epochs: int, batch_size: int
+) -> dict:
     """Plain PyTorch SGD over the contract's sample order: epoch e visits permutation(seed, e)."""
     module = copy.deepcopy(module)
     for epoch in range(1, epochs + 1):
         order = data.permutation(seed, epoch, len(stream))
         for start in range(0, len(order), batch_size):
-            _reference_sgd_step(module, stream, order[start:start + batch_size], LR)
+            _reference_sgd_step(module, stream, order[start : start + batch_size], LR)
     return _params(module)
 
 
@@ -100,7 +114,7 @@ def test_one_train_step_is_the_sgd_step_of_the_mean_loss(accumulation, step):
     assert all(p.dtype == torch.float64 for p in trainer.module.parameters())
     stream = data.get_stream(trainer.dataset, "train")
     order = data.permutation(trainer.cfg.seed, 1, len(stream))
-    indices = order[step * 8:(step + 1) * 8]
+    indices = order[step * 8 : (step + 1) * 8]
     assert len(indices) == (8 if step == 0 else 3)
 
     reference = copy.deepcopy(trainer.module)
@@ -135,8 +149,9 @@ def test_training_matches_plain_pytorch_with_and_without_accumulation(n_train):
     for accumulation in (1, 3):
         trainer = _trainer(n_train=n_train, accumulation=accumulation, epochs=epochs)
         start = _params(trainer.module)
-        reference = _reference_run(trainer.module, data.get_stream(trainer.dataset, "train"),
-                                   trainer.cfg.seed, epochs, 8)
+        reference = _reference_run(
+            trainer.module, data.get_stream(trainer.dataset, "train"), trainer.cfg.seed, epochs, 8
+        )
         assert trainer.run() == 0
         assert trainer.epoch == epochs and trainer.step == epochs * -(-n_train // 8)
         runs[accumulation] = _params(trainer.module)
@@ -149,7 +164,9 @@ def test_training_matches_plain_pytorch_with_and_without_accumulation(n_train):
 def test_scalar_mean_loss_gives_the_same_training_as_per_sample(accumulation):
     epochs = 2
     per_sample = _trainer(n_train=43, accumulation=accumulation, epochs=epochs)
-    mean = _trainer(n_train=43, accumulation=accumulation, epochs=epochs, model="unit_engine_models.MeanLinear")
+    mean = _trainer(
+        n_train=43, accumulation=accumulation, epochs=epochs, model="unit_engine_models.MeanLinear"
+    )
     assert isinstance(mean.module, MeanLinear)
     assert _rel_diff(_params(mean.module), _params(per_sample.module)) == 0  # same start
     assert per_sample.run() == 0 and mean.run() == 0
@@ -176,13 +193,17 @@ def test_warmup_ramps_the_learning_rate_linearly():
         lr = trainer.engine.learning_rates()[0]
         used.append(lr)
         reference = copy.deepcopy(trainer.module)
-        _reference_sgd_step(reference, stream, plan.order[k * 8:(k + 1) * 8], lr)
+        _reference_sgd_step(reference, stream, plan.order[k * 8 : (k + 1) * 8], lr)
         trainer.engine.train_step(_fetch(stream, plan.step(k)))
-        assert _rel_diff(_params(trainer.module), _params(reference)) < 1e-12  # that rate was applied
+        assert (
+            _rel_diff(_params(trainer.module), _params(reference)) < 1e-12
+        )  # that rate was applied
     assert used[0] == pytest.approx(LR / warmup, rel=1e-12)
     full = [i for i, lr in enumerate(used) if lr == pytest.approx(LR, rel=1e-12)]
-    assert full and full[0] <= warmup and full == list(range(full[0], len(used)))  # reaches LR, stays
-    ramp = used[:full[0] + 1]
+    assert (
+        full and full[0] <= warmup and full == list(range(full[0], len(used)))
+    )  # reaches LR, stays
+    ramp = used[: full[0] + 1]
     steps = [b - a for a, b in zip(ramp, ramp[1:])]
     assert all(s > 0 for s in steps)
     assert all(s == pytest.approx(steps[0], rel=1e-9) for s in steps)  # linear
@@ -197,8 +218,11 @@ def test_epoch_scheduler_steps_once_per_epoch():
         def after_epoch(self, epoch, epoch_data):
             self.lrs.append(self.trainer.learning_rates()[0])
 
-    raw = toy.regression_config(main_loop={"epochs": 3, "extra_streams": []}, optimizer={"lr": LR},
-                                scheduler={"class": "StepLR", "step_size": 1, "gamma": 0.5, "interval": "epoch"})
+    raw = toy.regression_config(
+        main_loop={"epochs": 3, "extra_streams": []},
+        optimizer={"lr": LR},
+        scheduler={"class": "StepLR", "step_size": 1, "gamma": 0.5, "interval": "epoch"},
+    )
     record = RecordLR()
     trainer = Trainer(config.validate(raw), None, [], hooks=[record])
     assert trainer.run() == 0
@@ -221,15 +245,22 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
 def test_an_inference_trainer_evaluates_without_building_an_optimizer():
     """`phalanx eval` and `predict` build no optimizer: constructing one imports torch's compiler
     stack, seconds of start-up. Checked in a fresh interpreter, where nothing imported it yet."""
-    code = ("import sys, toy\n"
-            "from phalanx import config\n"
-            "from phalanx.trainer import Trainer\n"
-            "t = Trainer(config.validate(toy.regression_config(main_loop={'extra_streams': ['valid']})), None, ['.'],\n"
-            "            hooks=[], inference=True)\n"
-            "t.evaluate('valid')\n"
-            "print(t.optimizer, t.schedulers, 'torch._dynamo' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(toy.__file__).parent, capture_output=True,
-                         text=True, timeout=120)
+    code = (
+        "import sys, toy\n"
+        "from phalanx import config\n"
+        "from phalanx.trainer import Trainer\n"
+        "t = Trainer(config.validate(toy.regression_config(main_loop={'extra_streams': ['valid']})), None, ['.'],\n"
+        "            hooks=[], inference=True)\n"
+        "t.evaluate('valid')\n"
+        "print(t.optimizer, t.schedulers, 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(toy.__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["None", "[]", "False"]
 
@@ -250,18 +281,24 @@ class _EmptyRank(DDP):
         raise AssertionError("the step needs no collective of its own")
 
     def _carry(self, values):
-        raise AssertionError("a step with an empty shard on some rank must not let backward synchronise")
+        raise AssertionError(
+            "a step with an empty shard on some rank must not let backward synchronise"
+        )
 
     def _reduce_by_hand(self, values):
         self.carried_values.append(values.tolist())
-        self.carrier.grad = values / self.world_size  # as the other ranks, with nothing to add, would leave it
+        self.carrier.grad = (
+            values / self.world_size
+        )  # as the other ranks, with nothing to add, would leave it
 
 
 def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     """Contract 3: the last global batch (1 sample) on 4 ranks leaves ranks 1-3 without samples."""
     trainer = _trainer()
     strategy = _EmptyRank()
-    engine = Engine(trainer.module, trainer.forward, trainer.optimizer, [], trainer.precision, strategy)
+    engine = Engine(
+        trainer.module, trainer.forward, trainer.optimizer, [], trainer.precision, strategy
+    )
     order = data.permutation(0, 1, 41)
     plan = data.Plan(order, 8, 1, rank=3, world_size=4)
     micros = plan.step(5)

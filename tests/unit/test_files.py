@@ -4,6 +4,7 @@ a full disk says so once.
 
 A full disk is simulated by a seam, a write function that raises ENOSPC after writing part of its
 bytes, never by filling the real disk."""
+
 from __future__ import annotations
 
 import errno
@@ -58,7 +59,9 @@ def test_an_interrupted_write_leaves_no_temporary_file(tmp_path):
 
 def test_a_library_that_reports_the_os_error_in_its_message_counts_as_refused():
     """safetensors' writer raises SafetensorError('... (os error 28)'), not an OSError."""
-    error = os_error(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    error = os_error(
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    )
     assert isinstance(error, OSError) and error.errno == errno.ENOSPC
     assert os_error(RuntimeError("shapes do not match")) is None
 
@@ -79,8 +82,13 @@ def test_a_log_file_on_a_full_disk_says_so_once_in_one_line(tmp_path, capsys):
     logs.setup(None)
     assert "Logging error" not in err and "Traceback" not in err, err
     warnings = [line for line in err.splitlines() if line.startswith("phalanx:")]
-    assert warnings == [f"phalanx: warning: cannot write {tmp_path / 'log.txt'}: the disk is full (No space left "
-                        "on device); free space on it, or choose another disk (output_root in the config, or "
-                        "--output); the log continues on the console only"]
-    assert [line for line in err.splitlines() if line.startswith("INFO")] == ["INFO epoch 0", "INFO epoch 1",
-                                                                             "INFO epoch 2"]
+    assert warnings == [
+        f"phalanx: warning: cannot write {tmp_path / 'log.txt'}: the disk is full (No space left "
+        "on device); free space on it, or choose another disk (output_root in the config, or "
+        "--output); the log continues on the console only"
+    ]
+    assert [line for line in err.splitlines() if line.startswith("INFO")] == [
+        "INFO epoch 0",
+        "INFO epoch 1",
+        "INFO epoch 2",
+    ]

@@ -1,6 +1,7 @@
 """Every built-in hook, run inside a real Trainer on the toy problems and checked against an
 independent computation: numpy and scikit-learn for statistics and metrics, TensorBoard's own
 reader for event files, matplotlib's reader for plots, the checkpoint files themselves for saving."""
+
 from __future__ import annotations
 
 import copy
@@ -19,17 +20,32 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import toy
 from rich.console import Console
 from safetensors.torch import load_file
 from sklearn import metrics as skm
 
-import toy
 from phalanx import commands, config, data, logs, rundir
 from phalanx.errors import ConfigError, ModelError, StorageError
 from phalanx.hooks import (
-    ClassificationMetrics, ComputeStats, Hook, LogProfile, LogVariables, PlotLines, SaveBest, SaveEvery,
-    SaveLatest, ShowProgress, StopAfter, StopOnNaN, StopOnPlateau, TrainingTerminated, WriteCSV,
-    WriteTensorBoard, build_hooks)
+    ClassificationMetrics,
+    ComputeStats,
+    Hook,
+    LogProfile,
+    LogVariables,
+    PlotLines,
+    SaveBest,
+    SaveEvery,
+    SaveLatest,
+    ShowProgress,
+    StopAfter,
+    StopOnNaN,
+    StopOnPlateau,
+    TrainingTerminated,
+    WriteCSV,
+    WriteTensorBoard,
+    build_hooks,
+)
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +55,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def _close_logs():
@@ -62,12 +79,16 @@ class Record(Hook):
         self.success: bool | None = None
 
     def after_batch(self, stream, batch):
-        kept = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        kept = {
+            k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+        }
         self.batches.append((stream, self.trainer.step, kept))
 
     def after_epoch(self, epoch, epoch_data):
         self.epochs[epoch] = copy.deepcopy(epoch_data)
-        self.weights[epoch] = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()}
+        self.weights[epoch] = {
+            k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()
+        }
 
     def after_epoch_profile(self, epoch, profile, train_stream, extra_streams):
         self.profiles.append(epoch)
@@ -82,7 +103,9 @@ class Record(Hook):
 
 def classification_config(**sections) -> dict:
     """The regression config turned into 3-class classification of Gaussian blobs."""
-    cfg = toy.regression_config(dataset={"class": "toy.Classes"}, optimizer={"lr": 0.02}, **sections)
+    cfg = toy.regression_config(
+        dataset={"class": "toy.Classes"}, optimizer={"lr": 0.02}, **sections
+    )
     cfg["model"] = {"class": "toy.Classifier", "features": 4, "classes": 3}
     return cfg
 
@@ -117,7 +140,9 @@ def regression_losses(weights: dict[str, torch.Tensor], stream: str) -> np.ndarr
     return ((x @ w.T + b).reshape(-1) - y) ** 2
 
 
-def classifier_predictions(weights: dict[str, torch.Tensor], stream: str) -> tuple[np.ndarray, np.ndarray]:
+def classifier_predictions(
+    weights: dict[str, torch.Tensor], stream: str
+) -> tuple[np.ndarray, np.ndarray]:
     items = toy.Classes().streams()[stream]
     w, b = weights["net.weight"].double().numpy(), weights["net.bias"].double().numpy()
     logits = items.x.double().numpy() @ w.T + b
@@ -126,8 +151,12 @@ def classifier_predictions(weights: dict[str, torch.Tensor], stream: str) -> tup
 
 def sklearn_scores(predicted, gold) -> dict[str, float]:
     kw = {"average": "macro", "zero_division": 0}
-    return {"accuracy": skm.accuracy_score(gold, predicted), "precision": skm.precision_score(gold, predicted, **kw),
-            "recall": skm.recall_score(gold, predicted, **kw), "f1": skm.f1_score(gold, predicted, **kw)}
+    return {
+        "accuracy": skm.accuracy_score(gold, predicted),
+        "precision": skm.precision_score(gold, predicted, **kw),
+        "recall": skm.recall_score(gold, predicted, **kw),
+        "f1": skm.f1_score(gold, predicted, **kw),
+    }
 
 
 # --- ComputeStats ------------------------------------------------------------------------------
@@ -136,13 +165,21 @@ ALL_AGGREGATIONS = ["mean", "std", "min", "max", "sum", "count"]
 
 
 def _numpy_stats(values: np.ndarray) -> dict[str, float]:
-    return {"loss": values.mean(), "loss_std": values.std(), "loss_min": values.min(),
-            "loss_max": values.max(), "loss_sum": values.sum(), "loss_count": len(values)}
+    return {
+        "loss": values.mean(),
+        "loss_std": values.std(),
+        "loss_min": values.min(),
+        "loss_max": values.max(),
+        "loss_sum": values.sum(),
+        "loss_count": len(values),
+    }
 
 
 def test_compute_stats_equal_numpy_on_the_per_sample_losses(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(["loss"], ALL_AGGREGATIONS), rec], main_loop={"epochs": 2})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(["loss"], ALL_AGGREGATIONS), rec], main_loop={"epochs": 2}
+    )
     assert trainer.run() == 0
     for epoch in (1, 2):
         # training stream: the per-sample losses of the epoch's batches, as the model produced them
@@ -154,14 +191,21 @@ def test_compute_stats_equal_numpy_on_the_per_sample_losses(tmp_path):
         # valid stream: recomputed by hand from the weights at the end of the epoch
         valid = regression_losses(rec.weights[epoch], "valid")
         for key, expected in _numpy_stats(valid).items():
-            assert rec.epochs[epoch]["valid"][key] == pytest.approx(expected, rel=1e-10, abs=1e-12), (epoch, key)
-    assert rec.epochs[1]["train"]["loss"] != rec.epochs[2]["train"]["loss"]  # sums restart each epoch
+            assert rec.epochs[epoch]["valid"][key] == pytest.approx(
+                expected, rel=1e-10, abs=1e-12
+            ), (epoch, key)
+    assert (
+        rec.epochs[1]["train"]["loss"] != rec.epochs[2]["train"]["loss"]
+    )  # sums restart each epoch
 
 
 def test_compute_stats_only_publish_the_aggregations_asked_for(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(["loss", "prediction"], ["mean", "max"]), rec],
-                           main_loop={"epochs": 1})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(["loss", "prediction"], ["mean", "max"]), rec],
+        main_loop={"epochs": 1},
+    )
     assert trainer.run() == 0
     assert set(rec.epochs[1]["train"]) == {"loss", "loss_max", "prediction", "prediction_max"}
     predictions = np.concatenate([b["prediction"].numpy() for b in rec.train_batches(1, 5)])
@@ -201,9 +245,12 @@ def test_compute_stats_name_a_variable_that_is_not_there(tmp_path):
 
 # --- ClassificationMetrics ---------------------------------------------------------------------
 
+
 def test_classification_metrics_equal_scikit_learn(tmp_path):
     rec = Record()
-    hook = ClassificationMetrics(predicted="logits", gold="y", metrics=["accuracy", "precision", "recall", "f1"])
+    hook = ClassificationMetrics(
+        predicted="logits", gold="y", metrics=["accuracy", "precision", "recall", "f1"]
+    )
     trainer = make_trainer(tmp_path, [hook, rec], classes=True, main_loop={"epochs": 2})
     assert trainer.run() == 0
     for epoch in (1, 2):
@@ -212,21 +259,36 @@ def test_classification_metrics_equal_scikit_learn(tmp_path):
         gold = np.concatenate([b["y"].numpy() for b in batches])
         assert len(gold) == 60
         for key, expected in sklearn_scores(predicted, gold).items():
-            assert rec.epochs[epoch]["train"][key] == pytest.approx(expected, abs=1e-12), (epoch, key)
+            assert rec.epochs[epoch]["train"][key] == pytest.approx(expected, abs=1e-12), (
+                epoch,
+                key,
+            )
         predicted, gold = classifier_predictions(rec.weights[epoch], "valid")
         for key, expected in sklearn_scores(predicted, gold).items():
-            assert rec.epochs[epoch]["valid"][key] == pytest.approx(expected, abs=1e-12), (epoch, key)
-    assert 0.3 < rec.epochs[1]["train"]["accuracy"] < 1.0  # an informative check: neither chance nor perfect
+            assert rec.epochs[epoch]["valid"][key] == pytest.approx(expected, abs=1e-12), (
+                epoch,
+                key,
+            )
+    assert (
+        0.3 < rec.epochs[1]["train"]["accuracy"] < 1.0
+    )  # an informative check: neither chance nor perfect
 
 
 def test_macro_f1_counts_a_class_that_is_predicted_but_never_true(tmp_path):
     """Macro averages run over every class seen in the gold labels or the predictions (scikit-learn,
     torchmetrics): a class predicted but never true has precision 0 and F1 0, and counts."""
-    hook = ClassificationMetrics(predicted="scores", gold="label", metrics=["accuracy", "precision", "recall", "f1"])
+    hook = ClassificationMetrics(
+        predicted="scores", gold="label", metrics=["accuracy", "precision", "recall", "f1"]
+    )
     make_trainer(tmp_path, [hook], classes=True)  # called by hand below
     predicted, gold = np.array([0, 2, 1, 1]), np.array([0, 0, 1, 1])
-    hook.after_batch("valid", {"scores": torch.nn.functional.one_hot(torch.tensor(predicted), 3).double(),
-                               "label": torch.tensor(gold)})
+    hook.after_batch(
+        "valid",
+        {
+            "scores": torch.nn.functional.one_hot(torch.tensor(predicted), 3).double(),
+            "label": torch.tensor(gold),
+        },
+    )
     out = {}
     hook.after_epoch(1, out)
     for key, expected in sklearn_scores(predicted, gold).items():
@@ -235,7 +297,9 @@ def test_macro_f1_counts_a_class_that_is_predicted_but_never_true(tmp_path):
 
 def test_classification_metrics_take_predicted_class_indices(tmp_path):
     """`predicted` may hold class indices; a batch may predict a class above its largest gold one."""
-    hook = ClassificationMetrics(predicted="pred", gold="label", metrics=["accuracy", "precision", "recall", "f1"])
+    hook = ClassificationMetrics(
+        predicted="pred", gold="label", metrics=["accuracy", "precision", "recall", "f1"]
+    )
     make_trainer(tmp_path, [hook], classes=True)  # called by hand below
     batches = [([0, 2, 1, 1], [0, 0, 1, 1]), ([2, 1, 0], [2, 2, 0])]
     for predicted, gold in batches:
@@ -250,21 +314,33 @@ def test_classification_metrics_take_predicted_class_indices(tmp_path):
 
 # --- LogVariables, LogProfile ------------------------------------------------------------------
 
+
 def test_log_variables_and_log_profile_write_a_line_per_epoch(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(), LogVariables(), LogProfile(), rec], main_loop={"epochs": 2})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(), LogVariables(), LogProfile(), rec], main_loop={"epochs": 2}
+    )
     assert trainer.run() == 0
     text = (trainer.run_dir / "log.txt").read_text()
     for epoch, step in ((1, 5), (2, 10)):
         values = rec.epochs[epoch]
-        line = (f"epoch {epoch} (step {step}) | train: loss {values['train']['loss']:.6g} | "
-                f"valid: loss {values['valid']['loss']:.6g}")
+        line = (
+            f"epoch {epoch} (step {step}) | train: loss {values['train']['loss']:.6g} | "
+            f"valid: loss {values['valid']['loss']:.6g}"
+        )
         assert line in text
         profile = re.search(rf"epoch {epoch} time \| (.*)", text)
         assert profile, text
         parts = re.findall(r"(\w+) ([\d.]+)s \((\d+)%\)", profile.group(1))
-        assert [name for name, _, _ in parts] == ["data", "forward_backward", "communication", "optimizer", "hooks", "eval",
-                                                  "after_epoch"]
+        assert [name for name, _, _ in parts] == [
+            "data",
+            "forward_backward",
+            "communication",
+            "optimizer",
+            "hooks",
+            "eval",
+            "after_epoch",
+        ]
         assert abs(sum(int(p) for _, _, p in parts) - 100) <= len(parts)
 
 
@@ -301,30 +377,57 @@ def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_ch
         logger.removeHandler(handler)
     lines = [message for message in messages if "all-reduce" in message]
     assert len(lines) == 2, lines
-    assert all(line.startswith("gradient all-reduce in backward, DDP's sampled average over the run so far")
-               for line in lines)
-    assert "4.00 ms per step, 75% of it hidden" in lines[0] and "5.00 ms per step, 60% of it hidden" in lines[1]
-    assert [m.split(" time")[0] for m in messages if " time |" in m] == ["epoch 1", "epoch 2", "epoch 3"]
+    assert all(
+        line.startswith(
+            "gradient all-reduce in backward, DDP's sampled average over the run so far"
+        )
+        for line in lines
+    )
+    assert (
+        "4.00 ms per step, 75% of it hidden" in lines[0]
+        and "5.00 ms per step, 60% of it hidden" in lines[1]
+    )
+    assert [m.split(" time")[0] for m in messages if " time |" in m] == [
+        "epoch 1",
+        "epoch 2",
+        "epoch 3",
+    ]
 
 
 def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
-    trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), LogVariables(["loss_max"])],
-                           main_loop={"epochs": 1})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(aggregations=["mean", "max"]), LogVariables(["loss_max"])],
+        main_loop={"epochs": 1},
+    )
     assert trainer.run() == 0
-    line = next(l for l in (trainer.run_dir / "log.txt").read_text().splitlines() if "epoch 1 (step 5)" in l)
+    line = next(
+        l for l in (trainer.run_dir / "log.txt").read_text().splitlines() if "epoch 1 (step 5)" in l
+    )
     assert "train: loss_max " in line and "valid: loss_max " in line
     assert not re.search(r"\bloss \d", line)
 
 
 # --- WriteCSV ----------------------------------------------------------------------------------
 
+
 def test_write_csv_has_a_row_per_epoch_and_a_column_per_variable(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(aggregations=["mean", "max"]), WriteCSV(), rec],
-                           main_loop={"epochs": 3})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(aggregations=["mean", "max"]), WriteCSV(), rec],
+        main_loop={"epochs": 3},
+    )
     assert trainer.run() == 0
     columns, rows = read_csv(trainer.run_dir / "metrics.csv")
-    assert columns == ["epoch", "step", "train.loss", "train.loss_max", "valid.loss", "valid.loss_max"]
+    assert columns == [
+        "epoch",
+        "step",
+        "train.loss",
+        "train.loss_max",
+        "valid.loss",
+        "valid.loss_max",
+    ]
     assert [(int(r["epoch"]), int(r["step"])) for r in rows] == [(1, 5), (2, 10), (3, 15)]
     for row in rows:
         values = rec.epochs[int(row["epoch"])]
@@ -348,6 +451,7 @@ def test_write_csv_drops_the_rows_after_the_restored_epoch(tmp_path):
 
 # --- WriteTensorBoard --------------------------------------------------------------------------
 
+
 def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -358,8 +462,9 @@ def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_write_tensorboard_writes_events_that_tensorboard_reads(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(), WriteTensorBoard(every_n_steps=2), rec],
-                           main_loop={"epochs": 2})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(), WriteTensorBoard(every_n_steps=2), rec], main_loop={"epochs": 2}
+    )
     assert trainer.run() == 0
     folder = trainer.run_dir / "tensorboard"
     assert [p.name.startswith("events.out.tfevents.") for p in folder.iterdir()] == [True]
@@ -396,21 +501,30 @@ def test_write_tensorboard_keeps_every_event_across_a_resume(tmp_path):
     scalars = _scalars(tmp_path / "run" / "tensorboard")
     for stream in ("train", "valid"):
         assert scalars[f"{stream}/loss"] == [
-            (int(r["step"]), pytest.approx(float(r[f"{stream}.loss"]), rel=1e-6)) for r in rows]
+            (int(r["step"]), pytest.approx(float(r[f"{stream}.loss"]), rel=1e-6)) for r in rows
+        ]
     assert [s for s, _ in scalars["train/step_loss"]] == [5, 10, 15]
 
 
 # --- PlotLines ---------------------------------------------------------------------------------
 
+
 def test_plot_lines_write_png_files_that_matplotlib_reads(tmp_path):
     from matplotlib import image
 
     plot = PlotLines(variables=["loss", "accuracy"])
-    trainer = make_trainer(tmp_path, [ComputeStats(), ClassificationMetrics("logits", "y"), plot],
-                           classes=True, main_loop={"epochs": 2})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), ClassificationMetrics("logits", "y"), plot],
+        classes=True,
+        main_loop={"epochs": 2},
+    )
     assert trainer.run() == 0
     folder = trainer.run_dir / "plots"
-    assert sorted(p.name for p in folder.iterdir()) == ["accuracy.png", "loss.png"]  # no f1, no temp files
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "accuracy.png",
+        "loss.png",
+    ]  # no f1, no temp files
     for name in ("accuracy.png", "loss.png"):
         assert (folder / name).read_bytes()[:8] == PNG_SIGNATURE
         pixels = image.imread(folder / name)
@@ -436,7 +550,9 @@ assert run.code == 0
 assert not any(name.startswith("matplotlib") for name in sys.modules), "matplotlib in the training process"
 print(json.dumps({{"run_dir": str(run.run_dir), "history": plot.history}}))
 """)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     from matplotlib import image
 
@@ -491,7 +607,9 @@ def test_plot_lines_draw_the_last_picture_themselves_when_the_child_is_late(tmp_
     from phalanx.plots import draw
 
     draw(tmp_path / "whole", plot.history)
-    assert (trainer.run_dir / "plots" / "loss.png").read_bytes() == (tmp_path / "whole" / "loss.png").read_bytes()
+    assert (trainer.run_dir / "plots" / "loss.png").read_bytes() == (
+        tmp_path / "whole" / "loss.png"
+    ).read_bytes()
 
 
 @pytest.mark.timeout(60)
@@ -499,9 +617,17 @@ def test_a_failing_run_with_plot_lines_and_loader_workers_ends(tmp_path):
     """DataLoader workers forked while the drawing process lives hold copies of its pipe: the run
     still ends, and its drawing process with it, when training fails."""
     plot = _KeepsPainter()
-    trainer = make_trainer(tmp_path, [ComputeStats(), plot, _FailsAt(step=7)], main_loop={"epochs": 3},
-                           dataset={"class": "toy.Regression", "batch_size": 8, "num_workers": 1,
-                                    "persistent_workers": False})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), plot, _FailsAt(step=7)],
+        main_loop={"epochs": 3},
+        dataset={
+            "class": "toy.Regression",
+            "batch_size": 8,
+            "num_workers": 1,
+            "persistent_workers": False,
+        },
+    )
     with pytest.raises(RuntimeError, match="the model's code failed"):
         trainer.run()
     assert plot.child.poll() is not None
@@ -510,13 +636,17 @@ def test_a_failing_run_with_plot_lines_and_loader_workers_ends(tmp_path):
 
 # --- ShowProgress ------------------------------------------------------------------------------
 
+
 def test_show_progress_draws_on_a_terminal(tmp_path, monkeypatch):
     out = io.StringIO()
     terminal = Console(file=out, force_terminal=True, width=150, color_system=None)
     monkeypatch.setattr("phalanx.logs.console", terminal)
     monkeypatch.setattr("phalanx.hooks.progress.console", terminal)
-    trainer = make_trainer(tmp_path, [ShowProgress(refresh_s=0.0), ComputeStats(), LogVariables()],
-                           main_loop={"epochs": 2})
+    trainer = make_trainer(
+        tmp_path,
+        [ShowProgress(refresh_s=0.0), ComputeStats(), LogVariables()],
+        main_loop={"epochs": 2},
+    )
     assert trainer.run() == 0
     text = out.getvalue()
     assert "epoch 1/2" in text and "epoch 2/2" in text
@@ -537,19 +667,28 @@ def test_show_progress_draws_nothing_off_a_terminal(tmp_path, monkeypatch):
 
 # --- SaveEvery, SaveLatest, SaveBest -----------------------------------------------------------
 
+
 def test_save_every_n_steps(tmp_path):
-    trainer = make_trainer(tmp_path, [SaveEvery(steps=3)], main_loop={"epochs": 2}, checkpoints={"keep_last": 10})
+    trainer = make_trainer(
+        tmp_path, [SaveEvery(steps=3)], main_loop={"epochs": 2}, checkpoints={"keep_last": 10}
+    )
     assert trainer.run() == 0
     assert trainer.checkpoints.steps() == [3, 6, 9]
     for step in (3, 6, 9):
         trainer.checkpoints.verify(step)
         state = json.loads((trainer.checkpoints.path(step) / "trainer.json").read_text())
-        assert (state["step"], state["epoch"], state["step_in_epoch"]) == (step, (step - 1) // 5, step - 5 * ((step - 1) // 5))
+        assert (state["step"], state["epoch"], state["step_in_epoch"]) == (
+            step,
+            (step - 1) // 5,
+            step - 5 * ((step - 1) // 5),
+        )
 
 
 def test_save_every_n_epochs(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [SaveEvery(epochs=2), rec], main_loop={"epochs": 4}, checkpoints={"keep_last": 10})
+    trainer = make_trainer(
+        tmp_path, [SaveEvery(epochs=2), rec], main_loop={"epochs": 4}, checkpoints={"keep_last": 10}
+    )
     assert trainer.run() == 0
     assert trainer.checkpoints.steps() == [10, 20]
     saved = load_file(str(trainer.checkpoints.path(10) / "model.safetensors"))
@@ -587,19 +726,26 @@ def test_save_best_keeps_the_best_step_through_retention(tmp_path):
 
 
 def test_save_best_in_min_mode_follows_the_improvements(tmp_path):
-    trainer = make_trainer(tmp_path, [ComputeStats(), SaveBest("valid.loss", mode="min")],
-                           main_loop={"epochs": 3}, checkpoints={"keep_last": 1})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), SaveBest("valid.loss", mode="min")],
+        main_loop={"epochs": 3},
+        checkpoints={"keep_last": 1},
+    )
     assert trainer.run() == 0
     assert trainer.checkpoints.best() == 15 and trainer.checkpoints.steps() == [15]
 
 
 def test_save_best_names_a_variable_nobody_computed(tmp_path):
-    trainer = make_trainer(tmp_path, [ComputeStats(), SaveBest("valid.accuracy", mode="max")], main_loop={"epochs": 1})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(), SaveBest("valid.accuracy", mode="max")], main_loop={"epochs": 1}
+    )
     with pytest.raises(ConfigError, match="valid.accuracy"):
         trainer.run()
 
 
 # --- StopAfter, StopOnNaN, StopOnPlateau -------------------------------------------------------
+
 
 def test_stop_after_epochs(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(), StopAfter(epochs=2)], main_loop={"epochs": 5})
@@ -630,20 +776,25 @@ def test_stop_after_minutes_reads_the_injected_clock(tmp_path):
 
 def test_stop_on_nan_fails_the_run_at_the_step_that_saw_it(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnNaN(), SaveLatest(), rec], main_loop={"epochs": 3})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(), StopOnNaN(), SaveLatest(), rec], main_loop={"epochs": 3}
+    )
     trainer.dataset.streams()["train"].y[13] = float("nan")
     expected_step = data.permutation(0, 1, 40).index(13) // 8 + 1
     assert trainer.run() == 1
     assert trainer.step == expected_step
     assert rec.success is False
     assert trace_events(trainer.run_dir)[-1] == "failed"
-    assert trainer.checkpoints.steps() == ([5] if expected_step > 5 else [])  # no checkpoint of the failed state
+    assert trainer.checkpoints.steps() == (
+        [5] if expected_step > 5 else []
+    )  # no checkpoint of the failed state
     assert "StopOnNaN" in (trainer.run_dir / "log.txt").read_text()
 
 
 def test_stop_on_nan_sees_a_diverging_loss(tmp_path):
-    trainer = make_trainer(tmp_path, [StopOnNaN()], optimizer={"class": "SGD", "lr": 1e150},
-                           main_loop={"epochs": 50})
+    trainer = make_trainer(
+        tmp_path, [StopOnNaN()], optimizer={"class": "SGD", "lr": 1e150}, main_loop={"epochs": 50}
+    )
     assert trainer.run() == 1
     assert not math.isfinite(float(trainer.last_loss))
     assert trainer.epoch < 50
@@ -652,26 +803,36 @@ def test_stop_on_nan_sees_a_diverging_loss(tmp_path):
 def test_stop_on_plateau_after_patience_epochs_without_improvement(tmp_path):
     rec = Record()
     # lr 0: nothing learns, valid.loss is the same every epoch
-    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=2), rec],
-                           optimizer={"class": "SGD", "lr": 0.0}, main_loop={"epochs": 10})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), StopOnPlateau("valid.loss", patience=2), rec],
+        optimizer={"class": "SGD", "lr": 0.0},
+        main_loop={"epochs": 10},
+    )
     assert trainer.run() == 0
     assert trainer.epoch == 3 and sorted(rec.epochs) == [1, 2, 3]
 
 
 def test_stop_on_plateau_lets_an_improving_run_go_on(tmp_path):
-    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=1)], main_loop={"epochs": 3})
+    trainer = make_trainer(
+        tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=1)], main_loop={"epochs": 3}
+    )
     assert trainer.run() == 0
     assert trainer.epoch == 3
 
 
 def test_stop_on_plateau_min_delta(tmp_path):
-    trainer = make_trainer(tmp_path, [ComputeStats(), StopOnPlateau("valid.loss", patience=1, min_delta=100.0)],
-                           main_loop={"epochs": 5})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), StopOnPlateau("valid.loss", patience=1, min_delta=100.0)],
+        main_loop={"epochs": 5},
+    )
     assert trainer.run() == 0
     assert trainer.epoch == 2  # improvements under min_delta do not count
 
 
 # --- TrainingTerminated and the order of hooks -------------------------------------------------
+
 
 class StopAt(Hook):
     def __init__(self, event: str, when: int, success: bool = True):
@@ -688,8 +849,11 @@ class StopAt(Hook):
 
 def test_a_hook_stopping_after_epoch_lets_the_later_hooks_run_that_epoch(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [ComputeStats(), StopAt("after_epoch", 1), WriteCSV(), SaveLatest(), rec],
-                           main_loop={"epochs": 3})
+    trainer = make_trainer(
+        tmp_path,
+        [ComputeStats(), StopAt("after_epoch", 1), WriteCSV(), SaveLatest(), rec],
+        main_loop={"epochs": 3},
+    )
     assert trainer.run() == 0
     assert trainer.epoch == 1
     assert sorted(rec.epochs) == [1] and rec.profiles == [1] and rec.success is True
@@ -700,7 +864,9 @@ def test_a_hook_stopping_after_epoch_lets_the_later_hooks_run_that_epoch(tmp_pat
 
 def test_a_hook_stopping_after_batch_lets_the_later_hooks_see_that_batch(tmp_path):
     rec = Record()
-    trainer = make_trainer(tmp_path, [StopAt("after_batch", 3, success=False), rec], main_loop={"epochs": 3})
+    trainer = make_trainer(
+        tmp_path, [StopAt("after_batch", 3, success=False), rec], main_loop={"epochs": 3}
+    )
     assert trainer.run() == 1
     assert [step for s, step, _ in rec.batches if s == "train"] == [1, 2, 3]
     assert rec.success is False
@@ -708,6 +874,7 @@ def test_a_hook_stopping_after_batch_lets_the_later_hooks_see_that_batch(tmp_pat
 
 
 # --- the default hooks -------------------------------------------------------------------------
+
 
 def test_default_hooks_write_metrics_tensorboard_and_checkpoints(tmp_path):
     path = toy.write_config(tmp_path / "exp", toy.regression_config(hooks=None))
@@ -726,19 +893,37 @@ def test_default_hooks_without_a_valid_stream_save_no_best():
     with_valid = config.validate(toy.regression_config(hooks=None))
     without = config.validate(toy.regression_config(hooks=None, main_loop={"extra_streams": []}))
     names = [type(h).__name__ for h in build_hooks(with_valid, [TESTS])]
-    assert names == ["ShowProgress", "ComputeStats", "LogThroughput", "LogVariables", "LogProfile", "WriteCSV",
-                     "WriteTensorBoard", "SaveLatest", "SaveBest"]
+    assert names == [
+        "ShowProgress",
+        "ComputeStats",
+        "LogThroughput",
+        "LogVariables",
+        "LogProfile",
+        "WriteCSV",
+        "WriteTensorBoard",
+        "SaveLatest",
+        "SaveBest",
+    ]
     assert "SaveBest" not in [type(h).__name__ for h in build_hooks(without, [TESTS])]
 
 
 def test_the_zeroth_epoch_evaluates_the_train_stream_without_training_hooks_firing(tmp_path):
     """skip_zeroth_epoch: false evaluates every stream before step 1; hooks that act on training
     steps (StopOnNaN, SaveEvery by steps, throughput, TensorBoard's step loss) must wait for them."""
-    cfg = config.validate(toy.regression_config(
-        main_loop={"epochs": 1, "extra_streams": ["valid"], "skip_zeroth_epoch": False},
-        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "StopOnNaN", {"SaveEvery": {"steps": 1}},
-               {"LogThroughput": {"every_n_steps": 1}}, {"WriteTensorBoard": {"every_n_steps": 1}}, "ShowProgress",
-               "toy.Record"]))
+    cfg = config.validate(
+        toy.regression_config(
+            main_loop={"epochs": 1, "extra_streams": ["valid"], "skip_zeroth_epoch": False},
+            hooks=[
+                {"ComputeStats": {"variables": ["loss"]}},
+                "StopOnNaN",
+                {"SaveEvery": {"steps": 1}},
+                {"LogThroughput": {"every_n_steps": 1}},
+                {"WriteTensorBoard": {"every_n_steps": 1}},
+                "ShowProgress",
+                "toy.Record",
+            ],
+        )
+    )
     trainer = Trainer(cfg, tmp_path, [TESTS])
     assert trainer.run() == 0
     record = trainer.hooks[-1]

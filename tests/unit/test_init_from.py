@@ -1,14 +1,15 @@
 """model.init_from: a new run starts from a trained run's checkpoint or a safetensors file, with a
 fresh optimizer; names that do not match are an error, or with strict: false a list in the log."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
+import toy
 from safetensors.torch import load_file
 
-import toy
 from phalanx import commands, config
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointMismatch, ConfigError
@@ -19,10 +20,15 @@ TESTS = Path(toy.__file__).parent
 
 
 def _raw(**model) -> dict:
-    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4, **model},
-                                optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9})
-    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, {"SaveBest": {"variable": "valid.loss", "mode": "max"}},
-                    "SaveLatest"]
+    raw = toy.regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4, **model},
+        optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
+    )
+    raw["hooks"] = [
+        {"ComputeStats": {"variables": ["loss"]}},
+        {"SaveBest": {"variable": "valid.loss", "mode": "max"}},
+        "SaveLatest",
+    ]
     return raw
 
 
@@ -47,14 +53,20 @@ def _weights(run: Path, which: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("checkpoint", ["auto", "best", "latest"])
 def test_a_new_run_starts_from_a_runs_checkpoint(trained, checkpoint):
-    spec = str(trained) if checkpoint == "auto" else {"path": str(trained), "checkpoint": checkpoint}
+    spec = (
+        str(trained) if checkpoint == "auto" else {"path": str(trained), "checkpoint": checkpoint}
+    )
     trainer = _started(_raw(init_from=spec))
-    want = _weights(trained, "best" if checkpoint == "auto" else checkpoint)  # auto: the best where there is one
+    want = _weights(
+        trained, "best" if checkpoint == "auto" else checkpoint
+    )  # auto: the best where there is one
     got = trainer.model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not trainer.optimizer.state  # the optimizer starts afresh
     assert _weights(trained, "best").keys() == want.keys()
-    assert any(not torch.equal(_weights(trained, "best")[k], _weights(trained, "latest")[k]) for k in want)
+    assert any(
+        not torch.equal(_weights(trained, "best")[k], _weights(trained, "latest")[k]) for k in want
+    )
 
 
 def test_a_safetensors_file_and_a_run_trained_from_it(trained, tmp_path):
@@ -72,10 +84,15 @@ def test_a_safetensors_file_and_a_run_trained_from_it(trained, tmp_path):
 
 def test_names_that_do_not_match_are_an_error_or_with_strict_false_a_list(trained):
     """Without a hidden layer toy.Linear's weights have other names (net.weight, not net.0.weight)."""
-    with pytest.raises(CheckpointMismatch, match="the weights lack: net.weight, net.bias .*the model lacks: "
-                                                 "net.0.bias, net.0.weight.*strict: false"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match="the weights lack: net.weight, net.bias .*the model lacks: "
+        "net.0.bias, net.0.weight.*strict: false",
+    ):
         _started(_raw(hidden=0, init_from=str(trained)))
-    with pytest.raises(CheckpointMismatch, match="does not fit this model"):  # another shape: never loadable
+    with pytest.raises(
+        CheckpointMismatch, match="does not fit this model"
+    ):  # another shape: never loadable
         _started(_raw(hidden=5, init_from={"path": str(trained), "strict": False}))
 
 
@@ -86,12 +103,18 @@ def test_strict_false_loads_what_matches(trained, tmp_path):
     partial = {k: v for k, v in weights.items() if k.startswith("net.0.")}
     partial["head.extra"] = torch.zeros(2, dtype=torch.float64)
     save_file(partial, tmp_path / "partial.safetensors")
-    trainer = _started(_raw(init_from={"path": str(tmp_path / "partial.safetensors"), "strict": False}))
+    trainer = _started(
+        _raw(init_from={"path": str(tmp_path / "partial.safetensors"), "strict": False})
+    )
     state = trainer.model.state_dict()
     assert torch.equal(state["net.0.weight"], weights["net.0.weight"])
-    assert not torch.equal(state["net.2.weight"], weights["net.2.weight"])  # kept its initial values
-    with pytest.raises(CheckpointMismatch, match="the weights lack: net.2.weight, net.2.bias .*the model lacks: "
-                                                 "head.extra"):
+    assert not torch.equal(
+        state["net.2.weight"], weights["net.2.weight"]
+    )  # kept its initial values
+    with pytest.raises(
+        CheckpointMismatch,
+        match="the weights lack: net.2.weight, net.2.bias .*the model lacks: head.extra",
+    ):
         _started(_raw(init_from=str(tmp_path / "partial.safetensors")))
 
 

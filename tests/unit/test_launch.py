@@ -1,5 +1,6 @@
 """The launcher's report of a failed job: the first failing rank's own error, whichever exit the
 elastic agent happened to notice first."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,17 +24,26 @@ def _fail_on_rank(records, monkeypatch, rank: int, error: BaseException) -> None
         launch._record(e)
 
 
-def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_because_of_it(tmp_path, monkeypatch):
+def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_because_of_it(
+    tmp_path, monkeypatch
+):
     """Rank 1 fails and tells the others to end; rank 0 ends too (exit code 1, nothing recorded), and
     the agent may notice rank 0's exit first: its failure then names no error file."""
     _fail_on_rank(tmp_path, monkeypatch, 1, RuntimeError("injected failure on rank 1 at step 3"))
-    noticed = ProcessFailure(local_rank=0, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json"))
+    noticed = ProcessFailure(
+        local_rank=0, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json")
+    )
     message = str(launch._explain(ChildFailedError("worker", {0: noticed}), tmp_path))
     assert message.startswith("rank 1 failed first")
     assert message.count("injected failure on rank 1 at step 3") == 1
 
 
 def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
-    noticed = ProcessFailure(local_rank=0, pid=4242, exitcode=-9, error_file=str(tmp_path / "absent.json"))
+    noticed = ProcessFailure(
+        local_rank=0, pid=4242, exitcode=-9, error_file=str(tmp_path / "absent.json")
+    )
     message = str(launch._explain(ChildFailedError("worker", {0: noticed}), tmp_path))
-    assert message.startswith("rank 0 ended with exit code -9") and "no traceback was recorded" in message
+    assert (
+        message.startswith("rank 0 ended with exit code -9")
+        and "no traceback was recorded" in message
+    )

@@ -1,13 +1,14 @@
 """Throughput, FLOPs, MFU and scaling figures against answers known in advance."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+import toy
 from torch import nn
 
-import toy
 from phalanx import config, metrics
 from phalanx.hooks import ComputeStats, LogThroughput
 from phalanx.trainer import Trainer
@@ -26,12 +27,19 @@ def test_training_flops_count_forward_and_weight_gradients_on_meta_tensors():
     before = layer.weight.detach().clone()
     flops = metrics.training_flops(layer, lambda m, b: m(b["x"]).sum(), {"x": torch.randn(8, 10)})
     assert flops == 2 * (2 * 8 * 10 * 20)  # forward, and the weight gradient (the input needs none)
-    assert torch.equal(layer.weight, before) and layer.weight.grad is None  # the real model is untouched
+    assert (
+        torch.equal(layer.weight, before) and layer.weight.grad is None
+    )  # the real model is untouched
 
 
 def test_scaling_efficiency_is_throughput_over_n_times_one_device():
-    rows = metrics.scaling([{"devices": 1, "samples_per_s": 100.0}, {"devices": 2, "samples_per_s": 150.0},
-                            {"devices": 4, "samples_per_s": 80.0}])
+    rows = metrics.scaling(
+        [
+            {"devices": 1, "samples_per_s": 100.0},
+            {"devices": 2, "samples_per_s": 150.0},
+            {"devices": 4, "samples_per_s": 80.0},
+        ]
+    )
     assert [r["speedup"] for r in rows] == [1.0, 1.5, 0.8]
     assert [r["efficiency"] for r in rows] == [1.0, 0.75, 0.2]
 
@@ -48,8 +56,12 @@ class _Clock:
 
 
 def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
-    cfg = config.validate(toy.regression_config(dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40},
-                                                main_loop={"epochs": 2, "extra_streams": []}))
+    cfg = config.validate(
+        toy.regression_config(
+            dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40},
+            main_loop={"epochs": 2, "extra_streams": []},
+        )
+    )
     hook = LogThroughput(every_n_steps=2, warmup_steps=2, clock=_Clock(0.25), peak_flops=1e3)
     trainer = Trainer(cfg, tmp_path, [toy.__file__.rsplit("/", 1)[0]], hooks=[ComputeStats(), hook])
     assert trainer.run() == 0

@@ -1,13 +1,14 @@
 """The model protocol: which batch keys reach forward, plain modules through `inputs`/`outputs`/`loss`,
 and the per-sample loss sum each shard contributes."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+import toy
 from torch import nn
 
-import toy
 from phalanx import loading
 from phalanx.config import ModelConfig
 from phalanx.errors import ConfigError, ModelError
@@ -43,7 +44,9 @@ def test_forward_passes_the_keys_forward_names_and_no_others():
     outputs = Forward(spy, _cfg())(batch)
     assert set(spy.seen) == {"x", "y", "weight"}
     assert spy.seen["x"] is batch["x"] and spy.seen["y"] is batch["y"]
-    assert spy.seen["weight"] is None  # an optional argument missing from the batch keeps its default
+    assert (
+        spy.seen["weight"] is None
+    )  # an optional argument missing from the batch keeps its default
     assert torch.equal(outputs["loss"], (2 * batch["x"] - 1) ** 2)
     batch["weight"] = torch.full((4,), 3.0)
     Forward(spy, _cfg())(batch)
@@ -83,8 +86,11 @@ def test_forward_returns_outputs_and_records_their_names():
 def test_inputs_mapping_for_a_plain_sequential():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    cfg = _cfg(inputs={"features": "input"}, outputs="scores",
-               loss={"function": "mse_loss", "output": "scores", "target": "goal"})
+    cfg = _cfg(
+        inputs={"features": "input"},
+        outputs="scores",
+        loss={"function": "mse_loss", "output": "scores", "target": "goal"},
+    )
     batch = {"features": torch.randn(6, 3), "goal": torch.randn(6, 2), "other": torch.zeros(6)}
     outputs = Forward(net, cfg)(batch)
     expected = net(batch["features"])
@@ -107,7 +113,11 @@ def test_loss_spec_with_cross_entropy_gives_per_sample_loss(function):
     net = nn.Linear(4, 3)
     stream = toy.Classes().streams()["train"]
     batch = loading.collate([stream[i] for i in range(7)])
-    cfg = _cfg(inputs={"x": "input"}, outputs="logits", loss={"function": function, "output": "logits", "target": "y"})
+    cfg = _cfg(
+        inputs={"x": "input"},
+        outputs="logits",
+        loss={"function": function, "output": "logits", "target": "y"},
+    )
     outputs = Forward(net, cfg)(batch)
     logits = net(batch["x"])
     expected = torch.stack([-torch.log_softmax(logits[i], dim=0)[batch["y"][i]] for i in range(7)])
@@ -125,7 +135,10 @@ def test_loss_spec_unknown_function():
 def test_loss_spec_bad_output_or_target():
     net = nn.Linear(4, 3)
     batch = {"input": torch.zeros(2, 4), "y": torch.zeros(2, dtype=torch.long)}
-    cfg = _cfg(inputs={"input": "input"}, loss={"function": "cross_entropy", "output": "logits", "target": "y"})
+    cfg = _cfg(
+        inputs={"input": "input"},
+        loss={"function": "cross_entropy", "output": "logits", "target": "y"},
+    )
     with pytest.raises(ModelError, match="'logits' is not an output"):
         Forward(net, cfg)(batch)
     cfg = _cfg(inputs={"input": "input"}, loss={"function": "cross_entropy", "target": "label"})
@@ -155,7 +168,9 @@ def test_tuple_outputs_must_match_the_names():
     assert torch.equal(outputs["b"], torch.full((3,), 2.0))
     assert torch.equal(outputs["loss"], torch.ones(3))
     with pytest.raises(ModelError, match="returned 2 values"):
-        Forward(Two(), _cfg(outputs="a", loss={"function": "l1_loss", "target": "x"}))({"x": torch.ones(3)})
+        Forward(Two(), _cfg(outputs="a", loss={"function": "l1_loss", "target": "x"}))(
+            {"x": torch.ones(3)}
+        )
 
 
 def test_loss_shapes_per_sample_scalar_and_wrong():
@@ -163,18 +178,33 @@ def test_loss_shapes_per_sample_scalar_and_wrong():
     assert check_loss(per_sample, 3) is per_sample
     assert shard_loss_mean(per_sample, 3).item() == pytest.approx(7 / 3)
     assert shard_loss_mean(torch.tensor(2.5), 4).item() == 2.5
-    assert torch.equal(check_loss(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), 2), torch.tensor([2.0, 2.0]))
+    assert torch.equal(
+        check_loss(torch.tensor([[1.0, 3.0], [2.0, 2.0]]), 2), torch.tensor([2.0, 2.0])
+    )
     with pytest.raises(ModelError, match="one value per sample \\(4\\)"):
         check_loss(per_sample, 4)
 
 
 def test_build_model_from_config_with_nested_modules():
-    cfg = ModelConfig.model_validate({"class": "torch.nn.Sequential", "args": [
-        {"class": "torch.nn.Linear", "in_features": 3, "out_features": 2}, {"class": "torch.nn.ReLU"}]})
+    cfg = ModelConfig.model_validate(
+        {
+            "class": "torch.nn.Sequential",
+            "args": [
+                {"class": "torch.nn.Linear", "in_features": 3, "out_features": 2},
+                {"class": "torch.nn.ReLU"},
+            ],
+        }
+    )
     module = build_model(cfg, [])
     assert isinstance(module, nn.Sequential)
-    assert isinstance(module[0], nn.Linear) and module[0].in_features == 3 and isinstance(module[1], nn.ReLU)
-    module = build_model(ModelConfig.model_validate({"class": "toy.Linear", "features": 5, "hidden": 4}), [])
+    assert (
+        isinstance(module[0], nn.Linear)
+        and module[0].in_features == 3
+        and isinstance(module[1], nn.ReLU)
+    )
+    module = build_model(
+        ModelConfig.model_validate({"class": "toy.Linear", "features": 5, "hidden": 4}), []
+    )
     assert module.net[0].in_features == 5
 
 
@@ -184,6 +214,7 @@ def test_build_model_rejects_a_non_module():
 
 
 # --- losses over tokens -------------------------------------------------------------------------
+
 
 def _sequences(n: int = 5, length: int = 6, vocab: int = 4):
     g = torch.Generator().manual_seed(0)
@@ -201,29 +232,49 @@ def test_a_class_index_loss_on_sequences_weighs_every_real_token_once(extra):
     logits, labels = _sequences()
     if "ignore_index" in extra:  # the padding marked with the ignored class instead
         labels[labels == -100] = extra["ignore_index"]
-    cfg = _cfg(outputs="logits", loss={"function": "cross_entropy", "output": "logits", "target": "labels", **extra})
+    cfg = _cfg(
+        outputs="logits",
+        loss={"function": "cross_entropy", "output": "logits", "target": "labels", **extra},
+    )
     outputs = Forward(nn.Identity(), cfg)({"input": logits, "labels": labels})
     ignored = extra.get("ignore_index", -100)
     real = labels != ignored
     assert outputs["loss_weight"].tolist() == real.sum(dim=1).tolist()
     kwargs = {k: v for k, v in extra.items()}
-    want = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none", **{"ignore_index": -100, **kwargs})
+    want = F.cross_entropy(
+        logits.transpose(1, 2), labels, reduction="none", **{"ignore_index": -100, **kwargs}
+    )
     for i in range(len(labels)):
-        expected = want[i][real[i]].mean() if real[i].any() else torch.tensor(0.0, dtype=torch.float64)
+        expected = (
+            want[i][real[i]].mean() if real[i].any() else torch.tensor(0.0, dtype=torch.float64)
+        )
         assert torch.allclose(outputs["loss"][i], expected), i
     objective = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
-    assert torch.allclose(objective, F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **{"ignore_index": -100,
-                                                                                                  **kwargs}))
+    assert torch.allclose(
+        objective,
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten(), **{"ignore_index": -100, **kwargs}),
+    )
     # the token losses that go back: their sum is the objective's numerator
-    assert torch.allclose(outputs["_token_losses"].sum(), (outputs["loss"] * outputs["loss_weight"]).sum())
+    assert torch.allclose(
+        outputs["_token_losses"].sum(), (outputs["loss"] * outputs["loss_weight"]).sum()
+    )
 
 
 def test_a_list_keyword_of_the_loss_becomes_a_tensor():
-    cfg = _cfg(outputs="logits", loss={"function": "binary_cross_entropy_with_logits", "output": "logits",
-                                       "target": "y", "pos_weight": [1.0, 3.0]})
+    cfg = _cfg(
+        outputs="logits",
+        loss={
+            "function": "binary_cross_entropy_with_logits",
+            "output": "logits",
+            "target": "y",
+            "pos_weight": [1.0, 3.0],
+        },
+    )
     logits, y = torch.randn(4, 2), torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
     outputs = Forward(nn.Identity(), cfg)({"input": logits, "y": y})
-    want = F.binary_cross_entropy_with_logits(logits, y, pos_weight=torch.tensor([1.0, 3.0]), reduction="none")
+    want = F.binary_cross_entropy_with_logits(
+        logits, y, pos_weight=torch.tensor([1.0, 3.0]), reduction="none"
+    )
     assert torch.allclose(outputs["loss"], want.mean(dim=1)) and "loss_weight" not in outputs
 
 
@@ -232,8 +283,17 @@ def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
     has its own loss, shifted one token, weighted by its real tokens (not the batch mean on every row)."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=8, bos_token_id=0, eos_token_id=0)).eval()
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=1,
+            n_head=2,
+            n_embd=8,
+            vocab_size=20,
+            n_positions=8,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    ).eval()
     ids = torch.randint(20, (3, 8))
     labels = ids.clone()
     labels[0, 5:] = -100
@@ -241,18 +301,30 @@ def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
     assert outputs["loss_weight"].tolist() == [4, 7, 7]  # shifted: positions 1..7 are predicted
     assert "past_key_values" not in outputs  # no attention cache kept for the hooks
     assert len(set(outputs["loss"].tolist())) == 3
-    own = model(input_ids=ids, labels=labels).loss  # the model's own: the mean over the batch's tokens
+    own = model(
+        input_ids=ids, labels=labels
+    ).loss  # the model's own: the mean over the batch's tokens
     mean = (outputs["loss"] * outputs["loss_weight"]).sum() / outputs["loss_weight"].sum()
     assert torch.allclose(mean, own, rtol=1e-5)
 
 
 def test_a_loss_whose_output_and_target_broadcast_to_another_shape_is_an_error():
     """(B, 1) against (B,) would train on a (B, B) loss with only a torch warning."""
-    cfg = _cfg(inputs={"x": "input"}, outputs="prediction", loss={"function": "mse_loss", "output": "prediction",
-                                                                  "target": "y"})
-    with pytest.raises(ModelError, match=r"shape \[6, 1\] with a target of shape \[6\], which broadcast to \[6, 6\]"):
+    cfg = _cfg(
+        inputs={"x": "input"},
+        outputs="prediction",
+        loss={"function": "mse_loss", "output": "prediction", "target": "y"},
+    )
+    with pytest.raises(
+        ModelError,
+        match=r"shape \[6, 1\] with a target of shape \[6\], which broadcast to \[6, 6\]",
+    ):
         Forward(nn.Linear(3, 1), cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6)})
-    outputs = Forward(nn.Linear(3, 1), cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6, 1)})  # the same shapes
+    outputs = Forward(nn.Linear(3, 1), cfg)(
+        {"x": torch.zeros(6, 3), "y": torch.zeros(6, 1)}
+    )  # the same shapes
     assert outputs["loss"].shape == (6,)
     squeezed = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0))
-    assert Forward(squeezed, cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6)})["loss"].shape == (6,)
+    assert Forward(squeezed, cfg)({"x": torch.zeros(6, 3), "y": torch.zeros(6)})["loss"].shape == (
+        6,
+    )

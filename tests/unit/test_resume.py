@@ -1,5 +1,6 @@
 """Resuming (contract 7): a run stopped mid-epoch and resumed ends bit-identical, in float64, to the
 same run trained without a stop; the sample order, optimizer, schedulers and RNGs all continue."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import toy
 import yaml
 from safetensors.torch import load_file
 
-import toy
 from phalanx import commands
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
 from phalanx.errors import ConfigError
@@ -22,8 +23,12 @@ STOP = 3  # index of the StopAfter hook in the configs below
 
 def _config(epochs: int = 3, stop_steps: int = 1000, **sections) -> dict:
     raw = toy.regression_config(main_loop={"epochs": epochs, "extra_streams": ["valid"]})
-    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest",
-                    {"StopAfter": {"steps": stop_steps}}]
+    raw["hooks"] = [
+        {"ComputeStats": {"variables": ["loss"]}},
+        "LogVariables",
+        "SaveLatest",
+        {"StopAfter": {"steps": stop_steps}},
+    ]
     raw.update(sections)
     return raw
 
@@ -101,7 +106,9 @@ def test_resume_mid_epoch_with_dropout_restores_the_rng(tmp_path):
 def test_dropout_draws_differ_between_seeds(tmp_path):
     """Guards the test above: with dropout, training does depend on the RNG stream."""
     _, _, a = _uninterrupted(tmp_path, _config(epochs=1, model=toy.dropout_model()))
-    _, _, b = _uninterrupted(tmp_path / "other", _config(epochs=1, model=toy.dropout_model(), seed=1))
+    _, _, b = _uninterrupted(
+        tmp_path / "other", _config(epochs=1, model=toy.dropout_model(), seed=1)
+    )
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
@@ -112,7 +119,8 @@ def test_resume_mid_epoch_classes_with_momentum_warmup_and_scheduler(tmp_path):
         dataset={"class": "toy.Classes", "batch_size": 7},
         optimizer={"class": "SGD", "lr": 0.1, "momentum": 0.9, "warmup_steps": 4},
         scheduler={"class": "StepLR", "step_size": 5, "gamma": 0.7, "interval": "step"},
-        parallel={"gradient_accumulation": 2})
+        parallel={"gradient_accumulation": 2},
+    )
     end, _, whole = _uninterrupted(tmp_path, raw)
     assert end == 27  # 9 steps per epoch
     run_dir = _stopped(tmp_path, raw, stop=13)
@@ -141,7 +149,9 @@ def test_resume_mid_epoch_with_another_batch_size_is_a_config_error(tmp_path):
     run_dir = _stopped(tmp_path, _config(), stop=7)
     before = (run_dir / "config.yaml").read_text()
     with pytest.raises(ConfigError) as info:
-        commands.resume(str(run_dir), ["dataset.batch_size=4", f"hooks.{STOP}.StopAfter.steps=1000"])
+        commands.resume(
+            str(run_dir), ["dataset.batch_size=4", f"hooks.{STOP}.StopAfter.steps=1000"]
+        )
     message = str(info.value)
     assert "dataset.batch_size=8" in message and "4" in message
     assert (run_dir / "config.yaml").read_text() == before  # a refused resume changes nothing
@@ -149,25 +159,41 @@ def test_resume_mid_epoch_with_another_batch_size_is_a_config_error(tmp_path):
 
 
 def test_resume_at_an_epoch_boundary_may_change_the_batch_size(tmp_path):
-    raw = _config(hooks=[{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest",
-                         {"StopAfter": {"epochs": 1}}])
+    raw = _config(
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            "LogVariables",
+            "SaveLatest",
+            {"StopAfter": {"epochs": 1}},
+        ]
+    )
     assert commands.train(str(toy.write_config(tmp_path / "parts", raw)), []) == 0
     run_dir = _run_dir(tmp_path / "parts")
     step, state, _ = _latest(run_dir)
     assert (step, state["epoch"], state["step_in_epoch"]) == (5, 1, 0)
-    assert commands.resume(str(run_dir), ["dataset.batch_size=4", f"hooks.{STOP}.StopAfter.epochs=1000"]) == 0
+    assert (
+        commands.resume(
+            str(run_dir), ["dataset.batch_size=4", f"hooks.{STOP}.StopAfter.epochs=1000"]
+        )
+        == 0
+    )
     step, state, _ = _latest(run_dir)
     assert (step, state["epoch"], state["batch_size"]) == (5 + 2 * 10, 3, 4)
 
 
 # --- damaged and unparsable checkpoints ------------------------------------------------------------
 
+
 def test_resume_through_a_damaged_step_writes_it_again(tmp_path):
     """Falling back past a damaged step trains through that step again: it is saved anew, so the
     best checkpoint it becomes can be evaluated."""
     raw = _config()
-    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
-                    "SaveLatest", {"StopAfter": {"steps": 1000}}]
+    raw["hooks"] = [
+        {"ComputeStats": {"variables": ["loss"]}},
+        {"SaveBest": {"variable": "valid.loss", "mode": "min"}},
+        "SaveLatest",
+        {"StopAfter": {"steps": 1000}},
+    ]
     _uninterrupted(tmp_path, raw)
     whole = Checkpoints(_run_dir(tmp_path / "whole") / "checkpoints")
     run_dir = _stopped(tmp_path, raw, stop=10)
@@ -192,11 +218,18 @@ def _rewrite(folder: Path, name: str, data: bytes) -> None:
     (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("name, content", [
-    (TRAINER, lambda state: b"{}"),
-    (TRAINER, lambda state: json.dumps({**state, "step_in_epoch": 6}).encode()),  # an epoch has 5 steps
-    ("optimizer.pt", lambda state: bytes(range(256)) * 8),
-], ids=["empty-trainer-state", "step-beyond-the-epoch", "optimizer-of-random-bytes"])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        (TRAINER, lambda state: b"{}"),
+        (
+            TRAINER,
+            lambda state: json.dumps({**state, "step_in_epoch": 6}).encode(),
+        ),  # an epoch has 5 steps
+        ("optimizer.pt", lambda state: bytes(range(256)) * 8),
+    ],
+    ids=["empty-trainer-state", "step-beyond-the-epoch", "optimizer-of-random-bytes"],
+)
 def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_path, name, content):
     raw = _config()
     _, _, whole = _uninterrupted(tmp_path, raw)
@@ -204,7 +237,11 @@ def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_p
     folder = Checkpoints(run_dir / "checkpoints").path(7)
     _rewrite(folder, name, content(json.loads((folder / TRAINER).read_text())))
     assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
-    warning = next(line for line in (run_dir / "log.txt").read_text().splitlines() if "skipping checkpoint" in line)
+    warning = next(
+        line
+        for line in (run_dir / "log.txt").read_text().splitlines()
+        if "skipping checkpoint" in line
+    )
     assert "step-7" in warning and str(folder / name) in warning
     end, _, resumed = _latest(run_dir)
     assert end == 15
@@ -212,6 +249,7 @@ def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_p
 
 
 # --- overrides on resume ---------------------------------------------------------------------------
+
 
 def _final_lr(run_dir: Path) -> float:
     ckpts = Checkpoints(run_dir / "checkpoints")
@@ -222,24 +260,35 @@ def _final_lr(run_dir: Path) -> float:
 def test_resume_applies_a_new_learning_rate_through_warmup_and_schedule(tmp_path):
     """optimizer.lr=0.2 on resume: from then on the rate is the new config's at that step, as a run
     configured with 0.2 from the start has it."""
-    raw = _config(optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9, "warmup_steps": 3},
-                  scheduler={"class": "StepLR", "step_size": 4, "gamma": 0.5})
+    raw = _config(
+        optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9, "warmup_steps": 3},
+        scheduler={"class": "StepLR", "step_size": 4, "gamma": 0.5},
+    )
     _uninterrupted(tmp_path / "at-0.2", {**raw, "optimizer": {**raw["optimizer"], "lr": 0.2}})
     _uninterrupted(tmp_path / "at-0.05", raw)
-    want, old = _final_lr(_run_dir(tmp_path / "at-0.2" / "whole")), _final_lr(_run_dir(tmp_path / "at-0.05" / "whole"))
+    want, old = (
+        _final_lr(_run_dir(tmp_path / "at-0.2" / "whole")),
+        _final_lr(_run_dir(tmp_path / "at-0.05" / "whole")),
+    )
     assert want != old
     run_dir = _stopped(tmp_path, raw, stop=7)
-    assert commands.resume(str(run_dir), ["optimizer.lr=0.2", f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    assert (
+        commands.resume(str(run_dir), ["optimizer.lr=0.2", f"hooks.{STOP}.StopAfter.steps=1000"])
+        == 0
+    )
     assert _latest(run_dir)[0] == 15
     assert _final_lr(run_dir) == want
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["optimizer"]["lr"] == 0.2
 
 
-@pytest.mark.parametrize("override, words", [
-    ("seed=1", "seed=1 would change the samples of the epoch in progress"),
-    ("dataset.n_train=30", "dataset.n_train=30 would change the samples"),
-    ("optimizer.class=AdamW", "optimizer.class=AdamW cannot take over on resume"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("seed=1", "seed=1 would change the samples of the epoch in progress"),
+        ("dataset.n_train=30", "dataset.n_train=30 would change the samples"),
+        ("optimizer.class=AdamW", "optimizer.class=AdamW cannot take over on resume"),
+    ],
+)
 def test_resume_refuses_an_override_the_checkpoint_cannot_take(tmp_path, override, words):
     run_dir = _stopped(tmp_path, _config(), stop=7)
     before = (run_dir / "config.yaml").read_text()
@@ -250,8 +299,14 @@ def test_resume_refuses_an_override_the_checkpoint_cannot_take(tmp_path, overrid
 
 
 def test_resume_at_an_epoch_boundary_may_change_the_seed(tmp_path):
-    raw = _config(hooks=[{"ComputeStats": {"variables": ["loss"]}}, "LogVariables", "SaveLatest",
-                         {"StopAfter": {"epochs": 1}}])
+    raw = _config(
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            "LogVariables",
+            "SaveLatest",
+            {"StopAfter": {"epochs": 1}},
+        ]
+    )
     assert commands.train(str(toy.write_config(tmp_path / "parts", raw)), []) == 0
     run_dir = _run_dir(tmp_path / "parts")
     assert commands.resume(str(run_dir), ["seed=1", f"hooks.{STOP}.StopAfter.epochs=1000"]) == 0

@@ -1,6 +1,7 @@
 """The run directory's own files read back: a damaged run.json or config.yaml is one RunDirError
 naming the file and the fix, the trace skips lines that are not events, and opening a run says
 where its classes will be imported from."""
+
 from __future__ import annotations
 
 import json
@@ -19,28 +20,46 @@ def run(tmp_path):
     folder = tmp_path / "toy-20260101-120000"
     folder.mkdir()
     (folder / rundir.CONFIG).write_text("name: toy\nseed: 0\n")
-    (folder / rundir.META).write_text(json.dumps({"config_dir": str(tmp_path / "exp"), "cwd": str(tmp_path)}))
+    (folder / rundir.META).write_text(
+        json.dumps({"config_dir": str(tmp_path / "exp"), "cwd": str(tmp_path)})
+    )
     return folder
 
 
-def test_opening_a_run_logs_the_folders_its_classes_are_imported_from(run, tmp_path, caplog, monkeypatch):
+def test_opening_a_run_logs_the_folders_its_classes_are_imported_from(
+    run, tmp_path, caplog, monkeypatch
+):
     # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on root
     monkeypatch.setattr(logging.getLogger("phalanx"), "propagate", True)
     with caplog.at_level(logging.INFO, logger="phalanx"):
         assert rundir.open_run(run) == run
-    assert f"imports its classes from {tmp_path / 'exp'}, then {tmp_path} (as its run.json says)" in caplog.text
+    assert (
+        f"imports its classes from {tmp_path / 'exp'}, then {tmp_path} (as its run.json says)"
+        in caplog.text
+    )
 
 
-@pytest.mark.parametrize("name, content, words", [
-    ("run.json", b'{"config_dir": "/x"', "not readable JSON"),
-    ("run.json", b'{"config_dir": "/x"}', "does not name the folders config_dir and cwd"),
-    ("run.json", b"[1, 2]", "does not name the folders"),
-    ("run.json", b"\xff\xfe\x00binary", "not readable JSON"),
-    ("config.yaml", b"model: [toy.Linear\n", "not valid YAML"),
-    ("config.yaml", b"- a\n- b\n", "holds a list, not a config"),
-    ("config.yaml", "name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
-], ids=["json-truncated", "json-a-key-missing", "json-not-a-mapping", "json-binary", "yaml-not-yaml",
-        "yaml-a-list", "yaml-latin-1"])
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("run.json", b'{"config_dir": "/x"', "not readable JSON"),
+        ("run.json", b'{"config_dir": "/x"}', "does not name the folders config_dir and cwd"),
+        ("run.json", b"[1, 2]", "does not name the folders"),
+        ("run.json", b"\xff\xfe\x00binary", "not readable JSON"),
+        ("config.yaml", b"model: [toy.Linear\n", "not valid YAML"),
+        ("config.yaml", b"- a\n- b\n", "holds a list, not a config"),
+        ("config.yaml", "name: caf\xe9\n".encode("latin-1"), "not UTF-8"),
+    ],
+    ids=[
+        "json-truncated",
+        "json-a-key-missing",
+        "json-not-a-mapping",
+        "json-binary",
+        "yaml-not-yaml",
+        "yaml-a-list",
+        "yaml-latin-1",
+    ],
+)
 def test_a_damaged_run_file_names_itself_and_the_fix(run, name, content, words):
     (run / name).write_bytes(content)
     with pytest.raises(RunDirError) as info:

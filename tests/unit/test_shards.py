@@ -1,6 +1,7 @@
 """Sharded checkpoint steps in one process: torch.distributed.checkpoint files inside the atomic
 commit and the manifest, a damaged shard named and skipped, pickles in the shards refused, a model
 of another shape refused, and `export` of whole and sharded steps to one plain state-dict file."""
+
 from __future__ import annotations
 
 import errno
@@ -16,7 +17,15 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from phalanx.checkpoint import MANIFEST, OPTIMIZER, SHARDS, TRAINER, Checkpoints, CheckpointMismatch, load_shards
+from phalanx.checkpoint import (
+    MANIFEST,
+    OPTIMIZER,
+    SHARDS,
+    TRAINER,
+    CheckpointMismatch,
+    Checkpoints,
+    load_shards,
+)
 from phalanx.errors import CheckpointError, StorageError
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,19 +58,39 @@ def _write(module: nn.Module, optimizer: torch.optim.Optimizer, extra: dict | No
         model_state, optimizer_state = get_state_dict(module, optimizer)
         optimizer_state["param_groups"][0].update(extra or {})
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
-            dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder, no_dist=True)
+            warnings.simplefilter(
+                "ignore"
+            )  # "assuming the intent is to save in a single process": it is
+            dcp.save(
+                {"model": model_state, "optim": optimizer_state}, checkpoint_id=folder, no_dist=True
+            )
+
     return write
 
 
 def _state(step: int) -> dict:
-    return {"epoch": 0, "step": step, "step_in_epoch": step, "batch_size": 8, "seed": 0, "rng": {}, "hooks": {}}
+    return {
+        "epoch": 0,
+        "step": step,
+        "step_in_epoch": step,
+        "batch_size": 8,
+        "seed": 0,
+        "rng": {},
+        "hooks": {},
+    }
 
 
-def _save(ckpts: Checkpoints, step: int, seed: int | None = None, extra: dict | None = None) -> nn.Module:
+def _save(
+    ckpts: Checkpoints, step: int, seed: int | None = None, extra: dict | None = None
+) -> nn.Module:
     module, optimizer = _trained(step if seed is None else seed)
-    ckpts.save_sharded(step, _write(module, optimizer, extra), {"optimizer": None, "schedulers": [], "scaler": {}},
-                       _state(step), OneRank())
+    ckpts.save_sharded(
+        step,
+        _write(module, optimizer, extra),
+        {"optimizer": None, "schedulers": [], "scaler": {}},
+        _state(step),
+        OneRank(),
+    )
     return module, optimizer
 
 
@@ -86,15 +115,24 @@ def test_a_sharded_step_holds_the_shards_under_its_manifest_and_loads_model_and_
     folder = ckpts.path(4)
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["layout"] == "sharded"
-    assert set(manifest["files"]) == {OPTIMIZER, TRAINER, f"{SHARDS}/.metadata", f"{SHARDS}/__0_0.distcp"}
+    assert set(manifest["files"]) == {
+        OPTIMIZER,
+        TRAINER,
+        f"{SHARDS}/.metadata",
+        f"{SHARDS}/__0_0.distcp",
+    }
     assert not list(ckpts.root.glob(".tmp-*"))
     fresh, fresh_optimizer = _trained(99)
-    optimizer_state, trainer_state = ckpts.load(4, lambda path: load_shards(path, fresh, fresh_optimizer))
+    optimizer_state, trainer_state = ckpts.load(
+        4, lambda path: load_shards(path, fresh, fresh_optimizer)
+    )
     assert optimizer_state["optimizer"] is None and trainer_state["step"] == 4
     for mine, saved in zip(fresh.parameters(), module.parameters(), strict=True):
         assert torch.equal(mine, saved)
     for mine, saved in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
-        assert torch.equal(mine["exp_avg_sq"], saved["exp_avg_sq"]) and float(mine["step"]) == float(saved["step"])
+        assert torch.equal(mine["exp_avg_sq"], saved["exp_avg_sq"]) and float(
+            mine["step"]
+        ) == float(saved["step"])
     weights_only, _ = _trained(98)
     ckpts.load_weights(4, weights_only)  # a module: the model's part of the shards only
     assert torch.equal(weights_only[0].weight, module[0].weight)
@@ -115,8 +153,12 @@ def test_a_damaged_shard_is_named_and_the_previous_step_is_taken(ckpts):
 def test_a_step_that_verifies_is_kept_and_a_failed_write_leaves_nothing(ckpts):
     _save(ckpts, 3)
     before = (ckpts.path(3) / MANIFEST).read_bytes()
-    again = Checkpoints(ckpts.root)  # another process: it verifies the step instead of writing it again
-    again.save_sharded(3, lambda folder: pytest.fail("wrote a step that was intact"), {}, _state(3), OneRank())
+    again = Checkpoints(
+        ckpts.root
+    )  # another process: it verifies the step instead of writing it again
+    again.save_sharded(
+        3, lambda folder: pytest.fail("wrote a step that was intact"), {}, _state(3), OneRank()
+    )
     assert (ckpts.path(3) / MANIFEST).read_bytes() == before
 
     def full_disk(folder: Path) -> None:
@@ -135,7 +177,9 @@ def test_pickled_objects_in_the_shards_are_refused_not_run(ckpts, tmp_path):
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
 
-    _save(ckpts, 1, extra={"lr": Evil()})  # among the optimizer's settings: non-tensor items, pickled
+    _save(
+        ckpts, 1, extra={"lr": Evil()}
+    )  # among the optimizer's settings: non-tensor items, pickled
     module, optimizer = _trained(7)
     with pytest.raises(CheckpointError, match="cannot be read"):
         load_shards(ckpts.path(1) / SHARDS, module, optimizer)
@@ -147,7 +191,9 @@ def test_pickled_objects_in_the_shards_are_refused_not_run(ckpts, tmp_path):
 
     metadata.write_bytes(pickle.dumps(Evil()))
     _rewrite_manifest(ckpts.path(2))
-    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read .*posix.system is not allowed"):
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata cannot be read .*posix.system is not allowed"
+    ):
         ckpts.load_weights(2, module)
     assert not marker.exists()
 

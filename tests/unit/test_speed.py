@@ -1,11 +1,12 @@
 """Speed switches change how a step runs, never what it computes: compile, channels_last, loader
 workers, fused optimizers; and the profiler's trace."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 import toy
+
 from phalanx import config
 from phalanx.build import build_optimizer
 from phalanx.errors import ConfigError
@@ -43,12 +44,19 @@ def test_compile_trains_the_same_and_saves_the_plain_module(tmp_path):
     assert_close(params(compiled), params(plain))
     compiled.save_checkpoint()
     from safetensors.torch import load_file
-    saved = load_file(tmp_path / "compiled" / "checkpoints" / f"step-{compiled.step}" / "model.safetensors")
-    assert set(saved) == set(params(plain))  # no "_orig_mod." prefix: the checkpoint fits the plain model
+
+    saved = load_file(
+        tmp_path / "compiled" / "checkpoints" / f"step-{compiled.step}" / "model.safetensors"
+    )
+    assert set(saved) == set(
+        params(plain)
+    )  # no "_orig_mod." prefix: the checkpoint fits the plain model
 
 
 def test_channels_last_trains_the_same(tmp_path):
-    sections = dict(model={"class": "toy.ConvNet"}, dataset={"class": "toy.ImageRegression", "batch_size": 8})
+    sections = dict(
+        model={"class": "toy.ConvNet"}, dataset={"class": "toy.ImageRegression", "batch_size": 8}
+    )
     plain = train(tmp_path / "plain", hooks=[ComputeStats()], **sections)
     last = train(tmp_path / "last", hooks=[ComputeStats()], channels_last=True, **sections)
     assert last.model.net[0].weight.is_contiguous(memory_format=torch.channels_last)
@@ -56,7 +64,10 @@ def test_channels_last_trains_the_same(tmp_path):
 
 
 def test_loader_workers_give_the_same_batches(tmp_path):
-    assert train(tmp_path / "auto", hooks=[]).loader_options == {"num_workers": 0, "pin_memory": False}
+    assert train(tmp_path / "auto", hooks=[]).loader_options == {
+        "num_workers": 0,
+        "pin_memory": False,
+    }
     zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={"num_workers": 0})
     two = train(tmp_path / "two", hooks=[ComputeStats()], dataset={"num_workers": 2})
     assert two.loader_options["num_workers"] == 2
@@ -89,19 +100,28 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
     runs = {}
     for persistent in (True, False):
         pids = Pids()
-        trainer = train(tmp_path / str(persistent), hooks=[ComputeStats(), pids],
-                        main_loop={"epochs": 2, "extra_streams": ["valid"]},
-                        dataset={**noisy, "persistent_workers": persistent})
+        trainer = train(
+            tmp_path / str(persistent),
+            hooks=[ComputeStats(), pids],
+            main_loop={"epochs": 2, "extra_streams": ["valid"]},
+            dataset={**noisy, "persistent_workers": persistent},
+        )
         runs[persistent] = trainer, [epoch for epoch in pids.epochs if epoch], pids.valid
     (kept, kept_pids, kept_valid), (fresh, fresh_pids, fresh_valid) = runs[True], runs[False]
-    assert kept_valid == fresh_valid  # the evaluation stream's workers too, seeded alike at each evaluation
+    assert (
+        kept_valid == fresh_valid
+    )  # the evaluation stream's workers too, seeded alike at each evaluation
     assert len(kept_pids) == 2 and all(len(epoch) == 2 for epoch in kept_pids)
     assert kept_pids[0] == kept_pids[1]  # the same two workers in both epochs
     assert not (fresh_pids[0] & fresh_pids[1])  # new workers each epoch
     assert_close(params(kept), params(fresh))
     zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={**noisy, "num_workers": 0})
-    assert any(not torch.allclose(a, b) for a, b in zip(params(zero).values(), params(fresh).values()))  # noise drawn
-    with pytest.raises(ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"):
+    assert any(
+        not torch.allclose(a, b) for a, b in zip(params(zero).values(), params(fresh).values())
+    )  # noise drawn
+    with pytest.raises(
+        ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"
+    ):
         train(tmp_path / "none", dataset={**noisy, "num_workers": 0, "persistent_workers": True})
 
 
@@ -117,10 +137,13 @@ def test_persistent_workers_resume_in_mid_epoch_and_serve_a_stream_trained_and_e
     noisy = {"class": "toy.NoisyRegression", "batch_size": 8, "num_workers": 2}
     ends = {}
     for persistent in (True, False):
-        raw = toy.regression_config(dataset={**noisy, "persistent_workers": persistent}, parallel={"accelerator": "cpu"},
-                                    main_loop={"epochs": 3, "extra_streams": ["valid", "train"], "eval_every_n_steps": 3},
-                                    output_root=str(tmp_path / str(persistent)),
-                                    hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"])
+        raw = toy.regression_config(
+            dataset={**noisy, "persistent_workers": persistent},
+            parallel={"accelerator": "cpu"},
+            main_loop={"epochs": 3, "extra_streams": ["valid", "train"], "eval_every_n_steps": 3},
+            output_root=str(tmp_path / str(persistent)),
+            hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"],
+        )
         pids = Pids()
         first = phalanx.fit(raw, hooks=[StopAfter(steps=7), pids])
         assert first.code == 0
@@ -145,8 +168,16 @@ def test_persistent_workers_keep_a_datasets_batched_read(tmp_path):
             self.seen.update(batch["batched"].tolist())
 
     reads = Reads()
-    train(tmp_path, hooks=[ComputeStats(), reads],
-          dataset={"class": "toy.BatchedRegression", "batch_size": 8, "num_workers": 2, "persistent_workers": True})
+    train(
+        tmp_path,
+        hooks=[ComputeStats(), reads],
+        dataset={
+            "class": "toy.BatchedRegression",
+            "batch_size": 8,
+            "num_workers": 2,
+            "persistent_workers": True,
+        },
+    )
     assert reads.seen == {1}  # every item came through __getitems__
 
 
@@ -159,8 +190,12 @@ def test_fused_optimizer_where_the_class_has_one():
     opt = config.validate(toy.regression_config(optimizer={"class": "AdamW", "lr": 1e-3})).optimizer
     assert build_optimizer(opt, model, [], 8, fused=True).defaults["fused"] is True
     assert not build_optimizer(opt, model, [], 8, fused=False).defaults.get("fused")
-    sgd = config.validate(toy.regression_config(optimizer={"class": "SGD", "lr": 0.1, "foreach": False})).optimizer
-    assert not build_optimizer(sgd, model, [], 8, fused=True).defaults.get("fused")  # the config chose
+    sgd = config.validate(
+        toy.regression_config(optimizer={"class": "SGD", "lr": 0.1, "foreach": False})
+    ).optimizer
+    assert not build_optimizer(sgd, model, [], 8, fused=True).defaults.get(
+        "fused"
+    )  # the config chose
 
 
 def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
@@ -168,8 +203,13 @@ def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
 
     logging.getLogger("phalanx").propagate = True
     try:
-        cfg = config.validate(toy.regression_config(main_loop={"epochs": 2, "extra_streams": []},
-                                                    hooks=None, profile={"start_step": 2, "steps": 3}))
+        cfg = config.validate(
+            toy.regression_config(
+                main_loop={"epochs": 2, "extra_streams": []},
+                hooks=None,
+                profile={"start_step": 2, "steps": 3},
+            )
+        )
         trainer = Trainer(cfg, tmp_path, [TESTS])
         with caplog.at_level(logging.INFO, logger="phalanx"):
             assert trainer.run() == 0
@@ -177,4 +217,6 @@ def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
         logging.getLogger("phalanx").propagate = False
     trace = tmp_path / "profile" / "trace-rank0.json"
     assert trace.is_file() and '"traceEvents"' in trace.read_text()[:2000]
-    assert any("profile of steps 2-4" in r.message and "aten::" in r.message for r in caplog.records)
+    assert any(
+        "profile of steps 2-4" in r.message and "aten::" in r.message for r in caplog.records
+    )

@@ -1,12 +1,13 @@
 """Choosing a strategy, and the start-up checks that do not need several processes."""
+
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
-
 import toy
+
 from phalanx import config, strategies
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Strategy
@@ -39,16 +40,24 @@ def test_inside_a_worker_nothing_is_relaunched(monkeypatch):
     assert not strategies.needs_launch(cfg(accelerator="cpu", devices=2))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without GPUs")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message of a machine without GPUs"
+)
 def test_asking_for_gpus_without_any_names_the_fix():
     with pytest.raises(ConfigError, match="n_gpus=2 asks for CUDA GPUs but none is visible"):
         strategies.resolve_device(config.validate(toy.regression_config(model={"n_gpus": 2})))
 
 
 def test_nccl_on_the_cpu_names_the_fix():
-    with pytest.raises(ConfigError, match="parallel.backend=nccl joins CUDA GPUs.*set parallel.backend=auto or gloo"):
+    with pytest.raises(
+        ConfigError,
+        match="parallel.backend=nccl joins CUDA GPUs.*set parallel.backend=auto or gloo",
+    ):
         strategies.resolve_device(cfg(accelerator="cpu", devices=2, backend="nccl"))
-    assert strategies.resolve_device(cfg(accelerator="cpu", devices=2, backend="gloo")) == ("cpu", 2)
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=2, backend="gloo")) == (
+        "cpu",
+        2,
+    )
 
 
 def test_single_strategy_with_several_devices_is_refused(monkeypatch):
@@ -66,7 +75,9 @@ def test_unknown_strategy_lists_the_choices(monkeypatch):
 
 
 def test_a_strategy_section_refuses_unknown_keys_with_a_suggestion():
-    with pytest.raises(ConfigError, match=r"parallel\.ddp\.bucket_cap_m.*did you mean \"bucket_cap_mb\""):
+    with pytest.raises(
+        ConfigError, match=r"parallel\.ddp\.bucket_cap_m.*did you mean \"bucket_cap_mb\""
+    ):
         cfg(ddp={"bucket_cap_m": 4})
     assert cfg(ddp={"bucket_cap_mb": 4}).parallel.ddp.bucket_cap_mb == 4
 
@@ -77,8 +88,12 @@ def test_every_registered_strategy_has_the_protocol_and_its_summary():
     members = [m for m in vars(Strategy) if not m.startswith("_")]
     single = Single(torch.device("cpu"))
     assert [m for m in members if not hasattr(single, m)] == []
-    assert [m for m in members if not hasattr(DDP, m) and m not in ("rank", "world_size", "data_rank",
-                                                                     "data_world_size", "devices", "device")] == []
+    assert [
+        m
+        for m in members
+        if not hasattr(DDP, m)
+        and m not in ("rank", "world_size", "data_rank", "data_world_size", "devices", "device")
+    ] == []
 
 
 class _TwoRanks:
@@ -101,11 +116,25 @@ def test_ranks_with_different_configs_are_a_config_error_naming_the_keys():
 def test_lr_scaling_follows_the_global_batch_not_the_device_count():
     from phalanx.build import scaled_lr
 
-    opt = config.validate(toy.regression_config(
-        optimizer={"class": "SGD", "lr": 0.1, "lr_scaling": {"rule": "linear", "base_batch_size": 4}})).optimizer
+    opt = config.validate(
+        toy.regression_config(
+            optimizer={
+                "class": "SGD",
+                "lr": 0.1,
+                "lr_scaling": {"rule": "linear", "base_batch_size": 4},
+            }
+        )
+    ).optimizer
     assert scaled_lr(opt, 8)["lr"] == pytest.approx(0.2)
-    opt = config.validate(toy.regression_config(
-        optimizer={"class": "SGD", "lr": 0.1, "lr_scaling": {"rule": "sqrt", "base_batch_size": 2}})).optimizer
+    opt = config.validate(
+        toy.regression_config(
+            optimizer={
+                "class": "SGD",
+                "lr": 0.1,
+                "lr_scaling": {"rule": "sqrt", "base_batch_size": 2},
+            }
+        )
+    ).optimizer
     assert scaled_lr(opt, 8)["lr"] == pytest.approx(0.2)
 
 
@@ -127,8 +156,11 @@ def _cores(monkeypatch, n: int) -> None:
 
 def test_more_cpu_processes_than_four_per_core_is_an_error_naming_the_override(monkeypatch):
     _cores(monkeypatch, 2)
-    with pytest.raises(ConfigError, match=r"parallel.devices=1000 would start 1000 CPU processes on 2 core\(s\); "
-                                          r"at most 8 .*parallel.oversubscribe=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"parallel.devices=1000 would start 1000 CPU processes on 2 core\(s\); "
+        r"at most 8 .*parallel.oversubscribe=true",
+    ):
         strategies.needs_launch(cfg(accelerator="cpu", devices=1000))
     assert strategies.resolve_device(cfg(accelerator="cpu", devices=8)) == ("cpu", 8)
     with pytest.raises(ConfigError, match="would start 9 CPU processes"):
@@ -143,7 +175,10 @@ def test_the_test_suites_four_processes_run_on_one_or_two_cores(monkeypatch):
 
 def test_oversubscribe_lifts_the_cpu_process_limit(monkeypatch):
     _cores(monkeypatch, 2)
-    assert strategies.resolve_device(cfg(accelerator="cpu", devices=1000, oversubscribe=True)) == ("cpu", 1000)
+    assert strategies.resolve_device(cfg(accelerator="cpu", devices=1000, oversubscribe=True)) == (
+        "cpu",
+        1000,
+    )
 
 
 class _CountedTanh(torch.nn.Tanh):
@@ -158,10 +193,14 @@ def test_activation_checkpointing_recomputes_the_named_modules_with_the_same_gra
     from phalanx.strategies.base import checkpoint_modules
 
     torch.manual_seed(0)
-    plain = torch.nn.Sequential(torch.nn.Linear(3, 8), _CountedTanh(), torch.nn.Linear(8, 1)).double()
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), _CountedTanh(), torch.nn.Linear(8, 1)
+    ).double()
     recomputed = copy.deepcopy(plain)
     assert checkpoint_modules(recomputed, ("_CountedTanh",)) == 1
-    assert list(recomputed.state_dict()) == list(plain.state_dict())  # the state's names do not change
+    assert list(recomputed.state_dict()) == list(
+        plain.state_dict()
+    )  # the state's names do not change
     x = torch.randn(5, 3, dtype=torch.float64)
     grads = []
     for model in (plain, recomputed):
@@ -180,9 +219,13 @@ def test_activation_checkpointing_recomputes_the_named_modules_with_the_same_gra
 def test_activation_checkpointing_of_a_class_the_model_lacks_names_the_classes_it_has(tmp_path):
     from phalanx.trainer import Trainer
 
-    raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
-                                activation_checkpointing=["Block"])
-    with pytest.raises(ConfigError, match="no module of those classes; it has Linear, Sequential, Tanh"):
+    raw = toy.regression_config(
+        model={"class": "toy.Linear", "features": 3, "hidden": 4},
+        activation_checkpointing=["Block"],
+    )
+    with pytest.raises(
+        ConfigError, match="no module of those classes; it has Linear, Sequential, Tanh"
+    ):
         Trainer(config.validate(raw), None, [])
 
 
@@ -191,15 +234,20 @@ def test_training_with_activation_checkpointing_ends_where_training_without_does
 
     ends = []
     for names in ([], ["Tanh"]):
-        raw = toy.regression_config(model={"class": "toy.Linear", "features": 3, "hidden": 4},
-                                    activation_checkpointing=names, hooks=[])
+        raw = toy.regression_config(
+            model={"class": "toy.Linear", "features": 3, "hidden": 4},
+            activation_checkpointing=names,
+            hooks=[],
+        )
         trainer = Trainer(config.validate(raw), None, [])
         assert trainer.run() == 0
         ends.append(trainer.model.state_dict())
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
 
 
-def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_single(monkeypatch, tmp_path):
+def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_single(
+    monkeypatch, tmp_path
+):
     """No launcher, no port: the group's store is in memory; float64 results are one device's, with
     offload and the meta-device build, and its checkpoints are shards."""
     from phalanx.checkpoint import SHARDS, Checkpoints
@@ -213,7 +261,9 @@ def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_singl
         fsdp = {"fsdp": {"offload": True, "init": "meta"}} if strategy == "fsdp" else {}
         raw = toy.contract_config(7, 3, 37, strategy=strategy, **fsdp)
         (tmp_path / strategy).mkdir()
-        trainer = Trainer(config.validate({**raw, "hooks": ["SaveLatest"]}), tmp_path / strategy, [])
+        trainer = Trainer(
+            config.validate({**raw, "hooks": ["SaveLatest"]}), tmp_path / strategy, []
+        )
         try:
             assert isinstance(trainer.strategy, FSDP if strategy == "fsdp" else Single)
             assert trainer.run() == 0
@@ -230,6 +280,8 @@ def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_singl
 
 def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ConfigError, match="strategy=fsdp on 2 devices runs one process per device; start it with "
-                                          "phalanx train"):
+    with pytest.raises(
+        ConfigError,
+        match="strategy=fsdp on 2 devices runs one process per device; start it with phalanx train",
+    ):
         strategies.create(cfg(accelerator="cpu", devices=2, strategy="fsdp"))

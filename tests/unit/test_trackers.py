@@ -1,6 +1,7 @@
 """WriteMLflow and WriteWandb, offline: MLflow's local file store and W&B's offline files hold the
 run's resolved config, every epoch variable at its step (the numbers metrics.csv has), and how the
 run ended; a resumed run continues the same tracker run. A missing package is a one-line error."""
+
 from __future__ import annotations
 
 import csv
@@ -9,19 +10,22 @@ import json
 from pathlib import Path
 
 import pytest
+import toy
+from procs import run as phalanx_cli
 
 import phalanx
-import toy
 from phalanx.errors import ConfigError
-from procs import run as phalanx_cli
 from phalanx.hooks import Hook, TrainingTerminated
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _raw(tmp_path: Path, tracker: dict, epochs: int = 2) -> dict:
-    raw = toy.regression_config(main_loop={"epochs": epochs, "extra_streams": ["valid"]},
-                                parallel={"accelerator": "cpu"}, output_root=str(tmp_path / "runs"))
+    raw = toy.regression_config(
+        main_loop={"epochs": epochs, "extra_streams": ["valid"]},
+        parallel={"accelerator": "cpu"},
+        output_root=str(tmp_path / "runs"),
+    )
     raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest", tracker]
     return raw
 
@@ -38,6 +42,7 @@ class Fail(Hook):
 
 # --- MLflow ------------------------------------------------------------------------------------
 
+
 def test_mlflow_file_store_holds_the_config_the_variables_and_the_end(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
@@ -50,15 +55,27 @@ def test_mlflow_file_store_holds_the_config_the_variables_and_the_end(tmp_path, 
     [found] = client.search_runs([client.get_experiment_by_name("toy").experiment_id])
     assert found.info.status == "FINISHED" and found.info.run_name == run.run_dir.name
     assert found.data.tags["phalanx.run_dir"] == str(run.run_dir.resolve())
-    assert found.data.params["optimizer.lr"] == "0.05" and found.data.params["dataset.batch_size"] == "8"
+    assert (
+        found.data.params["optimizer.lr"] == "0.05"
+        and found.data.params["dataset.batch_size"] == "8"
+    )
     assert found.data.params["model.class"] == "toy.Linear"
     rows = _csv(run.run_dir)
     for name in ("train.loss", "valid.loss"):
         history = client.get_metric_history(found.info.run_id, name)
-        assert [(m.step, m.value) for m in history] == [(int(r["step"]), pytest.approx(float(r[name]), rel=1e-12))
-                                                        for r in rows]
-    assert [m.step for m in client.get_metric_history(found.info.run_id, "train.step_loss")] == [2, 4, 6, 8, 10]
-    [artifact] = (tmp_path / "runs" / "mlartifacts").glob(f"{found.info.run_id}/artifacts/config.yaml")
+        assert [(m.step, m.value) for m in history] == [
+            (int(r["step"]), pytest.approx(float(r[name]), rel=1e-12)) for r in rows
+        ]
+    assert [m.step for m in client.get_metric_history(found.info.run_id, "train.step_loss")] == [
+        2,
+        4,
+        6,
+        8,
+        10,
+    ]
+    [artifact] = (tmp_path / "runs" / "mlartifacts").glob(
+        f"{found.info.run_id}/artifacts/config.yaml"
+    )
     assert "optimizer:" in artifact.read_text() and "lr: 0.05" in artifact.read_text()
     assert not (tmp_path / "mlruns").exists()  # nothing in the working directory
 
@@ -69,21 +86,35 @@ def test_mlflow_run_continues_on_resume_and_records_failure(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = {"WriteMLflow": {"tracking_uri": store}}
-    first = phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(),
-                        hooks=[phalanx.hooks.StopAfter(epochs=1)])
-    resumed = phalanx.resume(first.run_dir, overrides=["main_loop.epochs=3"], model=toy.Linear(),
-                             dataset=toy.Regression())
+    first = phalanx.fit(
+        _raw(tmp_path, tracker),
+        model=toy.Linear(),
+        dataset=toy.Regression(),
+        hooks=[phalanx.hooks.StopAfter(epochs=1)],
+    )
+    resumed = phalanx.resume(
+        first.run_dir,
+        overrides=["main_loop.epochs=3"],
+        model=toy.Linear(),
+        dataset=toy.Regression(),
+    )
     assert resumed.code == 0
     client = MlflowClient(tracking_uri=store)
-    [found] = client.search_runs([client.get_experiment_by_name("phalanx").experiment_id])  # one run, continued
+    [found] = client.search_runs(
+        [client.get_experiment_by_name("phalanx").experiment_id]
+    )  # one run, continued
     assert found.info.status == "FINISHED"
     epochs = [m.value for m in client.get_metric_history(found.info.run_id, "epoch")]
     assert epochs == [1.0, 2.0, 3.0]
 
-    failed = phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(), hooks=[Fail()])
+    failed = phalanx.fit(
+        _raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(), hooks=[Fail()]
+    )
     assert failed.code == 1
-    statuses = {r.info.run_name: r.info.status for r in client.search_runs(
-        [client.get_experiment_by_name("phalanx").experiment_id])}
+    statuses = {
+        r.info.run_name: r.info.status
+        for r in client.search_runs([client.get_experiment_by_name("phalanx").experiment_id])
+    }
     assert statuses[failed.run_dir.name] == "FAILED"
 
 
@@ -100,18 +131,23 @@ def test_mlflow_on_two_processes_is_one_run_written_by_the_main_one(tmp_path):
     [run_dir] = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("toy-")]
     rows = _csv(run_dir)
     history = client.get_metric_history(found.info.run_id, "valid.loss")
-    assert [(m.step, m.value) for m in history] == [(int(r["step"]), pytest.approx(float(r["valid.loss"]), rel=1e-12))
-                                                    for r in rows]
+    assert [(m.step, m.value) for m in history] == [
+        (int(r["step"]), pytest.approx(float(r["valid.loss"]), rel=1e-12)) for r in rows
+    ]
 
 
-def test_a_tracker_that_cannot_start_is_one_error_and_one_that_fails_later_is_left(tmp_path, monkeypatch, caplog):
+def test_a_tracker_that_cannot_start_is_one_error_and_one_that_fails_later_is_left(
+    tmp_path, monkeypatch, caplog
+):
     from phalanx.hooks import WriteMLflow
 
     monkeypatch.chdir(tmp_path)
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("a file where the database's folder would be")
     tracker = {"WriteMLflow": {"tracking_uri": f"sqlite:///{blocked / 'mlflow.db'}"}}
-    with pytest.raises(ConfigError, match="WriteMLflow: the tracker could not start a run .*remove the hook"):
+    with pytest.raises(
+        ConfigError, match="WriteMLflow: the tracker could not start a run .*remove the hook"
+    ):
         phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression())
 
     class Flaky(WriteMLflow):
@@ -121,14 +157,19 @@ def test_a_tracker_that_cannot_start_is_one_error_and_one_that_fails_later_is_le
             super()._log(values, step)
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    run = phalanx.fit(_raw(tmp_path, "WriteCSV", epochs=3), model=toy.Linear(), dataset=toy.Regression(),
-                      hooks=[Flaky(tracking_uri=store, every_n_steps=0)])
+    run = phalanx.fit(
+        _raw(tmp_path, "WriteCSV", epochs=3),
+        model=toy.Linear(),
+        dataset=toy.Regression(),
+        hooks=[Flaky(tracking_uri=store, every_n_steps=0)],
+    )
     assert run.code == 0 and len(_csv(run.run_dir)) == 3  # training went on
     log_text = (run.run_dir / "log.txt").read_text()
     assert log_text.count("the tracker failed (ConnectionError: the server went away)") == 1
 
 
 # --- W&B ---------------------------------------------------------------------------------------
+
 
 def wandb_records(path: Path) -> list:
     """The records of a W&B offline file: a 7-byte header, then LevelDB-log records in 32 KiB blocks
@@ -140,11 +181,11 @@ def wandb_records(path: Path) -> list:
     pos, block, records, parts = 7, 32768, [], b""
     while pos + 7 <= len(data):
         left = block - pos % block
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
         if left < 7 or kind == 0:  # the end of a block: padding
             pos += left
             continue
-        parts += data[pos + 7:pos + 7 + length]
+        parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -163,7 +204,12 @@ def _wandb(run_dir: Path) -> tuple[dict, list[dict], int | None]:
             if kind == "run":
                 config.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
             elif kind == "history":
-                history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+                history.append(
+                    {
+                        i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                        for i in record.history.item
+                    }
+                )
             elif kind == "exit":
                 code = record.exit.exit_code
     return config, history, code
@@ -180,10 +226,19 @@ def test_wandb_offline_files_hold_the_config_the_variables_and_the_end(tmp_path,
     assert config["optimizer"]["lr"] == 0.05 and config["model"]["class"] == "toy.Linear"
     rows = _csv(run.run_dir)
     got = [(h["_step"], h["epoch"], h["train/loss"], h["valid/loss"]) for h in history]
-    assert got == [(int(r["step"]), int(r["epoch"]), pytest.approx(float(r["train.loss"]), rel=1e-12),
-                    pytest.approx(float(r["valid.loss"]), rel=1e-12)) for r in rows]
+    assert got == [
+        (
+            int(r["step"]),
+            int(r["epoch"]),
+            pytest.approx(float(r["train.loss"]), rel=1e-12),
+            pytest.approx(float(r["valid.loss"]), rel=1e-12),
+        )
+        for r in rows
+    ]
 
-    failed = phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(), hooks=[Fail()])
+    failed = phalanx.fit(
+        _raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(), hooks=[Fail()]
+    )
     assert failed.code == 1 and _wandb(failed.run_dir)[2] == 1
 
 
@@ -191,10 +246,16 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")
     tracker = {"WriteWandb": {"mode": "offline"}}
-    first = phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(),
-                        hooks=[phalanx.hooks.StopAfter(epochs=1)])
+    first = phalanx.fit(
+        _raw(tmp_path, tracker),
+        model=toy.Linear(),
+        dataset=toy.Regression(),
+        hooks=[phalanx.hooks.StopAfter(epochs=1)],
+    )
     phalanx.resume(first.run_dir, model=toy.Linear(), dataset=toy.Regression())
-    ids = {p.name.split("-")[3] for p in first.run_dir.glob("wandb/offline-run-*")}  # offline-run-TIME-ID[-N]
+    ids = {
+        p.name.split("-")[3] for p in first.run_dir.glob("wandb/offline-run-*")
+    }  # offline-run-TIME-ID[-N]
     assert len(ids) == 1  # the resumed part is the same W&B run
     _, history, code = _wandb(first.run_dir)
     assert [h["epoch"] for h in history] == [1, 2] and code == 0
@@ -202,12 +263,18 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
 
 # --- missing packages --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("hook, package", [("WriteMLflow", "mlflow-skinny sqlalchemy alembic"),
-                                           ("WriteWandb", "wandb")])
+
+@pytest.mark.parametrize(
+    "hook, package", [("WriteMLflow", "mlflow-skinny sqlalchemy alembic"), ("WriteWandb", "wandb")]
+)
 def test_a_tracker_without_its_package_is_an_error_naming_it(tmp_path, monkeypatch, hook, package):
     real = importlib.util.find_spec
     module = "mlflow" if hook == "WriteMLflow" else "wandb"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a))
-    with pytest.raises(ConfigError, match=f"{hook} needs the {module} package.*pip install {package}"):
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == module else real(name, *a)
+    )
+    with pytest.raises(
+        ConfigError, match=f"{hook} needs the {module} package.*pip install {package}"
+    ):
         phalanx.fit(_raw(tmp_path, hook), model=toy.Linear(), dataset=toy.Regression())
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())

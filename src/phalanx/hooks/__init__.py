@@ -1,4 +1,5 @@
 """Built-in hooks, found by name in a config's `hooks:` list; others are given by dotted path."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,9 +16,28 @@ from phalanx.hooks.throughput import LogThroughput
 from phalanx.hooks.trackers import WriteMLflow, WriteWandb
 from phalanx.hooks.writers import LogProfile, LogVariables, PlotLines, WriteCSV, WriteTensorBoard
 
-BUILTIN: dict[str, type[Hook]] = {cls.__name__: cls for cls in (
-    ShowProgress, ComputeStats, ClassificationMetrics, LogVariables, LogProfile, WriteCSV,
-    WriteTensorBoard, PlotLines, WriteMLflow, WriteWandb, LogThroughput, SaveEvery, SaveBest, SaveLatest, StopAfter, StopOnNaN, StopOnPlateau)}
+BUILTIN: dict[str, type[Hook]] = {
+    cls.__name__: cls
+    for cls in (
+        ShowProgress,
+        ComputeStats,
+        ClassificationMetrics,
+        LogVariables,
+        LogProfile,
+        WriteCSV,
+        WriteTensorBoard,
+        PlotLines,
+        WriteMLflow,
+        WriteWandb,
+        LogThroughput,
+        SaveEvery,
+        SaveBest,
+        SaveLatest,
+        StopAfter,
+        StopOnNaN,
+        StopOnPlateau,
+    )
+}
 
 __all__ = ["BUILTIN", "Hook", "TrainingTerminated", "build_hooks", "default_hooks", *BUILTIN]
 
@@ -26,8 +46,16 @@ def default_hooks(cfg: Config) -> list[Any]:
     """The hooks of a config that lists none: progress, loss statistics, throughput, logs, metrics
     files, TensorBoard, the latest checkpoint, and the best one by validation loss when there is a
     `valid` stream."""
-    hooks: list[Any] = ["ShowProgress", {"ComputeStats": {"variables": ["loss"]}}, "LogThroughput", "LogVariables",
-                        "LogProfile", "WriteCSV", "WriteTensorBoard", "SaveLatest"]
+    hooks: list[Any] = [
+        "ShowProgress",
+        {"ComputeStats": {"variables": ["loss"]}},
+        "LogThroughput",
+        "LogVariables",
+        "LogProfile",
+        "WriteCSV",
+        "WriteTensorBoard",
+        "SaveLatest",
+    ]
     if "valid" in cfg.main_loop.extra_streams:
         hooks.append({"SaveBest": {"variable": "valid.loss", "mode": "min"}})
     return hooks
@@ -46,8 +74,10 @@ def _build(index: int, spec: Any, search_dirs: list[Path]) -> Hook:
     elif "." in name:
         factory = import_object(name, search_dirs)
     else:
-        raise ConfigError(f"hooks.{index}: no built-in hook {name!r}{did_you_mean(name, BUILTIN)}; "
-                          f"built-ins are {', '.join(BUILTIN)}, others are given by dotted path")
+        raise ConfigError(
+            f"hooks.{index}: no built-in hook {name!r}{did_you_mean(name, BUILTIN)}; "
+            f"built-ins are {', '.join(BUILTIN)}, others are given by dotted path"
+        )
     hook = instantiate(f"hooks.{index}.{name}", factory, **kwargs)
     if not isinstance(hook, Hook):
         raise ConfigError(f"hooks.{index}: {name} is not a phalanx.hooks.Hook subclass")

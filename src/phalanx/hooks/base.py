@@ -5,6 +5,7 @@ Events follow emloop: `before_training`, `after_batch` (after every batch of eve
 read in order), `after_epoch_profile` (where the epoch's time went) and `after_training`.
 A hook stops training by raising `TrainingTerminated`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -14,7 +15,6 @@ import torch
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 from phalanx.view import RunView
-
 
 _ONE_PROCESS = Single(torch.device("cpu"))
 
@@ -57,8 +57,9 @@ class Hook:
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
         pass
 
-    def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
-                            extra_streams: list[str]) -> None:
+    def after_epoch_profile(
+        self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
+    ) -> None:
         pass
 
     def after_training(self, success: bool) -> None:

@@ -3,6 +3,7 @@
 Set by the config's `profile: {start_step, steps}`; the trace lands in the run directory's
 `profile/` (one file per rank, for chrome://tracing or Perfetto) and the top operations are logged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,9 @@ class Profile(Hook):
 
     gathers = False
 
-    def __init__(self, start_step: int = 10, steps: int = 5, record_shapes: bool = False, top: int = 15):
+    def __init__(
+        self, start_step: int = 10, steps: int = 5, record_shapes: bool = False, top: int = 15
+    ):
         self.start, self.steps, self.record_shapes, self.top = start_step, steps, record_shapes, top
         self._profiler: profile | None = None
         self.trace_path = None
@@ -62,7 +65,16 @@ class Profile(Hook):
         self.trace_path = folder / f"trace-rank{self.trainer.strategy.rank}.json"
         profiler.export_chrome_trace(str(self.trace_path))
         if self.trainer.strategy.is_main:
-            sort = "self_cuda_time_total" if self.trainer.strategy.device.type == "cuda" else "self_cpu_time_total"
+            sort = (
+                "self_cuda_time_total"
+                if self.trainer.strategy.device.type == "cuda"
+                else "self_cpu_time_total"
+            )
             table = profiler.key_averages().table(sort_by=sort, row_limit=self.top)
-            log.info("profile of steps %d-%d (trace: %s)\n%s", self.start, self.start + self.steps - 1,
-                     self.trace_path, table)
+            log.info(
+                "profile of steps %d-%d (trace: %s)\n%s",
+                self.start,
+                self.start + self.steps - 1,
+                self.trace_path,
+                table,
+            )

@@ -1,10 +1,18 @@
 """ShowProgress: a live progress bar per epoch with ETA, samples/s and the running loss."""
+
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from phalanx.hooks.base import Hook
 from phalanx.logs import console
@@ -25,10 +33,18 @@ class ShowProgress(Hook):
         if not self.trainer.strategy.is_main or not console.is_terminal:
             return
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[rate]}"), TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=console, transient=False, refresh_per_second=5)
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+            refresh_per_second=5,
+        )
         self._progress.start()
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -57,8 +73,16 @@ class ShowProgress(Hook):
             description = f"epoch {self.trainer.epoch + 1}/{self.trainer.cfg.main_loop.epochs}"
         else:
             total, completed, description = None, 0, f"  {stream}"
-        task = self._progress.add_task(description, total=total, completed=max(completed, 0), rate="", loss="-")
-        state = {"samples": 0, "batches": 0, "loss_sum": 0.0, "start": time.monotonic(), "shown": 0.0}
+        task = self._progress.add_task(
+            description, total=total, completed=max(completed, 0), rate="", loss="-"
+        )
+        state = {
+            "samples": 0,
+            "batches": 0,
+            "loss_sum": 0.0,
+            "start": time.monotonic(),
+            "shown": 0.0,
+        }
         self._tasks[stream] = (task, state)
         return task, state
 

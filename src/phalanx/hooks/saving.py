@@ -1,5 +1,6 @@
 """Checkpoint hooks: SaveEvery, SaveBest, SaveLatest. All write through the trainer, which keeps the
 last `checkpoints.keep_last` steps and the best one."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,7 +19,9 @@ class SaveEvery(Hook):
         if steps is not None:
             epochs = None
         if (epochs or 0) < 1 and (steps or 0) < 1:
-            raise ConfigError(f"SaveEvery: give epochs >= 1 or steps >= 1 (got epochs={epochs}, steps={steps})")
+            raise ConfigError(
+                f"SaveEvery: give epochs >= 1 or steps >= 1 (got epochs={epochs}, steps={steps})"
+            )
         self.epochs, self.steps = epochs, steps
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -54,7 +57,9 @@ class SaveBest(Hook):
         value = lookup(epoch_data, self.variable, "SaveBest")
         if epoch and improved(value, self.best, self.mode):
             self.best = value
-            self.trainer.save_checkpoint(best={"variable": self.variable, "value": value, "epoch": epoch})
+            self.trainer.save_checkpoint(
+                best={"variable": self.variable, "value": value, "epoch": epoch}
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}

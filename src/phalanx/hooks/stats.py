@@ -3,6 +3,7 @@
 Both accumulate exact sums (in float64) as batches come and publish into `epoch_data[stream]` after
 the epoch: the mean under the variable's own name, other aggregations as `<variable>_<aggregation>`.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,11 @@ from phalanx.hooks.base import Hook
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
 WEIGHT = "loss_weight"
-_WEIGHTED = ("weights", "weighted", "weighted_squares")  # sums of w, w * x and w * x^2, where weighted
+_WEIGHTED = (
+    "weights",
+    "weighted",
+    "weighted_squares",
+)  # sums of w, w * x and w * x^2, where weighted
 
 
 class ComputeStats(Hook):
@@ -29,14 +34,18 @@ class ComputeStats(Hook):
     def __init__(self, variables: list[str] = ("loss",), aggregations: list[str] = ("mean",)):
         for agg in aggregations:
             if agg not in AGGREGATIONS:
-                raise ConfigError(f"ComputeStats: unknown aggregation {agg!r}; choose from {', '.join(AGGREGATIONS)}")
+                raise ConfigError(
+                    f"ComputeStats: unknown aggregation {agg!r}; choose from {', '.join(AGGREGATIONS)}"
+                )
         self.variables, self.aggregations = list(variables), list(aggregations)
         self._acc: dict[tuple[str, str], dict[str, Any]] = {}
         # Batches wait here and are reduced together: a few reductions per many steps instead of
         # several small ones every step.
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._pending_elements = 0
-        self._weights: dict[tuple[str, str], list[torch.Tensor]] = {}  # each pending value's weight, where weighted
+        self._weights: dict[
+            tuple[str, str], list[torch.Tensor]
+        ] = {}  # each pending value's weight, where weighted
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -46,8 +55,10 @@ class ComputeStats(Hook):
         for var in self.variables:
             value = batch.get(var)
             if value is None:
-                raise ModelError(f"ComputeStats: variable {var!r} is not in the batch or the model outputs "
-                                 f"({', '.join(batch)}); fix hooks ComputeStats.variables")
+                raise ModelError(
+                    f"ComputeStats: variable {var!r} is not in the batch or the model outputs "
+                    f"({', '.join(batch)}); fix hooks ComputeStats.variables"
+                )
             if value.requires_grad or value.dim() != 1:
                 value = value.detach().reshape(-1)
             values = pending.get((stream, var))
@@ -75,8 +86,11 @@ class ComputeStats(Hook):
             weights = self._weights.get(key)
             if weights:
                 w, v = torch.cat(weights).double(), v.double()
-                for name, part in (("weights", w.sum()), ("weighted", (w * v).sum()), ("weighted_squares",
-                                                                                   (w * v * v).sum())):
+                for name, part in (
+                    ("weights", w.sum()),
+                    ("weighted", (w * v).sum()),
+                    ("weighted_squares", (w * v * v).sum()),
+                ):
                     acc[name] = acc.get(name, 0.0) + part
         self._pending.clear()
         self._weights.clear()
@@ -91,31 +105,48 @@ class ComputeStats(Hook):
             values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
             if values["weights"] > 0:  # weighted: the mean and spread the objective has
                 values["mean"] = values["weighted"] / values["weights"]
-                values["std"] = math.sqrt(max(values["weighted_squares"] / values["weights"] - values["mean"] ** 2,
-                                              0.0))
+                values["std"] = math.sqrt(
+                    max(values["weighted_squares"] / values["weights"] - values["mean"] ** 2, 0.0)
+                )
             target = epoch_data.setdefault(stream, {})
             for agg in self.aggregations:
-                target[var if agg == "mean" else f"{var}_{agg}"] = int(count) if agg == "count" else values[agg]
+                target[var if agg == "mean" else f"{var}_{agg}"] = (
+                    int(count) if agg == "count" else values[agg]
+                )
         self._acc.clear()
 
     def _global(self) -> dict[tuple[str, str], dict[str, float]]:
         """Every rank's running values combined: sums added, minima and maxima taken."""
         self._flush()
         strategy = self.strategy
-        keys = sorted({tuple(k) for ranks_keys in strategy.gather(sorted(self._acc)) for k in ranks_keys})
+        keys = sorted(
+            {tuple(k) for ranks_keys in strategy.gather(sorted(self._acc)) for k in ranks_keys}
+        )
         if not keys:
             return {}
 
         def column(name: str, default: float) -> torch.Tensor:
-            return torch.tensor([float(self._acc[k].get(name, default)) if k in self._acc else default
-                                 for k in keys], dtype=torch.float64, device=strategy.device)
+            return torch.tensor(
+                [
+                    float(self._acc[k].get(name, default)) if k in self._acc else default
+                    for k in keys
+                ],
+                dtype=torch.float64,
+                device=strategy.device,
+            )
 
         added = ("count", "sum", "squares", *_WEIGHTED)
         sums = strategy.reduce(torch.stack([column(name, 0.0) for name in added]))
         low = strategy.reduce(column("min", math.inf), "min")
         high = strategy.reduce(column("max", -math.inf), "max")
-        return {key: {**{name: sums[j, i].item() for j, name in enumerate(added)},
-                      "min": low[i].item(), "max": high[i].item()} for i, key in enumerate(keys)}
+        return {
+            key: {
+                **{name: sums[j, i].item() for j, name in enumerate(added)},
+                "min": low[i].item(),
+                "max": high[i].item(),
+            }
+            for i, key in enumerate(keys)
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch's running values so far, combined over ranks (any device count resumes them)."""
@@ -128,11 +159,17 @@ class ComputeStats(Hook):
         # Sums go to rank 0 alone, so that adding over ranks counts them once; minima and maxima
         # may stand everywhere.
         first = self.strategy.rank == 0
-        self._acc = {(s, v): {"count": int(values["count"]) if first else 0,
-                              **{k: torch.tensor(values.get(k, 0.0) if first else 0.0, dtype=torch.float64)
-                                 for k in ("sum", "squares", *_WEIGHTED)},
-                              **{k: torch.tensor(values[k], dtype=torch.float64) for k in ("min", "max")}}
-                     for s, v, values in state["acc"]}
+        self._acc = {
+            (s, v): {
+                "count": int(values["count"]) if first else 0,
+                **{
+                    k: torch.tensor(values.get(k, 0.0) if first else 0.0, dtype=torch.float64)
+                    for k in ("sum", "squares", *_WEIGHTED)
+                },
+                **{k: torch.tensor(values[k], dtype=torch.float64) for k in ("min", "max")},
+            }
+            for s, v, values in state["acc"]
+        }
 
 
 def _reductions(aggregations: list[str]) -> list:
@@ -156,13 +193,25 @@ class ClassificationMetrics(Hook):
 
     gathers = False  # confusion matrices are added over ranks at the end of the epoch instead
 
-    def __init__(self, predicted: str = "output", gold: str = "label", num_classes: int | None = None,
-                 metrics: list[str] = ("accuracy", "f1")):
+    def __init__(
+        self,
+        predicted: str = "output",
+        gold: str = "label",
+        num_classes: int | None = None,
+        metrics: list[str] = ("accuracy", "f1"),
+    ):
         valid = ("accuracy", "precision", "recall", "f1")
         for m in metrics:
             if m not in valid:
-                raise ConfigError(f"ClassificationMetrics: unknown metric {m!r}; choose from {', '.join(valid)}")
-        self.predicted, self.gold, self.num_classes, self.metrics = predicted, gold, num_classes, list(metrics)
+                raise ConfigError(
+                    f"ClassificationMetrics: unknown metric {m!r}; choose from {', '.join(valid)}"
+                )
+        self.predicted, self.gold, self.num_classes, self.metrics = (
+            predicted,
+            gold,
+            num_classes,
+            list(metrics),
+        )
         self._confusion: dict[str, torch.Tensor] = {}
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -170,12 +219,19 @@ class ClassificationMetrics(Hook):
             return
         for key in (self.predicted, self.gold):
             if key not in batch:
-                raise ModelError(f"ClassificationMetrics: {key!r} is not in the batch or the outputs "
-                                 f"({', '.join(batch)}); set predicted/gold to the right names")
+                raise ModelError(
+                    f"ClassificationMetrics: {key!r} is not in the batch or the outputs "
+                    f"({', '.join(batch)}); set predicted/gold to the right names"
+                )
         scores, gold = batch[self.predicted].detach(), batch[self.gold].detach().reshape(-1).long()
-        predicted = scores.argmax(dim=-1) if scores.is_floating_point() else scores.reshape(-1).long()
-        k = self.num_classes or (scores.shape[-1] if scores.is_floating_point()
-                                 else int(max(gold.max(), predicted.max())) + 1)
+        predicted = (
+            scores.argmax(dim=-1) if scores.is_floating_point() else scores.reshape(-1).long()
+        )
+        k = self.num_classes or (
+            scores.shape[-1]
+            if scores.is_floating_point()
+            else int(max(gold.max(), predicted.max())) + 1
+        )
         counts = torch.bincount(gold.cpu() * k + predicted.cpu(), minlength=k * k).reshape(k, k)
         previous = self._confusion.get(stream)
         if previous is not None and previous.shape != counts.shape:
@@ -207,24 +263,35 @@ class ClassificationMetrics(Hook):
         return {"confusion": {s: c.tolist() for s, c in self._global().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        first = self.strategy.rank == 0  # counts go to one rank, so adding over ranks counts them once
-        self._confusion = {s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()}
+        first = (
+            self.strategy.rank == 0
+        )  # counts go to one rank, so adding over ranks counts them once
+        self._confusion = {
+            s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()
+        }
 
 
 def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:
     out = torch.zeros(size, size, dtype=matrix.dtype)
-    out[:matrix.shape[0], :matrix.shape[1]] = matrix
+    out[: matrix.shape[0], : matrix.shape[1]] = matrix
     return out
 
 
 def _scores(confusion: torch.Tensor, metrics: list[str]) -> dict[str, float]:
     """Metrics from a confusion matrix (rows: true class, columns: predicted)."""
     true_pos = confusion.diag()
-    present = (confusion.sum(1) > 0) | (confusion.sum(0) > 0)  # classes seen as truth or as prediction
+    present = (confusion.sum(1) > 0) | (
+        confusion.sum(0) > 0
+    )  # classes seen as truth or as prediction
     precision = torch.where(confusion.sum(0) > 0, true_pos / confusion.sum(0).clamp(min=1), 0.0)
     recall = true_pos / confusion.sum(1).clamp(min=1)
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0)
-    values = {"accuracy": (true_pos.sum() / confusion.sum()).item(),
-              "precision": precision[present].mean().item(), "recall": recall[present].mean().item(),
-              "f1": f1[present].mean().item()}
+    f1 = torch.where(
+        precision + recall > 0, 2 * precision * recall / (precision + recall).clamp(min=1e-300), 0.0
+    )
+    values = {
+        "accuracy": (true_pos.sum() / confusion.sum()).item(),
+        "precision": precision[present].mean().item(),
+        "recall": recall[present].mean().item(),
+        "f1": f1[present].mean().item(),
+    }
     return {m: values[m] for m in metrics}

@@ -1,4 +1,5 @@
 """Stopping hooks: StopAfter, StopOnNaN, StopOnPlateau."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,13 @@ class StopAfter(Hook):
     gathers = False
     AGREE_EVERY = 10
 
-    def __init__(self, epochs: int | None = None, steps: int | None = None, minutes: float | None = None,
-                 clock=time.monotonic):
+    def __init__(
+        self,
+        epochs: int | None = None,
+        steps: int | None = None,
+        minutes: float | None = None,
+        clock=time.monotonic,
+    ):
         if epochs is None and steps is None and minutes is None:
             raise ConfigError("StopAfter: give at least one of epochs, steps, minutes")
         self.epochs, self.steps, self.minutes, self.clock = epochs, steps, minutes, clock
@@ -31,7 +37,9 @@ class StopAfter(Hook):
     def before_training(self) -> None:
         self._start = self.clock()
         if self.steps is not None and self.trainer.step >= self.steps:
-            raise TrainingTerminated(f"{self.trainer.step} steps done (StopAfter steps={self.steps})")
+            raise TrainingTerminated(
+                f"{self.trainer.step} steps done (StopAfter steps={self.steps})"
+            )
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training:
@@ -63,22 +71,32 @@ class StopOnNaN(Hook):
         if not self.trainer.training or self.trainer.step % self.every:
             return
         if not bool(torch.isfinite(self.trainer.last_loss).all()):
-            raise TrainingTerminated(f"the training loss is not finite ({float(self.trainer.last_loss)}) at step "
-                                     f"{self.trainer.step} (StopOnNaN)", success=False)
+            raise TrainingTerminated(
+                f"the training loss is not finite ({float(self.trainer.last_loss)}) at step "
+                f"{self.trainer.step} (StopOnNaN)",
+                success=False,
+            )
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         for stream, values in epoch_data.items():
             for var in self.variables:
                 value = values.get(var)
                 if isinstance(value, float) and not math.isfinite(value):
-                    raise TrainingTerminated(f"{stream}.{var} is {value} after epoch {epoch} (StopOnNaN)",
-                                             success=False)
+                    raise TrainingTerminated(
+                        f"{stream}.{var} is {value} after epoch {epoch} (StopOnNaN)", success=False
+                    )
 
 
 class StopOnPlateau(Hook):
     """Stop when `variable` has not improved by `min_delta` for `patience` epochs."""
 
-    def __init__(self, variable: str = "valid.loss", mode: str = "min", patience: int = 5, min_delta: float = 0.0):
+    def __init__(
+        self,
+        variable: str = "valid.loss",
+        mode: str = "min",
+        patience: int = 5,
+        min_delta: float = 0.0,
+    ):
         split_name(variable, "StopOnPlateau")
         if patience < 1:
             raise ConfigError(f"StopOnPlateau: patience must be >= 1, got {patience}")
@@ -94,8 +112,10 @@ class StopOnPlateau(Hook):
         else:
             self.waited += 1
             if self.waited >= self.patience:
-                raise TrainingTerminated(f"{self.variable} has not improved for {self.patience} epochs "
-                                         f"(best {self.best:.6g}; StopOnPlateau)")
+                raise TrainingTerminated(
+                    f"{self.variable} has not improved for {self.patience} epochs "
+                    f"(best {self.best:.6g}; StopOnPlateau)"
+                )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "waited": self.waited}

@@ -1,4 +1,5 @@
 """LogThroughput: samples/s, tokens/s, MFU, memory and GPU utilisation, live and per epoch."""
+
 from __future__ import annotations
 
 import json
@@ -28,16 +29,22 @@ class LogThroughput(Hook):
 
     gathers = False  # reads the trainer's global batch size; times its own steps
 
-    def __init__(self, every_n_steps: int = 50, tokens_key: str | None = "tokens", peak_flops: float | None = None,
-                 warmup_steps: int = 5, clock=time.perf_counter):
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        tokens_key: str | None = "tokens",
+        peak_flops: float | None = None,
+        warmup_steps: int = 5,
+        clock=time.perf_counter,
+    ):
         self.every, self.tokens_key, self.warmup = max(1, every_n_steps), tokens_key, warmup_steps
         self.peak_override, self.clock = peak_flops, clock
         self.flops_per_sample: float | None = None
         self.tokens_per_sample = 0
         self._last: float | None = None
-        self._window = [0.0, 0]     # seconds, samples since the last log line
-        self._epoch = [0.0, 0]      # seconds, samples this epoch
-        self._steady = [0.0, 0]     # seconds, samples after warm-up, whole run
+        self._window = [0.0, 0]  # seconds, samples since the last log line
+        self._epoch = [0.0, 0]  # seconds, samples this epoch
+        self._steady = [0.0, 0]  # seconds, samples after warm-up, whole run
         self._steps = 0
         self._counted = False
         self._state_logged = False
@@ -74,7 +81,9 @@ class LogThroughput(Hook):
         self._counted = True
         trainer = self.trainer
         inputs = {k: v for k, v in batch.items() if k not in trainer.output_names}
-        n = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), 0)
+        n = next(
+            (v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), 0
+        )
         tokens = inputs.get(self.tokens_key) if self.tokens_key else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             self.tokens_per_sample = int(tokens.shape[1])
@@ -119,8 +128,11 @@ class LogThroughput(Hook):
         if not self._state_logged:  # once the optimizer has taken a step, and made its state
             self._state_logged = True
             state = self.trainer.state_bytes()
-            log.info("model state held by the main process: %s (parameters %s, gradients %s, optimizer %s)",
-                     _mib(sum(state.values())), *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")))
+            log.info(
+                "model state held by the main process: %s (parameters %s, gradients %s, optimizer %s)",
+                _mib(sum(state.values())),
+                *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")),
+            )
         log.info("step %d | %s", self.trainer.step, ", ".join(parts))
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
@@ -132,16 +144,23 @@ class LogThroughput(Hook):
     def summary(self) -> dict[str, Any]:
         """Steady-state figures of the whole run (after the warm-up steps)."""
         seconds, samples = self._steady if self._steady[0] > 0 else self._epoch
-        out = {"devices": self.trainer.strategy.world_size, "steps": self._steps,
-               "flops_per_sample": self.flops_per_sample, "peak_flops": self.peak,
-               "profile": dict(self.trainer.profile), "state_bytes": self.trainer.state_bytes()}
+        out = {
+            "devices": self.trainer.strategy.world_size,
+            "steps": self._steps,
+            "flops_per_sample": self.flops_per_sample,
+            "peak_flops": self.peak,
+            "profile": dict(self.trainer.profile),
+            "state_bytes": self.trainer.state_bytes(),
+        }
         if seconds > 0:
             out.update(self._figures(seconds, samples))
         return out
 
     def after_training(self, success: bool) -> None:
         if self.trainer.strategy.is_main and self.trainer.run_dir is not None:
-            write_text_atomic(self.trainer.run_dir / "throughput.json", json.dumps(self.summary(), indent=1))
+            write_text_atomic(
+                self.trainer.run_dir / "throughput.json", json.dumps(self.summary(), indent=1)
+            )
 
 
 def _mib(n: int) -> str:

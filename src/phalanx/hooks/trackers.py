@@ -5,6 +5,7 @@ Both packages are optional: a config that names a tracker whose package is missi
 naming what to install. Only the main process writes. The tracker's run id is part of the
 checkpoint, so a resumed run continues the same tracker run.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,8 +24,10 @@ log = logging.getLogger("phalanx")
 
 def _require(module: str, install: str, hook: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{hook} needs the {module} package, which is not installed: pip install {install} "
-                          f"(or remove {hook} from hooks)")
+        raise ConfigError(
+            f"{hook} needs the {module} package, which is not installed: pip install {install} "
+            f"(or remove {hook} from hooks)"
+        )
 
 
 def _first_line(error: BaseException) -> str:
@@ -55,8 +58,10 @@ class _Tracker(_Writer):
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a tracker's errors (network, database, login) vary
-            raise ConfigError(f"{type(self).__name__}: the tracker could not start a run "
-                              f"({type(e).__name__}: {_first_line(e)}); check its settings, or remove the hook") from e
+            raise ConfigError(
+                f"{type(self).__name__}: the tracker could not start a run "
+                f"({type(e).__name__}: {_first_line(e)}); check its settings, or remove the hook"
+            ) from e
         self._started = True
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -65,16 +70,26 @@ class _Tracker(_Writer):
             values = {"train.step_loss": float(self.trainer.last_loss)}
             if self.trainer.last_grad_norm is not None:
                 values["train.step_grad_norm"] = self.trainer.last_grad_norm
-            values.update({f"lr.group{i}": lr for i, lr in enumerate(self.trainer.learning_rates())})
+            values.update(
+                {f"lr.group{i}": lr for i, lr in enumerate(self.trainer.learning_rates())}
+            )
             self._safely(self._log, values, step)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if self._started:
-            self._safely(self._log, {"epoch": float(epoch), **flat_variables(epoch_data)}, self.trainer.step)
+            self._safely(
+                self._log, {"epoch": float(epoch), **flat_variables(epoch_data)}, self.trainer.step
+            )
 
     def after_training(self, success: bool) -> None:
         if self._started:
-            status = "finished" if success else "interrupted" if self.trainer.stop_requested else "failed"
+            status = (
+                "finished"
+                if success
+                else "interrupted"
+                if self.trainer.stop_requested
+                else "failed"
+            )
             self._safely(self._end, status)
             self._started = False
 
@@ -85,8 +100,12 @@ class _Tracker(_Writer):
             call(*args)
         except Exception as e:  # noqa: BLE001 - the tracker's own errors, whatever they are
             self._started = False
-            log.error("%s: the tracker failed (%s: %s); training goes on without it", type(self).__name__,
-                      type(e).__name__, _first_line(e))
+            log.error(
+                "%s: the tracker failed (%s: %s); training goes on without it",
+                type(self).__name__,
+                type(e).__name__,
+                _first_line(e),
+            )
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
@@ -114,8 +133,13 @@ class WriteMLflow(_Tracker):
     with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, where the mlflow package is installed).
     """
 
-    def __init__(self, tracking_uri: str | None = None, experiment: str = "phalanx", run_name: str | None = None,
-                 every_n_steps: int = 50):
+    def __init__(
+        self,
+        tracking_uri: str | None = None,
+        experiment: str = "phalanx",
+        run_name: str | None = None,
+        every_n_steps: int = 50,
+    ):
         _require("mlflow", "mlflow-skinny sqlalchemy alembic (or mlflow)", "WriteMLflow")
         super().__init__(every_n_steps)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
@@ -128,8 +152,11 @@ class WriteMLflow(_Tracker):
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-            f"sqlite:///{Path(self.trainer.cfg.output_root).resolve() / 'mlflow.db'}"
+        uri = (
+            self.tracking_uri
+            or os.environ.get("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{Path(self.trainer.cfg.output_root).resolve() / 'mlflow.db'}"
+        )
         self._client = client = MlflowClient(tracking_uri=uri)
         if resumed:
             try:
@@ -137,22 +164,38 @@ class WriteMLflow(_Tracker):
                 log.info("WriteMLflow: continuing MLflow run %s in %s", self.run_id, uri)
                 return
             except MlflowException as e:
-                log.warning("WriteMLflow: the run's MLflow run %s is not in %s (%s); starting a new one", self.run_id,
-                            uri, str(e).splitlines()[0])
+                log.warning(
+                    "WriteMLflow: the run's MLflow run %s is not in %s (%s); starting a new one",
+                    self.run_id,
+                    uri,
+                    str(e).splitlines()[0],
+                )
         experiment = client.get_experiment_by_name(self.experiment)
         # a local database keeps the experiment's artifacts beside it (MLflow's default: ./mlruns, wherever that is)
-        local = Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts" if uri.startswith("sqlite:///") else None
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(
-            self.experiment, artifact_location=local.as_uri() if local else None)
+        local = (
+            Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+            if uri.startswith("sqlite:///")
+            else None
+        )
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else client.create_experiment(
+                self.experiment, artifact_location=local.as_uri() if local else None
+            )
+        )
         run_dir = self.trainer.run_dir
-        run = client.create_run(experiment_id, run_name=self.run_name or run_dir.name,
-                                tags={"phalanx.run_dir": str(run_dir.resolve())})
+        run = client.create_run(
+            experiment_id,
+            run_name=self.run_name or run_dir.name,
+            tags={"phalanx.run_dir": str(run_dir.resolve())},
+        )
         self.run_id = run.info.run_id
         config = self._config()
         params = [Param(key, str(value)[:6000]) for key, value in flat_keys(config).items()]
         try:
             for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
-                client.log_batch(self.run_id, params=params[i:i + 100])
+                client.log_batch(self.run_id, params=params[i : i + 100])
             client.log_dict(self.run_id, config, "config.yaml")
         except Exception:
             client.set_terminated(self.run_id, status="FAILED")  # not left RUNNING
@@ -165,11 +208,13 @@ class WriteMLflow(_Tracker):
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def _end(self, status: str) -> None:
-        self._client.set_terminated(self.run_id, status={"finished": "FINISHED", "failed": "FAILED",
-                                                         "interrupted": "KILLED"}[status])
+        self._client.set_terminated(
+            self.run_id,
+            status={"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}[status],
+        )
 
 
 class WriteWandb(_Tracker):
@@ -181,13 +226,26 @@ class WriteWandb(_Tracker):
     W&B's own choice (WANDB_MODE, else online).
     """
 
-    def __init__(self, project: str = "phalanx", entity: str | None = None, name: str | None = None,
-                 mode: str | None = None, tags: list[str] | None = None, every_n_steps: int = 50):
+    def __init__(
+        self,
+        project: str = "phalanx",
+        entity: str | None = None,
+        name: str | None = None,
+        mode: str | None = None,
+        tags: list[str] | None = None,
+        every_n_steps: int = 50,
+    ):
         _require("wandb", "wandb", "WriteWandb")
         if mode not in (None, "online", "offline", "disabled"):
             raise ConfigError(f"WriteWandb: mode {mode!r} is not online, offline or disabled")
         super().__init__(every_n_steps)
-        self.project, self.entity, self.name, self.mode, self.tags = project, entity, name, mode, tags
+        self.project, self.entity, self.name, self.mode, self.tags = (
+            project,
+            entity,
+            name,
+            mode,
+            tags,
+        )
         self._run = None
 
     def _start(self, resumed: bool) -> None:
@@ -195,19 +253,36 @@ class WriteWandb(_Tracker):
 
         run_dir = self.trainer.run_dir
         try:
-            self._run = wandb.init(project=self.project, entity=self.entity, name=self.name or run_dir.name,
-                                   mode=self.mode, tags=self.tags, dir=str(run_dir), config=self._config(),
-                                   id=self.run_id, resume="allow" if resumed else None,
-                                   settings=wandb.Settings(console="off", silent=True))
+            self._run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                name=self.name or run_dir.name,
+                mode=self.mode,
+                tags=self.tags,
+                dir=str(run_dir),
+                config=self._config(),
+                id=self.run_id,
+                resume="allow" if resumed else None,
+                settings=wandb.Settings(console="off", silent=True),
+            )
         except Exception as e:  # noqa: BLE001 - W&B's errors (no API key, no network) vary by version
-            raise ConfigError(f"WriteWandb: W&B could not start a run ({_first_line(e)}); log in with `wandb login`, "
-                              "or write the run's files only with mode: offline (`wandb sync` uploads them later)") from e
+            raise ConfigError(
+                f"WriteWandb: W&B could not start a run ({_first_line(e)}); log in with `wandb login`, "
+                "or write the run's files only with mode: offline (`wandb sync` uploads them later)"
+            ) from e
         self.run_id = self._run.id
-        log.info("WriteWandb: W&B run %s (%s), files in %s", self._run.id, self._run.settings.mode, self._run.dir)
+        log.info(
+            "WriteWandb: W&B run %s (%s), files in %s",
+            self._run.id,
+            self._run.settings.mode,
+            self._run.dir,
+        )
 
     def _log(self, values: dict[str, float], step: int) -> None:
         # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest the key)
-        self._run.log({name.replace(".", "/", 1): value for name, value in values.items()}, step=step)
+        self._run.log(
+            {name.replace(".", "/", 1): value for name, value in values.items()}, step=step
+        )
 
     def _end(self, status: str) -> None:
         if status == "interrupted":

@@ -1,4 +1,5 @@
 """Reading `stream.variable` names out of an epoch's shared dict."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,12 +19,16 @@ def lookup(epoch_data: dict[str, dict[str, Any]], name: str, hook: str) -> float
     stream, var = split_name(name, hook)
     values = epoch_data.get(stream)
     if values is None:
-        raise ConfigError(f"{hook}: stream {stream!r} is not evaluated (streams: {', '.join(epoch_data)}); "
-                          "add it to main_loop.extra_streams")
+        raise ConfigError(
+            f"{hook}: stream {stream!r} is not evaluated (streams: {', '.join(epoch_data)}); "
+            "add it to main_loop.extra_streams"
+        )
     if var not in values:
-        raise ConfigError(f"{hook}: {name!r} was not computed (the {stream} stream has "
-                          f"{', '.join(values) or 'nothing'}); list ComputeStats or ClassificationMetrics "
-                          f"before {hook} in hooks")
+        raise ConfigError(
+            f"{hook}: {name!r} was not computed (the {stream} stream has "
+            f"{', '.join(values) or 'nothing'}); list ComputeStats or ClassificationMetrics "
+            f"before {hook} in hooks"
+        )
     return float(values[var])
 
 
@@ -39,12 +44,16 @@ def check_mode(mode: str, hook: str) -> str:
     return mode
 
 
-def flat_variables(epoch_data: dict[str, dict[str, Any]], variables: list[str] | None = None) -> dict[str, float]:
+def flat_variables(
+    epoch_data: dict[str, dict[str, Any]], variables: list[str] | None = None
+) -> dict[str, float]:
     """`{stream: {var: value}}` as `{"stream.var": value}`, numbers only, optionally filtered."""
     flat = {}
     for stream, values in epoch_data.items():
         for var, value in values.items():
             name = f"{stream}.{var}"
-            if isinstance(value, (int, float)) and (variables is None or var in variables or name in variables):
+            if isinstance(value, (int, float)) and (
+                variables is None or var in variables or name in variables
+            ):
                 flat[name] = float(value)
     return flat

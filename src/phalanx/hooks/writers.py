@@ -2,6 +2,7 @@
 
 All of them write on the main process only, into the run directory.
 """
+
 from __future__ import annotations
 
 import csv
@@ -37,11 +38,17 @@ class LogVariables(_Writer):
             return
         parts = []
         for stream, values in epoch_data.items():
-            shown = [f"{var} {value:.6g}" for var, value in values.items()
-                     if isinstance(value, (int, float)) and (self.variables is None or var in self.variables)]
+            shown = [
+                f"{var} {value:.6g}"
+                for var, value in values.items()
+                if isinstance(value, (int, float))
+                and (self.variables is None or var in self.variables)
+            ]
             if shown:
                 parts.append(f"{stream}: {', '.join(shown)}")
-        log.info("epoch %d (step %d) | %s", epoch, self.trainer.step, " | ".join(parts) or "no variables")
+        log.info(
+            "epoch %d (step %d) | %s", epoch, self.trainer.step, " | ".join(parts) or "no variables"
+        )
 
 
 class LogProfile(_Writer):
@@ -57,21 +64,34 @@ class LogProfile(_Writer):
     def __init__(self) -> None:
         self._reported: tuple[float, float] | None = None
 
-    def after_epoch_profile(self, epoch: int, profile: dict[str, float], train_stream: str,
-                            extra_streams: list[str]) -> None:
+    def after_epoch_profile(
+        self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
+    ) -> None:
         if not self.trainer.strategy.is_main:
             return
         total = sum(profile.values()) or 1.0
-        parts = [f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)" for name, seconds in profile.items()]
+        parts = [
+            f"{name} {seconds:.2f}s ({100 * seconds / total:.0f}%)"
+            for name, seconds in profile.items()
+        ]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         strategy = self.trainer.strategy
-        sampled = strategy.backward_communication() if isinstance(strategy, ReportsCommunication) else None
+        sampled = (
+            strategy.backward_communication()
+            if isinstance(strategy, ReportsCommunication)
+            else None
+        )
         if sampled is not None and sampled != self._reported:
             self._reported = sampled
             comm, overlap = sampled
-            log.info("gradient all-reduce in backward, DDP's sampled average over the run so far (the first 10 "
-                     "steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind computation, "
-                     "%.2f ms waited", 1e3 * comm, 100 * min(overlap / comm, 1.0), 1e3 * max(comm - overlap, 0.0))
+            log.info(
+                "gradient all-reduce in backward, DDP's sampled average over the run so far (the first 10 "
+                "steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind computation, "
+                "%.2f ms waited",
+                1e3 * comm,
+                100 * min(overlap / comm, 1.0),
+                1e3 * max(comm - overlap, 0.0),
+            )
 
 
 class WriteCSV(_Writer):
@@ -91,8 +111,11 @@ class WriteCSV(_Writer):
         file = self.trainer.run_dir / self.path
         if file.is_file():
             with open(file, newline="") as f:
-                done = self.trainer.epoch if self.trainer.cfg.main_loop.eval_every_n_steps is None \
+                done = (
+                    self.trainer.epoch
+                    if self.trainer.cfg.main_loop.eval_every_n_steps is None
                     else self.trainer.rounds
+                )
                 self._rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= done]
             self._write()
 
@@ -128,17 +151,27 @@ class WriteTensorBoard(_Writer):
     def before_training(self) -> None:
         if self.active:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
             with writing(self.trainer.run_dir / self.log_dir):
-                self._writer = SummaryWriter(str(self.trainer.run_dir / self.log_dir),
-                                             purge_step=self.trainer.step + 1 if self.trainer.step else None)
+                self._writer = SummaryWriter(
+                    str(self.trainer.run_dir / self.log_dir),
+                    purge_step=self.trainer.step + 1 if self.trainer.step else None,
+                )
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         step = self.trainer.step
-        if self._writer is not None and self.trainer.training and self.every and step % self.every == 0:
+        if (
+            self._writer is not None
+            and self.trainer.training
+            and self.every
+            and step % self.every == 0
+        ):
             with writing(self.trainer.run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
                 if self.trainer.last_grad_norm is not None:
-                    self._writer.add_scalar("train/step_grad_norm", self.trainer.last_grad_norm, step)
+                    self._writer.add_scalar(
+                        "train/step_grad_norm", self.trainer.last_grad_norm, step
+                    )
                 for i, lr in enumerate(self.trainer.learning_rates()):
                     self._writer.add_scalar(f"lr/group{i}", lr, step)
 
@@ -187,8 +220,11 @@ class PlotLines(_Writer):
         # after a signal (a preemption's grace period runs), the run's end is not held up for the last picture
         stopped = self.trainer.stop_requested
         try:
-            painter.close(self.trainer.run_dir / self.path, None if stopped else self.history,
-                          wait_s=1.0 if stopped or not success else None)
+            painter.close(
+                self.trainer.run_dir / self.path,
+                None if stopped else self.history,
+                wait_s=1.0 if stopped or not success else None,
+            )
         except StorageError as e:
             if success:
                 raise

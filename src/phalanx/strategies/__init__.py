@@ -1,4 +1,5 @@
 """Strategies and the choice among them from the `parallel` section."""
+
 from __future__ import annotations
 
 import os
@@ -36,15 +37,21 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
         accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator == "cuda" and not torch.cuda.is_available():
         if cfg.model.n_gpus:
-            raise ConfigError(f"model.n_gpus={cfg.model.n_gpus} asks for CUDA GPUs but none is visible; "
-                              "remove model.n_gpus to train on the CPU, or use parallel.accelerator=cpu "
-                              f"parallel.devices={cfg.model.n_gpus} for as many CPU processes")
-        raise ConfigError("parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto or cpu")
+            raise ConfigError(
+                f"model.n_gpus={cfg.model.n_gpus} asks for CUDA GPUs but none is visible; "
+                "remove model.n_gpus to train on the CPU, or use parallel.accelerator=cpu "
+                f"parallel.devices={cfg.model.n_gpus} for as many CPU processes"
+            )
+        raise ConfigError(
+            "parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto or cpu"
+        )
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
     if accelerator == "cuda" and devices > torch.cuda.device_count():
-        raise ConfigError(f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
-                          f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}")
+        raise ConfigError(
+            f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
+            f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}"
+        )
     if devices < 1:
         raise ConfigError(f"parallel.devices must be at least 1, got {devices}")
     if accelerator == "cpu" and not in_worker() and not cfg.parallel.oversubscribe:
@@ -53,10 +60,13 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
             raise ConfigError(
                 f"parallel.devices={devices} would start {devices} CPU processes on {cores} core(s); at most "
                 f"{CPU_PROCESSES_PER_CORE * cores} ({CPU_PROCESSES_PER_CORE} per core) are allowed. Lower "
-                "parallel.devices, or set parallel.oversubscribe=true to start them anyway")
+                "parallel.devices, or set parallel.oversubscribe=true to start them anyway"
+            )
     if cfg.parallel.backend == "nccl" and accelerator != "cuda":
-        raise ConfigError("parallel.backend=nccl joins CUDA GPUs, but this run is on the CPU; "
-                          "set parallel.backend=auto or gloo")
+        raise ConfigError(
+            "parallel.backend=nccl joins CUDA GPUs, but this run is on the CPU; "
+            "set parallel.backend=auto or gloo"
+        )
     return accelerator, devices
 
 
@@ -77,35 +87,54 @@ class Entry:
 
 def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
     if in_worker() or devices > 1:
-        raise ConfigError(f"parallel.strategy=single runs one process on one device, but {devices} devices "
-                          "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1")
+        raise ConfigError(
+            f"parallel.strategy=single runs one process on one device, but {devices} devices "
+            "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1"
+        )
     return Single(torch.device(accelerator))
 
 
 def _ddp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     if not in_worker():
-        raise ConfigError("parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
-                          "(phalanx starts them), or start phalanx under torchrun")
+        raise ConfigError(
+            "parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
+            "(phalanx starts them), or start phalanx under torchrun"
+        )
     from phalanx.strategies.ddp import DDP
 
-    return DDP(accelerator, cfg.parallel.timeout_s, cfg.parallel.sync_batchnorm, backend=cfg.parallel.backend,
-               bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb)
+    return DDP(
+        accelerator,
+        cfg.parallel.timeout_s,
+        cfg.parallel.sync_batchnorm,
+        backend=cfg.parallel.backend,
+        bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb,
+    )
 
 
 def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
     if in_worker():
-        raise ConfigError("parallel.strategy=towers drives every device from one process, but this is one of "
-                          "several processes; start phalanx without torchrun, or use parallel.strategy=ddp")
-    unsupported = {"parallel.shard_weights": cfg.parallel.shard_weights is not None,
-                   "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm, "precision=fp16": cfg.precision == "fp16"}
+        raise ConfigError(
+            "parallel.strategy=towers drives every device from one process, but this is one of "
+            "several processes; start phalanx without torchrun, or use parallel.strategy=ddp"
+        )
+    unsupported = {
+        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+        "precision=fp16": cfg.precision == "fp16",
+    }
     named = [name for name, used in unsupported.items() if used]
     if named:
-        raise ConfigError(f"parallel.strategy=towers does not support {', '.join(named)}; remove it, or use "
-                          "parallel.strategy=ddp (bf16 instead of fp16)")
+        raise ConfigError(
+            f"parallel.strategy=towers does not support {', '.join(named)}; remove it, or use "
+            "parallel.strategy=ddp (bf16 instead of fp16)"
+        )
     from phalanx.strategies.towers import Towers
 
-    count = [torch.device(accelerator, i) for i in range(devices)] if accelerator == "cuda" \
+    count = (
+        [torch.device(accelerator, i) for i in range(devices)]
+        if accelerator == "cuda"
         else [torch.device("cpu")] * devices
+    )
     return Towers(count, cfg.parallel.towers.variables_on)
 
 
@@ -113,24 +142,41 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     """Several processes (phalanx starts one per device), or this one alone on one device (a group of
     one: offload then trains a model larger than the device's memory)."""
     if not in_worker() and devices > 1:
-        raise ConfigError(f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it with "
-                          "phalanx train (which starts them) or under torchrun")
-    unsupported = {"parallel.sync_batchnorm": cfg.parallel.sync_batchnorm, "precision=fp16": cfg.precision == "fp16"}
+        raise ConfigError(
+            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it with "
+            "phalanx train (which starts them) or under torchrun"
+        )
+    unsupported = {
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+        "precision=fp16": cfg.precision == "fp16",
+    }
     named = [name for name, used in unsupported.items() if used]
     if named:
-        raise ConfigError(f"parallel.strategy=fsdp does not support {', '.join(named)}; remove it, or use "
-                          "parallel.strategy=ddp (bf16 instead of fp16)")
+        raise ConfigError(
+            f"parallel.strategy=fsdp does not support {', '.join(named)}; remove it, or use "
+            "parallel.strategy=ddp (bf16 instead of fp16)"
+        )
     from phalanx.strategies.fsdp import FSDP
 
-    return FSDP(accelerator, cfg.parallel.fsdp, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+    return FSDP(
+        accelerator, cfg.parallel.fsdp, cfg.parallel.timeout_s, backend=cfg.parallel.backend
+    )
 
 
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named after it
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
-    "ddp": Entry(_ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"),
-    "towers": Entry(_towers, False, "one process driving every device, a replica on each, in threads"),
-    "fsdp": Entry(_fsdp, True, "one process per device, parameters, gradients and optimizer state sharded (FSDP2)"),
+    "ddp": Entry(
+        _ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"
+    ),
+    "towers": Entry(
+        _towers, False, "one process driving every device, a replica on each, in threads"
+    ),
+    "fsdp": Entry(
+        _fsdp,
+        True,
+        "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
+    ),
 }
 
 
@@ -140,15 +186,20 @@ def strategy_name(cfg: Config) -> str:
     if name == "auto":
         return "ddp" if in_worker() or resolve_device(cfg)[1] > 1 else "single"
     if name not in REGISTRY:
-        raise ConfigError(f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose one of "
-                          f"{', '.join(['auto', *REGISTRY])}")
+        raise ConfigError(
+            f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose one of "
+            f"{', '.join(['auto', *REGISTRY])}"
+        )
     return name
 
 
 def needs_launch(cfg: Config) -> bool:
     """Whether `phalanx train` must start worker processes itself."""
-    return (REGISTRY[strategy_name(cfg)].process_per_device and resolve_device(cfg)[1] > 1
-            and not in_worker())
+    return (
+        REGISTRY[strategy_name(cfg)].process_per_device
+        and resolve_device(cfg)[1] > 1
+        and not in_worker()
+    )
 
 
 def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
@@ -156,15 +207,21 @@ def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
     elastic one restarts its workers when the machines change, a fixed one cannot restart yet."""
     name = "ddp" if cfg.parallel.strategy == "auto" else strategy_name(cfg)
     if not REGISTRY[name].process_per_device:
-        raise ConfigError(f"parallel.strategy={name} runs in one process, but --nnodes {count} asks for a job on "
-                          f"{count} machines; use parallel.strategy=ddp or fsdp")
+        raise ConfigError(
+            f"parallel.strategy={name} runs in one process, but --nnodes {count} asks for a job on "
+            f"{count} machines; use parallel.strategy=ddp or fsdp"
+        )
     if elastic and not cfg.parallel.max_restarts:
-        raise ConfigError("an elastic job (--nnodes MIN:MAX) restarts its workers whenever machines leave or join; "
-                          "set parallel.max_restarts to the changes it may go through, such as 10")
+        raise ConfigError(
+            "an elastic job (--nnodes MIN:MAX) restarts its workers whenever machines leave or join; "
+            "set parallel.max_restarts to the changes it may go through, such as 10"
+        )
     if not elastic and cfg.parallel.max_restarts:
-        raise ConfigError(f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine "
-                          "or of an elastic job (--nnodes MIN:MAX); a job on a fixed number of machines cannot "
-                          "restart: set parallel.max_restarts=0, or give --nnodes as MIN:MAX")
+        raise ConfigError(
+            f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine "
+            "or of an elastic job (--nnodes MIN:MAX); a job on a fixed number of machines cannot "
+            "restart: set parallel.max_restarts=0, or give --nnodes as MIN:MAX"
+        )
 
 
 def create(cfg: Config) -> Strategy:

@@ -17,6 +17,7 @@ Shared members come from mixins (`Replicated`, `OneProcess`); optional abilities
 strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module
 that implements this protocol and an entry in `strategies.REGISTRY`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
     from phalanx.engine import Engine
     from phalanx.precision import Precision
 
-Micros = list[tuple["Micro", Mapping | None]]  # a step's micro-batches: the plan's shard and its batch
+Micros = list[
+    tuple["Micro", Mapping | None]
+]  # a step's micro-batches: the plan's shard and its batch
 
 
 @dataclass(frozen=True)
@@ -43,20 +46,20 @@ class ModelOptions:
 
     precision: Precision
     channels_last: bool = False
-    checkpointed: tuple[str, ...] = ()   # module class names whose forward is recomputed in backward
-    compile: Any = None                  # a CompileConfig, or None
+    checkpointed: tuple[str, ...] = ()  # module class names whose forward is recomputed in backward
+    compile: Any = None  # a CompileConfig, or None
 
 
 class Strategy(Protocol):
     """How one module is trained on this process's devices: a strategy serves the one module it set up."""
 
     # --- topology
-    rank: int                     # this process among all
-    world_size: int               # processes
-    data_rank: int                # the first shard of each micro-batch that this process trains on
-    data_world_size: int          # shards of each micro-batch, over all processes
+    rank: int  # this process among all
+    world_size: int  # processes
+    data_rank: int  # the first shard of each micro-batch that this process trains on
+    data_world_size: int  # shards of each micro-batch, over all processes
     devices: tuple[torch.device, ...]  # the devices this process drives
-    device: torch.device          # where batches and the model's outputs live: devices[0]
+    device: torch.device  # where batches and the model's outputs live: devices[0]
     # True where every rank must run the model on every micro-batch (its collectives are inside the
     # model's forward and backward): an empty shard then arrives as a batch of zero samples, not None
     runs_empty_shards: bool
@@ -78,8 +81,9 @@ class Strategy(Protocol):
         the optimizer updates and whose state checkpoints hold; every rank starts from the same state."""
 
     # --- the step
-    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
-                                                                                     bool, float]:
+    def forward_backward(
+        self, engine: Engine, micros: Micros, stop: bool
+    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         """Forward and backward over the step's micro-batches through `engine.forward` and
         `engine.backward`, so that the gradients are the global batch's once it returns. Returns each
         micro-batch's outputs (None for an empty shard), the global batch's mean loss and whether any
@@ -161,7 +165,9 @@ class Replicated:
         from phalanx.shards import load_shards
 
         if path.name == SHARDS:
-            load_shards(path, self.model, optimizer)  # the whole state, read by each process on its own
+            load_shards(
+                path, self.model, optimizer
+            )  # the whole state, read by each process on its own
         else:
             load_weights(self.model, path)
 
@@ -205,7 +211,9 @@ class OneProcess:
         pass
 
 
-def prepare(module: nn.Module, options: ModelOptions, place: Callable[[nn.Module], nn.Module]) -> nn.Module:
+def prepare(
+    module: nn.Module, options: ModelOptions, place: Callable[[nn.Module], nn.Module]
+) -> nn.Module:
     """The one order in which every strategy prepares the user's module (`place` is the strategy's
     part: moving it to its devices, wrapping or sharding it):
 
@@ -240,8 +248,10 @@ def checkpoint_modules(module: nn.Module, class_names: tuple[str, ...]) -> int:
             found += 1
     if not found:
         present = sorted({type(m).__name__ for m in module.modules()})
-        raise ConfigError(f"activation_checkpointing names {list(class_names)}, but the model has no module of "
-                          f"those classes; it has {', '.join(present)}")
+        raise ConfigError(
+            f"activation_checkpointing names {list(class_names)}, but the model has no module of "
+            f"those classes; it has {', '.join(present)}"
+        )
     return found
 
 

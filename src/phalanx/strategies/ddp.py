@@ -16,6 +16,7 @@ so that rank can join with zero weight without running its model.
 
 The process group, its collectives and the naming of hung ranks are `distributed.ProcessGroup`'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,7 +37,9 @@ from phalanx.strategies.syncbn import convert_sync_batchnorm
 if TYPE_CHECKING:
     from phalanx.engine import Engine
 
-_SYNCHRONISED = contextlib.nullcontext()  # the micro-batch whose backward reduces (it holds no state)
+_SYNCHRONISED = (
+    contextlib.nullcontext()
+)  # the micro-batch whose backward reduces (it holds no state)
 
 
 class _Carried(nn.Module):
@@ -61,18 +64,29 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 
 class DDP(ProcessGroup, Replicated):
-    def __init__(self, accelerator: str, timeout_s: float | None = None, sync_batchnorm: bool = False,
-                 carry_through_autograd: bool = False, backend: str = "auto", bucket_cap_mb: float | None = None):
+    def __init__(
+        self,
+        accelerator: str,
+        timeout_s: float | None = None,
+        sync_batchnorm: bool = False,
+        carry_through_autograd: bool = False,
+        backend: str = "auto",
+        bucket_cap_mb: float | None = None,
+    ):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
         autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
         nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient bucket size."""
         super().__init__(accelerator, timeout_s, backend)
         self.carry_through_autograd = carry_through_autograd
         self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
-        self.scale = float(self.world_size)  # DDP averages: each rank's objective times the world size sums
+        self.scale = float(
+            self.world_size
+        )  # DDP averages: each rank's objective times the world size sums
         self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
-        self._mark_ready: Callable[[int], None] | None = None  # the reducer's "this gradient is ready"
+        self._mark_ready: Callable[[int], None] | None = (
+            None  # the reducer's "this gradient is ready"
+        )
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module
@@ -86,11 +100,20 @@ class DDP(ProcessGroup, Replicated):
         carried = _Carried(module, _carrier_dtype(module), self.device)
         # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
         # re-broadcast every forward, so a rank that skips a forward never stalls the others.
-        with warnings.catch_warnings():  # its successor still syncs buffers at init, which is what we want
-            warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        with (
+            warnings.catch_warnings()
+        ):  # its successor still syncs buffers at init, which is what we want
+            warnings.filterwarnings(
+                "ignore", message=".*broadcast_buffers.*", category=FutureWarning
+            )
             extra = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
-            ddp = DistributedDataParallel(carried, device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-                                          broadcast_buffers=False, gradient_as_bucket_view=True, **extra)
+            ddp = DistributedDataParallel(
+                carried,
+                device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                gradient_as_bucket_view=True,
+                **extra,
+            )
         self.check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
@@ -98,18 +121,24 @@ class DDP(ProcessGroup, Replicated):
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
         # the reducer. Without it, `carry` goes through autograd: the same values, more work per step.
-        self._mark_ready = None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
+        self._mark_ready = (
+            None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
+        )
         return ddp
 
-    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
-                                                                                     bool, float]:
+    def forward_backward(
+        self, engine: Engine, micros: Micros, stop: bool
+    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         """Every micro-batch but the last runs without synchronising; the last one's backward reduces
         the gradients and, through the carrier, the loss and the stop flag. Where some rank's shard is
         empty, no rank lets backward synchronise: they reduce by hand, and a rank with nothing to do
         joins with zero weight without running its model."""
         by_hand = micros[0][0].any_empty
         last, scale, ddp = len(micros) - 1, self.scale, self._ddp
-        total, parts = None, []  # total: this rank's part of the global batch's mean loss (times the scale)
+        total, parts = (
+            None,
+            [],
+        )  # total: this rank's part of the global batch's mean loss (times the scale)
         for i, (micro, batch) in enumerate(micros):
             if batch is None:
                 parts.append(None)
@@ -118,24 +147,39 @@ class DDP(ProcessGroup, Replicated):
             with _SYNCHRONISED if sync else ddp.no_sync():
                 loss, gradient, part, data = engine.forward(micro, batch, scale)
                 total = part if total is None else total + part
-                engine.backward(loss, gradient, self._carry(self._values(total, stop)) if sync else None)
+                engine.backward(
+                    loss, gradient, self._carry(self._values(total, stop)) if sync else None
+                )
             parts.append(data)
         communication = 0.0
         if by_hand:
             start = time.perf_counter()
             self._reduce_by_hand(self._values(total, stop))
             communication = time.perf_counter() - start
-        carried = self._carried()  # the sums over ranks of the loss parts, weighted flags and stop flags
+        carried = (
+            self._carried()
+        )  # the sums over ranks of the loss parts, weighted flags and stop flags
         # a rank knows whether the loss is weighted from its own forward, unless it ran none this step
         weighted = bool(carried[2] > 0) if by_hand else total.dim() > 0
-        return parts, carried[:2] if weighted else carried[0], self._agreed_stop(carried[3]), communication
+        return (
+            parts,
+            carried[:2] if weighted else carried[0],
+            self._agreed_stop(carried[3]),
+            communication,
+        )
 
     def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
         """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the scale:
         (weight 0, not weighted, flag) after a plain loss, (weighted, flag) after a weighted loss's two sums."""
-        return {(weighted, flag): torch.tensor([*([self.scale] if weighted else [0.0, 0.0]), float(flag) * self.scale],
-                                               dtype=self.carrier.dtype, device=self.device)
-                for weighted in (False, True) for flag in (False, True)}
+        return {
+            (weighted, flag): torch.tensor(
+                [*([self.scale] if weighted else [0.0, 0.0]), float(flag) * self.scale],
+                dtype=self.carrier.dtype,
+                device=self.device,
+            )
+            for weighted in (False, True)
+            for flag in (False, True)
+        }
 
     def _values(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
         """What this rank adds to the carrier's gradient: its part of the loss, whether it is
@@ -189,7 +233,7 @@ class DDP(ProcessGroup, Replicated):
         flat /= self.world_size
         offset = 0
         for p in params:
-            summed = flat[offset:offset + p.numel()].view_as(p)
+            summed = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
             if p.grad is None:
                 p.grad = summed.to(p.dtype, copy=True)
@@ -205,5 +249,3 @@ class DDP(ProcessGroup, Replicated):
         if comm <= 0:
             return None
         return comm / 1e9, (data.get("avg_backward_compute_comm_overlap_time") or 0) / 1e9
-
-

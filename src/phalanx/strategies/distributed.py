@@ -1,5 +1,6 @@
 """What strategies of one process per device share: the process group, its collectives, and the
 progress each rank publishes so that a timed-out collective names the ranks that did not arrive."""
+
 from __future__ import annotations
 
 import hashlib
@@ -45,23 +46,40 @@ class ProcessGroup:
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
             timeout = timedelta(seconds=self.timeout_s)
-            if place.launcher == "agent" and place.agent_store:  # the agent's store, outliving attempts
-                dist.init_process_group(backend, timeout=timeout, store=_attempt_store(place, timeout),
-                                        rank=place.rank, world_size=place.world_size)
+            if (
+                place.launcher == "agent" and place.agent_store
+            ):  # the agent's store, outliving attempts
+                dist.init_process_group(
+                    backend,
+                    timeout=timeout,
+                    store=_attempt_store(place, timeout),
+                    rank=place.rank,
+                    world_size=place.world_size,
+                )
             elif place.launcher == "agent":  # rank 0 serves the store (torchrun's choice)
                 dist.init_process_group(backend, timeout=timeout)
             elif place.launcher == "slurm":  # a task of srun's: the job's store on its first node
-                dist.init_process_group(backend, timeout=timeout, store=_job_store(place, timeout),
-                                        rank=place.rank, world_size=place.world_size)
+                dist.init_process_group(
+                    backend,
+                    timeout=timeout,
+                    store=_job_store(place, timeout),
+                    rank=place.rank,
+                    world_size=place.world_size,
+                )
             else:  # alone: a group of this process only (fsdp on one device), its store in memory, no port
-                dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+                dist.init_process_group(
+                    backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
+                )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         trace = environment.nccl_trace_prefix() if dist.get_backend() == "nccl" else None
         if trace:  # the flight recorder's folder (the launcher turned it on)
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             if self.rank == 0:
-                log.info("NCCL's flight recorder is on: on a collective's timeout, each rank writes its last "
-                         "collectives to %s<rank>", trace)
+                log.info(
+                    "NCCL's flight recorder is on: on a collective's timeout, each rank writes its last "
+                    "collectives to %s<rank>",
+                    trace,
+                )
         self.data_rank, self.data_world_size = self.rank, self.world_size
         self.progress = progress.start(self.rank, self.world_size, self.timeout_s, _default_store())
 
@@ -80,14 +98,18 @@ class ProcessGroup:
         """Every rank holds the same parameters and buffers (a hash of them compared)."""
         differing = self.differing_ranks(module)
         if differing:
-            raise RuntimeError(f"initial parameters differ on ranks {differing} after the broadcast")
+            raise RuntimeError(
+                f"initial parameters differ on ranks {differing} after the broadcast"
+            )
 
     def differing_ranks(self, module: nn.Module) -> list[int]:
         """The ranks whose parameters and buffers differ from rank 0's (a hash of them compared)."""
         digest = hashlib.sha256()
         for name, tensor in module.state_dict().items():
             digest.update(name.encode())
-            digest.update(tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(
+                tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            )
         digests = self.gather(digest.hexdigest())
         return [r for r, d in enumerate(digests) if d != digests[0]]
 
@@ -122,11 +144,16 @@ class ProcessGroup:
             self.barrier()
             dist.destroy_process_group()
 
+
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
     """What `agree` sums over ranks: this rank's loss share (a scalar, or a weighted loss's pair of
     sums) and its stop flag, in float64."""
-    return torch.cat((loss.detach().to(torch.float64).reshape(-1),
-                      torch.tensor([float(stop)], dtype=torch.float64, device=loss.device)))
+    return torch.cat(
+        (
+            loss.detach().to(torch.float64).reshape(-1),
+            torch.tensor([float(stop)], dtype=torch.float64, device=loss.device),
+        )
+    )
 
 
 def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -138,7 +165,9 @@ def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
     """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the
     agent keeps one store for every attempt after a worker failed, and the previous attempt's keys
     (its ranks' addresses) are stale."""
-    store = dist.TCPStore(place.master_addr, place.master_port, place.world_size, False, timeout=timeout)
+    store = dist.TCPStore(
+        place.master_addr, place.master_port, place.world_size, False, timeout=timeout
+    )
     round_key = f"phalanx/round-of-node/{place.node_rank}"  # an elastic job's round (see launch)
     if store.check([round_key]):
         return dist.PrefixStore(f"phalanx/round-{store.get(round_key).decode()}", store)
@@ -150,17 +179,28 @@ def _job_store(place: environment.Place, timeout: timedelta) -> dist.TCPStore:
     every interface, as torch's own would), the other ranks its clients."""
     addr, port = place.master_addr, place.master_port
     if not addr:
-        raise ConfigError("this Slurm job names no master address (MASTER_ADDR, or SLURM_JOB_NODELIST); "
-                          "export MASTER_ADDR in the job script")
+        raise ConfigError(
+            "this Slurm job names no master address (MASTER_ADDR, or SLURM_JOB_NODELIST); "
+            "export MASTER_ADDR in the job script"
+        )
     if place.rank != 0:
         return dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)
     try:
         sock = socket.create_server((addr, port))
     except OSError as e:
-        raise ConfigError(f"cannot serve the job's store on {addr}:{port} ({e.strerror}); set MASTER_PORT to a "
-                          "free port in the job script") from None
-    return dist.TCPStore(addr, port, place.world_size, True, timeout=timeout, multi_tenant=True,
-                         master_listen_fd=sock.detach())
+        raise ConfigError(
+            f"cannot serve the job's store on {addr}:{port} ({e.strerror}); set MASTER_PORT to a "
+            "free port in the job script"
+        ) from None
+    return dist.TCPStore(
+        addr,
+        port,
+        place.world_size,
+        True,
+        timeout=timeout,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _default_store() -> Any:
@@ -175,11 +215,15 @@ def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
     """Every rank must run the same resolved config and library versions."""
     mine = _flatten({"config": resolved, "versions": versions})
     every = strategy.gather(mine)
-    differing = sorted({k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)})
+    differing = sorted(
+        {k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)}
+    )
     if differing:
         shown = ", ".join(differing[:8]) + (" ..." if len(differing) > 8 else "")
-        raise ConfigError(f"ranks run different configs or versions; differing keys: {shown}. "
-                          "Give every node the same config file and phalanx, torch versions")
+        raise ConfigError(
+            f"ranks run different configs or versions; differing keys: {shown}. "
+            "Give every node the same config file and phalanx, torch versions"
+        )
 
 
 def _flatten(tree: Any) -> dict[str, str]:

@@ -14,6 +14,7 @@ by every rank at once into the step's folder; any strategy on any process count 
 saved with fsdp resumes with ddp, single or another process count. The whole state can also be
 gathered to the main process (`model_state`, `optimizer_state`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,13 +35,24 @@ if TYPE_CHECKING:
     from phalanx.config import FSDPConfig
     from phalanx.engine import Engine
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp64": torch.float64,
+}
 
 
 class FSDP(ProcessGroup):
     runs_empty_shards = True
 
-    def __init__(self, accelerator: str, options: FSDPConfig, timeout_s: float | None = None, backend: str = "auto"):
+    def __init__(
+        self,
+        accelerator: str,
+        options: FSDPConfig,
+        timeout_s: float | None = None,
+        backend: str = "auto",
+    ):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
         self.model: nn.Module | None = None
@@ -59,12 +71,20 @@ class FSDP(ProcessGroup):
         self.model = module
         if self.options.init == "meta":
             _check_resettable(module)
-            self._built = {name: t.dtype for name, t in _tensors(module)}  # before the precision's cast
+            self._built = {
+                name: t.dtype for name, t in _tensors(module)
+            }  # before the precision's cast
         return prepare(module, options, self._shard), self.model
 
     def _shard(self, module: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            FSDPModule,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         meta = self.options.init == "meta"
         if not meta:
@@ -73,9 +93,12 @@ class FSDP(ProcessGroup):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         settings = {
             "mesh": mesh,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=_DTYPES.get(self.options.param_dtype),
-                                              reduce_dtype=_DTYPES.get(self.options.reduce_dtype)),
-            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.options.offload
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=_DTYPES.get(self.options.param_dtype),
+                reduce_dtype=_DTYPES.get(self.options.reduce_dtype),
+            ),
+            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            if self.options.offload
             else OffloadPolicy(),
         }
         units = _units(module, self.options.shard)
@@ -86,7 +109,9 @@ class FSDP(ProcessGroup):
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)
         for sharded in module.modules():
-            if isinstance(sharded, FSDPModule):  # sums, not averages: the objective carries 1/B already
+            if isinstance(
+                sharded, FSDPModule
+            ):  # sums, not averages: the objective carries 1/B already
                 sharded.set_gradient_divide_factor(1.0)
                 sharded.set_force_sum_reduction_for_comms(True)
         # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it would
@@ -102,13 +127,21 @@ class FSDP(ProcessGroup):
 
         for prefix, sub in module.named_modules():
             tables = {"parameters": sub._parameters, "buffers": sub._buffers}
-            live = {(kind, name): table[name] for kind, table in tables.items() for name in table
-                    if table[name] is not None}
+            live = {
+                (kind, name): table[name]
+                for kind, table in tables.items()
+                for name in table
+                if table[name] is not None
+            }
             if not live:
                 continue
             for (kind, name), t in live.items():  # whole stand-ins, as the model was built
-                whole = torch.empty(t.shape, dtype=self._built.get(f"{prefix}.{name}" if prefix else name, t.dtype))
-                tables[kind][name] = nn.Parameter(whole, t.requires_grad) if kind == "parameters" else whole
+                whole = torch.empty(
+                    t.shape, dtype=self._built.get(f"{prefix}.{name}" if prefix else name, t.dtype)
+                )
+                tables[kind][name] = (
+                    nn.Parameter(whole, t.requires_grad) if kind == "parameters" else whole
+                )
             try:
                 with torch.no_grad():
                     sub.reset_parameters()
@@ -120,17 +153,22 @@ class FSDP(ProcessGroup):
                 for key, t in live.items():
                     whole = drawn[key].to(t.dtype)
                     if isinstance(t, DTensor):
-                        shard = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                        shard = distribute_tensor(
+                            whole, t.device_mesh, t.placements, src_data_rank=None
+                        ).to_local()
                         t.to_local().copy_(shard)
                     else:
                         t.copy_(whole)
 
-    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
-                                                                                     bool, float]:
+    def forward_backward(
+        self, engine: Engine, micros: Micros, stop: bool
+    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         model, last = self.model, len(micros) - 1
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
-            model.set_requires_gradient_sync(i == last)  # reduce once, after the step's last micro-batch
+            model.set_requires_gradient_sync(
+                i == last
+            )  # reduce once, after the step's last micro-batch
             loss, gradient, part, data = engine.forward(micro, batch, 1.0)
             total = part if total is None else total + part
             if i == last:  # the loss and stop flag are known: agreed on while backward runs
@@ -149,7 +187,9 @@ class FSDP(ProcessGroup):
         return values, dist.all_reduce(values, async_op=True)
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
-        return engine.eval_forward(batch)  # on every rank, zero samples too: its all-gathers need all
+        return engine.eval_forward(
+            batch
+        )  # on every rank, zero samples too: its all-gathers need all
 
     # --- state: shards, or whole, gathered to the main process -----------------------------
 
@@ -157,7 +197,9 @@ class FSDP(ProcessGroup):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         self.progress.enter("the gathering of the model's state")
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return state if self.is_main else {}
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -177,8 +219,10 @@ class FSDP(ProcessGroup):
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
         except (RuntimeError, KeyError, ValueError) as e:
             lines = " ".join(str(e).split())
-            raise CheckpointMismatch(f"{path} does not fit this model ({lines[:300]}); was it saved from another "
-                                     "model config?") from None
+            raise CheckpointMismatch(
+                f"{path} does not fit this model ({lines[:300]}); was it saved from another "
+                "model config?"
+            ) from None
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         import torch.distributed.checkpoint as dcp
@@ -189,18 +233,29 @@ class FSDP(ProcessGroup):
         dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
 
         self.progress.enter("the gathering of the optimizer's state")
-        named = get_optimizer_state_dict(self.model, optimizer,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        named = get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         return _by_index(named, self._names()) if self.is_main else {}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
-        set_optimizer_state_dict(self.model, optimizer, _by_name(state, self._names()),
-                                 options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(
+            self.model,
+            optimizer,
+            _by_name(state, self._names()),
+            options=StateDictOptions(full_state_dict=True),
+        )
 
     def _names(self) -> list[str]:
         """The trainable parameters' names, in the order the optimizer holds them."""
@@ -221,18 +276,25 @@ def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
     units = [m for m in module.modules() if type(m).__name__ in classes and m is not module]
     if not units:
         present = sorted({type(m).__name__ for m in module.modules()})
-        raise ConfigError(f"parallel.fsdp.shard names {classes}, but the model has no module of those classes; "
-                          f"it has {', '.join(present)}")
+        raise ConfigError(
+            f"parallel.fsdp.shard names {classes}, but the model has no module of those classes; "
+            f"it has {', '.join(present)}"
+        )
     names = {id(m): name for name, m in module.named_modules()}
     seen: dict[int, nn.Module] = {}
     for unit in units:
         for p in unit.parameters():
             other = seen.setdefault(id(p), unit)
-            if other is not unit and not any(m is other for m in unit.modules()) \
-                    and not any(m is unit for m in other.modules()):
-                raise ConfigError(f"parallel.fsdp.shard: {names[id(unit)]!r} and {names[id(other)]!r} share a "
-                                  "parameter (tied weights), and FSDP shards each unit's parameters apart; leave one "
-                                  "of their classes out of parallel.fsdp.shard")
+            if (
+                other is not unit
+                and not any(m is other for m in unit.modules())
+                and not any(m is unit for m in other.modules())
+            ):
+                raise ConfigError(
+                    f"parallel.fsdp.shard: {names[id(unit)]!r} and {names[id(other)]!r} share a "
+                    "parameter (tied weights), and FSDP shards each unit's parameters apart; leave one "
+                    "of their classes out of parallel.fsdp.shard"
+                )
     return units[::-1]
 
 
@@ -243,22 +305,34 @@ def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _check_resettable(module: nn.Module) -> None:
     """A meta build needs each module that holds parameters or buffers to draw them again."""
     for name, sub in module.named_modules():
-        holds = any(True for _ in sub.parameters(recurse=False)) or any(True for _ in sub.buffers(recurse=False))
+        holds = any(True for _ in sub.parameters(recurse=False)) or any(
+            True for _ in sub.buffers(recurse=False)
+        )
         if holds and not callable(getattr(sub, "reset_parameters", None)):
             where = f"{type(sub).__name__} at {name!r}" if name else type(sub).__name__
-            raise ConfigError(f"parallel.fsdp.init: meta draws each module's values with its reset_parameters(), "
-                              f"which {where} does not define; define it, or use parallel.fsdp.init: full")
+            raise ConfigError(
+                f"parallel.fsdp.init: meta draws each module's values with its reset_parameters(), "
+                f"which {where} does not define; define it, or use parallel.fsdp.init: full"
+            )
 
 
 def _by_index(state: dict, names: list[str]) -> dict:
     """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by index."""
     index = {name: i for i, name in enumerate(names)}
-    return {"state": {index[name]: value for name, value in state["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in state["param_groups"]]}
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }
 
 
 def _by_name(state: dict, names: list[str]) -> dict:
-    return {"state": {names[i]: value for i, value in state["state"].items()},
-            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                             for group in state["param_groups"]]}
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[i] for i in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

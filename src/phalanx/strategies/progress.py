@@ -7,6 +7,7 @@ whenever they change, at most ten times a second and off the training thread, so
 for it. A rank whose collective times out compares its own count with the others' last reports: a
 rank with a smaller count never arrived.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -22,20 +23,29 @@ _current: Progress | None = None
 
 
 class Progress:
-    def __init__(self, rank: int, world_size: int, timeout_s: float, store: Any = None,
-                 interval_s: float = PUBLISH_INTERVAL_S):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store: Any = None,
+        interval_s: float = PUBLISH_INTERVAL_S,
+    ):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.entered = 0  # collectives this rank has entered
         self.what = "start-up"  # the last of them
-        self.where: Callable[[], tuple[int, bool]] | None = None  # (steps done, training) of the run
+        self.where: Callable[[], tuple[int, bool]] | None = (
+            None  # (steps done, training) of the run
+        )
         self._store = store
         self._published: dict[str, Any] | None = None  # the last report this rank published
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if store is not None:
             self._publish()
-            self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="phalanx-progress",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, args=(interval_s,), name="phalanx-progress", daemon=True
+            )
             self._thread.start()
 
     def enter(self, what: str) -> None:
@@ -51,7 +61,12 @@ class Progress:
         return f"step {done + 1}" if training else f"evaluation after step {done}"
 
     def report(self) -> dict[str, Any]:
-        return {"entered": self.entered, "what": self.what, "position": self.position(), "time": time.time()}
+        return {
+            "entered": self.entered,
+            "what": self.what,
+            "position": self.position(),
+            "time": time.time(),
+        }
 
     def _publish(self) -> tuple:
         report = self.report()
@@ -87,23 +102,34 @@ class Progress:
         if not is_timeout(error) or self._store is None:
             return None
         # where this rank was while it waited (the error has since unwound the step), as published then
-        me = self._published if self._published and self._published["entered"] == self.entered else self.report()
+        me = (
+            self._published
+            if self._published and self._published["entered"] == self.entered
+            else self.report()
+        )
         me = {**me, "time": time.time()}
-        behind = {rank: info for rank, info in self.reports().items()
-                  if info is None or info["entered"] < me["entered"]}
+        behind = {
+            rank: info
+            for rank, info in self.reports().items()
+            if info is None or info["entered"] < me["entered"]
+        }
         if not behind:
             return None
         names = ", ".join(str(r) for r in behind)
-        lines = [f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} of {me['position']} "
-                 f"within the collective timeout (parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
-                 "waited for it there. Every rank was stopped."]
+        lines = [
+            f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} of {me['position']} "
+            f"within the collective timeout (parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
+            "waited for it there. Every rank was stopped."
+        ]
         for rank, info in behind.items():
             if info is None:
                 lines.append(f"  rank {rank}: no report (it had not finished starting)")
             else:
                 ago = max(0.0, me["time"] - info["time"])
-                lines.append(f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); the last "
-                             f"collective it entered: {info['what']}")
+                lines.append(
+                    f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); the last "
+                    f"collective it entered: {info['what']}"
+                )
         lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
         return "\n".join(lines)
 
@@ -115,7 +141,9 @@ class Progress:
 
 def is_timeout(error: BaseException) -> bool:
     text = str(error).lower()
-    return isinstance(error, (RuntimeError, TimeoutError)) and ("timed out" in text or "timeout" in text)
+    return isinstance(error, (RuntimeError, TimeoutError)) and (
+        "timed out" in text or "timeout" in text
+    )
 
 
 def start(rank: int, world_size: int, timeout_s: float, store: Any) -> Progress:

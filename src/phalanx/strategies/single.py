@@ -1,4 +1,5 @@
 """`single`: one process, one device."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -21,8 +22,9 @@ class Single(OneProcess, Replicated):
         self.model = module  # preparing it keeps the same object: its methods change it in place
         return prepare(module, options, lambda m: m.to(self.device)), self.model
 
-    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
-                                                                                     bool, float]:
+    def forward_backward(
+        self, engine: Engine, micros: Micros, stop: bool
+    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         total, parts = None, []
         for micro, batch in micros:  # one process: no shard is ever empty
             loss, gradient, part, data = engine.forward(micro, batch, 1.0)

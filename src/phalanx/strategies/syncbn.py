@@ -4,6 +4,7 @@ PyTorch's own SyncBatchNorm runs on accelerators only; this one reduces with the
 `torch.distributed.nn.functional.all_reduce`, so gradients flow through the statistics exactly as
 they would through one BatchNorm over the whole micro-batch. On CUDA PyTorch's version is used.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,7 +16,9 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 # Its differentiable all_reduce is what this module needs; the suggested successor is private.
-warnings.filterwarnings("ignore", message="torch.distributed.nn.functional.all_reduce is deprecated")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed.nn.functional.all_reduce is deprecated"
+)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -58,10 +61,15 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     if next(module.parameters(), torch.empty(0)).is_cuda:
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                             module.track_running_stats, device=module.running_mean.device
-                             if module.running_mean is not None else None,
-                             dtype=module.running_mean.dtype if module.running_mean is not None else None)
+        sync = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device=module.running_mean.device if module.running_mean is not None else None,
+            dtype=module.running_mean.dtype if module.running_mean is not None else None,
+        )
         sync.load_state_dict(module.state_dict())
         sync.train(module.training)
         return sync

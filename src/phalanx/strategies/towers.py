@@ -11,6 +11,7 @@ gradient. Outputs come back concatenated in dataset order, on the first device.
 No process is started and no collective runs: it works from a notebook. On a machine without
 GPUs, `accelerator: cpu, devices: N` runs N replicas on the CPU, for tests.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,11 +38,19 @@ class Towers(OneProcess, Replicated):
         self.devices, self.device = tuple(devices), devices[0]
         self.variables_on = variables_on
         self._home = self.device if variables_on == "device0" else torch.device("cpu")
-        self._pool = ThreadPoolExecutor(len(devices), thread_name_prefix="phalanx-tower") if len(devices) > 1 else None
-        self._replicas: list[nn.Module] = []  # each tower's module (the master itself for tower 0 on device0)
-        self._towers: list[nn.Module] = []    # what each tower calls: its replica, compiled where asked
-        self._calls: list[Forward] = []       # each tower's adapter from a batch to its module
-        self._names: Forward | None = None    # the run's own adapter, whose output names hooks read
+        self._pool = (
+            ThreadPoolExecutor(len(devices), thread_name_prefix="phalanx-tower")
+            if len(devices) > 1
+            else None
+        )
+        self._replicas: list[
+            nn.Module
+        ] = []  # each tower's module (the master itself for tower 0 on device0)
+        self._towers: list[
+            nn.Module
+        ] = []  # what each tower calls: its replica, compiled where asked
+        self._calls: list[Forward] = []  # each tower's adapter from a batch to its module
+        self._names: Forward | None = None  # the run's own adapter, whose output names hooks read
         self._training: bool | None = None
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
@@ -55,12 +64,17 @@ class Towers(OneProcess, Replicated):
             self._towers.append(_compiled(replica, options))
         return self.model, self.model
 
-    def forward_backward(self, engine: Engine, micros: Micros, stop: bool) -> tuple[list[dict | None], torch.Tensor,
-                                                                                     bool, float]:
+    def forward_backward(
+        self, engine: Engine, micros: Micros, stop: bool
+    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         self._prepare(engine, training=True)
         total, parts = None, []
         for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
-            done = self._run(lambda call, device, m, b: self._tower_step(engine, call, device, m, b), micro, batch)
+            done = self._run(
+                lambda call, device, m, b: self._tower_step(engine, call, device, m, b),
+                micro,
+                batch,
+            )
             for part, _ in done:
                 part = part.to(self.device)
                 total = part if total is None else total + part
@@ -69,8 +83,9 @@ class Towers(OneProcess, Replicated):
         return parts, total, stop, 0.0
 
     @staticmethod
-    def _tower_step(engine: Engine, call: Forward, device: torch.device, micro: Micro,
-                    batch: Mapping) -> tuple[torch.Tensor, dict]:
+    def _tower_step(
+        engine: Engine, call: Forward, device: torch.device, micro: Micro, batch: Mapping
+    ) -> tuple[torch.Tensor, dict]:
         loss, gradient, part, data = engine.forward(micro, batch, 1.0, call, device)
         engine.backward(loss, gradient)
         return part, data
@@ -78,8 +93,11 @@ class Towers(OneProcess, Replicated):
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         self._prepare(engine, training=False)
         n = _first_dim(batch)
-        done = self._run(lambda call, device, m, b: engine.eval_forward(b, call, device),
-                         Micro(list(range(n)), n), batch)
+        done = self._run(
+            lambda call, device, m, b: engine.eval_forward(b, call, device),
+            Micro(list(range(n)), n),
+            batch,
+        )
         return self._joined(done)
 
     # --- the towers ---------------------------------------------------------------------------
@@ -94,7 +112,9 @@ class Towers(OneProcess, Replicated):
             for replica in self._replicas:
                 if replica is self.model:
                     continue
-                for mine, theirs in zip([*replica.parameters(), *replica.buffers()], master, strict=True):
+                for mine, theirs in zip(
+                    [*replica.parameters(), *replica.buffers()], master, strict=True
+                ):
                     mine.copy_(theirs, non_blocking=True)
                 for p in replica.parameters():
                     p.grad = None
@@ -114,15 +134,25 @@ class Towers(OneProcess, Replicated):
         if self._pool is None or len(jobs) == 1:
             results = [_on(device, work, call, device, m, b) for call, device, m, b in jobs]
         else:
-            futures = [self._pool.submit(_on, device, work, call, device, m, b) for call, device, m, b in jobs]
+            futures = [
+                self._pool.submit(_on, device, work, call, device, m, b)
+                for call, device, m, b in jobs
+            ]
             results = [f.result() for f in futures]
-        self._names.output_names = jobs[0][0].output_names  # what the hooks read as the model's outputs
+        self._names.output_names = jobs[0][
+            0
+        ].output_names  # what the hooks read as the model's outputs
         return results
 
     def _joined(self, datas: list[dict]) -> dict:
         """The towers' outputs, in dataset order, on the first device."""
         device = self.device
-        return concat([{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()} for d in datas])
+        return concat(
+            [
+                {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+                for d in datas
+            ]
+        )
 
     def _reduce_gradients(self) -> None:
         """Each master gradient: the sum of the replicas' (the master's own included, where it is a tower)."""
