@@ -62,7 +62,7 @@ class Run:
 def fit(
     config_source: str | os.PathLike | Mapping[str, Any],
     *,
-    overrides: Sequence[str] = (),
+    overrides: str | Sequence[str] = (),
     model: nn.Module | None = None,
     dataset: Any = None,
     hooks: Sequence[Any] | None = None,
@@ -76,7 +76,7 @@ def fit(
     a job on several, as `--nnodes/--node-rank/--rdzv` give it.
     """
     objects = Objects.given(model, dataset, hooks)
-    raw, path = _read(config_source, overrides)
+    raw, path = _read(config_source, _listed(overrides))
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
@@ -127,7 +127,7 @@ def fit(
 def resume(
     run_path: str | os.PathLike,
     *,
-    overrides: Sequence[str] = (),
+    overrides: str | Sequence[str] = (),
     model: nn.Module | None = None,
     dataset: Any = None,
     hooks: Sequence[Any] | None = None,
@@ -138,15 +138,16 @@ def resume(
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path, announce=False)
     objects = Objects.given(model, dataset, hooks)
+    overrides = _listed(overrides)
     check_objects_given(run_dir, objects, "resume")
     try:
         if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
-            return _launched(run_dir, _resume(run_dir, list(overrides), objects, nodes))
+            return _launched(run_dir, _resume(run_dir, overrides, objects, nodes))
         with _training_lock(
             run_dir, "resume"
         ):  # a run in use is one error line, before anything else
             rundir.announce_imports(run_dir)
-            result = _resume(run_dir, list(overrides), objects, nodes)
+            result = _resume(run_dir, overrides, objects, nodes)
         return result if isinstance(result, Run) else _launched(run_dir, result)
     finally:
         logs.close_run_log()
@@ -224,19 +225,24 @@ def predict(
     return arrays
 
 
+def _listed(overrides: str | Sequence[str]) -> list[str]:
+    """Overrides as a list: one string is one override, not a sequence of one-letter ones."""
+    return [overrides] if isinstance(overrides, str) else list(overrides)
+
+
 def _read(
-    source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]
+    source: str | os.PathLike | Mapping[str, Any], overrides: list[str]
 ) -> tuple[dict, Path | None]:
     """The raw config and the file it came from (None for a dict)."""
     if isinstance(source, Mapping):
-        raw = config.apply_overrides(dict(source), list(overrides))
+        raw = config.apply_overrides(dict(source), overrides)
         raw.setdefault("name", "run")
         return raw, None
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(
             f"the config is a {type(source).__name__}; give the path of a YAML file or a dict"
         )
-    return config.read(source, list(overrides)), Path(source)
+    return config.read(source, overrides), Path(source)
 
 
 def _in_this_process(cfg: config.Config) -> str:

@@ -129,6 +129,7 @@ def parser() -> argparse.ArgumentParser:
             epilog=textwrap.dedent(examples),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        made[name].set_defaults(subparser=made[name])
     overrides = dict(
         nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3"
     )
@@ -292,8 +293,21 @@ def _counts(text: str) -> list[int]:
         ) from None
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with each subcommand's flags and KEY=VALUE overrides in any order."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = parser().parse_known_args(argv)
+    if rest:
+        # argparse fills a subcommand's positionals up to its first flag and leaves the words after
+        # it over; the subcommand's own parser reads its words again, intermixed. The subcommand is
+        # the first word that is not an option (the top level's options take no values).
+        at = next(i for i, word in enumerate(argv) if not word.startswith("-"))
+        vars(args).update(vars(args.subparser.parse_intermixed_args(argv[at + 1 :])))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(argv)
     from phalanx import signals
     from phalanx.errors import PhalanxError
 

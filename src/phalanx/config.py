@@ -1,4 +1,5 @@
-"""The config: a YAML file read with `safe_load`, command-line overrides, and a pydantic schema.
+"""The config: a YAML file (see `yamltext`), command-line overrides (see `overrides`), and a
+pydantic schema.
 
 Framework sections reject unknown keys with a did-you-mean. A `class:` section (model, optimizer,
 scheduler, dataset) passes its other keys to the constructor it names; that constructor's own
@@ -7,11 +8,11 @@ signature is what checks them, when `instantiate` builds it.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,27 +27,9 @@ from pydantic import (
     field_validator,
 )
 
-from phalanx.errors import ConfigError, PhalanxError, did_you_mean
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, reading `1e-3` as a float as every other YAML 1.2 reader does."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-        r"|[0-9][0-9_]*[eE][-+]?[0-9]+|\.inf|\.Inf|\.INF|\.nan|\.NaN|\.NAN)$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def safe_load(text: str) -> Any:
-    """YAML text as plain Python values; never constructs arbitrary objects."""
-    return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader subclass
-
+from phalanx.errors import ConfigError, did_you_mean
+from phalanx.overrides import apply as apply_overrides
+from phalanx.yamltext import TooLarge, check_bounds, read_yaml
 
 # Counts and sizes are StrictInt (and numbers StrictFloat): pydantic's lax int reads `true` as 1, so
 # `batch_size: true` trained with batch 1. Booleans are not numbers here.
@@ -360,13 +343,13 @@ class Config(_Section):
         return hooks
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> tuple[Config, dict]:
+def load(path: str | Path, overrides: str | Sequence[str] = ()) -> tuple[Config, dict]:
     """Read, override and validate a config file. Returns the validated config and the raw dict."""
     raw = read(path, overrides)
     return validate(raw), raw
 
 
-def read(path: str | Path, overrides: list[str] = ()) -> dict:
+def read(path: str | Path, overrides: str | Sequence[str] = ()) -> dict:
     """A config file's raw mapping, overridden, with its default name; not yet validated."""
     path = Path(path)
     if not path.is_file():
@@ -384,29 +367,16 @@ def read(path: str | Path, overrides: list[str] = ()) -> dict:
     return raw
 
 
-def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> Any:
-    """What a YAML file holds; an `error` naming the file and `fix` when it is unreadable, not UTF-8
-    (a Latin-1 or binary file) or not YAML."""
-    try:
-        text = path.read_bytes().decode("utf-8-sig")
-    except OSError as e:
-        raise error(f"cannot read {path}: {e.strerror or e}; {fix}") from None
-    except UnicodeDecodeError as e:
-        raise error(
-            f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); {fix}"
-        ) from None
-    try:
-        return safe_load(text)
-    except yaml.YAMLError as e:
-        raise error(f"{path} is not valid YAML: {str(e).splitlines()[0]}; {fix}") from None
-
-
 def _default_name(path: Path) -> str:
     return path.parent.resolve().name if path.stem == "config" else path.stem
 
 
 def validate(raw: dict) -> Config:
     """The validated config, or a ConfigError naming each bad key and the fix."""
+    try:  # a dict from Python, or a file's values after the overrides: bounded as a file's are
+        check_bounds(raw)
+    except TooLarge as e:
+        raise ConfigError(f"the config is refused: {e}") from None
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
@@ -475,47 +445,6 @@ def _section_model(loc: list[str]) -> type[BaseModel] | None:
             (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
         )
     return model
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """`a.b=value` sets a key (value parsed as YAML); `hooks.3.StopAfter.epochs=5` indexes lists."""
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(
-                f"override {item!r} is not KEY=VALUE; write e.g. dataset.batch_size=64"
-            )
-        try:
-            value = safe_load(text)
-        except yaml.YAMLError:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
-        _set_path(raw, key.split("."), value, item)
-    return raw
-
-
-def _set_path(node: Any, parts: list[str], value: Any, item: str) -> None:
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
-                raise ConfigError(
-                    f"override {item!r}: {where!r} is not an index of a list of {len(node)} items"
-                )
-            part = int(part)
-        elif isinstance(node, dict):
-            if not last and node.get(part) is None:
-                node[part] = {}
-        else:
-            raise ConfigError(
-                f"override {item!r}: {'.'.join(parts[:depth])!r} is a "
-                f"{type(node).__name__}, not a section"
-            )
-        if last:
-            node[part] = value
-        else:
-            node = node[part]
 
 
 def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -587,48 +516,91 @@ def _package_roots(module_name: str, search_dirs: list[Path]) -> list[Path]:
 
 
 def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a class with config arguments; a bad keyword is a ConfigError naming the valid ones."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        signature = None
-    if signature is not None:
-        params = signature.parameters
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        for key in kwargs:
-            if key not in params and not takes_any:
-                valid = [
-                    n
-                    for n, p in params.items()
-                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                ]
-                raise ConfigError(
-                    f"{section}: {_name(factory)} takes no argument {key!r}"
-                    f"{did_you_mean(key, valid)}; it takes {', '.join(valid) or 'none'}"
-                )
-        try:
-            signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise ConfigError(
-                f"{section}: {_name(factory)}: {e}; set it in the {section} section"
-            ) from None
-        for key, value in kwargs.items():
-            if isinstance(value, bool) and key in params and _takes_numbers_not_bools(params[key]):
-                raise ConfigError(
-                    f"{section}: {_name(factory)}'s {key} takes a number, got {str(value).lower()}; "
-                    f"write a number for {key} in the {section} section"
-                )
+    """Call a class with config arguments; a keyword it refuses is a ConfigError naming the ones it
+    declares. Its signature is a hint, not the truth: a constructor may take more keywords than it
+    declares (Hugging Face configs do), so the call decides which it takes. The hint still refuses,
+    before the call, a boolean for a number and a fraction for an integer, which Python would take."""
+    params = _parameters(factory)
+    for key, value in kwargs.items():
+        _check_number(section, factory, key, value, params.get(key))
     try:
         return factory(*args, **kwargs)
+    except TypeError as e:
+        refused = _refused_keyword(e, kwargs)
+        if refused is not None:
+            valid = [
+                n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            ]
+            raise ConfigError(
+                f"{section}: {_name(factory)} takes no argument {refused!r}"
+                f"{did_you_mean(refused, valid)}; it takes {', '.join(valid) or 'none'}"
+            ) from None
+        missing = re.search(r"missing \d+ required (?:positional |keyword-only )?argument", str(e))
+        if missing:
+            needed = ", ".join(re.findall(r"'(\w+)'", str(e)[missing.start() :]))
+            raise ConfigError(
+                f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
+            ) from None
+        raise _failed(section, factory, kwargs, e) from e
     except (
-        TypeError,
-        ValueError,
+        ValueError
     ) as e:  # the constructor rejected a value: name the section (--debug: traceback)
-        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise _failed(section, factory, kwargs, e) from e
+
+
+def _failed(section: str, factory: Any, kwargs: dict[str, Any], error: Exception) -> ConfigError:
+    given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return ConfigError(
+        f"{section}: {_name(factory)}({given}) failed: {type(error).__name__}: {error}; "
+        f"fix the values in the {section} section"
+    )
+
+
+def _parameters(factory: Any) -> dict[str, inspect.Parameter]:
+    """The parameters `factory` declares; none where it has no signature Python can read."""
+    try:
+        return dict(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _refused_keyword(error: TypeError, kwargs: dict[str, Any]) -> str | None:
+    """The keyword that a call's TypeError says was not taken, if it is one of ours."""
+    found = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    return found.group(1) if found and found.group(1) in kwargs else None
+
+
+def _check_number(
+    section: str, factory: Any, key: str, value: Any, param: inspect.Parameter | None
+) -> None:
+    """A boolean where the parameter is annotated as a number, or a fraction where it is annotated
+    as an integer, is a ConfigError: Python would take either, and fail later or silently."""
+    if param is None:
+        return
+    names = set(re.findall(r"[A-Za-z_]+", str(param.annotation)))
+    if isinstance(value, bool) and _takes_numbers_not_bools(param):
         raise ConfigError(
-            f"{section}: {_name(factory)}({given}) failed: {type(e).__name__}: {e}; "
-            f"fix the values in the {section} section"
-        ) from e
+            f"{section}: {_name(factory)}'s {key} takes a number, got {str(value).lower()}; "
+            f"write a number for {key} in the {section} section"
+        )
+    if isinstance(value, float) and "int" in names and not names & _NOT_ONLY_INTEGERS:
+        raise ConfigError(
+            f"{section}: {_name(factory)}'s {key} takes an integer, got {value!r}; "
+            f"write a whole number for {key} in the {section} section"
+        )
+
+
+# annotation names beside `int` under which a float may be meant
+_NOT_ONLY_INTEGERS = {
+    "float",
+    "Any",
+    "object",
+    "Number",
+    "Real",
+    "complex",
+    "Tensor",
+    "SupportsFloat",
+}
 
 
 def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:

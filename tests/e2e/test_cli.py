@@ -177,6 +177,8 @@ def trained(tmp_path_factory):
     path = toy.write_config(exp, toy.regression_config(hooks=HOOKS))
     (exp / "badparts.py").write_text(BAD_PARTS)
     (exp / "latin1.yaml").write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
+    (exp / "bomb.yaml").write_text(path.read_text() + ALIAS_BOMB)
+    (exp / "deep.yaml").write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
     (folder / "a-file").write_text("an output_root below a file cannot be created\n")
     result = phalanx(
         "train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp
@@ -281,6 +283,17 @@ BAD = [
         ["train", "config.yaml", "dataset.n_train=0"],
         ["stream 'train'", "is empty"],
     ),
+    (
+        "yaml-alias-bomb",
+        ["train", "bomb.yaml"],
+        ["bomb.yaml", "more than 200,000 values", "aliases"],
+    ),
+    ("yaml-nested-deep", ["train", "deep.yaml"], ["deep.yaml", "nested more than 64 levels"]),
+    (
+        "fraction-for-an-integer",
+        ["train", "config.yaml", "model.hidden=2.5"],
+        ["model: Linear's hidden takes an integer, got 2.5"],
+    ),
     ("run-config-malformed", ["eval", "RUN"], ["config.yaml", "not valid YAML", "restore"]),
     ("run-json-malformed", ["resume", "RUN"], ["run.json", "not readable JSON", "restore"]),
     (
@@ -299,6 +312,10 @@ BAD = [
         ["no checkpoint at step 99", "there are"],
     ),
 ]
+# 1 KB of YAML that stands for 10**9 values: each level repeats the one before ten times
+ALIAS_BOMB = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)
+)
 DAMAGE = {  # what a case writes into its copy of the run first
     "run-config-malformed": ("config.yaml", b"model: [toy.Linear\n"),
     "run-json-malformed": ("run.json", b'{"config_dir": "/somewhere", "cw'),
@@ -388,6 +405,20 @@ def ran(trained):
             "config.yaml",
             "main_loop.epoch=3",
             f"output_root={folder / 'bad' / 'debug-first'}",
+        ],
+        exp,
+    )
+    # flags and overrides in any order
+    commands["intermixed"] = (
+        [
+            "train",
+            "config.yaml",
+            "--nnodes",
+            "1",
+            "main_loop.epochs=1",
+            "--debug",
+            "name=mixed",
+            f"output_root={folder / 'mixed'}",
         ],
         exp,
     )
@@ -525,6 +556,14 @@ def test_a_nan_loss_fails_the_process_with_exit_code_1(ran):
     [run] = list((ran.folder / "nan").iterdir())
     assert trace(run)[-1]["event"] == "failed"
     assert "StopOnNaN" in result.stderr
+
+
+def test_flags_and_overrides_come_in_any_order(ran):
+    result = ran.results["intermixed"]
+    assert result.returncode == 0, output(result)
+    [run] = (ran.folder / "mixed").iterdir()
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert run.name.startswith("mixed-") and saved["main_loop"]["epochs"] == 1
 
 
 # --- bad input ---------------------------------------------------------------------------------

@@ -276,3 +276,28 @@ def test_a_run_in_worker_processes_has_no_model_here(tmp_path):
     run = phalanx.Run(tmp_path, 0, {})
     with pytest.raises(PhalanxError, match="phalanx.load"):
         run.model
+
+
+def test_a_resume_that_stop_after_would_end_at_once_says_which_override_goes_on(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    three = {"epochs": 3, "extra_streams": ["valid"]}
+    straight = phalanx.fit(_raw(main_loop=three))
+    for key, limit, step in (("steps", 7, 7), ("epochs", 1, 5)):
+        raw = _raw(main_loop=three)
+        raw["hooks"] = [*raw["hooks"], {"StopAfter": {key: limit}}]
+        first = phalanx.fit(raw)
+        assert first.code == 0 and Checkpoints(first.run_dir / "checkpoints").steps()[-1] == step
+        again = phalanx.resume(first.run_dir)
+        assert again.code == 0
+        assert Checkpoints(first.run_dir / "checkpoints").steps()[-1] == step  # not one step more
+        said = (first.run_dir / "log.txt").read_text().splitlines()[-1]
+        assert "before this run's first step" in said, said
+        assert f"hooks.StopAfter.{key}={2 * limit}" in said and "~hooks.StopAfter" in said
+        # one string is one override
+        rest = phalanx.resume(first.run_dir, overrides="~hooks.StopAfter")
+        assert rest.code == 0 and rest.metrics == straight.metrics
+        assert all(
+            torch.equal(v, _latest(straight.run_dir)[k]) for k, v in _latest(rest.run_dir).items()
+        )

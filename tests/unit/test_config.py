@@ -3,6 +3,7 @@ objects from `class:` sections."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import typing
 from pathlib import Path
@@ -291,8 +292,8 @@ def test_override_indexes_lists():
     [
         ("hooks.3.SaveLatest.x=1", ["'hooks.3'", "list of 3 items"]),
         ("hooks.-4.SaveLatest.x=1", ["'hooks.-4'", "list of 3 items"]),
-        ("hooks.first.x=1", ["'hooks.first'", "not an index"]),
-        ("hooks.2.SaveLatest.x=1", ["'hooks.2'", "str", "not a section"]),
+        ("hooks.first.x=1", ["hooks has no item 'first'", "by its index"]),
+        ("hooks.2.LogVariables.x=1", ["'hooks.2'", "str", "not a section"]),
         ("main_loop.epochs.max=1", ["'main_loop.epochs'", "int", "not a section"]),
     ],
 )
@@ -486,3 +487,69 @@ def test_the_dataloader_options_reach_the_loader():
     raw["dataset"]["num_workers"] = 0
     with pytest.raises(ConfigError, match="dataset.prefetch_factor=4 is for DataLoader workers"):
         Trainer(config.validate(raw), None, search)
+
+
+def test_the_constructor_decides_which_keywords_it_takes():
+    """A signature is a hint: transformers' configs take keywords their signatures do not name."""
+    import transformers
+
+    built = config.build_value(
+        {"class": "transformers.BertConfig", "num_labels": 3, "hidden_size": 32},
+        "model.config",
+        [],
+    )
+    assert isinstance(built, transformers.BertConfig) and built.num_labels == 3
+
+    class Narrow:  # declares one keyword, takes any
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    Narrow.__signature__ = inspect.Signature(
+        [inspect.Parameter("size", inspect.Parameter.KEYWORD_ONLY)]
+    )
+    assert config.instantiate("model", Narrow, size=1, extra=2).kwargs == {"size": 1, "extra": 2}
+
+
+def test_a_keyword_the_constructor_refuses_is_one_did_you_mean_line():
+    with pytest.raises(ConfigError) as info:
+        config.instantiate("model", nn.Linear, in_features=3, out_featurs=2)
+    message = str(info.value)
+    assert message.startswith("model: Linear takes no argument 'out_featurs'")
+    assert 'did you mean "out_features"' in message and "in_features, out_features" in message
+
+
+def test_a_fraction_for_an_integer_is_an_error_before_the_call():
+    built = []
+
+    class Blocks:
+        def __init__(self, block_size: int, scale: float = 1.0, heads: int | None = None):
+            built.append(block_size)
+
+    with pytest.raises(ConfigError, match="model: .*Blocks's block_size takes an integer, got 8.5"):
+        config.instantiate("model", Blocks, block_size=8.5)
+    with pytest.raises(ConfigError, match="heads takes an integer, got 2.0"):
+        config.instantiate("model", Blocks, block_size=8, heads=2.0)
+    assert built == []
+    config.instantiate("model", Blocks, block_size=8, scale=2)  # an int for a float is fine
+    assert built == [8]
+
+
+def test_a_yaml_alias_bomb_and_deep_nesting_are_refused_quickly(tmp_path):
+    path = toy.write_config(tmp_path, toy.regression_config())
+    levels = "a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 12)
+    )
+    (tmp_path / "bomb.yaml").write_text(path.read_text() + levels)  # 10**12 values
+    with pytest.raises(ConfigError, match="bomb.yaml is refused: it expands to more than 200,000"):
+        config.load(tmp_path / "bomb.yaml")
+    (tmp_path / "deep.yaml").write_text("model: " + "{a: " * 70 + "1" + "}" * 70 + "\n")
+    with pytest.raises(ConfigError, match="deep.yaml is refused: it is nested more than 64"):
+        config.load(tmp_path / "deep.yaml")
+    shared = {"x": list(range(1000))}
+    raw = {**toy.regression_config(), "model": {"class": "toy.Linear", "a": [shared] * 300}}
+    with pytest.raises(ConfigError, match="the config is refused: it expands"):
+        config.validate(raw)  # a dict from Python is bounded too
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(ConfigError, match="holds itself"):
+        config.validate({**raw, "model": {"class": "toy.Linear", "a": loop}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phalanx import overrides
 from phalanx.config import Config, import_object, instantiate
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.hooks.base import Hook, TrainingTerminated
@@ -43,22 +44,8 @@ __all__ = ["BUILTIN", "Hook", "TrainingTerminated", "build_hooks", "default_hook
 
 
 def default_hooks(cfg: Config) -> list[Any]:
-    """The hooks of a config that lists none: progress, loss statistics, throughput, logs, metrics
-    files, TensorBoard, the latest checkpoint, and the best one by validation loss when there is a
-    `valid` stream."""
-    hooks: list[Any] = [
-        "ShowProgress",
-        {"ComputeStats": {"variables": ["loss"]}},
-        "LogThroughput",
-        "LogVariables",
-        "LogProfile",
-        "WriteCSV",
-        "WriteTensorBoard",
-        "SaveLatest",
-    ]
-    if "valid" in cfg.main_loop.extra_streams:
-        hooks.append({"SaveBest": {"variable": "valid.loss", "mode": "min"}})
-    return hooks
+    """The hooks of a config that lists none (see `phalanx.overrides.default_hooks`)."""
+    return overrides.default_hooks(cfg.main_loop.extra_streams)
 
 
 def build_hooks(cfg: Config, search_dirs: list[Path]) -> list[Hook]:

@@ -11,6 +11,7 @@ import torch
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.variables import check_mode, improved, lookup, split_name
+from phalanx.overrides import name_of
 
 
 class StopAfter(Hook):
@@ -35,11 +36,24 @@ class StopAfter(Hook):
         self._start = None
 
     def before_training(self) -> None:
+        """A run resumed at or past its limit stops before its first step, and says how to go on."""
         self._start = self.clock()
-        if self.steps is not None and self.trainer.step >= self.steps:
-            raise TrainingTerminated(
-                f"{self.trainer.step} steps done (StopAfter steps={self.steps})"
-            )
+        run = self.trainer
+        if self.steps is not None and run.step >= self.steps:
+            self._stop_at_once(f"{run.step} steps done", "steps", self.steps, run.step)
+        if self.epochs is not None and run.epoch >= self.epochs and not run.step_in_epoch:
+            self._stop_at_once(f"{run.epoch} epochs done", "epochs", self.epochs, run.epoch)
+
+    def _stop_at_once(self, done: str, key: str, limit: int, reached: int) -> None:
+        stopped = f"{done} (StopAfter {key}={limit}), before this run's first step"
+        if sum(name_of(h) == "StopAfter" for h in self.trainer.cfg.hooks or []) != 1:
+            raise TrainingTerminated(f"{stopped}; to train on, give StopAfter a higher {key}")
+        where = f"phalanx resume {self.trainer.run_dir} " if self.trainer.run_dir else ""
+        raise TrainingTerminated(
+            f"{stopped}; to train on, raise the limit "
+            f"({where}hooks.StopAfter.{key}={max(2 * limit, reached + 1)}) or drop the hook "
+            f"({where}~hooks.StopAfter)"
+        )
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training:
