@@ -106,19 +106,22 @@ def evaluate(
 class _Collect(Hook):
     """Every batch's per-sample values (the batch's and the model's), in dataset order."""
 
-    CSV_VALUES = (
-        32  # values per sample beyond which a tensor goes to an array file, not to CSV columns
-    )
+    CSV_VALUES = 32  # values per sample beyond which a tensor goes to an array file, not to CSV
 
     def __init__(self) -> None:
         self.columns: dict[str, list[torch.Tensor]] = {}
+        self.skipped: dict[str, str] = {}  # keys that are not per-sample tensors, and what they are
         self.count = 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         n = len(batch["loss"])
         outputs = set(self.trainer.output_names)
         for key, value in batch.items():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+            if not isinstance(value, torch.Tensor):
+                self.skipped.setdefault(key, f"a {type(value).__name__}, not a tensor")
+                continue
+            if value.dim() == 0 or value.shape[0] != n:
+                self.skipped.setdefault(key, f"shape {list(value.shape)}, not one row per sample")
                 continue
             value = value.detach().cpu()
             self.columns.setdefault(key, []).append(
@@ -130,15 +133,31 @@ class _Collect(Hook):
                 and value.dim() == 2
                 and value.shape[1] > 1
             ):
-                self.columns.setdefault(f"{key}.class", []).append(
-                    value.argmax(dim=1)
-                )  # scores: the class
+                scores = value.argmax(dim=1)  # class scores: the class
+                self.columns.setdefault(f"{key}.class", []).append(scores)
         self.count += n
 
     def arrays(self) -> dict[str, torch.Tensor]:
-        """Each value over every sample, the first dimension the sample, and `index` (dataset order)."""
-        arrays = {key: torch.cat(parts) for key, parts in self.columns.items()}
-        return {"index": torch.arange(self.count), **{k: v.contiguous() for k, v in arrays.items()}}
+        """Each value over every sample, the first dimension the sample, and `index` (dataset order).
+        A value whose shape per sample changes between batches (a sequence padded to each batch's
+        longest) has no one array and is left out, as are values that are not per-sample tensors:
+        the log says which."""
+        arrays = {}
+        for key, parts in self.columns.items():
+            shapes = sorted({tuple(part.shape[1:]) for part in parts})
+            if len(shapes) > 1:
+                self.skipped[key] = (
+                    f"its shape per sample changes between batches ({list(shapes[0])}, "
+                    f"{list(shapes[-1])}); return it padded to one length to have it"
+                )
+                continue
+            arrays[key] = torch.cat(parts).contiguous()
+        if self.skipped:
+            log.warning(
+                "left out of the predictions: %s",
+                "; ".join(f"{key} ({why})" for key, why in self.skipped.items()),
+            )
+        return {"index": torch.arange(self.count), **arrays}
 
     def rows(self, arrays: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[str]]:
         """CSV rows: a column per one-value key, one per value of small tensors; the keys left out."""

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from phalanx.data import Micro
-from phalanx.model import TOKENS, Forward, check_loss, check_weights
+from phalanx.errors import ModelError
+from phalanx.model import NEGATIVE_WEIGHTS, TOKENS, Forward, check_loss, check_weights
 from phalanx.precision import Precision
 from phalanx.strategies.base import Strategy
 
@@ -104,6 +105,9 @@ class Engine:
             0.0,
         )  # the last step's time in communication (outside backward) and the optimizer
         self._gradients: dict[tuple, torch.Tensor] = {}
+        # whether weights on an accelerator were negative: read at the epoch's end, not every
+        # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
+        self._negative: list[torch.Tensor] = []
 
     def train_step(
         self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False
@@ -122,6 +126,8 @@ class Engine:
         for scheduler in self._schedulers["step"]:
             scheduler.step()
         self.seconds = communication, time.perf_counter() - start
+        if len(self._negative) > 1:
+            self._negative = [torch.stack(self._negative).any()]
         return StepResult(loss, parts, stop)
 
     def forward(
@@ -255,6 +261,9 @@ class Engine:
         return data
 
     def end_epoch(self) -> None:
+        if self._negative and bool(torch.stack(self._negative).any()):
+            raise ModelError(NEGATIVE_WEIGHTS)
+        self._negative.clear()
         for scheduler in self._schedulers["epoch"]:
             scheduler.step()
 
@@ -282,6 +291,8 @@ class Engine:
         weights = outputs.get(WEIGHT)
         if weights is not None:
             check_weights(weights, loss, n)
+            if weights.device.type != "cpu":
+                self._negative.append((weights < 0).any())
         data, tokens = dict(batch), None
         for key, value in outputs.items():
             if key == "loss":

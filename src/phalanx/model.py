@@ -336,6 +336,14 @@ def check_weights(weights: torch.Tensor, loss: torch.Tensor, n: int) -> None:
             "the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per sample "
             "(reduction='none', averaged over each sample's tokens) beside its weight"
         )
+    if weights.device.type == "cpu" and bool((weights < 0).any()):
+        raise ModelError(NEGATIVE_WEIGHTS)
+
+
+NEGATIVE_WEIGHTS = (
+    "'loss_weight' holds negative weights; a weight is how much a sample counts (such as its "
+    "count of real tokens): return weights of 0 or more"
+)
 
 
 def shard_loss_mean(loss: torch.Tensor, n: int) -> torch.Tensor:

@@ -301,3 +301,43 @@ def test_a_resume_that_stop_after_would_end_at_once_says_which_override_goes_on(
         assert all(
             torch.equal(v, _latest(straight.run_dir)[k]) for k, v in _latest(rest.run_dir).items()
         )
+
+
+class _Uneven(torch.nn.Module):
+    """Outputs a prediction, one whose width is the batch's size, and names that are no tensor."""
+
+    def __init__(self, weight: float = 1.0) -> None:
+        super().__init__()
+        self.layer, self.weight = torch.nn.Linear(3, 1), weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        prediction = self.layer(x).squeeze(-1)
+        return {
+            "loss": (prediction - y) ** 2,
+            "loss_weight": torch.full_like(y, self.weight),
+            "prediction": prediction,
+            "ragged": prediction[:, None].expand(-1, len(x)),
+            "names": [f"sample {i}" for i in range(len(x))],
+        }
+
+
+def test_predict_leaves_out_what_has_no_one_array_and_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    streams = toy.Regression(n_train=37).streams()
+    torch.manual_seed(0)
+    run = phalanx.fit(_raw(hooks=["SaveLatest"]), model=_Uneven(), dataset=streams)
+    assert run.code == 0
+    arrays = phalanx.predict(run.run_dir, "valid", model=_Uneven(), dataset=streams)  # 8 + 2
+    assert {"index", "x", "y", "loss", "prediction"} <= arrays.keys()
+    assert "ragged" not in arrays and "names" not in arrays
+    said = capsys.readouterr().err
+    assert "left out of the predictions: " in said
+    assert "ragged (its shape per sample changes between batches ([2], [8])" in said
+    assert "names (a list, not a tensor)" in said
+
+
+def test_negative_loss_weights_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    streams = toy.Regression(n_train=37).streams()
+    with pytest.raises(ModelError, match="'loss_weight' holds negative weights"):
+        phalanx.fit(_raw(hooks=[]), model=_Uneven(weight=-1.0), dataset=streams)
