@@ -451,6 +451,7 @@ def _work(
             trainer.step_in_epoch,
             strategy.world_size,
         )
+        log.info("%s", what_runs(cfg, strategy))
         if trainer.epoch >= cfg.main_loop.epochs:
             log.info(
                 "the run has finished its %d epochs; raise main_loop.epochs to train more",
@@ -494,13 +495,36 @@ def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> i
 def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
     from phalanx import metrics
 
-    log.info(
-        "training on %d process(es) (%s), global batch %d",
-        strategy.world_size,
-        strategy.device.type,
-        cfg.dataset.batch_size,
-    )
+    log.info("%s", what_runs(cfg, strategy))
     log.info("%s", metrics.summary(trainer.model))
+
+
+def what_runs(cfg: config.Config, strategy) -> str:
+    """The run's first line: the strategy, its processes and the devices each drives, the
+    precision, and the batch as the step, each micro-batch and each device take it."""
+    from phalanx.data import split_sizes
+
+    processes, each = strategy.world_size, len(strategy.devices)
+    kind = strategy.device.type
+    drives = f"driving {each} {kind} device{'s' if each > 1 else ''}"
+    who = f"{processes} processes, each {drives}" if processes > 1 else f"1 process {drives}"
+    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.gradient_accumulation
+    micro = split_sizes(batch, min(accumulation, batch))[0]
+    weights = cfg.parallel.shard_weights
+    shares = split_sizes(
+        micro, processes * each, weights if weights and len(weights) == processes * each else None
+    )
+    share = f"{min(shares)}" if min(shares) == max(shares) else f"{min(shares)} to {max(shares)}"
+    micros = (
+        f"{accumulation} micro-batches of up to {micro}" if accumulation > 1 else "one micro-batch"
+    )
+    line = (
+        f"strategy {strategies.strategy_name(cfg)}: {who}; precision {cfg.precision}; global batch "
+        f"{batch} per optimizer step, {micros}, {share} per device"
+    )
+    if kind == "cpu" and processes * each > 1 and cfg.parallel.accelerator == "auto":
+        line += f" (no GPU is visible: the {processes * each} devices are shares of the CPU)"
+    return line
 
 
 def _worker_trainer(

@@ -264,7 +264,7 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     before, after = (2, 1) if change == "leaves" else (1, 2)
-    assert f"training on {before} process(es)" in log
+    assert f"strategy ddp: {before} process" in log
     restarted = log.split("the workers started again in this run")
     assert len(restarted) == 2 and f"on {after} process(es)" in restarted[1]
 

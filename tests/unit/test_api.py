@@ -341,3 +341,18 @@ def test_negative_loss_weights_are_refused(tmp_path, monkeypatch):
     streams = toy.Regression(n_train=37).streams()
     with pytest.raises(ModelError, match="'loss_weight' holds negative weights"):
         phalanx.fit(_raw(hooks=[]), model=_Uneven(weight=-1.0), dataset=streams)
+
+
+def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    towers = {"accelerator": "cpu", "devices": 3, "strategy": "towers", "gradient_accumulation": 2}
+    run = phalanx.fit(_raw(hooks=[], parallel=towers))
+    said = (run.run_dir / "log.txt").read_text()
+    assert (
+        "strategy towers: 1 process driving 3 cpu devices; precision fp64; global batch 8 per "
+        "optimizer step, 2 micro-batches of up to 4, 1 to 2 per device\n" in said
+    )
+    if not torch.cuda.is_available():  # accelerator auto: the CPU, and the log says so
+        run = phalanx.fit(_raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}))
+        said = (run.run_dir / "log.txt").read_text()
+        assert "4 per device (no GPU is visible: the 2 devices are shares of the CPU)" in said
