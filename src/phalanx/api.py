@@ -507,6 +507,9 @@ def what_runs(cfg: config.Config, strategy) -> str:
     processes, each = strategy.world_size, len(strategy.devices)
     kind = strategy.device.type
     drives = f"driving {each} {kind} device{'s' if each > 1 else ''}"
+    if kind == "cpu":
+        threads = torch.get_num_threads()
+        drives += f" with {threads} thread{'s' if threads > 1 else ''}"
     who = f"{processes} processes, each {drives}" if processes > 1 else f"1 process {drives}"
     batch, accumulation = cfg.dataset.batch_size, cfg.parallel.gradient_accumulation
     micro = split_sizes(batch, min(accumulation, batch))[0]
@@ -538,10 +541,14 @@ def _worker_trainer(
     logs.setup(
         run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
     )
-    if strategy.world_size > 1:
-        if strategy.device.type == "cpu":  # the machine's cores shared among its workers
+    if strategy.device.type == "cpu":
+        threads = cfg.parallel.cpu_threads
+        if threads != "auto":
+            torch.set_num_threads(threads * len(strategy.devices))
+        elif strategy.world_size > 1:  # the machine's cores shared among its workers
             local = environment.here().local_world_size
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if strategy.world_size > 1:
         from phalanx.strategies.distributed import check_same_config
 
         check_same_config(

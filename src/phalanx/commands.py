@@ -450,7 +450,13 @@ def bench(
             f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})"
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
+    # On the CPU every configuration gets the same threads per device, the most that the largest
+    # one can give each of its processes: otherwise one process would use every core against
+    # workers with one each, and the table would compare thread counts, not devices.
+    threads = None if torch.cuda.is_available() else max(1, strategies.cpu_cores() // max(devices))
+    accelerator = (
+        [] if threads is None else ["parallel.accelerator=cpu", f"parallel.cpu_threads={threads}"]
+    )
     hooks = (
         f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {min(5, steps // 2)}}}}}, "
         f"{{StopAfter: {{steps: {steps}}}}}]"
@@ -475,28 +481,48 @@ def bench(
             )
         [run_dir] = sorted(out_dir.glob(f"{name}-*"))[-1:]
         summary = json.loads((run_dir / "throughput.json").read_text())
-        total = sum(summary["profile"].values()) or 1.0
         rows.append(
             {
                 "devices": n,
                 "samples_per_s": summary.get("samples_per_s", 0.0),
                 "tokens_per_s": summary.get("tokens_per_s"),
                 "mfu": summary.get("mfu"),
-                **{f"{k}_share": v / total for k, v in summary["profile"].items()},
+                **_shares(summary),
             }
         )
     rows = metrics.scaling(rows)
     write_text_atomic(
         out_dir / "bench.json",
-        json.dumps({"config": str(config_path), "steps": steps, "rows": rows}, indent=1),
+        json.dumps(
+            {"config": str(config_path), "steps": steps, "cpu_threads": threads, "rows": rows},
+            indent=1,
+        ),
     )
     _plot_scaling(rows, out_dir / "scaling.png")
-    _print_scaling(rows, out_dir)
+    _print_scaling(rows, out_dir, threads)
     return rows
 
 
-def _print_scaling(rows: list[dict], out_dir: Path) -> None:
-    table = Table(title=f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))")
+def _shares(summary: dict[str, Any]) -> dict[str, float]:
+    """Each part's share of a run's time. The gradient reduction that overlaps backward is timed
+    inside forward and backward; the part of it that computation did not hide is waiting, so it is
+    moved to communication (DDP's sampled average per step, times the steps)."""
+    profile = dict(summary["profile"])
+    sampled = summary.get("backward_communication_s")
+    if sampled:
+        waited = max(sampled["per_step"] - sampled["hidden"], 0.0) * summary.get("steps", 0)
+        waited = min(waited, profile.get("forward_backward", 0.0))
+        profile["forward_backward"] = profile.get("forward_backward", 0.0) - waited
+        profile["communication"] = profile.get("communication", 0.0) + waited
+    total = sum(profile.values()) or 1.0
+    return {f"{k}_share": v / total for k, v in profile.items()}
+
+
+def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None:
+    title = f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))"
+    if threads is not None:
+        title += f"; {threads} CPU thread(s) per device in every run"
+    table = Table(title=title)
     for column in (
         "devices",
         "samples/s",

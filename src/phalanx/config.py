@@ -228,6 +228,11 @@ class ParallelConfig(_Section):
         None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU"
     )
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
+    cpu_threads: StrictInt | Literal["auto"] = Field(
+        "auto",
+        description="torch's threads per device on the CPU; auto: a process alone keeps torch's "
+        "default, and the processes of a machine share its cores",
+    )
     max_restarts: StrictInt = Field(
         0,
         ge=0,
@@ -246,6 +251,13 @@ class ParallelConfig(_Section):
         description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
         "several ranks share one GPU, which nccl refuses",
     )
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _at_least_one(cls, n: int | str) -> int | str:
+        if isinstance(n, int) and n < 1:
+            raise ValueError(f"cpu_threads must be 1 or more, or auto; got {n}")
+        return n
 
     @field_validator("shard_weights")
     @classmethod

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import toy
 
+from phalanx import strategies
+
 pytestmark = pytest.mark.timeout(300)
 _SCRIPT = Path(sys.executable).with_name("phalanx")
 PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
@@ -25,7 +27,7 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
     result = subprocess.run(
         [*PHALANX, "bench", str(path), "--devices", "1,2", "--steps", "20", "--output", str(out)],
         cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},  # torch's defaults
         capture_output=True,
         text=True,
         timeout=240,
@@ -40,3 +42,11 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
     )
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "efficiency" in result.stdout and "samples/s" in result.stdout
+    # the same threads per device in every run, not torch's default in one process against one
+    # thread in each worker; and the all-reduce that backward waits for is communication
+    threads = max(1, strategies.cpu_cores() // 2)
+    assert json.loads((out / "bench.json").read_text())["cpu_threads"] == threads
+    for run in (next(out.glob("devices1-*")), next(out.glob("devices2-*"))):
+        assert f"cpu device with {threads} thread" in (run / "log.txt").read_text()
+    assert f"{threads} CPU thread(s) per device in every run" in " ".join(result.stdout.split())
+    assert rows[0]["communication_share"] == 0 < rows[1]["communication_share"]

@@ -13,6 +13,7 @@ from phalanx import metrics
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
 from phalanx.model import Forward, shard_loss_mean
+from phalanx.strategies.base import ReportsCommunication
 
 log = logging.getLogger("phalanx")
 
@@ -152,6 +153,14 @@ class LogThroughput(Hook):
             "profile": dict(self.trainer.profile),
             "state_bytes": self.trainer.state_bytes(),
         }
+        strategy = self.trainer.strategy
+        sampled = (
+            strategy.backward_communication()
+            if isinstance(strategy, ReportsCommunication)
+            else None
+        )
+        if sampled is not None:  # inside forward_backward: the reduction that overlaps backward
+            out["backward_communication_s"] = {"per_step": sampled[0], "hidden": sampled[1]}
         if seconds > 0:
             out.update(self._figures(seconds, samples))
         return out
