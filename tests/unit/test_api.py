@@ -348,9 +348,11 @@ def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
     towers = {"accelerator": "cpu", "devices": 3, "strategy": "towers", "gradient_accumulation": 2}
     run = phalanx.fit(_raw(hooks=[], parallel=towers))
     said = (run.run_dir / "log.txt").read_text()
+    threads = torch.get_num_threads()
     assert (
-        "strategy towers: 1 process driving 3 cpu devices; precision fp64; global batch 8 per "
-        "optimizer step, 2 micro-batches of up to 4, 1 to 2 per device\n" in said
+        f"strategy towers: 1 process driving 3 cpu devices with {threads} thread"
+        f"{'s' if threads > 1 else ''}; precision fp64; global batch 8 per optimizer step, "
+        "2 micro-batches of up to 4, 1 to 2 per device\n" in said
     )
     if not torch.cuda.is_available():  # accelerator auto: the CPU, and the log says so
         run = phalanx.fit(_raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}))
