@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset, default_collate  # noqa: E402
 
 from bench.common import (  # noqa: E402
     MLP,
@@ -98,7 +98,13 @@ class HandLoop:
         torch.manual_seed(0)
         self.model = MLP(FEATURES, args.hidden, CLASSES)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
-        self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        # tuple items (--tuples): the hand loop names each batch's two tensors, as one would
+        collate = (
+            (lambda items: dict(zip(("x", "y"), default_collate(items)))) if args.tuples else None
+        )
+        self.loader = DataLoader(
+            dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate
+        )
         self.steps_per_epoch = args.steps
         self.clip = args.clip
         self.epoch_losses: list[float] = []
@@ -138,6 +144,7 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
             "class": "bench.common.SharedStreams",
             "key": DATA_KEY,
             "batch_size": args.batch_size,
+            **({"keys": ["x", "y"]} if args.tuples else {}),
         },
         "parallel": {"accelerator": "cpu"},
         "seed": 0,
@@ -249,7 +256,13 @@ class LightningLoop:
             callbacks=[timer],
             deterministic=False,
         )
-        self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
+        # tuple items (--tuples): the hand loop names each batch's two tensors, as one would
+        collate = (
+            (lambda items: dict(zip(("x", "y"), default_collate(items)))) if args.tuples else None
+        )
+        self.loader = DataLoader(
+            dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate
+        )
         self.windows: list[tuple[float, float]] = []
         self.epoch_losses: list[float] = []
         self.start = (0.0, 0.0)
@@ -328,11 +341,12 @@ def optional(name: str, factory, dataset, args, skipped: dict[str, str]):
 
 def make_dataset(args) -> Any:
     n = args.steps * args.batch_size
-    return (
+    items = (
         make_sequences(n, args.tokens, FEATURES, CLASSES)
         if args.tokens
         else make_items(n, FEATURES, CLASSES)
     )
+    return TensorDataset(items.x, items.y) if args.tuples else items
 
 
 def run(args) -> dict[str, Any]:
@@ -342,11 +356,12 @@ def run(args) -> dict[str, Any]:
     REGISTRY[DATA_KEY] = dataset
     skipped: dict[str, str] = {}
     hand = HandLoop(dataset, args)
-    if args.tokens or args.clip:  # the other trainers' loops here train the plain objective
+    if args.tokens or args.clip or args.tuples:  # the other loops here: dict items, plain objective
         others = []
         skipped.update(
             dict.fromkeys(
-                ("Lightning", "Accelerate"), "--tokens and --clip compare with the hand loop only"
+                ("Lightning", "Accelerate"),
+                "--tokens, --clip and --tuples compare with the hand loop only",
             )
         )
     else:
@@ -433,6 +448,7 @@ def run(args) -> dict[str, Any]:
             "warmup": args.warmup,
             "batch_size": args.batch_size,
             "tokens": args.tokens,
+            "tuples": args.tuples,
             "clip": args.clip,
             "hidden": args.hidden,
             "features": FEATURES,
@@ -775,6 +791,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--clip", type=float, default=None, help="clip the gradient norm to this (both loops)"
+    )
+    parser.add_argument(
+        "--tuples",
+        action="store_true",
+        help="items are (x, y) tuples of a TensorDataset, named by dataset.keys (both loops)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
     parser.add_argument(

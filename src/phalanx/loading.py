@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,11 +40,17 @@ class _ShardSampler:
         return self.plan.micro_batches(self.start)
 
 
-def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
+def collate(
+    items: list[Any], name: str = "", keys: tuple[str, ...] | None = None
+) -> dict[str, Any] | None:
     """Stack a list of dict items into a dict batch; an empty shard is None. Items that cannot be
-    stacked are a DataError naming the stream `name`, the key and how the items differ."""
+    stacked are a DataError naming the stream `name`, the key and how the items differ. With
+    `keys` (dataset.keys), items that are tuples, lists or tensors are stacked as they are and the
+    batch is named: one dict per batch, not per sample."""
     if not items:
         return None
+    if keys is not None and not isinstance(items[0], Mapping):
+        return _named_batch(items, keys, name)
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         kind = type(items[0]).__name__
         named = (
@@ -60,6 +66,42 @@ def collate(items: list[Any], name: str = "") -> dict[str, Any] | None:
         return default_collate(items)
     except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
         raise DataError(_why_not_batched(items, name, e)) from e
+
+
+def name_item(item: Any, keys: Sequence[str], name: str) -> Any:
+    """An item as a dict: the parts of a tuple or list under `keys` in order, a tensor or other one
+    value under its one key; a dict as it is."""
+    if isinstance(item, Mapping):
+        return item
+    if isinstance(item, (tuple, list)):
+        if len(item) != len(keys):
+            raise DataError(
+                f"stream {name!r}: an item has {len(item)} parts but dataset.keys names "
+                f"{len(keys)} ({', '.join(keys)}); give one name per part"
+            )
+        return dict(zip(keys, item, strict=True))
+    if len(keys) != 1:
+        raise DataError(
+            f"stream {name!r}: an item is a {type(item).__name__}, one value, but dataset.keys "
+            f"names {len(keys)}; give it one name"
+        )
+    return {keys[0]: item}
+
+
+def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str, Any] | None:
+    first = items[0]
+    parts = len(first) if isinstance(first, (tuple, list)) else None
+    if parts == len(keys) or (parts is None and len(keys) == 1):
+        try:
+            batch = default_collate(items)
+        except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
+            pass  # named one by one below, for the error that says which item or key
+        else:
+            if parts is None:
+                return {keys[0]: batch}
+            if len(batch) == len(keys):
+                return dict(zip(keys, batch, strict=True))
+    return collate([name_item(item, keys, name) for item in items], name)
 
 
 def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
@@ -119,14 +161,20 @@ class _Collate:
     """`collate` for one stream; in worker processes, errors travel back as `_Unbatchable`. An empty
     shard is None, or the zero-size batch `empty` where the strategy runs the model on it too."""
 
-    def __init__(self, name: str, in_worker: bool, empty: Mapping | None = None):
-        self.name, self.in_worker, self.empty = name, in_worker, empty
+    def __init__(
+        self,
+        name: str,
+        in_worker: bool,
+        empty: Mapping | None = None,
+        keys: tuple[str, ...] | None = None,
+    ):
+        self.name, self.in_worker, self.empty, self.keys = name, in_worker, empty, keys
 
     def __call__(self, items: list[Any]) -> dict[str, Any] | _Unbatchable | None:
         if not items and self.empty is not None:
             return dict(self.empty)
         try:
-            return collate(items, self.name)
+            return collate(items, self.name, self.keys)
         except DataError as e:
             if not self.in_worker:
                 raise
@@ -163,16 +211,27 @@ def loader(
     """
     kind = _WorkersLoader if num_workers else DataLoader
     empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+    items, keys = _unnamed(dataset)
     return kind(
-        dataset,
+        items,
         batch_sampler=_ShardSampler(plan, start),
-        collate_fn=_Collate(name, num_workers > 0, empty),
+        collate_fn=_Collate(name, num_workers > 0, empty, keys),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
         prefetch_factor=prefetch_factor,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def _unnamed(dataset: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """The stream that a stream named by dataset.keys wraps, and the keys, so that the loader
+    reads the items as they are and names whole batches."""
+    from phalanx.data import NamedItems  # phalanx.data imports this module
+
+    if isinstance(dataset, NamedItems):
+        return dataset.stream, dataset.keys
+    return dataset, None
 
 
 def base_seed(seed: int) -> int:
@@ -263,12 +322,13 @@ class Loaders:
         if made is None or made[0] is not dataset:
             sampler = _ShardSampler(plan, start, token)
             empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+            items, keys = _unnamed(dataset)
             made = self._made[name, training] = (
                 dataset,
                 _WorkersLoader(
-                    _Reseeded(dataset),
+                    _Reseeded(items),
                     batch_sampler=sampler,
-                    collate_fn=_Collate(name, True, empty),
+                    collate_fn=_Collate(name, True, empty, keys),
                     persistent_workers=True,
                     generator=torch.Generator().manual_seed(seed),
                     **self.options,
