@@ -191,3 +191,27 @@ def test_gpt_in_bf16_with_compile_learns_on_the_gpu(tmp_path):
     assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(
         float(row["valid.loss"]), rel=2e-2
     )
+
+
+class _NegativeWeights(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        prediction = self.layer(x).squeeze(-1)
+        return {"loss": (prediction - y) ** 2, "loss_weight": torch.full_like(y, -1.0)}
+
+
+def test_negative_loss_weights_on_the_gpu_are_refused_at_the_epochs_end(tmp_path, monkeypatch):
+    """On the GPU the check is not read every micro-batch (that would wait for the device), but
+    the run still fails, at the end of its first epoch."""
+    import phalanx
+    from phalanx.errors import ModelError
+
+    monkeypatch.chdir(tmp_path)
+    raw = scenario("cuda")
+    raw["hooks"] = []
+    streams = toy.Regression(n_train=N_TRAIN).streams()
+    with pytest.raises(ModelError, match="'loss_weight' holds negative weights"):
+        phalanx.fit(raw, model=_NegativeWeights(), dataset=streams)
