@@ -40,7 +40,9 @@ class Run:
     """A run that `fit` or `resume` ended."""
 
     run_dir: Path
-    code: int  # the command's exit code: 0 finished (or stopped by a hook), 1 failed, 128 + N interrupted by signal N
+    # the command's exit code: 0 finished (or stopped by a hook), 1 failed, 128 + N interrupted by
+    # signal N
+    code: int
     metrics: dict[str, float]  # the last evaluation's numbers, as {"valid.loss": ...}
     _model: nn.Module | None = field(default=None, repr=False)
 
@@ -53,8 +55,8 @@ class Run:
         """The trained module, as this process holds it (on its device; its shards under fsdp)."""
         if self._model is None:
             raise PhalanxError(
-                f"the run trained in worker processes, so this process holds no model; read it from "
-                f"a checkpoint: phalanx.load({str(self.run_dir)!r})"
+                "the run trained in worker processes, so this process holds no model; read it "
+                f"from a checkpoint: phalanx.load({str(self.run_dir)!r})"
             )
         return self._model
 
@@ -68,7 +70,8 @@ def fit(
     hooks: Sequence[Any] | None = None,
     nodes: launch.Nodes | None = None,
 ) -> Run:
-    """Train a new run: `config_source` is a YAML file or a dict, `overrides` its `KEY=VALUE` changes.
+    """Train a new run: `config_source` is a YAML file or a dict, `overrides` its `KEY=VALUE`
+    changes.
 
     `model`: a module, in place of `model.class`; `dataset`: an object with `streams()`, or
     `{"train": ..., "valid": ...}`, in place of `dataset.class`; `hooks`: Hook objects, called after
@@ -134,7 +137,8 @@ def resume(
     nodes: launch.Nodes | None = None,
 ) -> Run:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device
-    count; `overrides` change its config from here on. A run trained with objects is given them again."""
+    count; `overrides` change its config from here on. A run trained with objects is given them
+    again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     run_dir = rundir.open_run(run_path, announce=False)
     objects = Objects.given(model, dataset, hooks)
@@ -158,7 +162,8 @@ def load(
 ) -> nn.Module:
     """A run's model with the weights of its `checkpoint` (best, latest, a step, or auto: the best
     where there is one, else the latest), on the CPU, in eval mode, in the dtype it was trained in;
-    saved whole or in shards, on any process count. The module is built as the run's config says, or is `model`, given."""
+    saved whole or in shards, on any process count. The module is built as the run's config says, or
+    is `model`, given."""
     logs.setup(None)
     run_dir = rundir.open_run(run_path, announce=model is None)  # a model given imports nothing
     if model is None:
@@ -212,7 +217,8 @@ def predict(
 ) -> dict[str, torch.Tensor]:
     """A checkpoint's per-sample values on a stream (`phalanx predict`): every batch key and model
     output, and `<output>.class` for class scores, each an array whose first dimension is the
-    sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors arrays)."""
+    sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors
+    arrays)."""
     from phalanx import commands
 
     if output is not None:
@@ -248,11 +254,11 @@ def _read(
 def _in_this_process(cfg: config.Config) -> str:
     devices = strategies.resolve_device(cfg)[1]
     return (
-        f"a model, dataset or hooks given as objects train in this process, but the config asks for "
-        f"{devices} processes ({strategies.strategy_name(cfg)} on parallel.devices={devices}); start the script "
-        f"with `torchrun --nproc-per-node {devices} script.py` (each process calls phalanx.fit), use "
-        "parallel.strategy=towers (one process driving several devices), or name the classes in the config "
-        "instead of giving objects"
+        "a model, dataset or hooks given as objects train in this process, but the config asks "
+        f"for {devices} processes ({strategies.strategy_name(cfg)} on parallel.devices={devices}); "
+        f"start the script with `torchrun --nproc-per-node {devices} script.py` (each process "
+        "calls phalanx.fit), use parallel.strategy=towers (one process driving several devices), "
+        "or name the classes in the config instead of giving objects"
     )
 
 
@@ -268,13 +274,13 @@ def check_objects_given(
         given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
         raise RunDirError(
             f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
-            f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to build; "
-            f"give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})"
+            f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to "
+            f"build; give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})"
         )
     if "hooks" in recorded and not objects.hooks and command == "resume":
         log.warning(
-            "%s was trained with hooks given as objects (%s); they are not part of this resume: pass "
-            "them again with hooks=[...]",
+            "%s was trained with hooks given as objects (%s); they are not part of this resume: "
+            "pass them again with hooks=[...]",
             run_dir,
             ", ".join(recorded["hooks"]),
         )
@@ -393,7 +399,8 @@ def _resume(
 @contextlib.contextmanager
 def _training_lock(run_dir: Path, command: str):
     """The run directory's lock, held while this process trains there (see runlock): by the launcher
-    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take it."""
+    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take
+    it."""
     place = environment.here()
     if place.in_group and place.rank != 0:
         yield
@@ -430,7 +437,8 @@ def _work(
         if started:  # after a worker failed, or (in an elastic job) when the machines changed
             resume = bool(steps)
             log.warning(
-                "the workers started again in this run (a worker failed, or the machines changed): %s",
+                "the workers started again in this run (a worker failed, or the machines "
+                "changed): %s",
                 "it resumes from the last checkpoint"
                 if resume
                 else "no checkpoint yet, so it starts over",
@@ -464,8 +472,8 @@ def _work(
 
 
 def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
-    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step; every
-    rank takes the same step. Returns it."""
+    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step;
+    every rank takes the same step. Returns it."""
     strategy, checkpoints = trainer.strategy, trainer.checkpoints
     if strategy.is_main:
         checkpoints.clean_stale()

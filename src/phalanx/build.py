@@ -40,8 +40,8 @@ def build_optimizer(
     batch_size: int,
     fused: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters; on CUDA, the fused kernel where the class has one
-    and the config does not choose."""
+    """The optimizer over the trainable parameters; on CUDA, the fused kernel where the class has
+    one and the config does not choose."""
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
@@ -100,7 +100,8 @@ def build_schedulers(
     Both act multiplicatively on the learning rate, so a warm-up composes with any chainable
     scheduler (StepLR, CosineAnnealingLR, ExponentialLR ...). A scheduler argument given as `auto`
     (OneCycleLR's total_steps, CosineAnnealingLR's T_max, LinearLR's total_iters ...) is the number
-    of times the scheduler steps in the whole run: the optimizer steps of every epoch, or the epochs.
+    of times the scheduler steps in the whole run: the optimizer steps of every epoch, or the
+    epochs.
     """
     schedulers: list[tuple[Any, str]] = []
     warmup = cfg.optimizer.warmup_steps
@@ -122,8 +123,9 @@ def build_schedulers(
         if auto:
             if steps_per_epoch is None:
                 raise ConfigError(
-                    f"scheduler: {', '.join(auto)}: auto is the run's length, which an iterable training "
-                    "stream without __len__ does not tell; give the number of steps instead"
+                    f"scheduler: {', '.join(auto)}: auto is the run's length, which an iterable "
+                    "training stream without __len__ does not tell; give the number of steps "
+                    "instead"
                 )
             length = cfg.main_loop.epochs * (
                 steps_per_epoch if cfg.scheduler.interval == "step" else 1

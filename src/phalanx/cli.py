@@ -65,10 +65,12 @@ SUBCOMMANDS = {
           phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling""",
     ),
     "slurm": (
-        "write a Slurm batch script that trains a config on several machines, requeued on preemption",
+        "write a Slurm batch script that trains a config on several machines, requeued on "
+        "preemption",
         """\
         examples:
-          phalanx slurm config.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 --output train.sbatch
+          phalanx slurm config.yaml --nodes 4 --gpus-per-node 8 --time 24:00:00 \\
+              --output train.sbatch
           sbatch train.sbatch""",
     ),
     "k8s": (
@@ -86,12 +88,14 @@ SUBCOMMANDS = {
           phalanx ls runs""",
     ),
     "doctor": (
-        "before a long job: try the config's devices, backend and an all-reduce among its processes",
+        "before a long job: try the config's devices, backend and an all-reduce among its "
+        "processes",
         """\
         examples:
           phalanx doctor config.yaml
           phalanx doctor config.yaml parallel.devices=8
-          phalanx doctor config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400   (on each machine)""",
+          phalanx doctor config.yaml --nnodes 2 --node-rank 0 --rdzv 10.0.0.1:29400
+              (on each machine)""",
     ),
     "info": (
         "show versions, devices and distributed backends",
@@ -269,8 +273,8 @@ def _nodes(args: argparse.Namespace):
         return None
     if args.node_rank is None or args.rdzv is None:
         raise PhalanxError(
-            f"--nnodes {args.nnodes} needs --node-rank (this machine's, 0 .. {args.nnodes - 1}) and "
-            "--rdzv HOST:PORT (node 0's address), the same --rdzv on every machine"
+            f"--nnodes {args.nnodes} needs --node-rank (this machine's, 0 .. {args.nnodes - 1}) "
+            "and --rdzv HOST:PORT (node 0's address), the same --rdzv on every machine"
         )
     if not 0 <= args.node_rank < args.nnodes:
         raise PhalanxError(f"--node-rank {args.node_rank} is not among 0 .. {args.nnodes - 1}")

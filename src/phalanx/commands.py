@@ -80,7 +80,7 @@ def _restored(
 def evaluate(
     run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None
 ) -> dict[str, Any]:
-    """Metrics of a checkpoint on a stream, computed by the run's metric hooks; saved as JSON too."""
+    """A checkpoint's metrics on a stream, computed by the run's metric hooks; saved as JSON too."""
     run_dir, cfg = _open(run_path, "evaluate", objects)
     metric_hooks = [
         h
@@ -138,10 +138,10 @@ class _Collect(Hook):
         self.count += n
 
     def arrays(self) -> dict[str, torch.Tensor]:
-        """Each value over every sample, the first dimension the sample, and `index` (dataset order).
-        A value whose shape per sample changes between batches (a sequence padded to each batch's
-        longest) has no one array and is left out, as are values that are not per-sample tensors:
-        the log says which."""
+        """Each value over every sample, the first dimension the sample, and `index` (dataset
+        order). A value whose shape per sample changes between batches (a sequence padded to each
+        batch's longest) has no one array and is left out, as are values that are not per-sample
+        tensors: the log says which."""
         arrays = {}
         for key, parts in self.columns.items():
             shapes = sorted({tuple(part.shape[1:]) for part in parts})
@@ -160,7 +160,7 @@ class _Collect(Hook):
         return {"index": torch.arange(self.count), **arrays}
 
     def rows(self, arrays: dict[str, torch.Tensor]) -> tuple[list[dict[str, Any]], list[str]]:
-        """CSV rows: a column per one-value key, one per value of small tensors; the keys left out."""
+        """CSV rows: a column per one-value key, one per value of small tensors; keys left out."""
         flat, left = {}, []
         for key, array in arrays.items():
             values = array.reshape(len(array), -1)
@@ -182,7 +182,8 @@ def check_output(output: str, example: str) -> None:
         )
     if not Path(output).resolve().parent.is_dir():
         raise PhalanxError(
-            f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it first"
+            f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it "
+            "first"
         )
 
 
@@ -224,14 +225,16 @@ def write_predictions(
     logs.out.print(f"wrote {len(rows)} rows to {output}")
     if left:
         logs.out.print(
-            f"left out of the CSV: {', '.join(left)}; write them whole with --output FILE.safetensors"
+            f"left out of the CSV: {', '.join(left)}; write them whole with --output "
+            "FILE.safetensors"
         )
     return len(rows)
 
 
 def export(run_path: str, output: str, which: str) -> int:
     """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
-    returns the number of tensors. The model's code is not needed: the checkpoint holds every name."""
+    returns the number of tensors. The model's code is not needed: the checkpoint holds every
+    name."""
     check_output(output, "model.safetensors")
     logs.setup(None)
     run_dir = rundir.open_run(run_path)
@@ -243,7 +246,8 @@ def export(run_path: str, output: str, which: str) -> int:
 
 
 def cluster_job(args: Any) -> str:
-    """`phalanx slurm` or `phalanx k8s`: the job file for the config, written to --output or printed."""
+    """`phalanx slurm` or `phalanx k8s`: the job file for the config, written to --output or
+    printed."""
     from phalanx import clusters
 
     cfg, _ = config.load(args.config, args.overrides)
@@ -308,7 +312,8 @@ def list_runs(root: str) -> list[dict[str, Any]]:
 
 
 def _best(path: Path) -> str:
-    """best.json as `variable=value @ step`; a damaged one is shown as such, not a crash of the listing."""
+    """best.json as `variable=value @ step`; a damaged one is shown as such, not a crash of the
+    listing."""
     if not path.is_file():
         return ""
     try:
@@ -401,7 +406,8 @@ def doctor(config_path: str, overrides: list[str], nodes: launch.Nodes | None = 
     if wrong:
         raise PhalanxError(
             f"the all-reduce gave a wrong sum on rank(s) {wrong}: the processes do not reach each "
-            "other as they should; check the network interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)"
+            "other as they should; check the network interface (GLOO_SOCKET_IFNAME, "
+            "NCCL_SOCKET_IFNAME)"
         )
     logs.out.print(f"all {len(reports)} process(es) ready")
     return reports
@@ -457,8 +463,9 @@ def bench(
     accelerator = (
         [] if threads is None else ["parallel.accelerator=cpu", f"parallel.cpu_threads={threads}"]
     )
+    warmup = min(5, steps // 2)
     hooks = (
-        f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {min(5, steps // 2)}}}}}, "
+        f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {warmup}}}}}, "
         f"{{StopAfter: {{steps: {steps}}}}}]"
     )
     rows = []

@@ -93,7 +93,8 @@ class ModelConfig(_ClassSection):
     )
     init_from: InitFromConfig | None = Field(
         None,
-        description="start from trained weights: a run directory or a .safetensors file, or {path, checkpoint, strict}",
+        description="start from trained weights: a run directory or a .safetensors file, or "
+        "{path, checkpoint, strict}",
     )
 
     @field_validator("init_from", mode="before")
@@ -142,7 +143,8 @@ class DatasetConfig(_ClassSection):
     prefetch_factor: StrictInt | None = Field(
         None,
         ge=1,
-        description="batches each DataLoader worker prepares ahead (torch's default, 2, where unset)",
+        description="batches each DataLoader worker prepares ahead (torch's default, 2, where "
+        "unset)",
     )
     keys: list[str] | None = Field(
         None,
@@ -155,8 +157,9 @@ class DatasetConfig(_ClassSection):
     )
     persistent_workers: bool | Literal["auto"] = Field(
         "auto",
-        description="keep each stream's DataLoader workers for the whole run instead of starting them "
-        "every epoch (they are seeded each epoch as fresh ones would be); auto: where there are workers",
+        description="keep each stream's DataLoader workers for the whole run instead of starting "
+        "them every epoch (they are seeded each epoch as fresh ones would be); auto: where "
+        "there are workers",
     )
 
     @field_validator("num_workers")
@@ -190,12 +193,13 @@ class FSDPConfig(_Section):
 
     shard: list[str] | None = Field(
         None,
-        description="module class names sharded as units of their own; default every child of the model "
-        "that holds parameters, then the model itself",
+        description="module class names sharded as units of their own; default every child of "
+        "the model that holds parameters, then the model itself",
     )
     param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
         None,
-        description="the dtype parameters are gathered in for forward and backward; default their own",
+        description="the dtype parameters are gathered in for forward and backward; default "
+        "their own",
     )
     reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
         None, description="the dtype gradients are reduced in; default param_dtype's"
@@ -205,9 +209,9 @@ class FSDPConfig(_Section):
     )
     init: Literal["full", "meta"] = Field(
         "full",
-        description="full: every rank builds the whole model, then keeps its shards; meta: the model is "
-        "built without memory and each module's reset_parameters() fills its shards one module "
-        "at a time, so the whole model is never in one process's memory",
+        description="full: every rank builds the whole model, then keeps its shards; meta: the "
+        "model is built without memory and each module's reset_parameters() fills its shards "
+        "one module at a time, so the whole model is never in one process's memory",
     )
 
 
@@ -236,8 +240,8 @@ class ParallelConfig(_Section):
     max_restarts: StrictInt = Field(
         0,
         ge=0,
-        description="times the workers are started again after one fails; each attempt resumes from "
-        "the last checkpoint (one machine)",
+        description="times the workers are started again after one fails; each attempt resumes "
+        "from the last checkpoint (one machine)",
     )
     ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
     towers: TowersConfig = Field(
@@ -280,8 +284,9 @@ class MainLoopConfig(_Section):
     eval_every_n_steps: StrictInt | None = Field(
         None,
         ge=1,
-        description="evaluate the extra streams, and end an evaluation round (the after_epoch hooks: "
-        "checkpoints, early stopping, logs), every N optimizer steps instead of every epoch",
+        description="evaluate the extra streams, and end an evaluation round (the after_epoch "
+        "hooks: checkpoints, early stopping, logs), every N optimizer steps instead of every "
+        "epoch",
     )
 
 
@@ -327,8 +332,9 @@ class Config(_Section):
     )
     cudnn_benchmark: bool = Field(
         False,
-        description="let cuDNN time its convolution algorithms and keep the fastest (faster convolutions of "
-        "fixed shapes; the choice, and so the last bits of the results, may differ between runs)",
+        description="let cuDNN time its convolution algorithms and keep the fastest (faster "
+        "convolutions of fixed shapes; the choice, and so the last bits of the results, may "
+        "differ between runs)",
     )
     matmul_precision: Literal["highest", "high", "medium"] = Field(
         "highest",
@@ -398,8 +404,8 @@ def validate(raw: dict) -> Config:
 
 
 def _merge_alternatives(messages: list[str]) -> list[str]:
-    """A union's failed members at one key as one message: `parallel.devices: Input should be a valid
-    integer or 'auto' (got True)`, not one message per member."""
+    """A union's failed members at one key as one message: `parallel.devices: Input should be a
+    valid integer or 'auto' (got True)`, not one message per member."""
     merged: list[str] = []
     for message in messages:
         head, sep, rest = message.partition(": Input should be ")
@@ -531,7 +537,8 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a class with config arguments; a keyword it refuses is a ConfigError naming the ones it
     declares. Its signature is a hint, not the truth: a constructor may take more keywords than it
     declares (Hugging Face configs do), so the call decides which it takes. The hint still refuses,
-    before the call, a boolean for a number and a fraction for an integer, which Python would take."""
+    before the call, a boolean for a number and a fraction for an integer, which Python would
+    take."""
     params = _parameters(factory)
     for key, value in kwargs.items():
         _check_number(section, factory, key, value, params.get(key))

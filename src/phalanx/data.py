@@ -2,9 +2,9 @@
 
 Epoch `e` visits the training samples in the order `Order(seed, e, n)`; global step `k` takes
 `order[k*B:(k+1)*B]` (the last batch may be short). Each global batch is cut into
-`gradient_accumulation` micro-batches, and each micro-batch into contiguous shards in rank order.
-A rank's DataLoader (see `phalanx.loading`) reads only its own shards. A cursor (epoch, step) says where
-to continue.
+`gradient_accumulation` micro-batches, and each micro-batch into contiguous shards in rank order. A
+rank's DataLoader (see `phalanx.loading`) reads only its own shards. A cursor (epoch, step) says
+where to continue.
 
 The order is a keyed bijection of [0, n) computed per position (a Feistel network on the smallest
 even number of bits that holds n, walked again from any value >= n until it lands below n), so
@@ -74,9 +74,9 @@ class Order:
             yield from self._block(block)
 
     def _block(self, block: int) -> list[int]:
-        """The indices at positions [block * _BLOCK, (block + 1) * _BLOCK), computed together (a step's
-        few positions alone would cost the tensor operations' overhead each time) and kept until
-        another block is asked for: the memory of one block, whatever n."""
+        """The indices at positions [block * _BLOCK, (block + 1) * _BLOCK), computed together (a
+        step's few positions alone would cost the tensor operations' overhead each time) and kept
+        until another block is asked for: the memory of one block, whatever n."""
         if self._cached[0] != block:
             start = block * _BLOCK
             self._cached = (
@@ -114,8 +114,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def epoch_order(seed: int, epoch: int, n: int, kind: str = FEISTEL) -> Sequence[int]:
-    """The order of epoch `epoch`: a function of the seed and the epoch alone. `kind` randperm is the
-    order of runs that began before the Feistel order (a list of every index, drawn by torch.randperm)."""
+    """The order of epoch `epoch`: a function of the seed and the epoch alone. `kind` randperm is
+    the order of runs that began before the Feistel order (a list of every index, drawn by
+    torch.randperm)."""
     if kind == RANDPERM:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         return torch.randperm(n, generator=generator).tolist()
@@ -128,13 +129,13 @@ def permutation(seed: int, epoch: int, n: int) -> list[int]:
 
 
 def split_sizes(n: int, parts: int, weights: Sequence[float] | None = None) -> list[int]:
-    """Sizes of `parts` contiguous pieces of `n`: equal to within one, or in proportion to weights."""
+    """Sizes of `parts` contiguous pieces of `n`: equal within one, or in proportion to weights."""
     if weights is None:
         base, extra = divmod(n, parts)
         return [base + (i < extra) for i in range(parts)]
     total = sum(weights)
     bounds = [round(n * sum(weights[:i]) / total) for i in range(parts + 1)]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def split(
@@ -200,7 +201,8 @@ class Plan:
         return [Micro(shard, n, any_empty) for shard in shards]
 
     def micro_batches(self, start: int = 0) -> int:
-        """Micro-batches in steps `start` on: counted, not made (an epoch may hold billions of samples)."""
+        """Micro-batches in steps `start` on: counted, not made (an epoch may hold billions of
+        samples)."""
         steps = len(self) - start
         if steps <= 0:
             return 0
@@ -280,20 +282,21 @@ def get_stream(dataset: Any, name: str) -> Any:
     if is_iterable(stream):
         if not hasattr(stream, "__iter__"):
             raise DataError(
-                f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset (with "
-                "__getitem__ and __len__) or an iterable one (an IterableDataset, with __iter__)"
+                f"stream {name!r} is a {type(stream).__name__}; it must be a map-style dataset "
+                "(with __getitem__ and __len__) or an iterable one (an IterableDataset, with "
+                "__iter__)"
             )
         if hasattr(stream, "__next__"):
             raise DataError(
-                f"stream {name!r} is an iterator ({type(stream).__name__}), which can be read only once; "
-                "give an iterable that starts again at each iter(), such as an IterableDataset, or a "
-                "map-style dataset"
+                f"stream {name!r} is an iterator ({type(stream).__name__}), which can be read only "
+                "once; give an iterable that starts again at each iter(), such as an "
+                "IterableDataset, or a map-style dataset"
             )
         return stream
     if not hasattr(stream, "__len__"):
         raise DataError(
-            f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; give "
-            "it __len__ (a map-style dataset), or make it an IterableDataset"
+            f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; "
+            "give it __len__ (a map-style dataset), or make it an IterableDataset"
         )
     if (
         len(stream) == 0
@@ -320,12 +323,12 @@ def stream_length(stream: Any) -> int | None:
 
 
 class StreamSteps:
-    """The global steps of an iterable stream: each takes the next `batch_size` items in the stream's
-    own order (the last may be short), cut into micro-batches and shards exactly as `Plan` cuts
-    positions. Every rank reads every item and keeps its own shards, so the global batches are those
-    of one process on any number of them; the reading is repeated on each rank. Yields (step, [(micro,
-    batch) ...]) from step `start`: the items of the steps before are read and dropped, unless
-    `positioned` (the stream restored its own position)."""
+    """The global steps of an iterable stream: each takes the next `batch_size` items in the
+    stream's own order (the last may be short), cut into micro-batches and shards exactly as `Plan`
+    cuts positions. Every rank reads every item and keeps its own shards, so the global batches are
+    those of one process on any number of them; the reading is repeated on each rank. Yields (step,
+    [(micro, batch) ...]) from step `start`: the items of the steps before are read and dropped,
+    unless `positioned` (the stream restored its own position)."""
 
     def __init__(
         self,
@@ -356,7 +359,8 @@ class StreamSteps:
             if skipped < self.start * self.batch_size:
                 raise DataError(
                     f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
-                    f"{self.start} steps of {self.batch_size} into it: is it the stream the run began with?"
+                    f"{self.start} steps of {self.batch_size} into it: is it the stream the run "
+                    "began with?"
                 )
         k = self.start
         while True:
@@ -366,8 +370,8 @@ class StreamSteps:
                     k == 0
                 ):  # training on it would take no step, and its metrics would be those of nothing
                     raise DataError(
-                        f"stream {self.name!r} yielded no item; a stream needs at least one sample: "
-                        "check what it reads (its path, split or filter)"
+                        f"stream {self.name!r} yielded no item; a stream needs at least one "
+                        "sample: check what it reads (its path, split or filter)"
                     )
                 return
             first = k * self.batch_size
@@ -392,11 +396,11 @@ class StreamSteps:
 
 
 class TokenWindows:
-    """A flat file of token ids (the `train.bin` layout: one array of `dtype`, no header), memory-mapped
-    and read as a map-style stream of non-overlapping windows. Item i is tokens [i*block_size,
-    i*block_size + block_size + 1): `{"tokens": its first block_size, "targets": its last block_size}`
-    (int64), the next-token pairs a language model trains on. Reading a window reads only its pages,
-    so the file may be far larger than memory."""
+    """A flat file of token ids (the `train.bin` layout: one array of `dtype`, no header),
+    memory-mapped and read as a map-style stream of non-overlapping windows. Item i is tokens
+    [i*block_size, i*block_size + block_size + 1): `{"tokens": its first block_size, "targets": its
+    last block_size}` (int64), the next-token pairs a language model trains on. Reading a window
+    reads only its pages, so the file may be far larger than memory."""
 
     def __init__(
         self,
@@ -412,8 +416,8 @@ class TokenWindows:
             self.dtype = np.dtype(dtype)
         except TypeError:
             raise DataError(
-                f"TokenWindows: dtype {dtype!r} is not a numpy dtype; use uint16 (vocabularies up to "
-                "65536) or uint32"
+                f"TokenWindows: dtype {dtype!r} is not a numpy dtype; use uint16 (vocabularies up "
+                "to 65536) or uint32"
             ) from None
         if not self.path.is_file():
             raise DataError(
@@ -423,8 +427,8 @@ class TokenWindows:
         size = self.path.stat().st_size
         if size % self.dtype.itemsize:
             raise DataError(
-                f"TokenWindows: {self.path} holds {size} bytes, not a whole number of {self.dtype.name} "
-                f"tokens ({self.dtype.itemsize} bytes each); is dtype right?"
+                f"TokenWindows: {self.path} holds {size} bytes, not a whole number of "
+                f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); is dtype right?"
             )
         self.tokens = size // self.dtype.itemsize
         self._map = (

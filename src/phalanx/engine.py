@@ -81,7 +81,8 @@ class GradNorms:
 
 class Engine:
     """The contract's arithmetic for one optimizer step. The strategy decides how the micro-batches'
-    forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward` here."""
+    forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward`
+    here."""
 
     def __init__(
         self,
@@ -139,9 +140,9 @@ class Engine:
         device: torch.device | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
         """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
-        sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the global
-        batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call` and
-        `device`: another replica of the model, and where its batch goes (a strategy's towers).
+        sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the
+        global batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call`
+        and `device`: another replica of the model, and where its batch goes (a strategy's towers).
         Where the model weighs its samples, the part is the pair (sum w_i l_i, sum w_i) / B times
         `scale`, and each sample's gradient w_i / B times `scale`."""
         n = len(micro.shard)
@@ -152,7 +153,8 @@ class Engine:
         weights = data.get(WEIGHT)
         if weights is not None:
             return self._weighted(loss, weights, scale / micro.global_size, data, tokens)
-        if not n:  # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
+        # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
+        if not n:
             return loss.sum() * 0.0, None, loss.detach().new_zeros(()), data
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
             part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
@@ -203,7 +205,8 @@ class Engine:
 
     def _clip(self, max_norm: float) -> bool:
         """Scale the gradients so that their global norm (over every rank and shard) is at most
-        `max_norm`; whether the step may go on: a norm that is not finite skips it, and is counted."""
+        `max_norm`; whether the step may go on: a norm that is not finite skips it, and is
+        counted."""
         if self.precision.scaler is not None:
             self.precision.scaler.unscale_(self.optimizer)
         parameters = [p for p in self._parameters() if p.grad is not None]
@@ -217,8 +220,8 @@ class Engine:
                 return True
             if self.norms.nonfinite == 1:
                 log.warning(
-                    "the gradient norm is not finite (%s) at step %d: the step is skipped; such steps "
-                    "are counted in the epoch's grad_norm_nonfinite",
+                    "the gradient norm is not finite (%s) at step %d: the step is skipped; such "
+                    "steps are counted in the epoch's grad_norm_nonfinite",
                     value,
                     self.norms.count + 1,
                 )
@@ -229,8 +232,8 @@ class Engine:
     def backward(
         self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None
     ) -> None:
-        """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that must
-        reach its reduction through autograd, unscaled)."""
+        """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that
+        must reach its reduction through autograd, unscaled)."""
         self.precision.backward(loss, gradient, also)
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
@@ -253,7 +256,8 @@ class Engine:
     def eval_forward(
         self, batch: Mapping, call: Forward | None = None, device: torch.device | None = None
     ) -> dict:
-        """Outputs of the model (or of the replica `call`, its batch on `device`) on a batch, gradients off."""
+        """Outputs of the model (or of the replica `call`, its batch on `device`) on a batch,
+        gradients off."""
         if self.module.training:
             self.module.eval()
         with torch.no_grad():
@@ -328,7 +332,7 @@ def _first_dim(batch: Mapping) -> int:
 
 
 def concat(parts: list[dict | None]) -> dict:
-    """Batch data joined along the batch dimension, in order; None parts (empty shards) are skipped."""
+    """Batch data joined along the batch dimension, in order; None parts (empty shards) skipped."""
     if len(parts) == 1:  # one micro-batch: the common case, every step
         return parts[0] or {}
     parts = [p for p in parts if p]

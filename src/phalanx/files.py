@@ -91,7 +91,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], sync: bool = F
 
 
 def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
-    """Write `text` (UTF-8) to `path` through a temporary file and a rename; `sync` also fsyncs it."""
+    """Write `text` (UTF-8) to `path` through a temporary file and a rename; `sync` fsyncs it."""
     data = text.encode("utf-8")
     write_atomic(path, lambda f: f.write(data), sync)
 

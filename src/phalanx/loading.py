@@ -54,13 +54,14 @@ def collate(
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
         kind = type(items[0]).__name__
         named = (
-            "name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a dict"
+            "name their parts with dataset.keys, e.g. dataset.keys: [image, label], or return a "
+            "dict"
             if isinstance(items[0], (tuple, list))
             else "name them with dataset.keys: [x], or return a dict"
         )
         raise DataError(
-            f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got {kind}: "
-            f"{named} from __getitem__"
+            f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got "
+            f"{kind}: {named} from __getitem__"
         )
     try:
         return default_collate(items)
@@ -133,12 +134,15 @@ def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
             " ..." if len(distinct) > 3 else ""
         )
         return (
-            f"items of different shapes {shown} cannot be stacked into one batch; give every item's "
-            f"{key!r} one shape in the dataset (pad or crop it)"
+            f"items of different shapes {shown} cannot be stacked into one batch; give every "
+            f"item's {key!r} one shape in the dataset (pad or crop it)"
         )
     types = list(dict.fromkeys(type(v).__name__ for v in values))
     if len(types) > 1:
-        return f"items hold values of different types ({', '.join(types)}); give every item's {key!r} one type"
+        return (
+            f"items hold values of different types ({', '.join(types)}); give every item's "
+            f"{key!r} one type"
+        )
     return (
         f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
         "or dicts and lists of them"
@@ -388,8 +392,8 @@ def loader_options(cfg: Config, strategy: Strategy) -> tuple[dict[str, Any], boo
         value = getattr(cfg.dataset, key)
         if value not in (None, "auto", False) and not options["num_workers"]:
             raise ConfigError(
-                f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has none; "
-                f"set dataset.num_workers, or remove {key}"
+                f"dataset.{key}={str(value).lower()} is for DataLoader workers, but this run has "
+                f"none; set dataset.num_workers, or remove {key}"
             )
     if cfg.dataset.prefetch_factor is not None:
         options["prefetch_factor"] = cfg.dataset.prefetch_factor

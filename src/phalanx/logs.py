@@ -37,8 +37,8 @@ class RunLog(logging.FileHandler):
             return
         self.failed = True
         print(
-            f"phalanx: warning: {storage_error(Path(self.baseFilename), error)}; the log continues on the console "
-            "only",
+            f"phalanx: warning: {storage_error(Path(self.baseFilename), error)}; the log "
+            "continues on the console only",
             file=sys.stderr,
         )
 

@@ -48,7 +48,8 @@ class Forward:
         search_dirs: list[Path] = (),
         inner: nn.Module | None = None,
     ):
-        """`module` is called; `inner` (the user's module inside any wrapper) says what forward takes."""
+        """`module` is called; `inner` (the user's module inside any wrapper) says what forward
+        takes."""
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
@@ -61,7 +62,8 @@ class Forward:
         self.ignore_index = _ignore_index(self.loss_fn, self.loss_kwargs) if cfg.loss else None
         user = inner if inner is not None else module
         self.params, self.takes_all = _forward_params(user)
-        # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or "other"
+        # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or
+        # "other"
         self.hugging_face = _hugging_face_kind(user) if cfg.loss is None else None
         if (
             self.hugging_face
@@ -74,7 +76,7 @@ class Forward:
         self.output_names: list[str] = []
 
     def bound_to(self, module: nn.Module) -> Forward:
-        """The same adapter calling another module of the same class (a replica on another device)."""
+        """The same adapter calling another module of its class (a replica on another device)."""
         other = copy.copy(self)
         other.module, other.output_names = module, []
         return other
@@ -146,7 +148,7 @@ class Forward:
                 f"the model returned {len(values)} values but model.outputs names "
                 f"{len(self.outputs)}: {self.outputs}"
             )
-        return dict(zip(self.outputs, values))
+        return dict(zip(self.outputs, values, strict=True))
 
     def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> Loss:
         """The configured loss per sample (see `per_sample_loss`)."""
@@ -167,7 +169,8 @@ class Forward:
         )
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
-        """The loss function's keywords; lists (pos_weight, weight) as tensors beside the prediction."""
+        """The loss function's keywords; lists (pos_weight, weight) as tensors beside the
+        prediction."""
         return {
             k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
             if isinstance(v, list)
@@ -177,9 +180,10 @@ class Forward:
 
 
 class Loss(NamedTuple):
-    """A loss computed here: per sample, each sample's weight (None: all alike), and where the loss is
-    over tokens, their losses in the autograd graph (`per_sample` is then detached: the objective is
-    their sum over the global batch's real tokens, each token back-propagated with the same weight)."""
+    """A loss computed here: per sample, each sample's weight (None: all alike), and where the loss
+    is over tokens, their losses in the autograd graph (`per_sample` is then detached: the objective
+    is their sum over the global batch's real tokens, each token back-propagated with the same
+    weight)."""
 
     per_sample: torch.Tensor
     weights: torch.Tensor | None = None
@@ -194,10 +198,10 @@ def per_sample_loss(
     kwargs: dict[str, Any],
 ) -> Loss:
     """`function(prediction, target, reduction="none")` per sample. A class-index loss on sequences
-    (several targets per sample, `ignore_index` set): each sample's mean over its real targets, their
-    count as its weight, and the token losses to back-propagate (the function gives ignored targets
-    a loss of zero, as torch's do). Class scores may come last (batch, tokens, classes), as language
-    models give them, or second, as torch's losses take them."""
+    (several targets per sample, `ignore_index` set): each sample's mean over its real targets,
+    their count as its weight, and the token losses to back-propagate (the function gives ignored
+    targets a loss of zero, as torch's do). Class scores may come last (batch, tokens, classes), as
+    language models give them, or second, as torch's losses take them."""
     if ignore_index is not None and target.dim() >= 2 and prediction.shape[:-1] == target.shape:
         # scores last (also where tokens = classes): a row per token, as the loss reads them fastest
         loss = function(
@@ -228,23 +232,23 @@ def _check_broadcast(function: Callable, prediction: torch.Tensor, target: torch
         name = getattr(function, "__name__", "the loss")
         squeeze = (
             (
-                " (for a single output, `.squeeze(-1)` it in forward, or give the model a final layer of "
-                "that many outputs)"
+                " (for a single output, `.squeeze(-1)` it in forward, or give the model a final "
+                "layer of that many outputs)"
             )
             if p[-1:] == (1,)
             else ""
         )
         raise ModelError(
-            f"model.loss: {name} compares an output of shape {list(p)} with a target of shape {list(t)}, "
-            f"which broadcast to {list(both)}: every output against every target. Give the output "
-            f"the target's shape{squeeze}"
+            f"model.loss: {name} compares an output of shape {list(p)} with a target of shape "
+            f"{list(t)}, which broadcast to {list(both)}: every output against every target. Give "
+            f"the output the target's shape{squeeze}"
         )
 
 
 def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> Loss:
-    """A Hugging Face model's loss per sample from its logits: cross-entropy over the labels that are
-    not -100 (shifted one token for a causal language model: the logits at t predict label t+1), or
-    the mean squared error where the labels are real numbers (regression heads)."""
+    """A Hugging Face model's loss per sample from its logits: cross-entropy over the labels that
+    are not -100 (shifted one token for a causal language model: the logits at t predict label t+1),
+    or the mean squared error where the labels are real numbers (regression heads)."""
     import torch.nn.functional as F
 
     if labels.is_floating_point():  # one score per sample: regression; several: independent labels
@@ -262,7 +266,8 @@ def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) 
     )
 
 
-TOKENS = "_token_losses"  # the output that carries a Loss's token losses to the engine (not to the hooks)
+# the output that carries a Loss's token losses to the engine (not to the hooks)
+TOKENS = "_token_losses"
 
 
 def _put(outputs: dict, loss: Loss) -> None:
@@ -284,7 +289,7 @@ def _hugging_face_kind(module: nn.Module) -> str | None:
 
 
 def _ignore_index(function: Callable, kwargs: dict[str, Any]) -> int | None:
-    """The target value a class-index loss ignores (the keyword given, or the function's default)."""
+    """The target a class-index loss ignores (the keyword given, or the function's default)."""
     if "ignore_index" in kwargs:
         return kwargs["ignore_index"]
     try:
@@ -319,7 +324,8 @@ def check_loss(loss: torch.Tensor, n: int) -> torch.Tensor:
         return loss
     if loss.shape[0] != n:
         raise ModelError(
-            f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar mean"
+            f"'loss' has shape {tuple(loss.shape)}; return one value per sample ({n}) or a scalar "
+            "mean"
         )
     return loss if loss.dim() == 1 else loss.reshape(n, -1).mean(dim=1)
 
@@ -333,8 +339,8 @@ def check_weights(weights: torch.Tensor, loss: torch.Tensor, n: int) -> None:
         )
     if loss.dim() != 1:
         raise ModelError(
-            "the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per sample "
-            "(reduction='none', averaged over each sample's tokens) beside its weight"
+            "the model returns 'loss_weight' but its 'loss' is a scalar; return the loss per "
+            "sample (reduction='none', averaged over each sample's tokens) beside its weight"
         )
     if weights.device.type == "cpu" and bool((weights < 0).any()):
         raise ModelError(NEGATIVE_WEIGHTS)

@@ -2,7 +2,8 @@
 
 The config still says how to train them. Its `model` and `dataset` sections keep their framework
 keys (batch_size, loss, inputs ...) and name the object's class, which the run's `run.json` records
-as given, not built: such a run is resumed, evaluated and loaded from Python, with the objects again.
+as given, not built: such a run is resumed, evaluated and loaded from Python, with the objects
+again.
 """
 
 from __future__ import annotations
@@ -42,13 +43,13 @@ class Objects:
     def given(
         cls, model: Any = None, dataset: Any = None, hooks: Sequence[Any] | None = None
     ) -> Objects:
-        """Checked: a module, a dataset with streams() or a mapping of streams, and Hook instances."""
+        """Checked: a module, a dataset with streams() or a mapping of streams, Hook instances."""
         from phalanx.hooks import Hook
 
         if model is not None and not isinstance(model, nn.Module):
             raise ModelError(
-                f"model= is a {type(model).__name__}, not a torch.nn.Module; give the module itself "
-                "(or name its class in the config's model.class)"
+                f"model= is a {type(model).__name__}, not a torch.nn.Module; give the module "
+                "itself (or name its class in the config's model.class)"
             )
         if isinstance(dataset, Mapping):
             dataset = Streams(dataset)
@@ -82,9 +83,9 @@ class Objects:
         return names
 
     def into(self, raw: dict) -> dict:
-        """The raw config with the given model's and dataset's classes in place of the ones it names:
-        the sections' framework keys stay; constructor arguments, which the objects were built
-        without, go (said in the log)."""
+        """The raw config with the given model's and dataset's classes in place of the ones it
+        names: the sections' framework keys stay; constructor arguments, which the objects were
+        built without, go (said in the log)."""
         raw = dict(raw)
         for section, value in (("model", self.model), ("dataset", self.dataset)):
             if value is None:

@@ -28,7 +28,8 @@ log = logging.getLogger("phalanx")
 CLOSE_WAIT_S = (
     5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
 )
-INTERVAL_S = 2.0  # the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
+# the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
+INTERVAL_S = 2.0
 
 
 def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> None:
@@ -51,7 +52,7 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
         )  # tight_layout's cost is half the plot's
         ax = fig.add_subplot()
         for name in names:
-            epochs, values = zip(*history[name])
+            epochs, values = zip(*history[name], strict=True)
             ax.plot(epochs, values, marker="o", label=name.split(".", 1)[0])
         ax.set(xlabel="epoch", ylabel=var, title=var)
         ax.grid(alpha=0.3)
@@ -126,7 +127,8 @@ class Painter:
     ) -> None:
         """Wait `wait_s` (CLOSE_WAIT_S) at most for the last drawing; an error the child reported is
         raised here. A child that has not drawn it by then (on a machine whose cores are all busy, a
-        child at idle priority waits) is ended, and `history`, where given, is drawn here instead."""
+        child at idle priority waits) is ended, and `history`, where given, is drawn here
+        instead."""
         child, answers = self._child, self._answers
         if child is None:
             return
@@ -139,7 +141,8 @@ class Painter:
             if not ended and child.poll() is None and history is not None:
                 child.kill()
                 log.info(
-                    "PlotLines: the drawing process had not drawn the last epochs after %.0f s; drawn here",
+                    "PlotLines: the drawing process had not drawn the last epochs after %.0f s; "
+                    "drawn here",
                     wait_s,
                 )
                 draw(folder, history)
@@ -161,7 +164,8 @@ class Painter:
             )
 
     def _send(self, deadline: float | None, child: subprocess.Popen | None = None) -> bool:
-        """Write what the pipe takes: now (no deadline), or all of it by `deadline`. Whether all went."""
+        """Write what the pipe takes: now (no deadline), or all of it by `deadline`. Whether all
+        went."""
         fd = (child or self._child).stdin.fileno()
         while self._unsent:
             wait = 0 if deadline is None else max(0.0, deadline - time.monotonic())

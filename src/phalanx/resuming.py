@@ -32,8 +32,8 @@ def check(changed: dict[str, tuple[Any, Any]], state: dict[str, Any], batch_size
     if "optimizer.class" in changed:
         old, new = changed["optimizer.class"]
         raise ConfigError(
-            f"optimizer.class={new} cannot take over on resume: the checkpoint holds {old}'s state. "
-            "Resume without it, or start a new run with phalanx train"
+            f"optimizer.class={new} cannot take over on resume: the checkpoint holds {old}'s "
+            "state. Resume without it, or start a new run with phalanx train"
         )
     if not state["step_in_epoch"]:
         return
@@ -44,8 +44,8 @@ def check(changed: dict[str, tuple[Any, Any]], state: dict[str, Any], batch_size
     if state["batch_size"] != batch_size:
         raise ConfigError(
             f"{where} with dataset.batch_size={state['batch_size']}; resuming with {batch_size} "
-            f"would skip or repeat samples. Resume with dataset.batch_size={state['batch_size']}, or "
-            "from a checkpoint at an epoch's end"
+            f"would skip or repeat samples. Resume with dataset.batch_size={state['batch_size']}, "
+            "or from a checkpoint at an epoch's end"
         )
     order = [
         k

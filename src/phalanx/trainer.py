@@ -56,15 +56,16 @@ def _check_given_model(module: torch.nn.Module, strategy: Strategy) -> None:
     where = strategy.init_context()
     if isinstance(where, torch.device) and where.type == "meta":
         raise ConfigError(
-            "parallel.fsdp.init: meta builds the model itself, one module at a time, but the model "
-            "was given as an object, built already; name its class in model.class, or use init: full"
+            "parallel.fsdp.init: meta builds the model itself, one module at a time, but the "
+            "model was given as an object, built already; name its class in model.class, or use "
+            "init: full"
         )
     differing = strategy.differing_ranks(module) if hasattr(strategy, "differing_ranks") else []
     if differing:
         raise ConfigError(
-            f"the model given differs on rank(s) {differing} from rank 0's: each process built its own "
-            "from its own random state. Seed before building it (torch.manual_seed(0) first), so that "
-            "every process starts from the same weights"
+            f"the model given differs on rank(s) {differing} from rank 0's: each process built its "
+            "own from its own random state. Seed before building it (torch.manual_seed(0) first), "
+            "so that every process starts from the same weights"
         )
 
 
@@ -116,11 +117,12 @@ class Trainer:
         options = ModelOptions(
             self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled
         )
-        # the module to call, and the user's module inside it: what the optimizer steps and checkpoints hold
+        # the module to call, and the user's module inside it: what the optimizer steps and
+        # checkpoints hold
         self.module, self.model = self.strategy.setup(module, options)
-        # Dropout and augmentation: each rank's streams from the seed and the rank (rank 0's those of one
-        # process), as on a resume on another process count; not from what building the model drew,
-        # so that a model given as an object trains as the config's own would.
+        # Dropout and augmentation: each rank's streams from the seed and the rank (rank 0's those
+        # of one process), as on a resume on another process count; not from what building the model
+        # drew, so that a model given as an object trains as the config's own would.
         seed_everything(derived_seed(cfg.seed, 0, self.strategy.rank))
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
         self.optimizer = (
@@ -155,7 +157,8 @@ class Trainer:
         if cfg.checkpoints.async_ and self.checkpoints is not None:
             if isinstance(self.strategy, SavesShards):
                 log.info(
-                    "checkpoints.async: every rank writes its own shards at once; they are saved as they are taken"
+                    "checkpoints.async: every rank writes its own shards at once; they are saved "
+                    "as they are taken"
                 )
             elif self.strategy.is_main:
                 self.background = Background(
@@ -172,8 +175,8 @@ class Trainer:
         self.metrics: dict[
             str, float
         ] = {}  # the numbers of the last evaluation round, as "stream.variable"
-        # seconds this process spent: waiting for data; forward and backward (with the all-reduce that
-        # overlaps backward); communication after backward; the optimizer; hooks; evaluation
+        # seconds this process spent: waiting for data; forward and backward (with the all-reduce
+        # that overlaps backward); communication after backward; the optimizer; hooks; evaluation
         self.profile = dict.fromkeys(
             ("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0
         )
@@ -193,7 +196,8 @@ class Trainer:
             )
         self.hooks = [*self.hooks, *objects.hooks]
         self.loader_options, persistent = loading.loader_options(cfg, self.strategy)
-        # workers kept between epochs; not for one evaluation (eval, predict), which nothing would end
+        # workers kept between epochs; not for one evaluation (eval, predict), which nothing would
+        # end
         self.loaders = (
             loading.Loaders(**self.loader_options) if persistent and not inference else None
         )
@@ -305,7 +309,7 @@ class Trainer:
             )
 
     def _steps(self, epoch: int) -> Iterator[tuple[int, list[tuple[data.Micro, Any]]]]:
-        """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch) ...])."""
+        """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch)])."""
         stream = self.stream(TRAIN)
         cfg, strategy = self.cfg, self.strategy
         if data.is_iterable(
@@ -371,7 +375,8 @@ class Trainer:
         empty_batches: bool = False,
         training: bool = False,
     ) -> Any:
-        """The batches of `plan` from step `start`: from this stream's persistent workers, or a new DataLoader."""
+        """The batches of `plan` from step `start`: from this stream's persistent workers, or a new
+        DataLoader."""
         if self.loaders is not None:
             return self.loaders.loader(
                 stream,
@@ -428,7 +433,9 @@ class Trainer:
                     every is not None and self.step % every == 0
                 ):  # an evaluation round, inside the epoch
                     for key, seconds in zip(
-                        _TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)
+                        _TRAINING_TIMES,
+                        (fetching, computing, communicating, optimizing, hooking),
+                        strict=True,
                     ):
                         self._round_profile[key] += seconds
                         profile[key] += seconds
@@ -438,15 +445,17 @@ class Trainer:
                 t0 = t3
         finally:
             for key, seconds in zip(
-                _TRAINING_TIMES, (fetching, computing, communicating, optimizing, hooking)
+                _TRAINING_TIMES,
+                (fetching, computing, communicating, optimizing, hooking),
+                strict=True,
             ):
                 profile[key] += seconds
                 self._round_profile[key] += seconds
 
     def _evaluation_round(self) -> None:
-        """Evaluate the extra streams after every `main_loop.eval_every_n_steps` optimizer steps, and
-        end an evaluation round: the after_epoch events, with the round's number (steps // N) as their
-        epoch, and the training variables of the steps since the last round."""
+        """Evaluate the extra streams after every `main_loop.eval_every_n_steps` optimizer steps,
+        and end an evaluation round: the after_epoch events, with the round's number (steps // N) as
+        their epoch, and the training variables of the steps since the last round."""
         training, self.training = self.training, False
         self.rounds = self.step // self.cfg.main_loop.eval_every_n_steps
         try:
@@ -467,20 +476,22 @@ class Trainer:
             self._full(k, [(micro, None) for micro in plan.step(k)])
 
     def _full(self, k: int, fetched: list) -> list:
-        """Step `k`'s micro-batches, where synchronised BatchNorm finds a sample on every rank (every
-        rank knows the shards' sizes, so every rank stops here alike)."""
+        """Step `k`'s micro-batches, where synchronised BatchNorm finds a sample on every rank
+        (every rank knows the shards' sizes, so every rank stops here alike)."""
         if any(micro.any_empty for micro, _ in fetched):
             raise ConfigError(
-                f"parallel.sync_batchnorm needs a sample for each of the {self.strategy.data_world_size} processes "
-                f"in every micro-batch, but step {k} has fewer; change dataset.batch_size, "
-                "parallel.gradient_accumulation or the dataset size, or turn sync_batchnorm off"
+                "parallel.sync_batchnorm needs a sample for each of the "
+                f"{self.strategy.data_world_size} processes in every micro-batch, but step {k} has "
+                "fewer; change dataset.batch_size, parallel.gradient_accumulation or the dataset "
+                "size, or turn sync_batchnorm off"
             )
         return fetched
 
     def _evaluation_epoch(
         self, epoch: int, streams: list[str], profile: dict | None = None
     ) -> None:
-        """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch events."""
+        """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch
+        events."""
         profile = dict(profile or {})
         self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)
         self.epoch_data = self.epoch_data if epoch else {s: {} for s in self.streams}
@@ -514,7 +525,7 @@ class Trainer:
             raise _Interrupted
 
     def evaluate(self, name: str) -> None:
-        """Run stream `name` through the model once, every sample exactly once, calling after_batch."""
+        """Run stream `name` through the model, every sample exactly once, calling after_batch."""
         stream = self.stream(name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
         strategy, listeners = self.strategy, self._listeners["after_batch"]
@@ -557,7 +568,8 @@ class Trainer:
     def _after_batch(
         self, listeners: list[Hook], stream: str, parts: list[dict | None]
     ) -> TrainingTerminated | None:
-        """Call after_batch with this rank's data, or the gathered global batch for hooks that need it."""
+        """Call after_batch with this rank's data, or the gathered global batch for hooks that need
+        it."""
         local = concat(parts)
         merged = (
             self._gathered(parts) if self._gatherers and self.strategy.world_size > 1 else local
@@ -572,8 +584,8 @@ class Trainer:
         return stop
 
     def _gathered(self, parts: list[dict | None]) -> dict:
-        """Every rank's data for each micro-batch, concatenated in dataset order (rank order within a
-        micro-batch, micro-batches in order). Only the keys the gathering hooks ask for move."""
+        """Every rank's data for each micro-batch, concatenated in dataset order (rank order within
+        a micro-batch, micro-batches in order). Only the keys the gathering hooks ask for move."""
         out = []
         for part in parts:
             payload = None
@@ -636,8 +648,9 @@ class Trainer:
         return state
 
     def initialise_from(self) -> None:
-        """A new run's start from the trained weights `model.init_from` names (every rank reads them;
-        a sharded model keeps its shards of them). Not on resume: the checkpoint holds the weights."""
+        """A new run's start from the trained weights `model.init_from` names (every rank reads
+        them; a sharded model keeps its shards of them). Not on resume: the checkpoint holds the
+        weights."""
         spec = self.cfg.model.init_from
         if spec is None:
             return
@@ -683,7 +696,7 @@ class Trainer:
             )
 
     def _stream_position(self) -> Any:
-        """Where an iterable training stream that can say so stands (its `state_dict()`, as JSON)."""
+        """Where an iterable training stream that can say so stands (`state_dict()`, as JSON)."""
         stream = self.stream(TRAIN)
         if not (
             data.is_iterable(stream)
@@ -697,8 +710,8 @@ class Trainer:
         except (TypeError, ValueError):
             if not self._warned_position:
                 log.warning(
-                    "stream train's state_dict() is not JSON; a resume reads the stream again up to its "
-                    "position instead"
+                    "stream train's state_dict() is not JSON; a resume reads the stream again up "
+                    "to its position instead"
                 )
                 self._warned_position = True
             return None
@@ -761,7 +774,8 @@ class Trainer:
             else {}
         )
         resuming.check(changed, state, self.cfg.dataset.batch_size)
-        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its evaluation)
+        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its
+        # evaluation)
         if self.steps_per_epoch is not None and state["step_in_epoch"] > self.steps_per_epoch:
             raise CheckpointError(
                 f"{path} says step {state['step_in_epoch']} of an epoch that has "
@@ -779,11 +793,13 @@ class Trainer:
         if self.order not in data.ORDERS:
             raise CheckpointError(
                 f"{path} names the sample order {self.order!r}, which this version of phalanx does "
-                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that saved it"
+                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that "
+                "saved it"
             )
         if self.order != data.FEISTEL and self.strategy.is_main:
             log.info(
-                "this run keeps the sample order it started with (%s, from an older version of phalanx)",
+                "this run keeps the sample order it started with (%s, from an older version of "
+                "phalanx)",
                 self.order,
             )
         settings, schedules = (
@@ -819,8 +835,9 @@ class Trainer:
             ) from None
 
     def _replayed_schedule(self) -> tuple[list[dict], list[dict]]:
-        """The optimizer's settings and the schedulers' states that the config gives at this step:
-        a fresh optimizer and schedulers, built from the config and stepped as far as training went."""
+        """The optimizer's settings and the schedulers' states that the config gives at this step: a
+        fresh optimizer and schedulers, built from the config and stepped as far as training
+        went."""
         optimizer = build_optimizer(
             self.cfg.optimizer,
             self.model,
@@ -846,8 +863,8 @@ class Trainer:
         seed_everything(derived_seed(self.cfg.seed, self.step, rank))
         if self.strategy.is_main:
             log.info(
-                "random streams re-derived from the seed, the step and the rank: the checkpoint was saved "
-                "by %d process(es), this run has %d",
+                "random streams re-derived from the seed, the step and the rank: the checkpoint "
+                "was saved by %d process(es), this run has %d",
                 len(saved),
                 world_size,
             )

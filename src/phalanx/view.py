@@ -1,7 +1,8 @@
 """What hooks see of a run: its state, read-only, its strategy's collectives, and the two things a
 hook may ask of it (save a checkpoint, agree on a flag across ranks).
 
-Hooks hold this view as `self.trainer`; they never import the trainer, and cannot change its counters.
+Hooks hold this view as `self.trainer`; they never import the trainer, and cannot change its
+counters.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class RunView:
 
     @property
     def training(self) -> bool:
-        """Whether the batch that `after_batch` sees came from an optimizer step (not an evaluation)."""
+        """Whether the batch that `after_batch` sees came from an optimizer step (not an
+        evaluation)."""
         return self._run.training
 
     @property
@@ -63,12 +65,13 @@ class RunView:
 
     @property
     def last_loss(self) -> torch.Tensor | None:
-        """The last step's global mean loss (a tensor on the device: reading it waits for the step)."""
+        """The last step's global mean loss (a tensor on the device: reading it waits for it)."""
         return self._run.last_loss
 
     @property
     def last_grad_norm(self) -> float | None:
-        """The last step's global gradient norm before clipping (None unless optimizer.max_grad_norm is set)."""
+        """The last step's global gradient norm before clipping (None unless optimizer.max_grad_norm
+        is set)."""
         return self._run.engine.norms.last
 
     @property

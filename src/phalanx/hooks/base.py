@@ -30,17 +30,20 @@ class TrainingTerminated(Exception):
 class Hook:
     """Base of every hook. Override the events you need; the others cost nothing."""
 
-    trainer: RunView  # the run, read-only: its state, its strategy's collectives, save_checkpoint, any_rank
+    # the run, read-only: its state, its strategy's collectives, save_checkpoint, any_rank
+    trainer: RunView
 
     #: Whether `after_batch` needs the global batch. With several processes such a hook receives
-    #: every rank's data gathered in dataset order (only the `gather_keys`, if given), on every rank.
+    # : every rank's data gathered in dataset order (only the `gather_keys`, if given), on every
+    # rank.
     #: A hook that reduces its own sums across ranks sets it False and receives this rank's shard.
     gathers: bool = True
     gather_keys: tuple[str, ...] | None = None
 
     @property
     def strategy(self) -> Strategy:
-        """The trainer's strategy, for hooks that combine values across ranks; one process if unattached."""
+        """The trainer's strategy, for hooks that combine values across ranks; one process if
+        unattached."""
         trainer = getattr(self, "trainer", None)
         return trainer.strategy if trainer is not None else _ONE_PROCESS
 

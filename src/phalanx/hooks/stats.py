@@ -35,7 +35,8 @@ class ComputeStats(Hook):
         for agg in aggregations:
             if agg not in AGGREGATIONS:
                 raise ConfigError(
-                    f"ComputeStats: unknown aggregation {agg!r}; choose from {', '.join(AGGREGATIONS)}"
+                    f"ComputeStats: unknown aggregation {agg!r}; choose from "
+                    f"{', '.join(AGGREGATIONS)}"
                 )
         self.variables, self.aggregations = list(variables), list(aggregations)
         self._acc: dict[tuple[str, str], dict[str, Any]] = {}
@@ -149,7 +150,7 @@ class ComputeStats(Hook):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch's running values so far, combined over ranks (any device count resumes them)."""
+        """The epoch's running values, combined over ranks (any device count resumes them)."""
         return {"acc": [[s, v, values] for (s, v), values in self._global().items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

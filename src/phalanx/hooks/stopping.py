@@ -15,10 +15,11 @@ from phalanx.overrides import name_of
 
 
 class StopAfter(Hook):
-    """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is first.
+    """Stop after `epochs` epochs, `steps` optimizer steps or `minutes` of training, whichever is
+    first.
 
-    With several processes and `minutes`, the ranks agree every `AGREE_EVERY` steps (an agreement
-    is a collective of its own): the first whose clock has run out stops them all at the same step."""
+    With several processes and `minutes`, the ranks agree every `AGREE_EVERY` steps (an agreement is
+    a collective of its own): the first whose clock has run out stops them all at the same step."""
 
     gathers = False
     AGREE_EVERY = 10

@@ -85,9 +85,9 @@ class LogProfile(_Writer):
             self._reported = sampled
             comm, overlap = sampled
             log.info(
-                "gradient all-reduce in backward, DDP's sampled average over the run so far (the first 10 "
-                "steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind computation, "
-                "%.2f ms waited",
+                "gradient all-reduce in backward, DDP's sampled average over the run so far (the "
+                "first 10 steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind "
+                "computation, %.2f ms waited",
                 1e3 * comm,
                 100 * min(overlap / comm, 1.0),
                 1e3 * max(comm - overlap, 0.0),
@@ -98,7 +98,8 @@ class WriteCSV(_Writer):
     """`metrics.csv` in the run directory: a row per epoch (or evaluation round, with
     `main_loop.eval_every_n_steps`), a column per `stream.variable`.
 
-    On resume, rows after the restored epoch (or round) are dropped, so the file matches the run's history.
+    On resume, rows after the restored epoch (or round) are dropped, so the file matches the run's
+    history.
     """
 
     def __init__(self, path: str = "metrics.csv"):
@@ -137,10 +138,11 @@ class WriteCSV(_Writer):
 
 
 class WriteTensorBoard(_Writer):
-    """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and the
-    training loss (and gradient norm, where it is clipped) every `every_n_steps` steps. The x-axis is the optimizer step throughout, so that
-    a resumed run drops the events it is about to write again. A write the system refuses (a full
-    disk: tensorboard's writer thread raises it at the next call) is a StorageError naming the folder."""
+    """TensorBoard event files under `tensorboard/`: every epoch variable, the learning rate, and
+    the training loss (and gradient norm, where it is clipped) every `every_n_steps` steps. The
+    x-axis is the optimizer step throughout, so that a resumed run drops the events it is about to
+    write again. A write the system refuses (a full disk: tensorboard's writer thread raises it at
+    the next call) is a StorageError naming the folder."""
 
     gathers = False
 
@@ -217,7 +219,8 @@ class PlotLines(_Writer):
         painter, self._painter = self._painter, None
         if painter is None:
             return
-        # after a signal (a preemption's grace period runs), the run's end is not held up for the last picture
+        # after a signal (a preemption's grace period runs), the run's end is not held up for the
+        # last picture
         stopped = self.trainer.stop_requested
         try:
             painter.close(

@@ -15,8 +15,8 @@ from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 
 # CPU processes a launch may start per core: more only slow each other down (and a typo such as
-# parallel.devices=1000 would start processes until the machine gives out). parallel.oversubscribe=true
-# lifts the limit.
+# parallel.devices=1000 would start processes until the machine gives out).
+# parallel.oversubscribe=true lifts the limit.
 CPU_PROCESSES_PER_CORE = 4
 
 
@@ -43,7 +43,8 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
                 f"parallel.devices={cfg.model.n_gpus} for as many CPU processes"
             )
         raise ConfigError(
-            "parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto or cpu"
+            "parallel.accelerator=cuda but no CUDA GPU is visible; set parallel.accelerator=auto "
+            "or cpu"
         )
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
@@ -58,9 +59,10 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
         cores = cpu_cores()
         if devices > CPU_PROCESSES_PER_CORE * cores:
             raise ConfigError(
-                f"parallel.devices={devices} would start {devices} CPU processes on {cores} core(s); at most "
-                f"{CPU_PROCESSES_PER_CORE * cores} ({CPU_PROCESSES_PER_CORE} per core) are allowed. Lower "
-                "parallel.devices, or set parallel.oversubscribe=true to start them anyway"
+                f"parallel.devices={devices} would start {devices} CPU processes on {cores} "
+                f"core(s); at most {CPU_PROCESSES_PER_CORE * cores} ({CPU_PROCESSES_PER_CORE} per "
+                "core) are allowed. Lower parallel.devices, or set parallel.oversubscribe=true to "
+                "start them anyway"
             )
     if cfg.parallel.backend == "nccl" and accelerator != "cuda":
         raise ConfigError(
@@ -139,12 +141,12 @@ def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
 
 
 def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    """Several processes (phalanx starts one per device), or this one alone on one device (a group of
-    one: offload then trains a model larger than the device's memory)."""
+    """Several processes (phalanx starts one per device), or this one alone on one device (a group
+    of one: offload then trains a model larger than the device's memory)."""
     if not in_worker() and devices > 1:
         raise ConfigError(
-            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it with "
-            "phalanx train (which starts them) or under torchrun"
+            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
+            "with phalanx train (which starts them) or under torchrun"
         )
     unsupported = {
         "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
@@ -163,7 +165,8 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     )
 
 
-# parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named after it
+# parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named
+# after it
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
     "ddp": Entry(
@@ -181,14 +184,15 @@ REGISTRY: dict[str, Entry] = {
 
 
 def strategy_name(cfg: Config) -> str:
-    """The strategy the config names; `auto` is ddp for several devices (or inside a worker), else single."""
+    """The strategy the config names; `auto` is ddp for several devices (or inside a worker), else
+    single."""
     name = cfg.parallel.strategy
     if name == "auto":
         return "ddp" if in_worker() or resolve_device(cfg)[1] > 1 else "single"
     if name not in REGISTRY:
         raise ConfigError(
-            f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose one of "
-            f"{', '.join(['auto', *REGISTRY])}"
+            f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose "
+            f"one of {', '.join(['auto', *REGISTRY])}"
         )
     return name
 
@@ -213,14 +217,14 @@ def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
         )
     if elastic and not cfg.parallel.max_restarts:
         raise ConfigError(
-            "an elastic job (--nnodes MIN:MAX) restarts its workers whenever machines leave or join; "
-            "set parallel.max_restarts to the changes it may go through, such as 10"
+            "an elastic job (--nnodes MIN:MAX) restarts its workers whenever machines leave or "
+            "join; set parallel.max_restarts to the changes it may go through, such as 10"
         )
     if not elastic and cfg.parallel.max_restarts:
         raise ConfigError(
-            f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one machine "
-            "or of an elastic job (--nnodes MIN:MAX); a job on a fixed number of machines cannot "
-            "restart: set parallel.max_restarts=0, or give --nnodes as MIN:MAX"
+            f"parallel.max_restarts={cfg.parallel.max_restarts} restarts the workers of one "
+            "machine or of an elastic job (--nnodes MIN:MAX); a job on a fixed number of machines "
+            "cannot restart: set parallel.max_restarts=0, or give --nnodes as MIN:MAX"
         )
 
 

@@ -51,7 +51,8 @@ class ModelOptions:
 
 
 class Strategy(Protocol):
-    """How one module is trained on this process's devices: a strategy serves the one module it set up."""
+    """How one module is trained on this process's devices: a strategy serves the one module it set
+    up."""
 
     # --- topology
     rank: int  # this process among all
@@ -61,7 +62,8 @@ class Strategy(Protocol):
     devices: tuple[torch.device, ...]  # the devices this process drives
     device: torch.device  # where batches and the model's outputs live: devices[0]
     # True where every rank must run the model on every micro-batch (its collectives are inside the
-    # model's forward and backward): an empty shard then arrives as a batch of zero samples, not None
+    # model's forward and backward): an empty shard then arrives as a batch of zero samples, not
+    # None
     runs_empty_shards: bool
 
     @property
@@ -69,8 +71,9 @@ class Strategy(Protocol):
         """Whether this process writes logs, progress and checkpoints."""
 
     def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
-        """`where()` returns the run's steps done and whether it is training: with several processes, a
-        collective's timeout then names the ranks that did not arrive and their step."""
+        """`where()` returns the run's steps done and whether it is training: with several
+        processes, a collective's timeout then names the ranks that did not arrive and their
+        step."""
 
     # --- building
     def init_context(self) -> contextlib.AbstractContextManager:
@@ -78,16 +81,18 @@ class Strategy(Protocol):
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         """The module to call (wrapped, compiled) and the user's module inside it, whose parameters
-        the optimizer updates and whose state checkpoints hold; every rank starts from the same state."""
+        the optimizer updates and whose state checkpoints hold; every rank starts from the same
+        state."""
 
     # --- the step
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         """Forward and backward over the step's micro-batches through `engine.forward` and
-        `engine.backward`, so that the gradients are the global batch's once it returns. Returns each
-        micro-batch's outputs (None for an empty shard), the global batch's mean loss and whether any
-        rank asked to stop (the same on every rank), and the seconds spent communicating after backward."""
+        `engine.backward`, so that the gradients are the global batch's once it returns. Returns
+        each micro-batch's outputs (None for an empty shard), the global batch's mean loss and
+        whether any rank asked to stop (the same on every rank), and the seconds spent communicating
+        after backward."""
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         """The outputs of the model on an evaluation batch (this process's shard of it)."""
@@ -106,8 +111,8 @@ class Strategy(Protocol):
         optimizer's state: loaded into `optimizer` where it is given."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's whole state as a checkpoint holds it (parameters by index, in the order of
-        the model's trainable parameters), on the main process."""
+        """The optimizer's whole state as a checkpoint holds it (parameters by index, in the order
+        of the model's trainable parameters), on the main process."""
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Give the optimizer the state a checkpoint held."""
@@ -131,8 +136,8 @@ class Strategy(Protocol):
 
 @runtime_checkable
 class SavesShards(Protocol):
-    """A strategy whose checkpoints hold the model and optimizer as each process's shards, written by
-    every process at once, instead of a whole copy gathered to one."""
+    """A strategy whose checkpoints hold the model and optimizer as each process's shards, written
+    by every process at once, instead of a whole copy gathered to one."""
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         """Write the model's and optimizer's shards into `folder` (torch.distributed.checkpoint's
@@ -149,7 +154,8 @@ class ReportsCommunication(Protocol):
 
 
 class Replicated:
-    """Shared members of strategies that keep a whole copy of the model and optimizer in each process."""
+    """Shared members of strategies that keep a whole copy of the model and optimizer in each
+    process."""
 
     runs_empty_shards = False
     model: nn.Module

@@ -2,17 +2,19 @@
 overlapped all-reduce.
 
 Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*.
-DDP's built-in reduction averages, so each rank also multiplies its objective by the world size
-(the scale it passes to `Engine.forward`). Gradients are views into DDP's buckets (`gradient_as_bucket_view`): no copy back
-after each reduction, and no second copy of them in memory.
+DDP's built-in reduction averages, so each rank also multiplies its objective by the world size (the
+scale it passes to `Engine.forward`). Gradients are views into DDP's buckets
+(`gradient_as_bucket_view`): no copy back after each reduction, and no second copy of them in
+memory.
 
-Beside the model sits the carrier, a four-element parameter whose gradient is the rank's share of the
-loss (a weighted loss's two sums: of w_i l_i and of w_i), whether the loss is weighted, and its stop flag: DDP adds it over ranks with the gradients, so every rank learns the global
-loss and whether any rank asked to stop without a collective of its own. Its gradient is written
-directly and DDP's reducer told it is ready, so it costs the step no autograd work; where the
-installed torch lacks that entry point, the carrier reaches the reducer through autograd instead.
-Steps where some rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead,
-so that rank can join with zero weight without running its model.
+Beside the model sits the carrier, a four-element parameter whose gradient is the rank's share of
+the loss (a weighted loss's two sums: of w_i l_i and of w_i), whether the loss is weighted, and its
+stop flag: DDP adds it over ranks with the gradients, so every rank learns the global loss and
+whether any rank asked to stop without a collective of its own. Its gradient is written directly and
+DDP's reducer told it is ready, so it costs the step no autograd work; where the installed torch
+lacks that entry point, the carrier reaches the reducer through autograd instead. Steps where some
+rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead, so that rank can
+join with zero weight without running its model.
 
 The process group, its collectives and the naming of hung ranks are `distributed.ProcessGroup`'s.
 """
@@ -75,7 +77,8 @@ class DDP(ProcessGroup, Replicated):
     ):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
         autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
-        nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient bucket size."""
+        nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient
+        bucket size."""
         super().__init__(accelerator, timeout_s, backend)
         self.carry_through_autograd = carry_through_autograd
         self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
@@ -120,7 +123,8 @@ class DDP(ProcessGroup, Replicated):
         self._tails = self._carried_tails()
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
-        # the reducer. Without it, `carry` goes through autograd: the same values, more work per step.
+        # the reducer. Without it, `carry` goes through autograd: the same values, more work per
+        # step.
         self._mark_ready = (
             None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
         )
@@ -129,10 +133,10 @@ class DDP(ProcessGroup, Replicated):
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        """Every micro-batch but the last runs without synchronising; the last one's backward reduces
-        the gradients and, through the carrier, the loss and the stop flag. Where some rank's shard is
-        empty, no rank lets backward synchronise: they reduce by hand, and a rank with nothing to do
-        joins with zero weight without running its model."""
+        """Every micro-batch but the last runs without synchronising; the last one's backward
+        reduces the gradients and, through the carrier, the loss and the stop flag. Where some
+        rank's shard is empty, no rank lets backward synchronise: they reduce by hand, and a rank
+        with nothing to do joins with zero weight without running its model."""
         by_hand = micros[0][0].any_empty
         last, scale, ddp = len(micros) - 1, self.scale, self._ddp
         total, parts = (
@@ -159,7 +163,8 @@ class DDP(ProcessGroup, Replicated):
         carried = (
             self._carried()
         )  # the sums over ranks of the loss parts, weighted flags and stop flags
-        # a rank knows whether the loss is weighted from its own forward, unless it ran none this step
+        # a rank knows whether the loss is weighted from its own forward, unless it ran none this
+        # step
         weighted = bool(carried[2] > 0) if by_hand else total.dim() > 0
         return (
             parts,
@@ -169,8 +174,9 @@ class DDP(ProcessGroup, Replicated):
         )
 
     def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
-        """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the scale:
-        (weight 0, not weighted, flag) after a plain loss, (weighted, flag) after a weighted loss's two sums."""
+        """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the
+        scale: (weight 0, not weighted, flag) after a plain loss, (weighted, flag) after a weighted
+        loss's two sums."""
         return {
             (weighted, flag): torch.tensor(
                 [*([self.scale] if weighted else [0.0, 0.0]), float(flag) * self.scale],
@@ -241,7 +247,8 @@ class DDP(ProcessGroup, Replicated):
                 p.grad.copy_(summed)
 
     def backward_communication(self) -> tuple[float, float] | None:
-        """DDP's own sampled averages (it times some iterations: the first ten, then one in a hundred)."""
+        """DDP's own sampled averages (it times some iterations: the first ten, then one in a
+        hundred)."""
         if self._ddp is None:
             return None
         data = self._ddp._get_ddp_logging_data()
