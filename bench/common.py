@@ -65,8 +65,9 @@ class MLP(nn.Module):
 
 
 def make_sequences(n: int, tokens: int, features: int, classes: int, seed: int = 0) -> Items:
-    """`make_items` as sequences of `tokens` positions, each sequence a random length (1 to `tokens`),
-    its labels -100 beyond its end: the padded, variable-length batches of a language model."""
+    """`make_items` as sequences of `tokens` positions, each sequence a random length (1 to
+    `tokens`), its labels -100 beyond its end: the padded, variable-length batches of a language
+    model."""
     g = torch.Generator().manual_seed(seed)
     centers = 2 * torch.randn(classes, features, generator=g)
     y = torch.randint(classes, (n, tokens), generator=g)
@@ -98,7 +99,8 @@ def hand_steps(
             world == 1
         ):  # the mean over the batch's real tokens: one process's token-weighted objective
             loss = F.cross_entropy(model(batch["x"]).flatten(0, -2), y.flatten())
-        else:  # the sum over this rank's, divided by the global count (times the world: DDP averages)
+        # the sum over this rank's, divided by the global count (times the world: DDP averages)
+        else:
             import torch.distributed as dist
 
             count = (y != -100).sum()
@@ -209,10 +211,10 @@ def summary(values: list[float]) -> dict[str, float]:
 
 
 def against_hand(mine: list[float], base: list[float]) -> dict[str, Any]:
-    """Figures of one loop's windows (seconds per step) against the hand loop's of the same rounds."""
+    """Figures of a loop's windows (seconds per step) against the hand loop's of the same rounds."""
     return {
         "ms_per_step": summary([1e3 * t for t in mine]),
-        "ratio_vs_hand": summary([a / b for a, b in zip(mine, base)]),
+        "ratio_vs_hand": summary([a / b for a, b in zip(mine, base, strict=True)]),
         "ratio_of_medians": statistics.median(mine) / statistics.median(base),
         "ratio_of_totals": sum(mine) / sum(base),
     }
@@ -230,13 +232,13 @@ def with_epoch_end(
     entry: dict[str, Any] = {}
     for i, kind in enumerate(("wall", "cpu")):
 
-        def epochs(ws):
+        def epochs(ws, i=i):
             return [
                 sum(w[i] for w in ws[e : e + per_epoch]) / steps
                 for e in range(0, len(ws), per_epoch)
             ]
 
-        mine = [t + e[i] / steps for t, e in zip(epochs(phalanx), ends)]
+        mine = [t + e[i] / steps for t, e in zip(epochs(phalanx), ends, strict=True)]
         entry[kind] = {
             **against_hand(mine, epochs(hand)),
             "per_epoch_ms_per_step": [round(1e3 * t, 5) for t in mine],
@@ -270,7 +272,7 @@ def machine() -> dict[str, Any]:
 
 
 def source_state(root: Path) -> dict[str, Any]:
-    """The phalanx source measured: the commit, whether src/ differs from it, and a digest of src/."""
+    """The phalanx source measured: its commit, whether src/ differs from it, a digest of src/."""
 
     def git(*args: str) -> str:
         try:
@@ -302,8 +304,8 @@ def _cpu_name() -> str:
 
 
 def print_results(results: dict[str, Any], width: int) -> None:
-    """The results table both overhead benchmarks print: wall-clock and CPU, median and IQR of ratios,
-    and the ratio of total times where the results have it."""
+    """The results table both overhead benchmarks print: wall-clock and CPU, median and IQR of
+    ratios, and the ratio of total times where the results have it."""
     totals = all("ratio_of_totals" in r["wall"] for r in results.values())
     header = (
         f"{'loop':<{width}}{'ms/step':>9}{'ratio':>9}{'ratio IQR':>14}{'total':>8}"
@@ -320,7 +322,8 @@ def print_results(results: dict[str, Any], width: int) -> None:
         (w_ms, w_r, w_iqr), (c_ms, c_r, c_iqr) = cells
         total = f"{r['wall']['ratio_of_totals']:>7.3f}x" if totals else ""
         print(
-            f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  |{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}"
+            f"{name:<{width}}{w_ms:>9.4f}{w_r:>8.3f}x{w_iqr:>14}{total}  "
+            f"|{c_ms:>12.4f}{c_r:>9.3f}x{c_iqr:>14}"
         )
 
 

@@ -6,9 +6,9 @@ bench/common.py, both loops taking turns every 20 steps inside each process.
     .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~1 min
     .venv/bin/python bench/ddp_overhead.py --strategy fsdp --out bench/results/fsdp_overhead.json
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
-    .venv/bin/python bench/ddp_overhead.py --tokens 16 --clip 1.0   # token-weighted loss and clipping
-    .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~2.5-3 min
-    .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps alone (no JSON)
+    .venv/bin/python bench/ddp_overhead.py --tokens 16 --clip 1.0  # token-weighted, clipped
+    .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~3 min
+    .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps (no JSON)
 
 What is timed (see BENCHMARKS.md): in each of the two processes,
 
@@ -21,16 +21,18 @@ What is timed (see BENCHMARKS.md): in each of the two processes,
 2. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
    `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
    process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP
-   (*phalanx fsdp*: `parallel.strategy=fsdp`, `parallel.fsdp.shard=[Linear]`, as the hand loop shards).
+   (*phalanx fsdp*: `parallel.strategy=fsdp`, `parallel.fsdp.shard=[Linear]`, as the hand loop
+   shards).
 
 The loops take turns every `--chunk` steps: a round is one chunk of phalanx, then one of hand DDP,
 every chunk starting right after a barrier, so both ranks start it together. The machine changes
-speed about once a second; chunks of 20 steps (well under 0.1 s) keep most pairs inside one speed, where
-whole epochs did not. An epoch's set-up falls into its first chunk; the hand loop's once-per-epoch
-loss all-reduce into its last, phalanx's once-per-epoch stop agreement (`Trainer.any_rank`, one
-all-reduce) into the next epoch's first. phalanx's epoch end (after_epoch hooks: statistics
-all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed apart. A chunk's
-wall time for a loop is the slower rank's window; its CPU time is both ranks' together.
+speed about once a second; chunks of 20 steps (well under 0.1 s) keep most pairs inside one speed,
+where whole epochs did not. An epoch's set-up falls into its first chunk; the hand loop's
+once-per-epoch loss all-reduce into its last, phalanx's once-per-epoch stop agreement
+(`Trainer.any_rank`, one all-reduce) into the next epoch's first. phalanx's epoch end (after_epoch
+hooks: statistics all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed
+apart. A chunk's wall time for a loop is the slower rank's window; its CPU time is both ranks'
+together.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ def make_dataset(args) -> Any:
 
 
 def name_loops(strategy: str) -> None:
-    """The loops' names for `strategy` (in the parent and in each rank: the figures are keyed by them)."""
+    """The loops' names for `strategy` (in the parent and in each rank: the figures are keyed by
+    them)."""
     global HAND, PHALANX
     HAND, PHALANX = (
         ("hand FSDP2", "phalanx fsdp") if strategy == "fsdp" else ("hand DDP", "phalanx ddp")
@@ -175,11 +178,12 @@ class HandDDP:
     """What one would write with torch's DistributedDataParallel and no framework, run a chunk of
     steps at a time.
 
-    `like_phalanx`: the same loop with phalanx's set-up, by hand: DDP without the buffer broadcast and
-    with gradients as bucket views, the per-sample loss (`cross_entropy(reduction="none")`,
+    `like_phalanx`: the same loop with phalanx's set-up, by hand: DDP without the buffer broadcast
+    and with gradients as bucket views, the per-sample loss (`cross_entropy(reduction="none")`,
     back-propagated with a 1/n gradient vector, then its mean for the log) and, unless `carrier` is
     False, the loss share and a stop flag carried through the gradient all-reduce in a parameter
-    beside the model, written as its gradient and handed to DDP's reducer, read back after the step."""
+    beside the model, written as its gradient and handed to DDP's reducer, read back after the
+    step."""
 
     def __init__(
         self,
@@ -303,10 +307,10 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
 
 
 def make_driver_hook(chunk: int, steps: int, on_chunk):
-    """The last hook: times phalanx's chunks of `chunk` steps and, after each, calls `on_chunk(epoch)`,
-    which runs the hand loop's chunk. Every phalanx window starts right after a barrier; the epoch end
-    (after_epoch hooks) is timed apart, outside the windows. It works on this rank's own data
-    (`gathers = False`); its after_batch is one comparison on most steps."""
+    """The last hook: times phalanx's chunks of `chunk` steps and, after each, calls
+    `on_chunk(epoch)`, which runs the hand loop's chunk. Every phalanx window starts right after a
+    barrier; the epoch end (after_epoch hooks) is timed apart, outside the windows. It works on this
+    rank's own data (`gathers = False`); its after_batch is one comparison on most steps."""
     from phalanx.hooks import Hook
 
     class Driver(Hook):
@@ -489,8 +493,8 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
     if source_state(ROOT) != source:
         report["phalanx_source"]["changed_during_run"] = True
         print(
-            "warning: src/ changed while the benchmark ran; the figures are those of the source at its "
-            f"start (digest {source['src_sha256']})",
+            "warning: src/ changed while the benchmark ran; the figures are those of the source "
+            f"at its start (digest {source['src_sha256']})",
             flush=True,
         )
     print_table(report)
@@ -505,7 +509,9 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
     def rounds(name: str) -> list[tuple[float, float]]:
         """Per measured chunk: the slower rank's wall time, both ranks' CPU time together."""
         per_rank = [r["windows"][name][n:] for r in every]
-        return [(max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank)]
+        return [
+            (max(w[0] for w in ws), sum(w[1] for w in ws)) for ws in zip(*per_rank, strict=True)
+        ]
 
     measured = {name: rounds(name) for name in (HAND, PHALANX)}
     results: dict[str, Any] = {}
@@ -522,7 +528,7 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         ]
     ends = [r["epoch_ends"][args.warmup :] for r in every]
     end = [
-        (max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends)
+        (max(e[0] for e in es), sum(e[1] for e in es)) for es in zip(*ends, strict=True)
     ]  # the slower rank; CPU of both
     results[PHALANX_END] = with_epoch_end(
         measured[PHALANX], measured[HAND], end, per_epoch, args.steps
@@ -553,11 +559,12 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
         },
         "machine": machine(),
         "phalanx_source": None,
-        "method": "the loops take turns every `chunk` steps (a round is one chunk of each), every chunk starting "
-        "after a barrier; per chunk: wall = the slower rank's window, CPU = both ranks' process CPU "
-        "time; ms/step = median over chunks of (wall / chunk); ratio = median over rounds of the paired "
-        "ratio to the hand loop's chunk; ratio_of_totals = all measured windows added up; windows exclude "
-        "phalanx's epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
+        "method": "the loops take turns every `chunk` steps (a round is one chunk of each), "
+        "every chunk starting after a barrier; per chunk: wall = the slower rank's window, "
+        "CPU = both ranks' process CPU time; ms/step = median over chunks of (wall / chunk); "
+        "ratio = median over rounds of the paired ratio to the hand loop's chunk; "
+        "ratio_of_totals = all measured windows added up; windows exclude phalanx's "
+        "epoch-end hooks (row 'incl. epoch end' adds them, per epoch)",
         "phalanx_hooks": hook_names,
         "phalanx_checkpoints": checkpoints,
         "phalanx_config": raw,
@@ -575,17 +582,19 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
     print(
-        f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} epochs of {s['steps']} steps in chunks "
-        f"of {s['chunk']} (after {s['warmup']} warm-up), batch {s['batch_size_per_rank']} per rank ({s['global_batch']} global), "
-        f"hidden {s['hidden']}, {s['threads_per_process']} thread per process; torch {m['torch']}, "
-        f"{m['cpu_count']} CPUs, {m['processor']}"
+        f"\n{s['processes']} processes (gloo, {s['address']}), {s['rounds']} epochs of "
+        f"{s['steps']} steps in chunks of {s['chunk']} (after {s['warmup']} warm-up), batch "
+        f"{s['batch_size_per_rank']} per rank ({s['global_batch']} global), hidden {s['hidden']}, "
+        f"{s['threads_per_process']} thread per process; torch {m['torch']}, {m['cpu_count']} "
+        f"CPUs, {m['processor']}"
     )
     print_results(report["results"], 26)
     end = report["results"][PHALANX_END]["epoch_end_ms"]["wall"]
     print(
-        f"\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks together); "
-        f"ratio: median of the per-chunk ratios to {HAND}'s chunk of the same round.\nphalanx's epoch end (after_epoch hooks) took a "
-        f"median {end['median']:.1f} ms per epoch, outside the windows."
+        "\nms/step: median over chunks of the slower rank's window / steps (CPU: both ranks "
+        f"together); ratio: median of the per-chunk ratios to {HAND}'s chunk of the same "
+        f"round.\nphalanx's epoch end (after_epoch hooks) took a median {end['median']:.1f} ms per "
+        "epoch, outside the windows."
     )
     t = report["target"]
     print(
@@ -599,7 +608,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def profile_rank(rank: int, args) -> None:
-    """cProfile of phalanx's ddp steps alone on each rank (warm-up epochs excluded); rank 0 prints."""
+    """cProfile of phalanx's ddp steps alone on each rank (no warm-up epochs); rank 0 prints."""
     import cProfile
 
     REGISTRY[DATA_KEY] = make_dataset(args)
@@ -715,15 +724,20 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     n, steps = args.warmup, args.steps
 
     def rounds(name: str) -> list[float]:  # the slower rank's window per measured round, per step
-        return [max(ws) / steps for ws in zip(*[[w[0] for w in r[name][n:]] for r in every])]
+        return [
+            max(ws) / steps
+            for ws in zip(*[[w[0] for w in r[name][n:]] for r in every], strict=True)
+        ]
 
     measured = {name: rounds(name) for name in windows}
     base = measured[HAND]
     rows = {
         name: {
             "ms_per_step": summary([1e3 * t for t in ts]),
-            "ratio_vs_hand": summary([t / h for t, h in zip(ts, base)]),
-            "extra_us_per_step_vs_hand": summary([1e6 * (t - h) for t, h in zip(ts, base)]),
+            "ratio_vs_hand": summary([t / h for t, h in zip(ts, base, strict=True)]),
+            "extra_us_per_step_vs_hand": summary(
+                [1e6 * (t - h) for t, h in zip(ts, base, strict=True)]
+            ),
         }
         for name, ts in measured.items()
     }
@@ -732,9 +746,11 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
         """Paired per-round difference b - a (us/step) and ratio b / a."""
         return {
             "us_per_step": statistics.median(
-                [1e6 * (y - x) for x, y in zip(measured[a], measured[b])]
+                [1e6 * (y - x) for x, y in zip(measured[a], measured[b], strict=True)]
             ),
-            "ratio": statistics.median([y / x for x, y in zip(measured[a], measured[b])]),
+            "ratio": statistics.median(
+                [y / x for x, y in zip(measured[a], measured[b], strict=True)]
+            ),
         }
 
     parts = [
@@ -750,8 +766,9 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     ]
     found = {label: diff(a, b) for label, a, b in parts}
     print(
-        f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, batch "
-        f"{args.batch_size} per rank; per round, the slower rank's window; medians over rounds"
+        f"\n--breakdown: {args.rounds} rounds of {steps} steps (after {n} warm-up), 2 processes, "
+        f"batch {args.batch_size} per rank; per round, the slower rank's window; medians over "
+        "rounds"
     )
     print(f"{'loop':<44}{'ms/step':>9}{'ratio vs hand':>15}{'extra us/step':>15}")
     for name, r in rows.items():
@@ -760,7 +777,7 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
             f"{r['extra_us_per_step_vs_hand']['median']:>15.0f}"
         )
     print(f"\n{'part (paired per round: B - A)':<84}{'us/step':>9}{'ratio':>8}")
-    for label, a, b in parts:
+    for label, _, _ in parts:
         print(f"{label:<84}{found[label]['us_per_step']:>9.0f}{found[label]['ratio']:>8.3f}")
     report = {
         "benchmark": "ddp_overhead --breakdown",

@@ -2,18 +2,18 @@
 phalanx, Lightning and Accelerate), the loops interleaved chunk by chunk in one process as in
 bench/overhead.py, so that the machine's changes of speed affect each of them alike.
 
-    python bench/gpu.py --workload gpt2-small      # GPT-2-small shape, bf16, torch.compile: tokens/s and MFU
-    python bench/gpu.py --workload resnet50        # torchvision ResNet-50, bf16, channels-last, compile: images/s
-    python bench/gpu.py --workload launch-bound    # bench/common.py's tiny MLP, fp32: per-step overhead on a GPU
-    python bench/gpu.py --workload gpt2-small --smoke                # tiny, fp32, no compile, on the CPU
-    python bench/gpu.py --workload gpt2-small --smoke --device cuda  # the same on the GPU: a quick check first
+    python bench/gpu.py --workload gpt2-small    # GPT-2-small, bf16, compiled: tokens/s and MFU
+    python bench/gpu.py --workload resnet50      # ResNet-50, bf16, channels-last, compiled
+    python bench/gpu.py --workload launch-bound  # the tiny MLP, fp32: per-step overhead on a GPU
+    python bench/gpu.py --workload gpt2-small --smoke                # tiny, fp32, eager, on the CPU
+    python bench/gpu.py --workload gpt2-small --smoke --device cuda  # the same on the GPU
 
 Every loop trains its own copy of the model (the same initial weights) with the same optimizer, on
-the same in-memory data set object (seeded random data, never downloaded), read by a DataLoader
-with the workers and pinned memory that phalanx uses on a GPU. A loop runs `--chunk` optimizer
-steps, then hands over; a round is one chunk of each, in the order phalanx, Lightning, Accelerate,
-hand loop. On CUDA a window starts and ends with `torch.cuda.synchronize()`, so that it holds its
-own loop's GPU work and nothing of another's, and the allocator's peak is reset at its start. The first
+the same in-memory data set object (seeded random data, never downloaded), read by a DataLoader with
+the workers and pinned memory that phalanx uses on a GPU. A loop runs `--chunk` optimizer steps,
+then hands over; a round is one chunk of each, in the order phalanx, Lightning, Accelerate, hand
+loop. On CUDA a window starts and ends with `torch.cuda.synchronize()`, so that it holds its own
+loop's GPU work and nothing of another's, and the allocator's peak is reset at its start. The first
 `--warmup` epochs are not counted: they hold the compilation (phalanx, which runs first, pays most
 of it, since dynamo's cache serves the compiled code to the other copies of the model). Each loop's
 DataLoader workers start in the first window of each of its epochs. phalanx's epoch end (its
@@ -23,7 +23,8 @@ saves anything.
 Figures: ms/step and samples/s are medians over chunks; "vs hand" is the median over rounds of the
 hand loop's chunk time over the loop's (a throughput ratio: above 1 is faster than the hand loop);
 MFU is FLOPs per sample (counted by torch's FLOP counter on the meta device, as phalanx's
-LogThroughput counts them) x samples/s / the device's peak (phalanx.metrics' table, or --peak-flops).
+LogThroughput counts them) x samples/s / the device's peak (phalanx.metrics' table, or
+--peak-flops).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ HAND = "hand loop"
 # The issue's targets: phalanx's throughput against the hand loop's, and GPT-2-small's MFU.
 TARGET_RATIO = {"gpt2-small": 0.98, "resnet50": 0.98}
 TARGET_MFU = {"gpt2-small": 0.40}
-# global batch, optimizer steps per epoch, steps per chunk, measured epochs: for an H100, then --smoke
+# global batch, optimizer steps per epoch, steps per chunk, measured epochs: for an H100, then
+# --smoke
 SIZES = {
     "gpt2-small": (
         {"batch_size": 32, "steps": 60, "chunk": 10, "rounds": 8},
@@ -118,8 +120,8 @@ class Workload:
 
 
 class SyntheticImages(Dataset):
-    """Seeded random images {"image": float32 [3, S, S], "label": class}: `n` items over a pool of at
-    most `pool` distinct images, so that memory stays small whatever the number of steps."""
+    """Seeded random images {"image": float32 [3, S, S], "label": class}: `n` items over a pool of
+    at most `pool` distinct images, so that memory stays small whatever the number of steps."""
 
     def __init__(self, n: int, size: int, classes: int, pool: int = 256, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
@@ -153,8 +155,8 @@ def plain_mapping(x: str, y: str) -> dict[str, Any]:
 
 
 def gpt_workload(args) -> Workload:
-    """examples/gpt's model at gpt2-small.yaml's sizes and optimizer (without its warm-up and schedule),
-    on seeded random bytes."""
+    """examples/gpt's model at gpt2-small.yaml's sizes and optimizer (without its warm-up and
+    schedule), on seeded random bytes."""
     from examples.gpt.data import Windows
     from phalanx.config import safe_load
 
@@ -184,7 +186,7 @@ def gpt_workload(args) -> Workload:
 
 
 def mlp_workload(args) -> Workload:
-    """bench/overhead.py's workload: so small that a step is nearly all launch and framework work."""
+    """bench/overhead.py's workload: so small that a step is nearly all launches and framework."""
     sizes = {"features": 32, "hidden": 128, "classes": 10}
     data = make_items(args.steps * args.batch_size, sizes["features"], sizes["classes"])
     return Workload(
@@ -233,7 +235,8 @@ class Window(NamedTuple):
 
 class Meter:
     """Opens and closes timing windows. On CUDA both ends wait for the device, so that a window
-    holds its loop's queued work and none of another's; the allocator's peak restarts at the open."""
+    holds its loop's queued work and none of another's; the allocator's peak restarts at the
+    open."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -325,8 +328,8 @@ class ChunkedLoop:
         raise NotImplementedError
 
     def chunk(self, k: int) -> Window:
-        """The next `k` steps of the epoch; an epoch's set-up and its loss read-out fall in its first
-        and last chunks. The loss is summed on the device and read once per epoch."""
+        """The next `k` steps of the epoch; an epoch's set-up and its loss read-out fall in its
+        first and last chunks. The loss is summed on the device and read once per epoch."""
         opened = self.meter.open()
         if self._step == 0:
             self.model.train()
@@ -514,8 +517,8 @@ class LightningLoop:
 
 
 class AccelerateLoop(ChunkedLoop):
-    """The hand loop through Accelerate: prepare() (which adds autocast, and torch.compile through its
-    dynamo backend), the prepared DataLoader's device placement, and accelerator.backward."""
+    """The hand loop through Accelerate: prepare() (which adds autocast, and torch.compile through
+    its dynamo backend), the prepared DataLoader's device placement, and accelerator.backward."""
 
     name = "Accelerate"
 
@@ -524,7 +527,8 @@ class AccelerateLoop(ChunkedLoop):
         from accelerate.utils import DataLoaderConfiguration
 
         cuda = device.type == "cuda"
-        # non_blocking: copies from pinned memory that do not wait for the device, as the other loops'
+        # non_blocking: copies from pinned memory that do not wait for the device, as the other
+        # loops'
         self.accelerator = Accelerator(
             cpu=not cuda,
             mixed_precision="bf16" if args.precision == "bf16" else "no",
@@ -553,7 +557,8 @@ class AccelerateLoop(ChunkedLoop):
 
 def flops_per_sample(work: Workload, module: nn.Module, args) -> float | None:
     """FLOPs of one sample's forward and backward, counted as phalanx's LogThroughput counts them:
-    phalanx.metrics.training_flops on a meta copy of the model (linear in the batch: a few samples do)."""
+    phalanx.metrics.training_flops on a meta copy of the model (linear in the batch: a few samples
+    do)."""
     from phalanx import metrics
 
     n = min(args.batch_size, 4)
@@ -571,7 +576,7 @@ def optional(name: str, factory, work, args, device, meter, skipped: dict[str, s
 
 
 def interleave(work: Workload, args, device: torch.device) -> dict[str, Any]:
-    """Every loop's windows: phalanx's run drives, the others run a chunk after each of its chunks."""
+    """Every loop's windows: phalanx's run drives, the others run a chunk after each of its."""
     meter, skipped = Meter(device), {}
     hand = HandLoop(work, args, device, meter)
     flops = flops_per_sample(work, hand.module, args)
@@ -668,7 +673,9 @@ def loop_figures(
     out = {
         "ms_per_step": summary([1e3 * w.seconds / args.chunk for w in mine]),
         "samples_per_s": summary(rates),
-        "throughput_ratio_vs_hand": summary([b.seconds / w.seconds for w, b in zip(mine, base)]),
+        "throughput_ratio_vs_hand": summary(
+            [b.seconds / w.seconds for w, b in zip(mine, base, strict=True)]
+        ),
         "ratio_of_totals": sum(b.seconds for b in base) / sum(w.seconds for w in mine),
         "per_chunk_ms_per_step": [round(1e3 * w.seconds / args.chunk, 4) for w in mine],
     }
@@ -712,7 +719,8 @@ def target(results: dict[str, Any], args) -> dict[str, Any]:
         "valid": valid,
         "note": "measured at the workload's sizes on a GPU"
         if valid
-        else "not a measurement of the target: smoke sizes or no GPU; the figures only show the script works",
+        else "not a measurement of the target: smoke sizes or no GPU; the figures only show the "
+        "script works",
     }
 
 
@@ -858,9 +866,10 @@ def print_table(report: dict[str, Any]) -> None:
         return
     device = report["device"].get("name", "CPU")
     print(
-        f"\n{s['workload']} on {device}: {s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} "
-        f"warm-up), chunks of {s['chunk']}, batch {s['batch_size']}, {s['precision']}, "
-        f"{'compiled' if s['compile'] else 'eager'}, {s['workers']} DataLoader workers"
+        f"\n{s['workload']} on {device}: {s['rounds']} epochs of {s['steps']} steps (after "
+        f"{s['warmup']} warm-up), chunks of {s['chunk']}, batch {s['batch_size']}, "
+        f"{s['precision']}, {'compiled' if s['compile'] else 'eager'}, {s['workers']} DataLoader "
+        "workers"
     )
     gpt, cuda = "seq_len" in s, report["device"]["type"] == "cuda"
     header = (
@@ -882,8 +891,8 @@ def print_table(report: dict[str, Any]) -> None:
             row += f"{r['peak_memory_gib']:>10.2f}"
         print(row)
     print(
-        "ms/step, samples/s: medians over chunks; vs hand: median over rounds of the hand loop's chunk time over "
-        "the loop's (above 1: faster)"
+        "ms/step, samples/s: medians over chunks; vs hand: median over rounds of the hand loop's "
+        "chunk time over the loop's (above 1: faster)"
         + (
             "; peak GiB: the process's allocations while the loop ran, every "
             "loop's weights and optimizer state included"
@@ -915,9 +924,9 @@ def print_target(report: dict[str, Any]) -> None:
 
 
 def default_workers(args) -> int:
-    """phalanx's num_workers: auto on one GPU (up to 4, a core left for the main process), none on the
-    CPU; none for launch-bound, whose batches cost less to build than to pass between processes. Fewer
-    where /dev/shm cannot hold the batches that every loop's workers keep ready."""
+    """phalanx's num_workers: auto on one GPU (up to 4, a core left for the main process), none on
+    the CPU; none for launch-bound, whose batches cost less to build than to pass between processes.
+    Fewer where /dev/shm cannot hold the batches that every loop's workers keep ready."""
     if args.device != "cuda" or args.workload == "launch-bound":
         return 0
     workers = max(0, min(4, (os.cpu_count() or 1) - 1))
@@ -1008,8 +1017,8 @@ def fill_defaults(args, parser: argparse.ArgumentParser) -> None:
         args.device = "cpu" if args.smoke else "cuda"
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error(
-            "no CUDA GPU is visible; run --smoke for a check on the CPU, or --device cpu for the full "
-            "sizes on the CPU (slow)"
+            "no CUDA GPU is visible; run --smoke for a check on the CPU, or --device cpu for the "
+            "full sizes on the CPU (slow)"
         )
     for key, value in SIZES[args.workload][args.smoke].items():
         if getattr(args, key) is None:

@@ -3,22 +3,23 @@ whose wall-clock timings cannot resolve differences under a few percent.
 
     .venv/bin/python bench/instructions.py                      # the ddp pairs, about 5 min
     .venv/bin/python bench/instructions.py --variants hand-step,phalanx-step --steps 50
-    .venv/bin/python bench/instructions.py --native --steps 3   # run the variants without valgrind: no counts
+    .venv/bin/python bench/instructions.py --native --steps 3   # without valgrind: no counts
 
 Each variant is a function that runs one optimizer step on a fixed batch (`*-step`) or one epoch of
-`--epoch-steps` steps with its data loading and hooks (`*-epoch`), on the tiny MLP of bench/common.py:
+`--epoch-steps` steps with its data loading and hooks (`*-epoch`), on the tiny MLP of
+bench/common.py:
 
-    hand-step, phalanx-step          one process, no DDP: the hand loop against the `single` strategy
-    hand-ddp-step, phalanx-ddp-step  DDP over gloo at world size 1: the hand loop against the `ddp` strategy
+    hand-step, phalanx-step          one process, no DDP: the hand loop against `single`
+    hand-ddp-step, phalanx-ddp-step  DDP over gloo at world size 1: the hand loop against `ddp`
     hand-epoch, phalanx-epoch, hand-ddp-epoch, phalanx-ddp-epoch   the same, whole epochs
 
 The script runs itself under `valgrind --tool=callgrind --instr-atstart=no`, so torch's import runs
 uninstrumented. A small C extension (bench/cgmark.c, built on first use with the system's C compiler
-and valgrind's headers) starts instrumentation, zeroes the counters, calls a variant exactly `--steps`
-times (`--epochs` times for the epoch variants) and dumps the counters under its name. The figures are the
-main thread's instructions per step; gloo's threads are counted apart and left out. Instructions are
-not time: the same count can take longer where it misses caches more, and at world size 2 phalanx's
-extra instructions cost about twice their share of the step (BENCHMARKS.md).
+and valgrind's headers) starts instrumentation, zeroes the counters, calls a variant exactly
+`--steps` times (`--epochs` times for the epoch variants) and dumps the counters under its name. The
+figures are the main thread's instructions per step; gloo's threads are counted apart and left out.
+Instructions are not time: the same count can take longer where it misses caches more, and at world
+size 2 phalanx's extra instructions cost about twice their share of the step (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ def worker(args) -> int:
         with tempfile.TemporaryDirectory(prefix="phalanx-instructions-") as tmp:
             names = args.variants.split(",")
             variants = [make_variant(name, Path(tmp), args.epoch_steps) for name in names]
-            for name, variant in zip(names, variants):
+            for name, variant in zip(names, variants, strict=True):
                 for _ in range(
                     -(-args.warmup // args.epoch_steps) if is_epoch(name) else args.warmup
                 ):
                     variant()
-            for name, variant in zip(names, variants):
+            for name, variant in zip(names, variants, strict=True):
                 run(variant, args.epochs if is_epoch(name) else args.steps, name)
     finally:
         from phalanx import logs
@@ -258,9 +259,8 @@ def report(totals: dict[str, int], args) -> None:
     for hand, phalanx in PAIRS:
         if hand in per_step and phalanx in per_step:
             extra = per_step[phalanx] - per_step[hand]
-            print(
-                f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{per_step[phalanx] / per_step[hand]:>8.3f}"
-            )
+            ratio = per_step[phalanx] / per_step[hand]
+            print(f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{ratio:>8.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

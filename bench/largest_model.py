@@ -9,8 +9,8 @@
   checkpointing.
 
     python bench/largest_model.py                          # every mode; minutes per mode on an H100
-    python bench/largest_model.py --mode plain --start 16  # one mode, its search starting at 16 layers
-    python bench/largest_model.py --smoke                  # tiny widths on the CPU: checks the machinery
+    python bench/largest_model.py --mode plain --start 16  # one mode, searched from 16 layers up
+    python bench/largest_model.py --smoke                  # tiny widths on the CPU: a check
 
 For a mode, the search trains `--steps` optimizer steps at a number of layers (a fresh process each
 time, so that no allocator state carries over), doubles the layers until a trial runs out of
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         share = f"{found['fraction_of_bound']:.2f}" if "fraction_of_bound" in found else "-"
         capped = " (the cap: --max-layers)" if found["capped_at_max_layers"] else ""
         print(
-            f"{mode:<15}{found['largest_layers']:>7}   {found['largest_parameters'] / 1e9:>8.3f} B   {share}{capped}"
+            f"{mode:<15}{found['largest_layers']:>7}   {found['largest_parameters'] / 1e9:>8.3f} B "
+            f"  {share}{capped}"
         )
     out = Path(
         args.out

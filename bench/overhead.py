@@ -2,11 +2,11 @@
 hand-written PyTorch loop: a tiny MLP on in-memory data, one CPU thread, all loops interleaved chunk
 by chunk in one process so that the machine's changes of speed affect each of them alike.
 
-    .venv/bin/python bench/overhead.py                 # defaults: 40 epochs of 200 steps, ~1.5-2 min
+    .venv/bin/python bench/overhead.py                 # 40 epochs of 200 steps, ~1.5-2 min
     .venv/bin/python bench/overhead.py --steps 400 --rounds 25 --out /tmp/overhead.json
-    .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (paired A/B)
+    .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (A/B)
     .venv/bin/python bench/overhead.py --profile       # cProfile of phalanx's steps alone
-    .venv/bin/python bench/overhead.py --tokens 16 --clip 1.0   # token-weighted loss and clipping, both loops
+    .venv/bin/python bench/overhead.py --tokens 16 --clip 1.0   # token-weighted and clipped
 
 What is timed (see BENCHMARKS.md): every loop trains its own copy of the same MLP (same init), with
 AdamW, on the same dataset object (a map-style dataset of dict items) batched by a torch DataLoader
@@ -100,7 +100,9 @@ class HandLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
         # tuple items (--tuples): the hand loop names each batch's two tensors, as one would
         collate = (
-            (lambda items: dict(zip(("x", "y"), default_collate(items)))) if args.tuples else None
+            (lambda items: dict(zip(("x", "y"), default_collate(items), strict=True)))
+            if args.tuples
+            else None
         )
         self.loader = DataLoader(
             dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate
@@ -131,7 +133,8 @@ class HandLoop:
 
 def phalanx_config(args, output_root: str) -> dict[str, Any]:
     """The run's config: no `hooks:` key would mean the defaults; they are listed here without
-    ShowProgress (a terminal progress bar), everything else as phalanx.hooks.default_hooks has it."""
+    ShowProgress (a terminal progress bar), everything else as phalanx.hooks.default_hooks has
+    it."""
     return {
         "name": "overhead",
         "model": mlp_model(args.hidden, FEATURES, CLASSES),
@@ -256,13 +259,7 @@ class LightningLoop:
             callbacks=[timer],
             deterministic=False,
         )
-        # tuple items (--tuples): the hand loop names each batch's two tensors, as one would
-        collate = (
-            (lambda items: dict(zip(("x", "y"), default_collate(items)))) if args.tuples else None
-        )
-        self.loader = DataLoader(
-            dataset, batch_size=args.batch_size, shuffle=True, collate_fn=collate
-        )
+        self.loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
         self.windows: list[tuple[float, float]] = []
         self.epoch_losses: list[float] = []
         self.start = (0.0, 0.0)
@@ -289,7 +286,7 @@ class LightningLoop:
 
 
 class AccelerateLoop:
-    """The hand loop through Accelerate's prepare(), accelerator.backward and its wrapped optimizer."""
+    """The hand loop through Accelerate's prepare(), accelerator.backward and its optimizer."""
 
     name = "Accelerate"
 
@@ -401,7 +398,8 @@ def run(args) -> dict[str, Any]:
         trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
         hook_names = [type(h).__name__ for h in trainer.hooks]
         print(
-            f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory {run_dir}",
+            f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory "
+            f"{run_dir}",
             flush=True,
         )
         started = clock()
@@ -459,11 +457,11 @@ def run(args) -> dict[str, Any]:
         },
         "machine": machine(),
         "phalanx_source": source_state(ROOT),
-        "method": "loops interleaved chunk by chunk (a round is one chunk of each loop); ms/step = median over "
-        "chunks of (window / chunk); ratio = median over chunks of the paired ratio to the hand loop's "
-        "chunk of the same round; ratio_of_totals = all measured windows added up; windows exclude "
-        "phalanx's epoch-end hooks (row 'incl. epoch end', per epoch, adds them); no loop saves a "
-        "checkpoint inside a window",
+        "method": "loops interleaved chunk by chunk (a round is one chunk of each loop); ms/step "
+        "= median over chunks of (window / chunk); ratio = median over chunks of the paired "
+        "ratio to the hand loop's chunk of the same round; ratio_of_totals = all measured "
+        "windows added up; windows exclude phalanx's epoch-end hooks (row 'incl. epoch end', "
+        "per epoch, adds them); no loop saves a checkpoint inside a window",
         "phalanx_hooks": hook_names,
         "phalanx_checkpoints": checkpoints,
         "phalanx_config": raw,
@@ -485,17 +483,18 @@ def run(args) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     s, m = report["settings"], report["machine"]
     print(
-        f"\n{s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} warm-up), in chunks of {s['chunk']} "
-        f"steps, batch {s['batch_size']}, hidden {s['hidden']}, {s['threads']} thread; torch {m['torch']}, "
-        f"{m['cpu_count']} CPUs, {m['processor']}"
+        f"\n{s['rounds']} epochs of {s['steps']} steps (after {s['warmup']} warm-up), in chunks of "
+        f"{s['chunk']} steps, batch {s['batch_size']}, hidden {s['hidden']}, {s['threads']} "
+        f"thread; torch {m['torch']}, {m['cpu_count']} CPUs, {m['processor']}"
     )
     print_results(report["results"], 24)
     end = report["results"]["phalanx incl. epoch end"]["epoch_end_ms"]["wall"]
     print(
-        f"\nms/step: median over chunks; ratio: median of the per-chunk ratios to the hand loop's chunk of the "
-        f"same round; total: all measured time over the hand loop's.\nphalanx's epoch end (after_epoch hooks: "
-        f"stats, log, CSV, TensorBoard, SaveLatest checkpoint) took a median {end['median']:.1f} ms per epoch; it "
-        f"is outside the windows, and 'incl. epoch end' (per epoch) adds it to the epoch's steps."
+        "\nms/step: median over chunks; ratio: median of the per-chunk ratios to the hand loop's "
+        "chunk of the same round; total: all measured time over the hand loop's.\nphalanx's epoch "
+        "end (after_epoch hooks: stats, log, CSV, TensorBoard, SaveLatest checkpoint) took a "
+        f"median {end['median']:.1f} ms per epoch; it is outside the windows, and 'incl. epoch "
+        "end' (per epoch) adds it to the epoch's steps."
     )
     for name, why in report["skipped"].items():
         print(f"skipped {name}: {why}")
@@ -649,8 +648,9 @@ def breakdown(args) -> dict[str, Any]:
                 for _ in hand.loader:
                     pass
 
-        # In situ: whole epochs of the real loop (Trainer._train_epoch) against hand-loop epochs. No run
-        # directory, so the writers and SaveLatest do nothing at the epoch end; ComputeStats runs.
+        # In situ: whole epochs of the real loop (Trainer._train_epoch) against hand-loop epochs. No
+        # run directory, so the writers and SaveLatest do nothing at the epoch end; ComputeStats
+        # runs.
         from phalanx.trainer import Trainer
 
         bare = Trainer(trainer.cfg, None, [ROOT], hooks=[])
@@ -747,8 +747,8 @@ def breakdown(args) -> dict[str, Any]:
             ),
         ]
         print(
-            f"paired A/B wall-clock, {blocks} alternating pairs per row ({max(6, blocks // 3)} of whole epochs), "
-            f"batch {B}, hidden {args.hidden}, 1 thread"
+            f"paired A/B wall-clock, {blocks} alternating pairs per row ({max(6, blocks // 3)} of "
+            f"whole epochs), batch {B}, hidden {args.hidden}, 1 thread"
         )
         print(f"{'':54}{'extra us/step':>14}{'ratio':>8}")
         found = {}

@@ -84,13 +84,14 @@ def main() -> None:
     for kind in ("without", "with"):
         r = result[kind]
         print(
-            f"{kind:8s} PlotLines: after_epoch {r['after_epoch_s'] * 1e3:7.1f} ms, epoch {r['epoch_s'] * 1e3:7.1f} ms"
-            f" (first epoch's after_epoch {r['first_after_epoch_s'] * 1e3:.1f} ms); "
+            f"{kind:8s} PlotLines: after_epoch {r['after_epoch_s'] * 1e3:7.1f} ms, epoch "
+            f"{r['epoch_s'] * 1e3:7.1f} ms (first epoch's after_epoch "
+            f"{r['first_after_epoch_s'] * 1e3:.1f} ms); "
             + ", ".join(f"{part} {seconds * 1e3:.0f}" for part, seconds in r["parts_s"].items())
         )
     print(
-        f"epoch with / without PlotLines: {result['epoch_ratio']:.3f}x; PlotLines' share of an epoch "
-        f"{100 * result['plotlines_share_of_epoch']:.1f}%"
+        f"epoch with / without PlotLines: {result['epoch_ratio']:.3f}x; PlotLines' share of an "
+        f"epoch {100 * result['plotlines_share_of_epoch']:.1f}%"
     )
     write_report(
         {

@@ -36,7 +36,8 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
 
 
 def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: str = "") -> None:
-    """Poll until `condition()` holds; fail, with the process's output, if it ends first or time runs out."""
+    """Poll until `condition()` holds; fail, with the process's output, if it ends first or time
+    runs out."""
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None:

@@ -1,4 +1,5 @@
-"""Tiny models and datasets for the tests: fast, deterministic, importable from configs as `toy.X`."""
+"""Tiny models and datasets for the tests: fast, deterministic, importable from configs as
+`toy.X`."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ class Classifier(nn.Module):
 
 
 def dropout_model() -> dict:
-    """A plain nn.Sequential with dropout for toy.Regression: no wrapper class, the batch mapped by `inputs`."""
+    """A plain nn.Sequential with dropout for toy.Regression: no wrapper class, the batch mapped by
+    `inputs`."""
     return {
         "class": "torch.nn.Sequential",
         "args": [
@@ -146,8 +148,9 @@ def regression_config(**sections: Any) -> dict:
 def contract_config(
     batch: int, accumulation: int, n_train: int, n_valid: int = 10, **parallel: Any
 ) -> dict:
-    """The float64 scenario that strategies are held to one device with: a hidden layer, AdamW with a
-    warm-up, two epochs and a validation stream; `parallel` adds to the CPU, one-device section."""
+    """The float64 scenario that strategies are held to one device with: a hidden layer, AdamW with
+    a warm-up, two epochs and a validation stream; `parallel` adds to the CPU, one-device
+    section."""
     return regression_config(
         model={"class": "toy.Linear", "features": 3, "hidden": 4},
         optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
@@ -169,7 +172,7 @@ def contract_config(
 
 
 def write_config(folder: Path, cfg: dict, name: str = "config.yaml") -> Path:
-    """Write a config next to a copy of this module, so that `toy.X` class paths import from there."""
+    """Write a config next to a copy of this module, so that `toy.X` class paths import from it."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "toy.py").write_text(Path(__file__).read_text())
     path = folder / name
@@ -192,8 +195,8 @@ class BatchNormNet(nn.Module):
 
 
 class SlowRegression(Regression):
-    """Regression whose training items take `delay` seconds each to load; with `init_s`, it takes that
-    long to build, after writing `ready-<rank>` in the working directory."""
+    """Regression whose training items take `delay` seconds each to load; with `init_s`, it takes
+    that long to build, after writing `ready-<rank>` in the working directory."""
 
     def __init__(self, delay: float = 0.0, init_s: float = 0.0, **kwargs: Any):
         import os
@@ -248,9 +251,9 @@ class FailAt(Linear):
 
 
 class FaultAt(Linear):
-    """On rank `rank`, at its `step`-th training forward call of an attempt, SIGKILLs its own process
-    (`kind: kill`) or raises (`kind: raise`), on the launcher's attempts in `attempts` (all where
-    None); every attempt's start is appended to `record`, if given."""
+    """On rank `rank`, at its `step`-th training forward call of an attempt, SIGKILLs its own
+    process (`kind: kill`) or raises (`kind: raise`), on the launcher's attempts in `attempts` (all
+    where None); every attempt's start is appended to `record`, if given."""
 
     def __init__(
         self,
@@ -305,7 +308,8 @@ class Record(Hook):
 
 
 class RequestStopAt(Hook):
-    """Asks for a graceful stop on rank `rank` alone, after training step `step`: a real SIGTERM to itself."""
+    """Asks for a graceful stop on rank `rank` alone, after training step `step`: a real SIGTERM to
+    itself."""
 
     gathers = False
 
@@ -401,7 +405,8 @@ class SequenceItems(Dataset):
 
 
 class TinyLM(nn.Module):
-    """forward(tokens) -> logits (batch, length, vocab): an embedding, a mix along the sequence, a head."""
+    """forward(tokens) -> logits (batch, length, vocab): an embedding, a mix along the sequence, a
+    head."""
 
     def __init__(self, vocab: int = 5, width: int = 4):
         super().__init__()
@@ -431,8 +436,8 @@ class WeighingLM(TinyLM):
 
 
 class CausalSequences:
-    """Hugging Face style causal language-model items, padded: {"input_ids", "attention_mask", "labels"}
-    with the labels the inputs themselves, -100 on the padding (the model shifts them)."""
+    """Hugging Face style causal language-model items, padded: {"input_ids", "attention_mask",
+    "labels"} with the labels the inputs themselves, -100 on the padding (the model shifts them)."""
 
     def __init__(
         self, n_train: int = 21, n_valid: int = 7, length: int = 8, vocab: int = 50, seed: int = 0
@@ -474,9 +479,10 @@ class InfAt(Linear):
 
 
 class StreamItems(torch.utils.data.IterableDataset):
-    """A stream of Regression items in an order of its own (shuffled by `set_epoch`), with no length.
-    `stateful`: it says where it stands (`state_dict`) and starts there again (`load_state_dict`), as
-    Hugging Face's streaming datasets do. Each iteration's first position is appended to `log`."""
+    """A stream of Regression items in an order of its own (shuffled by `set_epoch`), with no
+    length. `stateful`: it says where it stands (`state_dict`) and starts there again
+    (`load_state_dict`), as Hugging Face's streaming datasets do. Each iteration's first position is
+    appended to `log`."""
 
     def __init__(self, items: Items, stateful: bool = False, log: str | None = None):
         self.items, self.stateful, self.log = items, stateful, log
@@ -573,7 +579,8 @@ class NoisyRegression(Regression):
 
 
 class _Batched(Dataset):
-    """Items read a batch at a time by __getitems__ (as Hugging Face datasets are), marked `batched`."""
+    """Items read a batch at a time by __getitems__ (as Hugging Face datasets are), marked
+    `batched`."""
 
     def __init__(self, items: Items):
         self.items = items

@@ -59,7 +59,8 @@ def read_corpus(root: Path | None = None, max_bytes: int | None = None) -> bytes
 
 
 class Windows(Dataset):
-    """Non-overlapping windows of a byte stream: {"tokens": LongTensor[T], "targets": LongTensor[T]}."""
+    """Non-overlapping windows of a byte stream: {"tokens": LongTensor[T], "targets":
+    LongTensor[T]}."""
 
     def __init__(self, data: torch.Tensor, block_size: int):
         self.data, self.block_size = data, block_size
@@ -115,8 +116,9 @@ class StdlibBytes:
 
 
 def write_tokens(path: Path, tokens: bytes) -> None:
-    """Byte tokens as a flat uint16 token file (the `train.bin` layout), written whole or not at all:
-    processes that prepare the same file at once each write their own and rename it into place."""
+    """Byte tokens as a flat uint16 token file (the `train.bin` layout), written whole or not at
+    all: processes that prepare the same file at once each write their own and rename it into
+    place."""
     import numpy as np
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,10 +128,10 @@ def write_tokens(path: Path, tokens: bytes) -> None:
 
 
 class StdlibTokenFiles:
-    """The standard library's source as token files on disk, read through `phalanx.data.TokenWindows`
-    (memory-mapped: the files may be far larger than memory). `folder/train.bin` and
-    `folder/valid.bin` are prepared from the corpus where they are missing; a pretraining pipeline
-    would write its own tokenizer's ids there instead."""
+    """The standard library's source as token files on disk, read through
+    `phalanx.data.TokenWindows` (memory-mapped: the files may be far larger than memory).
+    `folder/train.bin` and `folder/valid.bin` are prepared from the corpus where they are missing; a
+    pretraining pipeline would write its own tokenizer's ids there instead."""
 
     vocab_size = 256
 

@@ -113,12 +113,13 @@ class GPT(nn.Module):
         return {"logits": logits, "loss": loss.view(B, T).mean(dim=1)}
 
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters, counting the tied embedding once; without the position embedding by default."""
+        """Parameters, the tied embedding counted once; the position embedding only if asked."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
     def flops_per_token(self) -> int:
-        """Training FLOPs per token at full context: 6N + 12 n_layer n_embd block_size (PaLM, appendix B)."""
+        """Training FLOPs per token at full context: 6N + 12 n_layer n_embd block_size (PaLM,
+        appendix B)."""
         n_layer, n_embd = len(self.blocks), self.wte.embedding_dim
         return 6 * self.num_params() + 12 * n_layer * n_embd * self.block_size
 

@@ -1,4 +1,6 @@
-"""The invariance contract on real gloo processes: world sizes 2, 3 and 4 against one process, in float64."""
+"""The invariance contract on real gloo processes: world sizes 2, 3 and 4 against one process, in
+float64."""
+
 from __future__ import annotations
 
 import sys
@@ -10,30 +12,49 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
+
 from phalanx import data  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
-N_TRAIN, N_VALID = 41, 10   # 41 = 5 * 8 + 1: the last batch (1 sample) is smaller than every world size
+# 41 = 5 * 8 + 1: the last batch (1 sample) is smaller than every world size
+N_TRAIN, N_VALID = 41, 10
 
 
 def scenario(batch: int, accumulation: int, **extra) -> dict:
     raw = toy.regression_config(
         model={"class": "toy.Linear", "features": 3, "hidden": 4},
         optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
-        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": N_TRAIN, "n_valid": N_VALID},
+        dataset={
+            "class": "toy.Regression",
+            "batch_size": batch,
+            "n_train": N_TRAIN,
+            "n_valid": N_VALID,
+        },
         parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation},
-        main_loop={"epochs": 2, "extra_streams": ["valid"]}, hooks=[])
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
     for key, value in extra.items():
         merged = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
-        raw[key] = {k: v for k, v in merged.items() if v is not None} if isinstance(merged, dict) else merged
+        raw[key] = (
+            {k: v for k, v in merged.items() if v is not None}
+            if isinstance(merged, dict)
+            else merged
+        )
     return raw
 
 
 SCENARIOS = {
     **{f"batch{b}-accum{k}": scenario(b, k) for b in (7, 8, 10) for k in (1, 3)},
-    "sync-batchnorm": scenario(8, 1, model={"class": "toy.BatchNormNet", "features": 3, "hidden": 6},
-                               dataset={"n_train": 40}),
-    "adamw-warmup": scenario(10, 2, optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3, "momentum": None}),
+    "sync-batchnorm": scenario(
+        8,
+        1,
+        model={"class": "toy.BatchNormNet", "features": 3, "hidden": 6},
+        dataset={"n_train": 40},
+    ),
+    "adamw-warmup": scenario(
+        10, 2, optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3, "momentum": None}
+    ),
     # buckets far smaller than a parameter: every gradient reduced in a bucket of its own
     "ddp-small-buckets": scenario(7, 1, parallel={"ddp": {"bucket_cap_mb": 1e-6}}),
 }
@@ -62,10 +83,14 @@ def assert_same_run(got: dict, want: dict) -> None:
         assert rel(torch.tensor(got["params"][name]), torch.tensor(value)) < 1e-10, name
     assert len(got["losses"]) == len(want["losses"])
     assert rel(torch.tensor(got["losses"]), torch.tensor(want["losses"])) < 1e-10
-    for mine, theirs in zip(got["epochs"], want["epochs"]):
-        assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID  # every sample once
+    for mine, theirs in zip(got["epochs"], want["epochs"], strict=True):
+        assert (
+            mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID
+        )  # every sample once
         assert mine["train"]["loss_count"] == theirs["train"]["loss_count"]
-        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
+        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(
+            theirs["valid"]["loss"]
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -73,20 +98,22 @@ def test_every_world_size_trains_as_one_process(world_size, reference):
     raws = [for_world(raw, world_size) for raw in SCENARIOS.values()]
     per_rank = workers.run_ranks(world_size, workers.train_all, raws)
     for rank_results in per_rank:  # every rank holds the same parameters and sees the same losses
-        for name, got in zip(SCENARIOS, rank_results):
+        for name, got in zip(SCENARIOS, rank_results, strict=True):
             assert_same_run(got, reference[name])
-    for name, got in zip(SCENARIOS, per_rank[0]):
+    for name, got in zip(SCENARIOS, per_rank[0], strict=True):
         raw = SCENARIOS[name]
         batch, n_train = raw["dataset"]["batch_size"], raw["dataset"]["n_train"]
         for epoch, seen in enumerate(_epochs(got["ids"]["train"], -(-n_train // batch)), start=1):
             order = data.permutation(raw.get("seed", 0), epoch, n_train)
-            assert [i for step in seen for i in step] == order, name  # dataset order, each sample once
-        assert got["ids"]["valid"][:1] and sorted(i for b in got["ids"]["valid"] for i in b) == \
-            sorted(list(range(N_VALID)) * 2)
+            # dataset order, each sample once
+            assert [i for step in seen for i in step] == order, name
+        assert got["ids"]["valid"][:1] and sorted(
+            i for b in got["ids"]["valid"] for i in b
+        ) == sorted(list(range(N_VALID)) * 2)
 
 
 def _epochs(steps: list[list[int]], per_epoch: int) -> list[list[list[int]]]:
-    return [steps[i:i + per_epoch] for i in range(0, len(steps), per_epoch)]
+    return [steps[i : i + per_epoch] for i in range(0, len(steps), per_epoch)]
 
 
 def test_shard_weights_give_the_same_training(reference):
@@ -99,19 +126,26 @@ def test_shard_weights_give_the_same_training(reference):
 
 def test_sync_batchnorm_with_an_empty_shard_is_a_clear_error_not_a_hang():
     raw = for_world(SCENARIOS["sync-batchnorm"], 4)
-    raw["dataset"] = {**raw["dataset"], "n_train": N_TRAIN}  # the last batch has 1 sample for 4 processes
-    with pytest.raises(AssertionError, match="sync_batchnorm needs a sample for each of the 4 processes"):
+    raw["dataset"] = {
+        **raw["dataset"],
+        "n_train": N_TRAIN,
+    }  # the last batch has 1 sample for 4 processes
+    with pytest.raises(
+        AssertionError, match="sync_batchnorm needs a sample for each of the 4 processes"
+    ):
         workers.run_ranks(4, workers.train_all, [raw], timeout=120)
 
 
 def test_the_loss_and_stop_flag_through_autograd_give_the_same_training(reference):
-    """On a torch whose DDP reducer cannot be told directly that the carrier's gradient is ready, the
-    carrier goes through autograd: the same parameters and losses, uneven shards, empty ones and
+    """On a torch whose DDP reducer cannot be told directly that the carrier's gradient is ready,
+    the carrier goes through autograd: the same parameters and losses, uneven shards, empty ones and
     accumulation included."""
     names = ["batch7-accum3", "batch10-accum1"]
-    per_rank = workers.run_ranks(3, workers.train_all, [for_world(SCENARIOS[n], 3) for n in names], True)
+    per_rank = workers.run_ranks(
+        3, workers.train_all, [for_world(SCENARIOS[n], 3) for n in names], True
+    )
     for rank_results in per_rank:
-        for name, got in zip(names, rank_results):
+        for name, got in zip(names, rank_results, strict=True):
             assert_same_run(got, reference[name])
 
 
@@ -123,7 +157,9 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step(through_a
     ends = workers.run_ranks(3, workers.stop_on_one_rank, raw, 2, 3, through_autograd, timeout=120)
     assert [end["code"] for end in ends] == [143, 143, 143]
     assert [end["step"] for end in ends] == [4, 4, 4]
-    assert ends[0]["losses"] == ends[1]["losses"] == ends[2]["losses"]  # the same global loss everywhere
+    assert (
+        ends[0]["losses"] == ends[1]["losses"] == ends[2]["losses"]
+    )  # the same global loss everywhere
 
 
 def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
@@ -132,11 +168,15 @@ def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
     comm, overlap = first["sampled"]
     assert comm > 0 and 0 <= overlap
     reported = [line for line in first["lines"] if "gradient all-reduce in backward" in line]
-    assert 1 <= len(reported) <= 2, reported  # at most once per epoch, on rank 0, when a sample changed it
+    # at most once per epoch, on rank 0, when a sample changed it
+    assert 1 <= len(reported) <= 2, reported
     for line in reported:  # DDP's averages cover the run so far, and say so
-        assert line.startswith("gradient all-reduce in backward, DDP's sampled average over the run so far")
+        assert line.startswith(
+            "gradient all-reduce in backward, DDP's sampled average over the run so far"
+        )
     assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
-    assert f"{1e3 * comm:.2f} ms per step" in reported[-1]  # the last line is DDP's average at the end
+    # the last line is DDP's average at the end
+    assert f"{1e3 * comm:.2f} ms per step" in reported[-1]
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
 
 

@@ -2,6 +2,7 @@
 global batches on every world size (each rank reads every item and keeps its shards), every item of
 an evaluation stream once, and resume at the same item, whether the stream says where it stands or
 is read again up to there."""
+
 from __future__ import annotations
 
 import sys
@@ -13,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
+
 from phalanx import commands  # noqa: E402
 from phalanx.checkpoint import Checkpoints  # noqa: E402
 
@@ -24,11 +26,22 @@ def config(devices: int = 1, accumulation: int = 1, strategy: str = "auto", **da
     return toy.regression_config(
         model={"class": "toy.Linear", "features": 3, "hidden": 4},
         optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
-        dataset={"class": "toy.IterableRegression", "batch_size": BATCH, "n_train": N_TRAIN, "n_valid": N_VALID,
-                 **dataset},
-        parallel={"accelerator": "cpu", "devices": devices, "gradient_accumulation": accumulation,
-                  "strategy": strategy},
-        main_loop={"epochs": EPOCHS, "extra_streams": ["valid"]}, hooks=[])
+        dataset={
+            "class": "toy.IterableRegression",
+            "batch_size": BATCH,
+            "n_train": N_TRAIN,
+            "n_valid": N_VALID,
+            **dataset,
+        },
+        parallel={
+            "accelerator": "cpu",
+            "devices": devices,
+            "gradient_accumulation": accumulation,
+            "strategy": strategy,
+        },
+        main_loop={"epochs": EPOCHS, "extra_streams": ["valid"]},
+        hooks=[],
+    )
 
 
 def hand_loop() -> dict:
@@ -42,7 +55,7 @@ def hand_loop() -> dict:
         stream.set_epoch(epoch)
         items = list(stream)
         for start in range(0, N_TRAIN, BATCH):
-            batch = items[start:start + BATCH]
+            batch = items[start : start + BATCH]
             x = torch.stack([i["x"] for i in batch]).double()
             y = torch.stack([i["y"] for i in batch]).double()
             loss = model(x, y)["loss"].mean()
@@ -58,7 +71,9 @@ def assert_as(got: dict, want: dict) -> None:
         a = torch.tensor(got["params"][name], dtype=torch.float64)
         assert float((a - value).abs().max()) <= 1e-10 * max(1.0, float(value.abs().max())), name
     assert len(got["losses"]) == len(want["losses"]) == EPOCHS * 6
-    assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])) < 1e-10
+    assert (
+        max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"], strict=True)) < 1e-10
+    )
     for epoch in got["epochs"]:
         assert epoch["valid"]["loss_count"] == N_VALID  # every item of the evaluation stream once
         assert epoch["train"]["loss_count"] == N_TRAIN
@@ -73,7 +88,13 @@ def test_an_iterable_stream_trains_in_its_own_order_the_same_on_every_world_size
             if got["params"]:  # fsdp gathers the whole model to rank 0
                 assert_as(got, want)
             else:
-                assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])) < 1e-10
+                assert (
+                    max(
+                        abs(a - b) / abs(b)
+                        for a, b in zip(got["losses"], want["losses"], strict=True)
+                    )
+                    < 1e-10
+                )
 
 
 def _resumed(tmp_path: Path, stateful: bool) -> tuple[dict, list[str]]:
@@ -81,7 +102,11 @@ def _resumed(tmp_path: Path, stateful: bool) -> tuple[dict, list[str]]:
     positions at which the resumed run began reading the stream."""
     log = tmp_path / "reads.txt"
     raw = config(stateful=stateful, log=str(log))
-    raw["hooks"] = [{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest", {"StopAfter": {"steps": 1000}}]
+    raw["hooks"] = [
+        {"ComputeStats": {"variables": ["loss"]}},
+        "SaveLatest",
+        {"StopAfter": {"steps": 1000}},
+    ]
     whole = toy.write_config(tmp_path / "whole", raw)
     assert commands.train(str(whole), []) == 0
     raw["hooks"][2] = {"StopAfter": {"steps": 9}}
@@ -115,5 +140,7 @@ def test_sync_batchnorm_on_an_iterable_stream_with_an_empty_shard_is_a_clear_err
     raw = config(3)
     raw["model"] = {"class": "toy.BatchNormNet", "features": 3, "hidden": 6}
     raw["parallel"]["sync_batchnorm"] = True
-    with pytest.raises(AssertionError, match="sync_batchnorm needs a sample for each of the 3 processes .* step 5"):
+    with pytest.raises(
+        AssertionError, match="sync_batchnorm needs a sample for each of the 3 processes .* step 5"
+    ):
         workers.run_ranks(3, workers.train_all, [raw], timeout=120)

@@ -1,6 +1,7 @@
-"""Resuming several processes with randomness: every rank's random streams are saved and restored, so
-a 2-process run with dropout, stopped mid-epoch and resumed on 2 processes, ends bit-identical to the
-same run without a stop; on another process count the streams are re-derived, as documented."""
+"""Resuming several processes with randomness: every rank's random streams are saved and restored,
+so a 2-process run with dropout, stopped mid-epoch and resumed on 2 processes, ends bit-identical to
+the same run without a stop; on another process count the streams are re-derived, as documented."""
+
 from __future__ import annotations
 
 import shutil
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
+
 from phalanx import api, config, rundir  # noqa: E402
 from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
 
@@ -22,10 +24,15 @@ STOP = 2  # the StopAfter hook's index
 
 
 def _raw(stop: int) -> dict:
-    raw = toy.regression_config(parallel={"accelerator": "cpu", "devices": 2},
-                                main_loop={"epochs": 3, "extra_streams": []},
-                                hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest",
-                                       {"StopAfter": {"steps": stop}}])
+    raw = toy.regression_config(
+        parallel={"accelerator": "cpu", "devices": 2},
+        main_loop={"epochs": 3, "extra_streams": []},
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            "SaveLatest",
+            {"StopAfter": {"steps": stop}},
+        ],
+    )
     return {**raw, "model": toy.dropout_model()}
 
 
@@ -60,4 +67,7 @@ def test_two_processes_with_dropout_resume_bit_identical(tmp_path):
     # On one process the streams cannot continue: they are re-derived, and the log says so.
     assert api.run_worker(copy, True, [*resume, "parallel.devices=1"]) == 0
     assert _final(copy)[0] == 15
-    assert "random streams re-derived from the seed, the step and the rank" in (copy / "log.txt").read_text()
+    assert (
+        "random streams re-derived from the seed, the step and the rank"
+        in (copy / "log.txt").read_text()
+    )

@@ -1,16 +1,18 @@
 """Running a function on several real processes joined by gloo on loopback, for the dist tests."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import socket
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
 import toy
+
 from phalanx import api, config, strategies
 from phalanx.hooks import ComputeStats
 from phalanx.trainer import Trainer
@@ -24,16 +26,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 180,
-              env: dict[str, str] | None = None) -> list[Any]:
+def run_ranks(
+    world_size: int,
+    target: Callable,
+    *args: Any,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """`target(rank, *args)` on `world_size` processes; their results in rank order. A hang or an
     error on any rank fails the caller within `timeout` seconds, and no process is left behind.
-    `env` is set in every process over the launcher's variables (LOCAL_RANK=0: ranks share device 0)."""
+    `env` is set in every process over the launcher's variables (LOCAL_RANK=0: ranks share device
+    0)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue, env or {}))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue, env or {}))
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -52,10 +62,21 @@ def run_ranks(world_size: int, target: Callable, *args: Any, timeout: float = 18
     return [results[r] for r in range(world_size)]
 
 
-def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple, queue, env: dict) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": "1", **env})
+def _entry(
+    rank: int, world_size: int, port: int, target: Callable, args: tuple, queue, env: dict
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            **env,
+        }
+    )
     torch.set_num_threads(1)
     succeeded = False
     try:
@@ -65,7 +86,8 @@ def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple,
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():
-            if succeeded:  # leave together: a group torn down while another rank still talks to it can abort
+            # leave together: a group torn down while another rank still talks to it can abort
+            if succeeded:
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
@@ -73,14 +95,20 @@ def _entry(rank: int, world_size: int, port: int, target: Callable, args: tuple,
 def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
     """The strategy the config asks for; with `carry_through_autograd`, the ddp strategy as a torch
     without the reducer's direct entry point runs it. Several ranks on CUDA share GPU 0 over gloo
-    (as `run_ranks(..., env={"LOCAL_RANK": "0"})` starts them): nccl refuses two ranks on one GPU."""
+    (as `run_ranks(..., env={"LOCAL_RANK": "0"})` starts them): nccl refuses two ranks on one
+    GPU."""
     shared_gpu = cfg.parallel.accelerator == "cuda" and strategies.in_worker()
     if not (carry_through_autograd or shared_gpu):
         return strategies.create(cfg)
     from phalanx.strategies.ddp import DDP
 
-    return DDP("cuda" if shared_gpu else "cpu", None, cfg.parallel.sync_batchnorm,
-               carry_through_autograd=carry_through_autograd, backend="gloo")
+    return DDP(
+        "cuda" if shared_gpu else "cpu",
+        None,
+        cfg.parallel.sync_batchnorm,
+        carry_through_autograd=carry_through_autograd,
+        backend="gloo",
+    )
 
 
 def train(raw: dict, carry_through_autograd: bool = False) -> dict:
@@ -88,22 +116,37 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     cfg = config.validate(raw)
     record, seen = toy.Record(), toy.SeenIds()
     hooks = [ComputeStats(variables=["loss"], aggregations=["mean", "count"]), record, seen]
-    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd))
+    trainer = Trainer(
+        cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd)
+    )
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
-    state = trainer.strategy.model_state()  # the whole model: gathered to rank 0 where it is sharded
+    # the whole model: gathered to rank 0 where it is sharded
+    state = trainer.strategy.model_state()
     state = state.state_dict() if isinstance(state, torch.nn.Module) else state
     params = {k: v.detach().cpu().tolist() for k, v in state.items()}
-    return {"params": params, "losses": record.losses, "epochs": record.epochs, "ids": seen.ids,
-            "state_bytes": trainer.view.state_bytes()}
+    return {
+        "params": params,
+        "losses": record.losses,
+        "epochs": record.epochs,
+        "ids": seen.ids,
+        "state_bytes": trainer.view.state_bytes(),
+    }
 
 
-def stop_on_one_rank(rank: int, raw: dict, stop_rank: int, stop_step: int, carry_through_autograd: bool = False) -> dict:
+def stop_on_one_rank(
+    rank: int, raw: dict, stop_rank: int, stop_step: int, carry_through_autograd: bool = False
+) -> dict:
     """Train until rank `stop_rank` asks to stop after step `stop_step`; where this rank ended."""
     cfg = config.validate(raw)
     record = toy.Record()
-    trainer = Trainer(cfg, None, [TESTS], hooks=[record, toy.RequestStopAt(stop_rank, stop_step)],
-                      strategy=strategy_for(cfg, carry_through_autograd))
+    trainer = Trainer(
+        cfg,
+        None,
+        [TESTS],
+        hooks=[record, toy.RequestStopAt(stop_rank, stop_step)],
+        strategy=strategy_for(cfg, carry_through_autograd),
+    )
     code = trainer.run()
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
@@ -135,7 +178,13 @@ def stop_after_minutes(rank: int, raw: dict) -> dict:
         return 61.0 if rank == 1 and box and box[0].step >= 3 else 0.0
 
     cfg = config.validate(raw)
-    trainer = Trainer(cfg, None, [TESTS], hooks=[StopAfter(minutes=1, clock=clock)], strategy=strategies.create(cfg))
+    trainer = Trainer(
+        cfg,
+        None,
+        [TESTS],
+        hooks=[StopAfter(minutes=1, clock=clock)],
+        strategy=strategies.create(cfg),
+    )
     box.append(trainer)
     return {"code": trainer.run(), "step": trainer.step}
 

@@ -190,7 +190,8 @@ def trained(tmp_path_factory):
 
 
 def copy_run(trained, name: str) -> Path:
-    """A copy of the trained run (it still imports from the config's folder), for tests that change it."""
+    """A copy of the trained run (it still imports from the config's folder), for tests that change
+    it."""
     target = trained.folder / "copies" / name / trained.run.name
     shutil.copytree(trained.run, target)
     return target
@@ -244,7 +245,8 @@ def test_train_checkpoints_have_manifests_matching_their_files(trained):
 # --- every other command, run side by side on the trained run --------------------------------
 
 # Bad input: (id, command, words the error line must hold). RUN stands for a fresh copy of the
-# trained run, NOTRUN for a folder that is not a run; train commands get an output_root of their own.
+# trained run, NOTRUN for a folder that is not a run; train commands get an output_root of their
+# own.
 BAD = [
     ("misspelt-key", ["train", "config.yaml", "main_loop.epoch=3"], ["main_loop.epoch", "epochs"]),
     (
@@ -489,7 +491,7 @@ def test_export_writes_the_whole_model_for_plain_load_state_dict(ran):
 def test_ls_lists_the_runs_with_status_and_best(ran):
     result = ran.results["ls"]
     assert result.returncode == 0, output(result)
-    line = next(l for l in output(result).splitlines() if ran.run.name in l)
+    line = next(row for row in output(result).splitlines() if ran.run.name in row)
     assert "finished" in line and re.search(r"\b15\b", line)
     assert "valid.loss=" in line and "@ 5" in line
 

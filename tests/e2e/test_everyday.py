@@ -15,8 +15,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_init_from_on_two_processes_with_ddp_and_fsdp_trains_as_one(tmp_path):
-    """A run started from another's best checkpoint ends with the same weights on 1 process, ddp on 2
-    and fsdp on 2 (each rank loads the weights; fsdp keeps its shards of them)."""
+    """A run started from another's best checkpoint ends with the same weights on 1 process, ddp on
+    2 and fsdp on 2 (each rank loads the weights; fsdp keeps its shards of them)."""
     raw = toy.regression_config(
         model={"class": "toy.Linear", "features": 3, "hidden": 4},
         optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},

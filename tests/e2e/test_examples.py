@@ -1,5 +1,5 @@
-"""The shipped examples train to the accuracy their docs promise: `phalanx train` then `phalanx eval`
-in real processes, from the repository root so that `examples.digits...` imports."""
+"""The shipped examples train to the accuracy their docs promise: `phalanx train` then `phalanx
+eval` in real processes, from the repository root so that `examples.digits...` imports."""
 
 from __future__ import annotations
 

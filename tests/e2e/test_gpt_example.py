@@ -31,7 +31,8 @@ LN_VOCAB = math.log(256)  # the loss of a uniform guess over bytes, about 5.545
 TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, dropout=0.0, bias=True)
 
 
-# --- the model -------------------------------------------------------------------------------------
+# --- the model
+# -------------------------------------------------------------------------------------
 
 
 def test_the_loss_at_initialisation_is_that_of_a_uniform_guess():
@@ -68,7 +69,8 @@ def test_a_token_changes_no_logit_before_it(t):
     assert not torch.allclose(before[:, t], after[:, t])  # its own position does
 
 
-# --- the data --------------------------------------------------------------------------------------
+# --- the data
+# --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +139,8 @@ def test_train_and_valid_do_not_overlap(dataset, corpus):
     assert 32 * len(train) + 1 <= n_train  # the last train window's last target is a train byte
 
 
-# --- end to end ------------------------------------------------------------------------------------
+# --- end to end
+# ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """bench/gpu.py --smoke end to end on the CPU, in a real process: every loop trains, the table has a
-row per loop, and the JSON holds the settings, each loop's figures, the skipped loops and the issue's
-target checks, with figures that agree with one another (tokens/s = samples/s x sequence length,
-MFU = FLOPs x samples/s / peak, FLOPs as phalanx's own LogThroughput counted them)."""
+row per loop, and the JSON holds the settings, each loop's figures, the skipped loops and the
+issue's target checks, with figures that agree with one another (tokens/s = samples/s x sequence
+length, MFU = FLOPs x samples/s / peak, FLOPs as phalanx's own LogThroughput counted them)."""
 
 from __future__ import annotations
 

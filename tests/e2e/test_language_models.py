@@ -84,7 +84,7 @@ def test_one_long_epoch_is_evaluated_every_n_steps_and_stops_early_on_a_round(ro
 def test_rounds_are_the_same_on_two_processes(rounds):
     one, two = rows(rounds[1]), rows(rounds[2])
     assert [(r["epoch"], r["step"]) for r in one] == [(r["epoch"], r["step"]) for r in two]
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         for key in ("train.loss", "valid.loss"):
             assert abs(float(a[key]) - float(b[key])) <= 1e-10 * abs(float(a[key])), key
     assert (
@@ -191,8 +191,9 @@ def test_token_windows_read_next_token_pairs_from_a_memory_mapped_file(tmp_path)
 
 
 def test_the_gpt_example_trains_from_token_files_it_prepares(tmp_path):
-    """examples/gpt/tokens.yaml, shortened: the token files are written once, read memory-mapped, and
-    the run learns; its scheduler's T_max is the run's length and its rows come every 110 steps."""
+    """examples/gpt/tokens.yaml, shortened: the token files are written once, read memory-mapped,
+    and the run learns; its scheduler's T_max is the run's length and its rows come every 110
+    steps."""
     overrides = [
         f"output_root={tmp_path / 'runs'}",
         f"dataset.folder={tmp_path / 'tokens'}",

@@ -1,5 +1,5 @@
-"""The two CPU overhead benchmarks end to end at tiny sizes, in real processes: every loop runs every
-chunk it should, both learn the same task, and the JSON's figures agree with one another. The
+"""The two CPU overhead benchmarks end to end at tiny sizes, in real processes: every loop runs
+every chunk it should, both learn the same task, and the JSON's figures agree with one another. The
 figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here. The instruction
 counter's variants run natively (callgrind itself takes minutes), and its reading of callgrind's
 dumps is checked on dumps written here."""
@@ -159,8 +159,8 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
 
     def dump(name: str, thread: int, label: str, total: int) -> None:
         (tmp_path / f"{name}-{thread:02d}").write_text(
-            f"version: 1\ncmd: python\npart: 1\ndesc: Trigger: Client Request: {label}\nthread: {thread}\n"
-            f"events: Ir\nsummary: {total}\n"
+            f"version: 1\ncmd: python\npart: 1\ndesc: Trigger: Client Request: {label}\nthread: "
+            f"{thread}\nevents: Ir\nsummary: {total}\n"
         )
 
     dump("out.1", 1, "hand-step", 4_000_000)
@@ -173,8 +173,8 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
 
 
 def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
-    """The GPU benchmark's machinery at tiny sizes on the CPU: fsdp on one process with offload and a
-    meta-device build trains the example decoder (tied weights) at each size the search tries."""
+    """The GPU benchmark's machinery at tiny sizes on the CPU: fsdp on one process with offload and
+    a meta-device build trains the example decoder (tied weights) at each size the search tries."""
     out = tmp_path / "largest.json"
     result = subprocess.run(
         [

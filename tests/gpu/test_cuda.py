@@ -150,8 +150,8 @@ def test_resume_on_the_gpu_mid_epoch_is_bit_identical(tmp_path):
 
 
 def test_gpt_in_bf16_with_compile_learns_on_the_gpu(tmp_path):
-    """examples/gpt/tiny.yaml on the GPU in bf16 autocast with torch.compile: it learns, keeps float32
-    weights, and `phalanx eval` of its checkpoint gives the logged validation loss."""
+    """examples/gpt/tiny.yaml on the GPU in bf16 autocast with torch.compile: it learns, keeps
+    float32 weights, and `phalanx eval` of its checkpoint gives the logged validation loss."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(
         [

@@ -90,7 +90,8 @@ def test_fit_with_objects_trains_what_phalanx_train_trains(cli_run, tmp_path, mo
     assert run.metrics["valid.loss"] == float(last[header.index("valid.loss")])
     assert [epoch for epoch, _ in record.epochs] == [1, 2] and record.ended is True
     assert record.epochs[-1][1] == run.metrics["valid.loss"]
-    # the saved config names the objects' classes and keeps the framework's keys; run.json says they were given
+    # the saved config names the objects' classes and keeps the framework's keys; run.json says they
+    # were given
     saved = rundir.load_config_text(run.run_dir)
     assert (
         saved["model"] == {**saved["model"], "class": "toy.Linear"}
@@ -208,7 +209,8 @@ def test_objects_train_on_towers_as_on_one_device(tmp_path, monkeypatch):
 
 
 def test_fit_from_another_thread(tmp_path, monkeypatch):
-    """A notebook's or a server's worker thread: signals stay with the main thread, training goes on."""
+    """A notebook's or a server's worker thread: signals stay with the main thread, training goes
+    on."""
     monkeypatch.chdir(tmp_path)
     model, streams = _objects()
     runs = []
@@ -275,7 +277,7 @@ def test_load_keeps_tied_weights_tied_and_needs_a_checkpoint(tmp_path, monkeypat
 def test_a_run_in_worker_processes_has_no_model_here(tmp_path):
     run = phalanx.Run(tmp_path, 0, {})
     with pytest.raises(PhalanxError, match="phalanx.load"):
-        run.model
+        _ = run.model
 
 
 def test_a_resume_that_stop_after_would_end_at_once_says_which_override_goes_on(

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_two_runs_created_in_the_same_instant_get_a_directory_each(tmp_path, monkeypatch):
-    """Another process creates the very directory this one chose, between its choice and its mkdir."""
+    """Another process creates the very directory this one chose, between its choice and mkdir."""
     cfg = config.validate({**toy.regression_config(), "output_root": str(tmp_path / "runs")})
     real_mkdir = Path.mkdir
     raced: list[Path] = []

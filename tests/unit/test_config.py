@@ -160,7 +160,8 @@ def test_wrong_type_names_the_key_and_the_value():
 
 
 def _number_fields(model: type[BaseModel], prefix: tuple[str, ...] = ()):
-    """Every key of the schema that holds an int or a float (or a list of them), found by walking it."""
+    """Every key of the schema that holds an int or a float (or a list of them), found by walking
+    it."""
     for name, field in model.model_fields.items():
         key = prefix + (field.alias or name,)
         args = typing.get_args(field.annotation) or (field.annotation,)
@@ -446,7 +447,7 @@ def test_a_boolean_for_a_constructor_number_is_an_error(section, raw):
 
 
 def test_the_gpu_switches_reach_torch():
-    """cudnn_benchmark and matmul_precision are set when the run is built (they act on GPUs only)."""
+    """cudnn_benchmark and matmul_precision are set when the run is built (they act on GPUs)."""
     from phalanx.trainer import Trainer
 
     raw = toy.regression_config(cudnn_benchmark=True, matmul_precision="high", hooks=[])

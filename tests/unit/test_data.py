@@ -1,4 +1,5 @@
-"""Sample order, sharding and batching that do not depend on the number of devices (contract 2, 3)."""
+"""Sample order, sharding and batching that do not depend on the number of devices (contract 2,
+3)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def test_split_sizes_follow_weights(n, weights):
     sizes = data.split_sizes(n, len(weights), weights)
     assert sum(sizes) == n
     total = sum(weights)
-    for size, w in zip(sizes, weights):
+    for size, w in zip(sizes, weights, strict=True):
         assert abs(size - n * w / total) < 1
     assert all(s >= 0 for s in sizes)
 
@@ -226,7 +227,7 @@ def test_loader_from_a_start_yields_exactly_the_remaining_shards(world_size, acc
         for batch in loading.loader(stream, plan, start):
             got.append([] if batch is None else batch["id"].tolist())
         assert got == expected
-        for batch, shard in zip(loading.loader(stream, plan, start), expected):
+        for batch, shard in zip(loading.loader(stream, plan, start), expected, strict=True):
             if shard:
                 assert torch.equal(batch["x"], stream.x[shard])
                 assert torch.equal(batch["y"], stream.y[shard])
@@ -394,7 +395,10 @@ def test_a_loader_names_whole_batches_not_each_item(workers):
     lone = loading.loader(data.named(list(x), ["image"], "train"), data.Plan(order, 4))
     assert torch.equal(next(iter(lone))["image"], x[order[:4]])
     wrong = loading.loader(
-        data.named(pairs, ["x", "y", "z"], "train"), data.Plan(order, 4), num_workers=workers, name="train"
+        data.named(pairs, ["x", "y", "z"], "train"),
+        data.Plan(order, 4),
+        num_workers=workers,
+        name="train",
     )
     with pytest.raises(
         DataError, match="stream 'train': an item has 2 parts but dataset.keys names 3"

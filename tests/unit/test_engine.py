@@ -1,9 +1,11 @@
 """The engine against plain PyTorch, in float64: one optimizer step is the SGD step of the global
-batch's mean loss (contract 4), for accumulation, short last batches and scalar-mean losses alike."""
+batch's mean loss (contract 4), for accumulation, short last batches and scalar-mean losses
+alike."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 import subprocess
 import sys
 import types
@@ -86,7 +88,7 @@ def _reference_sgd_step(
     loss = _reference_loss(module, stream, indices).mean()
     grads = torch.autograd.grad(loss, params)
     with torch.no_grad():
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p -= lr * g
     return loss.detach()
 
@@ -204,7 +206,7 @@ def test_warmup_ramps_the_learning_rate_linearly():
         full and full[0] <= warmup and full == list(range(full[0], len(used)))
     )  # reaches LR, stays
     ramp = used[: full[0] + 1]
-    steps = [b - a for a, b in zip(ramp, ramp[1:])]
+    steps = [b - a for a, b in itertools.pairwise(ramp)]
     assert all(s > 0 for s in steps)
     assert all(s == pytest.approx(steps[0], rel=1e-9) for s in steps)  # linear
     assert trainer.engine.learning_rates()[0] == pytest.approx(LR, rel=1e-12)
@@ -246,13 +248,11 @@ def test_an_inference_trainer_evaluates_without_building_an_optimizer():
     """`phalanx eval` and `predict` build no optimizer: constructing one imports torch's compiler
     stack, seconds of start-up. Checked in a fresh interpreter, where nothing imported it yet."""
     code = (
-        "import sys, toy\n"
-        "from phalanx import config\n"
-        "from phalanx.trainer import Trainer\n"
-        "t = Trainer(config.validate(toy.regression_config(main_loop={'extra_streams': ['valid']})), None, ['.'],\n"
-        "            hooks=[], inference=True)\n"
-        "t.evaluate('valid')\n"
-        "print(t.optimizer, t.schedulers, 'torch._dynamo' in sys.modules)\n"
+        "import sys, toy\nfrom phalanx import config\nfrom phalanx.trainer import Trainer\nt = "
+        "Trainer(config.validate(toy.regression_config(main_loop={'extra_streams': ['valid']})), "
+        "None, ['.'],\n            hooks=[], "
+        "inference=True)\nt.evaluate('valid')\nprint(t.optimizer, t.schedulers, 'torch._dynamo' "
+        "in sys.modules)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -266,8 +266,8 @@ def test_an_inference_trainer_evaluates_without_building_an_optimizer():
 
 
 class _EmptyRank(DDP):
-    """Rank 3 of 4 as the ddp strategy sees a step where its shards are all empty; its reductions are
-    recorded instead of run (no process group: only the step's logic is under test)."""
+    """Rank 3 of 4 as the ddp strategy sees a step where its shards are all empty; its reductions
+    are recorded instead of run (no process group: only the step's logic is under test)."""
 
     def __init__(self):
         self.rank, self.world_size, self.scale = 3, 4, 4.0
@@ -305,7 +305,8 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     assert [m.shard for m in micros] == [[]] and micros[0].global_size == 1
     before = _params(trainer.module)
     result = engine.train_step([(m, None) for m in micros], stop=True)
-    # it joins the hand reduction the other ranks make, with a zero loss share (not weighted) and its stop flag
+    # it joins the hand reduction the other ranks make, with a zero loss share (not weighted) and
+    # its stop flag
     assert strategy.carried_values == [[0.0, 0.0, 0.0, 4.0]]
     assert float(result.loss) == 0.0 and result.stop is True
     assert _rel_diff(_params(trainer.module), before) == 0

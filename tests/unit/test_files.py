@@ -1,6 +1,6 @@
-"""Writing files: atomic replacement, and writes the system refuses (a full disk, a folder that is not
-one) as one StorageError naming the path, with no temporary file left behind; the run's log file on
-a full disk says so once.
+"""Writing files: atomic replacement, and writes the system refuses (a full disk, a folder that is
+not one) as one StorageError naming the path, with no temporary file left behind; the run's log file
+on a full disk says so once.
 
 A full disk is simulated by a seam, a write function that raises ENOSPC after writing part of its
 bytes, never by filling the real disk."""

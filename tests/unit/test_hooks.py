@@ -1,6 +1,6 @@
 """Every built-in hook, run inside a real Trainer on the toy problems and checked against an
-independent computation: numpy and scikit-learn for statistics and metrics, TensorBoard's own
-reader for event files, matplotlib's reader for plots, the checkpoint files themselves for saving."""
+independent computation: numpy and scikit-learn for statistics and metrics, TensorBoard's own reader
+for event files, matplotlib's reader for plots, the checkpoint files themselves for saving."""
 
 from __future__ import annotations
 
@@ -296,7 +296,7 @@ def test_macro_f1_counts_a_class_that_is_predicted_but_never_true(tmp_path):
 
 
 def test_classification_metrics_take_predicted_class_indices(tmp_path):
-    """`predicted` may hold class indices; a batch may predict a class above its largest gold one."""
+    """`predicted` may hold class indices; a batch may predict a class above its largest gold."""
     hook = ClassificationMetrics(
         predicted="pred", gold="label", metrics=["accuracy", "precision", "recall", "f1"]
     )
@@ -345,7 +345,7 @@ def test_log_variables_and_log_profile_write_a_line_per_epoch(tmp_path):
 
 
 class _SampledDDP:
-    """A main process whose DDP has sampled the backward all-reduce: `sampled` is what it reports."""
+    """A main process whose DDP sampled the backward all-reduce: `sampled` is what it reports."""
 
     is_main = True
 
@@ -402,7 +402,9 @@ def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
     )
     assert trainer.run() == 0
     line = next(
-        l for l in (trainer.run_dir / "log.txt").read_text().splitlines() if "epoch 1 (step 5)" in l
+        row
+        for row in (trainer.run_dir / "log.txt").read_text().splitlines()
+        if "epoch 1 (step 5)" in row
     )
     assert "train: loss_max " in line and "valid: loss_max " in line
     assert not re.search(r"\bloss \d", line)
@@ -473,7 +475,7 @@ def test_write_tensorboard_writes_events_that_tensorboard_reads(tmp_path):
     for stream in ("train", "valid"):
         steps = [s for s, _ in scalars[f"{stream}/loss"]]
         assert steps == [5, 10]
-        for (step, value), epoch in zip(scalars[f"{stream}/loss"], (1, 2)):
+        for (_, value), epoch in zip(scalars[f"{stream}/loss"], (1, 2), strict=True):
             assert value == pytest.approx(rec.epochs[epoch][stream]["loss"], rel=1e-6)
     step_means = {step: b["loss"].mean().item() for s, step, b in rec.batches if s == "train"}
     assert [s for s, _ in scalars["train/step_loss"]] == [2, 4, 6, 8, 10]
@@ -543,11 +545,15 @@ import json, sys
 sys.path.insert(0, {str(TESTS)!r})
 import phalanx, toy
 from phalanx.hooks import ComputeStats, PlotLines
-raw = toy.regression_config(output_root={str(tmp_path / "runs")!r}, hooks=[], main_loop={{"epochs": 4, "extra_streams": ["valid"]}})
+raw = toy.regression_config(
+    output_root={str(tmp_path / "runs")!r}, hooks=[],
+    main_loop={{"epochs": 4, "extra_streams": ["valid"]}},
+)
 plot = PlotLines()
 run = phalanx.fit(raw, hooks=[ComputeStats(), plot])
 assert run.code == 0
-assert not any(name.startswith("matplotlib") for name in sys.modules), "matplotlib in the training process"
+drawn = [name for name in sys.modules if name.startswith("matplotlib")]
+assert not drawn, "matplotlib in the training process"
 print(json.dumps({{"run_dir": str(run.run_dir), "history": plot.history}}))
 """)
     result = subprocess.run(
@@ -909,7 +915,8 @@ def test_default_hooks_without_a_valid_stream_save_no_best():
 
 def test_the_zeroth_epoch_evaluates_the_train_stream_without_training_hooks_firing(tmp_path):
     """skip_zeroth_epoch: false evaluates every stream before step 1; hooks that act on training
-    steps (StopOnNaN, SaveEvery by steps, throughput, TensorBoard's step loss) must wait for them."""
+    steps (StopOnNaN, SaveEvery by steps, throughput, TensorBoard's step loss) must wait for
+    them."""
     cfg = config.validate(
         toy.regression_config(
             main_loop={"epochs": 1, "extra_streams": ["valid"], "skip_zeroth_epoch": False},

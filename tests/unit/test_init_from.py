@@ -83,7 +83,7 @@ def test_a_safetensors_file_and_a_run_trained_from_it(trained, tmp_path):
 
 
 def test_names_that_do_not_match_are_an_error_or_with_strict_false_a_list(trained):
-    """Without a hidden layer toy.Linear's weights have other names (net.weight, not net.0.weight)."""
+    """toy.Linear's weights without a hidden layer: net.weight, not net.0.weight."""
     with pytest.raises(
         CheckpointMismatch,
         match="the weights lack: net.weight, net.bias .*the model lacks: "

@@ -45,7 +45,7 @@ def test_scaling_efficiency_is_throughput_over_n_times_one_device():
 
 
 class _Clock:
-    """A clock that advances by a fixed interval at every training step: a loop with a known sleep."""
+    """A clock that advances by a fixed interval at every training step: known sleeps."""
 
     def __init__(self, step_s: float):
         self.now, self.step_s = 0.0, step_s

@@ -1,5 +1,5 @@
-"""The model protocol: which batch keys reach forward, plain modules through `inputs`/`outputs`/`loss`,
-and the per-sample loss sum each shard contributes."""
+"""The model protocol: which batch keys reach forward, plain modules through
+`inputs`/`outputs`/`loss`, and the per-sample loss sum each shard contributes."""
 
 from __future__ import annotations
 
@@ -280,7 +280,8 @@ def test_a_list_keyword_of_the_loss_becomes_a_tensor():
 
 def test_a_hugging_face_model_gets_its_per_token_loss_per_sample():
     """GPT-2 built from its config class (random weights): labels are not passed to it, and each row
-    has its own loss, shifted one token, weighted by its real tokens (not the batch mean on every row)."""
+    has its own loss, shifted one token, weighted by its real tokens (not the batch mean on every
+    row)."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(

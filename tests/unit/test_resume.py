@@ -113,7 +113,7 @@ def test_dropout_draws_differ_between_seeds(tmp_path):
 
 
 def test_resume_mid_epoch_classes_with_momentum_warmup_and_scheduler(tmp_path):
-    """60 samples, batch 7 (last batch 4), accumulation 2; momentum and schedules must be restored."""
+    """60 samples, batch 7 (last batch 4), accumulation 2; momentum and schedules are restored."""
     raw = _config(
         model={"class": "toy.Classifier", "features": 4, "classes": 3},
         dataset={"class": "toy.Classes", "batch_size": 7},
@@ -181,7 +181,8 @@ def test_resume_at_an_epoch_boundary_may_change_the_batch_size(tmp_path):
     assert (step, state["epoch"], state["batch_size"]) == (5 + 2 * 10, 3, 4)
 
 
-# --- damaged and unparsable checkpoints ------------------------------------------------------------
+# --- damaged and unparsable checkpoints
+# ------------------------------------------------------------
 
 
 def test_resume_through_a_damaged_step_writes_it_again(tmp_path):
@@ -248,7 +249,8 @@ def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_p
     _assert_equal(resumed, whole)
 
 
-# --- overrides on resume ---------------------------------------------------------------------------
+# --- overrides on resume
+# ---------------------------------------------------------------------------
 
 
 def _final_lr(run_dir: Path) -> float:
@@ -315,7 +317,8 @@ def test_resume_at_an_epoch_boundary_may_change_the_seed(tmp_path):
 
 def test_a_checkpoint_after_an_epochs_last_step_resumes_with_that_epochs_end(tmp_path):
     """Stopped right after step 5, the last of epoch 1, before its evaluation: the checkpoint says 5
-    steps into epoch 1, and resuming ends that epoch (its evaluation, its schedulers) and goes on."""
+    steps into epoch 1, and resuming ends that epoch (its evaluation, its schedulers) and goes
+    on."""
     raw = _config()
     _, _, whole = _uninterrupted(tmp_path, raw)
     run_dir = _stopped(tmp_path, raw, stop=5)

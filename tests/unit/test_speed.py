@@ -117,7 +117,8 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
     assert_close(params(kept), params(fresh))
     zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={**noisy, "num_workers": 0})
     assert any(
-        not torch.allclose(a, b) for a, b in zip(params(zero).values(), params(fresh).values())
+        not torch.allclose(a, b)
+        for a, b in zip(params(zero).values(), params(fresh).values(), strict=True)
     )  # noise drawn
     with pytest.raises(
         ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"
