@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup
-from phalanx.strategies.syncbn import convert_sync_batchnorm
+from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -87,6 +87,9 @@ class DDP(ProcessGroup, Replicated):
         self._mark_ready: Callable[[int], None] | None = (
             None  # the reducer's "this gradient is ready"
         )
+        self._statistics = PerDeviceStatistics(
+            "set parallel.sync_batchnorm: true to normalise over the whole micro-batch"
+        )
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module
@@ -133,6 +136,7 @@ class DDP(ProcessGroup, Replicated):
         the gradients and, through the carrier, the loss and the stop flag. Where some rank's shard is
         empty, no rank lets backward synchronise: they reduce by hand, and a rank with nothing to do
         joins with zero weight without running its model."""
+        self._statistics.check(self.model, self.world_size, self.is_main)
         by_hand = micros[0][0].any_empty
         last, scale, ddp = len(micros) - 1, self.scale, self._ddp
         total, parts = (

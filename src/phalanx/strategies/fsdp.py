@@ -30,6 +30,7 @@ from torch import nn
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Micros, ModelOptions, prepare
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
+from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.config import FSDPConfig
@@ -56,6 +57,7 @@ class FSDP(ProcessGroup):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
         self.model: nn.Module | None = None
+        self._statistics = PerDeviceStatistics(WITH_DDP)
 
     def init_context(self) -> contextlib.AbstractContextManager:
         """Where the model is built: whole on every rank (`init: full`), or on the meta device, with
@@ -164,6 +166,7 @@ class FSDP(ProcessGroup):
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         model, last = self.model, len(micros) - 1
+        self._statistics.check(model, self.world_size, self.is_main)
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
             model.set_requires_gradient_sync(

@@ -33,6 +33,7 @@ from phalanx.build import derived_seed
 from phalanx.data import Micro
 from phalanx.engine import concat
 from phalanx.strategies.base import Micros, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -64,6 +65,7 @@ class Towers(OneProcess, Replicated):
         self._names: Forward | None = None  # the run's own adapter, whose output names hooks read
         self._training: bool | None = None
         self._streams = Streams(self.devices)
+        self._statistics = PerDeviceStatistics(WITH_DDP)
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         """The master copy on its home device, and one replica per device; with `variables_on:
@@ -81,6 +83,7 @@ class Towers(OneProcess, Replicated):
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         self._prepare(engine, training=True)
+        self._statistics.check(self.model, len(self.devices), self.is_main)
         total, parts = None, []
         for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
             done = self._run(
