@@ -37,3 +37,17 @@ def test_named_classes_and_the_model_as_one_unit():
         ConfigError, match="names ModuleDict, ModuleList: a container that is never"
     ):
         _units(blocks.TinyTransformer(), ["ModuleList", "ModuleDict"])
+
+
+def test_blocks_are_found_inside_a_wrapper_as_in_a_hugging_face_model():
+    """GPT-2: its blocks sit in `transformer.h`, and its head is tied to the token embedding."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
+    assert names(transformers.GPT2LMHeadModel(config)) == [
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "transformer.wpe",
+    ]

@@ -307,23 +307,12 @@ def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
 
 
 def _default_units(module: nn.Module) -> list[nn.Module]:
-    """The model's parts, as torchtitan shards a transformer: each child of the root that holds
-    parameters is a unit, except a container of blocks (ModuleList, ModuleDict, Sequential), each
-    of whose blocks is a unit instead (looked into in turn where it is a container itself). A part
-    whose parameters a module outside it also holds (tied weights, such as a language model's
-    embedding and head) stays with the root, sharded last, which gathers what no unit took."""
-    parts: list[nn.Module] = []
-
-    def visit(parent: nn.Module) -> None:
-        for child in parent.children():
-            if not any(True for _ in child.parameters()):
-                continue
-            if isinstance(child, (*_UNCALLED, nn.Sequential)):
-                visit(child)
-            elif all(part is not child for part in parts):  # a block held twice is one unit
-                parts.append(child)
-
-    visit(module)
+    """The model's parts, as torchtitan shards a transformer: each block of a container of blocks
+    (ModuleList, ModuleDict, Sequential) is a unit, wherever the container is (a wrapper that holds
+    one, such as a Hugging Face model's `transformer` or `encoder`, is looked into), and so is each
+    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a module
+    outside it also holds (tied weights, such as a language model's embedding and head) is not a
+    unit: its own untied parts are, and the root, sharded last, gathers what no unit took."""
     holders: dict[int, list[nn.Module]] = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
@@ -333,7 +322,20 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
         inside = {id(m) for m in part.modules()}
         return all(id(m) in inside for p in part.parameters() for m in holders[id(p)])
 
-    return [part for part in parts if alone(part)]
+    def parts(parent: nn.Module) -> list[nn.Module]:
+        found: list[nn.Module] = []
+        for child in parent.children():
+            if not any(True for _ in child.parameters()):
+                continue
+            holds_blocks = any(isinstance(m, _UNCALLED) for m in child.modules())
+            if isinstance(child, nn.Sequential) or holds_blocks or not alone(child):
+                found += parts(child)
+            else:
+                found.append(child)
+        return found
+
+    unique = {id(part): part for part in parts(module)}  # a block held twice is one unit
+    return list(unique.values())
 
 
 @contextlib.contextmanager
