@@ -57,7 +57,6 @@ class FSDP(ProcessGroup):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
         self.model: nn.Module | None = None
-        self._statistics = PerDeviceStatistics(WITH_DDP)
 
     def init_context(self) -> contextlib.AbstractContextManager:
         """Where the model is built: whole on every rank (`init: full`), or on the meta device, with
@@ -71,6 +70,7 @@ class FSDP(ProcessGroup):
         dtype the model was built in and in module order (as one process draws them), and cut to
         this rank's shards."""
         self.model = module
+        self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":
             _check_resettable(module)
             self._built = {
@@ -166,7 +166,7 @@ class FSDP(ProcessGroup):
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         model, last = self.model, len(micros) - 1
-        self._statistics.check(model, self.world_size, self.is_main)
+        self._statistics.warn_once()
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
             model.set_requires_gradient_sync(

@@ -91,32 +91,30 @@ WITH_DDP = (
 
 
 class PerDeviceStatistics:
-    """One warning, at a run's first training step and on the main process, where a model whose
-    BatchNorm layers are not synchronised trains on several devices: each device normalises its
-    share of a micro-batch with the share's own mean and variance, so training is not one device's.
-    `fix`: how this strategy gets statistics over the whole micro-batch."""
+    """Where a model whose BatchNorm layers are not synchronised trains on several devices, each
+    device normalises its share of a micro-batch with the share's own mean and variance, so training
+    is not one device's: one warning, on the main process, at the run's first training step (an
+    evaluation-only run, whose BatchNorm uses its running statistics, says nothing). Made when the
+    strategy sets the model up; `fix`: how that strategy gets the whole micro-batch's statistics."""
 
-    def __init__(self, fix: str):
-        self.fix, self.checked = fix, False
-
-    def check(self, module: nn.Module, devices: int, is_main: bool) -> None:
-        if self.checked:
-            return
-        self.checked = True
+    def __init__(self, module: nn.Module, devices: int, is_main: bool, fix: str):
         layers = [
             name or type(m).__name__
             for name, m in module.named_modules()
             if isinstance(m, _BatchNorm) and not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
         ]
+        self.message: str | None = None
         if devices > 1 and is_main and layers:
             shown = ", ".join(layers[:3]) + (
                 f" and {len(layers) - 3} more" if len(layers) > 3 else ""
             )
-            log.warning(
-                "BatchNorm on %d devices without parallel.sync_batchnorm: the model's BatchNorm "
-                "layers (%s) normalise each device's share of a micro-batch with the share's own "
-                "statistics, so training differs from one device's; %s",
-                devices,
-                shown,
-                self.fix,
+            self.message = (
+                f"BatchNorm on {devices} devices without parallel.sync_batchnorm: the model's "
+                f"BatchNorm layers ({shown}) normalise each device's share of a micro-batch with "
+                f"the share's own statistics, so training differs from one device's; {fix}"
             )
+
+    def warn_once(self) -> None:
+        if self.message is not None:
+            log.warning(self.message)
+            self.message = None

@@ -65,7 +65,6 @@ class Towers(OneProcess, Replicated):
         self._names: Forward | None = None  # the run's own adapter, whose output names hooks read
         self._training: bool | None = None
         self._streams = Streams(self.devices)
-        self._statistics = PerDeviceStatistics(WITH_DDP)
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         """The master copy on its home device, and one replica per device; with `variables_on:
@@ -77,13 +76,14 @@ class Towers(OneProcess, Replicated):
             replica = self.model if master else copy.deepcopy(self.model).to(device)
             self._replicas.append(replica)
             self._towers.append(_compiled(replica, options))
+        self._statistics = PerDeviceStatistics(self.model, len(self.devices), True, WITH_DDP)
         return self.model, self.model
 
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         self._prepare(engine, training=True)
-        self._statistics.check(self.model, len(self.devices), self.is_main)
+        self._statistics.warn_once()
         total, parts = None, []
         for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
             done = self._run(
