@@ -193,8 +193,9 @@ class FSDPConfig(_Section):
 
     shard: list[str] | None = Field(
         None,
-        description="module class names sharded as units of their own; default every child of "
-        "the model that holds parameters, then the model itself",
+        description="module class names sharded as units of their own; default each block of a "
+        "ModuleList or Sequential and each other part of the model holding parameters, then the "
+        "model itself; [] the model as one unit",
     )
     param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
         None,

@@ -81,12 +81,14 @@ def training_flops(
         return None
 
 
-def memory(device: torch.device) -> dict[str, float]:
-    """Peak and current memory in GiB: the device's allocator on CUDA, the process's RSS on CPU."""
-    if device.type == "cuda":
+def memory(*devices: torch.device) -> dict[str, float]:
+    """Peak and current memory in GiB: the devices' allocator on CUDA (of several devices, each
+    figure the largest of theirs), the process's RSS on CPU."""
+    gpus = {d for d in devices if d.type == "cuda"}
+    if gpus:
         return {
-            "memory_gib": torch.cuda.memory_allocated(device) / 2**30,
-            "memory_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory_gib": max(torch.cuda.memory_allocated(d) for d in gpus) / 2**30,
+            "memory_peak_gib": max(torch.cuda.max_memory_allocated(d) for d in gpus) / 2**30,
         }
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return {"memory_peak_gib": peak_kib / (2**30 if sys.platform == "darwin" else 2**20)}

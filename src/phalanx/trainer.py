@@ -37,7 +37,7 @@ from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop
-from phalanx.strategies.base import ModelOptions, SavesShards, Strategy
+from phalanx.strategies.base import ModelOptions, RandomStreams, SavesShards, Strategy
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
@@ -124,6 +124,8 @@ class Trainer:
         # of one process), as on a resume on another process count; not from what building the model
         # drew, so that a model given as an object trains as the config's own would.
         seed_everything(derived_seed(cfg.seed, 0, self.strategy.rank))
+        if isinstance(self.strategy, RandomStreams):  # towers: each tower's, as ddp's ranks'
+            self.strategy.seed_streams(cfg.seed, 0)
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
         self.optimizer = (
             None
@@ -628,6 +630,8 @@ class Trainer:
         hooks' state. Every rank calls it: the RNG states are gathered, and hooks combine their
         running values across ranks."""
         rng = rng_state()
+        if isinstance(self.strategy, RandomStreams):
+            rng["devices"] = self.strategy.stream_states()
         state = {
             "epoch": self.epoch,
             "step": self.step,
@@ -859,8 +863,10 @@ class Trainer:
         rank, world_size = self.strategy.rank, self.strategy.world_size
         if len(saved) == world_size:
             set_rng_state(saved[rank])
+            self._restore_streams(saved[rank].get("devices"))
             return
         seed_everything(derived_seed(self.cfg.seed, self.step, rank))
+        self._restore_streams(None)
         if self.strategy.is_main:
             log.info(
                 "random streams re-derived from the seed, the step and the rank: the checkpoint "
@@ -868,6 +874,11 @@ class Trainer:
                 len(saved),
                 world_size,
             )
+
+    def _restore_streams(self, states: list[str] | None) -> None:
+        """Towers' own streams, after the process's (which set every CUDA device's generator)."""
+        if isinstance(self.strategy, RandomStreams):
+            self.strategy.load_stream_states(states, self.cfg.seed, self.step)
 
     def _restore_hooks(self, saved_hooks: dict[str, Any], step: int) -> None:
         for i, hook in enumerate(self.hooks):

@@ -1,6 +1,7 @@
 """`fsdp` on real gloo processes: the sharded model trains as one process does (float64, to 1e-10),
 with uneven and empty shards, accumulation, CPU offload and activation checkpointing; its
 checkpoints resume with fsdp on another process count, with ddp and on one process."""
+
 from __future__ import annotations
 
 import shutil
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
+
 from phalanx import api, cli, config, rundir  # noqa: E402
 from phalanx.checkpoint import SHARDS, WEIGHTS, Checkpoints  # noqa: E402
 
@@ -52,10 +54,15 @@ def test_fsdp_trains_as_one_process(world_size):
         assert got["params"].keys() == expected["params"].keys()
         for key, value in expected["params"].items():  # the whole model, gathered to rank 0
             assert rel(got["params"][key], value) < 1e-10, (name, key)
-        assert len(got["losses"]) == len(expected["losses"]) and rel(got["losses"], expected["losses"]) < 1e-10, name
+        assert (
+            len(got["losses"]) == len(expected["losses"])
+            and rel(got["losses"], expected["losses"]) < 1e-10
+        ), name
         for mine, theirs in zip(got["epochs"], expected["epochs"], strict=True):
             assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID, name
-            assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(theirs["valid"]["loss"])
+            assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(
+                theirs["valid"]["loss"]
+            )
         assert got["ids"] == expected["ids"], name  # hooks see every batch whole, in dataset order
     for rank_results in others:  # every rank agrees on every step's loss
         for got, expected in zip(rank_results, want, strict=True):
@@ -65,8 +72,11 @@ def test_fsdp_trains_as_one_process(world_size):
 def test_a_meta_build_refuses_a_module_that_cannot_draw_its_values_again():
     raw = scenario(7, 1, devices=2, strategy="fsdp", fsdp={"init": "meta"})
     raw["model"] = {"class": "toy.Scaled", "features": 3}
-    with pytest.raises(AssertionError, match=r"init: meta draws .* reset_parameters\(\), which Scaled does not "
-                                             r"define; define it, or use parallel.fsdp.init: full"):
+    with pytest.raises(
+        AssertionError,
+        match=r"init: meta draws .* reset_parameters\(\), which Scaled does not "
+        r"define; define it, or use parallel.fsdp.init: full",
+    ):
         workers.run_ranks(2, workers.train_all, [raw], timeout=120)
 
 
@@ -76,7 +86,9 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_adam_state():
     raw["model"] = {"class": "toy.Linear", "features": 64, "hidden": 64}  # 4,225 parameters
     raw["dataset"] = {**raw["dataset"], "features": 64, "n_train": 16}
     raw["main_loop"] = {"epochs": 1, "extra_streams": []}
-    one = workers.train({**raw, "parallel": {**raw["parallel"], "devices": 1, "strategy": "single"}})
+    one = workers.train(
+        {**raw, "parallel": {**raw["parallel"], "devices": 1, "strategy": "single"}}
+    )
     ranks = workers.run_ranks(2, workers.train_all, [raw], timeout=200)
     n = 64 * 64 + 64 + 64 + 1
     assert one["state_bytes"]["parameters"] == 8 * n
@@ -84,7 +96,8 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_adam_state():
         state = got["state_bytes"]
         assert state["parameters"] == state["gradients"]
         assert abs(sum(state.values()) - 32 * n / 2) <= 0.05 * 32 * n / 2, state
-    assert sum(got["state_bytes"]["parameters"] for (got,) in ranks) == 8 * n  # shards: each value once
+    # shards: each value once
+    assert sum(got["state_bytes"]["parameters"] for (got,) in ranks) == 8 * n
 
 
 def _new_run(folder: Path, raw: dict) -> Path:
@@ -99,16 +112,25 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
     raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]  # 6 steps an epoch: mid-epoch 2
     whole = workers.train({**scenario(7, 1), "main_loop": raw["main_loop"]})
     run = _new_run(tmp_path / "fsdp3", raw)
-    assert workers.run_ranks(3, workers.run_dir_worker, str(run), False, [], timeout=300) == [0, 0, 0]
+    codes = workers.run_ranks(3, workers.run_dir_worker, str(run), False, [], timeout=300)
+    assert codes == [0, 0, 0]
     checkpoints = Checkpoints(run / "checkpoints")
     assert checkpoints.steps() == [6, 8]
     shards = checkpoints.path(8) / SHARDS  # each rank's shards, written by each rank; no whole copy
-    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    assert sorted(p.name for p in shards.iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "__2_0.distcp",
+    ]
     assert not (checkpoints.path(8) / WEIGHTS).exists()
     more = ["hooks.1.StopAfter.steps=1000"]
-    resumed = {"fsdp2": (2, ["parallel.devices=2"]), "ddp2": (2, ["parallel.devices=2", "parallel.strategy=ddp"]),
-               "single": (1, ["parallel.devices=1", "parallel.strategy=single"]),
-               "fsdp2-after-a-damaged-shard": (2, ["parallel.devices=2"])}
+    resumed = {
+        "fsdp2": (2, ["parallel.devices=2"]),
+        "ddp2": (2, ["parallel.devices=2", "parallel.strategy=ddp"]),
+        "single": (1, ["parallel.devices=1", "parallel.strategy=single"]),
+        "fsdp2-after-a-damaged-shard": (2, ["parallel.devices=2"]),
+    }
     for name, (processes, overrides) in resumed.items():
         copy = tmp_path / name
         shutil.copytree(run, copy)
@@ -118,8 +140,17 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
         if processes == 1:
             assert api.run_worker(copy, True, [*more, *overrides]) == 0
         else:
-            assert workers.run_ranks(processes, workers.run_dir_worker, str(copy), True, [*more, *overrides],
-                                     timeout=300) == [0] * processes
+            assert (
+                workers.run_ranks(
+                    processes,
+                    workers.run_dir_worker,
+                    str(copy),
+                    True,
+                    [*more, *overrides],
+                    timeout=300,
+                )
+                == [0] * processes
+            )
         log = (copy / "log.txt").read_text()
         resumed_from = 6 if "damaged" in name else 8
         assert f"resuming {copy} from step {resumed_from} " in log, name
@@ -133,3 +164,76 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
             assert rel(got[key].tolist(), value) < 1e-10, (name, key)
         model = toy.Linear(features=3, hidden=4).double()
         model.load_state_dict(got)  # plain PyTorch, strict
+
+
+def transformer(**model) -> dict:
+    """A transformer-like language model (tests/blocks.py) on toy.Sequences: 37 samples, batch 7,
+    a last batch of 2; float64, one epoch and a validation stream."""
+    raw = toy.regression_config(
+        model={"class": "blocks.TinyTransformer", **model},
+        optimizer={"class": "AdamW", "lr": 0.01},
+        dataset={"class": "toy.Sequences", "batch_size": 7},
+        parallel={"accelerator": "cpu", "devices": 1},
+        main_loop={"epochs": 1, "extra_streams": ["valid"]},
+        hooks=[],
+    )
+    raw["model"] = {"class": "blocks.TinyTransformer", **model}  # its own keys, not toy.Linear's
+    return raw
+
+
+LAYOUTS = {  # name -> (model settings, parallel.fsdp)
+    "blocks-in-a-module-list": ({}, {}),
+    "blocks-in-a-sequential": ({"sequential": True}, {}),
+    "tied-embedding-and-head": ({"tied": True}, {}),
+    "parts-called-past-their-block-as-one-unit": ({"class": "blocks.Shortcut"}, {"shard": []}),
+}
+
+
+def test_the_default_shards_a_transformer_with_its_blocks_in_a_module_list():
+    """Each block of a ModuleList or Sequential is a unit of its own; the model trains on 2
+    processes as on one, to 1e-10."""
+    want = [workers.train(transformer(**model)) for model, _ in LAYOUTS.values()]
+    raws = []
+    for model, fsdp in LAYOUTS.values():
+        raw = transformer(**model)
+        raws.append(
+            {**raw, "parallel": {**raw["parallel"], "devices": 2, "strategy": "fsdp", "fsdp": fsdp}}
+        )
+    main, other = workers.run_ranks(2, workers.train_all, raws, timeout=200)
+    for name, got, expected in zip(LAYOUTS, main, want, strict=True):
+        assert got["params"].keys() == expected["params"].keys(), name
+        for key, value in expected["params"].items():
+            assert rel(got["params"][key], value) < 1e-10, (name, key)
+        assert len(got["losses"]) == 6 and rel(got["losses"], expected["losses"]) < 1e-10, name
+        valid, theirs = got["epochs"][0]["valid"], expected["epochs"][0]["valid"]
+        assert abs(valid["loss"] - theirs["loss"]) <= 1e-10 * abs(theirs["loss"]), name
+    for got, expected in zip(other, want, strict=True):
+        assert rel(got["losses"], expected["losses"]) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("model", "fsdp", "message"),
+    [
+        (
+            {"class": "blocks.Shortcut"},
+            {},
+            r"parallel.fsdp.shard: the model uses parameters of a sharded unit without calling the "
+            r"unit .*; set parallel.fsdp.shard to the classes of the modules the model calls whole",
+        ),
+        (
+            {},
+            {"shard": ["ModuleList"]},
+            r"parallel.fsdp.shard names ModuleList: a container that is never called itself cannot "
+            r"be a unit .*; "
+            r"name the class of the blocks it holds instead, such as \[Block\]",
+        ),
+    ],
+    ids=["parts-called-past-their-block", "a-module-list-named"],
+)
+def test_a_layout_fsdp_cannot_shard_is_one_line_naming_the_setting(model, fsdp, message):
+    raw = transformer(**model)
+    raw["parallel"] = {**raw["parallel"], "devices": 2, "strategy": "fsdp", "fsdp": fsdp}
+    with pytest.raises(AssertionError, match=message) as failure:
+        workers.run_ranks(2, workers.train_all, [raw], timeout=120)
+    last = str(failure.value).strip().splitlines()[-1]  # what the command line prints, alone
+    assert last.startswith("phalanx.errors.ConfigError: parallel.fsdp.shard")

@@ -79,3 +79,28 @@ def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
 def test_peak_flops_are_unknown_on_cpu():
     assert metrics.peak_flops(torch.device("cpu")) is None
     assert metrics.memory(torch.device("cpu"))["memory_peak_gib"] > 0
+
+
+def test_mfu_under_towers_counts_every_tower(tmp_path):
+    """towers x 2 on the CPU, with a given peak per device: the same run at the same pace uses half
+    the FLOP/s of its two devices that it used of one."""
+    summaries = {}
+    for towers in (1, 2):
+        cfg = config.validate(
+            toy.regression_config(
+                dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40},
+                main_loop={"epochs": 1, "extra_streams": []},
+                parallel={"accelerator": "cpu", "devices": towers, "strategy": "towers"},
+            )
+        )
+        hook = LogThroughput(warmup_steps=1, clock=_Clock(0.25), peak_flops=1e3)
+        run = tmp_path / f"towers{towers}"
+        run.mkdir()
+        trainer = Trainer(cfg, run, [toy.__file__.rsplit("/", 1)[0]], hooks=[hook])
+        assert trainer.run() == 0
+        summaries[towers] = json.loads((run / "throughput.json").read_text())
+    one, two = summaries[1], summaries[2]
+    assert one["mfu"] == pytest.approx(12 * 32 / 1e3)  # as on one device, above
+    assert two["mfu"] == pytest.approx(one["mfu"] / 2)
+    assert (one["devices"], two["devices"]) == (1, 2)
+    assert (one["peak_flops"], two["peak_flops"]) == (1e3, 2e3)

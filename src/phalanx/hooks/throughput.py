@@ -51,9 +51,15 @@ class LogThroughput(Hook):
         self._state_logged = False
 
     @property
+    def devices(self) -> int:
+        """The devices the run trains on: every process's (towers drive several from one)."""
+        strategy = self.trainer.strategy
+        return strategy.world_size * len(strategy.devices)
+
+    @property
     def peak(self) -> float | None:
         per_device = self.peak_override or metrics.peak_flops(self.trainer.strategy.device)
-        return per_device * self.trainer.strategy.world_size if per_device else None
+        return per_device * self.devices if per_device else None
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training:
@@ -106,13 +112,14 @@ class LogThroughput(Hook):
             out["tokens_per_s"] = rate * self.tokens_per_sample
         if self.flops_per_sample and self.peak:
             out["mfu"] = self.flops_per_sample * rate / self.peak
-        out.update(metrics.memory(self.trainer.strategy.device))
+        out.update(metrics.memory(*self.trainer.strategy.devices))
         return out
 
     def _log_window(self) -> None:
         device = self.trainer.strategy.device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        for each in set(self.trainer.strategy.devices):
+            if each.type == "cuda":
+                torch.cuda.synchronize(each)
         figures = self._figures(*self._window)
         self._window = [0.0, 0]
         if not self.trainer.strategy.is_main:
@@ -146,7 +153,7 @@ class LogThroughput(Hook):
         """Steady-state figures of the whole run (after the warm-up steps)."""
         seconds, samples = self._steady if self._steady[0] > 0 else self._epoch
         out = {
-            "devices": self.trainer.strategy.world_size,
+            "devices": self.devices,
             "steps": self._steps,
             "flops_per_sample": self.flops_per_sample,
             "peak_flops": self.peak,

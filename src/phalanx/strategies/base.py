@@ -145,6 +145,25 @@ class SavesShards(Protocol):
 
 
 @runtime_checkable
+class RandomStreams(Protocol):
+    """A strategy whose one process runs several devices' shares of a batch, each drawing its
+    random numbers (dropout) from a stream of its own, as each process of ddp does. The process's
+    own generators are the first device's stream (seeded and saved by the trainer); these are the
+    other devices'."""
+
+    def seed_streams(self, seed: int, step: int) -> None:
+        """Each other device's stream from the seed, the step and its index, as `derived_seed` gives
+        ddp's ranks theirs."""
+
+    def stream_states(self) -> list[str]:
+        """The other devices' streams as a checkpoint holds them (JSON-serialisable)."""
+
+    def load_stream_states(self, states: list[str] | None, seed: int, step: int) -> None:
+        """Continue the streams a checkpoint held; where it holds none, or another device count's,
+        seed them from the seed and the step."""
+
+
+@runtime_checkable
 class ReportsCommunication(Protocol):
     """A strategy whose gradient reduction runs inside backward and samples its own timing."""
 

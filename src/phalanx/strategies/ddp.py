@@ -34,11 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup
-from phalanx.strategies.syncbn import convert_sync_batchnorm
+from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
 
+_SYNCHRONISE_BATCHNORM = "set parallel.sync_batchnorm: true to normalise over the whole micro-batch"
 _SYNCHRONISED = (
     contextlib.nullcontext()
 )  # the micro-batch whose backward reduces (it holds no state)
@@ -66,6 +67,8 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 
 class DDP(ProcessGroup, Replicated):
+    _statistics: PerDeviceStatistics | None = None  # made by setup
+
     def __init__(
         self,
         accelerator: str,
@@ -100,6 +103,9 @@ class DDP(ProcessGroup, Replicated):
         self.progress.enter("the broadcast of the initial parameters")
         if self.sync_batchnorm:
             module = self.model = convert_sync_batchnorm(module)
+        self._statistics = PerDeviceStatistics(
+            module, self.world_size, self.is_main, _SYNCHRONISE_BATCHNORM
+        )
         carried = _Carried(module, _carrier_dtype(module), self.device)
         # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
         # re-broadcast every forward, so a rank that skips a forward never stalls the others.
@@ -137,6 +143,8 @@ class DDP(ProcessGroup, Replicated):
         reduces the gradients and, through the carrier, the loss and the stop flag. Where some
         rank's shard is empty, no rank lets backward synchronise: they reduce by hand, and a rank
         with nothing to do joins with zero weight without running its model."""
+        if self._statistics is not None:
+            self._statistics.warn_once()
         by_hand = micros[0][0].any_empty
         last, scale, ddp = len(micros) - 1, self.scale, self._ddp
         total, parts = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from torch import nn
 from phalanx.errors import ConfigError
 from phalanx.strategies.base import Micros, ModelOptions, prepare
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
+from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.config import FSDPConfig
@@ -69,6 +70,7 @@ class FSDP(ProcessGroup):
         dtype the model was built in and in module order (as one process draws them), and cut to
         this rank's shards."""
         self.model = module
+        self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":
             _check_resettable(module)
             self._built = {
@@ -164,12 +166,14 @@ class FSDP(ProcessGroup):
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         model, last = self.model, len(micros) - 1
+        self._statistics.warn_once()
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
             model.set_requires_gradient_sync(
                 i == last
             )  # reduce once, after the step's last micro-batch
-            loss, gradient, part, data = engine.forward(micro, batch, 1.0)
+            with _units_called_whole():
+                loss, gradient, part, data = engine.forward(micro, batch, 1.0)
             total = part if total is None else total + part
             if i == last:  # the loss and stop flag are known: agreed on while backward runs
                 values, pending = self._agree_started(total, stop)
@@ -187,9 +191,8 @@ class FSDP(ProcessGroup):
         return values, dist.all_reduce(values, async_op=True)
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
-        return engine.eval_forward(
-            batch
-        )  # on every rank, zero samples too: its all-gathers need all
+        with _units_called_whole():  # on every rank, zero samples too: its all-gathers need all
+            return engine.eval_forward(batch)
 
     # --- state: shards, or whole, gathered to the main process -----------------------------
 
@@ -262,19 +265,24 @@ class FSDP(ProcessGroup):
         return [name for name, p in self.model.named_parameters() if p.requires_grad]
 
 
+# Containers never called themselves, while FSDP gathers a unit's parameters when its forward runs
+_UNCALLED = (nn.ModuleList, nn.ModuleDict)
+
+
 def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
-    """The submodules sharded as units of their own, innermost first: those of the named classes,
-    or by default every child of the root that holds parameters and shares none with another child
-    (tied weights, such as a language model's embedding and head, stay with the root)."""
+    """The submodules sharded as units of their own, innermost first: those of the named classes, or
+    by default the model's parts (see `_default_units`)."""
     if classes is None:
-        children = [child for child in module.children() if any(True for _ in child.parameters())]
-        owners: dict[int, int] = {}
-        for i, child in enumerate(children):
-            for p in child.parameters():
-                owners[id(p)] = owners.get(id(p), 0) + 1
-        return [child for child in children if all(owners[id(p)] == 1 for p in child.parameters())]
+        return _default_units(module)
+    containers = sorted({c.__name__ for c in _UNCALLED} & set(classes))
+    if containers:
+        raise ConfigError(
+            f"parallel.fsdp.shard names {', '.join(containers)}: a container that is never called "
+            "itself cannot be a unit (FSDP gathers a unit's parameters when the unit is called); "
+            "name the class of the blocks it holds instead, such as [Block]"
+        )
     units = [m for m in module.modules() if type(m).__name__ in classes and m is not module]
-    if not units:
+    if not units and classes:  # [] asks for the model as one unit
         present = sorted({type(m).__name__ for m in module.modules()})
         raise ConfigError(
             f"parallel.fsdp.shard names {classes}, but the model has no module of those classes; "
@@ -296,6 +304,56 @@ def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
                     "of their classes out of parallel.fsdp.shard"
                 )
     return units[::-1]
+
+
+def _default_units(module: nn.Module) -> list[nn.Module]:
+    """The model's parts, as torchtitan shards a transformer: each block of a container of blocks
+    (ModuleList, ModuleDict, Sequential) is a unit, wherever the container is (a wrapper that holds
+    one, such as a Hugging Face model's `transformer` or `encoder`, is looked into), and so is each
+    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a module
+    outside it also holds (tied weights, such as a language model's embedding and head) is not a
+    unit: its own untied parts are, and the root, sharded last, gathers what no unit took."""
+    holders: dict[int, list[nn.Module]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(sub)
+
+    def alone(part: nn.Module) -> bool:
+        inside = {id(m) for m in part.modules()}
+        return all(id(m) in inside for p in part.parameters() for m in holders[id(p)])
+
+    def parts(parent: nn.Module) -> list[nn.Module]:
+        found: list[nn.Module] = []
+        for child in parent.children():
+            if not any(True for _ in child.parameters()):
+                continue
+            holds_blocks = any(isinstance(m, _UNCALLED) for m in child.modules())
+            if isinstance(child, nn.Sequential) or holds_blocks or not alone(child):
+                found += parts(child)
+            else:
+                found.append(child)
+        return found
+
+    unique = {id(part): part for part in parts(module)}  # a block held twice is one unit
+    return list(unique.values())
+
+
+@contextlib.contextmanager
+def _units_called_whole() -> Iterator[None]:
+    """A forward that reaches a unit's parameters without calling the unit (a model that calls a
+    block's parts directly, past the block's own forward) finds them still sharded: torch's error
+    about mixed tensors, turned into one line that says which setting to change."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "mixed torch.Tensor and DTensor" not in str(e):
+            raise
+        raise ConfigError(
+            "parallel.fsdp.shard: the model uses parameters of a sharded unit without calling the "
+            "unit (FSDP gathers a unit's parameters when its forward is called); set "
+            "parallel.fsdp.shard to the classes of the modules the model calls whole, such as "
+            "[Block], or to [] to shard the model as one unit"
+        ) from None
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

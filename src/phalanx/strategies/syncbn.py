@@ -3,10 +3,14 @@
 PyTorch's own SyncBatchNorm runs on accelerators only; this one reduces with the differentiable
 `torch.distributed.nn.functional.all_reduce`, so gradients flow through the statistics exactly as
 they would through one BatchNorm over the whole micro-batch. On CUDA PyTorch's version is used.
+
+Without it, each device normalises its share with the share's own statistics: `PerDeviceStatistics`
+says so once, at a run's first training step.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -14,6 +18,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+log = logging.getLogger("phalanx")
 
 # Its differentiable all_reduce is what this module needs; the suggested successor is private.
 warnings.filterwarnings(
@@ -76,3 +82,39 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child))
     return module
+
+
+# What a strategy without sync_batchnorm (towers, fsdp) tells a BatchNorm model
+WITH_DDP = (
+    "parallel.strategy=ddp with parallel.sync_batchnorm: true normalises over the whole micro-batch"
+)
+
+
+class PerDeviceStatistics:
+    """Where a model whose BatchNorm layers are not synchronised trains on several devices, each
+    device normalises its share of a micro-batch with the share's own mean and variance, so training
+    is not one device's: one warning, on the main process, at the run's first training step (an
+    evaluation-only run, whose BatchNorm uses its running statistics, says nothing). Made when the
+    strategy sets the model up; `fix`: how that strategy gets the whole micro-batch's statistics."""
+
+    def __init__(self, module: nn.Module, devices: int, is_main: bool, fix: str):
+        layers = [
+            name or type(m).__name__
+            for name, m in module.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, (SyncBatchNorm, nn.SyncBatchNorm))
+        ]
+        self.message: str | None = None
+        if devices > 1 and is_main and layers:
+            shown = ", ".join(layers[:3]) + (
+                f" and {len(layers) - 3} more" if len(layers) > 3 else ""
+            )
+            self.message = (
+                f"BatchNorm on {devices} devices without parallel.sync_batchnorm: the model's "
+                f"BatchNorm layers ({shown}) normalise each device's share of a micro-batch with "
+                f"the share's own statistics, so training differs from one device's; {fix}"
+            )
+
+    def warn_once(self) -> None:
+        if self.message is not None:
+            log.warning(self.message)
+            self.message = None

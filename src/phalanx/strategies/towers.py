@@ -10,29 +10,41 @@ gradient. Outputs come back concatenated in dataset order, on the first device.
 
 No process is started and no collective runs: it works from a notebook. On a machine without
 GPUs, `accelerator: cpu, devices: N` runs N replicas on the CPU, for tests.
+
+Each tower draws its random numbers (dropout) from a stream of its own, seeded as ddp's rank of the
+same index (see `Streams`), so that which thread runs first changes nothing.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
-from collections.abc import Callable, Mapping
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from phalanx.build import derived_seed
 from phalanx.data import Micro
 from phalanx.engine import concat
 from phalanx.strategies.base import Micros, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
     from phalanx.model import Forward
 
+log = logging.getLogger("phalanx")
+
 
 class Towers(OneProcess, Replicated):
-    """One process takes each micro-batch whole (data world size 1) and shares it out among its towers."""
+    """One process takes each micro-batch whole (data world size 1) and shares it out among its
+    towers."""
 
     def __init__(self, devices: list[torch.device], variables_on: str = "device0"):
         self.devices, self.device = tuple(devices), devices[0]
@@ -52,22 +64,26 @@ class Towers(OneProcess, Replicated):
         self._calls: list[Forward] = []  # each tower's adapter from a batch to its module
         self._names: Forward | None = None  # the run's own adapter, whose output names hooks read
         self._training: bool | None = None
+        self._streams = Streams(self.devices)
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         """The master copy on its home device, and one replica per device; with `variables_on:
-        device0`, the first tower's replica is the master itself. Each tower is compiled on its own."""
+        device0`, the first tower's replica is the master itself. Each tower is compiled on its
+        own."""
         self.model = prepare(module, _without_compile(options), lambda m: m.to(self._home))
         for i, device in enumerate(self.devices):
             master = i == 0 and self.variables_on == "device0"
             replica = self.model if master else copy.deepcopy(self.model).to(device)
             self._replicas.append(replica)
             self._towers.append(_compiled(replica, options))
+        self._statistics = PerDeviceStatistics(self.model, len(self.devices), True, WITH_DDP)
         return self.model, self.model
 
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         self._prepare(engine, training=True)
+        self._statistics.warn_once()
         total, parts = None, []
         for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
             done = self._run(
@@ -103,7 +119,8 @@ class Towers(OneProcess, Replicated):
     # --- the towers ---------------------------------------------------------------------------
 
     def _prepare(self, engine: Engine, training: bool) -> None:
-        """Every replica takes the master's values and the mode asked for; the adapters are made once."""
+        """Every replica takes the master's values and the mode asked for; the adapters are made
+        once."""
         if not self._calls:
             self._names = engine.forward_fn
             self._calls = [engine.forward_fn.bound_to(tower) for tower in self._towers]
@@ -124,25 +141,47 @@ class Towers(OneProcess, Replicated):
             self._training = training
 
     def _run(self, work: Callable[..., Any], micro: Micro, batch: Mapping) -> list[Any]:
-        """`work(call, device, micro, batch)` for each tower with a share of `batch`, each in its own
-        thread; the results in tower order, which is dataset order."""
+        """`work(call, device, micro, batch)` for each tower with a share of `batch`, each in its
+        own thread; the results in tower order, which is dataset order."""
         n, jobs = len(micro.shard), []
         for i, (start, stop) in enumerate(_shares(n, len(self._towers))):
             if stop > start:
                 share = Micro(micro.shard[start:stop], micro.global_size)
-                jobs.append((self._calls[i], self.devices[i], share, _slice(batch, start, stop, n)))
+                jobs.append((i, self._calls[i], share, _slice(batch, start, stop, n)))
         if self._pool is None or len(jobs) == 1:
-            results = [_on(device, work, call, device, m, b) for call, device, m, b in jobs]
+            results = [self._tower(work, *job) for job in jobs]
         else:
-            futures = [
-                self._pool.submit(_on, device, work, call, device, m, b)
-                for call, device, m, b in jobs
-            ]
+            futures = [self._pool.submit(self._tower, work, *job) for job in jobs]
             results = [f.result() for f in futures]
-        self._names.output_names = jobs[0][
-            0
-        ].output_names  # what the hooks read as the model's outputs
+        self._names.output_names = jobs[0][1].output_names  # what hooks read as the model's outputs
         return results
+
+    def _tower(self, work: Callable[..., Any], i: int, call: Forward, *share: Any) -> Any:
+        """`work(call, device, *share)` on tower i's device, drawing from tower i's own stream."""
+        device = self.devices[i]
+        with self._streams.drawing(i):
+            return _on(device, work, call, device, *share)
+
+    # --- the towers' random streams (the RandomStreams protocol) -------------------------------
+
+    def seed_streams(self, seed: int, step: int) -> None:
+        self._streams.seed(seed, step)
+
+    def stream_states(self) -> list[str]:
+        return self._streams.states()
+
+    def load_stream_states(self, states: list[str] | None, seed: int, step: int) -> None:
+        if states is not None and len(states) == len(self.devices) - 1:
+            self._streams.load(states)
+            return
+        self._streams.seed(seed, step)
+        if len(self.devices) > 1:
+            log.info(
+                "each tower's random stream re-derived from the seed, the step and its index: the "
+                "checkpoint holds %s, this run has %d towers",
+                "no towers' streams" if states is None else f"{len(states) + 1} towers' streams",
+                len(self.devices),
+            )
 
     def _joined(self, datas: list[dict]) -> dict:
         """The towers' outputs, in dataset order, on the first device."""
@@ -168,6 +207,79 @@ class Towers(OneProcess, Replicated):
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class Streams:
+    """Each tower's own random stream: tower 0's is the process's (its generators, seeded and saved
+    by the trainer, as one process's or ddp rank 0's), tower i's is seeded as ddp's rank i's
+    (`derived_seed(seed, step, i)`), so the towers' dropout matches ddp's on as many processes.
+
+    On CUDA each tower is a device of its own, and torch keeps one generator per device: tower i
+    draws from its device's, which no other thread touches, and the towers run in parallel. (Random
+    numbers a tower's model draws on the CPU still come from the process's one CPU generator.)
+
+    On the CPU every tower draws from the one CPU generator, which nn.Dropout takes without being
+    asked, and torch has no generator per thread: fork_rng and set_rng_state change it for the
+    whole process. So tower i's state is kept here and swapped into that generator for the tower's
+    forward and backward (whose recomputation under activation checkpointing draws again), under a
+    lock: CPU towers run one at a time, each drawing from its own stream in any thread order.
+    Running them at once bought little: each CPU op already uses every core."""
+
+    def __init__(self, devices: tuple[torch.device, ...]):
+        self.devices = devices
+        self._on_cpu = devices[0].type != "cuda"
+        self._lock = threading.Lock()
+        self._cpu: list[torch.Tensor] = []  # on CPU, towers 1..N-1's generator states
+        if self._on_cpu:
+            self.seed(0, 0)  # until the trainer seeds them from the run's seed
+
+    def seed(self, seed: int, step: int) -> None:
+        """Towers 1..N-1's streams from the seed, the step and their index."""
+        values = [derived_seed(seed, step, i) for i in range(1, len(self.devices))]
+        if self._on_cpu:
+            self._cpu = [torch.Generator().manual_seed(v).get_state() for v in values]
+            return
+        torch.cuda.init()  # torch.cuda.manual_seed before it would keep only the last device's seed
+        for device, value in zip(self.devices[1:], values, strict=True):
+            torch.cuda.default_generators[device.index].manual_seed(value)
+
+    def states(self) -> list[str]:
+        if self._on_cpu:
+            return [_b64(state) for state in self._cpu]
+        return [_b64(torch.cuda.get_rng_state(device)) for device in self.devices[1:]]
+
+    def load(self, states: list[str]) -> None:
+        if self._on_cpu:
+            self._cpu = [_unb64(state) for state in states]
+            return
+        for device, state in zip(self.devices[1:], states, strict=True):
+            torch.cuda.set_rng_state(_unb64(state), device)
+
+    @contextlib.contextmanager
+    def drawing(self, tower: int) -> Iterator[None]:
+        """Tower `tower`'s random numbers drawn from its own stream while the block runs."""
+        if not self._on_cpu:
+            yield
+            return
+        with self._lock:
+            if tower == 0:
+                yield
+                return
+            process = torch.get_rng_state()
+            torch.set_rng_state(self._cpu[tower - 1])
+            try:
+                yield
+            finally:
+                self._cpu[tower - 1] = torch.get_rng_state()
+                torch.set_rng_state(process)
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def _without_compile(options: ModelOptions) -> ModelOptions:
