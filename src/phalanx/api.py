@@ -118,7 +118,7 @@ def fit(
                 log.info("%s", note)
             _log_start(cfg, strategy, trainer)
             trainer.initialise_from()
-            return _ended(trainer, _run(trainer))
+            return _ended(run_dir, trainer, _run(trainer))
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -140,19 +140,19 @@ def resume(
     count; `overrides` change its config from here on. A run trained with objects is given them
     again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
-    run_dir = rundir.open_run(run_path, announce=False)
+    run_dir = rundir.open_run(Path(run_path), announce=False)
     objects = Objects.given(model, dataset, hooks)
     overrides = _listed(overrides)
     check_objects_given(run_dir, objects, "resume")
     try:
         if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
-            return _launched(run_dir, _resume(run_dir, overrides, objects, nodes))
+            return _as_run(run_dir, _resume(run_dir, overrides, objects, nodes))
         with _training_lock(
             run_dir, "resume"
         ):  # a run in use is one error line, before anything else
             rundir.announce_imports(run_dir)
             result = _resume(run_dir, overrides, objects, nodes)
-        return result if isinstance(result, Run) else _launched(run_dir, result)
+        return _as_run(run_dir, result)
     finally:
         logs.close_run_log()
 
@@ -165,7 +165,8 @@ def load(
     saved whole or in shards, on any process count. The module is built as the run's config says, or
     is `model`, given."""
     logs.setup(None)
-    run_dir = rundir.open_run(run_path, announce=model is None)  # a model given imports nothing
+    # a model given imports nothing
+    run_dir = rundir.open_run(Path(run_path), announce=model is None)
     if model is None:
         check_objects_given(run_dir, Objects(), "load", parts=("model",))
         cfg = config.validate(rundir.load_config_text(run_dir))
@@ -237,7 +238,7 @@ def _listed(overrides: str | Sequence[str]) -> list[str]:
 
 
 def _read(
-    source: str | os.PathLike | Mapping[str, Any], overrides: list[str]
+    source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str]
 ) -> tuple[dict, Path | None]:
     """The raw config and the file it came from (None for a dict)."""
     if isinstance(source, Mapping):
@@ -292,13 +293,19 @@ def _launched(run_dir: Path, code: int) -> Run:
     return Run(run_dir, code, events[-1]["metrics"] if events else {})
 
 
-def _ended(trainer: Trainer, code: int) -> Run:
+def _as_run(run_dir: Path, result: Run | int) -> Run:
+    """What `_resume` gave: the run trained here, or the exit code of the workers it launched."""
+    return result if isinstance(result, Run) else _launched(run_dir, result)
+
+
+def _ended(run_dir: Path, trainer: Trainer, code: int) -> Run:
+    """A run trained in this process, in `run_dir`."""
     metrics = trainer.metrics
     if (
         not metrics and trainer.strategy.is_main
     ):  # resumed after its last evaluation: the one recorded
-        metrics = _launched(trainer.run_dir, code).metrics
-    return Run(trainer.run_dir, code, metrics, trainer.model)
+        metrics = _launched(run_dir, code).metrics
+    return Run(run_dir, code, metrics, trainer.model)
 
 
 def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: launch.Nodes) -> tuple[Path, int]:
@@ -375,7 +382,7 @@ def _resume(
         objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     )
     if nodes is None and not strategies.needs_launch(cfg):
-        return _ended(*_work(run_dir, True, overrides, objects))
+        return _ended(run_dir, *_work(run_dir, True, overrides, objects))
     if objects:
         raise ConfigError(_in_this_process(cfg))
     store = None
@@ -410,13 +417,13 @@ def _training_lock(run_dir: Path, command: str):
         yield
 
 
-def run_worker(run_dir: Path, resume: bool, overrides: list[str] = ()) -> int:
+def run_worker(run_dir: Path, resume: bool, overrides: Sequence[str] = ()) -> int:
     """Train in an existing run directory in this process (one of several, or the only one)."""
     return _work(run_dir, resume, overrides)[1]
 
 
 def _work(
-    run_dir: Path, resume: bool, overrides: list[str] = (), objects: Objects | None = None
+    run_dir: Path, resume: bool, overrides: Sequence[str] = (), objects: Objects | None = None
 ) -> tuple[Trainer, int]:
     objects = objects or Objects()
     saved = rundir.load_config_text(run_dir)
@@ -474,7 +481,7 @@ def _work(
 def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
     """Restore the newest checkpoint that verifies, parses and fits, falling back step by step;
     every rank takes the same step. Returns it."""
-    strategy, checkpoints = trainer.strategy, trainer.checkpoints
+    strategy, checkpoints = trainer.strategy, trainer.stored_checkpoints
     if strategy.is_main:
         checkpoints.clean_stale()
     first_error = None

@@ -8,6 +8,7 @@ import inspect
 import logging
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from phalanx.errors import ConfigError
 log = logging.getLogger("phalanx")
 
 
-def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
+def build_dataset(cfg: DatasetConfig, search_dirs: Sequence[Path]) -> Any:
     kwargs = {k: build_value(v, f"dataset.{k}", search_dirs) for k, v in cfg.kwargs().items()}
     return instantiate("dataset", import_object(cfg.class_, search_dirs), **kwargs)
 
@@ -36,7 +37,7 @@ def build_dataset(cfg: DatasetConfig, search_dirs: list[Path]) -> Any:
 def build_optimizer(
     cfg: OptimizerConfig,
     module: nn.Module,
-    search_dirs: list[Path],
+    search_dirs: Sequence[Path],
     batch_size: int,
     fused: bool = False,
 ) -> torch.optim.Optimizer:
@@ -65,14 +66,15 @@ def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:
     The global batch does not change with the device count, so neither does the scaled rate.
     """
     kwargs = cfg.kwargs()
-    rule = cfg.lr_scaling.rule if cfg.lr_scaling else "none"
-    if rule == "none":
+    scaling = cfg.lr_scaling
+    if scaling is None or scaling.rule == "none":
         return kwargs
+    rule = scaling.rule
     if "lr" not in kwargs:
         raise ConfigError(
             "optimizer.lr_scaling needs optimizer.lr, the rate tuned for base_batch_size"
         )
-    ratio = batch_size / cfg.lr_scaling.base_batch_size
+    ratio = batch_size / scaling.base_batch_size
     factor = ratio if rule == "linear" else math.sqrt(ratio)
     scaled = kwargs["lr"] * factor
     log.info(
@@ -81,7 +83,7 @@ def scaled_lr(cfg: OptimizerConfig, batch_size: int) -> dict[str, Any]:
         scaled,
         rule,
         batch_size,
-        cfg.lr_scaling.base_batch_size,
+        scaling.base_batch_size,
     )
     return {**kwargs, "lr": scaled}
 
@@ -92,7 +94,7 @@ AUTO = "auto"
 def build_schedulers(
     cfg: Config,
     optimizer: torch.optim.Optimizer,
-    search_dirs: list[Path],
+    search_dirs: Sequence[Path],
     steps_per_epoch: int | None = None,
 ) -> list[tuple[Any, str]]:
     """(scheduler, interval) pairs: the linear warm-up first, then the configured scheduler.
@@ -158,7 +160,10 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
 
 def rng_state() -> dict[str, Any]:
     """Every RNG's state, as JSON-serialisable values."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    # the global RandomState is an MT19937, whose legacy state is always this tuple
+    assert isinstance(legacy, tuple)
+    kind, keys, pos, has_gauss, gauss = legacy
     state = {
         "python": _jsonable(random.getstate()),
         "torch": _b64(torch.get_rng_state()),

@@ -8,8 +8,12 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from typing import TYPE_CHECKING, Any
 
 from phalanx import __version__
+
+if TYPE_CHECKING:
+    from phalanx.launch import Nodes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -134,7 +138,7 @@ def parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         made[name].set_defaults(subparser=made[name])
-    overrides = dict(
+    overrides: dict[str, Any] = dict(
         nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3"
     )
     made["train"].add_argument("config", help="the YAML config file")
@@ -247,23 +251,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nodes(args: argparse.Namespace):
+def _nodes(args: argparse.Namespace) -> Nodes | None:
     """The job's machines from --nnodes, --node-rank and --rdzv; None for one machine."""
     from phalanx.errors import PhalanxError
     from phalanx.launch import Nodes
 
-    least, _, most = str(args.nnodes).partition(":")
+    low, _, high = str(args.nnodes).partition(":")
     if (
-        not least.isdigit()
-        or (most and not most.isdigit())
-        or int(least) < 1
-        or (most and int(most) < int(least))
+        not low.isdigit()
+        or (high and not high.isdigit())
+        or int(low) < 1
+        or (high and int(high) < int(low))
     ):
         raise PhalanxError(
             f"--nnodes {args.nnodes!r} is not a machine count (such as 2) or MIN:MAX with "
             "1 <= MIN <= MAX (such as 1:4)"
         )
-    least, count = int(least), int(most or least)
+    least, count = int(low), int(high or low)
     args.nnodes = count
     if count == 1:
         if args.node_rank not in (None, 0) or args.rdzv:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,9 @@ def _open(
     run trained with objects needs them again."""
     logs.setup(None)  # first: opening the run logs where its classes come from
     objects = objects or Objects()
-    run_dir = rundir.open_run(run_path, announce=objects.model is None or objects.dataset is None)
+    run_dir = rundir.open_run(
+        Path(run_path), announce=objects.model is None or objects.dataset is None
+    )
     api.check_objects_given(run_dir, objects, command)
     one = [
         "parallel.devices=1",
@@ -60,7 +63,7 @@ def _restored(
     run_dir: Path,
     cfg: config.Config,
     which: str | int,
-    hooks: list[Hook],
+    hooks: Sequence[Hook],
     objects: Objects | None = None,
 ) -> tuple[Trainer, int]:
     """A trainer with the weights of checkpoint `which` and only the given hooks."""
@@ -72,7 +75,7 @@ def _restored(
         inference=True,
         objects=Objects(objects.model, objects.dataset) if objects else None,
     )
-    step = trainer.checkpoints.select(which)
+    step = trainer.stored_checkpoints.select(which)
     trainer.restore(step, weights_only=True)
     return trainer, step
 
@@ -92,7 +95,11 @@ def evaluate(
     trainer.evaluate(stream)
     for hook in metric_hooks:
         hook.after_epoch(trainer.epoch, trainer.epoch_data)
-    result = {"stream": stream, "checkpoint": step, "metrics": trainer.epoch_data[stream]}
+    result: dict[str, Any] = {
+        "stream": stream,
+        "checkpoint": step,
+        "metrics": trainer.epoch_data[stream],
+    }
     write_text_atomic(run_dir / f"eval-{stream}-step-{step}.json", json.dumps(result, indent=1))
     table = Table(title=f"{run_dir.name}: {stream} at step {step}")
     table.add_column("variable")
@@ -286,7 +293,7 @@ def list_runs(root: str) -> list[dict[str, Any]]:
     rows = []
     for run_dir in rundir.list_runs(Path(root)):
         events = rundir.read_trace(run_dir)
-        last = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
+        last: dict[str, Any] = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
         steps = Checkpoints(run_dir / "checkpoints").steps()
         updated = last.get("time")
         rows.append(

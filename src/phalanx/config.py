@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -30,6 +31,9 @@ from pydantic import (
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.overrides import apply as apply_overrides
 from phalanx.yamltext import TooLarge, check_bounds, read_yaml
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 # Counts and sizes are StrictInt (and numbers StrictFloat): pydantic's lax int reads `true` as 1, so
 # `batch_size: true` trained with batch 1. Booleans are not numbers here.
@@ -362,13 +366,13 @@ class Config(_Section):
         return hooks
 
 
-def load(path: str | Path, overrides: str | Sequence[str] = ()) -> tuple[Config, dict]:
+def load(path: str | os.PathLike, overrides: str | Sequence[str] = ()) -> tuple[Config, dict]:
     """Read, override and validate a config file. Returns the validated config and the raw dict."""
     raw = read(path, overrides)
     return validate(raw), raw
 
 
-def read(path: str | Path, overrides: str | Sequence[str] = ()) -> dict:
+def read(path: str | os.PathLike, overrides: str | Sequence[str] = ()) -> dict:
     """A config file's raw mapping, overridden, with its default name; not yet validated."""
     path = Path(path)
     if not path.is_file():
@@ -419,7 +423,7 @@ def _merge_alternatives(messages: list[str]) -> list[str]:
     return merged
 
 
-def _explain(err: dict, raw: dict) -> str:
+def _explain(err: ErrorDetails, raw: dict) -> str:
     loc = _user_path(err["loc"], raw)
     where = ".".join(loc) or "config"
     if err["type"] == "extra_forbidden":
@@ -482,7 +486,7 @@ def dump(raw: dict) -> str:
 
 
 def import_object(
-    path: str, search_dirs: list[Path] = (), default_module: str | None = None
+    path: str, search_dirs: Sequence[Path] = (), default_module: str | None = None
 ) -> Any:
     """The object a dotted path names; `default_module` is tried first for a bare name."""
     for folder in [*search_dirs, Path.cwd()]:
@@ -518,7 +522,7 @@ def import_object(
     return getattr(module, attr)
 
 
-def _package_roots(module_name: str, search_dirs: list[Path]) -> list[Path]:
+def _package_roots(module_name: str, search_dirs: Sequence[Path]) -> list[Path]:
     """Folders that hold `module_name` when a search folder lies inside its package: a config in
     examples/digits/ naming examples.digits.data finds it from any working directory."""
     parts = module_name.split(".")
@@ -630,7 +634,7 @@ def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:
     return bool(names & {"int", "float"}) and "bool" not in names
 
 
-def build_value(value: Any, where: str, search_dirs: list[Path]) -> Any:
+def build_value(value: Any, where: str, search_dirs: Sequence[Path]) -> Any:
     """Nested `{class: ..., ...}` mappings inside constructor arguments are built too."""
     if isinstance(value, dict) and "class" in value:
         kwargs = {

@@ -18,7 +18,7 @@ import hashlib
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ _MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(1
 _BLOCK = 1 << 16  # positions computed together
 
 
-class Order:
+class Order(Sequence[int]):
     """The order of one epoch's n samples: position -> sample index, a pseudo-random bijection of
     [0, n) that depends on the seed and the epoch alone, computed for each position when asked.
     Indexing with an int gives an index; with a slice, a list of them."""
@@ -50,6 +50,12 @@ class Order:
 
     def __len__(self) -> int:
         return self.n
+
+    @overload
+    def __getitem__(self, key: int) -> int: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> list[int]: ...
 
     def __getitem__(self, key: int | slice) -> int | list[int]:
         if isinstance(key, slice):
@@ -431,9 +437,8 @@ class TokenWindows:
                 f"{self.dtype.name} tokens ({self.dtype.itemsize} bytes each); is dtype right?"
             )
         self.tokens = size // self.dtype.itemsize
-        self._map = (
-            None  # opened in the process that reads it (DataLoader workers each map their own)
-        )
+        # opened in the process that reads it (DataLoader workers each map their own)
+        self._map: np.memmap | None = None
 
     def __len__(self) -> int:
         return max(0, (self.tokens - 1) // self.block_size)

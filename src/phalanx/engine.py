@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,8 @@ class StepResult:
     loss: (
         torch.Tensor
     )  # the global batch's mean loss (weighted where the model weighs), the same on every rank
-    parts: list[dict]  # this rank's inputs and outputs, one dict per micro-batch
+    # this rank's inputs and outputs, one dict per micro-batch (None for an empty shard)
+    parts: list[dict | None]
     stop: bool  # whether any rank asked to stop
 
 
@@ -62,7 +63,7 @@ class GradNorms:
 
     def variables(self) -> dict[str, float]:
         """What the epoch's `train` row holds."""
-        out = {"grad_norm_nonfinite": self.nonfinite}
+        out: dict[str, float] = {"grad_norm_nonfinite": self.nonfinite}
         if self.count:
             out.update(grad_norm=self.sum / self.count, grad_norm_max=self.max)
         return out
@@ -88,7 +89,7 @@ class Engine:
         self,
         module: nn.Module,
         forward: Forward,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         schedulers: list[tuple[Any, str]],
         precision: Precision,
         strategy: Strategy,
@@ -117,13 +118,14 @@ class Engine:
         agreed among ranks with the loss."""
         if not self.module.training:  # walking the module tree every step costs more than the check
             self.module.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self.trained_optimizer
+        optimizer.zero_grad(set_to_none=True)
         parts, loss, stop, communication = self.strategy.forward_backward(self, micros, stop)
         start = time.perf_counter()
         if loss.dim():  # weighted: (sum w_i l_i, sum w_i) / B over the global batch
             loss = self._normalise(loss)
         if self.max_grad_norm is None or self._clip(self.max_grad_norm):
-            self.precision.step(self.optimizer)
+            self.precision.step(optimizer)
         for scheduler in self._schedulers["step"]:
             scheduler.step()
         self.seconds = communication, time.perf_counter() - start
@@ -191,8 +193,15 @@ class Engine:
         part = torch.stack((torch.dot(weights, data["loss"].to(dtype)), weights.sum())) * factor
         return loss, (weights * factor).to(loss.dtype), part, data
 
+    @property
+    def trained_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer; an engine built only to evaluate (`Trainer(inference=True)`) has none."""
+        if self.optimizer is None:
+            raise RuntimeError("this run was built only to evaluate: it has no optimizer to step")
+        return self.optimizer
+
     def _parameters(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for group in self.trained_optimizer.param_groups for p in group["params"]]
 
     def _normalise(self, sums: torch.Tensor) -> torch.Tensor:
         """The weighted step's mean loss, its gradients divided by the global sum of the weights (a
@@ -208,9 +217,11 @@ class Engine:
         `max_norm`; whether the step may go on: a norm that is not finite skips it, and is
         counted."""
         if self.precision.scaler is not None:
-            self.precision.scaler.unscale_(self.optimizer)
-        parameters = [p for p in self._parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
+            self.precision.scaler.unscale_(self.trained_optimizer)
+        parameters = self._parameters()  # clip_grads_with_norm_ skips those without a gradient
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in parameters if p.grad is not None], 2.0
+        )
         if hasattr(norm, "full_tensor"):  # sharded gradients: the local parts' norm, made global
             norm = norm.full_tensor()
         value = float(norm)
@@ -308,7 +319,7 @@ class Engine:
         return loss, data, tokens
 
     def learning_rates(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.trained_optimizer.param_groups]
 
 
 def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
@@ -331,18 +342,18 @@ def _first_dim(batch: Mapping) -> int:
     return 1
 
 
-def concat(parts: list[dict | None]) -> dict:
+def concat(parts: Sequence[dict | None]) -> dict:
     """Batch data joined along the batch dimension, in order; None parts (empty shards) skipped."""
     if len(parts) == 1:  # one micro-batch: the common case, every step
         return parts[0] or {}
-    parts = [p for p in parts if p]
-    if not parts:
+    present = [p for p in parts if p]
+    if not present:
         return {}
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for key in parts[0]:
-        values = [p[key] for p in parts]
+    if len(present) == 1:
+        return present[0]
+    out: dict[str, Any] = {}
+    for key in present[0]:
+        values = [p[key] for p in present]
         if all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
             out[key] = torch.cat(values)
         elif all(isinstance(v, list) for v in values):

@@ -49,6 +49,11 @@ def collate(
     batch is named: one dict per batch, not per sample."""
     if not items:
         return None
+    return _stacked(items, name, keys)
+
+
+def _stacked(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """One or more items as a batch (see `collate`)."""
     if keys is not None and not isinstance(items[0], Mapping):
         return _named_batch(items, keys, name)
     if type(items[0]) is not dict and not isinstance(items[0], Mapping):
@@ -89,7 +94,7 @@ def name_item(item: Any, keys: Sequence[str], name: str) -> Any:
     return {keys[0]: item}
 
 
-def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str, Any] | None:
+def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str, Any]:
     first = items[0]
     parts = len(first) if isinstance(first, (tuple, list)) else None
     if parts == len(keys) or (parts is None and len(keys) == 1):
@@ -102,7 +107,7 @@ def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str
                 return {keys[0]: batch}
             if len(batch) == len(keys):
                 return dict(zip(keys, batch, strict=True))
-    return collate([name_item(item, keys, name) for item in items], name)
+    return _stacked([name_item(item, keys, name) for item in items], name)
 
 
 def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
@@ -188,7 +193,7 @@ class _Collate:
 class _WorkersLoader(DataLoader):
     """A DataLoader with worker processes that raises their collate errors as themselves."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub: its own iterator
         for batch in super().__iter__():
             if isinstance(batch, _Unbatchable):
                 raise DataError(batch.message)
@@ -254,7 +259,8 @@ class _Reseeded(Dataset):
     augmentation draws the same numbers as with workers started afresh each epoch."""
 
     def __init__(self, dataset: Any):
-        self.dataset, self._seed = dataset, None
+        self.dataset = dataset
+        self._seed: tuple[int, int] | None = None
         if callable(
             getattr(dataset, "__getitems__", None)
         ):  # its batched read (Hugging Face datasets have one)
@@ -279,7 +285,9 @@ class _Reseeded(Dataset):
     def _reseed(self, token: tuple[int, int]) -> None:
         if token != self._seed:
             self._seed = token
-            _seed_worker(token[0], torch.utils.data.get_worker_info().id)
+            worker = torch.utils.data.get_worker_info()
+            assert worker is not None  # persistent workers only: this runs in a worker process
+            _seed_worker(token[0], worker.id)
 
 
 def _seed_worker(seed: int, worker: int) -> None:
@@ -300,7 +308,7 @@ class Loaders:
     def __init__(
         self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None
     ):
-        self.options = {
+        self.options: dict[str, Any] = {
             "num_workers": num_workers,
             "pin_memory": pin_memory,
             "prefetch_factor": prefetch_factor,
@@ -371,7 +379,7 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
 
 
 def empty_like(item: Any, name: str) -> dict[str, Any]:
-    batch = collate([item], name)
+    batch = _stacked([item], name)
     return {
         k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
         for k, v in batch.items()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,7 +26,7 @@ from phalanx.config import LossConfig, ModelConfig, build_value, import_object, 
 from phalanx.errors import ModelError
 
 
-def build_model(cfg: ModelConfig, search_dirs: list[Path]) -> nn.Module:
+def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
     """The user's module, built from the `model` section."""
     kwargs = {k: build_value(v, f"model.{k}", search_dirs) for k, v in cfg.kwargs().items()}
     args = build_value(cfg.args, "model.args", search_dirs)
@@ -45,7 +45,7 @@ class Forward:
         self,
         module: nn.Module,
         cfg: ModelConfig,
-        search_dirs: list[Path] = (),
+        search_dirs: Sequence[Path] = (),
         inner: nn.Module | None = None,
     ):
         """`module` is called; `inner` (the user's module inside any wrapper) says what forward
@@ -56,10 +56,7 @@ class Forward:
         self._single = (
             self.outputs[0] if len(self.outputs) == 1 else None
         )  # the name of a lone tensor output
-        self.loss_fn = _loss_function(cfg.loss, search_dirs) if cfg.loss else None
-        self.loss_cfg = cfg.loss
-        self.loss_kwargs = cfg.loss.kwargs() if cfg.loss else {}
-        self.ignore_index = _ignore_index(self.loss_fn, self.loss_kwargs) if cfg.loss else None
+        self.named_loss = _NamedLoss(cfg.loss, search_dirs) if cfg.loss else None
         user = inner if inner is not None else module
         self.params, self.takes_all = _forward_params(user)
         # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or
@@ -100,8 +97,8 @@ class Forward:
             if self._single is not None and isinstance(raw, torch.Tensor)
             else self._as_dict(raw)
         )
-        if self.loss_fn is not None:
-            _put(outputs, self._loss(outputs, batch))
+        if self.named_loss is not None:
+            _put(outputs, self.named_loss(outputs, batch))
         elif self.hugging_face and "labels" in batch and "logits" in outputs:
             _put(
                 outputs,
@@ -149,34 +146,6 @@ class Forward:
                 f"{len(self.outputs)}: {self.outputs}"
             )
         return dict(zip(self.outputs, values, strict=True))
-
-    def _loss(self, outputs: dict, batch: Mapping[str, Any]) -> Loss:
-        """The configured loss per sample (see `per_sample_loss`)."""
-        cfg = self.loss_cfg
-        try:
-            prediction, target = outputs[cfg.output], batch[cfg.target]
-        except KeyError:
-            if cfg.output not in outputs:
-                raise ModelError(
-                    f"model.loss.output {cfg.output!r} is not an output; outputs are "
-                    f"{sorted(outputs)}"
-                ) from None
-            raise ModelError(
-                f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
-            ) from None
-        return per_sample_loss(
-            self.loss_fn, prediction, target, self.ignore_index, self._kwargs(prediction)
-        )
-
-    def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
-        """The loss function's keywords; lists (pos_weight, weight) as tensors beside the
-        prediction."""
-        return {
-            k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
-            if isinstance(v, list)
-            else v
-            for k, v in self.loss_kwargs.items()
-        }
 
 
 class Loss(NamedTuple):
@@ -301,7 +270,46 @@ def _ignore_index(function: Callable, kwargs: dict[str, Any]) -> int | None:
     )
 
 
-def _loss_function(cfg: LossConfig, search_dirs: list[Path]) -> Callable:
+class _NamedLoss:
+    """The `model.loss` section: a torch.nn.functional loss of one model output against one batch
+    key."""
+
+    def __init__(self, cfg: LossConfig, search_dirs: Sequence[Path]):
+        self.cfg = cfg
+        self.function = _loss_function(cfg, search_dirs)
+        self.kwargs = cfg.kwargs()
+        self.ignore_index = _ignore_index(self.function, self.kwargs)
+
+    def __call__(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Loss:
+        """The configured loss per sample (see `per_sample_loss`)."""
+        cfg = self.cfg
+        try:
+            prediction, target = outputs[cfg.output], batch[cfg.target]
+        except KeyError:
+            if cfg.output not in outputs:
+                raise ModelError(
+                    f"model.loss.output {cfg.output!r} is not an output; outputs are "
+                    f"{sorted(outputs)}"
+                ) from None
+            raise ModelError(
+                f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
+            ) from None
+        return per_sample_loss(
+            self.function, prediction, target, self.ignore_index, self._kwargs(prediction)
+        )
+
+    def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
+        """The loss function's keywords; lists (pos_weight, weight) as tensors beside the
+        prediction."""
+        return {
+            k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
+            if isinstance(v, list)
+            else v
+            for k, v in self.kwargs.items()
+        }
+
+
+def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:
     return import_object(cfg.function, search_dirs, default_module="torch.nn.functional")
 
 

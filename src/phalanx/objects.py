@@ -12,12 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel
 from torch import nn
 
 from phalanx.config import DatasetConfig, ModelConfig
 from phalanx.errors import ConfigError, ModelError
 
-_OWN_KEYS = {"model": ModelConfig, "dataset": DatasetConfig}  # sections whose framework keys stay
+# sections whose framework keys stay
+_OWN_KEYS: dict[str, type[BaseModel]] = {"model": ModelConfig, "dataset": DatasetConfig}
 
 
 class Streams:

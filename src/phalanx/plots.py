@@ -19,7 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import IO, NamedTuple
 
 from phalanx.errors import StorageError
 from phalanx.files import write_atomic, writing
@@ -57,9 +59,7 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
         ax.set(xlabel="epoch", ylabel=var, title=var)
         ax.grid(alpha=0.3)
         ax.legend()
-        write_atomic(
-            folder / f"{var}.png", lambda f, figure=fig: figure.savefig(f, format="png", dpi=dpi)
-        )
+        write_atomic(folder / f"{var}.png", partial(fig.savefig, format="png", dpi=dpi))
 
 
 class _Lines:
@@ -87,6 +87,14 @@ class _Lines:
         return [line.decode() for line in lines]
 
 
+class _Link(NamedTuple):
+    """A running child's pipes: its requests, written without blocking, and its answers."""
+
+    requests: IO[bytes]
+    replies: IO[bytes]
+    answers: _Lines
+
+
 class Painter:
     """The drawing process of one run's PlotLines: `submit` the history after each epoch, `close`
     at the end, which waits for the last drawing and raises the first error the child reported.
@@ -97,8 +105,8 @@ class Painter:
     """
 
     def __init__(self) -> None:
-        self._child: subprocess.Popen | None = None
-        self._answers: _Lines | None = None
+        self._child: subprocess.Popen[bytes] | None = None
+        self._link: _Link | None = None
         self._sent: dict[str, int] = {}  # points of each curve the child has been given
         self._unsent = b""
         self._inline = False  # the child could not start: draw here
@@ -106,10 +114,11 @@ class Painter:
     def submit(self, folder: Path, history: dict[str, list[list[float]]]) -> None:
         if self._child is None and not self._inline:
             self._start()
-        if self._inline:
+        link = self._link
+        if link is None:  # the child could not start
             draw(folder, history)
             return
-        self._raise_reported(self._answers.ready(0))
+        self._raise_reported(link.answers.ready(0))
         new = {
             name: points[self._sent.get(name, 0) :]
             for name, points in history.items()
@@ -117,7 +126,7 @@ class Painter:
         }
         self._sent = {name: len(points) for name, points in history.items()}
         self._unsent += (json.dumps({"folder": str(folder), "add": new}) + "\n").encode()
-        self._send(deadline=None)
+        self._send(link, deadline=None)
 
     def close(
         self,
@@ -127,18 +136,19 @@ class Painter:
     ) -> None:
         """Wait `wait_s` (CLOSE_WAIT_S) at most for the last drawing; an error the child reported is
         raised here. A child that has not drawn it by then (on a machine whose cores are all busy, a
-        child at idle priority waits) is ended, and `history`, where given, is drawn here
-        instead."""
-        child, answers = self._child, self._answers
-        if child is None:
+        child at idle priority waits) is ended, and `history`, where given with its `folder`, is
+        drawn here instead."""
+        child, link = self._child, self._link
+        if child is None or link is None:
             return
-        self._child, self._answers = None, None
+        self._child, self._link = None, None
         wait_s = CLOSE_WAIT_S if wait_s is None else wait_s
-        said, deadline = [], time.monotonic() + wait_s
+        said: list[str] = []
+        deadline = time.monotonic() + wait_s
         try:
             self._unsent += b'{"end": true}\n'
-            ended = self._send(deadline, child) and self._drain(answers, said, deadline)
-            if not ended and child.poll() is None and history is not None:
+            ended = self._send(link, deadline) and self._drain(link.answers, said, deadline)
+            if not ended and child.poll() is None and folder is not None and history is not None:
                 child.kill()
                 log.info(
                     "PlotLines: the drawing process had not drawn the last epochs after %.0f s; "
@@ -150,7 +160,7 @@ class Painter:
             if child.poll() is None:
                 child.kill()
             child.wait()
-            for pipe in (child.stdin, child.stdout):
+            for pipe in (link.requests, link.replies):
                 try:
                     pipe.close()
                 except OSError:
@@ -163,10 +173,10 @@ class Painter:
                 f"PlotLines: the drawing process ended with exit code {child.returncode}"
             )
 
-    def _send(self, deadline: float | None, child: subprocess.Popen | None = None) -> bool:
+    def _send(self, link: _Link, deadline: float | None) -> bool:
         """Write what the pipe takes: now (no deadline), or all of it by `deadline`. Whether all
         went."""
-        fd = (child or self._child).stdin.fileno()
+        fd = link.requests.fileno()
         while self._unsent:
             wait = 0 if deadline is None else max(0.0, deadline - time.monotonic())
             if not select.select([], [fd], [], wait)[1]:
@@ -205,7 +215,7 @@ class Painter:
             ),
         }
         try:
-            self._child = subprocess.Popen(
+            self._child = child = subprocess.Popen(
                 [sys.executable, "-m", "phalanx.plots"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -217,8 +227,10 @@ class Painter:
             )
             self._inline = True
             return
-        os.set_blocking(self._child.stdin.fileno(), False)
-        self._answers = _Lines(self._child.stdout.fileno())
+        # both are pipes, as asked above; typeshed's Popen cannot tie them to the PIPE arguments
+        assert child.stdin is not None and child.stdout is not None
+        os.set_blocking(child.stdin.fileno(), False)
+        self._link = _Link(child.stdin, child.stdout, _Lines(child.stdout.fileno()))
 
     @staticmethod
     def _raise_reported(lines: list[str] | None) -> None:
@@ -242,9 +254,11 @@ def _serve() -> None:
             pass
     requests = _Lines(sys.stdin.fileno())
     history: dict[str, list[list[float]]] = {}
-    folder, drawn, ended, last = None, True, False, -INTERVAL_S
+    undrawn: Path | None = None  # the folder of points not drawn yet
+    ended, last = False, -INTERVAL_S
     while not ended:
-        lines = requests.ready(None if drawn else max(0.0, last + INTERVAL_S - time.monotonic()))
+        wait = None if undrawn is None else max(0.0, last + INTERVAL_S - time.monotonic())
+        lines = requests.ready(wait)
         if lines is None:  # the trainer is gone
             return
         for line in lines:
@@ -252,24 +266,24 @@ def _serve() -> None:
             if request.get("end"):
                 ended = True
                 break
-            folder = Path(request["folder"])
+            undrawn = Path(request["folder"])
             for name, points in request["add"].items():
                 history.setdefault(name, []).extend(points)
-            drawn = False
-        if not drawn and (ended or time.monotonic() >= last + INTERVAL_S):
+        if undrawn is not None and (ended or time.monotonic() >= last + INTERVAL_S):
+            answer: dict[str, object]
             try:
-                draw(folder, history)
+                draw(undrawn, history)
                 answer = {"ok": True}
             except Exception as e:  # noqa: BLE001 - reported to the trainer, which raises it
                 answer = {
                     "error": str(e) if isinstance(e, StorageError) else f"{type(e).__name__}: {e}"
                 }
-            drawn, last = True, time.monotonic()
+            undrawn, last = None, time.monotonic()
             _answer(answer)
     _answer({"ended": True})
 
 
-def _answer(answer: dict) -> None:
+def _answer(answer: dict[str, object]) -> None:
     sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
 

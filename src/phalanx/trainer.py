@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +76,8 @@ class Trainer:
         self,
         cfg: Config,
         run_dir: Path | None,
-        search_dirs: list[Path] = (),
-        hooks: list[Hook] | None = None,
+        search_dirs: Sequence[Path] = (),
+        hooks: Sequence[Hook] | None = None,
         strategy: Strategy | None = None,
         inference: bool = False,
         objects: Objects | None = None,
@@ -127,7 +127,7 @@ class Trainer:
         if isinstance(self.strategy, RandomStreams):  # towers: each tower's, as ddp's ranks'
             self.strategy.seed_streams(cfg.seed, 0)
         self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
-        self.optimizer = (
+        self.optimizer = optimizer = (
             None
             if inference
             else build_optimizer(
@@ -140,8 +140,8 @@ class Trainer:
         )
         self.schedulers = (
             []
-            if inference
-            else build_schedulers(cfg, self.optimizer, self.search_dirs, self.steps_per_epoch)
+            if optimizer is None
+            else build_schedulers(cfg, optimizer, self.search_dirs, self.steps_per_epoch)
         )
         self.engine = Engine(
             self.module,
@@ -191,12 +191,12 @@ class Trainer:
             False  # True while after_batch follows an optimizer step (not an evaluation)
         )
         self.stop = GracefulStop()
-        self.hooks = hooks if hooks is not None else build_hooks(cfg, self.search_dirs)
+        own = list(hooks) if hooks is not None else build_hooks(cfg, self.search_dirs)
         if cfg.profile is not None and hooks is None:
-            self.hooks.append(
+            own.append(
                 Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes)
             )
-        self.hooks = [*self.hooks, *objects.hooks]
+        self.hooks = [*own, *objects.hooks]
         self.loader_options, persistent = loading.loader_options(cfg, self.strategy)
         # workers kept between epochs; not for one evaluation (eval, predict), which nothing would
         # end
@@ -208,8 +208,11 @@ class Trainer:
             hook.attach(self.view)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
         self._gatherers = [h for h in self._listeners["after_batch"] if h.gathers]
-        wanted = [h.gather_keys for h in self._gatherers]
-        self._gather_keys = None if None in wanted else {k for keys in wanted for k in keys}
+        # the keys to gather: those the gathering hooks list, or all where one lists none
+        listed = [h.gather_keys for h in self._gatherers if h.gather_keys is not None]
+        self._gather_keys = (
+            {k for keys in listed for k in keys} if len(listed) == len(self._gatherers) else None
+        )
 
     @property
     def streams(self) -> list[str]:
@@ -247,7 +250,7 @@ class Trainer:
             if (
                 every is not None and self.step // every > self.rounds
             ):  # saved on a beat, before its round
-                self._evaluation_round()
+                self._evaluation_round(every)
             while self.epoch < self.cfg.main_loop.epochs:
                 self._train_epoch()
         except TrainingTerminated as stop:
@@ -442,7 +445,7 @@ class Trainer:
                         self._round_profile[key] += seconds
                         profile[key] += seconds
                     fetching = computing = communicating = optimizing = hooking = 0.0
-                    self._evaluation_round()
+                    self._evaluation_round(every)
                     t3 = clock()
                 t0 = t3
         finally:
@@ -454,12 +457,13 @@ class Trainer:
                 profile[key] += seconds
                 self._round_profile[key] += seconds
 
-    def _evaluation_round(self) -> None:
-        """Evaluate the extra streams after every `main_loop.eval_every_n_steps` optimizer steps,
-        and end an evaluation round: the after_epoch events, with the round's number (steps // N) as
-        their epoch, and the training variables of the steps since the last round."""
+    def _evaluation_round(self, every: int) -> None:
+        """Evaluate the extra streams after every `main_loop.eval_every_n_steps` (`every`) optimizer
+        steps, and end an evaluation round: the after_epoch events, with the round's number
+        (steps // N) as their epoch, and the training variables of the steps since the last
+        round."""
         training, self.training = self.training, False
-        self.rounds = self.step // self.cfg.main_loop.eval_every_n_steps
+        self.rounds = self.step // every
         try:
             self._evaluation_epoch(
                 self.rounds, self.cfg.main_loop.extra_streams, self._round_profile
@@ -568,7 +572,7 @@ class Trainer:
                 raise stop
 
     def _after_batch(
-        self, listeners: list[Hook], stream: str, parts: list[dict | None]
+        self, listeners: list[Hook], stream: str, parts: Sequence[dict | None]
     ) -> TrainingTerminated | None:
         """Call after_batch with this rank's data, or the gathered global batch for hooks that need
         it."""
@@ -585,7 +589,7 @@ class Trainer:
                 stop = stop or t
         return stop
 
-    def _gathered(self, parts: list[dict | None]) -> dict:
+    def _gathered(self, parts: Sequence[dict | None]) -> dict:
         """Every rank's data for each micro-batch, concatenated in dataset order (rank order within
         a micro-batch, micro-batches in order). Only the keys the gathering hooks ask for move."""
         out = []
@@ -624,6 +628,13 @@ class Trainer:
             rundir.trace(self.run_dir, event, **fields)
 
     # --- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def stored_checkpoints(self) -> Checkpoints:
+        """The run's checkpoints; a trainer without a run directory has none."""
+        if self.checkpoints is None:
+            raise RuntimeError("this trainer has no run directory, so no checkpoints to read")
+        return self.checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """Trainer state as JSON: counters, the sampler cursor, every RNG of every rank and the
@@ -669,7 +680,7 @@ class Trainer:
 
                 result = set_model_state_dict(
                     self.model,
-                    state,
+                    state,  # type: ignore[arg-type]  # torch's stub: a dict invariant in its values
                     options=StateDictOptions(full_state_dict=True, strict=spec.strict),
                 )
             else:
@@ -723,19 +734,20 @@ class Trainer:
 
     def save_checkpoint(self, best: dict | None = None) -> Path | None:
         """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
-        if self.checkpoints is None:
+        checkpoints = self.checkpoints
+        if checkpoints is None:
             return None
+        optimizer = self.engine.trained_optimizer
         state = self.state_dict()  # on every rank: hooks combine their running values across ranks
         rest = {
             "schedulers": [s.state_dict() for s, _ in self.schedulers],
             "scaler": self.precision.state_dict(),
         }
-        if isinstance(
-            self.strategy, SavesShards
-        ):  # every rank writes its shards; the optimizer's are among them
-            path = self.checkpoints.save_sharded(
+        strategy = self.strategy
+        if isinstance(strategy, SavesShards):  # every rank writes its shards; the optimizer's too
+            path = checkpoints.save_sharded(
                 self.step,
-                lambda folder: self.strategy.save_shards(folder, self.optimizer),
+                lambda folder: strategy.save_shards(folder, optimizer),
                 {"optimizer": None, **rest},
                 state,
                 self.strategy,
@@ -744,18 +756,18 @@ class Trainer:
             if self.strategy.is_main:
                 self._trace("checkpoint", step=self.step, best=best is not None)
             return path if self.strategy.is_main else None
-        weights, optimizer = (
+        weights, optimizer_state = (
             self.strategy.model_state(),
-            self.strategy.optimizer_state(self.optimizer),
+            self.strategy.optimizer_state(optimizer),
         )
         if not self.strategy.is_main:
             return None
         if self.background is not None:  # committed, and traced, by the writer's thread
             return self.background.submit(
-                self.step, weights, {"optimizer": optimizer, **rest}, state, best
+                self.step, weights, {"optimizer": optimizer_state, **rest}, state, best
             )
-        path = self.checkpoints.save(
-            self.step, weights, {"optimizer": optimizer, **rest}, state, best
+        path = checkpoints.save(
+            self.step, weights, {"optimizer": optimizer_state, **rest}, state, best
         )
         self._trace("checkpoint", step=self.step, best=best is not None)
         return path
@@ -764,13 +776,15 @@ class Trainer:
         """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else.
         `previous`: the run's resolved config before this resume's overrides, which are checked
         against the checkpoint and, where they change the optimizer or the schedule, applied."""
+        checkpoints = self.stored_checkpoints
         if weights_only:
-            self.checkpoints.load_weights(step, self.strategy.load_model_state)
+            checkpoints.load_weights(step, self.strategy.load_model_state)
             return
-        path = self.checkpoints.path(step) / "trainer.json"
+        optimizer = self.engine.trained_optimizer
+        path = checkpoints.path(step) / "trainer.json"
         # a sharded step's optimizer state is in its shards, loaded with the model's
-        optimizer_state, state = self.checkpoints.load(
-            step, lambda weights: self.strategy.load_model_state(weights, self.optimizer)
+        optimizer_state, state = checkpoints.load(
+            step, lambda weights: self.strategy.load_model_state(weights, optimizer)
         )
         changed = (
             resuming.changed_keys(previous, rundir.resolved(self.cfg))
@@ -813,9 +827,9 @@ class Trainer:
         )
         try:
             if optimizer_state["optimizer"] is not None:
-                self.strategy.load_optimizer_state(self.optimizer, optimizer_state["optimizer"])
+                self.strategy.load_optimizer_state(optimizer, optimizer_state["optimizer"])
             for group, new in zip(
-                self.optimizer.param_groups, settings or [], strict=settings is not None
+                optimizer.param_groups, settings or [], strict=settings is not None
             ):
                 group.update(
                     new

@@ -7,6 +7,7 @@ Set by the config's `profile: {start_step, steps}`; the trace lands in the run d
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
@@ -26,7 +27,8 @@ class Profile(Hook):
     ):
         self.start, self.steps, self.record_shapes, self.top = start_step, steps, record_shapes, top
         self._profiler: profile | None = None
-        self.trace_path = None
+        # where the trace went once recorded; "" where the run has no directory to write it to
+        self.trace_path: Path | str | None = None
 
     def before_training(self) -> None:
         if self.trainer.step + 1 >= self.start:
@@ -56,14 +58,16 @@ class Profile(Hook):
 
     def _end(self) -> None:
         profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            return
         profiler.__exit__(None, None, None)
         if self.trainer.run_dir is None:
             self.trace_path = ""
             return
         folder = self.trainer.run_dir / "profile"
         folder.mkdir(exist_ok=True)
-        self.trace_path = folder / f"trace-rank{self.trainer.strategy.rank}.json"
-        profiler.export_chrome_trace(str(self.trace_path))
+        self.trace_path = trace = folder / f"trace-rank{self.trainer.strategy.rank}.json"
+        profiler.export_chrome_trace(str(trace))
         if self.trainer.strategy.is_main:
             sort = (
                 "self_cuda_time_total"

@@ -51,13 +51,13 @@ class ShowProgress(Hook):
         progress = self._progress
         if progress is None:
             return
-        task, state = self._tasks.get(stream) or self._new_task(stream)
+        task, state = self._tasks.get(stream) or self._new_task(progress, stream)
         state["samples"] += self.trainer.last_batch_size
         state["batches"] += 1
         if self.trainer.training:
             state["loss_sum"] = state["loss_sum"] + self.trainer.last_loss
         now = time.monotonic()
-        fields = {}
+        fields: dict[str, Any] = {}  # the columns' fields, beside update's own keywords
         if now - state["shown"] >= self.refresh_s:
             state["shown"] = now
             rate = state["samples"] / max(now - state["start"], 1e-9)
@@ -66,14 +66,14 @@ class ShowProgress(Hook):
                 fields["loss"] = f"{float(state['loss_sum']) / state['batches']:.4f}"
         progress.update(task, advance=1, **fields)
 
-    def _new_task(self, stream: str) -> tuple[Any, dict[str, Any]]:
+    def _new_task(self, progress: Progress, stream: str) -> tuple[Any, dict[str, Any]]:
         if self.trainer.training:
             total = self.trainer.steps_per_epoch
             completed = self.trainer.step_in_epoch - 1
             description = f"epoch {self.trainer.epoch + 1}/{self.trainer.cfg.main_loop.epochs}"
         else:
             total, completed, description = None, 0, f"  {stream}"
-        task = self._progress.add_task(
+        task = progress.add_task(
             description, total=total, completed=max(completed, 0), rate="", loss="-"
         )
         state = {

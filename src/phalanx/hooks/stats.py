@@ -7,6 +7,7 @@ the epoch: the mean under the variable's own name, other aggregations as `<varia
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,9 @@ class ComputeStats(Hook):
     gathers = False  # sums are added over ranks at the end of the epoch instead
     FLUSH_ELEMENTS = 1 << 16  # values held back before they are reduced together
 
-    def __init__(self, variables: list[str] = ("loss",), aggregations: list[str] = ("mean",)):
+    def __init__(
+        self, variables: Sequence[str] = ("loss",), aggregations: Sequence[str] = ("mean",)
+    ):
         for agg in aggregations:
             if agg not in AGGREGATIONS:
                 raise ConfigError(
@@ -173,9 +176,17 @@ class ComputeStats(Hook):
         }
 
 
-def _reductions(aggregations: list[str]) -> list:
+# a sum's name, how a batch is reduced to it, and how two of it combine
+_Reduction = tuple[
+    str,
+    Callable[[torch.Tensor], torch.Tensor],
+    Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+]
+
+
+def _reductions(aggregations: Sequence[str]) -> list[_Reduction]:
     """(name, reduce a batch, combine with the running value) for what the aggregations need."""
-    needs = [("sum", lambda v: v.sum(dtype=torch.float64), torch.add)]
+    needs: list[_Reduction] = [("sum", lambda v: v.sum(dtype=torch.float64), torch.add)]
     if "std" in aggregations:
         needs.append(("squares", lambda v: (v.double() ** 2).sum(), torch.add))
     if "min" in aggregations:
@@ -199,7 +210,7 @@ class ClassificationMetrics(Hook):
         predicted: str = "output",
         gold: str = "label",
         num_classes: int | None = None,
-        metrics: list[str] = ("accuracy", "f1"),
+        metrics: Sequence[str] = ("accuracy", "f1"),
     ):
         valid = ("accuracy", "precision", "recall", "f1")
         for m in metrics:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,15 +80,16 @@ class StopOnNaN(Hook):
 
     gathers = False  # reads the trainer's global loss, the same on every rank
 
-    def __init__(self, variables: list[str] = ("loss",), every_n_steps: int = 1):
+    def __init__(self, variables: Sequence[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training or self.trainer.step % self.every:
             return
-        if not bool(torch.isfinite(self.trainer.last_loss).all()):
+        loss = self.trainer.last_loss  # set by the step this batch came from
+        if loss is not None and not bool(torch.isfinite(loss).all()):
             raise TrainingTerminated(
-                f"the training loss is not finite ({float(self.trainer.last_loss)}) at step "
+                f"the training loss is not finite ({float(loss)}) at step "
                 f"{self.trainer.step} (StopOnNaN)",
                 success=False,
             )

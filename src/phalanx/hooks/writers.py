@@ -8,13 +8,19 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import StorageError
 from phalanx.files import write_text_atomic, writing
 from phalanx.hooks.base import Hook
 from phalanx.hooks.variables import flat_variables
 from phalanx.strategies.base import ReportsCommunication
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from phalanx.plots import Painter
 
 log = logging.getLogger("phalanx")
 
@@ -25,6 +31,14 @@ class _Writer(Hook):
     @property
     def active(self) -> bool:
         return self.trainer.strategy.is_main and self.trainer.run_dir is not None
+
+    @property
+    def _run_dir(self) -> Path:
+        """The run directory, which an active writer writes into."""
+        run_dir = self.trainer.run_dir
+        if run_dir is None:
+            raise RuntimeError(f"{type(self).__name__}: this run has no directory to write into")
+        return run_dir
 
 
 class LogVariables(_Writer):
@@ -109,7 +123,7 @@ class WriteCSV(_Writer):
     def before_training(self) -> None:
         if not self.active:
             return
-        file = self.trainer.run_dir / self.path
+        file = self._run_dir / self.path
         if file.is_file():
             with open(file, newline="") as f:
                 done = (
@@ -134,7 +148,7 @@ class WriteCSV(_Writer):
         writer = csv.DictWriter(text, fieldnames=columns, restval="")
         writer.writeheader()
         writer.writerows(self._rows)
-        write_text_atomic(self.trainer.run_dir / self.path, text.getvalue())
+        write_text_atomic(self._run_dir / self.path, text.getvalue())
 
 
 class WriteTensorBoard(_Writer):
@@ -148,28 +162,29 @@ class WriteTensorBoard(_Writer):
 
     def __init__(self, log_dir: str = "tensorboard", every_n_steps: int = 50):
         self.log_dir, self.every = log_dir, every_n_steps
-        self._writer = None
+        self._writer: SummaryWriter | None = None
 
     def before_training(self) -> None:
         if self.active:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
-            with writing(self.trainer.run_dir / self.log_dir):
+            with writing(self._run_dir / self.log_dir):
                 self._writer = SummaryWriter(
-                    str(self.trainer.run_dir / self.log_dir),
+                    str(self._run_dir / self.log_dir),
                     purge_step=self.trainer.step + 1 if self.trainer.step else None,
                 )
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        step = self.trainer.step
+        step, loss = self.trainer.step, self.trainer.last_loss  # the loss of a training step
         if (
             self._writer is not None
             and self.trainer.training
+            and loss is not None
             and self.every
             and step % self.every == 0
         ):
-            with writing(self.trainer.run_dir / self.log_dir):
-                self._writer.add_scalar("train/step_loss", float(self.trainer.last_loss), step)
+            with writing(self._run_dir / self.log_dir):
+                self._writer.add_scalar("train/step_loss", float(loss), step)
                 if self.trainer.last_grad_norm is not None:
                     self._writer.add_scalar(
                         "train/step_grad_norm", self.trainer.last_grad_norm, step
@@ -181,7 +196,7 @@ class WriteTensorBoard(_Writer):
         if self._writer is None:
             return
         step = self.trainer.step
-        with writing(self.trainer.run_dir / self.log_dir):
+        with writing(self._run_dir / self.log_dir):
             self._writer.add_scalar("epoch", epoch, step)
             for name, value in flat_variables(epoch_data).items():
                 self._writer.add_scalar(name.replace(".", "/", 1), value, step)
@@ -190,7 +205,7 @@ class WriteTensorBoard(_Writer):
     def after_training(self, success: bool) -> None:
         writer, self._writer = self._writer, None
         if writer is not None:
-            with writing(self.trainer.run_dir / self.log_dir):
+            with writing(self._run_dir / self.log_dir):
                 writer.close()
 
 
@@ -202,7 +217,7 @@ class PlotLines(_Writer):
     def __init__(self, variables: list[str] | None = None, path: str = "plots"):
         self.variables, self.path = variables, path
         self.history: dict[str, list[list[float]]] = {}
-        self._painter = None
+        self._painter: Painter | None = None
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if not self.active:
@@ -213,7 +228,7 @@ class PlotLines(_Writer):
             from phalanx.plots import Painter
 
             self._painter = Painter()
-        self._painter.submit(self.trainer.run_dir / self.path, self.history)
+        self._painter.submit(self._run_dir / self.path, self.history)
 
     def after_training(self, success: bool) -> None:
         painter, self._painter = self._painter, None
@@ -224,7 +239,7 @@ class PlotLines(_Writer):
         stopped = self.trainer.stop_requested
         try:
             painter.close(
-                self.trainer.run_dir / self.path,
+                self._run_dir / self.path,
                 None if stopped else self.history,
                 wait_s=1.0 if stopped or not success else None,
             )

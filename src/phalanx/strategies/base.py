@@ -59,12 +59,16 @@ class Strategy(Protocol):
     world_size: int  # processes
     data_rank: int  # the first shard of each micro-batch that this process trains on
     data_world_size: int  # shards of each micro-batch, over all processes
-    devices: tuple[torch.device, ...]  # the devices this process drives
     device: torch.device  # where batches and the model's outputs live: devices[0]
     # True where every rank must run the model on every micro-batch (its collectives are inside the
     # model's forward and backward): an empty shard then arrives as a batch of zero samples, not
     # None
     runs_empty_shards: bool
+
+    @property
+    def devices(self) -> tuple[torch.device, ...]:
+        """The devices this process drives (read-only: a strategy of one device may say so in its
+        type)."""
 
     @property
     def is_main(self) -> bool:
@@ -251,12 +255,16 @@ def prepare(
     """
     module = options.precision.convert_module(module)
     if options.channels_last:
-        module = module.to(memory_format=torch.channels_last)
+        module = module.to(  # type: ignore[call-overload]  # torch's stub lacks memory_format
+            memory_format=torch.channels_last
+        )
     if options.checkpointed:
         checkpoint_modules(module, options.checkpointed)
     module = place(module)
     if options.compile is not None:
-        module = torch.compile(module, backend=options.compile.backend, mode=options.compile.mode)
+        module = torch.compile(  # type: ignore[assignment]  # stub: a callable; it is a Module
+            module, backend=options.compile.backend, mode=options.compile.mode
+        )
     return module
 
 

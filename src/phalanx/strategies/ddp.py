@@ -68,6 +68,7 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 class DDP(ProcessGroup, Replicated):
     _statistics: PerDeviceStatistics | None = None  # made by setup
+    carrier: nn.Parameter  # made by `setup`, beside the user's module
 
     def __init__(
         self,
@@ -88,7 +89,6 @@ class DDP(ProcessGroup, Replicated):
         self.scale = float(
             self.world_size
         )  # DDP averages: each rank's objective times the world size sums
-        self.carrier: nn.Parameter | None = None
         self._ddp: DistributedDataParallel | None = None
         self._mark_ready: Callable[[int], None] | None = (
             None  # the reducer's "this gradient is ready"
@@ -115,7 +115,9 @@ class DDP(ProcessGroup, Replicated):
             warnings.filterwarnings(
                 "ignore", message=".*broadcast_buffers.*", category=FutureWarning
             )
-            extra = {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
+            extra: dict[str, Any] = (
+                {} if self.bucket_cap_mb is None else {"bucket_cap_mb": self.bucket_cap_mb}
+            )
             ddp = DistributedDataParallel(
                 carried,
                 device_ids=[self.local_rank] if self.device.type == "cuda" else None,
@@ -136,6 +138,13 @@ class DDP(ProcessGroup, Replicated):
         )
         return ddp
 
+    @property
+    def _wrapper(self) -> DistributedDataParallel:
+        """DDP's wrapper around the user's module, which `setup` made."""
+        if self._ddp is None:
+            raise RuntimeError("the ddp strategy's setup() has not run: it has no module to train")
+        return self._ddp
+
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
@@ -146,17 +155,16 @@ class DDP(ProcessGroup, Replicated):
         if self._statistics is not None:
             self._statistics.warn_once()
         by_hand = micros[0][0].any_empty
-        last, scale, ddp = len(micros) - 1, self.scale, self._ddp
-        total, parts = (
-            None,
-            [],
-        )  # total: this rank's part of the global batch's mean loss (times the scale)
+        last, scale = len(micros) - 1, self.scale
+        # this rank's part of the global batch's mean loss (times the scale)
+        total: torch.Tensor | None = None
+        parts: list[dict | None] = []
         for i, (micro, batch) in enumerate(micros):
             if batch is None:
                 parts.append(None)
                 continue
             sync = i == last and not by_hand
-            with _SYNCHRONISED if sync else ddp.no_sync():
+            with _SYNCHRONISED if sync else self._wrapper.no_sync():
                 loss, gradient, part, data = engine.forward(micro, batch, scale)
                 total = part if total is None else total + part
                 engine.backward(
@@ -173,7 +181,7 @@ class DDP(ProcessGroup, Replicated):
         )  # the sums over ranks of the loss parts, weighted flags and stop flags
         # a rank knows whether the loss is weighted from its own forward, unless it ran none this
         # step
-        weighted = bool(carried[2] > 0) if by_hand else total.dim() > 0
+        weighted = bool(carried[2] > 0) if by_hand or total is None else total.dim() > 0
         return (
             parts,
             carried[:2] if weighted else carried[0],
@@ -234,13 +242,15 @@ class DDP(ProcessGroup, Replicated):
 
     def _carried(self) -> torch.Tensor:
         # a copy: the gradient is a view into DDP's bucket, which the next step overwrites
-        return self.carrier.grad.clone()
+        grad = self.carrier.grad
+        assert grad is not None  # the step's backward, or its reduction by hand, has set it
+        return grad.clone()
 
     def _reduce_by_hand(self, values: torch.Tensor) -> None:
         """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
         self.progress.enter("the gradient all-reduce")
         self.carrier.grad = values
-        params = [p for p in self._ddp.module.parameters() if p.requires_grad]
+        params = [p for p in self._wrapper.module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)

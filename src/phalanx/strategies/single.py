@@ -25,12 +25,15 @@ class Single(OneProcess, Replicated):
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        total, parts = None, []
-        for micro, batch in micros:  # one process: no shard is ever empty
+        total: torch.Tensor | None = None
+        parts: list[dict | None] = []
+        for micro, batch in micros:
+            assert batch is not None  # one process: no shard is ever empty
             loss, gradient, part, data = engine.forward(micro, batch, 1.0)
             engine.backward(loss, gradient)
             total = part if total is None else total + part
             parts.append(data)
+        assert total is not None  # a step has one micro-batch or more
         return parts, total, stop, 0.0
 
     def shutdown(self) -> None:
