@@ -32,6 +32,7 @@ ORDERS = (FEISTEL, RANDPERM)  # the order a run uses; checkpoints without one na
 _ROUNDS = 6
 _MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
 _BLOCK = 1 << 16  # positions computed together
+_TABLE = 1 << 18  # domains up to this size are computed whole, once (2 MiB at most)
 
 
 class Order(Sequence[int]):
@@ -47,6 +48,8 @@ class Order(Sequence[int]):
         digest = hashlib.sha256(f"phalanx-order:{seed}:{epoch}".encode()).digest()
         self._keys = [int.from_bytes(digest[4 * r : 4 * r + 4], "little") for r in range(_ROUNDS)]
         self._cached: tuple[int, list[int]] = (-1, [])
+        self._domain = 1 << (2 * self._half)  # the values the network permutes
+        self._values: np.ndarray | None = None  # its value at each of them (see _table)
 
     def __len__(self) -> int:
         return self.n
@@ -94,12 +97,32 @@ class Order(Sequence[int]):
     def at(self, positions: np.ndarray) -> np.ndarray:
         """The sample index at each position (an int64 array of positions in [0, n)). In numpy: on a
         step's few thousand values its operations cost a fraction of torch's."""
+        if self._domain <= _TABLE:
+            return self._walk(self._table(), positions)
         values = self._rounds(positions.astype(np.uint64))
         outside = np.flatnonzero(values >= self.n)
         while len(
             outside
         ):  # cycle-walking: a value beyond n goes round again, until it lands inside
             values[outside] = self._rounds(values[outside])
+            outside = outside[values[outside] >= self.n]
+        return values.astype(np.int64)
+
+    def _table(self) -> np.ndarray:
+        """The network's value for every point of its domain, computed once. A small epoch's
+        cycle-walk would otherwise run the rounds again for each of its steps (a domain up to four
+        times n leaves a long tail of values to walk), each a few dozen array operations on a
+        handful of values."""
+        if self._values is None:
+            self._values = self._rounds(np.arange(self._domain, dtype=np.uint64))
+        return self._values
+
+    def _walk(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """`at` by looking the rounds up: the same values, a gather per step of the walk."""
+        values = table[positions]
+        outside = np.flatnonzero(values >= self.n)
+        while len(outside):
+            values[outside] = table[values[outside]]
             outside = outside[values[outside] >= self.n]
         return values.astype(np.int64)
 

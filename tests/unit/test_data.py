@@ -425,3 +425,13 @@ def test_a_tensor_dataset_trains_as_its_dict_twin(dataset):
 
     want, got = trained("toy.Regression", None), trained(dataset, ["x", "y"])
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 1280, 4096, 4097, 70_000])
+def test_a_small_epochs_order_looked_up_is_the_order_walked(n, monkeypatch):
+    """Domains up to data._TABLE run the rounds once over the whole domain and walk by lookups: the
+    same order as running the rounds at every step of the walk."""
+    looked_up = list(data.Order(5, 2, n))
+    monkeypatch.setattr(data, "_TABLE", 0)
+    walked = list(data.Order(5, 2, n))
+    assert looked_up == walked and sorted(walked) == list(range(n))
