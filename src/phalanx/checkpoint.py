@@ -25,7 +25,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
@@ -362,6 +362,12 @@ class Checkpoints:
                 f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads {FORMAT}"
             )
         for name, meta in files.items():
+            parts = PurePosixPath(name).parts
+            if not parts or parts[0] == "/" or ".." in parts:
+                raise CheckpointError(
+                    f"{manifest_path} names {name!r}, which is not a file inside the step; the "
+                    "checkpoint is damaged"
+                )
             file = folder / name
             if not file.is_file():
                 raise CheckpointError(f"{file} is missing; the checkpoint is damaged")
@@ -573,7 +579,7 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
                 "name a run directory or a .safetensors file"
             )
         checkpoints = Checkpoints(path / "checkpoints")
-        path = _weights_path(checkpoints.path(checkpoints.select(which)))
+        path = _weights_path(checkpoints.verify(checkpoints.select(which)))
     elif not path.is_file():
         raise ConfigError(
             f"model.init_from: {path} does not exist; name a run directory or a .safetensors file"

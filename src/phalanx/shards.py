@@ -1,18 +1,20 @@
-"""A sharded checkpoint step's `shards/` folder: the files `torch.distributed.checkpoint` writes (one
-per process, and `.metadata`), read back by any strategy on any process count, or with no model at
-all (`export`). torch's own reader unpickles `.metadata`, and the non-tensor items (the optimizer's
-settings), without restriction; here the metadata goes through an unpickler that accepts only its
-layout records, and the items through `torch.load(weights_only=True)`, as every other file is read.
+"""A sharded checkpoint step's `shards/` folder: the files `torch.distributed.checkpoint` writes
+(one per process, and `.metadata`), read back by any strategy on any process count, or with no model
+at all (`export`). torch's own reader unpickles `.metadata`, and the non-tensor items (the
+optimizer's settings), without restriction; here the metadata goes through an unpickler that accepts
+only its layout records, and the items through `torch.load(weights_only=True)`, as every other file
+is read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import pickle
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 import torch
@@ -28,9 +30,10 @@ def load_shards(
     optimizer: torch.optim.Optimizer | None = None,
     collective: bool = False,
 ) -> None:
-    """The model's state (and the optimizer's, if given) from a shards folder, saved by any number of
-    processes. `collective`: the model is sharded over the process group and every rank calls this,
-    each reading the parts its shards need; otherwise this process reads the whole state alone."""
+    """The model's state (and the optimizer's, if given) from a shards folder, saved by any number
+    of processes. `collective`: the model is sharded over the process group and every rank calls
+    this, each reading the parts its shards need; otherwise this process reads the whole state
+    alone."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -39,6 +42,7 @@ def load_shards(
         set_state_dict,
     )
 
+    state: dict[str, Any]
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
@@ -49,7 +53,8 @@ def load_shards(
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=_planner(), no_dist=not collective)
-    except (Exception, checkpoint_exception()) as e:  # noqa: BLE001 - whatever the reader makes of the files
+    # whatever the reader makes of the files
+    except (Exception, checkpoint_exception()) as e:  # noqa: BLE001
         raise CheckpointError(
             f"{folder} cannot be read ({_failure(e)}); the checkpoint is damaged"
         ) from None
@@ -68,7 +73,8 @@ def load_shards(
 
 
 def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The whole model's state from a shards folder, as CPU tensors, with no model to load it into."""
+    """The whole model's state from a shards folder, as CPU tensors, without a model to load it
+    into."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -124,13 +130,29 @@ def _check_fits(folder: Path, metadata: Any, model_state: dict) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    """The shards' `.metadata` holds only checkpoint-layout records, paths, and torch's dtype, layout
-    and size objects: nothing else in it is loaded (torch's own reader unpickles it without restriction)."""
+    """The shards' `.metadata` holds only checkpoint-layout records, paths, and torch's dtype,
+    layout and size objects: nothing else in it is loaded (torch's own reader unpickles it without
+    restriction). Each record is named one by one: a module's other classes (a process launcher, a
+    stager that makes folders) would run their constructors."""
 
     _NAMED = {
         ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         ("collections", "OrderedDict"),
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "MetadataIndex",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         *(
             ("pathlib", name)
             for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
@@ -138,18 +160,126 @@ class _Unpickler(pickle.Unpickler):
     }
 
     def find_class(self, module: str, name: str) -> Any:
-        layout_record = module.startswith("torch.distributed.checkpoint.") and not name.startswith(
-            "__"
-        )
-        if (module, name) in self._NAMED or layout_record or module == "torch":
-            found = super().find_class(module, name)
-            if (
-                (module, name) in self._NAMED
-                or isinstance(found, torch.dtype)
-                or (layout_record and isinstance(found, type) and found.__module__ == module)
-            ):
-                return found
+        if (module, name) in self._NAMED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class _Damaged(ValueError):
+    """A `.metadata` whose records are not what torch writes."""
+
+
+def _checked(metadata: Any, folder: Path) -> Any:
+    """`metadata` if every record holds what torch writes, field by field, and every file it names
+    is a file of this step's manifest (inside the folder, covered by its hashes); else _Damaged."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
+
+    if type(metadata) is not Metadata:
+        raise _Damaged(f"it holds a {type(metadata).__name__}, not checkpoint metadata")
+    entries = _mapping(metadata.state_dict_metadata, "state_dict_metadata")
+    for key, entry in entries.items():
+        if type(entry) is TensorStorageMetadata:
+            _check_tensor(entry, key)
+        elif type(entry) is not BytesStorageMetadata:
+            raise _Damaged(f"the entry of {key!r} is a {type(entry).__name__}")
+    files = _manifest_files(folder)
+    for index, info in _mapping(metadata.storage_data, "storage_data", keys=object).items():
+        if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
+            raise _Damaged("storage_data holds a key that is not a record's index")
+        if not (index.offset is None or _is_size(index.offset)) or not _optional_int(index.index):
+            raise _Damaged(f"the index of {index.fqn!r} is malformed")
+        if type(info) is not _StorageInfo or not _stored_at(info):
+            raise _Damaged(f"where {index.fqn!r} is stored is malformed")
+        if info.relative_path not in files:
+            raise _Damaged(
+                f"{index.fqn!r} is said to be in {info.relative_path!r}, which is not a file of "
+                "this step's manifest"
+            )
+    for key, path in _mapping(metadata.planner_data or {}, "planner_data").items():
+        if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path):
+            raise _Damaged(f"the planner's path of {key!r} is malformed")
+    meta = metadata.storage_meta
+    if meta is not None and (
+        type(meta) is not StorageMeta
+        or not isinstance(meta.checkpoint_id, (str, PurePath, type(None)))
+        or not all(isinstance(v, (str, type(None))) for v in (meta.save_id, meta.load_id))
+    ):
+        raise _Damaged("its storage record is malformed")
+    if not isinstance(metadata.version, (str, type(None))):
+        raise _Damaged("its version is malformed")
+    return metadata
+
+
+def _mapping(value: Any, what: str, keys: type = str) -> dict:
+    if not isinstance(value, dict) or not all(isinstance(k, keys) for k in value):
+        raise _Damaged(f"its {what} is not a mapping of the records torch writes")
+    return value
+
+
+def _check_tensor(entry: Any, key: str) -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+
+    props = entry.properties
+    if (
+        type(props) is not TensorProperties
+        or not isinstance(props.dtype, torch.dtype)
+        or not isinstance(props.layout, torch.layout)
+        or not isinstance(props.memory_format, torch.memory_format)
+        or not all(isinstance(v, bool) for v in (props.requires_grad, props.pin_memory))
+        or not _is_size(entry.size)
+        or not isinstance(entry.chunks, list)
+        or not all(
+            type(c) is ChunkStorageMetadata
+            and _is_size(c.offsets)
+            and _is_size(c.sizes)
+            and len(c.offsets) == len(c.sizes) == len(entry.size)
+            for c in entry.chunks
+        )
+    ):
+        raise _Damaged(f"the record of tensor {key!r} is malformed")
+
+
+def _is_size(value: Any) -> bool:
+    return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
+
+
+def _optional_int(value: Any) -> bool:
+    return value is None or (type(value) is int and value >= 0)
+
+
+def _stored_at(info: Any) -> bool:
+    descriptors = info.transform_descriptors
+    return (
+        isinstance(info.relative_path, str)
+        and type(info.offset) is int
+        and type(info.length) is int
+        and info.offset >= 0
+        and info.length >= 0
+        and (descriptors is None or all(isinstance(d, str) for d in descriptors))
+    )
+
+
+def _manifest_files(folder: Path) -> set[str]:
+    """The shards folder's files that its step's manifest covers, by name: the only files a load
+    may read (a name with a folder in it, `..` above all, is none of them)."""
+    path = folder.parent / "manifest.json"
+    try:
+        files = json.loads(path.read_text())["files"]
+        names = [name for name in files if isinstance(name, str)]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise _Damaged(f"its step's {path.name} is missing or unreadable") from None
+    prefix = folder.name + "/"
+    inside = {name[len(prefix) :] for name in names if name.startswith(prefix)}
+    return {name for name in inside if PurePosixPath(name).name == name and name not in ("", "..")}
 
 
 @functools.cache
@@ -165,15 +295,13 @@ def _dcp() -> tuple[type, type]:
             path = Path(self.path) / ".metadata"
             try:
                 with open(path, "rb") as f:
-                    metadata = _Unpickler(f).load()
-            except (
-                OSError,
-                pickle.UnpicklingError,
-                EOFError,
-                AttributeError,
-                ValueError,
-                TypeError,
-            ) as e:
+                    metadata = _checked(_Unpickler(f).load(), Path(self.path))
+            except _Damaged as e:
+                raise CheckpointError(
+                    f"{path} is not checkpoint metadata as torch writes it ({e}); the checkpoint "
+                    "is damaged"
+                ) from None
+            except Exception as e:  # noqa: BLE001 - only data is built: any failure is a damaged file
                 raise CheckpointError(
                     f"{path} cannot be read as checkpoint metadata ({type(e).__name__}: {e}); "
                     "the checkpoint is damaged"
@@ -202,14 +330,15 @@ def _planner() -> Any:
     return _dcp()[1]()
 
 
-def checkpoint_exception() -> type:
+def checkpoint_exception() -> type[BaseException]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     return CheckpointException
 
 
 def _failure(error: BaseException) -> str:
-    """The first underlying error of a torch.distributed.checkpoint failure (it wraps every rank's)."""
+    """The first underlying error of a torch.distributed.checkpoint failure (which wraps every
+    rank's)."""
     failures = getattr(error, "failures", None)
     if failures:
         error = next(iter(failures.values()))[0]
@@ -231,7 +360,8 @@ def shard_error(final: Path, error: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
-    """torch.distributed.checkpoint warns that a load without a process group is one process's: here it is meant."""
+    """torch.distributed.checkpoint warns that a load without a process group is one process's: here
+    it is meant."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled, unavailable or uninitialized"

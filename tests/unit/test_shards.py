@@ -230,3 +230,99 @@ def test_export_writes_every_name_for_plain_load_state_dict(ckpts, tmp_path):
     fresh = Tied()
     fresh.load_state_dict(load_file(str(out)))
     assert torch.equal(fresh.out.weight, tied.embed.weight)
+
+
+def _crafted(module: str, name: str, *args: str) -> bytes:
+    """A pickle that calls module.name(*args) when loaded: what a crafted `.metadata` may hold."""
+    import pickle
+
+    text = b"".join(pickle.dumps(a, protocol=2)[2:-1] for a in args)  # each argument pushed
+    return (
+        b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"(" + text + b"tR."
+    )  # GLOBAL, MARK, the arguments, TUPLE, REDUCE, STOP
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("torch.distributed.checkpoint._async_process_executor", "_AsyncCheckpointProcess"),
+        ("torch.distributed.checkpoint.staging", "_ReplicationStager"),
+        ("torch.distributed.checkpoint.planner", "WriteItem"),
+        ("torch.nn", "Linear"),
+    ],
+)
+def test_metadata_that_names_any_other_torch_class_is_a_damaged_step(ckpts, tmp_path, module, name):
+    """A crafted `.metadata` (its manifest rewritten to match, as a whole crafted run would be) that
+    names a class beyond torch's metadata records: refused before anything is built, and the step
+    is damaged, so that a resume takes the one before."""
+    _save(ckpts, 2)
+    _save(ckpts, 4)
+    made = tmp_path / "made-by-the-file"
+    (ckpts.path(4) / SHARDS / ".metadata").write_bytes(_crafted(module, name, str(made)))
+    _rewrite_manifest(ckpts.path(4))
+    model, _ = _trained(7)
+    with pytest.raises(CheckpointError, match=rf"{name} is not allowed in a checkpoint's metadata"):
+        ckpts.load_weights(4, model)
+    with pytest.raises(CheckpointError, match="the checkpoint is damaged"):
+        ckpts.export(4, tmp_path / "model.safetensors")
+    assert not made.exists() and not (tmp_path / "model.safetensors").exists()
+
+
+def test_metadata_of_the_wrong_type_or_naming_a_file_outside_the_step_is_damaged(ckpts, tmp_path):
+    import pickle
+
+    _save(ckpts, 2)
+    folder = ckpts.path(2)
+    metadata_path = folder / SHARDS / ".metadata"
+    original = metadata_path.read_bytes()
+    model, _ = _trained(7)
+    metadata_path.write_bytes(pickle.dumps(["not", "metadata"]))
+    _rewrite_manifest(folder)
+    with pytest.raises(CheckpointError, match="it holds a list, not checkpoint metadata"):
+        ckpts.load_weights(2, model)
+    # the tensors said to lie outside the step, in a file no hash covers
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes((folder / SHARDS / "__0_0.distcp").read_bytes())
+    metadata = pickle.loads(original)  # a test's own file: the real records, read in full
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../../outside.distcp"
+    metadata_path.write_bytes(pickle.dumps(metadata))
+    _rewrite_manifest(folder)
+    with pytest.raises(CheckpointError, match="'../../../outside.distcp', which is not a file of"):
+        ckpts.export(2, tmp_path / "model.safetensors")
+    # a manifest that names a file outside the step is damaged itself
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["files"]["../outside.distcp"] = {"size": 1, "sha256": "0" * 64}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="not a file inside the step"):
+        ckpts.verify(2)
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_falls_back_past_a_step_whose_metadata_names_another_class(tmp_path, monkeypatch):
+    """fsdp on one device (a group of one, in this process) saves sharded steps; the newest one's
+    `.metadata` crafted to start a checkpoint process: the resume names it and takes the one before."""
+    import toy
+
+    import phalanx
+
+    monkeypatch.chdir(tmp_path)
+    raw = toy.regression_config(
+        parallel={"accelerator": "cpu", "strategy": "fsdp"},
+        checkpoints={"keep_last": 5},
+        hooks=["SaveLatest"],
+    )
+    run = phalanx.fit(raw)
+    steps = Checkpoints(run.run_dir / "checkpoints").steps()
+    assert run.code == 0 and len(steps) == 2 and any((run.run_dir / "checkpoints").glob("*/shards"))
+    newest = run.run_dir / "checkpoints" / f"step-{steps[-1]}"
+    made = tmp_path / "made-by-the-file"
+    (newest / SHARDS / ".metadata").write_bytes(
+        _crafted("torch.distributed.checkpoint.staging", "_ReplicationStager", str(made))
+    )
+    _rewrite_manifest(newest)
+    again = phalanx.resume(run.run_dir, overrides=["main_loop.epochs=3"])
+    said = (run.run_dir / "log.txt").read_text()
+    assert again.code == 0 and not made.exists()
+    assert f"skipping checkpoint step-{steps[-1]}: " in said and "_ReplicationStager" in said
+    assert f"resuming {run.run_dir} from step {steps[0]}" in said
