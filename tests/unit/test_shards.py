@@ -301,7 +301,7 @@ def test_metadata_of_the_wrong_type_or_naming_a_file_outside_the_step_is_damaged
 @pytest.mark.timeout(180)
 def test_a_resume_falls_back_past_a_step_whose_metadata_names_another_class(tmp_path, monkeypatch):
     """fsdp on one device (a group of one, in this process) saves sharded steps; the newest one's
-    `.metadata` crafted to start a checkpoint process: the resume names it and takes the one before."""
+    `.metadata` crafted to build a stager: the resume names it and takes the one before."""
     import toy
 
     import phalanx
