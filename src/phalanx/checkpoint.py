@@ -192,12 +192,17 @@ class Checkpoints:
                 _in_progress.discard(tmp)
                 shutil.rmtree(tmp, ignore_errors=True)
         self._written.add(step)
+        self._record(step, best)
+        return final
+
+    def _record(self, step: int, best: dict | None) -> None:
+        """After step `step` is written, or found written already (SaveLatest, then SaveBest at the
+        same step): mark it the best where it is, then apply retention, which keeps the best."""
         if best is not None:
             write_text_atomic(
                 self.root / "best.json", json.dumps({"step": step, **best}), sync=True
             )
         self.prune()
-        return final
 
     def save_sharded(
         self,
@@ -217,7 +222,11 @@ class Checkpoints:
         )  # one name every rank knows (one job per run: the run lock)
         began = self._begin_sharded(step, tmp) if group.is_main else None
         began = group.broadcast(began)
-        if began == "kept":
+        if began == "kept":  # written already, by an earlier save of this step: recorded now
+            error = self._recorded(step, best) if group.is_main else None
+            error = group.broadcast(error)
+            if error:
+                raise StorageError(error)
             self._written.add(step)
             return final
         if began != "ready":
@@ -272,11 +281,14 @@ class Checkpoints:
             with writing(final):
                 self._write(tmp, step, None, optimizer_state, trainer_state)
                 self._move_into_place(tmp, final)
-            if best is not None:
-                write_text_atomic(
-                    self.root / "best.json", json.dumps({"step": step, **best}), sync=True
-                )
-            self.prune()
+        except StorageError as e:
+            return str(e)
+        return self._recorded(step, best)
+
+    def _recorded(self, step: int, best: dict | None) -> str | None:
+        """`_record`, its refusal as text (which every rank of a sharded save must hear of)."""
+        try:
+            self._record(step, best)
         except StorageError as e:
             return str(e)
         return None
