@@ -217,7 +217,23 @@ def parser() -> argparse.ArgumentParser:
         "--image", required=True, help="the container image with phalanx, torch and your code"
     )
     made["k8s"].add_argument(
-        "--volume-claim", help="a PersistentVolumeClaim mounted at output_root in every pod"
+        "--volume-claim",
+        help="the PersistentVolumeClaim (ReadWriteMany) that every pod mounts for the run "
+        "directories (required)",
+    )
+    made["k8s"].add_argument(
+        "--cpus", type=int, help="CPUs each pod requests (default: num_workers + 1 per GPU)"
+    )
+    made["k8s"].add_argument("--memory", help="memory each pod requests (default: 16Gi per GPU)")
+    made["slurm"].add_argument(
+        "--cpus-per-task",
+        type=int,
+        help="CPUs for each GPU's process (default: dataset.num_workers + 1, 5 where it is auto)",
+    )
+    made["slurm"].add_argument(
+        "--python",
+        help="the Python that runs phalanx on the nodes, from the folder sbatch runs in (default: "
+        "this one's, relative, where it lies inside the current folder; else python from the PATH)",
     )
     made["ls"].add_argument(
         "root", nargs="?", default="runs", help="the folder holding runs (default: runs)"

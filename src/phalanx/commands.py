@@ -268,6 +268,8 @@ def cluster_job(args: Any) -> str:
             args.partition,
             args.warning_s,
             args.overrides,
+            args.cpus_per_task,
+            args.python,
         )
     else:
         text = clusters.pytorchjob(
@@ -278,6 +280,8 @@ def cluster_job(args: Any) -> str:
             args.image,
             args.volume_claim,
             args.overrides,
+            args.cpus,
+            args.memory,
         )
     if args.output:
         check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
@@ -298,7 +302,7 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         updated = last.get("time")
         rows.append(
             {
-                "run": run_dir.name,
+                "run": str(run_dir.relative_to(Path(root))),
                 "status": last.get("event", "new"),
                 "epoch": last.get("epoch", ""),
                 "step": last.get("step", ""),

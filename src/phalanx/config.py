@@ -355,6 +355,25 @@ class Config(_Section):
     )
     output_root: str = "runs"
 
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, name: str | None) -> str | None:
+        """The run directory is `<output_root>/<name>-<time>`, and job files carry the name: it
+        must be one folder's name, and nothing that could end a line of a script."""
+        if name is not None and (
+            not name
+            or len(name) > 128
+            or not name.isprintable()
+            or "/" in name
+            or "\\" in name
+            or name in (".", "..")
+        ):
+            raise ValueError(
+                "a run name is one folder's name: at most 128 printable characters, without / or "
+                "\\, not . or ..; choose one such as digits-small"
+            )
+        return name
+
     @field_validator("hooks")
     @classmethod
     def _one_hook_per_item(cls, hooks: list | None) -> list | None:
@@ -391,7 +410,10 @@ def read(path: str | os.PathLike, overrides: str | Sequence[str] = ()) -> dict:
 
 
 def _default_name(path: Path) -> str:
-    return path.parent.resolve().name if path.stem == "config" else path.stem
+    """The config file's name, or its folder's for config.yaml; characters a run name may not hold
+    (see Config.name) become `-`."""
+    name = path.parent.resolve().name if path.stem == "config" else path.stem
+    return re.sub(r"[^\w.+=,@-]+", "-", name).strip("-.")[:128] or "run"
 
 
 def validate(raw: dict) -> Config:

@@ -75,7 +75,8 @@ def open_run(path: str | Path, announce: bool = True) -> Path:
 
 
 def announce_imports(run_dir: Path) -> None:
-    """Log where the run's classes will be imported from: opening a run runs the code its config names."""
+    """Log where the run's classes will be imported from: opening a run runs the code its config
+    names."""
     config_dir, cwd = search_dirs(run_dir)
     log.info(
         "run %s imports its classes from %s%s (as its %s says)",
@@ -87,24 +88,28 @@ def announce_imports(run_dir: Path) -> None:
 
 
 def search_dirs(run_dir: Path) -> list[Path]:
-    """Folders to import the run's classes from: the original config's folder and working directory."""
+    """Folders to import the run's classes from: the original config's folder and working
+    directory."""
     path = run_dir / META
     fix = (
-        f"the run directory is damaged: restore {META} from a copy of the run, or write it again as "
-        '{"config_dir": FOLDER, "cwd": FOLDER}, FOLDER being where the run\'s classes are imported from'
+        f"the run directory is damaged: restore {META} from a copy of the run, or write it again "
+        'as {"config_dir": FOLDER, "cwd": FOLDER}, FOLDER being where the run\'s classes are '
+        "imported from"
     )
     try:
         meta = json.loads(path.read_bytes())
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise RunDirError(f"{path} is not readable JSON ({_first_line(e)}); {fix}") from None
     folders = [meta.get(key) for key in ("config_dir", "cwd")] if isinstance(meta, dict) else [None]
-    if not all(isinstance(folder, str) and folder for folder in folders):
+    named = [folder for folder in folders if isinstance(folder, str) and folder]
+    if len(named) != len(folders):
         raise RunDirError(f"{path} does not name the folders config_dir and cwd; {fix}")
-    return [Path(folder) for folder in folders]
+    return [Path(folder) for folder in named]
 
 
 def objects(run_dir: Path) -> dict[str, Any]:
-    """The parts of a run given to `phalanx.fit` as objects: {"model": class, "dataset": class, "hooks": [...]}."""
+    """The parts of a run given to `phalanx.fit` as objects: {"model": class, "dataset": class,
+    "hooks": [...]}."""
     try:
         meta = json.loads((run_dir / META).read_bytes())
     except (OSError, ValueError):
@@ -129,7 +134,8 @@ def trace(run_dir: Path, event: str, **fields: Any) -> None:
 
 
 def read_trace(run_dir: Path) -> list[dict]:
-    """The run's events, skipping lines that are not one (a line cut short by a crash or a full disk)."""
+    """The run's events, skipping lines that are not one (a line cut short by a crash or a full
+    disk)."""
     try:
         lines = (run_dir / TRACE).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -146,9 +152,19 @@ def read_trace(run_dir: Path) -> list[dict]:
 
 
 def list_runs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if (p / CONFIG).is_file() and (p / META).is_file())
+    """The runs under `root`, and those one folder deeper, in folders that are not runs themselves:
+    `phalanx bench` and the Slurm script group theirs (bench-<time>/, slurm-<job id>/)."""
+    found: list[Path] = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if _is_run(folder):
+            found.append(folder)
+        elif folder.is_dir():
+            found += sorted(p for p in folder.iterdir() if _is_run(p))
+    return found
+
+
+def _is_run(folder: Path) -> bool:
+    return (folder / CONFIG).is_file() and (folder / META).is_file()
 
 
 def load_config_text(run_dir: Path) -> dict:

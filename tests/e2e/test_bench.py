@@ -50,3 +50,10 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
         assert f"cpu device with {threads} thread" in (run / "log.txt").read_text()
     assert f"{threads} CPU thread(s) per device in every run" in " ".join(result.stdout.split())
     assert rows[0]["communication_share"] == 0 < rows[1]["communication_share"]
+    # `phalanx ls` of the folder above lists the runs that bench grouped in its own folder
+    listed = subprocess.run(
+        [*PHALANX, "ls", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert listed.returncode == 0, listed.stderr
+    for n in (1, 2):
+        assert f"bench/devices{n}-" in listed.stdout

@@ -360,3 +360,17 @@ def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
         run = phalanx.fit(_raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}))
         said = (run.run_dir / "log.txt").read_text()
         assert "4 per device (no GPU is visible: the 2 devices are shares of the CPU)" in said
+
+
+@pytest.mark.parametrize("name", ["../../escape", "a/b", "..", "two\nlines", "ABSOLUTE"])
+def test_a_run_name_that_is_not_one_folder_name_is_refused_and_nothing_is_made(
+    tmp_path, monkeypatch, name
+):
+    monkeypatch.chdir(tmp_path)
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "elsewhere" / "run")
+    before = sorted(p.name for p in tmp_path.parent.iterdir())
+    with pytest.raises(ConfigError, match="name: Value error, a run name is one folder's name"):
+        phalanx.fit(_raw(name=name, output_root=str(tmp_path / "runs" / "deep")))
+    assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
+    assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))

@@ -29,7 +29,8 @@ def run(tmp_path):
 def test_opening_a_run_logs_the_folders_its_classes_are_imported_from(
     run, tmp_path, caplog, monkeypatch
 ):
-    # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on root
+    # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on
+    # root
     monkeypatch.setattr(logging.getLogger("phalanx"), "propagate", True)
     with caplog.at_level(logging.INFO, logger="phalanx"):
         assert rundir.open_run(run) == run
