@@ -483,7 +483,9 @@ def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> i
     every rank takes the same step. Returns it."""
     strategy, checkpoints = trainer.strategy, trainer.stored_checkpoints
     if strategy.is_main:
-        checkpoints.clean_stale()
+        removed = checkpoints.clean_stale()
+        if removed:
+            log.info("removed what an interrupted checkpoint write left: %s", ", ".join(removed))
     first_error = None
     for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
         try:

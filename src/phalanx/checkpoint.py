@@ -126,7 +126,7 @@ class Background:
 
 
 def _host_copy(value: Any) -> Any:
-    """`value` with every tensor copied to CPU memory (a copy also where it is on the CPU already)."""
+    """`value` with every tensor copied to CPU memory (a copy where it is on the CPU already)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
@@ -143,7 +143,8 @@ def abort_in_progress() -> None:
 
 
 class Checkpoints:
-    """The checkpoints of one run: save, verify, find the latest valid, keep the last K and the best."""
+    """The checkpoints of one run: save, verify, find the latest valid, keep the last K and the
+    best."""
 
     def __init__(self, root: Path, keep_last: int = 3):
         self.root, self.keep_last = Path(root), keep_last
@@ -177,15 +178,15 @@ class Checkpoints:
         existing step is kept if it verifies, and replaced if it does not."""
         final = self.path(step)
         if step not in self._written and not (final.exists() and self._intact(step)):
-            self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".tmp-step-{step}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
             _in_progress.add(tmp)
             try:
-                with writing(
-                    final
-                ):  # a full disk: one error naming the step (the finally removes tmp)
+                # a full disk or a folder that cannot be written: one error naming the step (the
+                # finally removes tmp)
+                with writing(final):
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    tmp.mkdir()
                     self._write(tmp, step, module, optimizer_state, trainer_state)
                     self._move_into_place(tmp, final)
             finally:
@@ -213,9 +214,10 @@ class Checkpoints:
         group: Group,
         best: dict | None = None,
     ) -> Path:
-        """Step `step` of a sharded model, atomically. Every rank calls it: each writes its shards into
-        the temporary folder with `write_shards(folder)` (a collective), then the main process writes
-        the rest and the manifest over every file and renames. Every rank raises the same error."""
+        """Step `step` of a sharded model, atomically. Every rank calls it: each writes its shards
+        into the temporary folder with `write_shards(folder)` (a collective), then the main process
+        writes the rest and the manifest over every file and renames. Every rank raises the same
+        error."""
         final = self.path(step)
         tmp = (
             self.root / f".tmp-step-{step}-shards"
@@ -253,8 +255,8 @@ class Checkpoints:
         return final
 
     def _begin_sharded(self, step: int, tmp: Path) -> str:
-        """ "kept" where the step exists and verifies, "ready" once the empty temporary folder is made,
-        else the error that prevented it."""
+        """ "kept" where the step exists and verifies, "ready" once the empty temporary folder is
+        made, else the error that prevented it."""
         if step in self._written or (self.path(step).exists() and self._intact(step)):
             return "kept"
         try:
@@ -302,8 +304,9 @@ class Checkpoints:
         return True
 
     def _move_into_place(self, tmp: Path, final: Path) -> None:
-        """Rename `tmp` to `final`; a damaged folder already there is first renamed aside (a crash in
-        between leaves no step `final`, which is what a damaged step amounts to) and then removed."""
+        """Rename `tmp` to `final`; a damaged folder already there is first renamed aside (a crash
+        in between leaves no step `final`, which is what a damaged step amounts to) and then
+        removed."""
         aside = None
         if final.exists():
             aside = self.root / f".tmp-replaced-{final.name}-{os.getpid()}"
@@ -359,7 +362,8 @@ class Checkpoints:
         fsync_dir(folder)
 
     def verify(self, step: int) -> Path:
-        """The step's folder, if every file matches its manifest; else CheckpointError naming the file."""
+        """The step's folder, if every file matches its manifest; else CheckpointError naming the
+        file."""
         folder = self.path(step)
         manifest_path = folder / MANIFEST
         try:
@@ -371,7 +375,8 @@ class Checkpoints:
             ) from None
         if manifest.get("format") != FORMAT:
             raise CheckpointError(
-                f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads {FORMAT}"
+                f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads "
+                f"{FORMAT}"
             )
         for name, meta in files.items():
             parts = PurePosixPath(name).parts
@@ -427,7 +432,8 @@ class Checkpoints:
         return step
 
     def select(self, which: str | int) -> int:
-        """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number, verified."""
+        """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number,
+        verified."""
         if which == "auto":
             which = "best" if self.best() is not None else "latest"
         if which == "latest":
@@ -446,7 +452,8 @@ class Checkpoints:
                 )
         if step is None:
             raise CheckpointError(
-                f"no {which} checkpoint in {self.root}; train longer or save with SaveBest/SaveLatest"
+                f"no {which} checkpoint in {self.root}; train longer or save with "
+                "SaveBest/SaveLatest"
             )
         self.verify(step)
         return step
@@ -459,10 +466,15 @@ class Checkpoints:
             if step not in keep:
                 shutil.rmtree(self.path(step), ignore_errors=True)
 
-    def clean_stale(self) -> None:
-        """Remove temporary folders that an interrupted process left."""
-        for tmp in self.root.glob(".tmp-*") if self.root.is_dir() else []:
+    def clean_stale(self) -> list[str]:
+        """Remove the temporary folders that an interrupted process left (a write killed before its
+        commit); each removed, with its size, for the log."""
+        removed = []
+        for tmp in sorted(self.root.glob(".tmp-*")) if self.root.is_dir() else []:
+            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(f"{tmp.name} ({size / 2**20:,.1f} MiB)")
+        return removed
 
     def load(self, step: int, weights: Weights | None) -> tuple[dict, dict]:
         """Optimizer state and trainer state of step `step`, and its weights loaded into `weights`
@@ -470,6 +482,11 @@ class Checkpoints:
         the shards (its entry here is None): `weights` given a shards folder loads it from there."""
         folder = self.verify(step)
         trainer_state = read_trainer_state(folder / TRAINER)
+        if trainer_state["step"] != step:  # a folder renamed, or a state copied from another step
+            raise CheckpointError(
+                f"{folder / TRAINER} says step {trainer_state['step']}, but the folder is step "
+                f"{step}; the checkpoint is damaged"
+            )
         optimizer_state = read_optimizer_state(folder / OPTIMIZER)
         if weights is not None:
             _load_into(weights, _weights_path(folder))
@@ -505,7 +522,8 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict):
         raise CheckpointError(
-            f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is damaged"
+            f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is "
+            "damaged"
         )
     missing = [k for k in (*_COUNTERS, "seed", "rng", "hooks") if k not in state]
     if missing:
@@ -514,7 +532,8 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
         value = state[key]
         if type(value) is not int or value < least:
             raise CheckpointError(
-                f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is damaged"
+                f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is "
+                "damaged"
             )
     if (
         state["step"] < state["epoch"] + state["step_in_epoch"]
@@ -587,8 +606,8 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
     if path.is_dir():
         if not (path / "checkpoints").is_dir():
             raise ConfigError(
-                f"model.init_from: {path} is a folder but not a run directory (it has no checkpoints/); "
-                "name a run directory or a .safetensors file"
+                f"model.init_from: {path} is a folder but not a run directory (it has no "
+                "checkpoints/); name a run directory or a .safetensors file"
             )
         checkpoints = Checkpoints(path / "checkpoints")
         path = _weights_path(checkpoints.verify(checkpoints.select(which)))
@@ -617,7 +636,8 @@ def load_weights(module: nn.Module, path: Path) -> None:
 
 
 def _unpickling_error(e: Exception) -> str:
-    """The gist of torch.load's error: for a refused pickle, what the restricted unpickler refused."""
+    """The gist of torch.load's error: for a refused pickle, what the restricted unpickler
+    refused."""
     text = str(e).split("WeightsUnpickler error:", 1)[-1].strip()
     first = text.splitlines()[0].split(". ")[0] if text else ""
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__

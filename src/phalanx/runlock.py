@@ -17,9 +17,11 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
+from types import ModuleType
 
 from phalanx.errors import RunDirError
 
+fcntl: ModuleType | None
 try:
     import fcntl
 except ImportError:  # not POSIX: no lock
@@ -47,8 +49,8 @@ class Lock:
 
 @contextlib.contextmanager
 def hold(run_dir: Path, command: str) -> Iterator[Lock]:
-    """Hold the run directory's lock while the block runs; a RunDirError naming the holder if another
-    process holds it."""
+    """Hold the run directory's lock while the block runs; a RunDirError naming the holder if
+    another process holds it."""
     lock = acquire(run_dir, command)
     try:
         yield lock
@@ -62,7 +64,14 @@ def acquire(run_dir: Path, command: str) -> Lock:
     if fcntl is None:
         return Lock(path, None)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise RunDirError(
+                f"cannot write in {str(run_dir)!r} ({e.strerror or e}): training writes its lock, "
+                "logs and checkpoints there; make it writable, or copy the run to a folder you can "
+                "write and resume the copy"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

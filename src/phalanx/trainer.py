@@ -238,7 +238,7 @@ class Trainer:
     def run(self) -> int:
         """Train until the configured epochs end or a hook stops; returns the process exit code."""
         self.stop.install()
-        success, code = True, 0
+        success, code, interrupted = True, 0, False
         self._trace("started", epoch=self.epoch, step=self.step)
         try:
             stop = self._emit("before_training")
@@ -258,17 +258,19 @@ class Trainer:
             (log.info if success else log.error)("training stopped: %s", stop.reason)
         except _Interrupted:
             self.save_checkpoint()
-            success, code = False, self.stop.exit_code()
-            log.warning(
-                "interrupted at step %d; saved. Continue with: phalanx resume %s",
-                self.step,
-                self.run_dir,
-            )
+            success, code, interrupted = False, self.stop.exit_code(), True
         except BaseException as e:
             self._trace("failed", step=self.step, error=f"{type(e).__name__}: {e}")
             self._finish(False)
             raise
-        self._finish(success)
+        committed = self._finish(success)
+        if interrupted and self.strategy.is_main:  # said once the step is committed, not before
+            log.warning(
+                "interrupted at step %d; %s. Continue with: phalanx resume %s",
+                self.step,
+                "saved" if committed else "its checkpoint could not be written (see above)",
+                self.run_dir,
+            )
         self._trace(
             "interrupted" if code > 128 else "finished" if success else "failed",
             epoch=self.epoch,
@@ -276,7 +278,9 @@ class Trainer:
         )
         return code
 
-    def _finish(self, success: bool) -> None:
+    def _finish(self, success: bool) -> bool:
+        """End the run's parts; whether its last checkpoint was committed (a background write may
+        still have been under way)."""
         self.stop.restore()
         if self.loaders is not None:
             self.loaders.close()
@@ -288,6 +292,8 @@ class Trainer:
                 if success:
                     raise
                 log.error("the last checkpoint could not be written: %s", e)
+                return False
+        return True
 
     def _train_epoch(self) -> None:
         epoch = self.epoch + 1

@@ -33,7 +33,8 @@ def _optimizer_state(module: nn.Module) -> dict:
 
 
 def _state(at: int, **changes) -> dict:
-    """A trainer state as the trainer saves it at step `at`: counters, the seed, RNG and hook entries."""
+    """A trainer state as the trainer saves it at step `at`: counters, the seed, RNG and hook
+    entries."""
     return {
         "epoch": 1,
         "step": at,
@@ -97,7 +98,7 @@ def test_load_restores_weights_and_returns_the_states(ckpts):
     fresh = _module(99)
     assert not torch.equal(fresh[0].weight, saved[0].weight)
     opt_state, trainer_state = ckpts.load(3, fresh)
-    for a, b in zip(fresh.state_dict().values(), saved.state_dict().values()):
+    for a, b in zip(fresh.state_dict().values(), saved.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     assert trainer_state == _state(3)
     assert "momentum_buffer" in opt_state["optimizer"]["state"][0]
@@ -110,7 +111,8 @@ def test_no_temporary_folders_remain(ckpts):
 
 
 class _FillsTheDisk:
-    """Pickled into optimizer.pt part-way through the step's files: the write fails as on a full disk."""
+    """Pickled into optimizer.pt part-way through the step's files: the write fails as on a full
+    disk."""
 
     def __reduce__(self):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -204,7 +206,8 @@ def test_verify_rejects_an_unreadable_manifest_and_another_format(ckpts):
 
 @pytest.fixture
 def phalanx_warnings(caplog, monkeypatch):
-    # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on root
+    # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on
+    # root
     monkeypatch.setattr(logging.getLogger("phalanx"), "propagate", True)
     caplog.set_level(logging.WARNING, logger="phalanx")
     return caplog
