@@ -24,11 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx import __version__, config, environment, launch, logs, rundir, runlock, strategies
+from phalanx import (
+    __version__,
+    config,
+    environment,
+    launch,
+    logs,
+    rundir,
+    runlock,
+    signals,
+    strategies,
+)
+from phalanx import nodes as machines
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints, initial_weights
 from phalanx.errors import CheckpointError, ConfigError, PhalanxError, RunDirError
 from phalanx.files import write_text_atomic
 from phalanx.model import build_model
+from phalanx.nodes import Nodes
 from phalanx.objects import Objects
 from phalanx.trainer import Trainer
 
@@ -68,7 +80,7 @@ def fit(
     model: nn.Module | None = None,
     dataset: Any = None,
     hooks: Sequence[Any] | None = None,
-    nodes: launch.Nodes | None = None,
+    nodes: Nodes | None = None,
 ) -> Run:
     """Train a new run: `config_source` is a YAML file or a dict, `overrides` its `KEY=VALUE`
     changes.
@@ -134,7 +146,7 @@ def resume(
     model: nn.Module | None = None,
     dataset: Any = None,
     hooks: Sequence[Any] | None = None,
-    nodes: launch.Nodes | None = None,
+    nodes: Nodes | None = None,
 ) -> Run:
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device
     count; `overrides` change its config from here on. A run trained with objects is given them
@@ -308,13 +320,14 @@ def _ended(run_dir: Path, trainer: Trainer, code: int) -> Run:
     return Run(run_dir, code, metrics, trainer.model)
 
 
-def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: launch.Nodes) -> tuple[Path, int]:
+def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tuple[Path, int]:
     strategies.check_nodes(cfg, nodes.count, nodes.elastic)
     devices = strategies.resolve_device(cfg)[1]
-    store = launch.join(nodes)
+    logs.setup(None)
+    store = machines.join(nodes)
+    machines.agree(store, nodes, rundir.resolved(cfg))  # before node 0 makes the run directory
     if nodes.rank != 0:
-        run_dir = launch.share_run_dir(store, None)
-        logs.setup(None)
+        run_dir = machines.share_run_dir(store, None)
         log.info(
             "node %d of %d: run directory %s; starting %d workers",
             nodes.rank,
@@ -332,7 +345,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: launch.Nodes) 
             store=store,
             restarts=cfg.parallel.max_restarts,
         )
-    run_dir = launch.share_run_dir(store, rundir.create(cfg, path))
+    run_dir = machines.share_run_dir(store, rundir.create(cfg, path))
     with _training_lock(run_dir, "train"):
         try:
             logs.setup(run_dir)
@@ -366,6 +379,9 @@ def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
         return True
     if not any(e.get("event") == "started" for e in rundir.read_trace(run_dir)):
         return False
+    last = (rundir.read_trace(run_dir) or [{}])[-1]
+    if isinstance(error, signals.Interrupted) and last.get("before_first_step"):
+        return bool(Checkpoints(run_dir / "checkpoints").steps())  # the hooks started, no step
     return not isinstance(error, PhalanxError) or bool(Checkpoints(run_dir / "checkpoints").steps())
 
 
@@ -376,7 +392,7 @@ def _discard(run_dir: Path) -> None:
 
 
 def _resume(
-    run_dir: Path, overrides: list[str], objects: Objects, nodes: launch.Nodes | None = None
+    run_dir: Path, overrides: list[str], objects: Objects, nodes: Nodes | None = None
 ) -> Run | int:
     cfg = config.validate(
         objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
@@ -388,7 +404,8 @@ def _resume(
     store = None
     if nodes is not None:
         strategies.check_nodes(cfg, nodes.count, nodes.elastic)
-        store = launch.join(nodes)
+        store = machines.join(nodes)
+        machines.agree(store, nodes, rundir.resolved(cfg))
     if nodes is None or nodes.rank == 0:
         logs.setup(run_dir)
     return launch.launch(
@@ -443,6 +460,7 @@ def _work(
         )
         if started:  # after a worker failed, or (in an elastic job) when the machines changed
             resume = bool(steps)
+        if started and strategy.is_main:
             log.warning(
                 "the workers started again in this run (a worker failed, or the machines "
                 "changed): %s",
@@ -572,7 +590,7 @@ def _worker_trainer(
             strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__}
         )
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
-    trainer.stop.watch(run_dir / launch.STOP_FILE)
+    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
     strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step
     return trainer
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx import __version__
 
 if TYPE_CHECKING:
-    from phalanx.launch import Nodes
+    from phalanx.nodes import Nodes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 def _nodes(args: argparse.Namespace) -> Nodes | None:
     """The job's machines from --nnodes, --node-rank and --rdzv; None for one machine."""
     from phalanx.errors import PhalanxError
-    from phalanx.launch import Nodes
+    from phalanx.nodes import Nodes
 
     low, _, high = str(args.nnodes).partition(":")
     if (

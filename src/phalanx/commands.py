@@ -17,22 +17,24 @@ import torch
 from rich.table import Table
 
 from phalanx import __version__, api, config, environment, launch, logs, metrics, rundir, strategies
+from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
+from phalanx.nodes import Nodes
 from phalanx.objects import Objects
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
 
 
-def train(config_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
+def train(config_path: str, overrides: list[str], nodes: Nodes | None = None) -> int:
     """`phalanx train`: a new run from a config file (see `phalanx.fit`); returns the exit code."""
     return api.fit(config_path, overrides=overrides, nodes=nodes).code
 
 
-def resume(run_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> int:
+def resume(run_path: str, overrides: list[str], nodes: Nodes | None = None) -> int:
     """`phalanx resume`: continue a run (see `phalanx.resume`); returns the exit code."""
     return api.resume(run_path, overrides=overrides, nodes=nodes).code
 
@@ -371,7 +373,7 @@ def info() -> dict[str, Any]:
     return facts
 
 
-def doctor(config_path: str, overrides: list[str], nodes: launch.Nodes | None = None) -> list[dict]:
+def doctor(config_path: str, overrides: list[str], nodes: Nodes | None = None) -> list[dict]:
     """Before a long job: the config's devices and backend, tried by the processes the job would
     start: each one's device computes, and an all-reduce among them returns the right sum in time.
     Returns each process's report; a process that fails is one error naming it."""
@@ -391,7 +393,7 @@ def doctor(config_path: str, overrides: list[str], nodes: launch.Nodes | None = 
             config.dump(rundir.resolved(cfg))
         )  # other nodes check they see it
         if nodes is not None or devices > 1:
-            store = launch.join(nodes) if nodes is not None else None
+            store = machines.join(nodes) if nodes is not None else None
             launch.launch(
                 folder, devices, doctor_worker, accelerator, backend, nodes=nodes, store=store
             )

@@ -6,6 +6,7 @@ The CLI prints them as one line and exits 2; `--debug` shows the traceback.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 
@@ -45,3 +46,16 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f' (did you mean "{match[0]}"?)' if match else ""
+
+
+# What a rank records when another rank, or its machine, ended under it: a consequence, not a cause.
+_LOST_PEER = re.compile(
+    r"Connection (reset|closed) by peer|Connection was likely closed|Broken pipe|Connection refused|"
+    r"DistNetworkError|failed to recv|Socket closed|ncclRemoteError|communicator was aborted",
+    re.IGNORECASE,
+)
+
+
+def lost_a_peer(text: str) -> bool:
+    """Whether an error is a rank's lost connection to another one (which ended first)."""
+    return bool(_LOST_PEER.search(text))

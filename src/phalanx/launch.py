@@ -11,7 +11,8 @@ launcher starts its own workers; the workers use that store too. The run directo
 makes, must be on a file system every node shares.
 
 A worker that fails records its traceback (or, when a collective timed out, which ranks did not
-arrive) and tells the others to exit at once; the launcher prints the first failing rank's error once.
+arrive) and tells the others to exit at once; the launcher prints the first failing rank's error
+once.
 
 Signals: only the launcher takes them. Its workers leave the terminal's process group, so a Ctrl-C
 reaches the launcher alone, which relays it through files in the run directory that the workers
@@ -39,13 +40,24 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from phalanx import environment, rundir, signals
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, lost_a_peer
+from phalanx.nodes import (
+    ELASTIC_RENDEZVOUS,
+    LAST_CALL_S,
+    NODES_RENDEZVOUS,
+    REFORM_FILE,
+    Nodes,
+    elastic_rendezvous_handler,
+    nodes_rendezvous_handler,
+    registered,
+    run_dirs,
+    stores,
+)
 
 log = logging.getLogger("phalanx")
 STOP_FILE = ".stop-requested"  # the workers finish their step, save and exit
@@ -60,79 +72,9 @@ class RankFailure(PhalanxError):
     """A worker process failed; the message holds its rank and traceback."""
 
 
-@dataclass(frozen=True)
-class Nodes:
-    """This machine's part in a job on several: `count` machines (between `least` and `count` where
-    the job is elastic), this one's `rank` (0: the one that serves the job's store, on `host:port`)."""
-
-    count: int
-    rank: int
-    host: str
-    port: int
-    least: int | None = None  # elastic: the job goes on with as few machines as this
-
-    @property
-    def elastic(self) -> bool:
-        return self.least is not None and self.least < self.count
-
-    @property
-    def run_id(self) -> str:  # the same on every node
-        return f"phalanx-{self.host}-{self.port}"
-
-
-def join(nodes: Nodes, timeout_s: float = 600) -> Any:
-    """The job's store: served on `nodes.host:port` by node 0 (that address alone), reached by the
-    others, who wait up to `timeout_s` for it."""
-    from torch.distributed import TCPStore
-
-    if nodes.rank != 0:
-        try:
-            return TCPStore(
-                nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=timeout_s)
-            )
-        except (RuntimeError, OSError) as e:
-            raise PhalanxError(
-                f"node {nodes.rank} cannot reach node 0 at {nodes.host}:{nodes.port} within "
-                f"{timeout_s:.0f} s ({' '.join(str(e).split())[:200]}); start node 0 with the same "
-                "--rdzv, and check that this machine reaches that address"
-            ) from None
-    try:
-        sock = socket.create_server((nodes.host, nodes.port))
-    except OSError as e:
-        raise PhalanxError(
-            f"node 0 cannot serve the rendezvous on {nodes.host}:{nodes.port} ({e.strerror}); "
-            "--rdzv must name an address of this machine and a free port"
-        ) from None
-    return TCPStore(
-        nodes.host,
-        nodes.port,
-        is_master=True,
-        multi_tenant=True,
-        master_listen_fd=sock.detach(),
-        timeout=timedelta(seconds=timeout_s),
-    )
-
-
-RUN_DIR_KEY = "phalanx/run_dir"
-
-
-def share_run_dir(store: Any, run_dir: Path | None) -> Path:
-    """Node 0 gives the run directory it made; the others receive it, and check they see it."""
-    if run_dir is not None:
-        store.set(RUN_DIR_KEY, str(run_dir))
-        return run_dir
-    shared = Path(store.get(RUN_DIR_KEY).decode())
-    if not (shared / rundir.CONFIG).is_file():
-        raise PhalanxError(
-            f"node 0's run directory {shared} is not visible on this machine; output_root must be "
-            "on a file system every node shares"
-        )
-    return shared
-
-
 def clear_requests(run_dir: Path) -> None:
     """Remove stop requests a launcher left behind (one killed before it could clean up)."""
-    for name in (STOP_FILE, ABORT_FILE):
+    for name in (STOP_FILE, ABORT_FILE, REFORM_FILE):
         (run_dir / name).unlink(missing_ok=True)
 
 
@@ -174,14 +116,15 @@ def launch(
             min_nodes=1,
             max_nodes=1,
             run_id=run_id,
-            rdzv_backend=_registered(RENDEZVOUS, _rendezvous_handler),
+            rdzv_backend=registered(RENDEZVOUS, _rendezvous_handler),
             rdzv_endpoint=f"127.0.0.1:{listener.getsockname()[1]}",
             local_addr="127.0.0.1",
             **common,
         )
     else:
         run_id = nodes.run_id
-        _stores[run_id] = store
+        stores[run_id] = store
+        run_dirs[run_id] = run_dir
         if (
             nodes.elastic
         ):  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
@@ -189,7 +132,7 @@ def launch(
                 min_nodes=nodes.least,
                 max_nodes=nodes.count,
                 run_id=run_id,
-                rdzv_backend=_registered(ELASTIC_RENDEZVOUS, _elastic_rendezvous_handler),
+                rdzv_backend=registered(ELASTIC_RENDEZVOUS, elastic_rendezvous_handler),
                 rdzv_endpoint=f"{nodes.host}:{nodes.port}",
                 rdzv_configs={"last_call_timeout": LAST_CALL_S, "join_timeout": 600},
                 **common,
@@ -199,7 +142,7 @@ def launch(
                 min_nodes=nodes.count,
                 max_nodes=nodes.count,
                 run_id=run_id,
-                rdzv_backend=_registered(NODES_RENDEZVOUS, _nodes_rendezvous_handler),
+                rdzv_backend=registered(NODES_RENDEZVOUS, nodes_rendezvous_handler),
                 rdzv_endpoint=f"{nodes.host}:{nodes.port}",
                 rdzv_configs={"rank": nodes.rank},
                 **common,
@@ -215,13 +158,29 @@ def launch(
         with _Relay(run_dir), _environment(_workers_settings(run_dir, nodes)):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
-        raise _explain(e, records, run_dir / STACKS) from None
+        first_rank = None if nodes is not None and nodes.elastic else 0
+        if nodes is not None and not nodes.elastic:
+            first_rank = nodes.rank * devices  # a node's workers come in a block of ranks
+        explained = _explain(e, records, run_dir / STACKS, first_rank)
+        raise _in_the_run(run_dir, explained, nodes) from None
+    except Exception as e:
+        if nodes is None:
+            raise
+        # the launcher's own rendezvous failed: the store node 0 serves is gone
+        failure = RankFailure(
+            f"node {nodes.rank} lost the job's rendezvous at {nodes.host}:{nodes.port} "
+            f"({_first_line(e)}): node 0, which serves it, has ended or cannot be reached; once "
+            f"it is back, resume the run on the machines there are: phalanx resume {run_dir} "
+            "--nnodes ... --node-rank ... --rdzv ..."
+        )
+        raise _in_the_run(run_dir, failure, nodes) from None
     finally:
         shutil.rmtree(records, ignore_errors=True)
         unused = _listeners.pop(run_id, None)
         if unused is not None:
             unused.close()
-        _stores.pop(run_id, None)
+        stores.pop(run_id, None)
+        run_dirs.pop(run_id, None)
         if nodes is None or nodes.rank == 0:
             clear_requests(run_dir)
     return int(results[min(results)]) if results else 1
@@ -259,7 +218,8 @@ class _Relay:
         if hasattr(signal, "sigtimedwait"):
             from multiprocessing import resource_tracker
 
-            # started now: started later, it would unblock the signals (it blocks them around its start)
+            # started now: started later, it would unblock the signals (it blocks them around its
+            # start)
             resource_tracker.ensure_running()
             self._receiver = threading.Thread(
                 target=self._receive, name="phalanx-signals", daemon=True
@@ -289,7 +249,7 @@ class _Relay:
                 _thread.interrupt_main(info.si_signo)  # runs _handle in the main thread
 
     def _handle(self, signum: int, frame: object) -> None:
-        """A signal in the main thread: one delivered there, or one the receiving thread passes on."""
+        """A signal in the main thread: delivered there, or passed on by the receiving thread."""
         passed_on, self._interrupt = self._interrupt, None
         if passed_on is not None or self._relay(signum):
             raise signals.Interrupted(passed_on or signum)
@@ -331,7 +291,7 @@ def _listen() -> socket.socket:
 
 
 def _store_on(sock: socket.socket):
-    """A store server that listens on `sock` (which it takes over), instead of on every interface."""
+    """A store server that listens on `sock` (which it takes over), not on every interface."""
     from torch.distributed import TCPStore
 
     port = sock.getsockname()[1]
@@ -358,129 +318,6 @@ def _rendezvous_handler(params):
     handler = create_handler(store, Backend(store, params.run_id), params)
     handler._create_tcp_store_server = lambda addr, port: _store_on(_listen())
     return handler
-
-
-def _registered(name: str, handler: Callable) -> str:
-    """`name`, registered with torch's launcher as the rendezvous that `handler` makes."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(name, handler)
-    return name
-
-
-NODES_RENDEZVOUS = "phalanx-nodes"
-_stores: dict[str, Any] = {}  # run id -> the job's store (`join`), for the rendezvous handler
-
-
-def _nodes_rendezvous_handler(params):
-    """A static rendezvous (each node's rank given, the node count fixed) over the store that `join`
-    made, instead of one listening on every interface; the workers share that store."""
-    from torch.distributed import PrefixStore
-    from torch.distributed.elastic.rendezvous import (
-        RendezvousHandler,
-        RendezvousInfo,
-        RendezvousStoreInfo,
-    )
-
-    host, port = params.endpoint.rsplit(":", 1)
-    store, rank, count, run_id = (
-        _stores[params.run_id],
-        int(params.config["rank"]),
-        params.max_nodes,
-        params.run_id,
-    )
-
-    class Static(RendezvousHandler):
-        use_agent_store = True
-
-        def get_backend(self) -> str:
-            return NODES_RENDEZVOUS
-
-        def next_rendezvous(self) -> RendezvousInfo:
-            return RendezvousInfo(
-                PrefixStore(run_id, store), rank, count, RendezvousStoreInfo(host, int(port))
-            )
-
-        def is_closed(self) -> bool:
-            return False
-
-        def set_closed(self) -> None:
-            pass
-
-        def num_nodes_waiting(self) -> int:
-            return 0
-
-        def get_run_id(self) -> str:
-            return run_id
-
-        def shutdown(self) -> bool:
-            return True
-
-    return Static()
-
-
-ELASTIC_RENDEZVOUS = "phalanx-elastic"
-LAST_CALL_S = 3  # after the least count has joined a round, how long it waits for more machines
-ROUND_KEY = (
-    "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
-)
-
-
-def _elastic_rendezvous_handler(params):
-    """torch's dynamic rendezvous over the store that `join` made. Its workers use that same store
-    (no other one is served), under the round's own prefix: machines restart their workers a
-    different number of times, so an attempt count would not agree among them, and keys of the
-    previous round (its ranks' addresses) are stale. The round's token is drawn by its rank 0 and
-    left for each machine's workers under `ROUND_KEY`."""
-    from torch.distributed.elastic.rendezvous import (
-        RendezvousHandler,
-        RendezvousInfo,
-        RendezvousStoreInfo,
-    )
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-
-    class Backend(C10dRendezvousBackend):
-        name = ELASTIC_RENDEZVOUS
-
-    host, port = params.endpoint.rsplit(":", 1)
-    store = _stores[params.run_id]
-    inner = create_handler(store, Backend(store, params.run_id), params)
-
-    class Elastic(RendezvousHandler):
-        use_agent_store = True
-
-        def get_backend(self) -> str:
-            return ELASTIC_RENDEZVOUS
-
-        def next_rendezvous(self) -> RendezvousInfo:
-            info = inner.next_rendezvous()
-            if info.rank == 0:
-                info.store.set("phalanx/round-token", uuid.uuid4().hex)
-            token = info.store.get(
-                "phalanx/round-token"
-            )  # in the round's own keys: waits for rank 0's
-            store.set(f"{ROUND_KEY}{info.rank}", token)
-            return RendezvousInfo(
-                info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port))
-            )
-
-        def is_closed(self) -> bool:
-            return inner.is_closed()
-
-        def set_closed(self) -> None:
-            inner.set_closed()
-
-        def num_nodes_waiting(self) -> int:
-            return inner.num_nodes_waiting()
-
-        def get_run_id(self) -> str:
-            return inner.get_run_id()
-
-        def shutdown(self) -> bool:
-            return inner.shutdown()
-
-    return Elastic()
 
 
 def _is_loopback(host: str) -> bool:
@@ -540,16 +377,17 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
 
         dump_stacks(Path(run_dir))
         _record(e, progress.explain(e))
-        # the other workers of this attempt need not wait for their timeout (the next attempt's ignore it)
+        # the other workers of this attempt need not wait for their timeout (the next attempt's
+        # ignore it)
         _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
         sys.stdout.flush()
         os._exit(2 if isinstance(e, PhalanxError) else 1)
 
 
 def _detach_from_terminal() -> None:
-    """Leave the terminal's process group, so that a Ctrl-C reaches the launcher alone; from now on a
-    signal (the launcher ending this worker) ends it at once. The launcher started this process with
-    SIGINT and SIGTERM blocked: one that arrived during its start-up is handled now."""
+    """Leave the terminal's process group, so that a Ctrl-C reaches the launcher alone; from now on
+    a signal (the launcher ending this worker) ends it at once. The launcher started this process
+    with SIGINT and SIGTERM blocked: one that arrived during its start-up is handled now."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpgrp()
     signals.end_at_once_on_signals()
@@ -580,6 +418,7 @@ class _Guard(threading.Thread):
                 code = None
             if code is not None:
                 dump_stacks(self.run_dir)  # where this rank was (stuck, perhaps) when the job ended
+                _record_stop()
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
 
@@ -635,17 +474,80 @@ def _record(e: BaseException, explained: str | None = None) -> None:
         json.dump(data, f)
 
 
-def _explain(error, records: Path, stacks: Path | None = None) -> PhalanxError:
-    """The first failing rank's error: one line for a user error, the ranks that did not arrive for a
-    collective's timeout (and where every rank's stack was written), else its traceback."""
-    recorded = sorted(_recorded(records), key=lambda info: info["time"])
-    if not recorded:
-        rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
-        return RankFailure(
-            f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
-            "no traceback was recorded"
+def _record_stop() -> None:
+    """Say, in this worker's error file, that it was told to stop: a worker that ends with no file
+    at all ended without a word (a signal from outside, a crash in native code)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    rank = environment.here().rank
+    with contextlib.suppress(OSError):
+        Path(path).write_text(
+            json.dumps(
+                {
+                    "message": {  # in the form torch's launcher reads
+                        "message": f"rank {rank} was told to stop: another worker ended",
+                        "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
+                    },
+                    "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
+                }
+            )
         )
-    first = recorded[0]
+
+
+def _explain(
+    error: Any, records: Path, stacks: Path | None = None, first_rank: int | None = 0
+) -> PhalanxError:
+    """The first failure, and how. In this order: a rank's own error (one line for a user error;
+    the ranks that did not arrive, for a collective's timeout; else its traceback); a rank killed
+    by a signal; a rank of this machine that ended without a word (no error file: killed from
+    outside, or crashed in native code). A rank's lost connection to another is a consequence:
+    named only where nothing of this machine failed (another machine, or its rank, ended first)."""
+    recorded, silent = _recorded(records, first_rank)
+    errors = [info for info in recorded if not info.get("stopped")]
+    causes = [
+        info
+        for info in errors
+        if info["user_error"] or info.get("explained") or not lost_a_peer(info["callstack"])
+    ]
+    if causes:
+        return _said(min(causes, key=lambda info: info["time"]), stacks)
+    signalled = [
+        (rank, failure) for rank, failure in error.failures.items() if failure.exitcode < 0
+    ]
+    if signalled:
+        rank, failure = min(signalled, key=lambda item: item[1].timestamp)
+        return RankFailure(
+            f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode}) and "
+            f"recorded no error: {_FROM_OUTSIDE}"
+        )
+    if silent:
+        return RankFailure(
+            f"{silent[0]} ended without recording an error (killed by a signal, or crashed "
+            f"in native code): {_FROM_OUTSIDE}"
+        )
+    if errors:
+        first = min(errors, key=lambda info: info["time"])
+        line = (first["text"].strip().splitlines() or [""])[-1][:300]
+        return RankFailure(
+            f"rank {first['rank']} lost its connection to the other ranks ({line}), and no rank "
+            "of this machine failed before it: a rank of another machine, or that machine, ended "
+            "first; its log says why"
+        )
+    rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
+    return RankFailure(
+        f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
+        "no traceback was recorded"
+    )
+
+
+_FROM_OUTSIDE = (
+    "something outside it ended it (the operating system out of memory, a scheduler, kill -9); "
+    "every other rank was stopped"
+)
+
+
+def _said(first: dict, stacks: Path | None) -> PhalanxError:
     if first["user_error"]:
         return PhalanxError(first["text"])
     if first.get("explained"):
@@ -661,18 +563,50 @@ def _explain(error, records: Path, stacks: Path | None = None) -> PhalanxError:
     )
 
 
-def _recorded(records: Path) -> list[dict]:
-    """What every worker recorded under `records`. The launcher reports the first exit it notices,
-    which need not be the first failure (a worker that ended at once because another failed may be
-    noticed first), so every rank's error file is read."""
-    files = sorted(records.glob("*/attempt_*/*/error.json"))
-    out = []
-    for file in files:
-        try:
-            data = json.loads(file.read_text())
-            info = data["phalanx"]
-            info["callstack"] = data["message"]["extraInfo"]["py_callstack"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        out.append(info)
-    return out
+def _in_the_run(run_dir: Path, failure: PhalanxError, nodes: Nodes | None) -> PhalanxError:
+    """`failure`, also written into the run: a `failed` event in trace.jsonl and a line in log.txt
+    (a machine that died writes nothing of its own: another machine's launcher says it)."""
+    who = "the launcher" if nodes is None else f"node {nodes.rank}'s launcher"
+    line = _first_line(failure)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with contextlib.suppress(OSError, PhalanxError):  # the run directory may be gone with it
+        last = (rundir.read_trace(run_dir) or [{}])[-1]
+        if last.get("event") != "failed" or "cause" in last:  # not the failing rank's own
+            rundir.trace(run_dir, "failed", error=line, by=who)
+        with open(run_dir / "log.txt", "a", encoding="utf-8") as f:
+            f.write(f"{stamp} ERROR {who}: {line}\n")
+    return failure
+
+
+def _first_line(error: BaseException) -> str:
+    return (" ".join(str(error).split("\n")[0].split()) or type(error).__name__)[:500]
+
+
+def _recorded(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:
+    """What every worker of every attempt recorded under `records`, and the workers of the last
+    attempt that recorded nothing (`rank R`, this machine's first worker being rank `first_rank`;
+    where that is not known, in an elastic job, `local rank L of this machine`). The launcher
+    reports the first exit it notices, which need not be the first failure (a worker that ended at
+    once because another failed may be noticed first), so every rank's error file is read."""
+    attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
+    out, silent = [], []
+    for attempt in attempts:
+        for folder in sorted(p for p in attempt.iterdir() if p.is_dir() and p.name.isdigit()):
+            try:
+                data = json.loads((folder / "error.json").read_text())
+                info = data["phalanx"]
+                if not info.get("stopped"):
+                    info["callstack"] = data["message"]["extraInfo"]["py_callstack"]
+            except OSError:
+                if attempt == attempts[-1]:
+                    local = int(folder.name)
+                    silent.append(
+                        f"rank {first_rank + local}"
+                        if first_rank is not None
+                        else f"local rank {local} of this machine"
+                    )
+                continue
+            except (ValueError, KeyError, TypeError):
+                continue
+            out.append(info)
+    return out, silent

@@ -17,11 +17,13 @@ worker at once (the launcher ending it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger("phalanx")
@@ -89,6 +91,8 @@ class GracefulStop:
         self.signum: int | None = None
         self._previous: dict[int, object] = {}
         self._request_file: Path | None = None
+        self._reform_file: Path | None = None
+        self._starting = False  # the hooks start: a signal ends the run before its first step
         self._checked = 0.0
 
     @property
@@ -103,9 +107,17 @@ class GracefulStop:
                 self.signum = int(self._request_file.read_text() or signal.SIGTERM)
         return self.signum is not None
 
-    def watch(self, request_file: Path) -> None:
-        """Also count a stop as requested once `request_file` exists (written by the launcher)."""
-        self._request_file = request_file
+    def watch(self, request_file: Path, reform_file: Path | None = None) -> None:
+        """Also count a stop as requested once `request_file` exists (written by the launcher). A
+        signal that comes while `reform_file` exists is an elastic job's agent stopping the workers
+        for a new round of machines: said as such."""
+        self._request_file, self._reform_file = request_file, reform_file
+
+    @property
+    def reforming(self) -> bool:
+        """Whether an elastic job's machines re-form now: its agent stops the workers (SIGTERM, to
+        some ranks; the others stop with them) for a new round, not a user."""
+        return self._reform_file is not None and self._reform_file.exists()
 
     def exit_code(self) -> int:
         """128 + the signal's number; SIGTERM's where another rank received it."""
@@ -128,10 +140,28 @@ class GracefulStop:
         self._previous.clear()
         _at_once = _worker
 
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """While the hooks start (a tracker that contacts its server), a signal raises
+        `Interrupted` at once: there is no step to finish, and a wait on the network ends."""
+        self._starting = True
+        try:
+            yield
+        finally:
+            self._starting = False
+
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None or _at_once:
             exit_at_once(signum)
+        if self._starting:
+            raise Interrupted(signum)
         self.signum = signum
+        if self.reforming:
+            log.info(
+                "the job re-forms (a machine joins): finishing the current step and saving; the "
+                "workers then start again on the machines there are"
+            )
+            return
         log.warning(
             "%s received: finishing the current step and saving; send it again to exit at once",
             signal.Signals(signum).name,

@@ -28,7 +28,7 @@ from phalanx.build import (
 from phalanx.checkpoint import Background, Checkpoints, initial_weights
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, GradNorms, concat
-from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, lost_a_peer
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
@@ -36,7 +36,7 @@ from phalanx.hooks.variables import flat_variables
 from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
 from phalanx.precision import Precision
-from phalanx.signals import GracefulStop
+from phalanx.signals import GracefulStop, Interrupted
 from phalanx.strategies.base import ModelOptions, RandomStreams, SavesShards, Strategy
 from phalanx.view import RunView
 
@@ -241,7 +241,8 @@ class Trainer:
         success, code, interrupted = True, 0, False
         self._trace("started", epoch=self.epoch, step=self.step)
         try:
-            stop = self._emit("before_training")
+            with self.stop.starting():
+                stop = self._emit("before_training")
             if stop is not None:
                 raise stop
             if not self.cfg.main_loop.skip_zeroth_epoch and self.step == 0:
@@ -259,12 +260,27 @@ class Trainer:
         except _Interrupted:
             self.save_checkpoint()
             success, code, interrupted = False, self.stop.exit_code(), True
+        except Interrupted:  # while the hooks started: nothing trained, nothing to save
+            log.warning("interrupted before the first step of this run")
+            self._trace("interrupted", epoch=self.epoch, step=self.step, before_first_step=True)
+            self._finish(False)
+            raise
         except BaseException as e:
-            self._trace("failed", step=self.step, error=f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            if lost_a_peer(error):  # a consequence: another rank or machine ended first
+                self._trace("failed", step=self.step, error=error, cause="lost another rank")
+            else:
+                self._trace("failed", step=self.step, error=error)
             self._finish(False)
             raise
         committed = self._finish(success)
-        if interrupted and self.strategy.is_main:  # said once the step is committed, not before
+        if interrupted and self.strategy.is_main and self.stop.reforming:
+            log.info(
+                "the job re-formed at step %d (%s); its workers start again from it",
+                self.step,
+                "saved" if committed else "its checkpoint could not be written (see above)",
+            )
+        elif interrupted and self.strategy.is_main:  # said once the step is committed, not before
             log.warning(
                 "interrupted at step %d; %s. Continue with: phalanx resume %s",
                 self.step,

@@ -77,7 +77,7 @@ def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path)
     assert on_one.returncode == 0, on_one.stderr
     assert relative(weights(copy), want) < 1e-10
     log = (run / "log.txt").read_text()
-    assert "on 2 process(es)" in log and "epoch 3 (step 18)" in log
+    assert "strategy ddp: 2 processes" in log and "epoch 3 (step 18)" in log
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
@@ -181,7 +181,7 @@ def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
     done = on_two_nodes(["train", str(path), f"parallel.devices={devices}"], tmp_path, first=1)
     run = only_run(tmp_path / "nodes" / "runs")  # one run directory, node 0's
     assert relative(weights(run), want) < 1e-10
-    assert f"on {2 * devices} process(es)" in (run / "log.txt").read_text()
+    assert f"strategy ddp: {2 * devices} processes" in (run / "log.txt").read_text()
     assert f"node 1 of 2: run directory {run}" in done[0][1]
 
 
@@ -264,9 +264,13 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     before, after = (2, 1) if change == "leaves" else (1, 2)
-    assert f"strategy ddp: {before} process" in log
+    assert re.search(rf"strategy \w+: {before} process", log)
     restarted = log.split("the workers started again in this run")
     assert len(restarted) == 2 and f"on {after} process(es)" in restarted[1]
+    if change == "joins":  # stopped by the agent for a new round, not by a user
+        assert "the job re-formed at step" in restarted[0], restarted[0]
+        assert "SIGTERM received" not in log and "Continue with" not in log
+        assert not (run / ".re-forming").exists()
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):
@@ -321,6 +325,7 @@ def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_
     assert result.returncode == 1
     assert record.read_text().split() == ["0", "1", "2"]  # exactly max_restarts + 1 attempts
     assert "injected failure on rank 1, attempt 0" in result.stderr  # the first failure's traceback
+    assert result.stderr.count("the workers started again") == 2  # said once a restart, by rank 0
     assert "Traceback" in result.stderr
 
 
@@ -369,7 +374,7 @@ def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_pat
     all_succeed(tasks)
     run = only_run(tmp_path / "slurm" / "runs")
     assert relative(weights(run), want) < 1e-10
-    assert "on 2 process(es)" in (run / "log.txt").read_text()
+    assert "strategy ddp: 2 processes" in (run / "log.txt").read_text()
 
 
 def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path):
@@ -398,7 +403,7 @@ def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path)
     run = only_run(tmp_path / "torchrun" / "runs")  # one run directory: rank 0's
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
-    assert "on 2 process(es)" in log and "starting 2 workers" not in result.stderr + log
+    assert "strategy ddp: 2 processes" in log and "starting 2 workers" not in result.stderr + log
 
 
 FIT_SCRIPT = """

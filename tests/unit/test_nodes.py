@@ -4,12 +4,13 @@ or reach the rendezvous (the two-machine run itself: tests/e2e/test_multidevice.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
 import toy
 
-from phalanx import cli, launch
+from phalanx import cli, nodes
 from phalanx.errors import PhalanxError
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,16 +96,104 @@ def test_a_node_that_cannot_reach_node_0_says_so_within_its_timeout():
     with pytest.raises(
         PhalanxError, match=r"node 1 cannot reach node 0 at 127.0.0.1:\d+ within 2 s"
     ):
-        launch.join(launch.Nodes(2, 1, "127.0.0.1", _free_port()), timeout_s=2)
+        nodes.join(nodes.Nodes(2, 1, "127.0.0.1", _free_port()), timeout_s=2)
     assert time.monotonic() - started < 20
 
 
 def test_node_0_serves_only_an_address_of_its_own_and_a_free_port():
     with pytest.raises(PhalanxError, match="node 0 cannot serve the rendezvous on 192.0.2.1"):
-        launch.join(
-            launch.Nodes(2, 0, "192.0.2.1", _free_port())
-        )  # TEST-NET-1: no machine's address
+        nodes.join(nodes.Nodes(2, 0, "192.0.2.1", _free_port()))  # TEST-NET-1: no machine's address
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(PhalanxError, match=f"on 127.0.0.1:{port} .*a free port"):
-            launch.join(launch.Nodes(2, 0, "127.0.0.1", port))
+            nodes.join(nodes.Nodes(2, 0, "127.0.0.1", port))
+
+
+# --- two launchers, as two machines would start them ---------------------------------------------
+
+
+def _node(path, rank: int, rdzv: str, *extra: str, nnodes: int = 2):
+    from procs import start
+
+    return start(
+        "train",
+        str(path),
+        *extra,
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(rank),
+        "--rdzv",
+        rdzv,
+        cwd=path.parent,
+    )
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_node_started_with_another_config_or_node_count_fails_every_node(tmp_path):
+    """Node 1 with an override node 0 lacks (it used to train with node 0's config, silently), or
+    with another --nnodes (both used to go on past the end of training): one line on each node
+    that names the difference, and no run directory."""
+    from procs import finish
+
+    path = toy.write_config(tmp_path, toy.regression_config(parallel={"accelerator": "cpu"}))
+    for extra, nnodes, said in (
+        (["optimizer.lr=0.5"], 2, "optimizer.lr: node 0 0.05, node 1 0.5"),
+        ([], 3, "node 0: --nnodes 2, node 1: --nnodes 3"),
+    ):
+        rdzv = f"127.0.0.1:{_free_port()}"
+        both = [_node(path, 0, rdzv), _node(path, 1, rdzv, *extra, nnodes=nnodes)]
+        results = [finish(proc, timeout=90) for proc in both]
+        for result in results:
+            assert result.returncode == 2, result.stderr
+            line = _error_line(result.stderr)
+            assert line.startswith("phalanx: error: the nodes were started with different")
+            assert said in line
+        assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_waiting_for_the_others_says_so_and_a_signal_ends_the_wait_at_once(tmp_path):
+    """Node 1 pointed at an address where nothing answers says so within seconds; node 0 waiting
+    for a node that never comes says what it waits for; a signal ends either wait at once (it used
+    to be ignored until torch's 600 s timeout), leaving nothing."""
+    import signal
+
+    from procs import wait_until
+
+    path = toy.write_config(tmp_path, toy.regression_config(parallel={"accelerator": "cpu"}))
+    lost = _node(path, 1, f"127.0.0.1:{_free_port()}")
+    lonely = _node(path, 0, f"127.0.0.1:{_free_port()}")
+    said: dict[int, list[str]] = {0: [], 1: []}
+    for rank, proc in ((0, lonely), (1, lost)):  # each one's stderr, read as it comes
+        threading.Thread(
+            target=lambda p=proc, r=rank: said[r].extend(p.stderr), daemon=True
+        ).start()
+
+    def says(rank: int, words: str) -> bool:
+        return any(words in line for line in list(said[rank]))
+
+    wait_until(
+        lambda: says(1, "nothing answers at 127.0.0.1:"),
+        lost,
+        timeout=60,
+        what="node 1 to say that nothing answers",
+    )
+    wait_until(
+        lambda: says(0, "waiting for node 1 to join"),
+        lonely,
+        timeout=60,
+        what="node 0 to say what it waits for",
+    )
+    for proc, signum in ((lost, signal.SIGINT), (lonely, signal.SIGTERM)):
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 128 + signum and time.monotonic() - sent < 10
+    assert says(1, "is node 0 started with --rdzv")
+    assert not (tmp_path / "runs").exists()

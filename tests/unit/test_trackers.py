@@ -7,8 +7,12 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import signal
+import socket
+import time
 from pathlib import Path
 
+import procs
 import pytest
 import toy
 from procs import run as phalanx_cli
@@ -166,6 +170,57 @@ def test_a_tracker_that_cannot_start_is_one_error_and_one_that_fails_later_is_le
     assert run.code == 0 and len(_csv(run.run_dir)) == 3  # training went on
     log_text = (run.run_dir / "log.txt").read_text()
     assert log_text.count("the tracker failed (ConnectionError: the server went away)") == 1
+
+
+def _silent_server() -> socket.socket:
+    """A socket on loopback that takes connections and never answers (a hung tracking server)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    return server
+
+
+def test_an_mlflow_server_that_is_not_there_is_one_line_within_seconds(tmp_path):
+    """Nothing listens at the tracking_uri's port: said in one line, naming the address, instead
+    of MLflow's minutes of retries; nothing is left of the run."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # free once closed: nothing listens there
+    uri = f"http://127.0.0.1:{port}"
+    raw = _raw(tmp_path, {"WriteMLflow": {"tracking_uri": uri}})
+    start = time.monotonic()
+    result = phalanx_cli("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"phalanx: error: WriteMLflow: nothing answers at 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr and time.monotonic() - start < 45
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_signal_while_the_tracker_waits_for_its_server_ends_the_run_at_once(tmp_path):
+    """A server that takes the connection and never answers holds MLflow's first request; Ctrl-C
+    then ends the command at once (not after the request's timeout), and the run directory, which
+    has no checkpoint, is removed."""
+    server = _silent_server()
+    try:
+        uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+        raw = _raw(tmp_path, {"WriteMLflow": {"tracking_uri": uri}})
+        proc = procs.start("train", str(toy.write_config(tmp_path, raw)), cwd=tmp_path)
+        runs = tmp_path / "runs"
+        started = lambda: any(  # noqa: E731
+            '"started"' in p.read_text() for p in runs.glob("*/trace.jsonl")
+        )
+        procs.wait_until(started, proc, what="the run's start")
+        time.sleep(1.0)  # inside MLflow's request, which waits up to FIRST_CONTACT_S
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        result = procs.finish(proc, timeout=60)
+        assert time.monotonic() - sent < 5, "the signal waited for the tracker's request"
+    finally:
+        server.close()
+    assert result.returncode == 130, result.stderr
+    assert "phalanx: interrupted" in result.stderr and "Traceback" not in result.stderr
+    assert "finishing the current step" not in result.stderr
+    assert not any(runs.iterdir())  # nothing trained, nothing kept
 
 
 # --- W&B ---------------------------------------------------------------------------------------

@@ -8,8 +8,10 @@ checkpoint, so a resumed run continues the same tracker run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +125,47 @@ class _Tracker(_Writer):
         raise NotImplementedError
 
 
+FIRST_CONTACT_S = 10  # how long a tracking server has to answer at the start, before training
+
+
+def _answers(uri: str) -> None:
+    """A tracking server named by an http(s) `uri` accepts connections, within seconds: MLflow's
+    own retries would hold the start for minutes where nothing listens."""
+    from urllib.parse import urlsplit
+
+    where = urlsplit(uri)
+    if where.scheme not in ("http", "https") or not where.hostname:
+        return
+    port = where.port or (443 if where.scheme == "https" else 80)
+    try:
+        socket.create_connection((where.hostname, port), timeout=FIRST_CONTACT_S).close()
+    except OSError as e:
+        raise ConfigError(
+            f"WriteMLflow: nothing answers at {where.hostname}:{port} (tracking_uri {uri}: "
+            f"{e.strerror or type(e).__name__}); start the tracking server, correct tracking_uri, "
+            "or remove the hook"
+        ) from None
+
+
+@contextlib.contextmanager
+def _bounded_http():
+    """MLflow's HTTP calls while its run starts: one try each, `FIRST_CONTACT_S` long (MLflow's
+    defaults retry for minutes), unless the user set these variables."""
+    import os
+
+    bounds = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(FIRST_CONTACT_S),
+    }
+    added = {key: value for key, value in bounds.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 class WriteMLflow(_Tracker):
     """An MLflow run per phalanx run: the resolved config as parameters and as `config.yaml`, every
     epoch variable and the step loss (every `every_n_steps`) as metrics at the optimizer step, the
@@ -149,15 +192,21 @@ class WriteMLflow(_Tracker):
         import os
 
         from mlflow import MlflowClient
-        from mlflow.entities import Param
-        from mlflow.exceptions import MlflowException
 
         uri = (
             self.tracking_uri
             or os.environ.get("MLFLOW_TRACKING_URI")
             or f"sqlite:///{Path(self.trainer.cfg.output_root).resolve() / 'mlflow.db'}"
         )
-        self._client = client = MlflowClient(tracking_uri=uri)
+        with _bounded_http():
+            self._begin(MlflowClient(tracking_uri=uri), uri, resumed)
+
+    def _begin(self, client: Any, uri: str, resumed: bool) -> None:
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        _answers(uri)
+        self._client = client
         if resumed:
             try:
                 client.update_run(self.run_id, status="RUNNING")
