@@ -17,14 +17,13 @@ fall back to the step before.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
@@ -66,74 +65,6 @@ SHARDS = (
     "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
 )
 _in_progress: set[Path] = set()
-
-
-class Background:
-    """Checkpoints written by a thread of their own, one at a time: `submit` waits for the one in
-    flight (raising its error, if it failed), then hands the writer a copy of the state in host
-    memory, so that training goes on while the files are written. A step is committed as every
-    step is (manifest, rename): a process killed during the write leaves no trace of it."""
-
-    def __init__(self, checkpoints: Checkpoints, committed: Callable[[int, bool], None]):
-        self.checkpoints, self.committed = checkpoints, committed
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def submit(
-        self,
-        step: int,
-        weights: nn.Module | dict[str, torch.Tensor],
-        optimizer_state: dict,
-        trainer_state: dict,
-        best: dict | None = None,
-    ) -> Path:
-        self.wait()
-        if isinstance(weights, nn.Module):
-            weights = weights.state_dict()
-        staged = (
-            _host_copy(weights),
-            _host_copy(optimizer_state),
-            json.loads(json.dumps(trainer_state)),
-        )
-        self._thread = threading.Thread(
-            target=self._write, args=(step, *staged, best), name="phalanx-checkpoint"
-        )
-        self._thread.start()
-        return self.checkpoints.path(step)
-
-    def wait(self) -> None:
-        """Until the write in flight is committed; its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def _write(
-        self,
-        step: int,
-        weights: dict,
-        optimizer_state: dict,
-        trainer_state: dict,
-        best: dict | None,
-    ) -> None:
-        try:
-            self.checkpoints.save(step, weights, optimizer_state, trainer_state, best)
-            self.committed(step, best is not None)
-        except BaseException as e:  # noqa: BLE001 - raised in the training thread, at the next save or the end
-            self._error = e
-
-
-def _host_copy(value: Any) -> Any:
-    """`value` with every tensor copied to CPU memory (a copy where it is on the CPU already)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _host_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_host_copy(v) for v in value)
-    return copy.deepcopy(value)
 
 
 def abort_in_progress() -> None:
@@ -326,32 +257,37 @@ class Checkpoints:
         trainer_state: dict,
     ) -> None:
         """Everything but the shards (already in `folder/shards` where `module` is None), then the
-        manifest over every file in `folder`."""
-        if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
-            save_model(
-                module, str(folder / WEIGHTS), metadata={"step": str(step)}, force_contiguous=True
-            )
-        elif (
-            module is not None
-        ):  # a full state gathered from shards: no tensor shares another's storage
-            save_file(
-                {k: v.contiguous() for k, v in module.items()},
-                str(folder / WEIGHTS),
-                metadata={"step": str(step)},
-            )
-        with open(
-            folder / OPTIMIZER, "wb"
-        ) as f:  # through Python's file: a full disk is an OSError, with errno
-            torch.save(optimizer_state, f)
-        (folder / TRAINER).write_text(json.dumps(trainer_state))
-        names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-        files = {
-            name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}
-            for name in names
-        }
-        for name in (WEIGHTS, OPTIMIZER, TRAINER):  # the shards' writers synced their own files
-            if name in files:
-                fsync_file(folder / name)
+        manifest over every file in `folder`. Each file is hashed and synced by a thread as soon as
+        it is written, while the next one is written: the hashes cost little more than the writes
+        (hashlib and fsync release the GIL)."""
+        with ThreadPoolExecutor(max_workers=_SEALERS, thread_name_prefix="phalanx-seal") as pool:
+            sealed = {
+                p.relative_to(folder).as_posix(): pool.submit(_sealed, p, sync=False)
+                for p in folder.rglob("*")
+                if p.is_file()  # the shards' writers synced their own files
+            }
+            # the largest file first: its hash runs while the weights are written
+            with open(folder / OPTIMIZER, "wb") as f:  # Python's file: a full disk is an OSError
+                torch.save(optimizer_state, f)
+            sealed[OPTIMIZER] = pool.submit(_sealed, folder / OPTIMIZER)
+            if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
+                save_model(
+                    module,
+                    str(folder / WEIGHTS),
+                    metadata={"step": str(step)},
+                    force_contiguous=True,
+                )
+            elif module is not None:  # a state gathered from shards: no tensor shares storage
+                save_file(
+                    {k: v.contiguous() for k, v in module.items()},
+                    str(folder / WEIGHTS),
+                    metadata={"step": str(step)},
+                )
+            if module is not None:
+                sealed[WEIGHTS] = pool.submit(_sealed, folder / WEIGHTS)
+            (folder / TRAINER).write_text(json.dumps(trainer_state))
+            sealed[TRAINER] = pool.submit(_sealed, folder / TRAINER)
+            files = {name: sealed[name].result() for name in sorted(sealed)}
         layout = "full" if module is not None else "sharded"
         (folder / MANIFEST).write_text(
             json.dumps({"format": FORMAT, "step": step, "layout": layout, "files": files}, indent=1)
@@ -641,6 +577,17 @@ def _unpickling_error(e: Exception) -> str:
     text = str(e).split("WeightsUnpickler error:", 1)[-1].strip()
     first = text.splitlines()[0].split(". ")[0] if text else ""
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
+
+
+_SEALERS = 4  # threads that hash and sync a checkpoint's files
+
+
+def _sealed(path: Path, sync: bool = True) -> dict[str, Any]:
+    """A written file's manifest entry (its size and SHA-256), once it is synced (`sync`)."""
+    digest = _sha256(path)
+    if sync:
+        fsync_file(path)
+    return {"size": path.stat().st_size, "sha256": digest}
 
 
 def _sha256(path: Path) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from phalanx import data, loading, resuming, rundir, strategies
+from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
     build_optimizer,
@@ -25,7 +26,7 @@ from phalanx.build import (
     seed_everything,
     set_rng_state,
 )
-from phalanx.checkpoint import Background, Checkpoints, initial_weights
+from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, GradNorms, concat
 from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, lost_a_peer
