@@ -110,16 +110,24 @@ class FSDP(ProcessGroup):
         if meta:
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)
-        for sharded in module.modules():
+        for name, sharded in module.named_modules():
             if isinstance(
                 sharded, FSDPModule
             ):  # sums, not averages: the objective carries 1/B already
                 sharded.set_gradient_divide_factor(1.0)
                 sharded.set_force_sum_reduction_for_comms(True)
+                self._counted(sharded, name)
         # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it would
         # skip its backward hook; phalanx changes no output in place (it detaches them for the hooks)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         return module
+
+    def _counted(self, unit: nn.Module, name: str) -> None:
+        """Each unit's all-gather before its forward, counted as a collective entered (before
+        FSDP's own hook, which gathers): a rank that hangs between two units' gathers is then
+        behind the others, and named when their wait times out."""
+        what = f"the all-gather of {name or 'the model'}'s parameters"
+        unit.register_forward_pre_hook(lambda *_: self.progress.enter(what), prepend=True)
 
     def _initialise(self, module: nn.Module) -> None:
         """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors of
