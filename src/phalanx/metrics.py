@@ -132,13 +132,14 @@ def summary(module: nn.Module, children: int = 8) -> str:
     shown = ", ".join(f"{name} ({kind}) {n:,}" for n, name, kind in parts[:children] if n)
     more = f", and {len(parts) - children} more" if len(parts) > children else ""
     return (
-        f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), {_size(size)}"
-        + (f"; {shown}{more}" if shown else "")
+        f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), "
+        f"{_size(size)}" + (f"; {shown}{more}" if shown else "")
     )
 
 
 def _class_name(module: nn.Module) -> str:
-    """The user's class name (fsdp makes each sharded module's class a subclass named FSDP<name>)."""
+    """The user's class name (fsdp makes each sharded module's class a subclass named
+    FSDP<name>)."""
     classes = type(module).__mro__
     if any(c.__name__ == "FSDPModule" for c in classes):
         return next(c.__name__ for c in classes[1:] if c.__name__ != "FSDPModule")
@@ -182,7 +183,8 @@ def _nvml_handle(index: int) -> Any:
 
 def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     """Scaling efficiency of each device count: throughput_N / (N * throughput_1), from rows holding
-    `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in full."""
+    `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in
+    full."""
     base = next((r for r in rows if r["devices"] == 1), None)
     out = []
     for row in rows:

@@ -36,7 +36,8 @@ run_dirs: dict[str, Path] = {}  # run id -> its run directory, for the elastic h
 @dataclass(frozen=True)
 class Nodes:
     """This machine's part in a job on several: `count` machines (between `least` and `count` where
-    the job is elastic), this one's `rank` (0: the one that serves the job's store, on `host:port`)."""
+    the job is elastic), this one's `rank` (0: the one that serves the job's store, on
+    `host:port`)."""
 
     count: int
     rank: int

@@ -56,7 +56,8 @@ def raise_interrupted(signum: int, frame: object = None) -> None:
 
 
 def install_startup_handlers() -> dict[int, object]:
-    """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers replaced."""
+    """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers
+    replaced."""
     return {sig: signal.signal(sig, raise_interrupted) for sig in SIGNALS}
 
 
@@ -67,7 +68,8 @@ def restore(handlers: dict[int, object]) -> None:
 
 
 def exit_at_once(signum: int, frame: object = None) -> None:
-    """A signal handler: remove any half-written checkpoint and exit with 128 + the signal number."""
+    """A signal handler: remove any half-written checkpoint and exit with 128 + the signal
+    number."""
     from phalanx import checkpoint
 
     if (
@@ -124,8 +126,9 @@ class GracefulStop:
         return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:
-        """Take SIGINT and SIGTERM until `restore`; Python lets only the main thread take signals, so
-        a run started from another thread (phalanx.fit in a thread) keeps the handlers it found."""
+        """Take SIGINT and SIGTERM until `restore`; Python lets only the main thread take signals,
+        so a run started from another thread (phalanx.fit in a thread) keeps the handlers it
+        found."""
         global _at_once
         if threading.current_thread() is not threading.main_thread():
             return

@@ -137,7 +137,8 @@ class LogThroughput(Hook):
             self._state_logged = True
             state = self.trainer.state_bytes()
             log.info(
-                "model state held by the main process: %s (parameters %s, gradients %s, optimizer %s)",
+                "model state held by the main process: %s "
+                "(parameters %s, gradients %s, optimizer %s)",
                 _mib(sum(state.values())),
                 *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")),
             )

@@ -52,7 +52,8 @@ class _Tracker(_Writer):
         return rundir.resolved(self.trainer.cfg)
 
     def before_training(self) -> None:
-        """Start (or continue) the tracker's run: a failure here is a one-line error, before training."""
+        """Start (or continue) the tracker's run: a failure here is a one-line error, before
+        training."""
         if not self.active:
             return
         try:
@@ -173,7 +174,8 @@ class WriteMLflow(_Tracker):
 
     `tracking_uri`: where MLflow stores runs; default MLFLOW_TRACKING_URI where set, else the local
     database `<output_root>/mlflow.db`, with artifacts in `<output_root>/mlartifacts` (look at them
-    with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, where the mlflow package is installed).
+    with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, where the mlflow package is
+    installed).
     """
 
     def __init__(
@@ -220,7 +222,8 @@ class WriteMLflow(_Tracker):
                     str(e).splitlines()[0],
                 )
         experiment = client.get_experiment_by_name(self.experiment)
-        # a local database keeps the experiment's artifacts beside it (MLflow's default: ./mlruns, wherever that is)
+        # a local database keeps the experiment's artifacts beside it (MLflow's default: ./mlruns,
+        # wherever that is)
         local = (
             Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
             if uri.startswith("sqlite:///")
@@ -268,8 +271,9 @@ class WriteMLflow(_Tracker):
 
 class WriteWandb(_Tracker):
     """A Weights & Biases run per phalanx run: the resolved config, every epoch variable (as
-    `stream/variable`) and the step loss (every `every_n_steps`) at the optimizer step, and the end (exit code 0, or 1, marked
-    preempted where a signal stopped it). Its files go to the run directory's `wandb/`.
+    `stream/variable`) and the step loss (every `every_n_steps`) at the optimizer step, and the
+    end (exit code 0, or 1, marked preempted where a signal stopped it). Its files go to the run
+    directory's `wandb/`.
 
     `mode`: online, offline (files only; `wandb sync` uploads them later) or disabled; default
     W&B's own choice (WANDB_MODE, else online).
@@ -316,7 +320,8 @@ class WriteWandb(_Tracker):
             )
         except Exception as e:  # noqa: BLE001 - W&B's errors (no API key, no network) vary by version
             raise ConfigError(
-                f"WriteWandb: W&B could not start a run ({_first_line(e)}); log in with `wandb login`, "
+                f"WriteWandb: W&B could not start a run ({_first_line(e)}); "
+                "log in with `wandb login`, "
                 "or write the run's files only with mode: offline (`wandb sync` uploads them later)"
             ) from e
         self.run_id = self._run.id
@@ -328,7 +333,8 @@ class WriteWandb(_Tracker):
         )
 
     def _log(self, values: dict[str, float], step: int) -> None:
-        # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest the key)
+        # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest
+        # the key)
         self._run.log(
             {name.replace(".", "/", 1): value for name, value in values.items()}, step=step
         )

@@ -9,10 +9,10 @@ an empty shard arrives as a batch of zero samples and contributes zero gradient.
 reduced only after the last micro-batch of a step. The ranks agree on the step's loss and stop
 flag with one small all-reduce.
 
-Checkpoints hold the model and optimizer as each rank's shards (torch.distributed.checkpoint), written
-by every rank at once into the step's folder; any strategy on any process count reads them, so a run
-saved with fsdp resumes with ddp, single or another process count. The whole state can also be
-gathered to the main process (`model_state`, `optimizer_state`).
+Checkpoints hold the model and optimizer as each rank's shards (torch.distributed.checkpoint),
+written by every rank at once into the step's folder; any strategy on any process count reads them,
+so a run saved with fsdp resumes with ddp, single or another process count. The whole state can
+also be gathered to the main process (`model_state`, `optimizer_state`).
 """
 
 from __future__ import annotations
@@ -64,11 +64,11 @@ class FSDP(ProcessGroup):
         return torch.device("meta") if self.options.init == "meta" else contextlib.nullcontext()
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
-        """Every rank builds the model from the same seed, so its values are one process's, and keeps
-        its shard of each parameter. Built whole, it is sharded after; built on the meta device, it is
-        sharded first and each module's values are then drawn whole, one module at a time, in the
-        dtype the model was built in and in module order (as one process draws them), and cut to
-        this rank's shards."""
+        """Every rank builds the model from the same seed, so its values are one process's, and
+        keeps its shard of each parameter. Built whole, it is sharded after; built on the meta
+        device, it is sharded first and each module's values are then drawn whole, one module at a
+        time, in the dtype the model was built in and in module order (as one process draws them),
+        and cut to this rank's shards."""
         self.model = module
         self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":
@@ -116,15 +116,16 @@ class FSDP(ProcessGroup):
             ):  # sums, not averages: the objective carries 1/B already
                 sharded.set_gradient_divide_factor(1.0)
                 sharded.set_force_sum_reduction_for_comms(True)
-        # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it would
-        # skip its backward hook; phalanx changes no output in place (it detaches them for the hooks)
+        # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it
+        # would skip its backward hook; phalanx changes no output in place (it detaches them for the
+        # hooks)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         return module
 
     def _initialise(self, module: nn.Module) -> None:
-        """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors of
-        the dtype it was built in, then cast and cut to this rank's shards: no rank holds more than
-        one module whole, and every rank draws the same values (so no values are sent)."""
+        """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors
+        of the dtype it was built in, then cast and cut to this rank's shards: no rank holds more
+        than one module whole, and every rank draws the same values (so no values are sent)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         for prefix, sub in module.named_modules():
@@ -185,7 +186,8 @@ class FSDP(ProcessGroup):
         return parts, loss, stop, 0.0
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
-        """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once waited."""
+        """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once
+        waited."""
         values = agreement(loss, stop)
         self.progress.enter("the agreement on the step's loss")
         return values, dist.all_reduce(values, async_op=True)
@@ -300,8 +302,8 @@ def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
             ):
                 raise ConfigError(
                     f"parallel.fsdp.shard: {names[id(unit)]!r} and {names[id(other)]!r} share a "
-                    "parameter (tied weights), and FSDP shards each unit's parameters apart; leave one "
-                    "of their classes out of parallel.fsdp.shard"
+                    "parameter (tied weights), and FSDP shards each unit's parameters apart; "
+                    "leave one of their classes out of parallel.fsdp.shard"
                 )
     return units[::-1]
 
@@ -310,9 +312,10 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
     """The model's parts, as torchtitan shards a transformer: each block of a container of blocks
     (ModuleList, ModuleDict, Sequential) is a unit, wherever the container is (a wrapper that holds
     one, such as a Hugging Face model's `transformer` or `encoder`, is looked into), and so is each
-    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a module
-    outside it also holds (tied weights, such as a language model's embedding and head) is not a
-    unit: its own untied parts are, and the root, sharded last, gathers what no unit took."""
+    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a
+    module outside it also holds (tied weights, such as a language model's embedding and head) is
+    not a unit: its own untied parts are, and the root, sharded last, gathers what no unit
+    took."""
     holders: dict[int, list[nn.Module]] = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
@@ -375,7 +378,8 @@ def _check_resettable(module: nn.Module) -> None:
 
 
 def _by_index(state: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by index."""
+    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by
+    index."""
     index = {name: i for i, name in enumerate(names)}
     return {
         "state": {index[name]: value for name, value in state["state"].items()},

@@ -194,7 +194,8 @@ class Towers(OneProcess, Replicated):
         )
 
     def _reduce_gradients(self) -> None:
-        """Each master gradient: the sum of the replicas' (the master's own included, where it is a tower)."""
+        """Each master gradient: the sum of the replicas' (the master's own included, where it is
+        a tower)."""
         others = [list(r.parameters()) for r in self._replicas if r is not self.model]
         for i, p in enumerate(self.model.parameters()):
             for grads in others:
@@ -314,7 +315,8 @@ def _shares(n: int, towers: int) -> list[tuple[int, int]]:
 
 
 def _slice(batch: Mapping, start: int, stop: int, n: int) -> dict:
-    """Samples start..stop of a batch: tensors and lists along their first dimension, other values whole."""
+    """Samples start..stop of a batch: tensors and lists along their first dimension, other values
+    whole."""
     out = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
