@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 from phalanx.errors import ConfigError
 
@@ -102,14 +102,22 @@ def tasks_on_this_node(env: Mapping[str, str]) -> int:
     return _int(env, "SLURM_NTASKS", 1)
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None | type = ValueError) -> int | None:
+@overload
+def _int(env: Mapping[str, str], name: str) -> int: ...
+@overload
+def _int(env: Mapping[str, str], name: str, default: int, /) -> int: ...
+@overload
+def _int(env: Mapping[str, str], name: str, default: None, /) -> int | None: ...
+def _int(env: Mapping[str, str], name: str, *default: int | None) -> int | None:
+    """The variable `name` as a whole number; where it is missing, `default` if one is given, else
+    a ConfigError."""
     if name not in env:
-        if default is ValueError:
+        if not default:
             raise ConfigError(
                 f"the environment variable {name} is missing; the launcher that started this "
                 "process set only some of its variables"
             )
-        return default  # type: ignore[return-value]
+        return default[0]
     try:
         return int(env[name])
     except ValueError:
