@@ -50,6 +50,11 @@ class Nodes:
         return self.least is not None and self.least < self.count
 
     @property
+    def fewest(self) -> int:
+        """The fewest machines the job goes on with: `least` where it is given, else `count`."""
+        return self.count if self.least is None else self.least
+
+    @property
     def run_id(self) -> str:  # the same on every node
         return f"phalanx-{self.host}-{self.port}"
 

@@ -23,10 +23,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any, TypeAlias
 
 log = logging.getLogger("phalanx")
+# what signal.signal takes and returns: a function, SIG_DFL or SIG_IGN, or None (a handler not set
+# from Python)
+Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 _worker = False  # set in a worker of phalanx's launcher
 _at_once = (
@@ -55,13 +60,13 @@ def raise_interrupted(signum: int, frame: object = None) -> None:
     raise Interrupted(signum)
 
 
-def install_startup_handlers() -> dict[int, object]:
+def install_startup_handlers() -> dict[int, Handler]:
     """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers
     replaced."""
     return {sig: signal.signal(sig, raise_interrupted) for sig in SIGNALS}
 
 
-def restore(handlers: dict[int, object]) -> None:
+def restore(handlers: dict[int, Handler]) -> None:
     for sig, handler in handlers.items():
         if handler is not None:  # None: a handler not set from Python, which cannot be put back
             signal.signal(sig, handler)
@@ -91,7 +96,7 @@ def end_at_once_on_signals() -> None:
 class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
         self._request_file: Path | None = None
         self._reform_file: Path | None = None
         self._starting = False  # the hooks start: a signal ends the run before its first step
