@@ -169,9 +169,13 @@ def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
     """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the
     agent keeps one store for every attempt after a worker failed, and the previous attempt's keys
     (its ranks' addresses) are stale."""
-    store = dist.TCPStore(
-        place.master_addr, place.master_port, place.world_size, False, timeout=timeout
-    )
+    addr, port = place.master_addr, place.master_port
+    if addr is None or port is None:
+        raise ConfigError(
+            "the agent that started this process set no MASTER_ADDR or MASTER_PORT; "
+            "start it with phalanx's launcher or torchrun"
+        )
+    store = dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)
     round_key = f"phalanx/round-of-node/{place.node_rank}"  # an elastic job's round (see launch)
     if store.check([round_key]):
         return dist.PrefixStore(f"phalanx/round-{store.get(round_key).decode()}", store)
@@ -186,6 +190,10 @@ def _job_store(place: environment.Place, timeout: timedelta) -> dist.TCPStore:
         raise ConfigError(
             "this Slurm job names no master address (MASTER_ADDR, or SLURM_JOB_NODELIST); "
             "export MASTER_ADDR in the job script"
+        )
+    if port is None:  # environment.here derives one from the job id where MASTER_PORT is unset
+        raise ConfigError(
+            "this Slurm job names no master port; export MASTER_PORT in the job script"
         )
     if place.rank != 0:
         return dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)

@@ -21,7 +21,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+    from torch.distributed.fsdp import FSDPModule
+
     from phalanx.config import FSDPConfig
     from phalanx.engine import Engine
 
@@ -42,6 +45,11 @@ _DTYPES = {
     "fp16": torch.float16,
     "fp64": torch.float64,
 }
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The dtype a precision's name stands for; None (no name): the parameters' own."""
+    return None if name is None else _DTYPES[name]
 
 
 class FSDP(ProcessGroup):
@@ -56,7 +64,24 @@ class FSDP(ProcessGroup):
     ):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
-        self.model: nn.Module | None = None
+        self._model: nn.Module | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The model `setup` was given (sharded in place by `fully_shard`)."""
+        if self._model is None:
+            raise RuntimeError("fsdp: the model is used before the strategy's setup")
+        return self._model
+
+    @property
+    def _sharded(self) -> FSDPModule:
+        """The model, as the FSDP module that `fully_shard` made it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.model
+        if not isinstance(model, FSDPModule):
+            raise RuntimeError("fsdp: the model is used before it is sharded")
+        return model
 
     def init_context(self) -> contextlib.AbstractContextManager:
         """Where the model is built: whole on every rank (`init: full`), or on the meta device, with
@@ -69,7 +94,7 @@ class FSDP(ProcessGroup):
         device, it is sharded first and each module's values are then drawn whole, one module at a
         time, in the dtype the model was built in and in module order (as one process draws them),
         and cut to this rank's shards."""
-        self.model = module
+        self._model = module
         self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":
             _check_resettable(module)
@@ -93,20 +118,19 @@ class FSDP(ProcessGroup):
             module = module.to(self.device)
         self.progress.enter("the sharding of the model")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        settings = {
-            "mesh": mesh,
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=_DTYPES.get(self.options.param_dtype),
-                reduce_dtype=_DTYPES.get(self.options.reduce_dtype),
-            ),
-            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        precision = MixedPrecisionPolicy(
+            param_dtype=_dtype(self.options.param_dtype),
+            reduce_dtype=_dtype(self.options.reduce_dtype),
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if self.options.offload
-            else OffloadPolicy(),
-        }
+            else OffloadPolicy()
+        )
         units = _units(module, self.options.shard)
         for unit in units:  # innermost first: a unit's parameters are those no inner unit took
-            fully_shard(unit, **settings)
-        fully_shard(module, **settings)
+            fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
+        fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
         if meta:
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)
@@ -166,10 +190,11 @@ class FSDP(ProcessGroup):
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        model, last = self.model, len(micros) - 1
+        model, last = self._sharded, len(micros) - 1
         self._statistics.warn_once()
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
+            assert batch is not None  # an empty shard comes as a batch of zero samples
             model.set_requires_gradient_sync(
                 i == last
             )  # reduce once, after the step's last micro-batch
@@ -205,7 +230,8 @@ class FSDP(ProcessGroup):
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return state if self.is_main else {}
+        # a full state dict holds whole tensors (gathered and moved to the CPU), no DTensor
+        return cast(dict[str, torch.Tensor], state) if self.is_main else {}
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         from safetensors.torch import load_file
@@ -219,7 +245,7 @@ class FSDP(ProcessGroup):
             self.progress.enter("the loading of the checkpoint's shards")
             load_shards(path, self.model, optimizer, collective=True)
             return
-        state = load_file(str(path))
+        state: dict[str, ValueType] = dict(load_file(str(path)))
         try:
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
         except (RuntimeError, KeyError, ValueError) as e:
