@@ -146,7 +146,7 @@ def _class_name(module: nn.Module) -> str:
     return classes[0].__name__
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -181,12 +181,12 @@ def _nvml_handle(index: int) -> Any:
     return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
-def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+def scaling(rows: list[dict[str, float]]) -> list[dict[str, float | None]]:
     """Scaling efficiency of each device count: throughput_N / (N * throughput_1), from rows holding
     `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in
     full."""
     base = next((r for r in rows if r["devices"] == 1), None)
-    out = []
+    out: list[dict[str, float | None]] = []
     for row in rows:
         eff = row["samples_per_s"] / (row["devices"] * base["samples_per_s"]) if base else None
         out.append(
