@@ -14,12 +14,16 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 from phalanx.hooks.variables import flat_variables
 from phalanx.hooks.writers import _Writer
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from wandb.sdk.wandb_run import Run
 
 log = logging.getLogger("phalanx")
 
@@ -68,9 +72,10 @@ class _Tracker(_Writer):
         self._started = True
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        step = self.trainer.step
-        if self._started and self.trainer.training and self.every and step % self.every == 0:
-            values = {"train.step_loss": float(self.trainer.last_loss)}
+        step, loss = self.trainer.step, self.trainer.last_loss  # a training step has set its loss
+        due = self.every and step % self.every == 0
+        if self._started and self.trainer.training and loss is not None and due:
+            values = {"train.step_loss": float(loss)}
             if self.trainer.last_grad_norm is not None:
                 values["train.step_grad_norm"] = self.trainer.last_grad_norm
             values.update(
@@ -115,6 +120,13 @@ class _Tracker(_Writer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.run_id = state.get("run_id")
+
+    @property
+    def _run_id(self) -> str:
+        """The tracker's run id, which a started tracker has."""
+        if self.run_id is None:
+            raise RuntimeError(f"{type(self).__name__}: the tracker's run has not started")
+        return self.run_id
 
     def _start(self, resumed: bool) -> None:
         raise NotImplementedError
@@ -188,7 +200,14 @@ class WriteMLflow(_Tracker):
         _require("mlflow", "mlflow-skinny sqlalchemy alembic (or mlflow)", "WriteMLflow")
         super().__init__(every_n_steps)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
-        self._client = None
+        self._client: MlflowClient | None = None
+
+    @property
+    def _started_client(self) -> MlflowClient:
+        """The client of the MLflow run that `_start` began."""
+        if self._client is None:
+            raise RuntimeError("WriteMLflow: the MLflow run has not started")
+        return self._client
 
     def _start(self, resumed: bool) -> None:
         import os
@@ -236,7 +255,7 @@ class WriteMLflow(_Tracker):
                 self.experiment, artifact_location=local.as_uri() if local else None
             )
         )
-        run_dir = self.trainer.run_dir
+        run_dir = self._run_dir
         run = client.create_run(
             experiment_id,
             run_name=self.run_name or run_dir.name,
@@ -260,11 +279,11 @@ class WriteMLflow(_Tracker):
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+            self._started_client.log_batch(self._run_id, metrics=metrics[i : i + 1000])
 
     def _end(self, status: str) -> None:
-        self._client.set_terminated(
-            self.run_id,
+        self._started_client.set_terminated(
+            self._run_id,
             status={"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}[status],
         )
 
@@ -284,7 +303,7 @@ class WriteWandb(_Tracker):
         project: str = "phalanx",
         entity: str | None = None,
         name: str | None = None,
-        mode: str | None = None,
+        mode: Literal["online", "offline", "disabled"] | None = None,
         tags: list[str] | None = None,
         every_n_steps: int = 50,
     ):
@@ -299,14 +318,21 @@ class WriteWandb(_Tracker):
             mode,
             tags,
         )
-        self._run = None
+        self._run: Run | None = None
+
+    @property
+    def _started_run(self) -> Run:
+        """The W&B run that `_start` began."""
+        if self._run is None:
+            raise RuntimeError("WriteWandb: the W&B run has not started")
+        return self._run
 
     def _start(self, resumed: bool) -> None:
         import wandb
 
-        run_dir = self.trainer.run_dir
+        run_dir = self._run_dir
         try:
-            self._run = wandb.init(
+            run = wandb.init(
                 project=self.project,
                 entity=self.entity,
                 name=self.name or run_dir.name,
@@ -324,22 +350,18 @@ class WriteWandb(_Tracker):
                 "log in with `wandb login`, "
                 "or write the run's files only with mode: offline (`wandb sync` uploads them later)"
             ) from e
-        self.run_id = self._run.id
-        log.info(
-            "WriteWandb: W&B run %s (%s), files in %s",
-            self._run.id,
-            self._run.settings.mode,
-            self._run.dir,
-        )
+        self._run, self.run_id = run, run.id
+        log.info("WriteWandb: W&B run %s (%s), files in %s", run.id, run.settings.mode, run.dir)
 
     def _log(self, values: dict[str, float], step: int) -> None:
         # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest
         # the key)
-        self._run.log(
+        self._started_run.log(
             {name.replace(".", "/", 1): value for name, value in values.items()}, step=step
         )
 
     def _end(self, status: str) -> None:
+        run = self._started_run
         if status == "interrupted":
-            self._run.mark_preempting()
-        self._run.finish(exit_code=0 if status == "finished" else 1)
+            run.mark_preempting()
+        run.finish(exit_code=0 if status == "finished" else 1)
