@@ -33,6 +33,9 @@ demo: $(STAMP)
 	$(VENV)/bin/phalanx eval "$$(ls -td runs/digits-2* | head -n 1)" --stream test
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)

@@ -5,7 +5,8 @@ Three ways a process can come to be one of several:
   WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT);
 - Slurm started it, one task per device (`srun`, no agent): SLURM_PROCID, SLURM_LOCALID,
   SLURM_NODEID, SLURM_NTASKS, SLURM_TASKS_PER_NODE, and the job's first node as the master
-  (MASTER_ADDR and MASTER_PORT where the job script sets them; else the port derived from the job id);
+  (MASTER_ADDR and MASTER_PORT where the job script sets them; else the port derived from the
+  job id);
 - neither: it is alone.
 The agent's variables win where both are present (`torchrun` inside a Slurm job).
 """
@@ -16,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 from phalanx.errors import ConfigError
 
@@ -85,8 +86,8 @@ def first_host(nodelist: str) -> str | None:
 
 
 def tasks_on_this_node(env: Mapping[str, str]) -> int:
-    """Slurm's tasks on this node: SLURM_NTASKS_PER_NODE, or this node's entry of SLURM_TASKS_PER_NODE
-    (`4(x2),3`: 4 on each of the first two nodes, then 3)."""
+    """Slurm's tasks on this node: SLURM_NTASKS_PER_NODE, or this node's entry of
+    SLURM_TASKS_PER_NODE (`4(x2),3`: 4 on each of the first two nodes, then 3)."""
     if "SLURM_NTASKS_PER_NODE" in env:
         return _int(env, "SLURM_NTASKS_PER_NODE")
     node = _int(env, "SLURM_NODEID", 0)
@@ -101,14 +102,22 @@ def tasks_on_this_node(env: Mapping[str, str]) -> int:
     return _int(env, "SLURM_NTASKS", 1)
 
 
-def _int(env: Mapping[str, str], name: str, default: int | None | type = ValueError) -> int | None:
+@overload
+def _int(env: Mapping[str, str], name: str) -> int: ...
+@overload
+def _int(env: Mapping[str, str], name: str, default: int, /) -> int: ...
+@overload
+def _int(env: Mapping[str, str], name: str, default: None, /) -> int | None: ...
+def _int(env: Mapping[str, str], name: str, *default: int | None) -> int | None:
+    """The variable `name` as a whole number; where it is missing, `default` if one is given, else
+    a ConfigError."""
     if name not in env:
-        if default is ValueError:
+        if not default:
             raise ConfigError(
                 f"the environment variable {name} is missing; the launcher that started this "
                 "process set only some of its variables"
             )
-        return default  # type: ignore[return-value]
+        return default[0]
     try:
         return int(env[name])
     except ValueError:
@@ -119,6 +128,7 @@ def _int(env: Mapping[str, str], name: str, default: int | None | type = ValueEr
 
 
 def nccl_trace_prefix(environ: Mapping[str, str] | None = None) -> str | None:
-    """Where NCCL's flight recorder writes each rank's trace on a timeout (the path, before the rank)."""
+    """Where NCCL's flight recorder writes each rank's trace on a timeout (the path, before the
+    rank)."""
     env = os.environ if environ is None else environ
     return env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")

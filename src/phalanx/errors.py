@@ -50,7 +50,8 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
 
 # What a rank records when another rank, or its machine, ended under it: a consequence, not a cause.
 _LOST_PEER = re.compile(
-    r"Connection (reset|closed) by peer|Connection was likely closed|Broken pipe|Connection refused|"
+    r"Connection (reset|closed) by peer|Connection was likely closed|Broken pipe|"
+    r"Connection refused|"
     r"DistNetworkError|failed to recv|Socket closed|ncclRemoteError|communicator was aborted",
     re.IGNORECASE,
 )

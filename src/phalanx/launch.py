@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from phalanx import environment, rundir, signals
 from phalanx.errors import PhalanxError, lost_a_peer
@@ -59,6 +59,9 @@ from phalanx.nodes import (
     stores,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing import LogsSpecs
+
 log = logging.getLogger("phalanx")
 STOP_FILE = ".stop-requested"  # the workers finish their step, save and exit
 ABORT_FILE = ".stop-now"  # the workers exit at once; it holds their exit code
@@ -70,6 +73,18 @@ _listeners: dict[str, socket.socket] = {}  # run id -> the rendezvous store's li
 
 class RankFailure(PhalanxError):
     """A worker process failed; the message holds its rank and traceback."""
+
+
+class _Common(TypedDict):
+    """The LaunchConfig settings of every launch, on one machine or several."""
+
+    nproc_per_node: int
+    max_restarts: int
+    monitor_interval: float
+    start_method: str
+    signals_to_handle: str
+    shutdown_timeout: int
+    logs_specs: LogsSpecs
 
 
 def clear_requests(run_dir: Path) -> None:
@@ -99,7 +114,7 @@ def launch(
     records = Path(
         tempfile.mkdtemp(prefix="phalanx-workers-")
     )  # each worker's error.json, read on failure
-    common = dict(
+    common = _Common(
         nproc_per_node=devices,
         max_restarts=restarts,
         monitor_interval=0.1,
@@ -129,7 +144,7 @@ def launch(
             nodes.elastic
         ):  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
             config = LaunchConfig(
-                min_nodes=nodes.least,
+                min_nodes=nodes.fewest,
                 max_nodes=nodes.count,
                 run_id=run_id,
                 rdzv_backend=registered(ELASTIC_RENDEZVOUS, elastic_rendezvous_handler),
@@ -206,7 +221,7 @@ class _Relay:
         self._started = _count_started(
             run_dir
         )  # "started" events before this launch (a resumed run)
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, signals.Handler] = {}
         self._interrupt: int | None = (
             None  # the signal the receiving thread passed on to the main thread
         )
@@ -246,7 +261,8 @@ class _Relay:
             info = signal.sigtimedwait(signals.SIGNALS, 0.1)
             if info is not None and self._relay(info.si_signo):
                 self._interrupt = info.si_signo
-                _thread.interrupt_main(info.si_signo)  # runs _handle in the main thread
+                # runs _handle in the main thread
+                _thread.interrupt_main(signal.Signals(info.si_signo))
 
     def _handle(self, signum: int, frame: object) -> None:
         """A signal in the main thread: delivered there, or passed on by the receiving thread."""
@@ -412,8 +428,8 @@ class _Guard(threading.Thread):
                 )
                 _end(1)
             try:  # "CODE" from the launcher (a signal), "CODE ATTEMPT" from a worker that failed
-                code, *attempt = self.abort.read_text().split() or ["1"]
-                code = int(code) if attempt in ([], [self.attempt]) else None
+                text, *attempt = self.abort.read_text().split() or ["1"]
+                code = int(text) if attempt in ([], [self.attempt]) else None
             except (OSError, ValueError):
                 code = None
             if code is not None:

@@ -132,20 +132,21 @@ def summary(module: nn.Module, children: int = 8) -> str:
     shown = ", ".join(f"{name} ({kind}) {n:,}" for n, name, kind in parts[:children] if n)
     more = f", and {len(parts) - children} more" if len(parts) > children else ""
     return (
-        f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), {_size(size)}"
-        + (f"; {shown}{more}" if shown else "")
+        f"model {_class_name(module)}: {total:,} parameters ({trainable:,} trainable), "
+        f"{_size(size)}" + (f"; {shown}{more}" if shown else "")
     )
 
 
 def _class_name(module: nn.Module) -> str:
-    """The user's class name (fsdp makes each sharded module's class a subclass named FSDP<name>)."""
+    """The user's class name (fsdp makes each sharded module's class a subclass named
+    FSDP<name>)."""
     classes = type(module).__mro__
     if any(c.__name__ == "FSDPModule" for c in classes):
         return next(c.__name__ for c in classes[1:] if c.__name__ != "FSDPModule")
     return classes[0].__name__
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -180,11 +181,12 @@ def _nvml_handle(index: int) -> Any:
     return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
-def scaling(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+def scaling(rows: list[dict[str, float]]) -> list[dict[str, float | None]]:
     """Scaling efficiency of each device count: throughput_N / (N * throughput_1), from rows holding
-    `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in full."""
+    `devices` and `samples_per_s`; 1.0 is perfect scaling, below 1 more devices pay less than in
+    full."""
     base = next((r for r in rows if r["devices"] == 1), None)
-    out = []
+    out: list[dict[str, float | None]] = []
     for row in rows:
         eff = row["samples_per_s"] / (row["devices"] * base["samples_per_s"]) if base else None
         out.append(

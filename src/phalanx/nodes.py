@@ -36,7 +36,8 @@ run_dirs: dict[str, Path] = {}  # run id -> its run directory, for the elastic h
 @dataclass(frozen=True)
 class Nodes:
     """This machine's part in a job on several: `count` machines (between `least` and `count` where
-    the job is elastic), this one's `rank` (0: the one that serves the job's store, on `host:port`)."""
+    the job is elastic), this one's `rank` (0: the one that serves the job's store, on
+    `host:port`)."""
 
     count: int
     rank: int
@@ -47,6 +48,11 @@ class Nodes:
     @property
     def elastic(self) -> bool:
         return self.least is not None and self.least < self.count
+
+    @property
+    def fewest(self) -> int:
+        """The fewest machines the job goes on with: `least` where it is given, else `count`."""
+        return self.count if self.least is None else self.least
 
     @property
     def run_id(self) -> str:  # the same on every node

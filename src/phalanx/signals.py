@@ -23,10 +23,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any, TypeAlias
 
 log = logging.getLogger("phalanx")
+# what signal.signal takes and returns: a function, SIG_DFL or SIG_IGN, or None (a handler not set
+# from Python)
+Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 _worker = False  # set in a worker of phalanx's launcher
 _at_once = (
@@ -55,19 +60,21 @@ def raise_interrupted(signum: int, frame: object = None) -> None:
     raise Interrupted(signum)
 
 
-def install_startup_handlers() -> dict[int, object]:
-    """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers replaced."""
+def install_startup_handlers() -> dict[int, Handler]:
+    """Until training starts, SIGINT and SIGTERM raise `Interrupted`. Returns the handlers
+    replaced."""
     return {sig: signal.signal(sig, raise_interrupted) for sig in SIGNALS}
 
 
-def restore(handlers: dict[int, object]) -> None:
+def restore(handlers: dict[int, Handler]) -> None:
     for sig, handler in handlers.items():
         if handler is not None:  # None: a handler not set from Python, which cannot be put back
             signal.signal(sig, handler)
 
 
 def exit_at_once(signum: int, frame: object = None) -> None:
-    """A signal handler: remove any half-written checkpoint and exit with 128 + the signal number."""
+    """A signal handler: remove any half-written checkpoint and exit with 128 + the signal
+    number."""
     from phalanx import checkpoint
 
     if (
@@ -89,7 +96,7 @@ def end_at_once_on_signals() -> None:
 class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Handler] = {}
         self._request_file: Path | None = None
         self._reform_file: Path | None = None
         self._starting = False  # the hooks start: a signal ends the run before its first step
@@ -124,8 +131,9 @@ class GracefulStop:
         return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:
-        """Take SIGINT and SIGTERM until `restore`; Python lets only the main thread take signals, so
-        a run started from another thread (phalanx.fit in a thread) keeps the handlers it found."""
+        """Take SIGINT and SIGTERM until `restore`; Python lets only the main thread take signals,
+        so a run started from another thread (phalanx.fit in a thread) keeps the handlers it
+        found."""
         global _at_once
         if threading.current_thread() is not threading.main_thread():
             return

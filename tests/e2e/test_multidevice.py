@@ -170,9 +170,9 @@ def all_succeed(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("devices", [1, 2])
 def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
-    """`phalanx train --nnodes 2 --node-rank R --rdzv HOST:PORT` on each "machine" (here, two launchers
-    on one): node 0 serves the rendezvous and makes the run directory, each starts its workers, and
-    the job's result is one process's."""
+    """`phalanx train --nnodes 2 --node-rank R --rdzv HOST:PORT` on each "machine" (here, two
+    launchers on one): node 0 serves the rendezvous and makes the run directory, each starts its
+    workers, and the job's result is one process's."""
     reference = toy.write_config(tmp_path / "ref", CFG)
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
     want = weights(only_run(tmp_path / "ref" / "runs"))
@@ -239,9 +239,10 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     path = toy.write_config(tmp_path / "elastic", _elastic_config(0.05))
     rdzv = f"127.0.0.1:{_free_port()}"
     runs = tmp_path / "elastic" / "runs"
-    checkpoints = lambda: (
-        list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []
-    )  # noqa: E731
+
+    def checkpoints():
+        return list(runs.glob("*/checkpoints/step-*/manifest.json")) if runs.is_dir() else []
+
     nodes = [_elastic_node(path, 0, rdzv, tmp_path)]
     try:
         if change == "leaves":
@@ -274,8 +275,9 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
 
 
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):
-    """kill -9 of rank 1 at step 9 with max_restarts 1: the launcher starts both workers again, they
-    resume from the checkpoint at the first epoch's end (step 6), and the end is an uninterrupted run's."""
+    """kill -9 of rank 1 at step 9 with max_restarts 1: the launcher starts both workers again,
+    they resume from the checkpoint at the first epoch's end (step 6), and the end is an
+    uninterrupted run's."""
     hooks = ["SaveLatest"]
     reference = toy.write_config(
         tmp_path / "ref",
@@ -301,8 +303,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     assert (
-        "the workers started again in this run (a worker failed, or the machines changed): it resumes from "
-        "the last checkpoint" in log
+        "the workers started again in this run (a worker failed, or the machines changed): "
+        "it resumes from the last checkpoint" in log
     )
     assert "resuming" in log and "from step 6 " in log
 
@@ -330,9 +332,9 @@ def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_
 
 
 def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_path):
-    """srun starts one `phalanx train` per task with Slurm's variables and no agent's: the tasks find
-    each other at the job's master address, rank 0 makes the run directory, and the result is one
-    process's."""
+    """srun starts one `phalanx train` per task with Slurm's variables and no agent's: the tasks
+    find each other at the job's master address, rank 0 makes the run directory, and the result is
+    one process's."""
     reference = toy.write_config(tmp_path / "ref", CFG)
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
     want = weights(only_run(tmp_path / "ref" / "runs"))
@@ -414,8 +416,8 @@ import phalanx, toy
 torch.manual_seed(0 if sys.argv[2] == "seeded" else 1 + int(os.environ["RANK"]))
 streams = toy.Regression(n_train=41).streams()
 model = toy.Linear(features=3, hidden=4)
-run = phalanx.fit(sys.argv[1], overrides=["parallel.devices=2", "parallel.strategy=fsdp"], model=model,
-                  dataset={"train": streams["train"], "valid": streams["valid"]})
+run = phalanx.fit(sys.argv[1], overrides=["parallel.devices=2", "parallel.strategy=fsdp"],
+                  model=model, dataset={"train": streams["train"], "valid": streams["valid"]})
 print(os.environ["RANK"], run.status, run.metrics["valid.loss"])
 """
 

@@ -1,6 +1,6 @@
-"""The launcher and its workers under hostile use, in real processes: a launcher killed with SIGKILL,
-the sockets a run listens on, a second signal, a hung rank, signals during start-up, and two commands
-in one run directory."""
+"""The launcher and its workers under hostile use, in real processes: a launcher killed with
+SIGKILL, the sockets a run listens on, a second signal, a hung rank, signals during start-up, and
+two commands in one run directory."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ import toy
 
 
 class HangAt(toy.Linear):
-    """Blocks for an hour in forward on rank `rank` at training step `step`, after writing `hung`."""
+    """Blocks for an hour in forward on rank `rank` at training step `step`, after writing
+    `hung`."""
 
     def __init__(self, features=3, rank=1, step=3):
         super().__init__(features)
@@ -46,8 +47,9 @@ class HangAt(toy.Linear):
 
 
 class StuckAt(toy.Linear):
-    """On rank `rank` at training step `step`, blocks SIGINT and SIGTERM and sleeps for an hour, after
-    writing `stuck`: a main thread inside a long native call, where no Python signal handler runs."""
+    """On rank `rank` at training step `step`, blocks SIGINT and SIGTERM and sleeps for an hour,
+    after writing `stuck`: a main thread inside a long native call, where no Python signal handler
+    runs."""
 
     def __init__(self, features=3, rank=1, step=3):
         super().__init__(features)
@@ -97,7 +99,8 @@ def the_run(root: Path) -> Path:
 
 
 def workers_of(pid: int) -> list[int]:
-    """The worker processes the launcher `pid` started (its children running multiprocessing's spawn)."""
+    """The worker processes the launcher `pid` started (its children running multiprocessing's
+    spawn)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -129,7 +132,8 @@ def kill_all(pids: list[int]) -> None:
 
 
 def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
-    """(address, port, pid) of every listening TCP socket the processes `pids` hold, read from /proc."""
+    """(address, port, pid) of every listening TCP socket the processes `pids` hold, read from
+    /proc."""
     inodes = {}
     for pid in pids:
         try:
@@ -159,8 +163,8 @@ def listening_sockets(pids: list[int]) -> list[tuple[str, int, int]]:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """A 2-process run: its listening sockets once training runs; then its launcher killed with SIGKILL
-    while rank 1 is stuck in a long call and rank 0 waits for it in the all-reduce."""
+    """A 2-process run: its listening sockets once training runs; then its launcher killed with
+    SIGKILL while rank 1 is stuck in a long call and rank 0 waits for it in the all-reduce."""
     exp = tmp_path_factory.mktemp("killed")
     path = experiment(exp, model={"class": "parts.StuckAt", "rank": 1, "step": 13})
     proc = start("train", str(path), *TWO, cwd=exp)

@@ -95,7 +95,8 @@ def assert_weights_equal(run: Path, step: int, expected: dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """train, SIGINT after the first epoch; resume, SIGTERM after one more epoch; resume to the end."""
+    """train, SIGINT after the first epoch; resume, SIGTERM after one more epoch; resume to the
+    end."""
     exp = tmp_path_factory.mktemp("signals") / "exp"
     toy.write_config(exp, slow_config(delay=0.01))
     (exp / "slowtoy.py").write_text(SLOW)

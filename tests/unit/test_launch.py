@@ -27,8 +27,8 @@ def _fail_on_rank(records, monkeypatch, rank: int, error: BaseException) -> None
 def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_because_of_it(
     tmp_path, monkeypatch
 ):
-    """Rank 1 fails and tells the others to end; rank 0 ends too (exit code 1, nothing recorded), and
-    the agent may notice rank 0's exit first: its failure then names no error file."""
+    """Rank 1 fails and tells the others to end; rank 0 ends too (exit code 1, nothing recorded),
+    and the agent may notice rank 0's exit first: its failure then names no error file."""
     _fail_on_rank(tmp_path, monkeypatch, 1, RuntimeError("injected failure on rank 1 at step 3"))
     noticed = ProcessFailure(
         local_rank=0, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json")

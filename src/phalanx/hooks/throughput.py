@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -98,14 +99,14 @@ class LogThroughput(Hook):
             return
         module = trainer.model
 
-        def step(meta_module: torch.nn.Module, meta_batch: dict) -> torch.Tensor:
+        def step(meta_module: torch.nn.Module, meta_batch: Mapping) -> torch.Tensor:
             outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)
             return shard_loss_mean(outputs["loss"], n)
 
         flops = metrics.training_flops(module, step, inputs)
         self.flops_per_sample = flops / n if flops else None
 
-    def _figures(self, seconds: float, samples: int) -> dict[str, float]:
+    def _figures(self, seconds: float, samples: float) -> dict[str, float]:
         rate = samples / seconds
         out = {"samples_per_s": rate}
         if self.tokens_per_sample:
@@ -137,7 +138,8 @@ class LogThroughput(Hook):
             self._state_logged = True
             state = self.trainer.state_bytes()
             log.info(
-                "model state held by the main process: %s (parameters %s, gradients %s, optimizer %s)",
+                "model state held by the main process: %s "
+                "(parameters %s, gradients %s, optimizer %s)",
                 _mib(sum(state.values())),
                 *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")),
             )

@@ -14,12 +14,16 @@ import logging
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 from phalanx.hooks.variables import flat_variables
 from phalanx.hooks.writers import _Writer
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from wandb.sdk.wandb_run import Run
 
 log = logging.getLogger("phalanx")
 
@@ -52,7 +56,8 @@ class _Tracker(_Writer):
         return rundir.resolved(self.trainer.cfg)
 
     def before_training(self) -> None:
-        """Start (or continue) the tracker's run: a failure here is a one-line error, before training."""
+        """Start (or continue) the tracker's run: a failure here is a one-line error, before
+        training."""
         if not self.active:
             return
         try:
@@ -67,9 +72,10 @@ class _Tracker(_Writer):
         self._started = True
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        step = self.trainer.step
-        if self._started and self.trainer.training and self.every and step % self.every == 0:
-            values = {"train.step_loss": float(self.trainer.last_loss)}
+        step, loss = self.trainer.step, self.trainer.last_loss  # a training step has set its loss
+        due = self.every and step % self.every == 0
+        if self._started and self.trainer.training and loss is not None and due:
+            values = {"train.step_loss": float(loss)}
             if self.trainer.last_grad_norm is not None:
                 values["train.step_grad_norm"] = self.trainer.last_grad_norm
             values.update(
@@ -114,6 +120,13 @@ class _Tracker(_Writer):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.run_id = state.get("run_id")
+
+    @property
+    def _run_id(self) -> str:
+        """The tracker's run id, which a started tracker has."""
+        if self.run_id is None:
+            raise RuntimeError(f"{type(self).__name__}: the tracker's run has not started")
+        return self.run_id
 
     def _start(self, resumed: bool) -> None:
         raise NotImplementedError
@@ -173,7 +186,8 @@ class WriteMLflow(_Tracker):
 
     `tracking_uri`: where MLflow stores runs; default MLFLOW_TRACKING_URI where set, else the local
     database `<output_root>/mlflow.db`, with artifacts in `<output_root>/mlartifacts` (look at them
-    with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, where the mlflow package is installed).
+    with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`, where the mlflow package is
+    installed).
     """
 
     def __init__(
@@ -186,7 +200,14 @@ class WriteMLflow(_Tracker):
         _require("mlflow", "mlflow-skinny sqlalchemy alembic (or mlflow)", "WriteMLflow")
         super().__init__(every_n_steps)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
-        self._client = None
+        self._client: MlflowClient | None = None
+
+    @property
+    def _started_client(self) -> MlflowClient:
+        """The client of the MLflow run that `_start` began."""
+        if self._client is None:
+            raise RuntimeError("WriteMLflow: the MLflow run has not started")
+        return self._client
 
     def _start(self, resumed: bool) -> None:
         import os
@@ -220,7 +241,8 @@ class WriteMLflow(_Tracker):
                     str(e).splitlines()[0],
                 )
         experiment = client.get_experiment_by_name(self.experiment)
-        # a local database keeps the experiment's artifacts beside it (MLflow's default: ./mlruns, wherever that is)
+        # a local database keeps the experiment's artifacts beside it (MLflow's default: ./mlruns,
+        # wherever that is)
         local = (
             Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
             if uri.startswith("sqlite:///")
@@ -233,7 +255,7 @@ class WriteMLflow(_Tracker):
                 self.experiment, artifact_location=local.as_uri() if local else None
             )
         )
-        run_dir = self.trainer.run_dir
+        run_dir = self._run_dir
         run = client.create_run(
             experiment_id,
             run_name=self.run_name or run_dir.name,
@@ -257,19 +279,20 @@ class WriteMLflow(_Tracker):
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         for i in range(0, len(metrics), 1000):
-            self._client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+            self._started_client.log_batch(self._run_id, metrics=metrics[i : i + 1000])
 
     def _end(self, status: str) -> None:
-        self._client.set_terminated(
-            self.run_id,
+        self._started_client.set_terminated(
+            self._run_id,
             status={"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}[status],
         )
 
 
 class WriteWandb(_Tracker):
     """A Weights & Biases run per phalanx run: the resolved config, every epoch variable (as
-    `stream/variable`) and the step loss (every `every_n_steps`) at the optimizer step, and the end (exit code 0, or 1, marked
-    preempted where a signal stopped it). Its files go to the run directory's `wandb/`.
+    `stream/variable`) and the step loss (every `every_n_steps`) at the optimizer step, and the
+    end (exit code 0, or 1, marked preempted where a signal stopped it). Its files go to the run
+    directory's `wandb/`.
 
     `mode`: online, offline (files only; `wandb sync` uploads them later) or disabled; default
     W&B's own choice (WANDB_MODE, else online).
@@ -280,7 +303,7 @@ class WriteWandb(_Tracker):
         project: str = "phalanx",
         entity: str | None = None,
         name: str | None = None,
-        mode: str | None = None,
+        mode: Literal["online", "offline", "disabled"] | None = None,
         tags: list[str] | None = None,
         every_n_steps: int = 50,
     ):
@@ -295,14 +318,21 @@ class WriteWandb(_Tracker):
             mode,
             tags,
         )
-        self._run = None
+        self._run: Run | None = None
+
+    @property
+    def _started_run(self) -> Run:
+        """The W&B run that `_start` began."""
+        if self._run is None:
+            raise RuntimeError("WriteWandb: the W&B run has not started")
+        return self._run
 
     def _start(self, resumed: bool) -> None:
         import wandb
 
-        run_dir = self.trainer.run_dir
+        run_dir = self._run_dir
         try:
-            self._run = wandb.init(
+            run = wandb.init(
                 project=self.project,
                 entity=self.entity,
                 name=self.name or run_dir.name,
@@ -316,24 +346,22 @@ class WriteWandb(_Tracker):
             )
         except Exception as e:  # noqa: BLE001 - W&B's errors (no API key, no network) vary by version
             raise ConfigError(
-                f"WriteWandb: W&B could not start a run ({_first_line(e)}); log in with `wandb login`, "
+                f"WriteWandb: W&B could not start a run ({_first_line(e)}); "
+                "log in with `wandb login`, "
                 "or write the run's files only with mode: offline (`wandb sync` uploads them later)"
             ) from e
-        self.run_id = self._run.id
-        log.info(
-            "WriteWandb: W&B run %s (%s), files in %s",
-            self._run.id,
-            self._run.settings.mode,
-            self._run.dir,
-        )
+        self._run, self.run_id = run, run.id
+        log.info("WriteWandb: W&B run %s (%s), files in %s", run.id, run.settings.mode, run.dir)
 
     def _log(self, values: dict[str, float], step: int) -> None:
-        # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest the key)
-        self._run.log(
+        # `stream/variable`: W&B groups its charts by the part before the slash (a dot would nest
+        # the key)
+        self._started_run.log(
             {name.replace(".", "/", 1): value for name, value in values.items()}, step=step
         )
 
     def _end(self, status: str) -> None:
+        run = self._started_run
         if status == "interrupted":
-            self._run.mark_preempting()
-        self._run.finish(exit_code=0 if status == "finished" else 1)
+            run.mark_preempting()
+        run.finish(exit_code=0 if status == "finished" else 1)

@@ -66,7 +66,9 @@ class ProcessGroup:
                     rank=place.rank,
                     world_size=place.world_size,
                 )
-            else:  # alone: a group of this process only (fsdp on one device), its store in memory, no port
+            else:
+                # alone: a group of this process only (fsdp on one device), its store in memory,
+                # no port
                 dist.init_process_group(
                     backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
                 )
@@ -76,8 +78,8 @@ class ProcessGroup:
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             if self.rank == 0:
                 log.info(
-                    "NCCL's flight recorder is on: on a collective's timeout, each rank writes its last "
-                    "collectives to %s<rank>",
+                    "NCCL's flight recorder is on: on a collective's timeout, each rank writes "
+                    "its last collectives to %s<rank>",
                     trace,
                 )
         self.data_rank, self.data_world_size = self.rank, self.world_size
@@ -88,7 +90,8 @@ class ProcessGroup:
         return self.rank == 0
 
     def watch(self, where: Callable[[], tuple[int, bool]]) -> None:
-        """`where()` tells the run's steps done and whether it is training, for naming a hung rank's step."""
+        """`where()` tells the run's steps done and whether it is training, for naming a hung
+        rank's step."""
         self.progress.where = where
 
     def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
@@ -157,7 +160,8 @@ def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
 
 
 def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The summed `agreement`: the global loss (or pair of sums), and whether any rank asked to stop."""
+    """The summed `agreement`: the global loss (or pair of sums), and whether any rank asked to
+    stop."""
     return values[0] if len(values) == 2 else values[:-1], bool(values[-1] > 0)
 
 
@@ -165,9 +169,13 @@ def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
     """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the
     agent keeps one store for every attempt after a worker failed, and the previous attempt's keys
     (its ranks' addresses) are stale."""
-    store = dist.TCPStore(
-        place.master_addr, place.master_port, place.world_size, False, timeout=timeout
-    )
+    addr, port = place.master_addr, place.master_port
+    if addr is None or port is None:
+        raise ConfigError(
+            "the agent that started this process set no MASTER_ADDR or MASTER_PORT; "
+            "start it with phalanx's launcher or torchrun"
+        )
+    store = dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)
     round_key = f"phalanx/round-of-node/{place.node_rank}"  # an elastic job's round (see launch)
     if store.check([round_key]):
         return dist.PrefixStore(f"phalanx/round-{store.get(round_key).decode()}", store)
@@ -182,6 +190,10 @@ def _job_store(place: environment.Place, timeout: timedelta) -> dist.TCPStore:
         raise ConfigError(
             "this Slurm job names no master address (MASTER_ADDR, or SLURM_JOB_NODELIST); "
             "export MASTER_ADDR in the job script"
+        )
+    if port is None:  # environment.here derives one from the job id where MASTER_PORT is unset
+        raise ConfigError(
+            "this Slurm job names no master port; export MASTER_PORT in the job script"
         )
     if place.rank != 0:
         return dist.TCPStore(addr, port, place.world_size, False, timeout=timeout)
@@ -204,7 +216,8 @@ def _job_store(place: environment.Place, timeout: timedelta) -> dist.TCPStore:
 
 
 def _default_store() -> Any:
-    """The process group's store (where ranks publish their progress), or None where torch hides it."""
+    """The process group's store (where ranks publish their progress), or None where torch hides
+    it."""
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - a private accessor: without it, hung ranks are not named

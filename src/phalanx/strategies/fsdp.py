@@ -9,10 +9,10 @@ an empty shard arrives as a batch of zero samples and contributes zero gradient.
 reduced only after the last micro-batch of a step. The ranks agree on the step's loss and stop
 flag with one small all-reduce.
 
-Checkpoints hold the model and optimizer as each rank's shards (torch.distributed.checkpoint), written
-by every rank at once into the step's folder; any strategy on any process count reads them, so a run
-saved with fsdp resumes with ddp, single or another process count. The whole state can also be
-gathered to the main process (`model_state`, `optimizer_state`).
+Checkpoints hold the model and optimizer as each rank's shards (torch.distributed.checkpoint),
+written by every rank at once into the step's folder; any strategy on any process count reads them,
+so a run saved with fsdp resumes with ddp, single or another process count. The whole state can
+also be gathered to the main process (`model_state`, `optimizer_state`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import ValueType
+    from torch.distributed.fsdp import FSDPModule
+
     from phalanx.config import FSDPConfig
     from phalanx.engine import Engine
 
@@ -42,6 +45,11 @@ _DTYPES = {
     "fp16": torch.float16,
     "fp64": torch.float64,
 }
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """The dtype a precision's name stands for; None (no name): the parameters' own."""
+    return None if name is None else _DTYPES[name]
 
 
 class FSDP(ProcessGroup):
@@ -56,7 +64,24 @@ class FSDP(ProcessGroup):
     ):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
-        self.model: nn.Module | None = None
+        self._model: nn.Module | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The model `setup` was given (sharded in place by `fully_shard`)."""
+        if self._model is None:
+            raise RuntimeError("fsdp: the model is used before the strategy's setup")
+        return self._model
+
+    @property
+    def _sharded(self) -> FSDPModule:
+        """The model, as the FSDP module that `fully_shard` made it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        model = self.model
+        if not isinstance(model, FSDPModule):
+            raise RuntimeError("fsdp: the model is used before it is sharded")
+        return model
 
     def init_context(self) -> contextlib.AbstractContextManager:
         """Where the model is built: whole on every rank (`init: full`), or on the meta device, with
@@ -64,12 +89,12 @@ class FSDP(ProcessGroup):
         return torch.device("meta") if self.options.init == "meta" else contextlib.nullcontext()
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
-        """Every rank builds the model from the same seed, so its values are one process's, and keeps
-        its shard of each parameter. Built whole, it is sharded after; built on the meta device, it is
-        sharded first and each module's values are then drawn whole, one module at a time, in the
-        dtype the model was built in and in module order (as one process draws them), and cut to
-        this rank's shards."""
-        self.model = module
+        """Every rank builds the model from the same seed, so its values are one process's, and
+        keeps its shard of each parameter. Built whole, it is sharded after; built on the meta
+        device, it is sharded first and each module's values are then drawn whole, one module at a
+        time, in the dtype the model was built in and in module order (as one process draws them),
+        and cut to this rank's shards."""
+        self._model = module
         self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":
             _check_resettable(module)
@@ -93,20 +118,19 @@ class FSDP(ProcessGroup):
             module = module.to(self.device)
         self.progress.enter("the sharding of the model")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        settings = {
-            "mesh": mesh,
-            "mp_policy": MixedPrecisionPolicy(
-                param_dtype=_DTYPES.get(self.options.param_dtype),
-                reduce_dtype=_DTYPES.get(self.options.reduce_dtype),
-            ),
-            "offload_policy": CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        precision = MixedPrecisionPolicy(
+            param_dtype=_dtype(self.options.param_dtype),
+            reduce_dtype=_dtype(self.options.reduce_dtype),
+        )
+        offload = (
+            CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
             if self.options.offload
-            else OffloadPolicy(),
-        }
+            else OffloadPolicy()
+        )
         units = _units(module, self.options.shard)
         for unit in units:  # innermost first: a unit's parameters are those no inner unit took
-            fully_shard(unit, **settings)
-        fully_shard(module, **settings)
+            fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
+        fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
         if meta:
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)
@@ -116,9 +140,10 @@ class FSDP(ProcessGroup):
             ):  # sums, not averages: the objective carries 1/B already
                 sharded.set_gradient_divide_factor(1.0)
                 sharded.set_force_sum_reduction_for_comms(True)
-                self._counted(sharded, name)
-        # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it would
-        # skip its backward hook; phalanx changes no output in place (it detaches them for the hooks)
+                self._counted(module.get_submodule(name), name)
+        # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it
+        # would skip its backward hook; phalanx changes no output in place (it detaches them for the
+        # hooks)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         return module
 
@@ -130,9 +155,9 @@ class FSDP(ProcessGroup):
         unit.register_forward_pre_hook(lambda *_: self.progress.enter(what), prepend=True)
 
     def _initialise(self, module: nn.Module) -> None:
-        """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors of
-        the dtype it was built in, then cast and cut to this rank's shards: no rank holds more than
-        one module whole, and every rank draws the same values (so no values are sent)."""
+        """Each module's parameters and buffers drawn by its reset_parameters() on whole CPU tensors
+        of the dtype it was built in, then cast and cut to this rank's shards: no rank holds more
+        than one module whole, and every rank draws the same values (so no values are sent)."""
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         for prefix, sub in module.named_modules():
@@ -173,10 +198,11 @@ class FSDP(ProcessGroup):
     def forward_backward(
         self, engine: Engine, micros: Micros, stop: bool
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        model, last = self.model, len(micros) - 1
+        model, last = self._sharded, len(micros) - 1
         self._statistics.warn_once()
         total, parts = None, []
         for i, (micro, batch) in enumerate(micros):
+            assert batch is not None  # an empty shard comes as a batch of zero samples
             model.set_requires_gradient_sync(
                 i == last
             )  # reduce once, after the step's last micro-batch
@@ -193,7 +219,8 @@ class FSDP(ProcessGroup):
         return parts, loss, stop, 0.0
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
-        """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once waited."""
+        """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once
+        waited."""
         values = agreement(loss, stop)
         self.progress.enter("the agreement on the step's loss")
         return values, dist.all_reduce(values, async_op=True)
@@ -211,7 +238,8 @@ class FSDP(ProcessGroup):
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        return state if self.is_main else {}
+        # a full state dict holds whole tensors (gathered and moved to the CPU), no DTensor
+        return cast(dict[str, torch.Tensor], state) if self.is_main else {}
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         from safetensors.torch import load_file
@@ -225,7 +253,7 @@ class FSDP(ProcessGroup):
             self.progress.enter("the loading of the checkpoint's shards")
             load_shards(path, self.model, optimizer, collective=True)
             return
-        state = load_file(str(path))
+        state: dict[str, ValueType] = dict(load_file(str(path)))
         try:
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
         except (RuntimeError, KeyError, ValueError) as e:
@@ -308,8 +336,8 @@ def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
             ):
                 raise ConfigError(
                     f"parallel.fsdp.shard: {names[id(unit)]!r} and {names[id(other)]!r} share a "
-                    "parameter (tied weights), and FSDP shards each unit's parameters apart; leave one "
-                    "of their classes out of parallel.fsdp.shard"
+                    "parameter (tied weights), and FSDP shards each unit's parameters apart; "
+                    "leave one of their classes out of parallel.fsdp.shard"
                 )
     return units[::-1]
 
@@ -318,9 +346,10 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
     """The model's parts, as torchtitan shards a transformer: each block of a container of blocks
     (ModuleList, ModuleDict, Sequential) is a unit, wherever the container is (a wrapper that holds
     one, such as a Hugging Face model's `transformer` or `encoder`, is looked into), and so is each
-    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a module
-    outside it also holds (tied weights, such as a language model's embedding and head) is not a
-    unit: its own untied parts are, and the root, sharded last, gathers what no unit took."""
+    other part that holds parameters (an embedding, a norm, a head). A part whose parameters a
+    module outside it also holds (tied weights, such as a language model's embedding and head) is
+    not a unit: its own untied parts are, and the root, sharded last, gathers what no unit
+    took."""
     holders: dict[int, list[nn.Module]] = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
@@ -383,7 +412,8 @@ def _check_resettable(module: nn.Module) -> None:
 
 
 def _by_index(state: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by index."""
+    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by
+    index."""
     index = {name: i for i, name in enumerate(names)}
     return {
         "state": {index[name]: value for name, value in state["state"].items()},

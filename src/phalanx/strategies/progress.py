@@ -54,7 +54,8 @@ class Progress:
         self.what = what
 
     def position(self) -> str:
-        """Where the run is: 'step N' (the step being trained), 'evaluation after step N' or 'start-up'."""
+        """Where the run is: 'step N' (the step being trained), 'evaluation after step N' or
+        'start-up'."""
         if self.where is None:
             return "start-up"
         done, training = self.where()
@@ -97,11 +98,13 @@ class Progress:
         return out
 
     def explain(self, error: BaseException) -> str | None:
-        """A message naming the ranks that did not reach the collective this rank timed out in, and
-        where they were; None if `error` is not a collective's timeout or no rank is found behind."""
+        """A message naming the ranks that did not reach the collective this rank timed out in,
+        and where they were; None if `error` is not a collective's timeout or no rank is found
+        behind."""
         if not is_timeout(error) or self._store is None:
             return None
-        # where this rank was while it waited (the error has since unwound the step), as published then
+        # where this rank was while it waited (the error has since unwound the step), as published
+        # then
         me = (
             self._published
             if self._published and self._published["entered"] == self.entered
@@ -117,8 +120,9 @@ class Progress:
             return None
         names = ", ".join(str(r) for r in behind)
         lines = [
-            f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} of {me['position']} "
-            f"within the collective timeout (parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
+            f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} "
+            f"of {me['position']} within the collective timeout "
+            f"(parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
             "waited for it there. Every rank was stopped."
         ]
         for rank, info in behind.items():
@@ -127,8 +131,8 @@ class Progress:
             else:
                 ago = max(0.0, me["time"] - info["time"])
                 lines.append(
-                    f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); the last "
-                    f"collective it entered: {info['what']}"
+                    f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); "
+                    f"the last collective it entered: {info['what']}"
                 )
         lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
         return "\n".join(lines)

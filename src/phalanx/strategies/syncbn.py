@@ -55,11 +55,15 @@ class SyncBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
-        self.num_batches_tracked += 1
-        momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        running_mean, running_var = self.running_mean, self.running_var
+        tracked = self.num_batches_tracked
+        if running_mean is None or running_var is None or tracked is None:
+            raise RuntimeError("SyncBatchNorm: running statistics updated where none are tracked")
+        tracked.add_(1)
+        momentum = 1.0 / float(tracked) if self.momentum is None else self.momentum
         unbiased = var * n / max(n - 1.0, 1.0)
-        self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-        self.running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
+        running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
+        running_var.mul_(1 - momentum).add_(unbiased, alpha=momentum)
 
 
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -84,8 +84,10 @@ class Towers(OneProcess, Replicated):
     ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
         self._prepare(engine, training=True)
         self._statistics.warn_once()
-        total, parts = None, []
+        total: torch.Tensor | None = None
+        parts: list[dict | None] = []
         for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
+            assert batch is not None  # one process: no shard is ever empty
             done = self._run(
                 lambda call, device, m, b: self._tower_step(engine, call, device, m, b),
                 micro,
@@ -96,6 +98,7 @@ class Towers(OneProcess, Replicated):
                 total = part if total is None else total + part
             parts.append(self._joined([data for _, data in done]))
         self._reduce_gradients()
+        assert total is not None  # a step has one micro-batch or more
         return parts, total, stop, 0.0
 
     @staticmethod
@@ -153,6 +156,8 @@ class Towers(OneProcess, Replicated):
         else:
             futures = [self._pool.submit(self._tower, work, *job) for job in jobs]
             results = [f.result() for f in futures]
+        if self._names is None:
+            raise RuntimeError("towers: a batch is run before the towers are prepared")
         self._names.output_names = jobs[0][1].output_names  # what hooks read as the model's outputs
         return results
 
@@ -194,7 +199,8 @@ class Towers(OneProcess, Replicated):
         )
 
     def _reduce_gradients(self) -> None:
-        """Each master gradient: the sum of the replicas' (the master's own included, where it is a tower)."""
+        """Each master gradient: the sum of the replicas' (the master's own included, where it is
+        a tower)."""
         others = [list(r.parameters()) for r in self._replicas if r is not self.model]
         for i, p in enumerate(self.model.parameters()):
             for grads in others:
@@ -291,7 +297,11 @@ def _without_compile(options: ModelOptions) -> ModelOptions:
 def _compiled(tower: nn.Module, options: ModelOptions) -> nn.Module:
     if options.compile is None:
         return tower
-    return torch.compile(tower, backend=options.compile.backend, mode=options.compile.mode)
+    compiled = torch.compile(tower, backend=options.compile.backend, mode=options.compile.mode)
+    # its stub says a callable; a module compiled is a module (an OptimizedModule)
+    if not isinstance(compiled, nn.Module):
+        raise TypeError(f"torch.compile returned a {type(compiled).__name__}, not a module")
+    return compiled
 
 
 def _on(device: torch.device, work: Callable[..., Any], *args: Any) -> Any:
@@ -314,8 +324,9 @@ def _shares(n: int, towers: int) -> list[tuple[int, int]]:
 
 
 def _slice(batch: Mapping, start: int, stop: int, n: int) -> dict:
-    """Samples start..stop of a batch: tensors and lists along their first dimension, other values whole."""
-    out = {}
+    """Samples start..stop of a batch: tensors and lists along their first dimension, other values
+    whole."""
+    out: dict[Any, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
             out[key] = value[start:stop]
