@@ -4,7 +4,6 @@ line, in log.txt and in trace.jsonl."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,15 +14,12 @@ import pytest
 import toy
 from procs import finish, start, wait_until
 
+from phalanx.rundir import read_trace
+
 pytestmark = pytest.mark.timeout(180)
 
 
-def _events(run: Path) -> list[dict]:
-    try:
-        lines = (run / "trace.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [json.loads(line) for line in lines if line.endswith("}")]
+_events = read_trace  # the run's trace.jsonl, a line cut short by a write in progress skipped
 
 
 def _config(devices: int) -> dict:
