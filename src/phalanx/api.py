@@ -28,6 +28,7 @@ from phalanx import (
     __version__,
     config,
     environment,
+    evaluation,
     launch,
     logs,
     rundir,
@@ -37,11 +38,11 @@ from phalanx import (
 )
 from phalanx import nodes as machines
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints, initial_weights
-from phalanx.errors import CheckpointError, ConfigError, PhalanxError, RunDirError
+from phalanx.errors import CheckpointError, ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
-from phalanx.objects import Objects
+from phalanx.objects import Objects, check_given
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
@@ -155,7 +156,7 @@ def resume(
     run_dir = rundir.open_run(Path(run_path), announce=False)
     objects = Objects.given(model, dataset, hooks)
     overrides = _listed(overrides)
-    check_objects_given(run_dir, objects, "resume")
+    check_given(run_dir, objects, "resume")
     try:
         if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
             return _as_run(run_dir, _resume(run_dir, overrides, objects, nodes))
@@ -180,7 +181,7 @@ def load(
     # a model given imports nothing
     run_dir = rundir.open_run(Path(run_path), announce=model is None)
     if model is None:
-        check_objects_given(run_dir, Objects(), "load", parts=("model",))
+        check_given(run_dir, Objects(), "load", parts=("model",))
         cfg = config.validate(rundir.load_config_text(run_dir))
         model = build_model(cfg.model, rundir.search_dirs(run_dir))
     elif not isinstance(model, nn.Module):
@@ -214,9 +215,8 @@ def evaluate(
 ) -> dict[str, float]:
     """A checkpoint's metrics on a stream (`phalanx eval`): the run's ComputeStats and
     ClassificationMetrics hooks, on one process; also saved as `eval-<stream>-step-<N>.json`."""
-    from phalanx import commands
-
-    return commands.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))["metrics"]
+    found = evaluation.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))
+    return found["metrics"]
 
 
 def predict(
@@ -232,15 +232,13 @@ def predict(
     output, and `<output>.class` for class scores, each an array whose first dimension is the
     sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors
     arrays)."""
-    from phalanx import commands
-
     if output is not None:
-        commands.check_output(output, "predictions.csv")
-    arrays, collect = commands.predictions(
+        evaluation.check_output(output, "predictions.csv")
+    arrays, collect = evaluation.predictions(
         run_path, stream, checkpoint, Objects.given(model, dataset)
     )
     if output is not None:
-        commands.write_predictions(arrays, collect, stream, output)
+        evaluation.write_predictions(arrays, collect, stream, output)
     return arrays
 
 
@@ -273,30 +271,6 @@ def _in_this_process(cfg: config.Config) -> str:
         "calls phalanx.fit), use parallel.strategy=towers (one process driving several devices), "
         "or name the classes in the config instead of giving objects"
     )
-
-
-def check_objects_given(
-    run_dir: Path, objects: Objects, command: str, parts: Sequence[str] = ("model", "dataset")
-) -> None:
-    """A RunDirError where the run's model or dataset was given to `fit` as an object and is not
-    given again: its config names their classes but not how to build them. Hooks given as objects
-    and not again are only said, on resume (their part of the checkpoint is not restored)."""
-    recorded = rundir.objects(run_dir)
-    missing = [part for part in parts if part in recorded and getattr(objects, part) is None]
-    if missing:
-        given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
-        raise RunDirError(
-            f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
-            f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to "
-            f"build; give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})"
-        )
-    if "hooks" in recorded and not objects.hooks and command == "resume":
-        log.warning(
-            "%s was trained with hooks given as objects (%s); they are not part of this resume: "
-            "pass them again with hooks=[...]",
-            run_dir,
-            ", ".join(recorded["hooks"]),
-        )
 
 
 def _launched(run_dir: Path, code: int) -> Run:

@@ -8,15 +8,20 @@ again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 from torch import nn
 
+from phalanx import rundir
 from phalanx.config import DatasetConfig, ModelConfig
-from phalanx.errors import ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError, RunDirError
+
+log = logging.getLogger("phalanx")
 
 # sections whose framework keys stay
 _OWN_KEYS: dict[str, type[BaseModel]] = {"model": ModelConfig, "dataset": DatasetConfig}
@@ -119,3 +124,27 @@ class Objects:
 def class_path(value: Any) -> str:
     kind = type(value)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_given(
+    run_dir: Path, objects: Objects, command: str, parts: Sequence[str] = ("model", "dataset")
+) -> None:
+    """A RunDirError where the run's model or dataset was given to `fit` as an object and is not
+    given again: its config names their classes but not how to build them. Hooks given as objects
+    and not again are only said, on resume (their part of the checkpoint is not restored)."""
+    recorded = rundir.objects(run_dir)
+    missing = [part for part in parts if part in recorded and getattr(objects, part) is None]
+    if missing:
+        given = ", ".join(f"{part}={recorded[part]}(...)" for part in missing)
+        raise RunDirError(
+            f"{run_dir} was trained with {' and '.join(missing)} given to phalanx.fit as objects "
+            f"({', '.join(recorded[p] for p in missing)}), which its config does not say how to "
+            f"build; give them again, in Python: phalanx.{command}({str(run_dir)!r}, {given})"
+        )
+    if "hooks" in recorded and not objects.hooks and command == "resume":
+        log.warning(
+            "%s was trained with hooks given as objects (%s); they are not part of this resume: "
+            "pass them again with hooks=[...]",
+            run_dir,
+            ", ".join(recorded["hooks"]),
+        )
