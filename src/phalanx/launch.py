@@ -406,9 +406,24 @@ def _detach_from_terminal() -> None:
     with SIGINT and SIGTERM blocked: one that arrived during its start-up is handled now."""
     with contextlib.suppress(AttributeError, OSError):
         os.setpgrp()
+    _no_signal_on_launcher_death()
     signals.end_at_once_on_signals()
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.SIGNALS)
+
+
+def _no_signal_on_launcher_death() -> None:
+    """torch's spawn asks Linux for SIGINT when the launcher's thread that started this worker ends
+    (PR_SET_PDEATHSIG). A worker that is training takes a SIGINT for a user's stop request: it would
+    save and end the whole job gracefully, as if asked to, when its machine's launcher was killed.
+    No signal, then: `_Guard` sees the launcher gone and ends this worker, saying so."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: no such request was made
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class _Guard(threading.Thread):

@@ -95,9 +95,9 @@ def test_a_machine_that_ends_is_said_by_the_other_in_one_line_in_its_log_and_tra
 
 
 def test_when_an_elastic_jobs_node_0_dies_the_other_says_so_in_one_line(tmp_path):
-    """--nnodes 1:2: node 0 serves the job's store. Killed with its worker, it takes the store with
-    it; node 1 says, in one line and without torch's tracebacks, that it lost the rendezvous and how
-    to resume."""
+    """--nnodes 1:2: node 0 serves the job's store. Killed (its launcher, then its worker, which
+    runs in a process group of its own), it takes the store with it; node 1 says, in one line and
+    without torch's tracebacks, that it lost the rendezvous and how to resume."""
     config = _config(devices=1)
     config["parallel"]["max_restarts"] = 2
     path = toy.write_config(tmp_path, config)
@@ -126,3 +126,6 @@ def test_when_an_elastic_jobs_node_0_dies_the_other_says_so_in_one_line(tmp_path
     assert f"phalanx resume {run}" in errors[0]
     failed = [e for e in _events(run) if e["event"] == "failed"]
     assert failed and failed[-1]["by"] == "node 1's launcher"
+    # node 0's worker outlives its launcher for a moment and gets torch's SIGINT: not a user's
+    # Ctrl-C, so it does not stop the job as one (which ended node 1 with exit 143)
+    assert "SIGINT received" not in (run / "log.txt").read_text()
