@@ -27,7 +27,6 @@ import _thread
 import contextlib
 import faulthandler
 import ipaddress
-import json
 import logging
 import os
 import shutil
@@ -37,15 +36,15 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from phalanx import environment, rundir, signals
-from phalanx.errors import PhalanxError, lost_a_peer
+from phalanx import environment, failures, rundir, signals
+from phalanx.errors import PhalanxError
+from phalanx.failures import RankFailure
 from phalanx.nodes import (
     ELASTIC_RENDEZVOUS,
     LAST_CALL_S,
@@ -69,10 +68,6 @@ SHUTDOWN_TIMEOUT_S = 5
 GUARD_INTERVAL_S = 0.1
 RENDEZVOUS = "phalanx-loopback"
 _listeners: dict[str, socket.socket] = {}  # run id -> the rendezvous store's listening socket
-
-
-class RankFailure(PhalanxError):
-    """A worker process failed; the message holds its rank and traceback."""
 
 
 class _Common(TypedDict):
@@ -176,19 +171,19 @@ def launch(
         first_rank = None if nodes is not None and nodes.elastic else 0
         if nodes is not None and not nodes.elastic:
             first_rank = nodes.rank * devices  # a node's workers come in a block of ranks
-        explained = _explain(e, records, run_dir / STACKS, first_rank)
-        raise _in_the_run(run_dir, explained, nodes) from None
+        explained = failures.explain(e, records, run_dir / STACKS, first_rank)
+        raise failures.in_the_run(run_dir, explained, nodes) from None
     except Exception as e:
         if nodes is None:
             raise
         # the launcher's own rendezvous failed: the store node 0 serves is gone
         failure = RankFailure(
             f"node {nodes.rank} lost the job's rendezvous at {nodes.host}:{nodes.port} "
-            f"({_first_line(e)}): node 0, which serves it, has ended or cannot be reached; once "
-            f"it is back, resume the run on the machines there are: phalanx resume {run_dir} "
-            "--nnodes ... --node-rank ... --rdzv ..."
+            f"({failures.first_line(e)}): node 0, which serves it, has ended or cannot be "
+            "reached; once it is back, resume the run on the machines there are: phalanx resume "
+            f"{run_dir} --nnodes ... --node-rank ... --rdzv ..."
         )
-        raise _in_the_run(run_dir, failure, nodes) from None
+        raise failures.in_the_run(run_dir, failure, nodes) from None
     finally:
         shutil.rmtree(records, ignore_errors=True)
         unused = _listeners.pop(run_id, None)
@@ -392,7 +387,7 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
         from phalanx.strategies import progress
 
         dump_stacks(Path(run_dir))
-        _record(e, progress.explain(e))
+        failures.record(e, progress.explain(e))
         # the other workers of this attempt need not wait for their timeout (the next attempt's
         # ignore it)
         _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
@@ -449,7 +444,7 @@ class _Guard(threading.Thread):
                 code = None
             if code is not None:
                 dump_stacks(self.run_dir)  # where this rank was (stuck, perhaps) when the job ended
-                _record_stop()
+                failures.record_stop()
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
 
@@ -479,165 +474,3 @@ def _stderr(text: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
-
-
-def _record(e: BaseException, explained: str | None = None) -> None:
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {
-        "message": {
-            "message": f"{type(e).__name__}: {e}",
-            "extraInfo": {
-                "py_callstack": traceback.format_exc(),
-                "timestamp": str(int(time.time())),
-            },
-        },
-        "phalanx": {
-            "time": time.time(),
-            "user_error": isinstance(e, PhalanxError),
-            "text": explained or str(e),
-            "explained": explained is not None,
-            "rank": environment.here().rank,
-        },
-    }
-    with open(path, "w") as f:
-        json.dump(data, f)
-
-
-def _record_stop() -> None:
-    """Say, in this worker's error file, that it was told to stop: a worker that ends with no file
-    at all ended without a word (a signal from outside, a crash in native code)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or os.path.exists(path):
-        return
-    rank = environment.here().rank
-    with contextlib.suppress(OSError):
-        Path(path).write_text(
-            json.dumps(
-                {
-                    "message": {  # in the form torch's launcher reads
-                        "message": f"rank {rank} was told to stop: another worker ended",
-                        "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
-                    },
-                    "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
-                }
-            )
-        )
-
-
-def _explain(
-    error: Any, records: Path, stacks: Path | None = None, first_rank: int | None = 0
-) -> PhalanxError:
-    """The first failure, and how. In this order: a rank's own error (one line for a user error;
-    the ranks that did not arrive, for a collective's timeout; else its traceback); a rank killed
-    by a signal; a rank of this machine that ended without a word (no error file: killed from
-    outside, or crashed in native code). A rank's lost connection to another is a consequence:
-    named only where nothing of this machine failed (another machine, or its rank, ended first)."""
-    recorded, silent = _recorded(records, first_rank)
-    errors = [info for info in recorded if not info.get("stopped")]
-    causes = [
-        info
-        for info in errors
-        if info["user_error"] or info.get("explained") or not lost_a_peer(info["callstack"])
-    ]
-    if causes:
-        return _said(min(causes, key=lambda info: info["time"]), stacks)
-    signalled = [
-        (rank, failure) for rank, failure in error.failures.items() if failure.exitcode < 0
-    ]
-    if signalled:
-        rank, failure = min(signalled, key=lambda item: item[1].timestamp)
-        return RankFailure(
-            f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode}) and "
-            f"recorded no error: {_FROM_OUTSIDE}"
-        )
-    if silent:
-        return RankFailure(
-            f"{silent[0]} ended without recording an error (killed by a signal, or crashed "
-            f"in native code): {_FROM_OUTSIDE}"
-        )
-    if errors:
-        first = min(errors, key=lambda info: info["time"])
-        line = (first["text"].strip().splitlines() or [""])[-1][:300]
-        return RankFailure(
-            f"rank {first['rank']} lost its connection to the other ranks ({line}), and no rank "
-            "of this machine failed before it: a rank of another machine, or that machine, ended "
-            "first; its log says why"
-        )
-    rank, failure = min(error.failures.items(), key=lambda item: item[1].timestamp)
-    return RankFailure(
-        f"rank {rank} ended with exit code {failure.exitcode} ({failure.message}); "
-        "no traceback was recorded"
-    )
-
-
-_FROM_OUTSIDE = (
-    "something outside it ended it (the operating system out of memory, a scheduler, kill -9); "
-    "every other rank was stopped"
-)
-
-
-def _said(first: dict, stacks: Path | None) -> PhalanxError:
-    if first["user_error"]:
-        return PhalanxError(first["text"])
-    if first.get("explained"):
-        where = (
-            f"; every rank's stack when the job ended: {stacks}"
-            if stacks is not None and stacks.is_dir()
-            else ""
-        )
-        return RankFailure(first["text"] + where)
-    return RankFailure(
-        f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
-        f"{first['callstack'].rstrip()}"
-    )
-
-
-def _in_the_run(run_dir: Path, failure: PhalanxError, nodes: Nodes | None) -> PhalanxError:
-    """`failure`, also written into the run: a `failed` event in trace.jsonl and a line in log.txt
-    (a machine that died writes nothing of its own: another machine's launcher says it)."""
-    who = "the launcher" if nodes is None else f"node {nodes.rank}'s launcher"
-    line = _first_line(failure)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with contextlib.suppress(OSError, PhalanxError):  # the run directory may be gone with it
-        last = (rundir.read_trace(run_dir) or [{}])[-1]
-        if last.get("event") != "failed" or "cause" in last:  # not the failing rank's own
-            rundir.trace(run_dir, "failed", error=line, by=who)
-        with open(run_dir / "log.txt", "a", encoding="utf-8") as f:
-            f.write(f"{stamp} ERROR {who}: {line}\n")
-    return failure
-
-
-def _first_line(error: BaseException) -> str:
-    return (" ".join(str(error).split("\n")[0].split()) or type(error).__name__)[:500]
-
-
-def _recorded(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:
-    """What every worker of every attempt recorded under `records`, and the workers of the last
-    attempt that recorded nothing (`rank R`, this machine's first worker being rank `first_rank`;
-    where that is not known, in an elastic job, `local rank L of this machine`). The launcher
-    reports the first exit it notices, which need not be the first failure (a worker that ended at
-    once because another failed may be noticed first), so every rank's error file is read."""
-    attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
-    out, silent = [], []
-    for attempt in attempts:
-        for folder in sorted(p for p in attempt.iterdir() if p.is_dir() and p.name.isdigit()):
-            try:
-                data = json.loads((folder / "error.json").read_text())
-                info = data["phalanx"]
-                if not info.get("stopped"):
-                    info["callstack"] = data["message"]["extraInfo"]["py_callstack"]
-            except OSError:
-                if attempt == attempts[-1]:
-                    local = int(folder.name)
-                    silent.append(
-                        f"rank {first_rank + local}"
-                        if first_rank is not None
-                        else f"local rank {local} of this machine"
-                    )
-                continue
-            except (ValueError, KeyError, TypeError):
-                continue
-            out.append(info)
-    return out, silent

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from phalanx import launch
+from phalanx import failures
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,7 +21,7 @@ def _fail_on_rank(records, monkeypatch, rank: int, error: BaseException) -> None
     try:
         raise error
     except BaseException as e:  # noqa: BLE001 - recorded as a worker records it
-        launch._record(e)
+        failures.record(e)
 
 
 def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_because_of_it(
@@ -33,7 +33,7 @@ def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_b
     noticed = ProcessFailure(
         local_rank=0, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json")
     )
-    message = str(launch._explain(ChildFailedError("worker", {0: noticed}), tmp_path))
+    message = str(failures.explain(ChildFailedError("worker", {0: noticed}), tmp_path))
     assert message.startswith("rank 1 failed first")
     assert message.count("injected failure on rank 1 at step 3") == 1
 
@@ -42,5 +42,5 @@ def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     noticed = ProcessFailure(
         local_rank=0, pid=4242, exitcode=-9, error_file=str(tmp_path / "absent.json")
     )
-    message = str(launch._explain(ChildFailedError("worker", {0: noticed}), tmp_path))
+    message = str(failures.explain(ChildFailedError("worker", {0: noticed}), tmp_path))
     assert message.startswith("rank 0 was killed by SIGKILL (exit code -9) and recorded no error")
