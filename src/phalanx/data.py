@@ -25,7 +25,6 @@ import torch
 from torch.utils.data import IterableDataset
 
 from phalanx.errors import DataError
-from phalanx.loading import collate, empty_like, name_item
 
 FEISTEL, RANDPERM = "feistel", "randperm"
 ORDERS = (FEISTEL, RANDPERM)  # the order a run uses; checkpoints without one name used randperm
@@ -243,56 +242,6 @@ class Plan:
             yield k, self.step(k)
 
 
-class _Named:
-    """Items of another stream as dicts (see `name_item`). DataLoaders read the stream itself and
-    name whole batches instead (`loading.collate`): naming every sample in Python cost a tenth of
-    a small model's step."""
-
-    def __init__(self, stream: Any, keys: Sequence[str], name: str):
-        self.stream, self.keys, self.name = stream, tuple(keys), name
-
-    def _named(self, item: Any) -> Any:
-        return name_item(item, self.keys, self.name)
-
-
-class NamedItems(_Named):
-    """A map-style stream whose items `_Named` names."""
-
-    def __len__(self) -> int:
-        return len(self.stream)
-
-    def __getitem__(self, i: int) -> Any:
-        return self._named(self.stream[i])
-
-
-class NamedStream(_Named, IterableDataset):
-    """An iterable stream whose items `_Named` names; its position and epoch are the stream's."""
-
-    def __iter__(self) -> Iterator[Any]:
-        return map(self._named, self.stream)
-
-    def __len__(
-        self,
-    ) -> int:  # a TypeError where the stream has no length, as len() of it would give
-        return len(self.stream)
-
-    def __getattr__(
-        self, attribute: str
-    ) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
-        if attribute == "stream":
-            raise AttributeError(attribute)
-        return getattr(self.stream, attribute)
-
-
-def named(stream: Any, keys: Sequence[str] | None, name: str) -> Any:
-    """`stream` with its items named by `keys` (dataset.keys), or itself where there are none."""
-    if not keys:
-        return stream
-    return (
-        NamedStream(stream, keys, name) if is_iterable(stream) else NamedItems(stream, keys, name)
-    )
-
-
 def get_stream(dataset: Any, name: str) -> Any:
     """Stream `name` of a dataset object: `dataset.streams()[name]`."""
     streams = getattr(dataset, "streams", None)
@@ -349,79 +298,6 @@ def stream_length(stream: Any) -> int | None:
         return len(stream)
     except TypeError:
         return None
-
-
-class StreamSteps:
-    """The global steps of an iterable stream: each takes the next `batch_size` items in the
-    stream's own order (the last may be short), cut into micro-batches and shards exactly as `Plan`
-    cuts positions. Every rank reads every item and keeps its own shards, so the global batches are
-    those of one process on any number of them; the reading is repeated on each rank. Yields (step,
-    [(micro, batch) ...]) from step `start`: the items of the steps before are read and dropped,
-    unless `positioned` (the stream restored its own position)."""
-
-    def __init__(
-        self,
-        stream: Any,
-        batch_size: int,
-        accumulation: int = 1,
-        rank: int = 0,
-        world_size: int = 1,
-        weights: Sequence[float] | None = None,
-        start: int = 0,
-        name: str = "",
-        empty_batches: bool = False,
-        positioned: bool = False,
-    ):
-        self.stream, self.batch_size, self.accumulation = stream, batch_size, accumulation
-        self.rank, self.world_size, self.weights = rank, world_size, weights
-        self.start, self.name, self.empty_batches, self.positioned = (
-            start,
-            name,
-            empty_batches,
-            positioned,
-        )
-
-    def __iter__(self) -> Iterator[tuple[int, list[tuple[Micro, dict | None]]]]:
-        items = iter(self.stream)
-        if not self.positioned:
-            skipped = sum(1 for _ in itertools.islice(items, self.start * self.batch_size))
-            if skipped < self.start * self.batch_size:
-                raise DataError(
-                    f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
-                    f"{self.start} steps of {self.batch_size} into it: is it the stream the run "
-                    "began with?"
-                )
-        k = self.start
-        while True:
-            taken = list(itertools.islice(items, self.batch_size))
-            if not taken:
-                if (
-                    k == 0
-                ):  # training on it would take no step, and its metrics would be those of nothing
-                    raise DataError(
-                        f"stream {self.name!r} yielded no item; a stream needs at least one "
-                        "sample: check what it reads (its path, split or filter)"
-                    )
-                return
-            first = k * self.batch_size
-            plan = Plan(
-                range(first, first + len(taken)),
-                len(taken),
-                self.accumulation,
-                self.rank,
-                self.world_size,
-                self.weights,
-            )
-            fetched = []
-            for micro in plan.step(0):
-                batch = collate([taken[p - first] for p in micro.shard], self.name)
-                if (
-                    batch is None and self.empty_batches
-                ):  # a batch of zero samples, shaped like the items
-                    batch = empty_like(taken[0], self.name)
-                fetched.append((micro, batch))
-            yield k, fetched
-            k += 1
 
 
 class TokenWindows:

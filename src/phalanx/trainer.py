@@ -223,7 +223,7 @@ class Trainer:
         """Stream `name` of the dataset, asked of `streams()` once."""
         stream = self._streams.get(name)
         if stream is None:
-            stream = self._streams[name] = data.named(
+            stream = self._streams[name] = loading.named(
                 data.get_stream(self.dataset, name), self.cfg.dataset.keys, name
             )
         return stream
@@ -349,7 +349,7 @@ class Trainer:
                 stream.set_epoch(epoch)
             positioned, self._positioned = self._positioned, False
             steps = iter(
-                data.StreamSteps(
+                loading.StreamSteps(
                     stream,
                     cfg.dataset.batch_size,
                     cfg.parallel.gradient_accumulation,
@@ -559,7 +559,7 @@ class Trainer:
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
         strategy, listeners = self.strategy, self._listeners["after_batch"]
         if data.is_iterable(stream):
-            steps = data.StreamSteps(
+            steps = loading.StreamSteps(
                 stream,
                 batch_size,
                 1,

@@ -362,15 +362,17 @@ def test_get_stream_rejects_non_map_style_streams():
 def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
     x, y = torch.randn(5, 3), torch.randn(5)
     pairs = torch.utils.data.TensorDataset(x, y)
-    named = data.named(pairs, ["x", "y"], "train")
+    named = loading.named(pairs, ["x", "y"], "train")
     assert len(named) == 5 and torch.equal(named[2]["x"], x[2]) and torch.equal(named[2]["y"], y[2])
-    assert torch.equal(data.named([x[0], x[1]], ["image"], "train")[1]["image"], x[1])
-    assert data.named(pairs, None, "train") is pairs
+    assert torch.equal(loading.named([x[0], x[1]], ["image"], "train")[1]["image"], x[1])
+    assert loading.named(pairs, None, "train") is pairs
     with pytest.raises(DataError, match="an item has 2 parts but dataset.keys names 3"):
-        data.named(pairs, ["x", "y", "z"], "train")[0]
+        loading.named(pairs, ["x", "y", "z"], "train")[0]
     with pytest.raises(DataError, match="name their parts with dataset.keys"):
         loading.collate([pairs[0], pairs[1]])
-    stream = data.named(toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid")
+    stream = loading.named(
+        toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid"
+    )
     assert data.is_iterable(stream) and data.stream_length(stream) is None
     assert callable(stream.set_epoch) and next(iter(stream))["x"].shape == (
         3,
@@ -385,17 +387,17 @@ def test_a_loader_names_whole_batches_not_each_item(workers):
     pairs = torch.utils.data.TensorDataset(x, y)
     order = [3, 1, 4, 0, 5, 9, 2, 6, 8, 7]
     made = loading.loader(
-        data.named(pairs, ["x", "y"], "train"), data.Plan(order, 4), num_workers=workers
+        loading.named(pairs, ["x", "y"], "train"), data.Plan(order, 4), num_workers=workers
     )
     assert made.dataset is pairs
     batches = list(made)
     assert [list(b) for b in batches] == [["x", "y"]] * 3
     assert torch.equal(torch.cat([b["y"] for b in batches]), torch.tensor(order))
     assert torch.equal(torch.cat([b["x"] for b in batches]), x[order])
-    lone = loading.loader(data.named(list(x), ["image"], "train"), data.Plan(order, 4))
+    lone = loading.loader(loading.named(list(x), ["image"], "train"), data.Plan(order, 4))
     assert torch.equal(next(iter(lone))["image"], x[order[:4]])
     wrong = loading.loader(
-        data.named(pairs, ["x", "y", "z"], "train"),
+        loading.named(pairs, ["x", "y", "z"], "train"),
         data.Plan(order, 4),
         num_workers=workers,
         name="train",
