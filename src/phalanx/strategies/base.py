@@ -101,9 +101,6 @@ class Strategy(Protocol):
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         """The outputs of the model on an evaluation batch (this process's shard of it)."""
 
-    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        """The sum over ranks of a loss share, and whether any rank's flag is set."""
-
     # --- state (every rank calls these at the same point: a sharded strategy gathers or scatters)
     def model_state(self) -> nn.Module | dict[str, torch.Tensor]:
         """The model's whole state as a checkpoint holds it, on the main process: a module whose
@@ -223,9 +220,6 @@ class OneProcess:
     @property
     def is_main(self) -> bool:
         return True
-
-    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        return loss, stop
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor

@@ -94,9 +94,6 @@ class ProcessGroup:
         rank's step."""
         self.progress.where = where
 
-    def agree(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, bool]:
-        return agreed(self.reduce(agreement(loss, stop)))
-
     def check_identical(self, module: nn.Module) -> None:
         """Every rank holds the same parameters and buffers (a hash of them compared)."""
         differing = self.differing_ranks(module)
