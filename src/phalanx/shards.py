@@ -313,9 +313,8 @@ def _dcp() -> tuple[type, type]:
 
     class Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            torch.load(
-                value, weights_only=True
-            )  # refuses anything but data: torch's own read below meets only that
+            # refuses anything but data: torch's own read below meets only that
+            torch.load(value, weights_only=True)
             value.seek(0)
             super().load_bytes(read_item, value)
 
