@@ -347,16 +347,20 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
 
 def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
     """Whether a run directory that `train` created is kept after `error`: not where training never
-    started (bad input, a signal during start-up), nor for bad input found at the first batches,
-    before any checkpoint; a failing worker's is kept, with its log."""
+    started (bad input, a signal during start-up), nor, before any checkpoint, for bad input found
+    at the first batches or a signal while the hooks started; a failing worker's is kept, with its
+    log."""
     if isinstance(error, launch.RankFailure):
         return True
-    if not any(e.get("event") == "started" for e in rundir.read_trace(run_dir)):
+    trace = rundir.read_trace(run_dir)
+    if not any(e.get("event") == "started" for e in trace):
         return False
-    last = (rundir.read_trace(run_dir) or [{}])[-1]
-    if isinstance(error, signals.Interrupted) and last.get("before_first_step"):
-        return bool(Checkpoints(run_dir / "checkpoints").steps())  # the hooks started, no step
-    return not isinstance(error, PhalanxError) or bool(Checkpoints(run_dir / "checkpoints").steps())
+    before_first_step = isinstance(error, signals.Interrupted) and trace[-1].get(
+        "before_first_step"
+    )
+    if isinstance(error, PhalanxError) or before_first_step:
+        return bool(Checkpoints(run_dir / "checkpoints").steps())
+    return True
 
 
 def _discard(run_dir: Path) -> None:
