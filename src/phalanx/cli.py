@@ -354,5 +354,23 @@ def main(argv: list[str] | None = None) -> int:
         signals.restore(previous)
 
 
+def entry() -> None:
+    """The console script: `main`, then the exit. A process that trained in a group of several
+    ends with `os._exit` once its exit handlers ran and its output is flushed: gloo's threads may
+    still be releasing the last collective's tensors, and the interpreter's finalization under them
+    aborts a run that succeeded."""
+    code = main()
+    distributed = sys.modules.get("phalanx.strategies.distributed")
+    if distributed is not None and distributed.left_a_group:
+        import atexit
+        import os
+
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

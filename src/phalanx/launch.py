@@ -86,6 +86,8 @@ def clear_requests(run_dir: Path) -> None:
     """Remove stop requests a launcher left behind (one killed before it could clean up)."""
     for name in (STOP_FILE, ABORT_FILE, REFORM_FILE):
         (run_dir / name).unlink(missing_ok=True)
+        for unfinished in run_dir.glob(f"{name}.*.tmp"):  # a writer ended before its rename
+            unfinished.unlink(missing_ok=True)
 
 
 def launch(
@@ -284,8 +286,13 @@ def _count_started(run_dir: Path) -> int:
 
 
 def _write(path: Path, text: str) -> None:
+    """Whole or not at all: a worker the launcher ends while it writes ABORT_FILE must not leave an
+    empty file, which would end the next attempt's workers too. Each writer renames its own
+    temporary file (two workers of one attempt may fail at once)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.write_text(text)
+        tmp.write_text(text)
+        os.replace(tmp, path)
     except OSError:  # the run directory is gone: there is nothing left to stop
         pass
 
@@ -437,16 +444,26 @@ class _Guard(threading.Thread):
                     f"worker rank {environment.here().rank} stops"
                 )
                 _end(1)
-            try:  # "CODE" from the launcher (a signal), "CODE ATTEMPT" from a worker that failed
-                text, *attempt = self.abort.read_text().split() or ["1"]
-                code = int(text) if attempt in ([], [self.attempt]) else None
-            except (OSError, ValueError):
+            try:
+                code = abort_code(self.abort.read_text(), self.attempt)
+            except OSError:
                 code = None
             if code is not None:
                 dump_stacks(self.run_dir)  # where this rank was (stuck, perhaps) when the job ended
                 failures.record_stop()
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
+
+
+def abort_code(text: str, attempt: str) -> int | None:
+    """The exit code that ABORT_FILE's `text` asks of a worker of `attempt`: "CODE" from the
+    launcher (a signal) ends every attempt's workers, "CODE ATTEMPT" from a worker that failed only
+    its own attempt's. None where it asks nothing of this attempt, or is not (yet) a request."""
+    try:
+        code, *of = text.split()
+        return int(code) if of in ([], [attempt]) else None
+    except ValueError:  # empty, or not a number
+        return None
 
 
 STACKS = "stacks"  # in the run directory: each rank's Python stack when the job ended abnormally

@@ -44,3 +44,42 @@ def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     )
     message = str(failures.explain(ChildFailedError("worker", {0: noticed}), tmp_path))
     assert message.startswith("rank 0 was killed by SIGKILL (exit code -9) and recorded no error")
+
+
+@pytest.mark.parametrize(
+    ("text", "attempt", "code"),
+    [
+        ("143", "2", 143),  # the launcher's, after a signal: every attempt's workers end
+        ("1 1", "1", 1),  # a failed worker's: its own attempt's workers end
+        ("1 1", "2", None),  # a failed worker of the previous attempt: not this one's business
+        ("", "2", None),  # nothing written yet
+        ("1 x y", "2", None),
+    ],
+)
+def test_the_abort_file_ends_only_the_attempts_it_names(text, attempt, code):
+    from phalanx.launch import abort_code
+
+    assert abort_code(text, attempt) == code
+
+
+def test_a_writer_ended_before_its_rename_leaves_no_request_and_its_file_is_cleared(
+    tmp_path, monkeypatch
+):
+    """A failed worker that the launcher ends while it writes the abort file must not leave an empty
+    one: read as a request of every attempt, it ended the next attempt's workers at their start."""
+    import os
+
+    from phalanx import launch
+
+    def ended(*args):
+        raise OSError("ended before the rename")
+
+    monkeypatch.setattr(os, "replace", ended)
+    launch._write(tmp_path / launch.ABORT_FILE, "1 0")
+    assert not (tmp_path / launch.ABORT_FILE).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{launch.ABORT_FILE}.{os.getpid()}.tmp"]
+    monkeypatch.undo()
+    launch.clear_requests(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    launch._write(tmp_path / launch.ABORT_FILE, "1 0")
+    assert (tmp_path / launch.ABORT_FILE).read_text() == "1 0"

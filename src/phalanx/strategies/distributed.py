@@ -139,10 +139,19 @@ class ProcessGroup:
         """After a successful run: every rank leaves the group together. A rank that tore its group
         down while another still talked to it could abort at exit in gloo's threads ("terminate
         called without an active exception"), failing a run that had succeeded."""
+        global left_a_group
         progress.stop()
         if dist.is_initialized():
             self.barrier()
             dist.destroy_process_group()
+            left_a_group = self.world_size > 1
+
+
+# Whether this process trained in a group of several and left it: the gloo worker threads may still
+# be releasing the last collectives' tensors (which takes the interpreter's lock), and an
+# interpreter that finalizes under them aborts ("terminate called without an active exception").
+# The `phalanx` command then ends without finalizing (`cli.entry`).
+left_a_group = False
 
 
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
