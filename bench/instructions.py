@@ -110,14 +110,13 @@ def _phalanx(ddp: bool, tmp: Path):
 
 
 def _phalanx_step(trainer) -> Callable[[], None]:
-    """Engine.train_step on a fixed batch: what one optimizer step costs, data and hooks aside."""
+    """Trainer.train_step on a fixed batch: what one optimizer step costs, data and hooks aside."""
     from phalanx import data, loading
 
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(range(len(stream)), BATCH)
     fetched = [(micro, loading.collate([stream[i] for i in micro.shard])) for micro in plan.step(0)]
-    engine = trainer.engine
-    return lambda: engine.train_step(fetched)
+    return lambda: trainer.train_step(fetched)
 
 
 def _phalanx_epoch(trainer) -> Callable[[], None]:

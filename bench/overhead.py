@@ -575,8 +575,8 @@ def breakdown(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer = _steady_phalanx(args, Path(tmp))
         trainer._emit("before_training")  # opens the TensorBoard writer, as run() would
-        engine, module, optimizer, forward = (
-            trainer.engine,
+        train_step, module, optimizer, forward = (
+            trainer.train_step,
             trainer.module,
             trainer.optimizer,
             trainer.forward,
@@ -588,7 +588,7 @@ def breakdown(args) -> dict[str, Any]:
         micros = [(Micro(list(range(B)), B), batch)]
         listeners = trainer._listeners["after_batch"]
         stats_hook = next(h for h in trainer.hooks if type(h).__name__ == "ComputeStats")
-        result = engine.train_step(micros)
+        result = trainer.train_step(micros)
         from phalanx.engine import concat
 
         trainer.last_loss, payload = result.loss, result.parts
@@ -620,7 +620,7 @@ def breakdown(args) -> dict[str, Any]:
 
         def engine_step(k):
             for _ in range(k):
-                engine.train_step(micros)
+                train_step(micros)
 
         def engine_step_no_train(k):
             module.train = lambda mode=True: module  # instance attribute: skips nn.Module.train
@@ -701,7 +701,7 @@ def breakdown(args) -> dict[str, Any]:
                 n,
                 1,
             ),
-            ("whole Engine.train_step vs hand step (fixed batch)", hand_step, engine_step, n, 1),
+            ("whole Trainer.train_step vs hand step (fixed batch)", hand_step, engine_step, n, 1),
             ("  module.train() on every step", hand_step, hand_step_train, n, 1),
             (
                 "  per-sample loss: CE(none).backward(1/B each) vs CE(mean)",

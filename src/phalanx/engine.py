@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -28,7 +27,6 @@ from phalanx.data import Micro
 from phalanx.errors import ModelError
 from phalanx.model import NEGATIVE_WEIGHTS, TOKENS, Forward, check_loss, check_weights
 from phalanx.precision import Precision
-from phalanx.strategies.base import Strategy
 
 log = logging.getLogger("phalanx")
 
@@ -36,14 +34,28 @@ log = logging.getLogger("phalanx")
 WEIGHT = "loss_weight"  # the output that weighs each sample's loss
 
 
-@dataclass
-class StepResult:
-    loss: (
-        torch.Tensor
-    )  # the global batch's mean loss (weighted where the model weighs), the same on every rank
-    # this rank's inputs and outputs, one dict per micro-batch (None for an empty shard)
-    parts: list[dict | None]
-    stop: bool  # whether any rank asked to stop
+class Weighed(NamedTuple):
+    """One micro-batch's forward, weighed by the contract (see `Engine.forward`)."""
+
+    loss: torch.Tensor  # what backward starts from
+    gradient: torch.Tensor | None  # its gradient (per sample), or None for a scalar
+    part: torch.Tensor  # the micro-batch's part of the global batch's mean loss (or weighted sums)
+    data: dict  # the batch with the model's outputs, detached, for the hooks
+
+
+@dataclass(frozen=True)
+class Replica:
+    """How a strategy runs one copy of the model: `call` (None: the model the engine was built
+    with) on `device` (None: where the batch already is), and `scale`, the factor by which the
+    strategy's gradient reduction divides (a reduction that averages over N copies: N), so that
+    every copy's weights still sum to the global batch's."""
+
+    call: Forward | None = None
+    device: torch.device | None = None
+    scale: float = 1.0
+
+
+WHOLE = Replica()  # the model the engine was built with, as it is
 
 
 class GradNorms:
@@ -81,9 +93,9 @@ class GradNorms:
 
 
 class Engine:
-    """The contract's arithmetic for one optimizer step. The strategy decides how the micro-batches'
-    forward and backward run (`Strategy.forward_backward`); it calls `forward` and `backward`
-    here."""
+    """The contract's arithmetic for one optimizer step, as functions a strategy calls from its
+    `train_step`: `begin`, then each micro-batch's `forward` (or `weigh`, for a loss computed
+    elsewhere) and `backward`, then `finish`. It knows nothing of how the strategy runs them."""
 
     def __init__(
         self,
@@ -92,72 +104,77 @@ class Engine:
         optimizer: torch.optim.Optimizer | None,
         schedulers: list[tuple[Any, str]],
         precision: Precision,
-        strategy: Strategy,
         max_grad_norm: float | None = None,
     ):
         self.module, self.forward_fn, self.optimizer = module, forward, optimizer
-        self.precision, self.strategy = precision, strategy
+        self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.norms = GradNorms()
         self._schedulers = {
             interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")
         }
-        self.seconds = (
-            0.0,
-            0.0,
-        )  # the last step's time in communication (outside backward) and the optimizer
         self._gradients: dict[tuple, torch.Tensor] = {}
         # whether weights on an accelerator were negative: read at the epoch's end, not every
         # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
         self._negative: list[torch.Tensor] = []
 
-    def train_step(
-        self, micros: list[tuple[Micro, Mapping | None]], stop: bool = False
-    ) -> StepResult:
-        """Forward, backward and update over a global batch; `stop` is this rank's wish to stop,
-        agreed among ranks with the loss."""
+    def begin(self) -> None:
+        """A training step starts: the module in training mode, no gradients."""
         if not self.module.training:  # walking the module tree every step costs more than the check
             self.module.train()
+        self.trained_optimizer.zero_grad(set_to_none=True)
+
+    def finish(
+        self, loss: torch.Tensor, norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The step's end, once the gradients are the global batch's: a weighted loss's pair of
+        sums normalised (its gradients divided by the global sum of the weights), the gradients
+        clipped to `max_grad_norm` by their global norm (`norm`: the strategy's, over every rank,
+        shard or stage it splits them into), the optimizer's and the step's schedulers' steps.
+        Returns the global batch's mean loss."""
         optimizer = self.trained_optimizer
-        optimizer.zero_grad(set_to_none=True)
-        parts, loss, stop, communication = self.strategy.forward_backward(self, micros, stop)
-        start = time.perf_counter()
         if loss.dim():  # weighted: (sum w_i l_i, sum w_i) / B over the global batch
             loss = self._normalise(loss)
-        if self.max_grad_norm is None or self._clip(self.max_grad_norm):
+        if self.max_grad_norm is None or self._clip(
+            self.max_grad_norm, total_norm if norm is None else norm
+        ):
             self.precision.step(optimizer)
         for scheduler in self._schedulers["step"]:
             scheduler.step()
-        self.seconds = communication, time.perf_counter() - start
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
-        return StepResult(loss, parts, stop)
+        return loss
 
-    def forward(
+    def forward(self, micro: Micro, batch: Mapping, replica: Replica = WHOLE) -> Weighed:
+        """A micro-batch's forward through `replica`, weighed (`weigh`)."""
+        loss, data, tokens = self._forward(batch, len(micro.shard), replica.call, replica.device)
+        return self.weigh(loss, data, micro, replica.scale, tokens)
+
+    def weigh(
         self,
+        loss: torch.Tensor,
+        data: dict,
         micro: Micro,
-        batch: Mapping,
-        scale: float,
-        call: Forward | None = None,
-        device: torch.device | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
-        """A micro-batch's forward: the loss to back-propagate and its gradient (per sample: each
-        sample's weight, 1/B times `scale`, B the global batch), the micro-batch's part of the
-        global batch's mean loss (times `scale`), and its outputs, detached, for the hooks. `call`
-        and `device`: another replica of the model, and where its batch goes (a strategy's towers).
-        Where the model weighs its samples, the part is the pair (sum w_i l_i, sum w_i) / B times
-        `scale`, and each sample's gradient w_i / B times `scale`."""
+        scale: float = 1.0,
+        tokens: torch.Tensor | None = None,
+    ) -> Weighed:
+        """The contract's weights for a micro-batch's `loss` (per sample, or the micro-batch's
+        mean; `data` holds the batch and outputs, with `loss_weight` where the model weighs its
+        samples): the loss to back-propagate and its gradient (per sample: each sample's weight,
+        1/B times `scale`, B the global batch), the micro-batch's part of the global batch's mean
+        loss (times `scale`), and `data`. Where the model weighs its samples, the part is the pair
+        (sum w_i l_i, sum w_i) / B times `scale`, and each sample's gradient w_i / B times
+        `scale`; `tokens`, a loss over tokens, then goes back token by token."""
         n = len(micro.shard)
         # (n / B) * shard mean = (1 / B) * shard sum: the shard's part of the global batch's mean,
         # times the factor by which the strategy's reduction divides
         weight = n / micro.global_size * scale
-        loss, data, tokens = self._forward(batch, n, call, device)
         weights = data.get(WEIGHT)
         if weights is not None:
             return self._weighted(loss, weights, scale / micro.global_size, data, tokens)
         # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
         if not n:
-            return loss.sum() * 0.0, None, loss.detach().new_zeros(()), data
+            return Weighed(loss.sum() * 0.0, None, loss.detach().new_zeros(()), data)
         if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
             part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
         else:
@@ -166,7 +183,7 @@ class Engine:
                 loss = loss * weight
         if weight != 1:
             part = part * weight
-        return loss, gradient, part, data
+        return Weighed(loss, gradient, part, data)
 
     def _weighted(
         self,
@@ -175,7 +192,7 @@ class Engine:
         factor: float,
         data: dict,
         tokens: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, dict]:
+    ) -> Weighed:
         """A weighted micro-batch: each sample's loss goes back with w_i * factor, and its part is
         (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch). A loss
         over tokens goes back token by token, each with the factor: the same gradient, without the
@@ -186,12 +203,14 @@ class Engine:
         weights = weights.to(dtype)
         if not len(weights):
             objective = tokens if tokens is not None else loss
-            return objective.sum() * 0.0, None, loss.detach().new_zeros(2, dtype=dtype), data
+            return Weighed(
+                objective.sum() * 0.0, None, loss.detach().new_zeros(2, dtype=dtype), data
+            )
         if tokens is not None:
             part = torch.stack((tokens.detach().to(dtype).sum(), weights.sum())) * factor
-            return tokens, self._gradient(tokens.numel(), factor, tokens), part, data
+            return Weighed(tokens, self._gradient(tokens.numel(), factor, tokens), part, data)
         part = torch.stack((torch.dot(weights, data["loss"].to(dtype)), weights.sum())) * factor
-        return loss, (weights * factor).to(loss.dtype), part, data
+        return Weighed(loss, (weights * factor).to(loss.dtype), part, data)
 
     @property
     def trained_optimizer(self) -> torch.optim.Optimizer:
@@ -212,18 +231,14 @@ class Engine:
             _scale(grads, inverse)
         return sums[0] * inverse
 
-    def _clip(self, max_norm: float) -> bool:
-        """Scale the gradients so that their global norm (over every rank and shard) is at most
-        `max_norm`; whether the step may go on: a norm that is not finite skips it, and is
-        counted."""
+    def _clip(self, max_norm: float, norm_of: Callable[[list[torch.Tensor]], torch.Tensor]) -> bool:
+        """Scale the gradients so that their global norm (`norm_of` them: over every rank, shard
+        or stage) is at most `max_norm`; whether the step may go on: a norm that is not finite
+        skips it, and is counted."""
         if self.precision.scaler is not None:
             self.precision.scaler.unscale_(self.trained_optimizer)
         parameters = self._parameters()  # clip_grads_with_norm_ skips those without a gradient
-        norm = torch.nn.utils.get_total_norm(
-            [p.grad for p in parameters if p.grad is not None], 2.0
-        )
-        if hasattr(norm, "full_tensor"):  # sharded gradients: the local parts' norm, made global
-            norm = norm.full_tensor()
+        norm = norm_of([p.grad for p in parameters if p.grad is not None])
         value = float(norm)
         self.norms.add(value)
         if not math.isfinite(value):
@@ -260,19 +275,12 @@ class Engine:
             )
         return gradient
 
-    def eval_step(self, batch: Mapping) -> dict:
-        """Outputs of the model on an evaluation batch, as the strategy runs it."""
-        return self.strategy.evaluate(self, batch)
-
-    def eval_forward(
-        self, batch: Mapping, call: Forward | None = None, device: torch.device | None = None
-    ) -> dict:
-        """Outputs of the model (or of the replica `call`, its batch on `device`) on a batch,
-        gradients off."""
+    def eval_forward(self, batch: Mapping, replica: Replica = WHOLE) -> dict:
+        """Outputs of the model (or of `replica`) on a batch, gradients off."""
         if self.module.training:
             self.module.eval()
         with torch.no_grad():
-            _, data, _ = self._forward(batch, None, call, device)
+            _, data, _ = self._forward(batch, None, replica.call, replica.device)
         return data
 
     def end_epoch(self) -> None:
@@ -320,6 +328,14 @@ class Engine:
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.trained_optimizer.param_groups]
+
+
+def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all the gradients together; of sharded ones (DTensors), over every shard."""
+    norm = torch.nn.utils.get_total_norm(gradients, 2.0)
+    if hasattr(norm, "full_tensor"):  # sharded gradients: the local parts' norm, made global
+        norm = norm.full_tensor()
+    return norm
 
 
 def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,14 @@ from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
 from phalanx.precision import Precision
 from phalanx.signals import GracefulStop, Interrupted
-from phalanx.strategies.base import ModelOptions, RandomStreams, SavesShards, Strategy
+from phalanx.strategies.base import (
+    Micros,
+    ModelOptions,
+    Outcome,
+    RandomStreams,
+    SavesShards,
+    Strategy,
+)
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
@@ -150,7 +157,6 @@ class Trainer:
             self.optimizer,
             self.schedulers,
             self.precision,
-            self.strategy,
             cfg.optimizer.max_grad_norm,
         )
         self.checkpoints = (
@@ -434,20 +440,21 @@ class Trainer:
 
     def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
-        clock, engine, stop = time.perf_counter, self.engine, self.stop
+        clock, stop = time.perf_counter, self.stop
+        train_step = self.train_step
         every = self.cfg.main_loop.eval_every_n_steps
         fetching = computing = communicating = optimizing = hooking = 0.0
         try:
             t0 = clock()
             for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
-                result = engine.train_step(fetched, stop.requested)
+                result = train_step(fetched, stop.requested)
                 self.last_loss, self.last_batch_size = result.loss, fetched[0][0].global_size
                 self.step, self.step_in_epoch = self.step + 1, k + 1
                 t2 = clock()
                 terminated = self._after_batch(listeners, TRAIN, result.parts)
                 t3 = clock()
-                communication, optimizer = engine.seconds
+                communication, optimizer = result.communication_s, result.optimizer_s
                 fetching += t1 - t0
                 computing += t2 - t1 - communication - optimizer
                 communicating += communication
@@ -589,7 +596,7 @@ class Trainer:
             )
         for size, batch in batches:
             self.last_batch_size = size
-            outputs = None if batch is None else self.engine.eval_step(batch)
+            outputs = None if batch is None else self.eval_step(batch)
             stop = self._after_batch(listeners, name, [outputs])
             if stop is not None:
                 raise stop
@@ -601,7 +608,9 @@ class Trainer:
         it."""
         local = concat(parts)
         merged = (
-            self._gathered(parts) if self._gatherers and self.strategy.world_size > 1 else local
+            self.strategy.gather_outputs(list(parts), self._gather_keys)
+            if self._gatherers and self.strategy.world_size > 1
+            else local
         )
         stop = None
         for hook in listeners:
@@ -612,20 +621,15 @@ class Trainer:
                 stop = stop or t
         return stop
 
-    def _gathered(self, parts: Sequence[dict | None]) -> dict:
-        """Every rank's data for each micro-batch, concatenated in dataset order (rank order within
-        a micro-batch, micro-batches in order). Only the keys the gathering hooks ask for move."""
-        out = []
-        for part in parts:
-            payload = None
-            if part is not None:
-                payload = {
-                    k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                    for k, v in part.items()
-                    if self._gather_keys is None or k in self._gather_keys
-                }
-            out.append(concat(self.strategy.gather(payload)))
-        return concat(out)
+    def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
+        """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish
+        to stop, agreed among ranks), as the strategy runs it; no hook is called."""
+        return self.strategy.train_step(self.engine, micros, stop)
+
+    def eval_step(self, batch: Mapping) -> dict:
+        """The model's outputs on an evaluation batch (this process's shard), as the strategy runs
+        it."""
+        return self.strategy.evaluate(self.engine, batch)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank: decisions that end the loop are taken by all alike."""

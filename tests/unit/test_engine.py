@@ -125,7 +125,7 @@ def test_one_train_step_is_the_sgd_step_of_the_mean_loss(accumulation, step):
 
     plan = data.Plan(order, 8, accumulation)
     assert len(plan.step(step)) == min(accumulation, len(indices))
-    result = trainer.engine.train_step(_fetch(stream, plan.step(step)))
+    result = trainer.train_step(_fetch(stream, plan.step(step)))
     loss, batch = result.loss, concat(result.parts)
     assert _rel_diff(_params(trainer.module), _params(reference)) < 1e-13
     assert torch.allclose(loss, ref_loss, rtol=1e-13, atol=0)
@@ -140,7 +140,7 @@ def test_the_update_really_moves_the_parameters():
     before = _params(trainer.module)
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(data.permutation(0, 1, len(stream)), 8)
-    trainer.engine.train_step(_fetch(stream, plan.step(0)))
+    trainer.train_step(_fetch(stream, plan.step(0)))
     assert _rel_diff(_params(trainer.module), before) > 1e-4
 
 
@@ -179,7 +179,7 @@ def test_scalar_mean_loss_is_shown_to_hooks_per_sample():
     trainer = _trainer(model="unit_engine_models.MeanLinear")
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(data.permutation(0, 1, len(stream)), 8, 2)
-    result = trainer.engine.train_step(_fetch(stream, plan.step(0)))
+    result = trainer.train_step(_fetch(stream, plan.step(0)))
     loss, batch = result.loss, concat(result.parts)
     assert batch["loss"].shape == (8,)
     assert torch.allclose(batch["loss"].mean(), loss, rtol=1e-13, atol=0)
@@ -196,7 +196,7 @@ def test_warmup_ramps_the_learning_rate_linearly():
         used.append(lr)
         reference = copy.deepcopy(trainer.module)
         _reference_sgd_step(reference, stream, plan.order[k * 8 : (k + 1) * 8], lr)
-        trainer.engine.train_step(_fetch(stream, plan.step(k)))
+        trainer.train_step(_fetch(stream, plan.step(k)))
         assert (
             _rel_diff(_params(trainer.module), _params(reference)) < 1e-12
         )  # that rate was applied
@@ -236,7 +236,7 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
     stream = data.get_stream(trainer.dataset, "valid")
     before = _params(trainer.module)
     batch = loading.collate([stream[i] for i in range(len(stream))])
-    out = trainer.engine.eval_step(batch)
+    out = trainer.eval_step(batch)
     assert _rel_diff(_params(trainer.module), before) == 0
     assert not out["loss"].requires_grad
     expected = _reference_loss(trainer.module, stream, list(range(len(stream))))
@@ -274,7 +274,7 @@ class _EmptyRank(DDP):
         self.device = torch.device("cpu")
         self.carrier = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
         self._tails = self._carried_tails()
-        self._ddp, self._pending_stop = None, None
+        self._ddp, self._pending_stop, self._statistics = None, None, None
         self.carried_values: list[list[float]] = []
 
     def reduce(self, tensor, op="sum"):
@@ -296,15 +296,13 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     """Contract 3: the last global batch (1 sample) on 4 ranks leaves ranks 1-3 without samples."""
     trainer = _trainer()
     strategy = _EmptyRank()
-    engine = Engine(
-        trainer.module, trainer.forward, trainer.optimizer, [], trainer.precision, strategy
-    )
+    engine = Engine(trainer.module, trainer.forward, trainer.optimizer, [], trainer.precision)
     order = data.permutation(0, 1, 41)
     plan = data.Plan(order, 8, 1, rank=3, world_size=4)
     micros = plan.step(5)
     assert [m.shard for m in micros] == [[]] and micros[0].global_size == 1
     before = _params(trainer.module)
-    result = engine.train_step([(m, None) for m in micros], stop=True)
+    result = strategy.train_step(engine, [(m, None) for m in micros], stop=True)
     # it joins the hand reduction the other ranks make, with a zero loss share (not weighted) and
     # its stop flag
     assert strategy.carried_values == [[0.0, 0.0, 0.0, 4.0]]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from phalanx.engine import WHOLE, Replica, total_norm
 
 if TYPE_CHECKING:
     from phalanx.data import Micro
@@ -89,17 +92,19 @@ class Strategy(Protocol):
         state."""
 
     # --- the step
-    def forward_backward(
-        self, engine: Engine, micros: Micros, stop: bool
-    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        """Forward and backward over the step's micro-batches through `engine.forward` and
-        `engine.backward`, so that the gradients are the global batch's once it returns. Returns
-        each micro-batch's outputs (None for an empty shard), the global batch's mean loss and
-        whether any rank asked to stop (the same on every rank), and the seconds spent communicating
-        after backward."""
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
+        """One optimizer step over a global batch, whole: the micro-batches' forward and backward
+        through the engine's `begin`, `forward` (or `weigh`) and `backward`, so that the gradients
+        are the global batch's, the ranks' agreement on the loss and the stop flag (`stop`: this
+        rank's wish), and the engine's `finish` with this strategy's gradient norm."""
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         """The outputs of the model on an evaluation batch (this process's shard of it)."""
+
+    def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
+        """A step's or evaluation batch's outputs on every process, in dataset order: each
+        process's `parts` (one per micro-batch, None where it had no sample), only `keys` (None:
+        all) of them."""
 
     # --- state (every rank calls these at the same point: a sharded strategy gathers or scatters)
     def model_state(self) -> nn.Module | dict[str, torch.Tensor]:
@@ -133,6 +138,17 @@ class Strategy(Protocol):
 
     def shutdown(self) -> None:
         """Release process groups and devices."""
+
+
+@dataclass
+class Outcome:
+    """What a training step gives the trainer."""
+
+    loss: torch.Tensor  # the global batch's mean loss (weighted where the model weighs), every rank
+    parts: list[dict | None]  # this rank's inputs and outputs, one per micro-batch (None: empty)
+    stop: bool  # whether any rank asked to stop
+    communication_s: float = 0.0  # seconds spent communicating outside backward
+    optimizer_s: float = 0.0  # seconds of the engine's `finish`
 
 
 @runtime_checkable
@@ -210,6 +226,73 @@ class Replicated:
         pass
 
 
+class DataParallel:
+    """The step of strategies whose every copy of the model takes a shard of each micro-batch: the
+    micro-batches run in order, each one's forward and backward, and the gradients add up. A
+    strategy customises it where it must:
+    - `_micro_context(final)`: around a micro-batch (gradient synchronisation off until the last);
+    - `_micro(engine, micro, batch, add_part, final)`: a micro-batch's forward and backward (on
+      several devices at once, say); `add_part(part, final)` adds its part to the step's loss
+      and, after the last forward (`final`), returns what must reach the reduction through
+      backward;
+    - `_in_backward(total, stop)`: after the last forward, before its backward: the step's loss
+      part and stop flag given to a reduction that runs during backward;
+    - `_agree(total, stop)`: after the last backward: the global loss, whether any rank asked to
+      stop, and the seconds spent communicating."""
+
+    replica: Replica = WHOLE  # how the engine runs this process's copy
+
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
+        engine.begin()
+        last, parts = len(micros) - 1, list[dict | None]()
+        total: list[torch.Tensor] = []  # the step's part of the loss, so far (one tensor)
+
+        def add_part(part: torch.Tensor, final: bool) -> torch.Tensor | None:
+            total[:] = [part + total[0]] if total else [part]
+            return self._in_backward(total[0], stop) if final else None
+
+        for i, (micro, batch) in enumerate(micros):
+            if batch is None:
+                parts.append(None)
+                continue
+            with self._micro_context(i == last):
+                data = self._micro(engine, micro, batch, add_part, i == last)
+            parts.append(data if micro.shard else None)
+        loss, stop, communication = self._agree(total[0] if total else None, stop)
+        start = time.perf_counter()
+        loss = engine.finish(loss, self.gradient_norm)
+        return Outcome(loss, parts, stop, communication, time.perf_counter() - start)
+
+    def _micro_context(self, final: bool) -> contextlib.AbstractContextManager:
+        return _NO_CONTEXT
+
+    def _micro(
+        self,
+        engine: Engine,
+        micro: Micro,
+        batch: Mapping,
+        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        final: bool,
+    ) -> dict:
+        weighed = engine.forward(micro, batch, self.replica)
+        engine.backward(weighed.loss, weighed.gradient, add_part(weighed.part, final))
+        return weighed.data
+
+    def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
+        return None
+
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
+        assert total is not None  # one process: a step has one micro-batch or more
+        return total, stop, 0.0
+
+    def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        """The global 2-norm of this process's gradients: whole copies hold them all."""
+        return total_norm(gradients)
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # holds no state: one serves every micro-batch
+
+
 class OneProcess:
     """Shared members of strategies that run in one process: there is no other to talk to."""
 
@@ -232,6 +315,11 @@ class OneProcess:
 
     def barrier(self) -> None:
         pass
+
+    def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
+        from phalanx.engine import concat
+
+        return concat(parts)
 
 
 def prepare(

@@ -3,7 +3,7 @@ overlapped all-reduce.
 
 Each rank scales its local loss sum by 1/B_k (B_k the global batch), so the reduction must *sum*.
 DDP's built-in reduction averages, so each rank also multiplies its objective by the world size (the
-scale it passes to `Engine.forward`). Gradients are views into DDP's buckets
+scale of its `Replica`). Gradients are views into DDP's buckets
 (`gradient_as_bucket_view`): no copy back after each reduction, and no second copy of them in
 memory.
 
@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.strategies.base import Micros, ModelOptions, Replicated, prepare
+from phalanx.engine import Replica
+from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup
 from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
@@ -66,7 +67,7 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class DDP(ProcessGroup, Replicated):
+class DDP(ProcessGroup, Replicated, DataParallel):
     _statistics: PerDeviceStatistics | None = None  # made by setup
     carrier: nn.Parameter  # made by `setup`, beside the user's module
 
@@ -89,6 +90,8 @@ class DDP(ProcessGroup, Replicated):
         self.scale = float(
             self.world_size
         )  # DDP averages: each rank's objective times the world size sums
+        self.replica = Replica(scale=self.scale)
+        self._by_hand = False  # whether this step reduces by hand (some rank's shard is empty)
         self._ddp: DistributedDataParallel | None = None
         self._mark_ready: Callable[[int], None] | None = (
             None  # the reducer's "this gradient is ready"
@@ -145,49 +148,35 @@ class DDP(ProcessGroup, Replicated):
             raise RuntimeError("the ddp strategy's setup() has not run: it has no module to train")
         return self._ddp
 
-    def forward_backward(
-        self, engine: Engine, micros: Micros, stop: bool
-    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         """Every micro-batch but the last runs without synchronising; the last one's backward
         reduces the gradients and, through the carrier, the loss and the stop flag. Where some
         rank's shard is empty, no rank lets backward synchronise: they reduce by hand, and a rank
         with nothing to do joins with zero weight without running its model."""
         if self._statistics is not None:
             self._statistics.warn_once()
-        by_hand = micros[0][0].any_empty
-        last, scale = len(micros) - 1, self.scale
-        # this rank's part of the global batch's mean loss (times the scale)
-        total: torch.Tensor | None = None
-        parts: list[dict | None] = []
-        for i, (micro, batch) in enumerate(micros):
-            if batch is None:
-                parts.append(None)
-                continue
-            sync = i == last and not by_hand
-            with _SYNCHRONISED if sync else self._wrapper.no_sync():
-                loss, gradient, part, data = engine.forward(micro, batch, scale)
-                total = part if total is None else total + part
-                engine.backward(
-                    loss, gradient, self._carry(self._values(total, stop)) if sync else None
-                )
-            parts.append(data)
+        self._by_hand = micros[0][0].any_empty
+        return super().train_step(engine, micros, stop)
+
+    def _micro_context(self, final: bool) -> contextlib.AbstractContextManager:
+        return _SYNCHRONISED if final and not self._by_hand else self._wrapper.no_sync()
+
+    def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
+        return None if self._by_hand else self._carry(self._values(total, stop))
+
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
         communication = 0.0
-        if by_hand:
+        if self._by_hand:
             start = time.perf_counter()
             self._reduce_by_hand(self._values(total, stop))
             communication = time.perf_counter() - start
-        carried = (
-            self._carried()
-        )  # the sums over ranks of the loss parts, weighted flags and stop flags
+        # the sums over ranks of the loss parts, weighted flags and stop flags
+        carried = self._carried()
         # a rank knows whether the loss is weighted from its own forward, unless it ran none this
         # step
-        weighted = bool(carried[2] > 0) if by_hand or total is None else total.dim() > 0
-        return (
-            parts,
-            carried[:2] if weighted else carried[0],
-            self._agreed_stop(carried[3]),
-            communication,
-        )
+        weighted = bool(carried[2] > 0) if self._by_hand or total is None else total.dim() > 0
+        loss = carried[:2] if weighted else carried[0]
+        return loss, self._agreed_stop(carried[3]), communication
 
     def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
         """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the

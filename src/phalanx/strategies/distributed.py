@@ -135,6 +135,23 @@ class ProcessGroup:
         self.progress.enter("a barrier")
         dist.barrier()
 
+    def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
+        """Every rank's data for each micro-batch, concatenated in dataset order (rank order within
+        a micro-batch, micro-batches in order). Only `keys` move, through the CPU."""
+        from phalanx.engine import concat
+
+        out = []
+        for part in parts:
+            payload = None
+            if part is not None:
+                payload = {
+                    k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                    for k, v in part.items()
+                    if keys is None or k in keys
+                }
+            out.append(concat(self.gather(payload)))
+        return concat(out)
+
     def shutdown(self) -> None:
         """After a successful run: every rank leaves the group together. A rank that tore its group
         down while another still talked to it could abort at exit in gloo's threads ("terminate

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.base import Micros, ModelOptions, prepare
+from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
     from phalanx.config import FSDPConfig
+    from phalanx.data import Micro
     from phalanx.engine import Engine
 
 _DTYPES = {
@@ -52,7 +53,7 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else _DTYPES[name]
 
 
-class FSDP(ProcessGroup):
+class FSDP(ProcessGroup, DataParallel):
     runs_empty_shards = True
 
     def __init__(
@@ -195,28 +196,36 @@ class FSDP(ProcessGroup):
                     else:
                         t.copy_(whole)
 
-    def forward_backward(
-        self, engine: Engine, micros: Micros, stop: bool
-    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
-        model, last = self._sharded, len(micros) - 1
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         self._statistics.warn_once()
-        total, parts = None, []
-        for i, (micro, batch) in enumerate(micros):
-            assert batch is not None  # an empty shard comes as a batch of zero samples
-            model.set_requires_gradient_sync(
-                i == last
-            )  # reduce once, after the step's last micro-batch
-            with _units_called_whole():
-                loss, gradient, part, data = engine.forward(micro, batch, 1.0)
-            total = part if total is None else total + part
-            if i == last:  # the loss and stop flag are known: agreed on while backward runs
-                values, pending = self._agree_started(total, stop)
-                self.progress.enter("the gradient reduce-scatter")
-            engine.backward(loss, gradient)
-            parts.append(data if micro.shard else None)
+        return super().train_step(engine, micros, stop)
+
+    def _micro(
+        self,
+        engine: Engine,
+        micro: Micro,
+        batch: Mapping,
+        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        final: bool,
+    ) -> dict:
+        # an empty shard comes as a batch of zero samples; reduce once, after the last micro-batch
+        self._sharded.set_requires_gradient_sync(final)
+        with _units_called_whole():
+            weighed = engine.forward(micro, batch, self.replica)
+        add_part(weighed.part, final)
+        engine.backward(weighed.loss, weighed.gradient)
+        return weighed.data
+
+    def _in_backward(self, total: torch.Tensor, stop: bool) -> None:
+        """The loss and stop flag are known: agreed on while backward runs."""
+        self._pending = self._agree_started(total, stop)
+        self.progress.enter("the gradient reduce-scatter")
+
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
+        values, pending = self._pending
         pending.wait()
         loss, stop = agreed(values)
-        return parts, loss, stop, 0.0
+        return loss, stop, 0.0
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
         """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once

@@ -31,8 +31,16 @@ from torch import nn
 
 from phalanx.build import derived_seed
 from phalanx.data import Micro
-from phalanx.engine import concat
-from phalanx.strategies.base import Micros, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.engine import Replica, concat
+from phalanx.strategies.base import (
+    DataParallel,
+    Micros,
+    ModelOptions,
+    OneProcess,
+    Outcome,
+    Replicated,
+    prepare,
+)
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
@@ -42,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx")
 
 
-class Towers(OneProcess, Replicated):
+class Towers(OneProcess, Replicated, DataParallel):
     """One process takes each micro-batch whole (data world size 1) and shares it out among its
     towers."""
 
@@ -61,7 +69,9 @@ class Towers(OneProcess, Replicated):
         self._towers: list[
             nn.Module
         ] = []  # what each tower calls: its replica, compiled where asked
-        self._calls: list[Forward] = []  # each tower's adapter from a batch to its module
+        self._runs: list[
+            Replica
+        ] = []  # each tower's adapter from a batch to its module, its device
         self._names: Forward | None = None  # the run's own adapter, whose output names hooks read
         self._training: bool | None = None
         self._streams = Streams(self.devices)
@@ -79,43 +89,46 @@ class Towers(OneProcess, Replicated):
         self._statistics = PerDeviceStatistics(self.model, len(self.devices), True, WITH_DDP)
         return self.model, self.model
 
-    def forward_backward(
-        self, engine: Engine, micros: Micros, stop: bool
-    ) -> tuple[list[dict | None], torch.Tensor, bool, float]:
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         self._prepare(engine, training=True)
         self._statistics.warn_once()
-        total: torch.Tensor | None = None
-        parts: list[dict | None] = []
-        for micro, batch in micros:  # the replicas' gradients add up over the micro-batches
-            assert batch is not None  # one process: no shard is ever empty
-            done = self._run(
-                lambda call, device, m, b: self._tower_step(engine, call, device, m, b),
-                micro,
-                batch,
-            )
-            for part, _ in done:
-                part = part.to(self.device)
-                total = part if total is None else total + part
-            parts.append(self._joined([data for _, data in done]))
+        return super().train_step(engine, micros, stop)
+
+    def _micro(
+        self,
+        engine: Engine,
+        micro: Micro,
+        batch: Mapping,
+        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        final: bool,
+    ) -> dict:
+        """The towers' shares of the micro-batch, each tower's forward and backward in its own
+        thread; their gradients add up over the micro-batches, reduced after the last one."""
+        done = self._run(
+            lambda replica, m, b: self._tower_step(engine, replica, m, b), micro, batch
+        )
+        for part, _ in done:
+            add_part(part.to(self.device), final)
+        return self._joined([data for _, data in done])
+
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
         self._reduce_gradients()
         assert total is not None  # a step has one micro-batch or more
-        return parts, total, stop, 0.0
+        return total, stop, 0.0
 
     @staticmethod
     def _tower_step(
-        engine: Engine, call: Forward, device: torch.device, micro: Micro, batch: Mapping
+        engine: Engine, replica: Replica, micro: Micro, batch: Mapping
     ) -> tuple[torch.Tensor, dict]:
-        loss, gradient, part, data = engine.forward(micro, batch, 1.0, call, device)
-        engine.backward(loss, gradient)
-        return part, data
+        weighed = engine.forward(micro, batch, replica)
+        engine.backward(weighed.loss, weighed.gradient)
+        return weighed.part, weighed.data
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         self._prepare(engine, training=False)
         n = _first_dim(batch)
         done = self._run(
-            lambda call, device, m, b: engine.eval_forward(b, call, device),
-            Micro(list(range(n)), n),
-            batch,
+            lambda replica, m, b: engine.eval_forward(b, replica), Micro(list(range(n)), n), batch
         )
         return self._joined(done)
 
@@ -124,9 +137,12 @@ class Towers(OneProcess, Replicated):
     def _prepare(self, engine: Engine, training: bool) -> None:
         """Every replica takes the master's values and the mode asked for; the adapters are made
         once."""
-        if not self._calls:
+        if not self._runs:
             self._names = engine.forward_fn
-            self._calls = [engine.forward_fn.bound_to(tower) for tower in self._towers]
+            self._runs = [
+                Replica(engine.forward_fn.bound_to(tower), device)
+                for tower, device in zip(self._towers, self.devices, strict=True)
+            ]
         master = [*self.model.parameters(), *self.model.buffers()]
         with torch.no_grad():
             for replica in self._replicas:
@@ -144,13 +160,13 @@ class Towers(OneProcess, Replicated):
             self._training = training
 
     def _run(self, work: Callable[..., Any], micro: Micro, batch: Mapping) -> list[Any]:
-        """`work(call, device, micro, batch)` for each tower with a share of `batch`, each in its
+        """`work(replica, micro, batch)` for each tower with a share of `batch`, each in its
         own thread; the results in tower order, which is dataset order."""
         n, jobs = len(micro.shard), []
         for i, (start, stop) in enumerate(_shares(n, len(self._towers))):
             if stop > start:
                 share = Micro(micro.shard[start:stop], micro.global_size)
-                jobs.append((i, self._calls[i], share, _slice(batch, start, stop, n)))
+                jobs.append((i, self._runs[i], share, _slice(batch, start, stop, n)))
         if self._pool is None or len(jobs) == 1:
             results = [self._tower(work, *job) for job in jobs]
         else:
@@ -158,14 +174,15 @@ class Towers(OneProcess, Replicated):
             results = [f.result() for f in futures]
         if self._names is None:
             raise RuntimeError("towers: a batch is run before the towers are prepared")
-        self._names.output_names = jobs[0][1].output_names  # what hooks read as the model's outputs
+        first = jobs[0][1].call
+        assert first is not None  # each tower's replica has its own adapter (see _prepare)
+        self._names.output_names = first.output_names  # what hooks read as the model's outputs
         return results
 
-    def _tower(self, work: Callable[..., Any], i: int, call: Forward, *share: Any) -> Any:
-        """`work(call, device, *share)` on tower i's device, drawing from tower i's own stream."""
-        device = self.devices[i]
+    def _tower(self, work: Callable[..., Any], i: int, replica: Replica, *share: Any) -> Any:
+        """`work(replica, *share)` on tower i's device, drawing from tower i's own stream."""
         with self._streams.drawing(i):
-            return _on(device, work, call, device, *share)
+            return _on(self.devices[i], work, replica, *share)
 
     # --- the towers' random streams (the RandomStreams protocol) -------------------------------
 
