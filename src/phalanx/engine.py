@@ -56,6 +56,7 @@ class Replica:
 
 
 WHOLE = Replica()  # the model the engine was built with, as it is
+_weighed = tuple.__new__  # a Weighed without the Python frame of its generated constructor
 
 
 class GradNorms:
@@ -183,7 +184,7 @@ class Engine:
                 loss = loss * weight
         if weight != 1:
             part = part * weight
-        return Weighed(loss, gradient, part, data)
+        return _weighed(Weighed, (loss, gradient, part, data))  # the common case, every step
 
     def _weighted(
         self,

@@ -51,6 +51,10 @@ class ModelOptions:
     channels_last: bool = False
     checkpointed: tuple[str, ...] = ()  # module class names whose forward is recomputed in backward
     compile: Any = None  # a CompileConfig, or None
+    # the first `n` training samples as one batch, and the model's adapter from a batch to its
+    # outputs: for a strategy that runs the model once to see where it splits
+    sample: Callable[[int], Mapping] | None = None
+    adapter: Callable[[nn.Module], Callable[[Mapping], dict]] | None = None
 
 
 class Strategy(Protocol):
@@ -230,13 +234,13 @@ class DataParallel:
     """The step of strategies whose every copy of the model takes a shard of each micro-batch: the
     micro-batches run in order, each one's forward and backward, and the gradients add up. A
     strategy customises it where it must:
-    - `_micro_context(final)`: around a micro-batch (gradient synchronisation off until the last);
-    - `_micro(engine, micro, batch, add_part, final)`: a micro-batch's forward and backward (on
-      several devices at once, say); `add_part(part, final)` adds its part to the step's loss
-      and, after the last forward (`final`), returns what must reach the reduction through
-      backward;
+    - `_micro(engine, micro, batch, total, stop, final)`: a micro-batch's forward and backward (on
+      several devices at once, say, or without gradient synchronisation but for the last,
+      `final`); `total` is the step's part of the loss so far (None before the first), returned
+      with this micro-batch's added, beside its outputs;
     - `_in_backward(total, stop)`: after the last forward, before its backward: the step's loss
-      part and stop flag given to a reduction that runs during backward;
+      part and this rank's stop flag given to a reduction that runs during backward (what it
+      returns must reach that reduction through backward);
     - `_agree(total, stop)`: after the last backward: the global loss, whether any rank asked to
       stop, and the seconds spent communicating."""
 
@@ -244,39 +248,33 @@ class DataParallel:
 
     def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         engine.begin()
-        last, parts = len(micros) - 1, list[dict | None]()
-        total: list[torch.Tensor] = []  # the step's part of the loss, so far (one tensor)
-
-        def add_part(part: torch.Tensor, final: bool) -> torch.Tensor | None:
-            total[:] = [part + total[0]] if total else [part]
-            return self._in_backward(total[0], stop) if final else None
-
+        last = len(micros) - 1
+        parts: list[dict | None] = []
+        total: torch.Tensor | None = None
         for i, (micro, batch) in enumerate(micros):
             if batch is None:
                 parts.append(None)
                 continue
-            with self._micro_context(i == last):
-                data = self._micro(engine, micro, batch, add_part, i == last)
+            total, data = self._micro(engine, micro, batch, total, stop, i == last)
             parts.append(data if micro.shard else None)
-        loss, stop, communication = self._agree(total[0] if total else None, stop)
+        loss, stop, communication = self._agree(total, stop)
         start = time.perf_counter()
         loss = engine.finish(loss, self.gradient_norm)
         return Outcome(loss, parts, stop, communication, time.perf_counter() - start)
-
-    def _micro_context(self, final: bool) -> contextlib.AbstractContextManager:
-        return _NO_CONTEXT
 
     def _micro(
         self,
         engine: Engine,
         micro: Micro,
         batch: Mapping,
-        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        total: torch.Tensor | None,
+        stop: bool,
         final: bool,
-    ) -> dict:
-        weighed = engine.forward(micro, batch, self.replica)
-        engine.backward(weighed.loss, weighed.gradient, add_part(weighed.part, final))
-        return weighed.data
+    ) -> tuple[torch.Tensor, dict]:
+        loss, gradient, part, data = engine.forward(micro, batch, self.replica)
+        total = part if total is None else total + part
+        engine.backward(loss, gradient, self._in_backward(total, stop) if final else None)
+        return total, data
 
     def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
         return None
@@ -288,9 +286,6 @@ class DataParallel:
     def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The global 2-norm of this process's gradients: whole copies hold them all."""
         return total_norm(gradients)
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # holds no state: one serves every micro-batch
 
 
 class OneProcess:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,6 +38,7 @@ from phalanx.strategies.distributed import ProcessGroup
 from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
 if TYPE_CHECKING:
+    from phalanx.data import Micro
     from phalanx.engine import Engine
 
 _SYNCHRONISE_BATCHNORM = "set parallel.sync_batchnorm: true to normalise over the whole micro-batch"
@@ -158,8 +159,17 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self._by_hand = micros[0][0].any_empty
         return super().train_step(engine, micros, stop)
 
-    def _micro_context(self, final: bool) -> contextlib.AbstractContextManager:
-        return _SYNCHRONISED if final and not self._by_hand else self._wrapper.no_sync()
+    def _micro(
+        self,
+        engine: Engine,
+        micro: Micro,
+        batch: Mapping,
+        total: torch.Tensor | None,
+        stop: bool,
+        final: bool,
+    ) -> tuple[torch.Tensor, dict]:
+        with _SYNCHRONISED if final and not self._by_hand else self._wrapper.no_sync():
+            return super()._micro(engine, micro, batch, total, stop, final)
 
     def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
         return None if self._by_hand else self._carry(self._values(total, stop))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -205,16 +205,19 @@ class FSDP(ProcessGroup, DataParallel):
         engine: Engine,
         micro: Micro,
         batch: Mapping,
-        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        total: torch.Tensor | None,
+        stop: bool,
         final: bool,
-    ) -> dict:
+    ) -> tuple[torch.Tensor, dict]:
         # an empty shard comes as a batch of zero samples; reduce once, after the last micro-batch
         self._sharded.set_requires_gradient_sync(final)
         with _units_called_whole():
-            weighed = engine.forward(micro, batch, self.replica)
-        add_part(weighed.part, final)
-        engine.backward(weighed.loss, weighed.gradient)
-        return weighed.data
+            loss, gradient, part, data = engine.forward(micro, batch, self.replica)
+        total = part if total is None else total + part
+        if final:
+            self._in_backward(total, stop)
+        engine.backward(loss, gradient)
+        return total, data
 
     def _in_backward(self, total: torch.Tensor, stop: bool) -> None:
         """The loss and stop flag are known: agreed on while backward runs."""

@@ -99,17 +99,20 @@ class Towers(OneProcess, Replicated, DataParallel):
         engine: Engine,
         micro: Micro,
         batch: Mapping,
-        add_part: Callable[[torch.Tensor, bool], torch.Tensor | None],
+        total: torch.Tensor | None,
+        stop: bool,
         final: bool,
-    ) -> dict:
+    ) -> tuple[torch.Tensor, dict]:
         """The towers' shares of the micro-batch, each tower's forward and backward in its own
         thread; their gradients add up over the micro-batches, reduced after the last one."""
         done = self._run(
             lambda replica, m, b: self._tower_step(engine, replica, m, b), micro, batch
         )
         for part, _ in done:
-            add_part(part.to(self.device), final)
-        return self._joined([data for _, data in done])
+            part = part.to(self.device)
+            total = part if total is None else total + part
+        assert total is not None  # a micro-batch has a sample or more
+        return total, self._joined([data for _, data in done])
 
     def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
         self._reduce_gradients()
