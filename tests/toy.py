@@ -87,6 +87,18 @@ class Linear(nn.Module):
         return {"prediction": prediction, "loss": (prediction - y) ** 2}
 
 
+class Deep(Linear):
+    """toy.Linear with `layers` hidden layers: net = Sequential(Linear, Tanh, ..., Linear), whose
+    blocks 2, 4, ... start a new layer (where a pipeline may split it)."""
+
+    def __init__(self, features: int = 3, hidden: int = 4, layers: int = 3):
+        super().__init__(features)
+        blocks: list[nn.Module] = [nn.Linear(features, hidden), nn.Tanh()]
+        for _ in range(layers - 1):
+            blocks += [nn.Linear(hidden, hidden), nn.Tanh()]
+        self.net = nn.Sequential(*blocks, nn.Linear(hidden, 1))
+
+
 class Scaled(Linear):
     """toy.Linear with a learned output scale that the model holds itself, drawn in its __init__."""
 
@@ -329,15 +341,19 @@ class RequestStopAt(Hook):
 
 
 class SeenIds(Hook):
-    """Records the sample ids of every gathered training batch, in the order the hooks see them."""
+    """Records the sample ids of every gathered batch, and the model's predictions where it makes
+    them, in the order the hooks see them."""
 
-    gather_keys = ("id",)
+    gather_keys = ("id", "prediction")
 
     def __init__(self):
         self.ids: dict[str, list[list[int]]] = {}
+        self.predictions: dict[str, list[list[float]]] = {}
 
     def after_batch(self, stream: str, batch: dict) -> None:
         self.ids.setdefault(stream, []).append(batch["id"].tolist())
+        if "prediction" in batch:
+            self.predictions.setdefault(stream, []).append(batch["prediction"].tolist())
 
 
 class ImageRegression:

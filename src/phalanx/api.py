@@ -509,7 +509,8 @@ def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
     from phalanx import metrics
 
     log.info("%s", what_runs(cfg, strategy))
-    log.info("%s", metrics.summary(trainer.model))
+    # a strategy that keeps part of the model in each process describes the whole one
+    log.info("%s", getattr(strategy, "model_summary", None) or metrics.summary(trainer.model))
 
 
 def what_runs(cfg: config.Config, strategy) -> str:
@@ -527,17 +528,19 @@ def what_runs(cfg: config.Config, strategy) -> str:
     batch, accumulation = cfg.dataset.batch_size, cfg.parallel.gradient_accumulation
     micro = split_sizes(batch, min(accumulation, batch))[0]
     weights = cfg.parallel.shard_weights
-    shares = split_sizes(
-        micro, processes * each, weights if weights and len(weights) == processes * each else None
-    )
+    shards = strategy.data_world_size * each  # a pipeline's stages share their copy's shard
+    shares = split_sizes(micro, shards, weights if weights and len(weights) == shards else None)
     share = f"{min(shares)}" if min(shares) == max(shares) else f"{min(shares)} to {max(shares)}"
     micros = (
         f"{accumulation} micro-batches of up to {micro}" if accumulation > 1 else "one micro-batch"
     )
     line = (
         f"strategy {strategies.strategy_name(cfg)}: {who}; precision {cfg.precision}; global batch "
-        f"{batch} per optimizer step, {micros}, {share} per device"
+        f"{batch} per optimizer step, {micros}, {share} per "
+        + ("copy of the pipeline" if getattr(strategy, "layout", None) else "device")
     )
+    if getattr(strategy, "layout", None):
+        line += f"; {strategy.layout}"
     if kind == "cpu" and processes * each > 1 and cfg.parallel.accelerator == "auto":
         line += f" (no GPU is visible: the {processes * each} devices are shares of the CPU)"
     return line

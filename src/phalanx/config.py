@@ -220,6 +220,24 @@ class FSDPConfig(_Section):
     )
 
 
+class PipelineConfig(_Section):
+    """`parallel.pipeline`: settings of the `pipeline` strategy."""
+
+    split: list[str] = Field(
+        min_length=1,
+        description="the modules where a new stage starts: blocks of one nn.Sequential or "
+        "nn.ModuleList of the model, such as [net.3]; one process per stage",
+    )
+    microbatches: StrictInt = Field(
+        4, ge=1, description="micro-batches per global batch (per accumulation window)"
+    )
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b",
+        description="gpipe: every forward, then every backward; 1f1b: one forward, one backward "
+        "(fewer activations held)",
+    )
+
+
 class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -254,6 +272,9 @@ class ParallelConfig(_Section):
     )
     fsdp: FSDPConfig = Field(
         default_factory=FSDPConfig, description="settings of the fsdp strategy"
+    )
+    pipeline: PipelineConfig | None = Field(
+        None, description="settings of the pipeline strategy (split is required)"
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",

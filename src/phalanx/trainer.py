@@ -6,6 +6,7 @@ only through its protocol.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -123,7 +124,12 @@ class Trainer:
             else None
         )
         options = ModelOptions(
-            self.precision, cfg.channels_last, tuple(cfg.activation_checkpointing), compiled
+            self.precision,
+            cfg.channels_last,
+            tuple(cfg.activation_checkpointing),
+            compiled,
+            sample=self._first_samples,
+            adapter=lambda m: Forward(m, cfg.model, self.search_dirs),
         )
         # the module to call, and the user's module inside it: what the optimizer steps and
         # checkpoints hold
@@ -620,6 +626,21 @@ class Trainer:
             except TrainingTerminated as t:
                 stop = stop or t
         return stop
+
+    def _first_samples(self, n: int) -> Mapping:
+        """The training stream's first `n` samples (fewer where it is shorter), as one batch."""
+        stream = data.get_stream(self.dataset, TRAIN)
+        try:
+            count = min(n, len(stream))
+            items = [stream[i] for i in range(count)]
+        except TypeError:  # an iterable stream: its first samples as it gives them
+            items = list(itertools.islice(iter(stream), n))
+        if not items:
+            raise ConfigError("the training stream is empty: there is nothing to train on")
+        keys = tuple(self.cfg.dataset.keys) if self.cfg.dataset.keys else None
+        batch = loading.collate(items, TRAIN, keys)
+        assert batch is not None  # items is not empty
+        return batch
 
     def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
         """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish

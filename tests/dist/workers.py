@@ -130,6 +130,7 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
         "losses": record.losses,
         "epochs": record.epochs,
         "ids": seen.ids,
+        "predictions": seen.predictions,
         "state_bytes": trainer.view.state_bytes(),
     }
 

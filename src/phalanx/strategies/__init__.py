@@ -165,6 +165,45 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     )
 
 
+def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    settings = cfg.parallel.pipeline
+    if settings is None:
+        raise ConfigError(
+            "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
+            "stage starts, such as parallel.pipeline.split=[net.3]"
+        )
+    if not in_worker():
+        raise ConfigError(
+            f"parallel.strategy=pipeline runs one process per stage ({len(settings.split) + 1}); "
+            f"set parallel.devices to {len(settings.split) + 1} (phalanx starts them), or start "
+            "phalanx under torchrun"
+        )
+    unsupported = {
+        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+        "precision=fp16": cfg.precision == "fp16",
+        "compile": bool(cfg.compile),
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(
+            f"parallel.strategy=pipeline does not support {', '.join(named)}; remove it, or use "
+            "parallel.strategy=ddp or fsdp"
+        )
+    from phalanx.strategies.pipeline import Pipeline
+
+    world = environment.here().world_size
+    copies = max(1, world // (len(settings.split) + 1))
+    window = -(-cfg.dataset.batch_size // cfg.parallel.gradient_accumulation)
+    return Pipeline(
+        accelerator,
+        settings,
+        shard_rows=-(-window // copies),
+        timeout_s=cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
+    )
+
+
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named
 # after it
 REGISTRY: dict[str, Entry] = {
@@ -179,6 +218,11 @@ REGISTRY: dict[str, Entry] = {
         _fsdp,
         True,
         "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
+    ),
+    "pipeline": Entry(
+        _pipeline,
+        True,
+        "the model split by layers into stages, one process each; micro-batches flow through",
     ),
 }
 

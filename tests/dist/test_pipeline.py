@@ -1,0 +1,162 @@
+"""The pipeline strategy against one process, in float64: stages on real gloo processes, copies of
+the pipeline beside them, uneven and short batches padded with samples of weight zero."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402
+import workers  # noqa: E402
+from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
+
+from phalanx import api, cli, config, rundir, strategies  # noqa: E402
+from phalanx.checkpoint import Checkpoints  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+N_TRAIN = 37  # batches of 10 and 12 leave a last batch (7, 1) smaller than the micro-batch count
+
+
+def scenario(batch: int, accumulation: int = 1, **extra) -> dict:
+    raw = toy.regression_config(
+        model={"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 3},
+        optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
+        dataset={"class": "toy.Regression", "batch_size": batch, "n_train": N_TRAIN},
+        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    return raw
+
+
+def piped(raw: dict, devices: int, split: list[str], schedule: str, microbatches: int) -> dict:
+    pipeline = {"split": split, "schedule": schedule, "microbatches": microbatches}
+    parallel = {**raw["parallel"], "devices": devices, "strategy": "pipeline"}
+    return {**raw, "parallel": {**parallel, "pipeline": pipeline}}
+
+
+SCENARIOS = {
+    "batch10": scenario(10),
+    "batch12-accum3": scenario(12, 3),
+    "batch10-clipped": scenario(10, optimizer={"max_grad_norm": 0.05}),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, dict]:
+    return {name: workers.train(raw) for name, raw in SCENARIOS.items()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(
+    ("devices", "split"),
+    [(2, ["net.4"]), (3, ["net.2", "net.4"]), (4, ["net.4"])],
+    ids=["2-stages", "3-stages", "2-stages-2-copies"],
+)
+def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference):
+    raws = [piped(raw, devices, split, schedule, 4) for raw in SCENARIOS.values()]
+    per_rank = workers.run_ranks(devices, workers.train_all, raws)
+    for rank_results in per_rank:  # every rank logs the same global losses
+        for name, got in zip(SCENARIOS, rank_results, strict=True):
+            assert len(got["losses"]) == len(reference[name]["losses"])
+            assert torch.allclose(
+                torch.tensor(got["losses"]), torch.tensor(reference[name]["losses"]), rtol=1e-10
+            ), name
+    for name, got in zip(SCENARIOS, per_rank[0], strict=True):  # the whole model, on rank 0
+        assert_same_run(got, reference[name])
+        assert got["epochs"][-1]["valid"]["loss_count"] == N_VALID  # each sample once
+        # a gathering hook sees the same batches, in dataset order, and the same outputs
+        assert got["ids"] == reference[name]["ids"], name
+        for stream, want in reference[name]["predictions"].items():
+            mine = got["predictions"][stream]
+            assert [len(b) for b in mine] == [len(b) for b in want], (name, stream)
+            flat = [v for b in mine for v in b]
+            expected = torch.tensor([v for b in want for v in b], dtype=torch.float64)
+            assert rel(torch.tensor(flat, dtype=torch.float64), expected) < 1e-10
+
+
+def _new_run(folder: Path, raw: dict) -> Path:
+    path = toy.write_config(folder, raw)
+    cfg, _ = config.load(str(path), [])
+    return rundir.create(cfg, path)
+
+
+def _stopping(raw: dict, steps: int) -> dict:
+    """The scenario over 3 epochs (4 steps each), checkpointed every epoch, stopped after `steps`."""
+    return {
+        **raw,
+        "main_loop": {"epochs": 3, "extra_streams": []},
+        "hooks": ["SaveLatest", {"StopAfter": {"steps": steps}}],
+    }
+
+
+def _resume(run: Path, processes: int, overrides: list[str]) -> None:
+    more = ["hooks.1.StopAfter.steps=1000", *overrides]
+    if processes == 1:
+        assert api.run_worker(run, True, more) == 0
+    else:
+        codes = workers.run_ranks(processes, workers.run_dir_worker, str(run), True, more)
+        assert codes == [0] * processes
+
+
+def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tmp_path):
+    """pipeline(2) -> ddp(2), one process, pipeline(3); ddp(3) -> pipeline(3): each ends as the
+    run without a stop, and its export loads into the plain model."""
+    raw = _stopping(scenario(10), 6)  # mid-epoch 2
+    whole = workers.train({**raw, "hooks": []})
+    pipe = _new_run(tmp_path / "pipe2", piped(raw, 2, ["net.4"], "1f1b", 4))
+    assert workers.run_ranks(2, workers.run_dir_worker, str(pipe), False, []) == [0, 0]
+    ddp = _new_run(tmp_path / "ddp3", {**raw, "parallel": {**raw["parallel"], "devices": 3}})
+    assert workers.run_ranks(3, workers.run_dir_worker, str(ddp), False, []) == [0, 0, 0]
+    three = [
+        "parallel.devices=3",
+        "parallel.strategy=pipeline",
+        "parallel.pipeline={split: [net.2, net.4], microbatches: 3, schedule: gpipe}",
+    ]
+    resumed = {
+        "pipe2-ddp2": (pipe, 2, ["parallel.strategy=ddp"]),
+        "pipe2-single": (pipe, 1, ["parallel.strategy=single", "parallel.devices=1"]),
+        "pipe2-pipe3": (pipe, 3, three),
+        "ddp3-pipe3": (ddp, 3, three),
+    }
+    for name, (run, processes, overrides) in resumed.items():
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        _resume(copy, processes, overrides)
+        assert f"resuming {copy} from step 6 " in (copy / "log.txt").read_text(), name
+        out = tmp_path / f"{name}.safetensors"
+        assert cli.main(["export", str(copy), "--checkpoint", "latest", "--output", str(out)]) == 0
+        assert Checkpoints(copy / "checkpoints").latest_valid() == 12, name
+        got = load_file(str(out))
+        for key, value in whole["params"].items():
+            assert rel(got[key], torch.tensor(value, dtype=torch.float64)) < 1e-10, (name, key)
+        model = toy.Deep(features=3, hidden=4, layers=3).double()
+        model.load_state_dict(got)  # plain PyTorch, strict
+
+
+@pytest.mark.parametrize(
+    ("devices", "split", "message"),
+    [
+        (3, ["net.4"], "makes 2 stages, one process each, but there are 3 processes"),
+        (3, ["net.1", "net.2"], "pipeline stage 1 holds no parameters"),
+    ],
+)
+def test_a_pipeline_the_processes_or_the_model_cannot_make_is_one_error(devices, split, message):
+    raw = piped(scenario(10), devices, split, "gpipe", 2)
+    with pytest.raises(AssertionError, match=message):
+        workers.run_ranks(devices, workers.train_all, [raw], timeout=120)
+
+
+def test_the_pipeline_strategy_without_its_split_points_says_how_to_give_them():
+    raw = scenario(10)
+    raw["parallel"] = {**raw["parallel"], "strategy": "pipeline"}
+    with pytest.raises(config.ConfigError, match=r"needs parallel.pipeline.split.*net\.3"):
+        strategies.create(config.validate(raw))
