@@ -276,6 +276,11 @@ class ParallelConfig(_Section):
     pipeline: PipelineConfig | None = Field(
         None, description="settings of the pipeline strategy (split is required)"
     )
+    placement: dict[str, str] = Field(
+        default_factory=dict,
+        description="the placement strategy's devices by module name, such as {encoder: cuda:0, "
+        "decoder: cuda:1, head: cpu}; the rest of the model on the run's device",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
         description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "

@@ -1,4 +1,5 @@
-"""One optimizer step and one evaluation batch, written once for every strategy.
+"""The contract's arithmetic for an optimizer step and an evaluation batch, written once: functions
+that every strategy's step calls, however it runs its micro-batches.
 
 Each rank scales the sum of its per-sample losses by 1/B_k, B_k the size of the whole global batch,
 and the strategy's reduction sums: the reduced gradient is exactly that of the global batch's mean

@@ -97,7 +97,11 @@ def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
     without the reducer's direct entry point runs it. Several ranks on CUDA share GPU 0 over gloo
     (as `run_ranks(..., env={"LOCAL_RANK": "0"})` starts them): nccl refuses two ranks on one
     GPU."""
-    shared_gpu = cfg.parallel.accelerator == "cuda" and strategies.in_worker()
+    shared_gpu = (
+        cfg.parallel.accelerator == "cuda"
+        and strategies.in_worker()
+        and cfg.parallel.strategy in ("auto", "ddp")
+    )
     if not (carry_through_autograd or shared_gpu):
         return strategies.create(cfg)
     from phalanx.strategies.ddp import DDP

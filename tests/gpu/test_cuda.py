@@ -215,3 +215,19 @@ def test_negative_loss_weights_on_the_gpu_are_refused_at_the_epochs_end(tmp_path
     streams = toy.Regression(n_train=N_TRAIN).streams()
     with pytest.raises(ModelError, match="'loss_weight' holds negative weights"):
         phalanx.fit(raw, model=_NegativeWeights(), dataset=streams)
+
+
+def test_placement_on_the_gpu_and_the_cpu_trains_as_one_gpu(one_gpu):
+    """toy.Linear's first layer on cuda:0 and its last in host memory: inputs follow each module,
+    the outputs come back to the GPU, and the run is one GPU's."""
+    raw = scenario("cuda", strategy="placement", placement={"net.0": "cuda:0", "net.2": "cpu"})
+    assert_same_run(workers.train(raw), one_gpu["toy.Linear"])
+
+
+def test_a_pipeline_of_two_stages_sharing_the_gpu_trains_as_one_gpu(one_gpu):
+    raw = scenario("cuda", strategy="pipeline", devices=2, backend="gloo")
+    raw["parallel"]["pipeline"] = {"split": ["net.2"], "microbatches": 2, "schedule": "1f1b"}
+    for [got] in workers.run_ranks(
+        2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
+    )[:1]:
+        assert_same_run(got, one_gpu["toy.Linear"])

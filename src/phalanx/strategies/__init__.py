@@ -204,6 +204,40 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
     )
 
 
+def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    if in_worker():
+        raise ConfigError(
+            "parallel.strategy=placement runs in one process, but this is one of several; start "
+            "phalanx without torchrun, or use parallel.strategy=pipeline"
+        )
+    if not cfg.parallel.placement:
+        raise ConfigError(
+            "parallel.strategy=placement needs parallel.placement, the device of each module by "
+            "name, such as parallel.placement={encoder: cuda:0, decoder: cuda:1}"
+        )
+    visible = torch.cuda.device_count()
+    for name, where in cfg.parallel.placement.items():
+        try:
+            device = torch.device(where)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"parallel.placement puts {name} on {where!r}; name a device such as cuda:0, "
+                "cuda:1 or cpu"
+            )
+        if device.type == "cuda" and (device.index or 0) >= visible:
+            raise ConfigError(
+                f"parallel.placement puts {name} on {where}, but {visible} GPU(s) are visible"
+            )
+    if cfg.compile:
+        raise ConfigError("parallel.strategy=placement does not support compile; remove it")
+    from phalanx.strategies.placement import Placement
+
+    home = torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
+    return Placement(home, cfg.parallel.placement)
+
+
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named
 # after it
 REGISTRY: dict[str, Entry] = {
@@ -223,6 +257,9 @@ REGISTRY: dict[str, Entry] = {
         _pipeline,
         True,
         "the model split by layers into stages, one process each; micro-batches flow through",
+    ),
+    "placement": Entry(
+        _placement, False, "one process, the model's modules pinned to devices by name"
     ),
 }
 

@@ -1,21 +1,23 @@
-"""The strategy protocol: all the trainer and the engine know of how devices and processes are used.
+"""The strategy protocol: all the trainer knows of how devices and processes are used.
 
 A strategy answers five questions, and nothing else reaches the trainer:
 - topology: which processes and devices there are, and which shards of each global batch this
   process trains on (the *data* rank and world size, which need not be the process's: a process
-  driving several towers trains on several shards);
+  driving several towers trains on several shards, a pipeline's stages share one);
 - building: where the model is built (its init context) and how it is wrapped, in one fixed order
   (`prepare`), and which parameters the optimizer updates;
-- the step: how the micro-batches' forward and backward run so that the gradients are the global
-  batch's, and how the ranks agree on the step's loss and stop flag (`forward_backward`, `agree`);
+- the step: one whole optimizer step (`train_step`), so that the gradients are the global batch's
+  and the ranks agree on its loss and stop flag, and the outputs the hooks gather
+  (`gather_outputs`);
 - state: the model and optimizer state that a checkpoint holds, whole or as shards (`SavesShards`);
 - collectives: reduce, gather, broadcast, barrier; shutdown.
 
-The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) in
-`Engine.forward`; a strategy only scales it where its reduction averages instead of adding.
-Shared members come from mixins (`Replicated`, `OneProcess`); optional abilities are protocols a
-strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module
-that implements this protocol and an entry in `strategies.REGISTRY`.
+The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) as
+functions a strategy's step calls (`Engine.forward`, `weigh`, `backward`, `finish`); a strategy
+only scales it where its reduction averages instead of adding (`Replica.scale`). Shared members come
+from mixins (`Replicated`, `OneProcess`, `DataParallel`); optional abilities are protocols a
+strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module that
+implements this protocol and an entry in `strategies.REGISTRY`.
 """
 
 from __future__ import annotations
