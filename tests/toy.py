@@ -436,6 +436,45 @@ class TinyLM(nn.Module):
         return self.head(h)
 
 
+class CumulativeMix(nn.Module):
+    """TinyLM's mix along the sequence as a block of its own: tanh(linear(cumsum))."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.mix = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mix(h.cumsum(dim=1)))
+
+
+class ChainLM(nn.Module):
+    """forward(tokens) -> logits: an embedding, `blocks` mixes in an nn.Sequential (where a pipeline
+    may split it), a head."""
+
+    def __init__(self, vocab: int = 5, width: int = 4, blocks: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.Sequential(*(CumulativeMix(width) for _ in range(blocks)))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+class WeighingChainLM(ChainLM):
+    """ChainLM that weighs its samples itself, as WeighingLM does."""
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = super().forward(tokens)
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+        real = (labels != -100).sum(dim=1)
+        return {
+            "logits": logits,
+            "loss": losses.sum(dim=1) / real.clamp(min=1),
+            "loss_weight": real,
+        }
+
+
 class WeighingLM(TinyLM):
     """TinyLM that computes its own loss: per sample over its real tokens, with their count as
     `loss_weight` (the protocol a model that weighs its samples follows)."""

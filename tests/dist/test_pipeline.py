@@ -160,3 +160,35 @@ def test_the_pipeline_strategy_without_its_split_points_says_how_to_give_them():
     raw["parallel"] = {**raw["parallel"], "strategy": "pipeline"}
     with pytest.raises(config.ConfigError, match=r"needs parallel.pipeline.split.*net\.3"):
         strategies.create(config.validate(raw))
+
+
+def lm(model: str, accumulation: int, **optimizer) -> dict:
+    """Token-weighted losses: the config's cross entropy over real tokens (their count weighs each
+    sample), or the model's own loss_weight."""
+    raw = toy.regression_config(
+        optimizer={"class": "SGD", "lr": 0.5, "momentum": 0.9, **optimizer},
+        dataset={"class": "toy.Sequences", "batch_size": 10, "n_train": 32},
+        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
+    raw["model"] = {"class": model, "outputs": "logits", "blocks": 3}
+    if model == "toy.ChainLM":
+        raw["model"]["loss"] = {"function": "cross_entropy", "output": "logits", "target": "labels"}
+    return raw
+
+
+def test_token_weighted_losses_through_the_pipeline_train_as_one_process():
+    raws = {
+        "config-loss-accum3": lm("toy.ChainLM", 3),
+        "model-weights-clipped": lm("toy.WeighingChainLM", 2, max_grad_norm=0.3),
+    }
+    want = [workers.train(raw) for raw in raws.values()]
+    piped_raws = [piped(raw, 2, ["blocks.2"], "1f1b", 3) for raw in raws.values()]
+    got = workers.run_ranks(2, workers.train_all, piped_raws)[0]
+    for name, mine, theirs in zip(raws, got, want, strict=True):
+        for key, value in theirs["params"].items():
+            assert rel(torch.tensor(mine["params"][key]), torch.tensor(value)) < 1e-10, (name, key)
+        assert rel(torch.tensor(mine["losses"]), torch.tensor(theirs["losses"])) < 1e-10, name
+        for a, b in zip(mine["epochs"], theirs["epochs"], strict=True):
+            assert abs(a["valid"]["loss"] - b["valid"]["loss"]) <= 1e-10 * abs(b["valid"]["loss"])
