@@ -26,6 +26,7 @@ from pydantic import (
     StrictInt,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from phalanx.errors import ConfigError, did_you_mean
@@ -231,11 +232,30 @@ class PipelineConfig(_Section):
     microbatches: StrictInt = Field(
         4, ge=1, description="micro-batches per global batch (per accumulation window)"
     )
-    schedule: Literal["gpipe", "1f1b"] = Field(
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = Field(
         "1f1b",
         description="gpipe: every forward, then every backward; 1f1b: one forward, one backward "
-        "(fewer activations held)",
+        "(fewer activations held); interleaved: 1f1b over several stages per process (a smaller "
+        "bubble); zero_bubble: interleaved, each backward split into its input and weight halves",
     )
+    stages_per_process: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="stages each process holds, looped (process p: stages p, p + P ...); "
+        "default 1, and 2 for interleaved and zero_bubble",
+    )
+
+    @model_validator(mode="after")
+    def _per_process(self) -> PipelineConfig:
+        several = self.schedule in ("interleaved", "zero_bubble")
+        if self.stages_per_process is None:
+            self.stages_per_process = 2 if several else 1
+        elif self.stages_per_process > 1 and not several:
+            raise ValueError(
+                f"schedule {self.schedule} runs one stage per process; use interleaved or "
+                "zero_bubble for stages_per_process > 1"
+            )
+        return self
 
 
 class ParallelConfig(_Section):

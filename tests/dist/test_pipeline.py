@@ -25,7 +25,7 @@ N_TRAIN = 37  # batches of 10 and 12 leave a last batch (7, 1) smaller than the 
 
 def scenario(batch: int, accumulation: int = 1, **extra) -> dict:
     raw = toy.regression_config(
-        model={"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 3},
+        model={"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 4},
         optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
         dataset={"class": "toy.Regression", "batch_size": batch, "n_train": N_TRAIN},
         parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": accumulation},
@@ -55,11 +55,30 @@ def reference() -> dict[str, dict]:
     return {name: workers.train(raw) for name, raw in SCENARIOS.items()}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, looped
+
+
 @pytest.mark.parametrize(
-    ("devices", "split"),
-    [(2, ["net.4"]), (3, ["net.2", "net.4"]), (4, ["net.4"])],
-    ids=["2-stages", "3-stages", "2-stages-2-copies"],
+    ("devices", "split", "schedule"),
+    [
+        *[(2, ["net.4"], s) for s in ("gpipe", "1f1b")],
+        *[(3, ["net.2", "net.4"], s) for s in ("gpipe", "1f1b")],
+        *[(4, ["net.4"], s) for s in ("gpipe", "1f1b")],
+        (2, FOUR, "interleaved"),
+        (2, FOUR, "zero_bubble"),
+        (4, FOUR, "interleaved"),
+    ],
+    ids=[
+        "2-stages-gpipe",
+        "2-stages-1f1b",
+        "3-stages-gpipe",
+        "3-stages-1f1b",
+        "2-stages-2-copies-gpipe",
+        "2-stages-2-copies-1f1b",
+        "4-stages-on-2-interleaved",
+        "4-stages-on-2-zero-bubble",
+        "4-stages-on-2-2-copies-interleaved",
+    ],
 )
 def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference):
     raws = [piped(raw, devices, split, schedule, 4) for raw in SCENARIOS.values()]
@@ -108,8 +127,9 @@ def _resume(run: Path, processes: int, overrides: list[str]) -> None:
 
 
 def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tmp_path):
-    """pipeline(2) -> ddp(2), one process, pipeline(3); ddp(3) -> pipeline(3): each ends as the
-    run without a stop, and its export loads into the plain model."""
+    """pipeline(2) -> ddp(2), one process, pipeline(3), 4 stages interleaved on 2; ddp(3) ->
+    pipeline(3): each ends as the run without a stop, and its export loads into the plain
+    model."""
     raw = _stopping(scenario(10), 6)  # mid-epoch 2
     whole = workers.train({**raw, "hooks": []})
     pipe = _new_run(tmp_path / "pipe2", piped(raw, 2, ["net.4"], "1f1b", 4))
@@ -126,6 +146,11 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
         "pipe2-single": (pipe, 1, ["parallel.strategy=single", "parallel.devices=1"]),
         "pipe2-pipe3": (pipe, 3, three),
         "ddp3-pipe3": (ddp, 3, three),
+        "pipe2-interleaved": (
+            pipe,
+            2,
+            ["parallel.pipeline={split: [net.2, net.4, net.6], schedule: interleaved}"],
+        ),
     }
     for name, (run, processes, overrides) in resumed.items():
         copy = tmp_path / name
@@ -138,7 +163,7 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
         got = load_file(str(out))
         for key, value in whole["params"].items():
             assert rel(got[key], torch.tensor(value, dtype=torch.float64)) < 1e-10, (name, key)
-        model = toy.Deep(features=3, hidden=4, layers=3).double()
+        model = toy.Deep(features=3, hidden=4, layers=4).double()
         model.load_state_dict(got)  # plain PyTorch, strict
 
 

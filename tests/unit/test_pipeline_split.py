@@ -9,7 +9,7 @@ import toy
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.pipeline import _Active, _keep_stage, _probe
+from phalanx.strategies.pipeline import _Active, _keep_stages, _probe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,9 +55,9 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
     first, last = Tower(), Tower()
     first.load_state_dict(whole.state_dict())
     last.load_state_dict(whole.state_dict())
-    a, b = _Active(), _Active()
-    _keep_stage(first, split, 0, 2, a)
-    _keep_stage(last, split, 1, 2, b)
+    a, b = _Active(lo=0, hi=2, stage=0), _Active(lo=2, hi=3, stage=1)
+    _keep_stages(first, split, [0], 2, a)
+    _keep_stages(last, split, [1], 2, b)
     assert sorted(first.state_dict()) == [
         "blocks.0.0.bias", "blocks.0.0.weight", "blocks.1.0.bias", "blocks.1.0.weight",
         "embed.bias", "embed.weight",

@@ -90,29 +90,40 @@ class Pipeline(ProcessGroup):
         super().__init__(accelerator, timeout_s, backend)
         self.settings = settings
         self.stages = len(settings.split) + 1
-        if self.world_size % self.stages:
+        per_process = settings.stages_per_process or 1
+        if self.stages % per_process:
             raise ConfigError(
-                f"parallel.pipeline.split makes {self.stages} stages, one process each, but there "
-                f"are {self.world_size} processes: set parallel.devices to a multiple of "
-                f"{self.stages} (each {self.stages} processes train one copy of the pipeline)"
+                f"parallel.pipeline.split makes {self.stages} stages, which cannot be shared out "
+                f"{per_process} to a process (parallel.pipeline.stages_per_process); name "
+                f"{per_process} x N - 1 split points"
             )
-        self.copies = self.world_size // self.stages
-        self.stage, copy = self.rank % self.stages, self.rank // self.stages
+        self.depth = self.stages // per_process  # processes in one copy of the pipeline
+        if self.world_size % self.depth:
+            raise ConfigError(
+                f"parallel.pipeline.split makes {self.stages} stages, {per_process} per process, "
+                f"so {self.depth} processes a copy of the pipeline, but there are "
+                f"{self.world_size} processes: set parallel.devices to a multiple of {self.depth}"
+            )
+        self.copies = self.world_size // self.depth
+        self.position, copy = self.rank % self.depth, self.rank // self.depth
+        # looped: process p holds stages p, p + depth, p + 2 depth ... (the interleaved schedules')
+        self.mine = [self.position + j * self.depth for j in range(per_process)]
         self.data_rank, self.data_world_size = copy, self.copies
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        self.is_first, self.is_last = 0 in self.mine, self.stages - 1 in self.mine
         self.rows = max(1, math.ceil(shard_rows / settings.microbatches))  # per micro-batch
         # every process makes every group, in the same order
         self._pipe = self._dp = None
         for c in range(self.copies):
-            group = dist.new_group([c * self.stages + s for s in range(self.stages)])
+            group = dist.new_group([c * self.depth + p for p in range(self.depth)])
             if c == copy:
                 self._pipe = group
-        for s in range(self.stages):
-            group = dist.new_group([c * self.stages + s for c in range(self.copies)])
-            if s == self.stage:
+        for p in range(self.depth):
+            group = dist.new_group([c * self.depth + p for c in range(self.copies)])
+            if p == self.position:
                 self._dp = group
         self._split: _Split | None = None
         self._active = _Active()
+        self._captured = self._active.captured  # the last stage's outputs, one per micro-batch
         self._schedule: Any = None
         self._global_index: list[int] = []  # each trainable parameter's index in the whole model's
         self._trainable = 0  # trainable parameters of the whole model
@@ -142,21 +153,22 @@ class Pipeline(ProcessGroup):
             self.model_summary = metrics.summary(whole)
             names = [n for n, p in whole.named_parameters() if p.requires_grad]
             self._trainable = len(names)
-            _keep_stage(whole, self._split, self.stage, self.stages, self._active)
+            _keep_stages(whole, self._split, self.mine, self.stages, self._active)
             mine = [n for n, p in whole.named_parameters() if p.requires_grad]
             if not list(whole.parameters()):
                 raise ConfigError(
-                    f"pipeline stage {self.stage} holds no parameters: move its split point in "
-                    f"parallel.pipeline.split ({self.settings.split})"
+                    f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
+                    f"in parallel.pipeline.split ({self.settings.split})"
                 )
             index = {name: i for i, name in enumerate(names)}
             self._global_index = [index[n] for n in mine]
             return whole
 
         self.model = prepare(module, options, place)
-        counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.stages]
+        counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.depth]
+        each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
         self.layout = (
-            f"the model in {self.stages} stages of "
+            f"the model in {self.stages} stages on {self.depth} processes{each} holding "
             + ", ".join(f"{n:,}" for n in counts)
             + f" parameters, {self.copies} cop{'ies' if self.copies > 1 else 'y'} of the pipeline, "
             f"{self.settings.microbatches} micro-batches of {self.rows} samples through it "
@@ -168,11 +180,12 @@ class Pipeline(ProcessGroup):
         """The stage and its schedule, made at the first step (the adapter is the engine's)."""
         if self._schedule is not None:
             return self._schedule
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         split = self._split
         assert split is not None  # setup has run
-        rows = self.rows
+        bounds = [0, *split.cuts, split.size]
+        loss_dtype = next(p.dtype for p in self.model.parameters())
 
         def meta(k: int) -> torch.Tensor:
             shape, dtype = split.shapes[k]
@@ -180,28 +193,51 @@ class Pipeline(ProcessGroup):
                 shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point
             )
 
-        inputs = () if self.is_first else meta(self.stage - 1)
-        loss_dtype = next(p.dtype for p in self.model.parameters())
-        outputs = (
-            torch.empty(rows, dtype=loss_dtype, device=self.device, requires_grad=True)
-            if self.is_last
-            else meta(self.stage)
-        )
-        stage_module = _Stage(self.model, engine.forward_fn, self._active, engine.precision)
-        self._stage_module = stage_module
-        stage = PipelineStage(
-            stage_module,
-            self.stage,
-            self.stages,
-            self.device,
-            input_args=inputs,
-            output_args=outputs,
-            group=self._pipe,
-        )
-        kind = ScheduleGPipe if self.settings.schedule == "gpipe" else Schedule1F1B
-        self._schedule = kind(
-            stage, self.settings.microbatches, loss_fn=self._loss, scale_grads=False
-        )
+        stages = []
+        for k in self.mine:
+            last = k == self.stages - 1
+            module = _Stage(
+                self.model,
+                _stage_parts(self.model, split, k, self.stages),
+                (bounds[k], bounds[k + 1], k),
+                engine.forward_fn,
+                self._active,
+                engine.precision,
+            )
+            if last:
+                self._last_stage = module
+            stages.append(
+                pipelining.PipelineStage(
+                    module,
+                    k,
+                    self.stages,
+                    self.device,
+                    input_args=() if k == 0 else meta(k - 1),
+                    output_args=(
+                        torch.empty(
+                            self.rows, dtype=loss_dtype, device=self.device, requires_grad=True
+                        )
+                        if last
+                        else meta(k)
+                    ),
+                    group=self._pipe,
+                )
+            )
+        kind, given = {
+            "gpipe": (pipelining.ScheduleGPipe, stages[0]),
+            "1f1b": (pipelining.Schedule1F1B, stages[0]),
+            "interleaved": (pipelining.ScheduleInterleaved1F1B, stages),
+            "zero_bubble": (pipelining.ScheduleInterleavedZeroBubble, stages),
+        }[self.settings.schedule]
+        try:
+            self._schedule = kind(
+                given, self.settings.microbatches, loss_fn=self._loss, scale_grads=False
+            )
+        except ValueError as e:  # the schedule's own conditions on the micro-batch count
+            raise ConfigError(
+                f"parallel.pipeline.schedule={self.settings.schedule} with "
+                f"{self.settings.microbatches} micro-batches on {self.depth} processes: {e}"
+            ) from None
         self._engine = engine
         return self._schedule
 
@@ -216,11 +252,10 @@ class Pipeline(ProcessGroup):
         for micro, batch in micros:
             assert batch is not None  # an empty shard comes as a batch of zero samples
             self._global_size = micro.global_size
-            self._stage_module.captured = []
+            self._captured.clear()
             padded, real = self._pad_step(self._converted(engine, batch), len(micro.shard))
             schedule.step(target=real, **padded)
-            captured = self._stage_module.captured
-            parts.append(concat(captured) if self.is_last and micro.shard else None)
+            parts.append(concat(self._captured) if self.is_last and micro.shard else None)
         start = time.perf_counter()
         self._reduce_gradients()
         loss, stop = self._agree(stop)
@@ -258,12 +293,12 @@ class Pipeline(ProcessGroup):
         """The last stage's objective for one micro-batch: the contract's weights on its real rows
         (the first `n`), the padding out of the graph."""
         n = int(real.sum())
-        data = self._stage_module.captured[-1]
+        data = self._captured[-1]
         tokens = data.pop(TOKENS, None)
         if tokens is not None and n < self.rows:
             tokens = tokens.reshape(self.rows, -1)[:n].reshape(-1)
         data = {k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in data.items()}
-        self._stage_module.captured[-1] = data
+        self._captured[-1] = data
         micro = Micro(list(range(n)), self._global_size)
         weighed = self._engine.weigh(output[:n], data, micro, 1.0, tokens)
         self._parts.append(weighed.part)
@@ -326,9 +361,9 @@ class Pipeline(ProcessGroup):
             for start in range(0, max(n, 1), per_round):
                 part = {k: v[start : start + per_round] for k, v in batch.items()}
                 padded, real = self._pad_step(part, min(per_round, n - start))
-                self._stage_module.captured = []
+                self._captured.clear()
                 schedule.eval(target=real, **padded)
-                out.extend(self._stage_module.captured)
+                out.extend(self._captured)
         return concat(out) if self.is_last else {}
 
     # --- state ---------------------------------------------------------------------------
@@ -364,13 +399,13 @@ class Pipeline(ProcessGroup):
         missing = sorted(set(wanted) - set(whole))
         if missing:
             raise CheckpointMismatch(
-                f"{path} lacks {len(missing)} tensors of pipeline stage {self.stage}, such as "
+                f"{path} lacks {len(missing)} tensors of pipeline stages {self.mine}, such as "
                 f"{missing[:3]}: it holds another model"
             )
         try:
             self.model.load_state_dict({k: whole[k] for k in wanted}, strict=True)
         except RuntimeError as e:
-            raise CheckpointMismatch(f"{path} does not fit stage {self.stage}: {e}") from None
+            raise CheckpointMismatch(f"{path} does not fit stages {self.mine}: {e}") from None
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole optimizer's state, parameters numbered as in the whole model, on the main
@@ -445,35 +480,48 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
 
 @dataclass
 class _Active:
-    """What this process's stage does when the model's forward runs (see the module's docstring)."""
+    """What the model's forward does in this process now: the stage that runs (see the module's
+    docstring)."""
 
     lo: int = 0  # the trunk's first child of the stage
     hi: int = 0  # the first child of the next stage (the trunk's size on the last stage)
+    stage: int = 0
     received: torch.Tensor | None = None  # the activation from the previous stage
+    captured: list[dict] = field(default_factory=list)  # the last stage's outputs
 
 
 _KEY = "batch_"  # before each batch key passed to the schedule: none may be its own argument
 
 
 class _Stage(nn.Module):
-    """The stage `PipelineStage` runs: the model's forward, as far as the stage goes."""
+    """One stage as `PipelineStage` runs it: the model's forward, as far as the stage goes. Its
+    parameters are its own modules' (a process's stages share one model)."""
 
-    def __init__(self, model: nn.Module, call: Callable, active: _Active, precision: Precision):
+    def __init__(
+        self,
+        model: nn.Module,
+        parts: list[nn.Module],
+        span: tuple[int, int, int],
+        call: Callable,
+        active: _Active,
+        precision: Precision,
+    ):
         super().__init__()
-        self.model = model
-        self._call, self._active, self._precision = call, active, precision
-        self.captured: list[dict] = []  # the last stage's outputs, one dict per micro-batch
+        self.parts = nn.ModuleList(parts)
+        self._span, self._call, self._active, self._precision = span, call, active, precision
 
     def forward(self, *received: torch.Tensor, **keyed: torch.Tensor) -> torch.Tensor:
         batch = {key[len(_KEY) :]: value for key, value in keyed.items()}
-        self._active.received = received[0] if received else None
+        active = self._active
+        active.lo, active.hi, active.stage = self._span
+        active.received = received[0] if received else None
         try:
             with self._precision.autocast():
                 outputs = self._call(batch)
         except _Cut as cut:
             return cut.activation
         finally:
-            self._active.received = None
+            active.received = None
         loss = outputs["loss"]
         rows = _rows(batch)
         if loss.dim() != 1 or loss.shape[0] != rows:
@@ -488,8 +536,20 @@ class _Stage(nn.Module):
                 data[key] = value
             else:
                 data[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        self.captured.append(data)
+        active.captured.append(data)
         return loss
+
+
+def _stage_parts(model: nn.Module, split: _Split, stage: int, stages: int) -> list[nn.Module]:
+    """Stage `stage`'s modules: its blocks, and those around the trunk on the first and last."""
+    bounds = [0, *split.cuts, split.size]
+    trunk = model.get_submodule(split.trunk) if split.trunk else model
+    parts = [trunk.get_submodule(str(i)) for i in range(bounds[stage], bounds[stage + 1])]
+    if stage == 0:
+        parts += [model.get_submodule(name) for name in split.before]
+    if stage == stages - 1:
+        parts += [model.get_submodule(name) for name in split.after]
+    return parts
 
 
 def _probe(
@@ -669,25 +729,40 @@ def _zeros_like_meta(value: Any) -> Any:
     return value
 
 
-def _keep_stage(model: nn.Module, split: _Split, stage: int, stages: int, active: _Active) -> None:
-    """Remove every module that is not stage `stage`'s; the trunk's children it keeps run only in
-    its range, the others pass through (`active` holds the range and the activation received)."""
+def _keep_stages(
+    model: nn.Module, split: _Split, mine: list[int], stages: int, active: _Active
+) -> None:
+    """Remove every module that is not one of stages `mine`'s. The trunk's blocks run only in the
+    running stage's range and pass through before it (`active` holds the range and the activation
+    received); the modules before the trunk give zeros of their outputs on later stages."""
     bounds = [0, *split.cuts, split.size]
-    active.lo, active.hi = bounds[stage], bounds[stage + 1]
     trunk = model.get_submodule(split.trunk) if split.trunk else model
-    last = stage == stages - 1
+    kept = {i for k in mine for i in range(bounds[k], bounds[k + 1])}
     for i in range(split.size):
-        mine = active.lo <= i < active.hi
-        child = trunk.get_submodule(str(i)) if mine else _Passing()
+        child = trunk.get_submodule(str(i)) if i in kept else _Passing()
         _run_in_range(child, i, active)
-        if not mine:
+        if i not in kept:
             _replace(trunk, str(i), child)
     for name in split.before:
-        if stage:
+        if 0 in mine:
+            _zeros_after_the_first(model.get_submodule(name), split.zeros.get(name), active)
+        else:
             _replace_path(model, name, _Zeros(split.zeros.get(name)))
     for name in split.after:
-        if not last:
+        if stages - 1 not in mine:
             _replace_path(model, name, _Unreached(name))
+
+
+def _zeros_after_the_first(module: nn.Module, meta: Any, active: _Active) -> None:
+    """A module before the trunk, in the process that also runs later stages: zeros there."""
+    forward = module.forward
+
+    def first_only(*args: Any, **kwargs: Any) -> Any:
+        if active.stage:
+            return tree_map(_zeros_like_meta, meta, is_leaf=_is_meta)
+        return forward(*args, **kwargs)
+
+    module.forward = first_only  # type: ignore[method-assign]  # on the instance: state names stay
 
 
 def _run_in_range(child: nn.Module, i: int, active: _Active) -> None:
