@@ -1,0 +1,202 @@
+"""The `pipeline` strategy's step against a hand-written `torch.distributed.pipelining` loop on the
+same split and schedule: two CPU processes (gloo), the benchmarks' MLP split at `net.2`.
+
+    .venv/bin/python bench/pipeline_overhead.py                       # 1f1b, 4 micro-batches
+    .venv/bin/python bench/pipeline_overhead.py --schedule gpipe --microbatches 8
+
+Each process runs both loops on a fixed batch, in chunks of `--steps` optimizer steps that
+alternate (hand, phalanx, hand, ...) for `--rounds` rounds; a chunk's time is the slower process's.
+The hand loop is what a user writes: the model's two halves as stages with their shapes given, the
+schedule with a loss of the micro-batch's sum over the batch size (`scale_grads=False`, so the
+gradient is the batch mean's, as phalanx's), then the optimizer; with `--hand-agrees`, also the
+all-reduce by which every process learns the step's loss and stop flag, as phalanx's step does.
+phalanx's step is `Trainer.train_step` on the same batch, fetched once: its padding, the contract's
+weights, the loss and stop agreement over the processes. The ratio is the median of the rounds'
+phalanx/hand ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import MLP, machine, make_items, mlp_model, write_report  # noqa: E402
+
+FEATURES, CLASSES = 32, 10
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """The hand loop's step: the model's halves as stages, the schedule, the optimizer."""
+    from torch.distributed import pipelining
+
+    torch.manual_seed(0)
+    model = MLP(FEATURES, args.hidden, CLASSES)
+    part = model.net[:2] if rank == 0 else model.net[2:]
+    rows = args.batch // args.microbatches
+    hidden = torch.empty(rows, args.hidden, requires_grad=True)
+    stage = pipelining.PipelineStage(
+        part,
+        rank,
+        2,
+        torch.device("cpu"),
+        input_args=x[:rows] if rank == 0 else hidden,
+        output_args=hidden if rank == 0 else torch.empty(rows, CLASSES, requires_grad=True),
+    )
+    kind = pipelining.Schedule1F1B if args.schedule == "1f1b" else pipelining.ScheduleGPipe
+    batch = args.batch
+    schedule = kind(
+        stage,
+        args.microbatches,
+        loss_fn=lambda out, target: F.cross_entropy(out, target, reduction="sum") / batch,
+        scale_grads=False,
+    )
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        if args.hand_agrees:  # every process learns the step's loss and stop flag, as phalanx's
+            dist.all_reduce(torch.zeros(4, dtype=torch.float64))
+        optimizer.step()
+
+    return step
+
+
+def _phalanx(args: argparse.Namespace, items: Any) -> Any:
+    """phalanx's step: a Trainer of the pipeline strategy, `train_step` on the fetched batch."""
+    from bench import common
+    from phalanx import config, data, loading
+    from phalanx.trainer import Trainer
+
+    common.REGISTRY["pipeline"] = items
+    raw = {
+        "name": "pipeline-bench",
+        "model": mlp_model(args.hidden, FEATURES, CLASSES),
+        "optimizer": {"class": "SGD", "lr": 0.01},
+        "dataset": {
+            "class": "bench.common.SharedStreams",
+            "key": "pipeline",
+            "batch_size": args.batch,
+        },
+        "parallel": {
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": "pipeline",
+            "pipeline": {
+                "split": ["net.2"],
+                "microbatches": args.microbatches,
+                "schedule": args.schedule,
+            },
+        },
+        "hooks": [],
+    }
+    trainer = Trainer(config.validate(raw), None, [ROOT], hooks=[])
+    plan = data.Plan(range(args.batch), args.batch)
+    stream = data.get_stream(trainer.dataset, "train")
+    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
+    return lambda: trainer.train_step(fetched)
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    items = make_items(args.batch, FEATURES, CLASSES)
+    x, y = items.x, items.y
+    loops = {"hand": _hand(rank, args, x, y), "phalanx": _phalanx(args, items)}
+    for step in loops.values():  # warm-up: the schedules' first step sets their buffers up
+        for _ in range(3):
+            step()
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(args.rounds):
+        for name, step in loops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times[name].append(float(elapsed) / args.steps)
+    if rank == 0:
+        queue.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--hand-agrees",
+        action="store_true",
+        help="the hand loop also all-reduces the step's loss and stop flag, as phalanx does",
+    )
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument(
+        "--output", default=str(ROOT / "bench" / "results" / "pipeline_overhead.json")
+    )
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    times = queue.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=60)
+    ratios = [p / h for p, h in zip(times["phalanx"], times["hand"], strict=True)]
+    hand, mine = statistics.median(times["hand"]), statistics.median(times["phalanx"])
+    q = statistics.quantiles(ratios, n=4)
+    print(
+        f"2 processes (gloo), MLP hidden {args.hidden} split at net.2, batch {args.batch}, "
+        f"{args.microbatches} micro-batches, {args.schedule}; {args.rounds} rounds of "
+        f"{args.steps} steps{'; the hand loop agrees on the loss' if args.hand_agrees else ''}\n"
+        f"hand pipelining loop  {1e3 * hand:.3f} ms/step\n"
+        f"phalanx pipeline      {1e3 * mine:.3f} ms/step   ratio {statistics.median(ratios):.3f}x "
+        f"(IQR {q[0]:.3f}-{q[2]:.3f})\n"
+        f"target: <= 1.05x: {'met' if statistics.median(ratios) <= 1.05 else 'NOT met'}"
+    )
+    write_report(
+        {"args": vars(args), "machine": machine(), "times": times, "ratios": ratios},
+        args.output,
+    )
+
+
+if __name__ == "__main__":
+    main()
