@@ -9,7 +9,7 @@ import toy
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.pipeline import _Active, _keep_stages, _probe
+from phalanx.strategies.cutting import Active, keep_stages, probe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +41,7 @@ BATCH = {"x": torch.randn(5, 3), "y": torch.randn(5)}
 
 def test_the_probe_finds_the_blocks_the_modules_around_them_and_the_activations_shapes():
     model = Tower()
-    split = _probe(model, call(model), BATCH, ["blocks.1"], 2)
+    split = probe(model, call(model), BATCH, ["blocks.1"], 2)
     assert (split.trunk, split.cuts, split.size) == ("blocks", [1], 3)
     assert (split.before, split.after) == (["embed"], ["head"])
     assert split.shapes == [(torch.Size([5, 4]), torch.float32)]
@@ -51,13 +51,13 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
     torch.manual_seed(0)
     whole = Tower()
     want = whole(BATCH["x"], BATCH["y"])["loss"]
-    split = _probe(whole, call(whole), BATCH, ["blocks.2"], 2)
+    split = probe(whole, call(whole), BATCH, ["blocks.2"], 2)
     first, last = Tower(), Tower()
     first.load_state_dict(whole.state_dict())
     last.load_state_dict(whole.state_dict())
-    a, b = _Active(lo=0, hi=2, stage=0), _Active(lo=2, hi=3, stage=1)
-    _keep_stages(first, split, [0], 2, a)
-    _keep_stages(last, split, [1], 2, b)
+    a, b = Active(lo=0, hi=2, stage=0), Active(lo=2, hi=3, stage=1)
+    keep_stages(first, split, [0], 2, a, torch.device("cpu"))
+    keep_stages(last, split, [1], 2, b, torch.device("cpu"))
     assert sorted(first.state_dict()) == [
         "blocks.0.0.bias", "blocks.0.0.weight", "blocks.1.0.bias", "blocks.1.0.weight",
         "embed.bias", "embed.weight",
@@ -65,9 +65,9 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
     assert sorted(last.state_dict()) == [
         "blocks.2.0.bias", "blocks.2.0.weight", "head.bias", "head.weight"
     ]  # fmt: skip
-    from phalanx.strategies.pipeline import _Cut
+    from phalanx.strategies.cutting import Cut
 
-    with pytest.raises(_Cut) as cut:
+    with pytest.raises(Cut) as cut:
         first(BATCH["x"], BATCH["y"])
     b.received = cut.value.activation
     assert torch.equal(last(BATCH["x"], BATCH["y"])["loss"], want)
@@ -76,23 +76,23 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
 def test_a_name_that_is_not_a_block_is_an_error_that_lists_the_blocks():
     model = Tower()
     with pytest.raises(ConfigError, match=r"'head'.*blocks\.1, blocks\.2"):
-        _probe(model, call(model), BATCH, ["head"], 2)
+        probe(model, call(model), BATCH, ["head"], 2)
 
 
 def test_a_split_where_the_forward_adds_to_the_blocks_output_is_an_error():
     model = Tower(residual=True)
     with pytest.raises(ConfigError, match="does not pass one tensor from blocks.0 to it"):
-        _probe(model, call(model), BATCH, ["blocks.1"], 2)
+        probe(model, call(model), BATCH, ["blocks.1"], 2)
 
 
 def test_a_module_used_before_and_after_the_blocks_is_an_error_naming_it():
     model = Tower(tied=True)
     with pytest.raises(ConfigError, match="cannot place embed"):
-        _probe(model, call(model), BATCH, ["blocks.1"], 2)
+        probe(model, call(model), BATCH, ["blocks.1"], 2)
 
 
 def test_a_parameter_the_model_holds_itself_is_an_error():
     model = toy.Scaled(features=3)
     model.net = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
     with pytest.raises(ConfigError, match=r"holds \['scale'\] itself"):
-        _probe(model, call(model), BATCH, ["net.2"], 2)
+        probe(model, call(model), BATCH, ["net.2"], 2)

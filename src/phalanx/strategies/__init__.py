@@ -173,9 +173,10 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "stage starts, such as parallel.pipeline.split=[net.3]"
         )
     if not in_worker():
+        processes = (len(settings.split) + 1) // (settings.stages_per_process or 1)
         raise ConfigError(
-            f"parallel.strategy=pipeline runs one process per stage ({len(settings.split) + 1}); "
-            f"set parallel.devices to {len(settings.split) + 1} (phalanx starts them), or start "
+            f"parallel.strategy=pipeline runs its stages in {processes} processes; set "
+            f"parallel.devices to {processes} or a multiple (phalanx starts them), or start "
             "phalanx under torchrun"
         )
     unsupported = {
@@ -192,13 +193,10 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
         )
     from phalanx.strategies.pipeline import Pipeline
 
-    world = environment.here().world_size
-    copies = max(1, world // (len(settings.split) + 1))
-    window = -(-cfg.dataset.batch_size // cfg.parallel.gradient_accumulation)
     return Pipeline(
         accelerator,
         settings,
-        shard_rows=-(-window // copies),
+        window=-(-cfg.dataset.batch_size // cfg.parallel.gradient_accumulation),
         timeout_s=cfg.parallel.timeout_s,
         backend=cfg.parallel.backend,
     )

@@ -28,13 +28,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from phalanx.engine import Replica
 from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
-from phalanx.strategies.distributed import ProcessGroup
+from phalanx.strategies.distributed import ProcessGroup, sum_gradients
 from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
 if TYPE_CHECKING:
@@ -250,18 +249,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self.progress.enter("the gradient all-reduce")
         self.carrier.grad = values
         params = [p for p in self._wrapper.module.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= self.world_size
-        offset = 0
-        for p in params:
-            summed = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = summed.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(summed)
+        sum_gradients(params, divide=self.world_size)
 
     def backward_communication(self) -> tuple[float, float] | None:
         """DDP's own sampled averages (it times some iterations: the first ten, then one in a

@@ -171,6 +171,24 @@ class ProcessGroup:
 left_a_group = False
 
 
+def sum_gradients(params: list[nn.Parameter], group: Any = None, divide: float = 1.0) -> None:
+    """The parameters' gradients summed over `group` (divided by `divide`) in place, in one
+    all-reduce; a parameter without a gradient takes part with zeros, and gets the sum."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    if divide != 1.0:
+        flat /= divide
+    offset = 0
+    for p in params:
+        summed = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if p.grad is None:
+            p.grad = summed.to(p.dtype, copy=True)
+        else:
+            p.grad.copy_(summed)
+
+
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
     """What `agree` sums over ranks: this rank's loss share (a scalar, or a weighted loss's pair of
     sums) and its stop flag, in float64."""

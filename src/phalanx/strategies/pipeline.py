@@ -2,21 +2,9 @@
 through them on `torch.distributed.pipelining`'s schedules; copies of the whole pipeline train on
 shards of each global batch, as ddp's ranks do.
 
-Where the model splits. `parallel.pipeline.split` names the modules where a new stage starts, all
-children of one `nn.Sequential` or `nn.ModuleList` (the *trunk*) that the model's forward calls in
-a chain, each child taking the previous one's output (split by module name, as torchtitan does:
-torch's traced front end breaks on real models). Before the first step, one forward of the whole
-model on a micro-batch of the first samples (evaluation mode, no gradients: nothing the model holds
-moves) checks the chain, finds the activations' shapes at each cut, and sorts the modules outside
-the trunk by when the forward calls them: those before the trunk belong to the first stage, those
-after it to the last. Each process then keeps only its stage's modules; the others leave the module
-tree, so its state dict holds the model's own names, the stage's part of them.
-
-Every stage runs the model's own forward on the micro-batch (each process has the data): the first
-stage stops where the next begins and sends the activation on; a later stage takes the activation
-it received in place of its first module's input (the modules before it pass their input through,
-those outside the trunk before it give zeros of their shape) and, on the last stage, goes on to the
-model's loss.
+Where the model splits, and how each process keeps and runs its stages, is `cutting`'s. Every
+stage runs the model's own forward on the micro-batch (each process has the data), as far as its
+stage goes; the last stage goes on to the model's loss.
 
 The contract, exactly. Each data-parallel shard of an accumulation window is padded to the
 schedule's `microbatches` micro-batches of one size with rows of weight zero (the schedules fix
@@ -33,7 +21,6 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,32 +33,13 @@ from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
-from phalanx.strategies.distributed import ProcessGroup
+from phalanx.strategies.cutting import Active, Cut, Split, keep_stages, probe, stage_parts
+from phalanx.strategies.distributed import ProcessGroup, sum_gradients
 
 if TYPE_CHECKING:
     from phalanx.config import PipelineConfig
     from phalanx.engine import Engine
     from phalanx.precision import Precision
-
-SCHEDULES = ("gpipe", "1f1b")
-
-
-class _Cut(Exception):  # noqa: N818 - a signal, not an error: the stage's forward ends here
-    def __init__(self, activation: torch.Tensor):
-        self.activation = activation
-
-
-@dataclass
-class _Split:
-    """Where the model splits, as the probe found it."""
-
-    trunk: str  # the trunk's name in the model
-    cuts: list[int]  # the trunk's child index where each stage after the first starts
-    size: int  # the trunk's children
-    before: list[str]  # modules outside the trunk that the forward calls before it: stage 0's
-    after: list[str]  # and after it: the last stage's
-    shapes: list[tuple[torch.Size, torch.dtype]]  # the activation at each cut
-    zeros: dict[str, Any] = field(default_factory=dict)  # what each module before the trunk gives
 
 
 class Pipeline(ProcessGroup):
@@ -81,12 +49,13 @@ class Pipeline(ProcessGroup):
         self,
         accelerator: str,
         settings: PipelineConfig,
-        shard_rows: int,
+        window: int,
         timeout_s: float | None = None,
         backend: str = "auto",
     ):
-        """`shard_rows`: the most samples one data-parallel copy takes of an accumulation window;
-        with `settings.microbatches`, it fixes the micro-batches' size for the whole run."""
+        """`window`: the most samples of an accumulation window (a global batch, without
+        accumulation); its copy's shard of one, cut into `settings.microbatches`, fixes the
+        micro-batches' size for the whole run."""
         super().__init__(accelerator, timeout_s, backend)
         self.settings = settings
         self.stages = len(settings.split) + 1
@@ -110,7 +79,8 @@ class Pipeline(ProcessGroup):
         self.mine = [self.position + j * self.depth for j in range(per_process)]
         self.data_rank, self.data_world_size = copy, self.copies
         self.is_first, self.is_last = 0 in self.mine, self.stages - 1 in self.mine
-        self.rows = max(1, math.ceil(shard_rows / settings.microbatches))  # per micro-batch
+        shard = math.ceil(window / self.copies)  # the most samples of a window a copy takes
+        self.rows = max(1, math.ceil(shard / settings.microbatches))  # per micro-batch
         # every process makes every group, in the same order
         self._pipe = self._dp = None
         for c in range(self.copies):
@@ -121,8 +91,8 @@ class Pipeline(ProcessGroup):
             group = dist.new_group([c * self.depth + p for c in range(self.copies)])
             if p == self.position:
                 self._dp = group
-        self._split: _Split | None = None
-        self._active = _Active()
+        self._split: Split | None = None
+        self._active = Active()
         self._captured = self._active.captured  # the last stage's outputs, one per micro-batch
         self._schedule: Any = None
         self._global_index: list[int] = []  # each trainable parameter's index in the whole model's
@@ -147,13 +117,13 @@ class Pipeline(ProcessGroup):
             if not options.precision.passes_through:
                 batch = dict(options.precision.convert_batch(batch, None))
             self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
-            self._split = _probe(whole, adapter(whole), batch, self.settings.split, self.stages)
+            self._split = probe(whole, adapter(whole), batch, self.settings.split, self.stages)
             from phalanx import metrics
 
             self.model_summary = metrics.summary(whole)
             names = [n for n, p in whole.named_parameters() if p.requires_grad]
             self._trainable = len(names)
-            _keep_stages(whole, self._split, self.mine, self.stages, self._active)
+            keep_stages(whole, self._split, self.mine, self.stages, self._active, self.device)
             mine = [n for n, p in whole.named_parameters() if p.requires_grad]
             if not list(whole.parameters()):
                 raise ConfigError(
@@ -197,15 +167,12 @@ class Pipeline(ProcessGroup):
         for k in self.mine:
             last = k == self.stages - 1
             module = _Stage(
-                self.model,
-                _stage_parts(self.model, split, k, self.stages),
+                stage_parts(self.model, split, k, self.stages),
                 (bounds[k], bounds[k + 1], k),
                 engine.forward_fn,
                 self._active,
                 engine.precision,
             )
-            if last:
-                self._last_stage = module
             stages.append(
                 pipelining.PipelineStage(
                     module,
@@ -247,7 +214,6 @@ class Pipeline(ProcessGroup):
         schedule = self._built(engine)
         engine.begin()
         self._parts: list[torch.Tensor] = []
-        self._weighted = False
         parts: list[dict | None] = []
         for micro, batch in micros:
             assert batch is not None  # an empty shard comes as a batch of zero samples
@@ -302,7 +268,6 @@ class Pipeline(ProcessGroup):
         micro = Micro(list(range(n)), self._global_size)
         weighed = self._engine.weigh(output[:n], data, micro, 1.0, tokens)
         self._parts.append(weighed.part)
-        self._weighted = self._weighted or weighed.part.dim() > 0
         if weighed.gradient is None:
             return weighed.loss
         return torch.dot(weighed.loss.reshape(-1), weighed.gradient.reshape(-1))
@@ -311,19 +276,8 @@ class Pipeline(ProcessGroup):
         """Each stage's copies add their gradients (the parts of their shards)."""
         if self.copies == 1:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
         self.progress.enter("the gradient all-reduce of a stage's copies")
-        dist.all_reduce(flat, group=self._dp)
-        offset = 0
-        for p in params:
-            summed = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)
+        sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
 
     def _agree(self, stop: bool) -> tuple[torch.Tensor, bool]:
         """The step's loss (its last stages' parts, summed over the copies) and whether any process
@@ -332,7 +286,7 @@ class Pipeline(ProcessGroup):
         if self._parts:
             total = torch.stack(self._parts).sum(0).to(torch.float64).reshape(-1)
             values[: len(total)] = total
-            values[2] = float(self._weighted)
+            values[2] = float(self._parts[0].dim() > 0)  # a weighted loss's parts are pairs
         values[3] = float(stop)
         self.progress.enter("the agreement on the step's loss")
         dist.all_reduce(values)
@@ -478,18 +432,6 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
 # --- the stages ---------------------------------------------------------------------------
 
 
-@dataclass
-class _Active:
-    """What the model's forward does in this process now: the stage that runs (see the module's
-    docstring)."""
-
-    lo: int = 0  # the trunk's first child of the stage
-    hi: int = 0  # the first child of the next stage (the trunk's size on the last stage)
-    stage: int = 0
-    received: torch.Tensor | None = None  # the activation from the previous stage
-    captured: list[dict] = field(default_factory=list)  # the last stage's outputs
-
-
 _KEY = "batch_"  # before each batch key passed to the schedule: none may be its own argument
 
 
@@ -499,11 +441,10 @@ class _Stage(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
         parts: list[nn.Module],
         span: tuple[int, int, int],
         call: Callable,
-        active: _Active,
+        active: Active,
         precision: Precision,
     ):
         super().__init__()
@@ -518,7 +459,7 @@ class _Stage(nn.Module):
         try:
             with self._precision.autocast():
                 outputs = self._call(batch)
-        except _Cut as cut:
+        except Cut as cut:
             return cut.activation
         finally:
             active.received = None
@@ -538,288 +479,3 @@ class _Stage(nn.Module):
                 data[key] = value.detach() if isinstance(value, torch.Tensor) else value
         active.captured.append(data)
         return loss
-
-
-def _stage_parts(model: nn.Module, split: _Split, stage: int, stages: int) -> list[nn.Module]:
-    """Stage `stage`'s modules: its blocks, and those around the trunk on the first and last."""
-    bounds = [0, *split.cuts, split.size]
-    trunk = model.get_submodule(split.trunk) if split.trunk else model
-    parts = [trunk.get_submodule(str(i)) for i in range(bounds[stage], bounds[stage + 1])]
-    if stage == 0:
-        parts += [model.get_submodule(name) for name in split.before]
-    if stage == stages - 1:
-        parts += [model.get_submodule(name) for name in split.after]
-    return parts
-
-
-def _probe(
-    model: nn.Module, call: Callable, batch: Mapping, names: list[str], stages: int
-) -> _Split:
-    """One forward of the whole model (evaluation mode, no gradients) that finds where it splits."""
-    trunk_name, cuts, trunk = _trunk(model, names)
-    children = list(trunk.children())
-    order: list[tuple[str, Any]] = []  # (what, detail) in call order
-    inputs: dict[int, Any] = {}
-    outputs: dict[int, Any] = {}
-    units = _units(model, trunk)
-    zeros: dict[str, Any] = {}
-    hooks = []
-    for i, child in enumerate(children):
-
-        def pre(module: nn.Module, args: tuple, i: int = i) -> None:
-            order.append(("trunk", i))
-            inputs.setdefault(i, args[0] if args else None)
-
-        def post(module: nn.Module, args: tuple, out: Any, i: int = i) -> None:
-            outputs.setdefault(i, out)
-
-        hooks.append(child.register_forward_pre_hook(pre))
-        hooks.append(child.register_forward_hook(post))
-    for name, unit in units.items():
-
-        def unit_pre(module: nn.Module, args: tuple, name: str = name) -> None:
-            order.append(("unit", name))
-
-        def unit_post(module: nn.Module, args: tuple, out: Any, name: str = name) -> None:
-            zeros.setdefault(name, tree_map(_meta_of, out))
-
-        hooks.append(unit.register_forward_pre_hook(unit_pre))
-        hooks.append(unit.register_forward_hook(unit_post))
-    training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            call(batch)
-    finally:
-        model.train(training)
-        for hook in hooks:
-            hook.remove()
-    valid = _valid_cuts(trunk_name, children, inputs, outputs)
-    for name, i in zip(names, cuts, strict=True):
-        if i not in valid:
-            raise ConfigError(
-                f"parallel.pipeline.split names {name}, but the model does not pass one tensor "
-                f"from {trunk_name}.{i - 1} to it; valid split points: "
-                f"{', '.join(f'{trunk_name}.{j}' for j in sorted(valid)) or 'none'}"
-            )
-    calls = [i for what, i in order if what == "trunk"]
-    if sorted(calls) != list(range(len(children))):
-        raise ConfigError(
-            f"the pipeline strategy needs the model's forward to call each of {trunk_name}'s "
-            f"{len(children)} children once, in order; it called {calls}"
-        )
-    first, last = order.index(("trunk", 0)), order.index(("trunk", len(children) - 1))
-    before: list[str] = []
-    after: list[str] = []
-    for name in units:
-        at = [k for k, entry in enumerate(order) if entry == ("unit", name)]
-        if any(first < k < last for k in at) or (
-            any(k < first for k in at) and any(k > last for k in at)
-        ):
-            raise ConfigError(
-                f"the pipeline strategy cannot place {name}: the model's forward calls it inside "
-                f"or on both sides of {trunk_name}, which the stages split (a shared or tied "
-                "module); untie it, or move it into each block"
-            )
-        (after if at and at[0] > last else before).append(name)
-    shapes = [(inputs[i].shape, inputs[i].dtype) for i in cuts]
-    return _Split(trunk_name, cuts, len(children), before, after, shapes, zeros)
-
-
-def _trunk(model: nn.Module, names: list[str]) -> tuple[str, list[int], nn.Module]:
-    parents = set()
-    cuts = []
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        try:
-            container = model.get_submodule(parent) if parent else model
-        except AttributeError:
-            container = None
-        if not isinstance(container, (nn.Sequential, nn.ModuleList)) or not child.isdigit():
-            raise ConfigError(
-                f"parallel.pipeline.split names {name!r}, which is not a block of an nn.Sequential "
-                f"or nn.ModuleList of the model; split points are such blocks: "
-                f"{', '.join(_candidates(model)) or 'the model has none'}"
-            )
-        parents.add(parent)
-        cuts.append(int(child))
-    if len(parents) != 1:
-        raise ConfigError(
-            f"parallel.pipeline.split names blocks of several modules ({sorted(parents)}); the "
-            "split points must all be blocks of one"
-        )
-    (parent,) = parents
-    trunk = model.get_submodule(parent) if parent else model
-    size = len(list(trunk.children()))
-    if cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] >= size:
-        raise ConfigError(
-            f"parallel.pipeline.split {names}: give blocks of {parent or 'the model'} in order, "
-            f"each once, from {parent}.1 to {parent}.{size - 1}"
-        )
-    return parent, cuts, trunk
-
-
-def _candidates(model: nn.Module) -> list[str]:
-    out: list[str] = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) > 1:
-            out.extend(f"{name}.{i}" if name else str(i) for i in range(1, len(module)))
-    return out[:12]
-
-
-def _units(model: nn.Module, trunk: nn.Module) -> dict[str, nn.Module]:
-    """The modules outside the trunk, each whole: the children of the trunk's ancestors. State the
-    ancestors hold themselves cannot be placed: an error."""
-    units: dict[str, nn.Module] = {}
-
-    def walk(module: nn.Module, prefix: str) -> bool:
-        """Whether `module` is the trunk or holds it."""
-        if module is trunk:
-            return True
-        holds = False
-        found = {}
-        for name, child in module.named_children():
-            full = f"{prefix}{name}"
-            if walk(child, full + "."):
-                holds = True
-            else:
-                found[full] = child
-        if holds:
-            own = [n for n, _ in module.named_parameters(recurse=False)] + [
-                n for n, _ in module.named_buffers(recurse=False)
-            ]
-            if own:
-                raise ConfigError(
-                    f"the pipeline strategy places modules on stages, but {prefix or 'the model '}"
-                    f"holds {own} itself; move them into a module of their own"
-                )
-            units.update({n: c for n, c in found.items() if _holds_state(c)})
-        return holds
-
-    walk(model, "")
-    return units
-
-
-def _holds_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
-
-
-def _valid_cuts(
-    trunk_name: str, children: list[nn.Module], inputs: dict, outputs: dict
-) -> set[int]:
-    """The children whose input is the previous child's output, one tensor: where stages may
-    start."""
-    valid = set()
-    for i in range(1, len(children)):
-        given, made = inputs.get(i), outputs.get(i - 1)
-        if isinstance(given, torch.Tensor) and given is made:
-            valid.add(i)
-    return valid
-
-
-def _meta_of(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device)
-    return value
-
-
-def _zeros_like_meta(value: Any) -> Any:
-    if isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], torch.Size):
-        return torch.zeros(value[0], dtype=value[1], device=value[2])
-    return value
-
-
-def _keep_stages(
-    model: nn.Module, split: _Split, mine: list[int], stages: int, active: _Active
-) -> None:
-    """Remove every module that is not one of stages `mine`'s. The trunk's blocks run only in the
-    running stage's range and pass through before it (`active` holds the range and the activation
-    received); the modules before the trunk give zeros of their outputs on later stages."""
-    bounds = [0, *split.cuts, split.size]
-    trunk = model.get_submodule(split.trunk) if split.trunk else model
-    kept = {i for k in mine for i in range(bounds[k], bounds[k + 1])}
-    for i in range(split.size):
-        child = trunk.get_submodule(str(i)) if i in kept else _Passing()
-        _run_in_range(child, i, active)
-        if i not in kept:
-            _replace(trunk, str(i), child)
-    for name in split.before:
-        if 0 in mine:
-            _zeros_after_the_first(model.get_submodule(name), split.zeros.get(name), active)
-        else:
-            _replace_path(model, name, _Zeros(split.zeros.get(name)))
-    for name in split.after:
-        if stages - 1 not in mine:
-            _replace_path(model, name, _Unreached(name))
-
-
-def _zeros_after_the_first(module: nn.Module, meta: Any, active: _Active) -> None:
-    """A module before the trunk, in the process that also runs later stages: zeros there."""
-    forward = module.forward
-
-    def first_only(*args: Any, **kwargs: Any) -> Any:
-        if active.stage:
-            return tree_map(_zeros_like_meta, meta, is_leaf=_is_meta)
-        return forward(*args, **kwargs)
-
-    module.forward = first_only  # type: ignore[method-assign]  # on the instance: state names stay
-
-
-def _run_in_range(child: nn.Module, i: int, active: _Active) -> None:
-    """Child `i` of the trunk: before the stage it passes its input through, at the stage's first
-    child the input becomes the activation received, and the next stage's first child ends the
-    stage's forward with its input."""
-    forward = child.forward
-
-    def ranged(*args: Any, **kwargs: Any) -> Any:
-        if i < active.lo:
-            return args[0]
-        if i == active.hi:
-            raise _Cut(args[0])
-        if i == active.lo and active.received is not None:
-            args = (active.received, *args[1:])
-        return forward(*args, **kwargs)
-
-    child.forward = ranged  # type: ignore[method-assign]  # on the instance: state names stay
-
-
-def _replace(parent: nn.Module, name: str, module: nn.Module) -> None:
-    setattr(parent, name, module)
-
-
-def _replace_path(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    _replace(model.get_submodule(parent) if parent else model, name, module)
-
-
-class _Passing(nn.Module):
-    """A block of another stage: it holds nothing (its forward is `_run_in_range`'s)."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a block of another pipeline stage was called outside its range")
-
-
-class _Zeros(nn.Module):
-    """A module the first stage runs, seen from a later one: zeros of what it gives."""
-
-    def __init__(self, meta: Any):
-        super().__init__()
-        self.meta = meta
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return tree_map(_zeros_like_meta, self.meta, is_leaf=_is_meta)
-
-
-def _is_meta(value: Any) -> bool:
-    return isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], torch.Size)
-
-
-class _Unreached(nn.Module):
-    """A module of the last stage, seen from an earlier one, whose forward stops before it."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{self.name} belongs to the last pipeline stage; it ran on another")
