@@ -170,7 +170,7 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
 @pytest.mark.parametrize(
     ("devices", "split", "message"),
     [
-        (3, ["net.4"], "makes 2 stages, one process each, but there are 3 processes"),
+        (3, ["net.4"], "makes 2 stages, 1 per process, so 2 processes a copy of the pipeline, but"),
         (3, ["net.1", "net.2"], "pipeline stage 1 holds no parameters"),
     ],
 )

@@ -97,6 +97,7 @@ class Pipeline(ProcessGroup):
         self._schedule: Any = None
         self._global_index: list[int] = []  # each trainable parameter's index in the whole model's
         self._trainable = 0  # trainable parameters of the whole model
+        self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
         self._sample_shapes: dict[str, torch.Size] = {}
         self.model_summary = ""  # the whole model's, before it is split (see setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
@@ -137,11 +138,12 @@ class Pipeline(ProcessGroup):
         self.model = prepare(module, options, place)
         counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.depth]
         each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
+        m = self.settings.microbatches
         self.layout = (
             f"the model in {self.stages} stages on {self.depth} processes{each} holding "
             + ", ".join(f"{n:,}" for n in counts)
             + f" parameters, {self.copies} cop{'ies' if self.copies > 1 else 'y'} of the pipeline, "
-            f"{self.settings.microbatches} micro-batches of {self.rows} samples through it "
+            f"{m} micro-batch{'es' if m > 1 else ''} of {self.rows} samples through it "
             f"({self.settings.schedule})"
         )
         return self.model, self.model
@@ -224,11 +226,24 @@ class Pipeline(ProcessGroup):
             parts.append(concat(self._captured) if self.is_last and micro.shard else None)
         start = time.perf_counter()
         self._reduce_gradients()
-        loss, stop = self._agree(stop)
+        values, pending = self._agree(stop)
+        if pending is None:
+            self._weighted = bool(values[2] > 0)
         communication = time.perf_counter() - start
         start = time.perf_counter()
-        loss = engine.finish(loss, self.gradient_norm)
-        return Outcome(loss, parts, stop, communication, time.perf_counter() - start)
+        loss = engine.finish(values[:2] if self._weighted else values[0], self.gradient_norm)
+        optimizer = time.perf_counter() - start
+        if pending is not None:  # the agreement ran behind the optimizer's step
+            start = time.perf_counter()
+            self.progress.enter("the agreement on the step's loss")
+            pending.wait()
+            communication += time.perf_counter() - start
+            if values[2] > 0:
+                raise ModelError(
+                    "the model's loss became weighted (it returned loss_weight) after steps "
+                    "without weights; return loss_weight from every step, or from none"
+                )
+        return Outcome(loss, parts, bool(values[3] > 0), communication, optimizer)
 
     def _pad_step(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
         """The shard padded to the schedule's micro-batches, and each row's weight (1 real, 0
@@ -244,7 +259,7 @@ class Pipeline(ProcessGroup):
                     f"batch dimension: the first was {tuple(self._sample_shapes[key])}, this one "
                     f"{tuple(value.shape[1:])}; pad the dataset's samples to one length"
                 )
-        real = torch.zeros(total, dtype=torch.float64, device=self.device)
+        real = torch.zeros(total, dtype=torch.float64)  # on the host: read without a device sync
         real[:n] = 1.0
         return {_KEY + k: v for k, v in padded.items()}, real
 
@@ -279,19 +294,28 @@ class Pipeline(ProcessGroup):
         self.progress.enter("the gradient all-reduce of a stage's copies")
         sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
 
-    def _agree(self, stop: bool) -> tuple[torch.Tensor, bool]:
+    def _agree(self, stop: bool) -> tuple[torch.Tensor, Any]:
         """The step's loss (its last stages' parts, summed over the copies) and whether any process
-        asked to stop, the same on every process."""
+        asked to stop, summed over every process: (loss part, weight sum or 0, weighted, stop).
+        A weighted loss waits for them (the optimizer's step needs its weights' sum); a plain one
+        returns the reduction's handle, to be waited for after the optimizer's step: the
+        agreement then overlaps the step (the last stage's, while the first finishes its last
+        backward)."""
         values = torch.zeros(4, dtype=torch.float64, device=self.device)
+        weighted = False
         if self._parts:
             total = torch.stack(self._parts).sum(0).to(torch.float64).reshape(-1)
             values[: len(total)] = total
-            values[2] = float(self._parts[0].dim() > 0)  # a weighted loss's parts are pairs
+            weighted = self._parts[0].dim() > 0  # a weighted loss's parts are pairs
+            values[2] = float(weighted)
         values[3] = float(stop)
         self.progress.enter("the agreement on the step's loss")
-        dist.all_reduce(values)
-        weighted = bool(values[2] > 0)
-        return (values[:2] if weighted else values[0]), bool(values[3] > 0)
+        # the first step waits on every process, which learns from it whether the loss is
+        # weighted (only the last stages see the loss)
+        if weighted or self._weighted is not False:
+            dist.all_reduce(values)
+            return values, None
+        return values, dist.all_reduce(values, async_op=True)
 
     def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm over every stage's gradients (a stage's copies hold the same)."""
