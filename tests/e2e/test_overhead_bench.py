@@ -240,3 +240,47 @@ def test_async_checkpoint_benchmark_times_the_three_runs(tmp_path):
     assert results["no checkpoints"]["ratio"] == 1.0 and all(
         r["ms_per_step"] > 0 for r in results.values()
     )
+
+
+def run_script(tmp_path: Path, script: str, *args: str) -> tuple[str, dict]:
+    out = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args, "--output", str(out)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout, json.loads(out.read_text())
+
+
+def test_placement_benchmark_times_every_setup_against_one_device(tmp_path):
+    said, report = run_script(
+        tmp_path, "placement.py", "--batch", "64", "--steps", "1", "--rounds", "2"
+    )
+    rows = report["rows"]
+    assert list(rows) == [
+        "one device",
+        "naive placement",
+        "exaggerated placement",
+        "pipeline, 4 micro-batches",
+        "pipeline, 8 micro-batches",
+        "hand-written, 8 micro-batches",
+    ]
+    assert rows["one device"]["ratio"] == 1.0
+    for name, row in rows.items():
+        assert len(report["times"][name]) == 2 and row["ms"] > 0, name
+        assert ("to_bound" in row) == ("micro-batches" in name), name
+    for name in ("pipeline, 4 micro-batches", "pipeline, 8 micro-batches"):
+        stages = report["stages"]["side by side"][name]
+        assert len(stages["forward_backward"]) == len(stages["optimizer"]) == 2
+    assert "targets: naive placement slower than one device:" in said
+
+
+def test_pipeline_overhead_benchmark_runs_both_loops(tmp_path):
+    said, report = run_script(tmp_path, "pipeline_overhead.py", "--steps", "2", "--rounds", "2")
+    assert set(report["times"]) == {"hand", "phalanx"}
+    assert all(len(t) == 2 and min(t) > 0 for t in report["times"].values())
+    assert len(report["ratios"]) == 2 and "target: <= 1.05x" in said
