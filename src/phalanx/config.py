@@ -221,6 +221,9 @@ class FSDPConfig(_Section):
     )
 
 
+V_SCHEDULES = ("zbv", "dualpipev")  # two stages a process, in a V
+
+
 class PipelineConfig(_Section):
     """`parallel.pipeline`: settings of the `pipeline` strategy."""
 
@@ -232,23 +235,32 @@ class PipelineConfig(_Section):
     microbatches: StrictInt = Field(
         4, ge=1, description="micro-batches per global batch (per accumulation window)"
     )
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble"] = Field(
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"] = Field(
         "1f1b",
         description="gpipe: every forward, then every backward; 1f1b: one forward, one backward "
         "(fewer activations held); interleaved: 1f1b over several stages per process (a smaller "
-        "bubble); zero_bubble: interleaved, each backward split into its input and weight halves",
+        "bubble); zero_bubble: interleaved, each backward split into its input and weight halves; "
+        "zbv and dualpipev: two stages per process in a V (process p: stages p and 2P - 1 - p), "
+        "zero-bubble, and DualPipe's overlap of one micro-batch's forward with another's backward",
     )
     stages_per_process: StrictInt | None = Field(
         None,
         ge=1,
         description="stages each process holds, looped (process p: stages p, p + P ...); "
-        "default 1, and 2 for interleaved and zero_bubble",
+        "default 1, and 2 for interleaved and zero_bubble (zbv and dualpipev: 2, in a V)",
     )
 
     @model_validator(mode="after")
     def _per_process(self) -> PipelineConfig:
         several = self.schedule in ("interleaved", "zero_bubble")
-        if self.stages_per_process is None:
+        if self.schedule in V_SCHEDULES:
+            if self.stages_per_process not in (None, 2):
+                raise ValueError(
+                    f"schedule {self.schedule} runs two stages per process, in a V; remove "
+                    "stages_per_process or set it to 2"
+                )
+            self.stages_per_process = 2
+        elif self.stages_per_process is None:
             self.stages_per_process = 2 if several else 1
         elif self.stages_per_process > 1 and not several:
             raise ValueError(

@@ -67,6 +67,8 @@ FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, loop
         (2, FOUR, "interleaved"),
         (2, FOUR, "zero_bubble"),
         (4, FOUR, "interleaved"),
+        (2, FOUR, "zbv"),
+        (2, FOUR, "dualpipev"),
     ],
     ids=[
         "2-stages-gpipe",
@@ -78,6 +80,8 @@ FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, loop
         "4-stages-on-2-interleaved",
         "4-stages-on-2-zero-bubble",
         "4-stages-on-2-2-copies-interleaved",
+        "4-stages-on-2-in-a-v-zbv",
+        "4-stages-on-2-in-a-v-dualpipev",
     ],
 )
 def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference):
@@ -127,7 +131,7 @@ def _resume(run: Path, processes: int, overrides: list[str]) -> None:
 
 
 def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tmp_path):
-    """pipeline(2) -> ddp(2), one process, pipeline(3), 4 stages interleaved on 2; ddp(3) ->
+    """pipeline(2) -> ddp(2), one process, pipeline(3), 4 stages on 2 (interleaved, in a V); ddp(3) ->
     pipeline(3): each ends as the run without a stop, and its export loads into the plain
     model."""
     raw = _stopping(scenario(10), 6)  # mid-epoch 2
@@ -150,6 +154,11 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
             pipe,
             2,
             ["parallel.pipeline={split: [net.2, net.4, net.6], schedule: interleaved}"],
+        ),
+        "pipe2-zbv": (
+            pipe,
+            2,
+            ["parallel.pipeline={split: [net.2, net.4, net.6], schedule: zbv}"],
         ),
     }
     for name, (run, processes, overrides) in resumed.items():

@@ -557,3 +557,26 @@ def test_a_yaml_alias_bomb_and_deep_nesting_are_refused_quickly(tmp_path):
     loop.append(loop)
     with pytest.raises(ConfigError, match="holds itself"):
         config.validate({**raw, "model": {"class": "toy.Linear", "a": loop}})
+
+
+@pytest.mark.parametrize(
+    ("schedule", "given", "held", "refused"),
+    [
+        ("1f1b", None, 1, None),
+        ("gpipe", 2, None, "schedule gpipe runs one stage per process"),
+        ("interleaved", None, 2, None),
+        ("zero_bubble", 3, 3, None),
+        ("zbv", None, 2, None),
+        ("dualpipev", 2, 2, None),
+        ("zbv", 3, None, "schedule zbv runs two stages per process, in a V"),
+    ],
+)
+def test_each_schedule_holds_its_stages_per_process(schedule, given, held, refused):
+    pipeline = {"split": ["net.2"], "schedule": schedule}
+    if given is not None:
+        pipeline["stages_per_process"] = given
+    raw = toy.regression_config(parallel={"strategy": "pipeline", "pipeline": pipeline})
+    if refused:
+        assert refused in _error(raw)
+    else:
+        assert config.validate(raw).parallel.pipeline.stages_per_process == held

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from phalanx.config import V_SCHEDULES
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
@@ -75,8 +76,10 @@ class Pipeline(ProcessGroup):
             )
         self.copies = self.world_size // self.depth
         self.position, copy = self.rank % self.depth, self.rank // self.depth
-        # looped: process p holds stages p, p + depth, p + 2 depth ... (the interleaved schedules')
-        self.mine = [self.position + j * self.depth for j in range(per_process)]
+        if settings.schedule in V_SCHEDULES:  # in a V: process p holds stages p and 2P - 1 - p
+            self.mine = [self.position, 2 * self.depth - 1 - self.position]
+        else:  # looped: process p holds stages p, p + P, p + 2P ... (the interleaved schedules')
+            self.mine = [self.position + j * self.depth for j in range(per_process)]
         self.data_rank, self.data_world_size = copy, self.copies
         self.is_first, self.is_last = 0 in self.mine, self.stages - 1 in self.mine
         shard = math.ceil(window / self.copies)  # the most samples of a window a copy takes
@@ -166,9 +169,10 @@ class Pipeline(ProcessGroup):
             )
 
         stages = []
+        self._stage_modules: dict[int, _Stage] = {}
         for k in self.mine:
             last = k == self.stages - 1
-            module = _Stage(
+            module = self._stage_modules[k] = _Stage(
                 stage_parts(self.model, split, k, self.stages),
                 (bounds[k], bounds[k + 1], k),
                 engine.forward_fn,
@@ -197,6 +201,8 @@ class Pipeline(ProcessGroup):
             "1f1b": (pipelining.Schedule1F1B, stages[0]),
             "interleaved": (pipelining.ScheduleInterleaved1F1B, stages),
             "zero_bubble": (pipelining.ScheduleInterleavedZeroBubble, stages),
+            "zbv": (pipelining.ScheduleZBVZeroBubble, stages),
+            "dualpipev": (pipelining.ScheduleDualPipeV, stages),
         }[self.settings.schedule]
         try:
             self._schedule = kind(
@@ -340,9 +346,51 @@ class Pipeline(ProcessGroup):
                 part = {k: v[start : start + per_round] for k, v in batch.items()}
                 padded, real = self._pad_step(part, min(per_round, n - start))
                 self._captured.clear()
-                schedule.eval(target=real, **padded)
+                if self.settings.schedule in V_SCHEDULES:
+                    self._evaluate_in_turn(padded, min(per_round, n - start))
+                else:
+                    schedule.eval(target=real, **padded)
                 out.extend(self._captured)
         return concat(out) if self.is_last else {}
+
+    def _evaluate_in_turn(self, padded: dict[str, torch.Tensor], n: int) -> None:
+        """A round's forward without a schedule: each stage in turn on the whole round, its
+        activation sent on to the next stage's process (torch 2.13's V schedules fail in `eval`,
+        taking the activation passed within a process for a backward's). The last stage's outputs,
+        less the padding, go to `_captured`."""
+        received: tuple[torch.Tensor, ...] = ()
+        split = self._split
+        assert split is not None
+        for k in range(self.stages):
+            here = self._position_of(k)
+            if k and here != self._position_of(k - 1):  # the activation crosses between processes
+                if here == self.position:
+                    shape, dtype = split.shapes[k - 1]
+                    rows = next(iter(padded.values())).shape[0]
+                    activation = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
+                    dist.recv(activation, self._global_rank(k - 1), group=self._pipe)
+                    received = (activation,)
+                elif self._position_of(k - 1) == self.position:
+                    dist.send(received[0], self._global_rank(k), group=self._pipe)
+            if here == self.position:
+                output = self._stage_modules[k](*received, **padded)
+                received = (output,) if k < self.stages - 1 else ()
+        if self.is_last:
+            data = self._captured[-1]
+            data.pop(TOKENS, None)
+            self._captured[-1] = {
+                k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in data.items()
+            }
+
+    def _position_of(self, stage: int) -> int:
+        """The position in a copy of the pipeline of the process that holds `stage`."""
+        if self.settings.schedule in V_SCHEDULES:
+            return stage if stage < self.depth else 2 * self.depth - 1 - stage
+        return stage % self.depth
+
+    def _global_rank(self, stage: int) -> int:
+        assert self._pipe is not None  # every process is in a copy of the pipeline
+        return dist.get_global_rank(self._pipe, self._position_of(stage))
 
     # --- state ---------------------------------------------------------------------------
 
