@@ -636,7 +636,7 @@ def profile_rank(rank: int, args) -> None:
 
 
 class PhalanxEpochs:
-    """A phalanx Trainer driven epoch by epoch (`Trainer._train_epoch`), for --breakdown: its window
+    """A phalanx Trainer driven epoch by epoch (`Trainer.train_epoch`), for --breakdown: its window
     runs from a barrier to its last step's after_batch hooks, as in the main benchmark."""
 
     def __init__(self, name: str, trainer, steps: int):
@@ -652,25 +652,22 @@ class PhalanxEpochs:
                 if self.trainer.step_in_epoch == steps:
                     timer.last_step = now()
 
-        hook = LastStep()
-        hook.attach(trainer)
-        trainer.hooks.append(hook)
-        trainer._listeners["after_batch"].append(hook)
+        trainer.add_hook(LastStep())
         self.last_step = (0.0, 0.0)
-        trainer._emit("before_training")
+        trainer.begin_training()
 
     def epoch(self, epoch: int) -> tuple[float, float]:
         dist.barrier()
         start = now()
-        self.trainer._train_epoch()
+        self.trainer.train_epoch()
         return since(start, self.last_step)
 
 
 def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     """Where phalanx's extra time goes: the main benchmark's method (epochs interleaved round by
     round, a window per epoch, the median of per-round ratios) over more variants of both loops.
-    Diagnostic: it reaches into phalanx's internals (Trainer._train_epoch); the phalanx trainers
-    have no run directory, so the writers and SaveLatest do nothing at the epoch end."""
+    Diagnostic: it drives phalanx's Trainer epoch by epoch (Trainer.train_epoch); the phalanx
+    trainers have no run directory, so the writers and SaveLatest do nothing at the epoch end."""
     from phalanx import strategies
     from phalanx.trainer import Trainer
 
@@ -716,7 +713,7 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
         losses = {loop.name: loop.epoch_losses[-1] for loop in loops if isinstance(loop, HandDDP)}
         for loop in loops:
             if isinstance(loop, PhalanxEpochs):
-                loop.trainer._emit("after_training", True)
+                loop.trainer.end_training()
     every: list[Any] = [None] * WORLD
     dist.all_gather_object(every, windows)
     if rank != 0:

@@ -105,7 +105,7 @@ def _phalanx(ddp: bool, tmp: Path):
     }
     tmp.mkdir(parents=True, exist_ok=True)
     trainer, _, _ = phalanx_trainer(raw, tmp, [], [ROOT], strategy=DDP("cpu") if ddp else None)
-    trainer._emit("before_training")
+    trainer.begin_training()
     return trainer
 
 
@@ -122,16 +122,7 @@ def _phalanx_step(trainer) -> Callable[[], None]:
 def _phalanx_epoch(trainer) -> Callable[[], None]:
     """One epoch of the trainer's own step loop, from its plan and loader to its after_batch hooks;
     the epoch end (evaluation, after_epoch hooks, checkpoint) left out."""
-    profile = dict.fromkeys(
-        ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
-    )
-
-    def epoch() -> None:
-        trainer.epoch += 1
-        trainer.step_in_epoch = 0
-        trainer._train_steps(trainer._steps(trainer.epoch), profile)
-
-    return epoch
+    return lambda: trainer.train_epoch(end=False)
 
 
 def worker(args) -> int:

@@ -574,7 +574,7 @@ def breakdown(args) -> dict[str, Any]:
     B, blocks, n = args.batch_size, args.blocks, 40
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
         trainer = _steady_phalanx(args, Path(tmp))
-        trainer._emit("before_training")  # opens the TensorBoard writer, as run() would
+        trainer.begin_training()  # opens the TensorBoard writer, as run() would
         train_step, module, optimizer, forward = (
             trainer.train_step,
             trainer.module,
@@ -586,7 +586,6 @@ def breakdown(args) -> dict[str, Any]:
         batch = next(iter(hand.loader))
         x, y = batch["x"], batch["y"]
         micros = [(Micro(list(range(B)), B), batch)]
-        listeners = trainer._listeners["after_batch"]
         stats_hook = next(h for h in trainer.hooks if type(h).__name__ == "ComputeStats")
         result = trainer.train_step(micros)
         from phalanx.engine import concat
@@ -641,21 +640,21 @@ def breakdown(args) -> dict[str, Any]:
         def all_after_batch(k):
             for i in range(k):
                 trainer.step = i  # WriteTensorBoard writes every 50th step, as in a run
-                trainer._after_batch(listeners, "train", payload)
+                trainer.call_after_batch("train", payload, training=True)
 
         def hand_epoch(k):
             for _ in range(k):
                 for _ in hand.loader:
                     pass
 
-        # In situ: whole epochs of the real loop (Trainer._train_epoch) against hand-loop epochs. No
+        # In situ: whole epochs of the real loop (Trainer.train_epoch) against hand-loop epochs. No
         # run directory, so the writers and SaveLatest do nothing at the epoch end; ComputeStats
         # runs.
         from phalanx.trainer import Trainer
 
         bare = Trainer(trainer.cfg, None, [ROOT], hooks=[])
         hooked = Trainer(trainer.cfg, None, [ROOT])
-        hooked._emit("before_training")
+        hooked.begin_training()
 
         def hand_epochs(k):
             for _ in range(k):
@@ -663,11 +662,11 @@ def breakdown(args) -> dict[str, Any]:
 
         def bare_epochs(k):
             for _ in range(k):
-                bare._train_epoch()
+                bare.train_epoch()
 
         def hooked_epochs(k):
             for _ in range(k):
-                hooked._train_epoch()
+                hooked.train_epoch()
 
         stream, epoch = pdata.get_stream(trainer.dataset, "train"), [0]
 
@@ -758,7 +757,7 @@ def breakdown(args) -> dict[str, Any]:
             )  # epochs: fewer pairs
             found[label.strip()] = {"extra_us_per_step": 1e6 * extra / per, "ratio": ratio}
             print(f"{label:<54}{1e6 * extra / per:>14.1f}{ratio:>8.3f}", flush=True)
-        trainer._emit("after_training", True)
+        trainer.end_training()
         from phalanx import logs
 
         logs.setup(None)

@@ -220,12 +220,7 @@ class Trainer:
         for hook in self.hooks:
             hook.attach(self.view)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
-        self._gatherers = [h for h in self._listeners["after_batch"] if h.gathers]
-        # the keys to gather: those the gathering hooks list, or all where one lists none
-        listed = [h.gather_keys for h in self._gatherers if h.gather_keys is not None]
-        self._gather_keys = (
-            {k for keys in listed for k in keys} if len(listed) == len(self._gatherers) else None
-        )
+        self._gatherers, self._gather_keys = _gathering(self._listeners["after_batch"])
 
     @property
     def streams(self) -> list[str]:
@@ -324,7 +319,7 @@ class Trainer:
                 return False
         return True
 
-    def _train_epoch(self) -> None:
+    def _train_epoch(self, end: bool = True) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
         profile = dict.fromkeys(
@@ -337,6 +332,8 @@ class Trainer:
                 self.profile[key] += seconds
         self.epoch, self.step_in_epoch = epoch, 0
         self.engine.end_epoch()
+        if not end:
+            return
         every = self.cfg.main_loop.eval_every_n_steps
         if every is None:
             self._evaluation_epoch(epoch, self.cfg.main_loop.extra_streams, profile)
@@ -641,6 +638,61 @@ class Trainer:
         batch = loading.collate(items, TRAIN, keys)
         assert batch is not None  # items is not empty
         return batch
+
+    # --- training driven from Python, epoch by epoch or step by step ----------------------------
+
+    def begin_training(self) -> None:
+        """Start the hooks, as run() does before its first step (before_training: writers open,
+        trackers connect), for a loop of the caller's own over `train_epoch` or `train_step`; end it
+        with `end_training`. A hook that stops training raises its TrainingTerminated here, once the
+        later hooks have started too."""
+        stop = self._emit("before_training")
+        if stop is not None:
+            raise stop
+
+    def end_training(self, success: bool = True) -> bool:
+        """End what `begin_training` started, as run() ends: the loader workers kept between epochs
+        stop, the hooks' after_training runs (writers close, trackers say how it ended) and a
+        checkpoint still being written in the background is waited for. Returns whether that
+        checkpoint was committed."""
+        return self._finish(success)
+
+    def train_epoch(self, end: bool = True) -> None:
+        """Train the next epoch as run() trains each: its steps from the cursor on, each followed by
+        the after_batch hooks (and any evaluation round of main_loop.eval_every_n_steps), then its
+        end: the extra streams evaluated and the after_epoch hooks called (metrics, checkpoints).
+        `end=False` leaves that end out, the epoch still counted and its schedulers stepped: the
+        step loop alone, as a benchmark measures it. A hook that stops training raises its
+        TrainingTerminated."""
+        self._train_epoch(end)
+
+    def call_after_batch(
+        self, stream: str, parts: Sequence[dict | None], *, training: bool
+    ) -> None:
+        """Call the after_batch hooks on a batch's outputs, as the loop does after each step: a
+        training step's `Outcome.parts` with `training=True` (hooks that act on optimizer steps,
+        such as the writers of the step loss, see one), or an evaluation batch's
+        `[eval_step(batch)]` with `training=False`. Hooks that gather see the global batch. They
+        read `step`, `last_loss` and `last_batch_size` as they stand: the caller's loop advances
+        them. A hook that stops training raises its TrainingTerminated, once the later hooks have
+        run."""
+        was, self.training = self.training, training
+        try:
+            stop = self._after_batch(self._listeners["after_batch"], stream, parts)
+        finally:
+            self.training = was
+        if stop is not None:
+            raise stop
+
+    def add_hook(self, hook: Hook) -> None:
+        """Call `hook` at its events from now on, after the hooks the trainer was built with: a hook
+        that the code driving a built trainer (a benchmark's timer, say) adds itself."""
+        hook.attach(self.view)
+        self.hooks.append(hook)
+        for event in EVENTS:
+            if hook.overrides(event):
+                self._listeners[event].append(hook)
+        self._gatherers, self._gather_keys = _gathering(self._listeners["after_batch"])
 
     def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
         """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish
@@ -961,6 +1013,15 @@ def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:
             f"{world_size} processes; give one weight per process, or remove shard_weights"
         )
     return weights
+
+
+def _gathering(listeners: list[Hook]) -> tuple[list[Hook], set[str] | None]:
+    """The after_batch hooks that see the gathered global batch, and the keys to gather: those they
+    list, or all (None) where one lists none."""
+    gatherers = [h for h in listeners if h.gathers]
+    listed = [h.gather_keys for h in gatherers if h.gather_keys is not None]
+    keys = {k for named in listed for k in named} if len(listed) == len(gatherers) else None
+    return gatherers, keys
 
 
 def _hook_key(index: int, hook: Hook) -> str:
