@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -227,10 +227,16 @@ V_SCHEDULES = ("zbv", "dualpipev")  # two stages a process, in a V
 class PipelineConfig(_Section):
     """`parallel.pipeline`: settings of the `pipeline` strategy."""
 
-    split: list[str] = Field(
-        min_length=1,
+    split: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = Field(
         description="the modules where a new stage starts: blocks of one nn.Sequential or "
-        "nn.ModuleList of the model, such as [net.3]; one process per stage",
+        "nn.ModuleList of the model, such as [net.3]; one process per stage; or auto: the "
+        "model's largest such chain cut into stages of about equal measured time",
+    )
+    stages: StrictInt | None = Field(
+        None,
+        ge=2,
+        description="with split: auto, the stages to cut; default the processes times "
+        "stages_per_process (one copy of the pipeline)",
     )
     microbatches: StrictInt = Field(
         4, ge=1, description="micro-batches per global batch (per accumulation window)"
@@ -252,6 +258,11 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _per_process(self) -> PipelineConfig:
+        if self.stages is not None and self.split != "auto":
+            raise ValueError(
+                "stages goes with split: auto; a list of split points makes one stage more than "
+                "it names"
+            )
         several = self.schedule in ("interleaved", "zero_bubble")
         if self.schedule in V_SCHEDULES:
             if self.stages_per_process not in (None, 2):

@@ -37,7 +37,7 @@ def scenario(batch: int, accumulation: int = 1, **extra) -> dict:
     return raw
 
 
-def piped(raw: dict, devices: int, split: list[str], schedule: str, microbatches: int) -> dict:
+def piped(raw: dict, devices: int, split: list[str] | str, schedule: str, microbatches: int) -> dict:
     pipeline = {"split": split, "schedule": schedule, "microbatches": microbatches}
     parallel = {**raw["parallel"], "devices": devices, "strategy": "pipeline"}
     return {**raw, "parallel": {**parallel, "pipeline": pipeline}}
@@ -69,6 +69,7 @@ FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, loop
         (4, FOUR, "interleaved"),
         (2, FOUR, "zbv"),
         (2, FOUR, "dualpipev"),
+        (2, "auto", "1f1b"),
     ],
     ids=[
         "2-stages-gpipe",
@@ -82,6 +83,7 @@ FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, loop
         "4-stages-on-2-2-copies-interleaved",
         "4-stages-on-2-in-a-v-zbv",
         "4-stages-on-2-in-a-v-dualpipev",
+        "2-stages-split-auto",
     ],
 )
 def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference):

@@ -20,6 +20,7 @@ RUNS = {
         "parallel.accelerator=cpu",
         "parallel.devices=2",
         "parallel.cpu_threads=1",
+        "parallel.pipeline.split=auto",  # cut where the measured times balance
     ],
     "placement": [
         "parallel.strategy=placement",
@@ -83,3 +84,4 @@ def test_the_pipeline_and_placement_train_as_one_process_does(runs):
         )
     log = (runs["pipeline"] / "log.txt").read_text()
     assert "the model in 2 stages on 2 processes" in log
+    assert "; split auto at layers." in log  # and the blocks' times it chose by

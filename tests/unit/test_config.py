@@ -199,8 +199,9 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.cpu_threads",
         "parallel.pipeline.microbatches",
         "parallel.pipeline.stages_per_process",
+        "parallel.pipeline.stages",
     } <= set(keys)
-    assert len(keys) == 24, keys
+    assert len(keys) == 25, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])
@@ -580,3 +581,13 @@ def test_each_schedule_holds_its_stages_per_process(schedule, given, held, refus
         assert refused in _error(raw)
     else:
         assert config.validate(raw).parallel.pipeline.stages_per_process == held
+
+
+def test_split_auto_may_name_its_stage_count_and_a_list_may_not():
+    pipeline = {"split": "auto", "stages": 3}
+    raw = toy.regression_config(parallel={"strategy": "pipeline", "pipeline": pipeline})
+    assert config.validate(raw).parallel.pipeline.stages == 3
+    raw["parallel"]["pipeline"] = {"split": ["net.2"], "stages": 3}
+    assert "stages goes with split: auto" in _error(raw)
+    raw["parallel"]["pipeline"] = {"split": "balanced"}
+    assert "parallel.pipeline.split" in _error(raw)

@@ -96,3 +96,67 @@ def test_a_parameter_the_model_holds_itself_is_an_error():
     model.net = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1))
     with pytest.raises(ConfigError, match=r"holds \['scale'\] itself"):
         probe(model, call(model), BATCH, ["net.2"], 2)
+
+
+# --- split: auto ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("times", "stages", "valid", "holds", "cuts"),
+    [
+        ([1, 1, 1, 1], 2, {1, 2, 3}, [True] * 4, [2]),
+        ([8, 1, 1, 1, 1], 2, {1, 2, 3, 4}, [True] * 5, [1]),
+        ([1, 1, 1, 1, 1, 1], 3, {1, 2, 3, 4, 5}, [True] * 6, [2, 4]),
+        ([1, 1, 1, 1], 2, {1, 3}, [True] * 4, [1]),  # 2 is no valid point: 1 | 3 and 3 | 1 tie
+        ([1, 5, 1, 1], 2, {1, 2, 3}, [True, False, True, True], [2]),  # [1] alone would be 1 | 7
+        ([4, 1, 1], 2, {1, 2}, [False, True, True], [2]),  # block 0 holds nothing: not alone
+        ([1, 1], 3, {1}, [True, True], None),  # two blocks make no three stages
+        ([1, 1, 1], 2, {1, 2}, [False, False, True], None),  # one block holds all the parameters
+    ],
+)
+def test_auto_cuts_the_slowest_stage_as_short_as_it_can_be(times, stages, valid, holds, cuts):
+    from phalanx.strategies.cutting import _partition
+
+    assert _partition([float(t) for t in times], stages, valid, holds) == cuts
+
+
+class Lopsided(nn.Module):
+    """A chain whose first block is far slower than the others, then a loss per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Sequential(
+                nn.Linear(3, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 4)
+            ),
+            nn.Linear(4, 4),
+            nn.Linear(4, 4),
+            nn.Linear(4, 1),
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.net(x).squeeze(1) - y) ** 2}
+
+
+def test_auto_times_the_blocks_on_copies_and_isolates_the_slow_one():
+    from phalanx.strategies.cutting import balance
+
+    torch.manual_seed(0)
+    model = Lopsided()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = {"x": torch.randn(256, 3), "y": torch.randn(256)}
+    before = torch.random.get_rng_state()
+    names, times = balance(model, call(model), batch, 2, lambda t: t)
+    assert names == ["net.1"] and len(times) == 4
+    assert times[0] > max(times[1:])
+    assert torch.equal(torch.random.get_rng_state(), before)  # the random numbers are untouched
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_auto_without_a_chain_long_enough_says_to_name_the_points():
+    model = Tower()
+    with pytest.raises(ConfigError, match="none of 5 blocks or more; name the split points"):
+        from phalanx.strategies.cutting import balance
+
+        balance(model, call(model), BATCH, 5, lambda t: t)

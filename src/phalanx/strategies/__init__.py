@@ -173,11 +173,16 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "stage starts, such as parallel.pipeline.split=[net.3]"
         )
     if not in_worker():
-        processes = (len(settings.split) + 1) // (settings.stages_per_process or 1)
+        per_process = settings.stages_per_process or 1
+        if settings.split != "auto":
+            stages: int | None = len(settings.split) + 1
+        else:
+            stages = settings.stages
+        processes = f"{stages // per_process} processes" if stages else "several processes"
         raise ConfigError(
-            f"parallel.strategy=pipeline runs its stages in {processes} processes; set "
-            f"parallel.devices to {processes} or a multiple (phalanx starts them), or start "
-            "phalanx under torchrun"
+            f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "
+            f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
+            "start phalanx under torchrun"
         )
     unsupported = {
         "parallel.shard_weights": cfg.parallel.shard_weights is not None,

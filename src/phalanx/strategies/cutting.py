@@ -18,13 +18,15 @@ zeros of their outputs' shapes on later stages (`Active` says which stage runs).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from phalanx.errors import ConfigError
 
@@ -75,10 +77,49 @@ def probe(model: nn.Module, call: Callable, batch: Mapping, names: list[str], st
     """One forward of the whole model (evaluation mode, no gradients) that finds where it splits."""
     trunk_name, cuts, trunk = _trunk(model, names)
     children = list(trunk.children())
+    units = _units(model, trunk)
+    order, inputs, outputs, zeros = _record(model, call, batch, children, units)
+    valid = _valid_cuts(trunk_name, children, inputs, outputs)
+    for name, i in zip(names, cuts, strict=True):
+        if i not in valid:
+            raise ConfigError(
+                f"parallel.pipeline.split names {name}, but the model does not pass one tensor "
+                f"from {trunk_name}.{i - 1} to it; valid split points: "
+                f"{', '.join(f'{trunk_name}.{j}' for j in sorted(valid)) or 'none'}"
+            )
+    calls = [i for what, i in order if what == "trunk"]
+    if sorted(calls) != list(range(len(children))):
+        raise ConfigError(
+            f"the pipeline strategy needs the model's forward to call each of {trunk_name}'s "
+            f"{len(children)} children once, in order; it called {calls}"
+        )
+    first, last = order.index(("trunk", 0)), order.index(("trunk", len(children) - 1))
+    before: list[str] = []
+    after: list[str] = []
+    for name in units:
+        at = [k for k, entry in enumerate(order) if entry == ("unit", name)]
+        if any(first < k < last for k in at) or (
+            any(k < first for k in at) and any(k > last for k in at)
+        ):
+            raise ConfigError(
+                f"the pipeline strategy cannot place {name}: the model's forward calls it inside "
+                f"or on both sides of {trunk_name}, which the stages split (a shared or tied "
+                "module); untie it, or move it into each block"
+            )
+        (after if at and at[0] > last else before).append(name)
+    shapes = [(inputs[i].shape, inputs[i].dtype) for i in cuts]
+    return Split(trunk_name, cuts, len(children), before, after, shapes, zeros)
+
+
+def _record(
+    model: nn.Module, call: Callable, batch: Mapping, children: list[nn.Module], units: dict
+) -> tuple[list[tuple[str, Any]], dict[int, Any], dict[int, Any], dict[str, Any]]:
+    """One forward of the whole model (evaluation mode, no gradients: nothing the model holds
+    moves): the order of the trunk's children's and the units' calls, each child's first input
+    and output, and each unit's output's shapes."""
     order: list[tuple[str, Any]] = []  # (what, detail) in call order
     inputs: dict[int, Any] = {}
     outputs: dict[int, Any] = {}
-    units = _units(model, trunk)
     zeros: dict[str, Any] = {}
     hooks = []
     for i, child in enumerate(children):
@@ -111,36 +152,118 @@ def probe(model: nn.Module, call: Callable, batch: Mapping, names: list[str], st
         model.train(training)
         for hook in hooks:
             hook.remove()
+    return order, inputs, outputs, zeros
+
+
+def balance(
+    model: nn.Module,
+    call: Callable,
+    batch: Mapping,
+    stages: int,
+    agree: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[list[str], list[float]]:
+    """`split: auto`: split points that cut the model's largest chain of blocks (the
+    `nn.Sequential` or `nn.ModuleList` with the most parameters and at least `stages` blocks) into
+    `stages` stages of about equal time. Each block's forward and backward is timed on its input
+    of the probe's batch, on a copy of it (its running statistics and the random numbers stay as
+    they were); `agree` makes the times every process's same (their mean), so that every process
+    picks the same points. Returns the points and the blocks' times (ms)."""
+    trunk_name, trunk = _largest_chain(model, stages)
+    children = list(trunk.children())
+    _, inputs, outputs, _ = _record(model, call, batch, children, _units(model, trunk))
     valid = _valid_cuts(trunk_name, children, inputs, outputs)
-    for name, i in zip(names, cuts, strict=True):
-        if i not in valid:
-            raise ConfigError(
-                f"parallel.pipeline.split names {name}, but the model does not pass one tensor "
-                f"from {trunk_name}.{i - 1} to it; valid split points: "
-                f"{', '.join(f'{trunk_name}.{j}' for j in sorted(valid)) or 'none'}"
-            )
-    calls = [i for what, i in order if what == "trunk"]
-    if sorted(calls) != list(range(len(children))):
+    times = agree(
+        torch.tensor([_timed(child, inputs.get(i)) for i, child in enumerate(children)])
+    ).tolist()
+    holds = [any(p.requires_grad for p in child.parameters()) for child in children]
+    cuts = _partition(times, stages, valid, holds)
+    if cuts is None:
         raise ConfigError(
-            f"the pipeline strategy needs the model's forward to call each of {trunk_name}'s "
-            f"{len(children)} children once, in order; it called {calls}"
+            f"parallel.pipeline.split=auto cannot cut {trunk_name or 'the model'} into {stages} "
+            f"stages that each hold parameters where the model passes one tensor from block to "
+            f"block (valid points: {', '.join(f'{trunk_name}.{j}' for j in sorted(valid))}); "
+            "name the split points, or ask for fewer stages"
         )
-    first, last = order.index(("trunk", 0)), order.index(("trunk", len(children) - 1))
-    before: list[str] = []
-    after: list[str] = []
-    for name in units:
-        at = [k for k, entry in enumerate(order) if entry == ("unit", name)]
-        if any(first < k < last for k in at) or (
-            any(k < first for k in at) and any(k > last for k in at)
-        ):
-            raise ConfigError(
-                f"the pipeline strategy cannot place {name}: the model's forward calls it inside "
-                f"or on both sides of {trunk_name}, which the stages split (a shared or tied "
-                "module); untie it, or move it into each block"
-            )
-        (after if at and at[0] > last else before).append(name)
-    shapes = [(inputs[i].shape, inputs[i].dtype) for i in cuts]
-    return Split(trunk_name, cuts, len(children), before, after, shapes, zeros)
+    prefix = f"{trunk_name}." if trunk_name else ""
+    return [f"{prefix}{i}" for i in cuts], times
+
+
+def _largest_chain(model: nn.Module, stages: int) -> tuple[str, nn.Module]:
+    chains = [
+        (sum(p.numel() for p in module.parameters()), name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= stages
+    ]
+    if not chains:
+        raise ConfigError(
+            f"parallel.pipeline.split=auto cuts an nn.Sequential or nn.ModuleList of the model "
+            f"into {stages} stages, but the model has none of {stages} blocks or more; name the "
+            "split points, or ask for fewer stages"
+        )
+    _, name, module = max(chains, key=lambda chain: chain[0])  # the first of the largest
+    return name, module
+
+
+def _timed(block: nn.Module, given: Any, repeats: int = 3) -> float:
+    """A block's forward and backward on `given` (ms, the fastest of `repeats` after one to warm
+    up), on a copy, the random numbers restored after."""
+    if not isinstance(given, torch.Tensor):
+        return 0.0
+    copy = deepcopy(block).train()
+    device = given.device
+    cuda = device.type == "cuda"
+    best = float("inf")
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        for k in range(repeats + 1):
+            x = given.detach().clone().requires_grad_(given.is_floating_point())
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            out = [t for t in tree_flatten(copy(x))[0] if isinstance(t, torch.Tensor)]
+            grown = [t for t in out if t.requires_grad]
+            if grown:
+                torch.autograd.backward(grown, [torch.ones_like(t) for t in grown])
+            if cuda:
+                torch.cuda.synchronize(device)
+            if k:
+                best = min(best, 1e3 * (time.perf_counter() - start))
+    return best
+
+
+def _partition(
+    times: list[float], stages: int, valid: set[int], holds: list[bool]
+) -> list[int] | None:
+    """Where `stages` contiguous stages of the blocks start (each after the first at a `valid`
+    point, each holding a block with parameters) so that the slowest stage is the fastest it can
+    be; None where no such cut exists."""
+    n = len(times)
+    sums = [0.0]
+    for t in times:
+        sums.append(sums[-1] + t)
+    owns = [0]
+    for h in holds:
+        owns.append(owns[-1] + int(h))
+    starts = [0, *sorted(i for i in valid if 0 < i < n)]
+    inf = float("inf")
+    # best[k][i]: the slowest stage of blocks [0, i) cut into k stages; back[k][i]: the last start
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    back = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in [*starts[1:], n] if k < stages else [n]:
+            for j in starts:
+                if j >= i or best[k - 1][j] == inf or owns[i] == owns[j]:
+                    continue
+                cost = max(best[k - 1][j], sums[i] - sums[j])
+                if cost < best[k][i]:
+                    best[k][i], back[k][i] = cost, j
+    if best[stages][n] == inf:
+        return None
+    cuts, i = [], n
+    for k in range(stages, 1, -1):
+        i = back[k][i]
+        cuts.append(i)
+    return sorted(cuts)
 
 
 def _trunk(model: nn.Module, names: list[str]) -> tuple[str, list[int], nn.Module]:

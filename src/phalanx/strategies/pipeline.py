@@ -34,7 +34,15 @@ from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
-from phalanx.strategies.cutting import Active, Cut, Split, keep_stages, probe, stage_parts
+from phalanx.strategies.cutting import (
+    Active,
+    Cut,
+    Split,
+    balance,
+    keep_stages,
+    probe,
+    stage_parts,
+)
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
 
 if TYPE_CHECKING:
@@ -59,8 +67,11 @@ class Pipeline(ProcessGroup):
         micro-batches' size for the whole run."""
         super().__init__(accelerator, timeout_s, backend)
         self.settings = settings
-        self.stages = len(settings.split) + 1
         per_process = settings.stages_per_process or 1
+        if settings.split == "auto":  # cut in setup, by measured time
+            self.stages = settings.stages or self.world_size * per_process
+        else:
+            self.stages = len(settings.split) + 1
         if self.stages % per_process:
             raise ConfigError(
                 f"parallel.pipeline.split makes {self.stages} stages, which cannot be shared out "
@@ -104,6 +115,7 @@ class Pipeline(ProcessGroup):
         self._sample_shapes: dict[str, torch.Size] = {}
         self.model_summary = ""  # the whole model's, before it is split (see setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
+        self.chosen = ""  # where split: auto cut, and why
 
     # --- building --------------------------------------------------------------------------
 
@@ -121,7 +133,15 @@ class Pipeline(ProcessGroup):
             if not options.precision.passes_through:
                 batch = dict(options.precision.convert_batch(batch, None))
             self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
-            self._split = probe(whole, adapter(whole), batch, self.settings.split, self.stages)
+            names = self.settings.split
+            if names == "auto":
+                names, times = balance(whole, adapter(whole), batch, self.stages, self._mean)
+                self.chosen = (
+                    f"; split auto at {', '.join(names)} (blocks' forward and backward: "
+                    + ", ".join(f"{t:.2f}" for t in times)
+                    + " ms)"
+                )
+            self._split = probe(whole, adapter(whole), batch, names, self.stages)
             from phalanx import metrics
 
             self.model_summary = metrics.summary(whole)
@@ -132,7 +152,7 @@ class Pipeline(ProcessGroup):
             if not list(whole.parameters()):
                 raise ConfigError(
                     f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
-                    f"in parallel.pipeline.split ({self.settings.split})"
+                    f"in parallel.pipeline.split ({names})"
                 )
             index = {name: i for i, name in enumerate(names)}
             self._global_index = [index[n] for n in mine]
@@ -147,7 +167,7 @@ class Pipeline(ProcessGroup):
             + ", ".join(f"{n:,}" for n in counts)
             + f" parameters, {self.copies} cop{'ies' if self.copies > 1 else 'y'} of the pipeline, "
             f"{m} micro-batch{'es' if m > 1 else ''} of {self.rows} samples through it "
-            f"({self.settings.schedule})"
+            f"({self.settings.schedule}){self.chosen}"
         )
         return self.model, self.model
 
@@ -322,6 +342,12 @@ class Pipeline(ProcessGroup):
             dist.all_reduce(values)
             return values, None
         return values, dist.all_reduce(values, async_op=True)
+
+    def _mean(self, values: torch.Tensor) -> torch.Tensor:
+        """`values`' mean over every process."""
+        values = values.to(self.device, torch.float64)
+        dist.all_reduce(values)
+        return values.cpu() / self.world_size
 
     def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The 2-norm over every stage's gradients (a stage's copies hold the same)."""
