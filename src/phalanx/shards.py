@@ -24,32 +24,56 @@ from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.files import os_error, storage_error
 
 
+def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its part of the model's and the optimizer's state into `folder`, in the
+    model's own names: an FSDP model's shards, a pipeline stage's modules; parts that several
+    ranks hold alike (a stage's copies) are written once. The optimizer's settings are kept per
+    parameter (torch's flattened optimizer state), so that ranks holding different parameters
+    write one consistent set, and any strategy reads it back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    model_state, optimizer_state = get_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder)
+
+
 def load_shards(
     folder: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     collective: bool = False,
+    whole: dict[str, tuple[int, ...]] | None = None,
 ) -> None:
     """The model's state (and the optimizer's, if given) from a shards folder, saved by any number
     of processes. `collective`: the model is sharded over the process group and every rank calls
     this, each reading the parts its shards need; otherwise this process reads the whole state
-    alone."""
+    alone. `whole`: the names and shapes of the whole model's state where `model` holds a part of
+    it (a pipeline's stages), which the checkpoint must match."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
+    reader = _reader(folder)
+    metadata = reader.read_metadata()
+    # steps written before the optimizer's settings were kept per parameter hold them per group
+    options = StateDictOptions(
+        flatten_optimizer_state_dict="optim.param_groups.0.params"
+        not in metadata.state_dict_metadata
+    )
     state: dict[str, Any]
     if optimizer is None:
         state = {"model": get_model_state_dict(model)}
     else:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optim": optimizer_state}
-    reader = _reader(folder)
-    _check_fits(folder, reader.read_metadata(), state["model"])
+    _check_fits(folder, metadata, state["model"], whole)
     try:
         with _quiet_single_process():
             dcp.load(state, storage_reader=reader, planner=_planner(), no_dist=not collective)
@@ -63,7 +87,11 @@ def load_shards(
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=options,
             )
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
         raise CheckpointError(
@@ -95,18 +123,25 @@ def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _check_fits(folder: Path, metadata: Any, model_state: dict) -> None:
-    """The saved model's names and shapes are this model's: else a CheckpointMismatch."""
+def _check_fits(
+    folder: Path, metadata: Any, model_state: dict, whole: dict[str, tuple[int, ...]] | None = None
+) -> None:
+    """The saved model's names and shapes are this model's (`whole`'s, where given): else a
+    CheckpointMismatch."""
     saved = {
         key[len("model.") :]: tuple(meta.size)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and hasattr(meta, "size")
     }
-    mine = {
-        key: tuple(value.shape)
-        for key, value in model_state.items()
-        if isinstance(value, torch.Tensor)
-    }
+    mine = (
+        whole
+        if whole is not None
+        else {
+            key: tuple(value.shape)
+            for key, value in model_state.items()
+            if isinstance(value, torch.Tensor)
+        }
+    )
     if saved == mine:
         return
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))

@@ -17,7 +17,7 @@ import workers  # noqa: E402
 from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
 
 from phalanx import api, cli, config, rundir, strategies  # noqa: E402
-from phalanx.checkpoint import Checkpoints  # noqa: E402
+from phalanx.checkpoint import SHARDS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 N_TRAIN = 37  # batches of 10 and 12 leave a last batch (7, 1) smaller than the micro-batch count
@@ -133,13 +133,18 @@ def _resume(run: Path, processes: int, overrides: list[str]) -> None:
 
 
 def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tmp_path):
-    """pipeline(2) -> ddp(2), one process, pipeline(3), 4 stages on 2 (interleaved, in a V); ddp(3) ->
+    """pipeline(2) -> ddp(2), fsdp(2), one process, pipeline(3), 4 stages on 2 (interleaved, in a
+    V); ddp(3) ->
     pipeline(3): each ends as the run without a stop, and its export loads into the plain
     model."""
     raw = _stopping(scenario(10), 6)  # mid-epoch 2
     whole = workers.train({**raw, "hooks": []})
     pipe = _new_run(tmp_path / "pipe2", piped(raw, 2, ["net.4"], "1f1b", 4))
     assert workers.run_ranks(2, workers.run_dir_worker, str(pipe), False, []) == [0, 0]
+    # one shard set per stage: each process wrote its own, and its half of the model
+    shards = Checkpoints(pipe / "checkpoints").path(6) / SHARDS
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (shards.parent / "model.safetensors").exists()
     ddp = _new_run(tmp_path / "ddp3", {**raw, "parallel": {**raw["parallel"], "devices": 3}})
     assert workers.run_ranks(3, workers.run_dir_worker, str(ddp), False, []) == [0, 0, 0]
     three = [
@@ -149,6 +154,7 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
     ]
     resumed = {
         "pipe2-ddp2": (pipe, 2, ["parallel.strategy=ddp"]),
+        "pipe2-fsdp2": (pipe, 2, ["parallel.strategy=fsdp"]),
         "pipe2-single": (pipe, 1, ["parallel.strategy=single", "parallel.devices=1"]),
         "pipe2-pipe3": (pipe, 3, three),
         "ddp3-pipe3": (ddp, 3, three),

@@ -326,3 +326,46 @@ def test_a_resume_falls_back_past_a_step_whose_metadata_names_another_class(tmp_
     assert again.code == 0 and not made.exists()
     assert f"skipping checkpoint step-{steps[-1]}: " in said and "_ReplicationStager" in said
     assert f"resuming {run.run_dir} from step {steps[0]}" in said
+
+
+def test_shards_keep_the_optimizers_settings_per_parameter_and_load_into_a_part_of_the_model(
+    ckpts,
+):
+    """`save_shards` writes the optimizer's settings per parameter, as a pipeline's stages, each
+    holding different parameters, must; the whole model reads them back, and so does a part of it
+    (a stage), checked against the whole model's names."""
+    from phalanx.shards import save_shards
+
+    module, optimizer = _trained(5)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.125  # a setting that is not the default: it must come back
+
+    def write(folder: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a single process without a group
+            save_shards(folder, module, optimizer)
+
+    ckpts.save_sharded(
+        5, write, {"optimizer": None, "schedulers": [], "scaler": {}}, _state(5), OneRank()
+    )
+    shards = ckpts.path(5) / SHARDS
+    fresh, fresh_optimizer = _trained(99)
+    load_shards(shards, fresh, fresh_optimizer)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.125
+    for mine, saved in zip(fresh.parameters(), module.parameters(), strict=True):
+        assert torch.equal(mine, saved)
+    for mine, saved in zip(fresh_optimizer.state.values(), optimizer.state.values(), strict=True):
+        assert torch.equal(mine["exp_avg"], saved["exp_avg"])
+
+    whole = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    part, _ = _trained(98)
+    part[0] = nn.Identity()  # the first stage's module gone: this process holds the rest
+    part_optimizer = torch.optim.AdamW(part.parameters(), lr=0.01)
+    load_shards(shards, part, part_optimizer, whole=whole)
+    assert torch.equal(part[2].weight, module[2].weight)
+    assert part_optimizer.param_groups[0]["lr"] == 0.125
+    with pytest.raises(CheckpointMismatch, match="unexpected 0.bias, 0.weight"):
+        load_shards(shards, part, part_optimizer)  # a part, unless it says so
+    other = {**whole, "2.weight": (2, 4)}
+    with pytest.raises(CheckpointMismatch, match="shapes differ: 2.weight"):
+        load_shards(shards, part, part_optimizer, whole=other)

@@ -276,12 +276,10 @@ class FSDP(ProcessGroup, DataParallel):
             ) from None
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from phalanx.shards import save_shards
 
         self.progress.enter("the saving of the checkpoint's shards")
-        model_state, optimizer_state = get_state_dict(self.model, optimizer)
-        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=folder)
+        save_shards(folder, self.model, optimizer)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import (

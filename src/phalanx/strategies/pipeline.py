@@ -111,6 +111,7 @@ class Pipeline(ProcessGroup):
         self._schedule: Any = None
         self._global_index: list[int] = []  # each trainable parameter's index in the whole model's
         self._trainable = 0  # trainable parameters of the whole model
+        self._whole: dict[str, tuple[int, ...]] = {}  # the whole model's state: names and shapes
         self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
         self._sample_shapes: dict[str, torch.Size] = {}
         self.model_summary = ""  # the whole model's, before it is split (see setup)
@@ -147,6 +148,7 @@ class Pipeline(ProcessGroup):
             self.model_summary = metrics.summary(whole)
             names = [n for n, p in whole.named_parameters() if p.requires_grad]
             self._trainable = len(names)
+            self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
             keep_stages(whole, self._split, self.mine, self.stages, self._active, self.device)
             mine = [n for n, p in whole.named_parameters() if p.requires_grad]
             if not list(whole.parameters()):
@@ -443,8 +445,8 @@ class Pipeline(ProcessGroup):
         from phalanx.checkpoint import SHARDS
         from phalanx.shards import load_shards
 
-        if path.name == SHARDS:  # each process reads its stage's part
-            load_shards(path, self.model, optimizer)
+        if path.name == SHARDS:  # each process reads its stages' part
+            load_shards(path, self.model, optimizer, whole=self._whole)
             return
         whole = load_file(str(path))
         wanted = self.model.state_dict()
@@ -458,6 +460,15 @@ class Pipeline(ProcessGroup):
             self.model.load_state_dict({k: whole[k] for k in wanted}, strict=True)
         except RuntimeError as e:
             raise CheckpointMismatch(f"{path} does not fit stages {self.mine}: {e}") from None
+
+    def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
+        """Each process writes its stages' part of the model and optimizer state, in the model's
+        own names (a stage's copies hold the same: it is written once); no process gathers the
+        whole model."""
+        from phalanx.shards import save_shards
+
+        self.progress.enter("the saving of the checkpoint's shards")
+        save_shards(folder, self.model, optimizer)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The whole optimizer's state, parameters numbered as in the whole model, on the main
