@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -25,8 +25,8 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     ValidationError,
+    create_model,
     field_validator,
-    model_validator,
 )
 
 from phalanx.errors import ConfigError, did_you_mean
@@ -175,113 +175,18 @@ class DatasetConfig(_ClassSection):
         return n
 
 
-class DDPConfig(_Section):
-    """`parallel.ddp`: settings of the `ddp` strategy."""
-
-    bucket_cap_mb: StrictFloat | None = Field(
-        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)"
-    )
+class StrategySettings(_Section):
+    """A strategy's own section of `parallel`, named after it (`parallel.ddp`), which the strategy
+    registers with `phalanx.strategies.REGISTRY`; checked as every section is (an unknown key is a
+    did-you-mean error)."""
 
 
-class TowersConfig(_Section):
-    """`parallel.towers`: settings of the `towers` strategy."""
-
-    variables_on: Literal["device0", "cpu"] = Field(
-        "device0",
-        description="where the master copy of the variables lives and the optimizer steps: on the "
-        "first device (which is also the first tower), or on the CPU",
-    )
-
-
-class FSDPConfig(_Section):
-    """`parallel.fsdp`: settings of the `fsdp` strategy."""
-
-    shard: list[str] | None = Field(
-        None,
-        description="module class names sharded as units of their own; default each block of a "
-        "ModuleList or Sequential and each other part of the model holding parameters, then the "
-        "model itself; [] the model as one unit",
-    )
-    param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None,
-        description="the dtype parameters are gathered in for forward and backward; default "
-        "their own",
-    )
-    reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None, description="the dtype gradients are reduced in; default param_dtype's"
-    )
-    offload: bool = Field(
-        False, description="keep parameters and optimizer state in CPU memory between uses"
-    )
-    init: Literal["full", "meta"] = Field(
-        "full",
-        description="full: every rank builds the whole model, then keeps its shards; meta: the "
-        "model is built without memory and each module's reset_parameters() fills its shards "
-        "one module at a time, so the whole model is never in one process's memory",
-    )
-
-
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages a process, in a V
-
-
-class PipelineConfig(_Section):
-    """`parallel.pipeline`: settings of the `pipeline` strategy."""
-
-    split: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = Field(
-        description="the modules where a new stage starts: blocks of one nn.Sequential or "
-        "nn.ModuleList of the model, such as [net.3]; one process per stage; or auto: the "
-        "model's largest such chain cut into stages of about equal measured time",
-    )
-    stages: StrictInt | None = Field(
-        None,
-        ge=2,
-        description="with split: auto, the stages to cut; default the processes times "
-        "stages_per_process (one copy of the pipeline)",
-    )
-    microbatches: StrictInt = Field(
-        4, ge=1, description="micro-batches per global batch (per accumulation window)"
-    )
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"] = Field(
-        "1f1b",
-        description="gpipe: every forward, then every backward; 1f1b: one forward, one backward "
-        "(fewer activations held); interleaved: 1f1b over several stages per process (a smaller "
-        "bubble); zero_bubble: interleaved, each backward split into its input and weight halves; "
-        "zbv and dualpipev: two stages per process in a V (process p: stages p and 2P - 1 - p), "
-        "zero-bubble, and DualPipe's overlap of one micro-batch's forward with another's backward",
-    )
-    stages_per_process: StrictInt | None = Field(
-        None,
-        ge=1,
-        description="stages each process holds, looped (process p: stages p, p + P ...); "
-        "default 1, and 2 for interleaved and zero_bubble (zbv and dualpipev: 2, in a V)",
-    )
-
-    @model_validator(mode="after")
-    def _per_process(self) -> PipelineConfig:
-        if self.stages is not None and self.split != "auto":
-            raise ValueError(
-                "stages goes with split: auto; a list of split points makes one stage more than "
-                "it names"
-            )
-        several = self.schedule in ("interleaved", "zero_bubble")
-        if self.schedule in V_SCHEDULES:
-            if self.stages_per_process not in (None, 2):
-                raise ValueError(
-                    f"schedule {self.schedule} runs two stages per process, in a V; remove "
-                    "stages_per_process or set it to 2"
-                )
-            self.stages_per_process = 2
-        elif self.stages_per_process is None:
-            self.stages_per_process = 2 if several else 1
-        elif self.stages_per_process > 1 and not several:
-            raise ValueError(
-                f"schedule {self.schedule} runs one stage per process; use interleaved or "
-                "zero_bubble for stages_per_process > 1"
-            )
-        return self
+S = TypeVar("S")
 
 
 class ParallelConfig(_Section):
+    """`parallel`: the framework's keys, and each registered strategy's own section (`schema`)."""
+
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
     strategy: str = "auto"
@@ -309,26 +214,25 @@ class ParallelConfig(_Section):
         description="times the workers are started again after one fails; each attempt resumes "
         "from the last checkpoint (one machine)",
     )
-    ddp: DDPConfig = Field(default_factory=DDPConfig, description="settings of the ddp strategy")
-    towers: TowersConfig = Field(
-        default_factory=TowersConfig, description="settings of the towers strategy"
-    )
-    fsdp: FSDPConfig = Field(
-        default_factory=FSDPConfig, description="settings of the fsdp strategy"
-    )
-    pipeline: PipelineConfig | None = Field(
-        None, description="settings of the pipeline strategy (split is required)"
-    )
-    placement: dict[str, str] = Field(
-        default_factory=dict,
-        description="the placement strategy's devices by module name, such as {encoder: cuda:0, "
-        "decoder: cuda:1, head: cpu}; the rest of the model on the run's device",
-    )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto",
         description="collective backend: auto is nccl on GPUs and gloo on CPUs; gloo on GPUs lets "
         "several ranks share one GPU, which nccl refuses",
     )
+
+    def section(self, strategy: str, kind: type[S]) -> S:
+        """Strategy `strategy`'s own section (`parallel.<strategy>`), of its registered type."""
+        value = self.optional_section(strategy, kind)
+        if value is None:
+            raise TypeError(f"parallel.{strategy} is not given")
+        return value
+
+    def optional_section(self, strategy: str, kind: type[S]) -> S | None:
+        """The section, or None where the strategy's section has no default and is not given."""
+        value = getattr(self, strategy)
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"parallel.{strategy} is a {type(value).__name__}, not a {kind}")
+        return value
 
     @field_validator("cpu_threads")
     @classmethod
@@ -485,6 +389,29 @@ def _default_name(path: Path) -> str:
     return re.sub(r"[^\w.+=,@-]+", "-", name).strip("-.")[:128] or "run"
 
 
+_SCHEMAS: dict[tuple, type[Config]] = {}
+
+
+def schema() -> type[Config]:
+    """The config's model with a section of `parallel` for each strategy in the registry, each of
+    the type the strategy registered (built once for each set of strategies)."""
+    from phalanx.strategies import REGISTRY
+
+    sections: dict[str, Any] = {n: e.settings for n, e in REGISTRY.items() if e.settings}
+    key = tuple((name, id(section)) for name, section in sections.items())
+    if key not in _SCHEMAS:
+        parallel = create_model(
+            "ParallelConfig", __base__=ParallelConfig, __doc__=ParallelConfig.__doc__, **sections
+        )
+        _SCHEMAS[key] = create_model(
+            "Config",
+            __base__=Config,
+            __doc__=Config.__doc__,
+            parallel=(parallel, Field(default_factory=parallel)),
+        )
+    return _SCHEMAS[key]
+
+
 def validate(raw: dict) -> Config:
     """The validated config, or a ConfigError naming each bad key and the fix."""
     try:  # a dict from Python, or a file's values after the overrides: bounded as a file's are
@@ -492,7 +419,7 @@ def validate(raw: dict) -> Config:
     except TooLarge as e:
         raise ConfigError(f"the config is refused: {e}") from None
     try:
-        return Config.model_validate(raw)
+        return schema().model_validate(raw)
     except ValidationError as e:
         raise ConfigError(
             "; ".join(_merge_alternatives([_explain(err, raw) for err in e.errors()]))
@@ -548,7 +475,7 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
 
 
 def _section_model(loc: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Config
+    model: type[BaseModel] | None = schema()
     for part in loc:
         field = model.model_fields.get(part) if model else None
         if field is None:

@@ -178,7 +178,7 @@ def _holds(annotation, types: tuple[type, ...]) -> bool:
     return any(_holds(arg, types) for arg in typing.get_args(annotation))
 
 
-NUMBER_FIELDS = sorted(_number_fields(config.Config))
+NUMBER_FIELDS = sorted(_number_fields(config.schema()))
 
 
 def test_the_schema_walk_finds_the_number_fields():
@@ -591,3 +591,33 @@ def test_split_auto_may_name_its_stage_count_and_a_list_may_not():
     assert "stages goes with split: auto" in _error(raw)
     raw["parallel"]["pipeline"] = {"split": "balanced"}
     assert "parallel.pipeline.split" in _error(raw)
+
+
+def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypatch):
+    """`parallel.<strategy>` is whatever type the strategy registered: validated, with its
+    defaults, and an unknown key in it or beside it is a did-you-mean error."""
+    from pydantic import Field, StrictInt
+
+    from phalanx import strategies
+
+    class Rings(config.StrategySettings):
+        rings: StrictInt = Field(2, ge=1)
+
+    entry = strategies.Entry(
+        lambda cfg, accelerator, devices: None,
+        True,
+        "rings of processes",
+        (Rings, Field(default_factory=Rings)),
+    )
+    monkeypatch.setitem(strategies.REGISTRY, "ring", entry)
+    raw = toy.regression_config(parallel={"strategy": "ring", "ring": {"rings": 3}})
+    assert config.validate(raw).parallel.section("ring", Rings).rings == 3
+    assert config.validate(toy.regression_config()).parallel.section("ring", Rings).rings == 2
+    raw["parallel"]["ring"] = {"ringz": 3}
+    assert """unknown key 'parallel.ring.ringz' (did you mean "rings"?)""" in _error(raw)
+    raw["parallel"] = {"rign": {"rings": 3}}
+    assert """unknown key 'parallel.rign' (did you mean "ring"?)""" in _error(raw)
+    monkeypatch.delitem(strategies.REGISTRY, "ring")
+    assert "unknown key 'parallel.ring'" in _error(
+        toy.regression_config(parallel={"ring": {"rings": 3}})
+    )

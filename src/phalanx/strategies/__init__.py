@@ -5,14 +5,20 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from pydantic import Field
 
 from phalanx import environment
 from phalanx.config import Config
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.strategies.base import Strategy
+from phalanx.strategies.ddp import DDPSettings
+from phalanx.strategies.fsdp import FSDPSettings
+from phalanx.strategies.pipeline import PipelineSettings
 from phalanx.strategies.single import Single
+from phalanx.strategies.towers import TowersSettings
 
 # CPU processes a launch may start per core: more only slow each other down (and a typo such as
 # parallel.devices=1000 would start processes until the machine gives out).
@@ -79,12 +85,15 @@ def in_worker() -> bool:
 
 @dataclass(frozen=True)
 class Entry:
-    """A strategy as the config names it: how to build it for this process, and whether it runs one
-    process per device (which `phalanx train` starts) or drives all of them from one."""
+    """A strategy as the config names it: how to build it for this process, whether it runs one
+    process per device (which `phalanx train` starts) or drives all of them from one, and its own
+    section of the config, `parallel.<name>`: (its type, pydantic's Field with its default), which
+    `config.schema` adds to the config's model."""
 
     build: Callable[[Config, str, int], Strategy]  # (config, accelerator, devices per machine)
     process_per_device: bool
     summary: str
+    settings: tuple[Any, Any] | None = None
 
 
 def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
@@ -109,7 +118,7 @@ def _ddp(cfg: Config, accelerator: str, devices: int) -> Strategy:
         cfg.parallel.timeout_s,
         cfg.parallel.sync_batchnorm,
         backend=cfg.parallel.backend,
-        bucket_cap_mb=cfg.parallel.ddp.bucket_cap_mb,
+        bucket_cap_mb=cfg.parallel.section("ddp", DDPSettings).bucket_cap_mb,
     )
 
 
@@ -137,7 +146,7 @@ def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
         if accelerator == "cuda"
         else [torch.device("cpu")] * devices
     )
-    return Towers(count, cfg.parallel.towers.variables_on)
+    return Towers(count, cfg.parallel.section("towers", TowersSettings).variables_on)
 
 
 def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
@@ -161,12 +170,15 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     from phalanx.strategies.fsdp import FSDP
 
     return FSDP(
-        accelerator, cfg.parallel.fsdp, cfg.parallel.timeout_s, backend=cfg.parallel.backend
+        accelerator,
+        cfg.parallel.section("fsdp", FSDPSettings),
+        cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
     )
 
 
 def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    settings = cfg.parallel.pipeline
+    settings = cfg.parallel.optional_section("pipeline", PipelineSettings)
     if settings is None:
         raise ConfigError(
             "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
@@ -213,13 +225,14 @@ def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "parallel.strategy=placement runs in one process, but this is one of several; start "
             "phalanx without torchrun, or use parallel.strategy=pipeline"
         )
-    if not cfg.parallel.placement:
+    placement = cfg.parallel.section("placement", dict)
+    if not placement:
         raise ConfigError(
             "parallel.strategy=placement needs parallel.placement, the device of each module by "
             "name, such as parallel.placement={encoder: cuda:0, decoder: cuda:1}"
         )
     visible = torch.cuda.device_count()
-    for name, where in cfg.parallel.placement.items():
+    for name, where in placement.items():
         try:
             device = torch.device(where)
         except RuntimeError:
@@ -238,7 +251,7 @@ def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
     from phalanx.strategies.placement import Placement
 
     home = torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
-    return Placement(home, cfg.parallel.placement)
+    return Placement(home, placement)
 
 
 # parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named
@@ -246,23 +259,45 @@ def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
     "ddp": Entry(
-        _ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"
+        _ddp,
+        True,
+        "one process per device, gradients all-reduced by DistributedDataParallel",
+        (DDPSettings, Field(default_factory=DDPSettings, description="the ddp strategy's")),
     ),
     "towers": Entry(
-        _towers, False, "one process driving every device, a replica on each, in threads"
+        _towers,
+        False,
+        "one process driving every device, a replica on each, in threads",
+        (TowersSettings, Field(default_factory=TowersSettings, description="the towers'")),
     ),
     "fsdp": Entry(
         _fsdp,
         True,
         "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
+        (FSDPSettings, Field(default_factory=FSDPSettings, description="the fsdp strategy's")),
     ),
     "pipeline": Entry(
         _pipeline,
         True,
         "the model split by layers into stages, one process each; micro-batches flow through",
+        (
+            PipelineSettings | None,
+            Field(None, description="the pipeline strategy's (split is required)"),
+        ),
     ),
     "placement": Entry(
-        _placement, False, "one process, the model's modules pinned to devices by name"
+        _placement,
+        False,
+        "one process, the model's modules pinned to devices by name",
+        (
+            dict[str, str],
+            Field(
+                default_factory=dict,
+                description="the placement strategy's devices by module name, such as "
+                "{encoder: cuda:0, decoder: cuda:1, head: cpu}; the rest of the model on the "
+                "run's device",
+            ),
+        ),
     ),
 }
 
