@@ -770,27 +770,13 @@ class Trainer:
         if spec is None:
             return
         path, state = initial_weights(spec.path, spec.checkpoint)
-        sharded = any(hasattr(p, "full_tensor") for p in self.model.parameters())
-        try:
-            if sharded:
-                from torch.distributed.checkpoint.state_dict import (
-                    StateDictOptions,
-                    set_model_state_dict,
-                )
-
-                result = set_model_state_dict(
-                    self.model,
-                    state,  # type: ignore[arg-type]  # torch's stub: a dict invariant in its values
-                    options=StateDictOptions(full_state_dict=True, strict=spec.strict),
-                )
-            else:
-                result = self.model.load_state_dict(state, strict=False)
+        try:  # each process keeps its part: a replica, its shards, its stages
+            missing, unexpected = self.strategy.load_state(state)
         except (RuntimeError, ValueError, KeyError) as e:
             lines = " ".join(str(e).split())
             raise CheckpointMismatch(
                 f"model.init_from: {path} does not fit this model ({lines[:400]})"
             ) from None
-        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
         listed = "; ".join(
             f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''} ({len(keys)})"
             for what, keys in (("the weights lack", missing), ("the model lacks", unexpected))

@@ -234,3 +234,28 @@ def test_token_weighted_losses_through_the_pipeline_train_as_one_process():
         assert rel(torch.tensor(mine["losses"]), torch.tensor(theirs["losses"])) < 1e-10, name
         for a, b in zip(mine["epochs"], theirs["epochs"], strict=True):
             assert abs(a["valid"]["loss"] - b["valid"]["loss"]) <= 1e-10 * abs(b["valid"]["loss"])
+
+
+def test_a_run_that_starts_from_trained_weights_does_so_on_every_strategy(tmp_path):
+    """model.init_from: one process, the pipeline's stages (each keeping its part) and fsdp's
+    shards start from the same weights and train alike."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(7)
+    start = toy.Deep(features=3, hidden=4, layers=4).double()
+    weights = tmp_path / "start.safetensors"
+    save_file({k: v.contiguous() for k, v in start.state_dict().items()}, str(weights))
+    raw = scenario(10)
+    raw["model"] = {**raw["model"], "init_from": str(weights)}
+    fresh = workers.train(scenario(10))
+    alone = workers.train(raw)
+    assert alone["losses"][0] != fresh["losses"][0]  # the weights were taken
+    for name, setup in {
+        "pipeline": piped(raw, 2, ["net.4"], "1f1b", 4),
+        "fsdp": {**raw, "parallel": {**raw["parallel"], "devices": 2, "strategy": "fsdp"}},
+    }.items():
+        [got, _] = workers.run_ranks(2, workers.train_all, [setup])
+        assert torch.allclose(
+            torch.tensor(got[0]["losses"]), torch.tensor(alone["losses"]), rtol=1e-10
+        ), name
+        assert_same_run(got[0], alone)

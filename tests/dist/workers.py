@@ -123,6 +123,7 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     trainer = Trainer(
         cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd)
     )
+    trainer.initialise_from()  # model.init_from, as a new run of `phalanx train` starts
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
     # the whole model: gathered to rank 0 where it is sharded

@@ -122,6 +122,12 @@ class Strategy(Protocol):
         shards folder (`checkpoint.SHARDS`, saved on any process count), which also holds the
         optimizer's state: loaded into `optimizer` where it is given."""
 
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """A whole model's state dict (every name, as `checkpoint.whole_state` reads a file) into
+        the model, each process keeping its part (its replica, shards or stages): the names the
+        state lacks and the names the model lacks, left as they were. A value of another shape
+        raises (RuntimeError, ValueError or KeyError)."""
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's whole state as a checkpoint holds it (parameters by index, in the order
         of the model's trainable parameters), on the main process."""
@@ -218,6 +224,10 @@ class Replicated:
             )  # the whole state, read by each process on its own
         else:
             load_weights(self.model, path)
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        result = self.model.load_state_dict(state, strict=False)
+        return list(result.missing_keys), list(result.unexpected_keys)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         return optimizer.state_dict()

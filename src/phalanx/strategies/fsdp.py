@@ -287,7 +287,6 @@ class FSDP(ProcessGroup, DataParallel):
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
         from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         from phalanx.checkpoint import SHARDS
         from phalanx.errors import CheckpointMismatch
@@ -297,15 +296,26 @@ class FSDP(ProcessGroup, DataParallel):
             self.progress.enter("the loading of the checkpoint's shards")
             load_shards(path, self.model, optimizer, collective=True)
             return
-        state: dict[str, ValueType] = dict(load_file(str(path)))
         try:
-            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            missing, unexpected = self.load_state(load_file(str(path)))
+            if missing or unexpected:
+                raise KeyError(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
         except (RuntimeError, KeyError, ValueError) as e:
             lines = " ".join(str(e).split())
             raise CheckpointMismatch(
                 f"{path} does not fit this model ({lines[:300]}); was it saved from another "
                 "model config?"
             ) from None
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Every rank keeps its shards of the whole state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        whole: dict[str, ValueType] = dict(state)
+        result = set_model_state_dict(
+            self.model, whole, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+        return list(result.missing_keys), list(result.unexpected_keys)
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         from phalanx.shards import save_shards

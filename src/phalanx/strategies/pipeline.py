@@ -508,18 +508,23 @@ class Pipeline(ProcessGroup):
         if path.name == SHARDS:  # each process reads its stages' part
             load_shards(path, self.model, optimizer, whole=self._whole)
             return
-        whole = load_file(str(path))
-        wanted = self.model.state_dict()
-        missing = sorted(set(wanted) - set(whole))
-        if missing:
-            raise CheckpointMismatch(
-                f"{path} lacks {len(missing)} tensors of pipeline stages {self.mine}, such as "
-                f"{missing[:3]}: it holds another model"
-            )
         try:
-            self.model.load_state_dict({k: whole[k] for k in wanted}, strict=True)
+            missing, unexpected = self.load_state(load_file(str(path)))
         except RuntimeError as e:
             raise CheckpointMismatch(f"{path} does not fit stages {self.mine}: {e}") from None
+        if missing or unexpected:
+            raise CheckpointMismatch(
+                f"{path} holds another model (it lacks {missing[:3]}, the model lacks "
+                f"{unexpected[:3]})"
+            )
+
+    def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        """Each process keeps its stages' part; what is missing or unexpected is judged against
+        the whole model."""
+        mine = self.model.state_dict()
+        self.model.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
+        missing = [k for k in self._whole if k not in state]
+        return missing, [k for k in state if k not in self._whole]
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         """Each process writes its stages' part of the model and optimizer state, in the model's
