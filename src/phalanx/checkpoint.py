@@ -55,6 +55,11 @@ class Group(Protocol):
     def broadcast(self, value: Any) -> Any: ...
 
 
+def saves_shards(strategy: Any) -> bool:
+    """Whether a strategy's checkpoints are each process's shards (it has `save_shards`)."""
+    return callable(getattr(strategy, "save_shards", None))
+
+
 WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = (
     "model.safetensors",
     "optimizer.pt",
@@ -135,6 +140,40 @@ class Checkpoints:
                 self.root / "best.json", json.dumps({"step": step, **best}), sync=True
             )
         self.prune()
+
+    def save_state(
+        self,
+        step: int,
+        strategy: Any,
+        optimizer: torch.optim.Optimizer,
+        rest: dict,
+        trainer_state: dict,
+        best: dict | None = None,
+        background: Any = None,
+    ) -> Path | None:
+        """Step `step` as `strategy` holds the model and optimizer: each process's shards, written
+        by every process at once where it saves shards (`saves_shards`), else the whole state
+        gathered to the main process (`model_state`, `optimizer_state`) and written there, by
+        `background`'s thread where one is given. `rest`: the schedulers' and the scaler's
+        state. Every rank calls it; returns the step's folder on the main process (None
+        elsewhere)."""
+        if saves_shards(strategy):
+            path = self.save_sharded(
+                step,
+                lambda folder: strategy.save_shards(folder, optimizer),
+                {"optimizer": None, **rest},
+                trainer_state,
+                strategy,
+                best,
+            )
+            return path if strategy.is_main else None
+        weights, optimizer_state = strategy.model_state(), strategy.optimizer_state(optimizer)
+        if not strategy.is_main:
+            return None
+        state = {"optimizer": optimizer_state, **rest}
+        if background is not None:  # committed by the writer's thread
+            return background.submit(step, weights, state, trainer_state, best)
+        return self.save(step, weights, state, trainer_state, best)
 
     def save_sharded(
         self,

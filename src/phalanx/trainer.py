@@ -27,7 +27,7 @@ from phalanx.build import (
     seed_everything,
     set_rng_state,
 )
-from phalanx.checkpoint import Checkpoints, initial_weights
+from phalanx.checkpoint import Checkpoints, initial_weights, saves_shards
 from phalanx.config import CompileConfig, Config
 from phalanx.engine import Engine, GradNorms, concat
 from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, lost_a_peer
@@ -44,7 +44,6 @@ from phalanx.strategies.base import (
     ModelOptions,
     Outcome,
     RandomStreams,
-    SavesShards,
     Strategy,
 )
 from phalanx.view import RunView
@@ -170,7 +169,7 @@ class Trainer:
         )
         self.background = None  # checkpoints.async: a writer thread on the main process
         if cfg.checkpoints.async_ and self.checkpoints is not None:
-            if isinstance(self.strategy, SavesShards):
+            if saves_shards(self.strategy):
                 log.info(
                     "checkpoints.async: every rank writes its own shards at once; they are saved "
                     "as they are taken"
@@ -829,33 +828,11 @@ class Trainer:
             "schedulers": [s.state_dict() for s, _ in self.schedulers],
             "scaler": self.precision.state_dict(),
         }
-        strategy = self.strategy
-        if isinstance(strategy, SavesShards):  # every rank writes its shards; the optimizer's too
-            path = checkpoints.save_sharded(
-                self.step,
-                lambda folder: strategy.save_shards(folder, optimizer),
-                {"optimizer": None, **rest},
-                state,
-                self.strategy,
-                best,
-            )
-            if self.strategy.is_main:
-                self._trace("checkpoint", step=self.step, best=best is not None)
-            return path if self.strategy.is_main else None
-        weights, optimizer_state = (
-            self.strategy.model_state(),
-            self.strategy.optimizer_state(optimizer),
+        path = checkpoints.save_state(
+            self.step, self.strategy, optimizer, rest, state, best, self.background
         )
-        if not self.strategy.is_main:
-            return None
-        if self.background is not None:  # committed, and traced, by the writer's thread
-            return self.background.submit(
-                self.step, weights, {"optimizer": optimizer_state, **rest}, state, best
-            )
-        path = checkpoints.save(
-            self.step, weights, {"optimizer": optimizer_state, **rest}, state, best
-        )
-        self._trace("checkpoint", step=self.step, best=best is not None)
+        if path is not None and self.background is None:  # the writer's thread traces its own
+            self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
     def restore(self, step: int, weights_only: bool = False, previous: dict | None = None) -> None:
