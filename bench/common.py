@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import threading
@@ -383,3 +384,66 @@ def print_profile(profiler, steps: int, heading: str, top: int) -> None:
         chosen = [r for r in rows if r[4] or not only_phalanx]
         for tt, ct, nc, where, _ in sorted(chosen, key=lambda r: r[key], reverse=True)[:top]:
             print(f"{1e6 * tt / steps:>10.2f}{1e6 * ct / steps:>10.2f}{nc / steps:>8.2f}  {where}")
+
+
+def free_port() -> int:
+    """A TCP port on loopback that no process holds now, for a group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_group(rank: int, world: int, port: int) -> None:
+    """This process as rank `rank` of a gloo group of `world` on loopback, one thread, with the
+    environment a launcher gives its workers."""
+    import torch.distributed as dist
+
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+
+def first_result(ctx: Any, target: Callable, args_of: list[tuple]) -> Any:
+    """Start a process for each argument tuple (`target(*args, queue)`) and return the first
+    value one of them puts on the queue; a process that ends with an error ends the wait (its
+    traceback is on stderr) instead of leaving it hanging."""
+    import queue as queues
+
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, queue)) for args in args_of]
+    for p in procs:
+        p.start()
+    while True:
+        try:
+            result = queue.get(timeout=1.0)
+            break
+        except queues.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                raise SystemExit("a benchmark process failed; its error is above") from None
+    for p in procs:
+        p.join(timeout=60)
+    return result
+
+
+def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
+    """A Trainer of the config dict `raw` (no run directory, no hooks), and a function that runs
+    one optimizer step (`Trainer.train_step`) on the first global batch, fetched once: the step
+    alone, without the data loader."""
+    from phalanx import config, data, loading
+    from phalanx.trainer import Trainer
+
+    trainer = Trainer(config.validate(raw), None, [root], hooks=[])
+    batch = raw["dataset"]["batch_size"]
+    plan = data.Plan(range(batch), batch)
+    stream = data.get_stream(trainer.dataset, "train")
+    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
+    return lambda: trainer.train_step(fetched)

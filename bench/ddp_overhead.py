@@ -47,7 +47,6 @@ import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import multiprocessing as mp  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -73,6 +72,7 @@ from bench.common import (  # noqa: E402
     MLP,
     REGISTRY,
     against_hand,
+    free_port,
     hand_steps,
     machine,
     make_items,
@@ -383,12 +383,6 @@ def build_phalanx(args, run_root: Path, driver):
 
 
 # --- the ranks ------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -287,12 +287,16 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.epochs, args.epoch_steps) < 1 or args.warmup < 0:
         parser.error("--steps, --epochs and --epoch-steps must be at least 1, --warmup at least 0")
     if args.worker or args.native:
-        args.port = args.port or _free_port()
+        from bench.common import free_port
+
+        args.port = args.port or free_port()
         return worker(args)
     return measure(args)
 
 
 def measure(args) -> int:
+    from bench.common import free_port
+
     if shutil.which("valgrind") is None:
         raise SystemExit(
             "bench/instructions.py needs valgrind (Debian: apt install valgrind), or --native"
@@ -319,7 +323,7 @@ def measure(args) -> int:
             "--warmup",
             str(args.warmup),
             "--port",
-            str(_free_port()),
+            str(free_port()),
         ]
         print(
             "running under callgrind (minutes: torch's import alone takes about two) ...",
@@ -341,14 +345,6 @@ def measure(args) -> int:
         return 1
     report(totals, args)
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,15 +35,19 @@ import torch.nn.functional as F  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import MLP, machine, make_items, mlp_model, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    MLP,
+    first_result,
+    free_port,
+    join_group,
+    machine,
+    make_items,
+    mlp_model,
+    step_on_first_batch,
+    write_report,
+)
 
 FEATURES, CLASSES = 32, 10
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -90,8 +93,6 @@ def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
 def _phalanx(args: argparse.Namespace, items: Any) -> Any:
     """phalanx's step: a Trainer of the pipeline strategy, `train_step` on the fetched batch."""
     from bench import common
-    from phalanx import config, data, loading
-    from phalanx.trainer import Trainer
 
     common.REGISTRY["pipeline"] = items
     raw = {
@@ -115,24 +116,11 @@ def _phalanx(args: argparse.Namespace, items: Any) -> Any:
         },
         "hooks": [],
     }
-    trainer = Trainer(config.validate(raw), None, [ROOT], hooks=[])
-    plan = data.Plan(range(args.batch), args.batch)
-    stream = data.get_stream(trainer.dataset, "train")
-    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
-    return lambda: trainer.train_step(fetched)
+    return step_on_first_batch(raw, ROOT)
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_group(rank, 2, port)
     items = make_items(args.batch, FEATURES, CLASSES)
     x, y = items.x, items.y
     loops = {"hand": _hand(rank, args, x, y), "phalanx": _phalanx(args, items)}
@@ -173,13 +161,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    times = queue.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=60)
+    port = free_port()
+    times = first_result(ctx, _worker, [(r, port, args) for r in range(2)])
     ratios = [p / h for p, h in zip(times["phalanx"], times["hand"], strict=True)]
     hand, mine = statistics.median(times["hand"]), statistics.median(times["phalanx"])
     q = statistics.quantiles(ratios, n=4)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -55,7 +54,14 @@ import torch.distributed as dist  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    first_result,
+    free_port,
+    join_group,
+    machine,
+    step_on_first_batch,
+    write_report,
+)
 
 TWO_STAGES = ["layers.2"]
 FOUR_STAGES = ["layers.1", "layers.2", "layers.3"]
@@ -77,17 +83,8 @@ SETUPS: dict[str, dict[str, Any] | None] = {
 HAND = "hand-written, 8 micro-batches"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trainer_step(args: argparse.Namespace, pipeline: dict[str, Any] | None) -> Any:
     """One setup's step: a Trainer of the example's config, `train_step` on the first batch."""
-    from phalanx import config, data, loading
-    from phalanx.trainer import Trainer
-
     parallel: dict[str, Any] = {"accelerator": "cpu", "devices": 1, "strategy": "single"}
     if pipeline is not None:
         parallel = {"accelerator": "cpu", "devices": 2, "strategy": "pipeline"}
@@ -100,11 +97,7 @@ def _trainer_step(args: argparse.Namespace, pipeline: dict[str, Any] | None) -> 
         "parallel": parallel,
         "hooks": [],
     }
-    trainer = Trainer(config.validate(raw), None, [ROOT], hooks=[])
-    plan = data.Plan(range(args.batch), args.batch)
-    stream = data.get_stream(trainer.dataset, "train")
-    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
-    return lambda: trainer.train_step(fetched)
+    return step_on_first_batch(raw, ROOT)
 
 
 def _hand_step(rank: int, args: argparse.Namespace) -> Any:
@@ -227,16 +220,7 @@ def _one_device(args: argparse.Namespace, queue: Any) -> None:
 
 
 def _pair(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_group(rank, 2, port)
     steps = {name: _trainer_step(args, s) for name, s in SETUPS.items() if s is not None}
     steps[HAND] = _hand_step(rank, args)
     for step in steps.values():  # warm-up: the schedules' first step sets their buffers up
@@ -252,25 +236,6 @@ def _pair(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
         queue.put(times)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _run(ctx: Any, target: Any, args_of: list[tuple]) -> Any:
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*a, queue)) for a in args_of]
-    for p in procs:
-        p.start()
-    while True:  # until a result comes, or the processes end without one (an error, shown above)
-        try:
-            result = queue.get(timeout=1.0)
-            break
-        except Exception:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                for p in procs:
-                    p.kill()
-                raise SystemExit("a benchmark process failed; its error is above") from None
-    for p in procs:
-        p.join(timeout=60)
-    return result
 
 
 def bubble_bound(stages: dict[str, list[float]], m: int) -> float:
@@ -291,9 +256,9 @@ def main() -> None:
     if args.batch % 8:
         parser.error("--batch must be a multiple of 8 (the pipeline's 8 micro-batches)")
     ctx = mp.get_context("spawn")
-    alone = _run(ctx, _one_device, [(args,)])
-    port = _port()
-    times = {**alone, **_run(ctx, _pair, [(r, port, args) for r in range(2)])}
+    alone = first_result(ctx, _one_device, [(args,)])
+    port = free_port()
+    times = {**alone, **first_result(ctx, _pair, [(r, port, args) for r in range(2)])}
     stages = {key: times.pop(f"stages {key}") for key in ("alone", "side by side")}
     base = statistics.median(times["one device"])
     print(

@@ -21,10 +21,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 pytestmark = pytest.mark.timeout(300)
 
 
-def run(tmp_path: Path, script: str, *args: str) -> dict:
+def run_script(
+    tmp_path: Path, script: str, *args: str, out_flag: str = "--output"
+) -> tuple[str, dict]:
+    """Run a benchmark at a tiny size; what it printed and the report it wrote."""
     out = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+        [sys.executable, str(REPO / "bench" / script), *args, out_flag, str(out)],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -32,8 +35,13 @@ def run(tmp_path: Path, script: str, *args: str) -> dict:
         timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "target: phalanx" in result.stdout
-    return json.loads(out.read_text())
+    return result.stdout, json.loads(out.read_text())
+
+
+def run(tmp_path: Path, script: str, *args: str) -> dict:
+    said, report = run_script(tmp_path, script, *args, out_flag="--out")
+    assert "target: phalanx" in said
+    return report
 
 
 def check_figures(entry: dict, chunks: int) -> None:
@@ -240,20 +248,6 @@ def test_async_checkpoint_benchmark_times_the_three_runs(tmp_path):
     assert results["no checkpoints"]["ratio"] == 1.0 and all(
         r["ms_per_step"] > 0 for r in results.values()
     )
-
-
-def run_script(tmp_path: Path, script: str, *args: str) -> tuple[str, dict]:
-    out = tmp_path / "report.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args, "--output", str(out)],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout, json.loads(out.read_text())
 
 
 def test_placement_benchmark_times_every_setup_against_one_device(tmp_path):
