@@ -161,19 +161,21 @@ def balance(
     batch: Mapping,
     stages: int,
     agree: Callable[[torch.Tensor], torch.Tensor],
+    device: torch.device | None = None,
 ) -> tuple[list[str], list[float]]:
     """`split: auto`: split points that cut the model's largest chain of blocks (the
     `nn.Sequential` or `nn.ModuleList` with the most parameters and at least `stages` blocks) into
     `stages` stages of about equal time. Each block's forward and backward is timed on its input
-    of the probe's batch, on a copy of it (its running statistics and the random numbers stay as
-    they were); `agree` makes the times every process's same (their mean), so that every process
-    picks the same points. Returns the points and the blocks' times (ms)."""
+    of the probe's batch, on a copy of it on `device` (the one it will train on; default where it
+    is), one block at a time (its running statistics and the random numbers stay as they were);
+    `agree` makes the times every process's same (their mean), so that every process picks the
+    same points. Returns the points and the blocks' times (ms)."""
     trunk_name, trunk = _largest_chain(model, stages)
     children = list(trunk.children())
     _, inputs, outputs, _ = _record(model, call, batch, children, _units(model, trunk))
     valid = _valid_cuts(trunk_name, children, inputs, outputs)
     times = agree(
-        torch.tensor([_timed(child, inputs.get(i)) for i, child in enumerate(children)])
+        torch.tensor([_timed(child, inputs.get(i), device) for i, child in enumerate(children)])
     ).tolist()
     holds = [any(p.requires_grad for p in child.parameters()) for child in children]
     cuts = _partition(times, stages, valid, holds)
@@ -204,13 +206,16 @@ def _largest_chain(model: nn.Module, stages: int) -> tuple[str, nn.Module]:
     return name, module
 
 
-def _timed(block: nn.Module, given: Any, repeats: int = 3) -> float:
+def _timed(
+    block: nn.Module, given: Any, device: torch.device | None = None, repeats: int = 3
+) -> float:
     """A block's forward and backward on `given` (ms, the fastest of `repeats` after one to warm
-    up), on a copy, the random numbers restored after."""
+    up), on a copy on `device` (default `given`'s), the random numbers restored after."""
     if not isinstance(given, torch.Tensor):
         return 0.0
-    copy = deepcopy(block).train()
-    device = given.device
+    device = given.device if device is None else device
+    copy = deepcopy(block).to(device).train()
+    given = given.to(device)
     cuda = device.type == "cuda"
     best = float("inf")
     with torch.random.fork_rng(devices=[device] if cuda else []):

@@ -189,14 +189,18 @@ class Pipeline(ProcessGroup):
         sample, adapter = options.sample, options.adapter
 
         def place(whole: nn.Module) -> nn.Module:
-            whole = whole.to(self.device)
-            batch = _padded(sample(self.rows), self.rows)
+            # the probe runs where the model was built (the host): only this process's stages
+            # go to its device, so that a model too large for one device splits at all
+            here = next(whole.parameters(), torch.empty(0)).device
+            batch = {k: v.to(here) for k, v in _padded(sample(self.rows), self.rows).items()}
             if not options.precision.passes_through:
                 batch = dict(options.precision.convert_batch(batch, None))
             self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
             names = self.settings.split
             if names == "auto":
-                names, times = balance(whole, adapter(whole), batch, self.stages, self._mean)
+                names, times = balance(
+                    whole, adapter(whole), batch, self.stages, self._mean, self.device
+                )
                 self.chosen = (
                     f"; split auto at {', '.join(names)} (blocks' forward and backward: "
                     + ", ".join(f"{t:.2f}" for t in times)
@@ -206,8 +210,8 @@ class Pipeline(ProcessGroup):
             from phalanx import metrics
 
             self.model_summary = metrics.summary(whole)
-            names = [n for n, p in whole.named_parameters() if p.requires_grad]
-            self._trainable = len(names)
+            trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
+            self._trainable = len(trainable)
             self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
             keep_stages(whole, self._split, self.mine, self.stages, self._active, self.device)
             mine = [n for n, p in whole.named_parameters() if p.requires_grad]
@@ -216,9 +220,9 @@ class Pipeline(ProcessGroup):
                     f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
                     f"in parallel.pipeline.split ({names})"
                 )
-            index = {name: i for i, name in enumerate(names)}
+            index = {name: i for i, name in enumerate(trainable)}
             self._global_index = [index[n] for n in mine]
-            return whole
+            return whole.to(self.device)
 
         self.model = prepare(module, options, place)
         counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.depth]
