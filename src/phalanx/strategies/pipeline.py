@@ -130,18 +130,20 @@ class Pipeline(ProcessGroup):
         per_process = settings.stages_per_process or 1
         if settings.split == "auto":  # cut in setup, by measured time
             self.stages = settings.stages or self.world_size * per_process
+            made = "parallel.pipeline.stages makes"
         else:
             self.stages = len(settings.split) + 1
+            made = "parallel.pipeline.split makes"
         if self.stages % per_process:
             raise ConfigError(
-                f"parallel.pipeline.split makes {self.stages} stages, which cannot be shared out "
+                f"{made} {self.stages} stages, which cannot be shared out "
                 f"{per_process} to a process (parallel.pipeline.stages_per_process); name "
                 f"{per_process} x N - 1 split points"
             )
         self.depth = self.stages // per_process  # processes in one copy of the pipeline
         if self.world_size % self.depth:
             raise ConfigError(
-                f"parallel.pipeline.split makes {self.stages} stages, {per_process} per process, "
+                f"{made} {self.stages} stages, {per_process} per process, "
                 f"so {self.depth} processes a copy of the pipeline, but there are "
                 f"{self.world_size} processes: set parallel.devices to a multiple of {self.depth}"
             )
@@ -229,10 +231,11 @@ class Pipeline(ProcessGroup):
         each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
         m = self.settings.microbatches
         self.layout = (
-            f"the model in {self.stages} stages on {self.depth} processes{each} holding "
+            f"the model in {self.stages} stages on {_count(self.depth, 'process', 'es')}{each} "
+            "holding "
             + ", ".join(f"{n:,}" for n in counts)
-            + f" parameters, {self.copies} cop{'ies' if self.copies > 1 else 'y'} of the pipeline, "
-            f"{m} micro-batch{'es' if m > 1 else ''} of {self.rows} samples through it "
+            + f" parameters, {'1 copy' if self.copies == 1 else f'{self.copies} copies'} of the "
+            f"pipeline, {_count(m, 'micro-batch', 'es')} of {self.rows} samples through it "
             f"({self.settings.schedule}){self.chosen}"
         )
         return self.model, self.model
@@ -297,7 +300,8 @@ class Pipeline(ProcessGroup):
         except ValueError as e:  # the schedule's own conditions on the micro-batch count
             raise ConfigError(
                 f"parallel.pipeline.schedule={self.settings.schedule} with "
-                f"{self.settings.microbatches} micro-batches on {self.depth} processes: {e}"
+                f"{_count(self.settings.microbatches, 'micro-batch', 'es')} on "
+                f"{_count(self.depth, 'process', 'es')}: {e}"
             ) from None
         self._engine = engine
         return self._schedule
@@ -578,6 +582,10 @@ class Pipeline(ProcessGroup):
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}{plural if n != 1 else ''}"
 
 
 def _to_cpu(value: Any) -> Any:
