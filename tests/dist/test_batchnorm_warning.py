@@ -75,3 +75,19 @@ def test_ddp_and_fsdp_warn_once_on_the_main_process_and_not_with_sync_batchnorm(
     assert synchronised == []
     assert len(fsdp) == 1 and fsdp[0].startswith(SAID), fsdp
     assert other == [[], [], []]  # the main process alone
+
+
+def test_the_pipeline_warns_once_that_its_statistics_are_per_micro_batch():
+    raw = batchnorm_run(2, strategy="pipeline")
+    raw["parallel"]["pipeline"] = {"split": ["net.2"], "microbatches": 2, "schedule": "gpipe"}
+    plain = batchnorm_run(2, model="toy.Deep", strategy="pipeline")
+    plain["model"] = {"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 4}
+    plain["parallel"]["pipeline"] = {"split": ["net.4"], "microbatches": 2, "schedule": "gpipe"}
+    main, other = workers.run_ranks(2, warnings_of, [raw, plain], timeout=100)
+    said, none = main
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "BatchNorm under the pipeline: the model's BatchNorm layers (net.1) normalise each "
+        "micro-batch of 4 samples with its own statistics"
+    )
+    assert none == [] and other == [[], []]

@@ -45,6 +45,7 @@ from phalanx.strategies.cutting import (
     stage_parts,
 )
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
+from phalanx.strategies.syncbn import PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -179,6 +180,7 @@ class Pipeline(ProcessGroup):
         self.model_summary = ""  # the whole model's, before it is split (see setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
+        self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
 
     # --- building --------------------------------------------------------------------------
 
@@ -212,6 +214,17 @@ class Pipeline(ProcessGroup):
             from phalanx import metrics
 
             self.model_summary = metrics.summary(whole)
+            self._statistics = PerDeviceStatistics(
+                whole,
+                self.world_size,
+                self.is_main,
+                "",
+                said="BatchNorm under the pipeline: the model's BatchNorm layers ({layers}) "
+                f"normalise each micro-batch of {self.rows} samples with its own statistics (a "
+                "short batch's padding rows included), so training differs from one device's; "
+                "the pipeline has no synchronised BatchNorm: train such a model with ddp or "
+                "fsdp, or use LayerNorm or GroupNorm",
+            )
             trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
             self._trainable = len(trainable)
             self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
@@ -310,6 +323,8 @@ class Pipeline(ProcessGroup):
 
     def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         schedule = self._built(engine)
+        if self._statistics is not None:
+            self._statistics.warn_once()
         engine.begin()
         self._parts: list[torch.Tensor] = []
         parts: list[dict | None] = []

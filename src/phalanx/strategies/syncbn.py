@@ -101,7 +101,11 @@ class PerDeviceStatistics:
     evaluation-only run, whose BatchNorm uses its running statistics, says nothing). Made when the
     strategy sets the model up; `fix`: how that strategy gets the whole micro-batch's statistics."""
 
-    def __init__(self, module: nn.Module, devices: int, is_main: bool, fix: str):
+    def __init__(
+        self, module: nn.Module, devices: int, is_main: bool, fix: str, said: str | None = None
+    ):
+        """`said`: the warning instead of the one about devices' shares, `{layers}` where the
+        layers' names go (a strategy whose statistics are partial in another way)."""
         layers = [
             name or type(m).__name__
             for name, m in module.named_modules()
@@ -113,9 +117,12 @@ class PerDeviceStatistics:
                 f" and {len(layers) - 3} more" if len(layers) > 3 else ""
             )
             self.message = (
-                f"BatchNorm on {devices} devices without parallel.sync_batchnorm: the model's "
-                f"BatchNorm layers ({shown}) normalise each device's share of a micro-batch with "
-                f"the share's own statistics, so training differs from one device's; {fix}"
+                said.format(layers=shown)
+                if said is not None
+                else f"BatchNorm on {devices} devices without parallel.sync_batchnorm: the "
+                f"model's BatchNorm layers ({shown}) normalise each device's share of a "
+                f"micro-batch with the share's own statistics, so training differs from one "
+                f"device's; {fix}"
             )
 
     def warn_once(self) -> None:
