@@ -29,6 +29,7 @@ from pydantic import (
     field_validator,
 )
 
+from phalanx import settings
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.overrides import apply as apply_overrides
 from phalanx.yamltext import TooLarge, check_bounds, read_yaml
@@ -175,17 +176,12 @@ class DatasetConfig(_ClassSection):
         return n
 
 
-class StrategySettings(_Section):
-    """A strategy's own section of `parallel`, named after it (`parallel.ddp`), which the strategy
-    registers with `phalanx.strategies.REGISTRY`; checked as every section is (an unknown key is a
-    did-you-mean error)."""
-
-
 S = TypeVar("S")
 
 
 class ParallelConfig(_Section):
-    """`parallel`: the framework's keys, and each registered strategy's own section (`schema`)."""
+    """`parallel`: the framework's keys, and each strategy's own section (`phalanx.settings`, added
+    by `schema`)."""
 
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -393,11 +389,9 @@ _SCHEMAS: dict[tuple, type[Config]] = {}
 
 
 def schema() -> type[Config]:
-    """The config's model with a section of `parallel` for each strategy in the registry, each of
-    the type the strategy registered (built once for each set of strategies)."""
-    from phalanx.strategies import REGISTRY
-
-    sections: dict[str, Any] = {n: e.settings for n, e in REGISTRY.items() if e.settings}
+    """The config's model with a section of `parallel` for each strategy that registered one
+    (`phalanx.settings`), of the type it registered (built once for each set of sections)."""
+    sections: dict[str, Any] = dict(settings.SECTIONS)
     key = tuple((name, id(section)) for name, section in sections.items())
     if key not in _SCHEMAS:
         parallel = create_model(

@@ -598,18 +598,13 @@ def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypat
     defaults, and an unknown key in it or beside it is a did-you-mean error."""
     from pydantic import Field, StrictInt
 
-    from phalanx import strategies
+    from phalanx import settings
 
-    class Rings(config.StrategySettings):
+    class Rings(settings.StrategySettings):
         rings: StrictInt = Field(2, ge=1)
 
-    entry = strategies.Entry(
-        lambda cfg, accelerator, devices: None,
-        True,
-        "rings of processes",
-        (Rings, Field(default_factory=Rings)),
-    )
-    monkeypatch.setitem(strategies.REGISTRY, "ring", entry)
+    monkeypatch.setattr(settings, "SECTIONS", dict(settings.SECTIONS))
+    settings.register("ring", Rings, Field(default_factory=Rings))
     raw = toy.regression_config(parallel={"strategy": "ring", "ring": {"rings": 3}})
     assert config.validate(raw).parallel.section("ring", Rings).rings == 3
     assert config.validate(toy.regression_config()).parallel.section("ring", Rings).rings == 2
@@ -617,7 +612,7 @@ def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypat
     assert """unknown key 'parallel.ring.ringz' (did you mean "rings"?)""" in _error(raw)
     raw["parallel"] = {"rign": {"rings": 3}}
     assert """unknown key 'parallel.rign' (did you mean "ring"?)""" in _error(raw)
-    monkeypatch.delitem(strategies.REGISTRY, "ring")
+    del settings.SECTIONS["ring"]
     assert "unknown key 'parallel.ring'" in _error(
         toy.regression_config(parallel={"ring": {"rings": 3}})
     )

@@ -5,20 +5,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from pydantic import Field
 
 from phalanx import environment
 from phalanx.config import Config
 from phalanx.errors import ConfigError, did_you_mean
+from phalanx.settings import DDPSettings, FSDPSettings, PipelineSettings, TowersSettings
 from phalanx.strategies.base import Strategy
-from phalanx.strategies.ddp import DDPSettings
-from phalanx.strategies.fsdp import FSDPSettings
-from phalanx.strategies.pipeline import PipelineSettings
 from phalanx.strategies.single import Single
-from phalanx.strategies.towers import TowersSettings
 
 # CPU processes a launch may start per core: more only slow each other down (and a typo such as
 # parallel.devices=1000 would start processes until the machine gives out).
@@ -85,15 +80,13 @@ def in_worker() -> bool:
 
 @dataclass(frozen=True)
 class Entry:
-    """A strategy as the config names it: how to build it for this process, whether it runs one
-    process per device (which `phalanx train` starts) or drives all of them from one, and its own
-    section of the config, `parallel.<name>`: (its type, pydantic's Field with its default), which
-    `config.schema` adds to the config's model."""
+    """A strategy as the config names it: how to build it for this process, and whether it runs one
+    process per device (which `phalanx train` starts) or drives all of them from one. Its own
+    section of the config, `parallel.<name>`, is registered in `phalanx.settings`."""
 
     build: Callable[[Config, str, int], Strategy]  # (config, accelerator, devices per machine)
     process_per_device: bool
     summary: str
-    settings: tuple[Any, Any] | None = None
 
 
 def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
@@ -259,45 +252,23 @@ def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
 REGISTRY: dict[str, Entry] = {
     "single": Entry(_single, False, "one process, one device"),
     "ddp": Entry(
-        _ddp,
-        True,
-        "one process per device, gradients all-reduced by DistributedDataParallel",
-        (DDPSettings, Field(default_factory=DDPSettings, description="the ddp strategy's")),
+        _ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"
     ),
     "towers": Entry(
-        _towers,
-        False,
-        "one process driving every device, a replica on each, in threads",
-        (TowersSettings, Field(default_factory=TowersSettings, description="the towers'")),
+        _towers, False, "one process driving every device, a replica on each, in threads"
     ),
     "fsdp": Entry(
         _fsdp,
         True,
         "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
-        (FSDPSettings, Field(default_factory=FSDPSettings, description="the fsdp strategy's")),
     ),
     "pipeline": Entry(
         _pipeline,
         True,
         "the model split by layers into stages, one process each; micro-batches flow through",
-        (
-            PipelineSettings | None,
-            Field(None, description="the pipeline strategy's (split is required)"),
-        ),
     ),
     "placement": Entry(
-        _placement,
-        False,
-        "one process, the model's modules pinned to devices by name",
-        (
-            dict[str, str],
-            Field(
-                default_factory=dict,
-                description="the placement strategy's devices by module name, such as "
-                "{encoder: cuda:0, decoder: cuda:1, head: cpu}; the rest of the model on the "
-                "run's device",
-            ),
-        ),
+        _placement, False, "one process, the model's modules pinned to devices by name"
     ),
 }
 

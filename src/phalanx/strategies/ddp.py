@@ -28,11 +28,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field, StrictFloat
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from phalanx.config import StrategySettings
 from phalanx.engine import Replica
 from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
@@ -67,14 +65,6 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
     16-bit type, which would round the loss to 3 digits."""
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-class DDPSettings(StrategySettings):
-    """`parallel.ddp`: settings of the `ddp` strategy."""
-
-    bucket_cap_mb: StrictFloat | None = Field(
-        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)"
-    )
 
 
 class DDP(ProcessGroup, Replicated, DataParallel):

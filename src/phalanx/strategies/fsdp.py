@@ -21,15 +21,14 @@ import contextlib
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 from torch import nn
 
-from phalanx.config import StrategySettings
 from phalanx.errors import ConfigError
+from phalanx.settings import FSDPSettings
 from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
@@ -52,37 +51,6 @@ _DTYPES = {
 def _dtype(name: str | None) -> torch.dtype | None:
     """The dtype a precision's name stands for; None (no name): the parameters' own."""
     return None if name is None else _DTYPES[name]
-
-
-class FSDPSettings(StrategySettings):
-    """`parallel.fsdp`: settings of the `fsdp` strategy."""
-
-    shard: list[str] | None = Field(
-        None,
-        description="module class names sharded as units of their own; default each block of a "
-        "ModuleList or Sequential and each other part of the model holding parameters, then the "
-        "model itself; [] the model as one unit",
-    )
-    param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None,
-        description="the dtype parameters are gathered in for forward and backward; default "
-        "their own",
-    )
-    reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
-        None, description="the dtype gradients are reduced in; default param_dtype's"
-    )
-    offload: bool = Field(
-        False, description="keep parameters and optimizer state in CPU memory between uses"
-    )
-    init: Literal["full", "meta"] = Field(
-        "full",
-        description="full: every rank builds the whole model, then keeps its shards; meta: the "
-        "model is built without memory and each module's reset_parameters() fills its shards "
-        "one module at a time, so the whole model is never in one process's memory",
-    )
-
-
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages a process, in a V
 
 
 class FSDP(ProcessGroup, DataParallel):

@@ -22,18 +22,17 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, StrictInt, model_validator
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from phalanx.config import StrategySettings
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
+from phalanx.settings import V_SCHEDULES, PipelineSettings
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
     Active,
@@ -50,66 +49,6 @@ from phalanx.strategies.syncbn import PerDeviceStatistics
 if TYPE_CHECKING:
     from phalanx.engine import Engine
     from phalanx.precision import Precision
-
-
-V_SCHEDULES = ("zbv", "dualpipev")  # two stages a process, in a V
-
-
-class PipelineSettings(StrategySettings):
-    """`parallel.pipeline`: settings of the `pipeline` strategy."""
-
-    split: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = Field(
-        description="the modules where a new stage starts: blocks of one nn.Sequential or "
-        "nn.ModuleList of the model, such as [net.3]; one process per stage; or auto: the "
-        "model's largest such chain cut into stages of about equal measured time",
-    )
-    stages: StrictInt | None = Field(
-        None,
-        ge=2,
-        description="with split: auto, the stages to cut; default the processes times "
-        "stages_per_process (one copy of the pipeline)",
-    )
-    microbatches: StrictInt = Field(
-        4, ge=1, description="micro-batches per global batch (per accumulation window)"
-    )
-    schedule: Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev"] = Field(
-        "1f1b",
-        description="gpipe: every forward, then every backward; 1f1b: one forward, one backward "
-        "(fewer activations held); interleaved: 1f1b over several stages per process (a smaller "
-        "bubble); zero_bubble: interleaved, each backward split into its input and weight halves; "
-        "zbv and dualpipev: two stages per process in a V (process p: stages p and 2P - 1 - p), "
-        "zero-bubble, and DualPipe's overlap of one micro-batch's forward with another's backward",
-    )
-    stages_per_process: StrictInt | None = Field(
-        None,
-        ge=1,
-        description="stages each process holds, looped (process p: stages p, p + P ...); "
-        "default 1, and 2 for interleaved and zero_bubble (zbv and dualpipev: 2, in a V)",
-    )
-
-    @model_validator(mode="after")
-    def _per_process(self) -> PipelineSettings:
-        if self.stages is not None and self.split != "auto":
-            raise ValueError(
-                "stages goes with split: auto; a list of split points makes one stage more than "
-                "it names"
-            )
-        several = self.schedule in ("interleaved", "zero_bubble")
-        if self.schedule in V_SCHEDULES:
-            if self.stages_per_process not in (None, 2):
-                raise ValueError(
-                    f"schedule {self.schedule} runs two stages per process, in a V; remove "
-                    "stages_per_process or set it to 2"
-                )
-            self.stages_per_process = 2
-        elif self.stages_per_process is None:
-            self.stages_per_process = 2 if several else 1
-        elif self.stages_per_process > 1 and not several:
-            raise ValueError(
-                f"schedule {self.schedule} runs one stage per process; use interleaved or "
-                "zero_bubble for stages_per_process > 1"
-            )
-        return self
 
 
 class Pipeline(ProcessGroup):

@@ -24,14 +24,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from phalanx.build import derived_seed
-from phalanx.config import StrategySettings
 from phalanx.data import Micro
 from phalanx.engine import Replica, concat
 from phalanx.strategies.base import (
@@ -50,16 +48,6 @@ if TYPE_CHECKING:
     from phalanx.model import Forward
 
 log = logging.getLogger("phalanx")
-
-
-class TowersSettings(StrategySettings):
-    """`parallel.towers`: settings of the `towers` strategy."""
-
-    variables_on: Literal["device0", "cpu"] = Field(
-        "device0",
-        description="where the master copy of the variables lives and the optimizer steps: on the "
-        "first device (which is also the first tower), or on the CPU",
-    )
 
 
 class Towers(OneProcess, Replicated, DataParallel):
