@@ -134,7 +134,7 @@ def _resume(run: Path, processes: int, overrides: list[str]) -> None:
 
 def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tmp_path):
     """pipeline(2) -> ddp(2), fsdp(2), one process, pipeline(3), 4 stages on 2 (interleaved, in a
-    V); ddp(3) ->
+    V); fsdp(2) -> pipeline(2); ddp(3) ->
     pipeline(3): each ends as the run without a stop, and its export loads into the plain
     model."""
     raw = _stopping(scenario(10), 6)  # mid-epoch 2
@@ -147,6 +147,11 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
     assert not (shards.parent / "model.safetensors").exists()
     ddp = _new_run(tmp_path / "ddp3", {**raw, "parallel": {**raw["parallel"], "devices": 3}})
     assert workers.run_ranks(3, workers.run_dir_worker, str(ddp), False, []) == [0, 0, 0]
+    fsdp = _new_run(
+        tmp_path / "fsdp2",
+        {**raw, "parallel": {**raw["parallel"], "devices": 2, "strategy": "fsdp"}},
+    )
+    assert workers.run_ranks(2, workers.run_dir_worker, str(fsdp), False, []) == [0, 0]
     three = [
         "parallel.devices=3",
         "parallel.strategy=pipeline",
@@ -158,6 +163,14 @@ def test_a_run_stopped_mid_epoch_resumes_across_pipelines_ddp_and_one_process(tm
         "pipe2-single": (pipe, 1, ["parallel.strategy=single", "parallel.devices=1"]),
         "pipe2-pipe3": (pipe, 3, three),
         "ddp3-pipe3": (ddp, 3, three),
+        "fsdp2-pipe2": (
+            fsdp,
+            2,
+            [
+                "parallel.strategy=pipeline",
+                "parallel.pipeline={split: [net.4], microbatches: 4, schedule: 1f1b}",
+            ],
+        ),
         "pipe2-interleaved": (
             pipe,
             2,
