@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from phalanx.data import Micro
     from phalanx.engine import Engine
     from phalanx.precision import Precision
+    from phalanx.strategies.syncbn import PerDeviceStatistics
 
 Micros = list[
     tuple["Micro", Mapping | None]
@@ -257,8 +258,12 @@ class DataParallel:
       stop, and the seconds spent communicating."""
 
     replica: Replica = WHOLE  # how the engine runs this process's copy
+    # where BatchNorm's statistics are the devices' own: warned of at the first step (setup)
+    _statistics: PerDeviceStatistics | None = None
 
     def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
+        if self._statistics is not None:
+            self._statistics.warn_once()
         engine.begin()
         last = len(micros) - 1
         parts: list[dict | None] = []

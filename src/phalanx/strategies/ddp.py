@@ -68,7 +68,6 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 
 class DDP(ProcessGroup, Replicated, DataParallel):
-    _statistics: PerDeviceStatistics | None = None  # made by setup
     carrier: nn.Parameter  # made by `setup`, beside the user's module
 
     def __init__(
@@ -153,8 +152,6 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         reduces the gradients and, through the carrier, the loss and the stop flag. Where some
         rank's shard is empty, no rank lets backward synchronise: they reduce by hand, and a rank
         with nothing to do joins with zero weight without running its model."""
-        if self._statistics is not None:
-            self._statistics.warn_once()
         self._by_hand = micros[0][0].any_empty
         return super().train_step(engine, micros, stop)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.settings import FSDPSettings
-from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, prepare
+from phalanx.strategies.base import DataParallel, ModelOptions, prepare
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
@@ -195,10 +195,6 @@ class FSDP(ProcessGroup, DataParallel):
                         t.to_local().copy_(shard)
                     else:
                         t.copy_(whole)
-
-    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
-        self._statistics.warn_once()
-        return super().train_step(engine, micros, stop)
 
     def _micro(
         self,

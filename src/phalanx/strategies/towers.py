@@ -91,7 +91,6 @@ class Towers(OneProcess, Replicated, DataParallel):
 
     def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
         self._prepare(engine, training=True)
-        self._statistics.warn_once()
         return super().train_step(engine, micros, stop)
 
     def _micro(
