@@ -242,6 +242,9 @@ class Plan:
             yield k, self.step(k)
 
 
+TRAIN = "train"  # the training stream's name
+
+
 def get_stream(dataset: Any, name: str) -> Any:
     """Stream `name` of a dataset object: `dataset.streams()[name]`."""
     streams = getattr(dataset, "streams", None)

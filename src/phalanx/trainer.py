@@ -7,7 +7,6 @@ only through its protocol.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -16,21 +15,20 @@ from typing import Any
 
 import torch
 
-from phalanx import data, loading, resuming, rundir, strategies
+from phalanx import data, loading, strategies
 from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
     build_optimizer,
     build_schedulers,
     derived_seed,
-    rng_state,
     seed_everything,
-    set_rng_state,
 )
-from phalanx.checkpoint import Checkpoints, initial_weights, saves_shards
+from phalanx.checkpoint import Checkpoints, saves_shards
 from phalanx.config import CompileConfig, Config
+from phalanx.data import TRAIN
 from phalanx.engine import Engine, GradNorms, concat
-from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, lost_a_peer
+from phalanx.errors import ConfigError, lost_a_peer
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
@@ -38,6 +36,7 @@ from phalanx.hooks.variables import flat_variables
 from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
 from phalanx.precision import Precision
+from phalanx.runstate import Checkpointing
 from phalanx.signals import GracefulStop, Interrupted
 from phalanx.strategies.base import (
     Micros,
@@ -49,7 +48,6 @@ from phalanx.strategies.base import (
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
-TRAIN = "train"
 _TRAINING_TIMES = ("data", "forward_backward", "communication", "optimizer", "hooks")
 EVENTS = ("before_training", "after_batch", "after_epoch", "after_epoch_profile", "after_training")
 
@@ -77,7 +75,7 @@ def _check_given_model(module: torch.nn.Module, strategy: Strategy) -> None:
         )
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """One run: the model, data, optimizer, strategy and hooks that a config describes."""
 
     def __init__(
@@ -722,249 +720,6 @@ class Trainer:
                 stop = stop or t
         return stop
 
-    def _trace(self, event: str, **fields: Any) -> None:
-        if self.run_dir is not None and self.strategy.is_main:
-            rundir.trace(self.run_dir, event, **fields)
-
-    # --- checkpoints ---------------------------------------------------------------------------
-
-    @property
-    def stored_checkpoints(self) -> Checkpoints:
-        """The run's checkpoints; a trainer without a run directory has none."""
-        if self.checkpoints is None:
-            raise RuntimeError("this trainer has no run directory, so no checkpoints to read")
-        return self.checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """Trainer state as JSON: counters, the sampler cursor, every RNG of every rank and the
-        hooks' state. Every rank calls it: the RNG states are gathered, and hooks combine their
-        running values across ranks."""
-        rng = rng_state()
-        if isinstance(self.strategy, RandomStreams):
-            rng["devices"] = self.strategy.stream_states()
-        state = {
-            "epoch": self.epoch,
-            "step": self.step,
-            "step_in_epoch": self.step_in_epoch,
-            "batch_size": self.cfg.dataset.batch_size,
-            "seed": self.cfg.seed,
-            "order": self.order,
-            "rounds": self.rounds,
-            "rng": rng,
-            "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
-            "grad_norms": self.engine.norms.state_dict(),
-        }
-        position = self._stream_position()
-        if position is not None:
-            state["stream"] = position
-        if self.strategy.world_size > 1:
-            state["rng_ranks"] = self.strategy.gather(rng)
-        return state
-
-    def initialise_from(self) -> None:
-        """A new run's start from the trained weights `model.init_from` names (every rank reads
-        them; a sharded model keeps its shards of them). Not on resume: the checkpoint holds the
-        weights."""
-        spec = self.cfg.model.init_from
-        if spec is None:
-            return
-        path, state = initial_weights(spec.path, spec.checkpoint)
-        try:  # each process keeps its part: a replica, its shards, its stages
-            missing, unexpected = self.strategy.load_state(state)
-        except (RuntimeError, ValueError, KeyError) as e:
-            lines = " ".join(str(e).split())
-            raise CheckpointMismatch(
-                f"model.init_from: {path} does not fit this model ({lines[:400]})"
-            ) from None
-        listed = "; ".join(
-            f"{what}: {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''} ({len(keys)})"
-            for what, keys in (("the weights lack", missing), ("the model lacks", unexpected))
-            if keys
-        )
-        if listed and spec.strict:
-            raise CheckpointMismatch(
-                f"model.init_from: {path} does not hold this model's weights ({listed}); set "
-                "model.init_from.strict: false to start the missing ones from their initial "
-                "values and ignore the others"
-            )
-        if self.strategy.is_main:
-            log.info(
-                "weights from %s: %d tensors%s; the optimizer starts afresh",
-                path,
-                len(state) - len(unexpected),
-                f" ({listed})" if listed else "",
-            )
-
-    def _stream_position(self) -> Any:
-        """Where an iterable training stream that can say so stands (`state_dict()`, as JSON)."""
-        stream = self.stream(TRAIN)
-        if not (
-            data.is_iterable(stream)
-            and callable(getattr(stream, "state_dict", None))
-            and callable(getattr(stream, "load_state_dict", None))
-        ):
-            return None
-        position = stream.state_dict()
-        try:
-            json.dumps(position)
-        except (TypeError, ValueError):
-            if not self._warned_position:
-                log.warning(
-                    "stream train's state_dict() is not JSON; a resume reads the stream again up "
-                    "to its position instead"
-                )
-                self._warned_position = True
-            return None
-        return position
-
-    def save_checkpoint(self, best: dict | None = None) -> Path | None:
-        """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
-        checkpoints = self.checkpoints
-        if checkpoints is None:
-            return None
-        optimizer = self.engine.trained_optimizer
-        state = self.state_dict()  # on every rank: hooks combine their running values across ranks
-        rest = {
-            "schedulers": [s.state_dict() for s, _ in self.schedulers],
-            "scaler": self.precision.state_dict(),
-        }
-        path = checkpoints.save_state(
-            self.step, self.strategy, optimizer, rest, state, best, self.background
-        )
-        if path is not None and self.background is None:  # the writer's thread traces its own
-            self._trace("checkpoint", step=self.step, best=best is not None)
-        return path
-
-    def restore(self, step: int, weights_only: bool = False, previous: dict | None = None) -> None:
-        """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else.
-        `previous`: the run's resolved config before this resume's overrides, which are checked
-        against the checkpoint and, where they change the optimizer or the schedule, applied."""
-        checkpoints = self.stored_checkpoints
-        if weights_only:
-            checkpoints.load_weights(step, self.strategy.load_model_state)
-            return
-        optimizer = self.engine.trained_optimizer
-        path = checkpoints.path(step) / "trainer.json"
-        # a sharded step's optimizer state is in its shards, loaded with the model's
-        optimizer_state, state = checkpoints.load(
-            step, lambda weights: self.strategy.load_model_state(weights, optimizer)
-        )
-        changed = (
-            resuming.changed_keys(previous, rundir.resolved(self.cfg))
-            if previous is not None
-            else {}
-        )
-        resuming.check(changed, state, self.cfg.dataset.batch_size)
-        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its
-        # evaluation)
-        if self.steps_per_epoch is not None and state["step_in_epoch"] > self.steps_per_epoch:
-            raise CheckpointError(
-                f"{path} says step {state['step_in_epoch']} of an epoch that has "
-                f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset"
-            )
-        self.epoch, self.step, self.step_in_epoch = (
-            state["epoch"],
-            state["step"],
-            state["step_in_epoch"],
-        )
-        self.rounds = state.get("rounds", 0)
-        self.order = state.get(
-            "order", data.RANDPERM
-        )  # checkpoints that name none predate the Feistel order
-        if self.order not in data.ORDERS:
-            raise CheckpointError(
-                f"{path} names the sample order {self.order!r}, which this version of phalanx does "
-                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that "
-                "saved it"
-            )
-        if self.order != data.FEISTEL and self.strategy.is_main:
-            log.info(
-                "this run keeps the sample order it started with (%s, from an older version of "
-                "phalanx)",
-                self.order,
-            )
-        settings, schedules = (
-            self._replayed_schedule()
-            if resuming.affects_schedule(changed)
-            else (None, optimizer_state["schedulers"])
-        )
-        try:
-            if optimizer_state["optimizer"] is not None:
-                self.strategy.load_optimizer_state(optimizer, optimizer_state["optimizer"])
-            for group, new in zip(
-                optimizer.param_groups, settings or [], strict=settings is not None
-            ):
-                group.update(
-                    new
-                )  # the new settings at this step, over the saved moments and counts
-            for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):
-                scheduler.load_state_dict(saved)
-            self.precision.load_state_dict(optimizer_state["scaler"])
-            self._restore_rng(state)
-            self._restore_hooks(state["hooks"], step)
-            if "grad_norms" in state:
-                self.engine.norms.load_state_dict(state["grad_norms"])
-            if (
-                "stream" in state and state["step_in_epoch"]
-            ):  # the iterable stream goes on from where it stood
-                self.stream(TRAIN).load_state_dict(state["stream"])
-                self._positioned = True
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
-            raise CheckpointError(
-                f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
-                "is damaged or was saved from another config"
-            ) from None
-
-    def _replayed_schedule(self) -> tuple[list[dict], list[dict]]:
-        """The optimizer's settings and the schedulers' states that the config gives at this step: a
-        fresh optimizer and schedulers, built from the config and stepped as far as training
-        went."""
-        optimizer = build_optimizer(
-            self.cfg.optimizer,
-            self.model,
-            self.search_dirs,
-            self.cfg.dataset.batch_size,
-            fused=self.strategy.device.type == "cuda",
-        )
-        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, self.steps_per_epoch)
-        resuming.replay_schedule(schedulers, self.step, self.epoch, self.steps_per_epoch)
-        settings = [
-            {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
-        ]
-        return settings, [scheduler.state_dict() for scheduler, _ in schedulers]
-
-    def _restore_rng(self, state: dict[str, Any]) -> None:
-        """Each rank's own random streams where the process count is the checkpoint's; on another
-        count, streams re-derived from the seed, the step and the rank."""
-        saved = state.get("rng_ranks") or [state["rng"]]
-        rank, world_size = self.strategy.rank, self.strategy.world_size
-        if len(saved) == world_size:
-            set_rng_state(saved[rank])
-            self._restore_streams(saved[rank].get("devices"))
-            return
-        seed_everything(derived_seed(self.cfg.seed, self.step, rank))
-        self._restore_streams(None)
-        if self.strategy.is_main:
-            log.info(
-                "random streams re-derived from the seed, the step and the rank: the checkpoint "
-                "was saved by %d process(es), this run has %d",
-                len(saved),
-                world_size,
-            )
-
-    def _restore_streams(self, states: list[str] | None) -> None:
-        """Towers' own streams, after the process's (which set every CUDA device's generator)."""
-        if isinstance(self.strategy, RandomStreams):
-            self.strategy.load_stream_states(states, self.cfg.seed, self.step)
-
-    def _restore_hooks(self, saved_hooks: dict[str, Any], step: int) -> None:
-        for i, hook in enumerate(self.hooks):
-            key = _hook_key(i, hook)
-            if key in saved_hooks:
-                hook.load_state_dict(saved_hooks[key])
-            else:
-                log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
-
 
 def _shard_weights(cfg: Config, world_size: int) -> list[float] | None:
     weights = cfg.parallel.shard_weights
@@ -985,7 +740,3 @@ def _gathering(listeners: list[Hook]) -> tuple[list[Hook], set[str] | None]:
     listed = [h.gather_keys for h in gatherers if h.gather_keys is not None]
     keys = {k for named in listed for k in named} if len(listed) == len(gatherers) else None
     return gatherers, keys
-
-
-def _hook_key(index: int, hook: Hook) -> str:
-    return f"{index}:{type(hook).__name__}"
