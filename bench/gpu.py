@@ -113,7 +113,7 @@ class Workload:
     notes: list[str] = field(default_factory=list)
 
     def build(self) -> nn.Module:
-        from phalanx.config import import_object
+        from phalanx.construct import import_object
 
         torch.manual_seed(0)  # every copy starts from the same weights, phalanx's too (seed 0)
         return import_object(self.model_class, [ROOT])(**self.model_kwargs)

@@ -16,14 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.config import (
-    Config,
-    DatasetConfig,
-    OptimizerConfig,
-    build_value,
-    import_object,
-    instantiate,
-)
+from phalanx.config import Config, DatasetConfig, OptimizerConfig
+from phalanx.construct import build_value, import_object, instantiate
 from phalanx.errors import ConfigError
 
 log = logging.getLogger("phalanx")

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from phalanx.config import LossConfig, ModelConfig, build_value, import_object, instantiate
+from phalanx.config import LossConfig, ModelConfig
+from phalanx.construct import build_value, import_object, instantiate
 from phalanx.errors import ModelError
 
 

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 from torch import nn
 
-from phalanx import config
+from phalanx import config, construct
 from phalanx.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -327,45 +327,46 @@ def test_override_with_invalid_yaml_value():
 
 
 def test_import_object_by_dotted_path_and_from_search_dirs(tmp_path):
-    assert config.import_object("torch.nn.Linear") is nn.Linear
+    assert construct.import_object("torch.nn.Linear") is nn.Linear
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "unit_config_search_mod.py").write_text("class Thing:\n    pass\n")
-    thing = config.import_object("unit_config_search_mod.Thing", [folder])
+    thing = construct.import_object("unit_config_search_mod.Thing", [folder])
     assert thing.__name__ == "Thing" and thing.__module__ == "unit_config_search_mod"
 
 
 def test_import_object_bad_module():
     with pytest.raises(ConfigError) as info:
-        config.import_object("no_such_package_xyz.models.Net")
+        construct.import_object("no_such_package_xyz.models.Net")
     assert "cannot import 'no_such_package_xyz.models'" in str(info.value)
 
 
 def test_import_object_missing_attribute_suggests_a_name():
     with pytest.raises(ConfigError) as info:
-        config.import_object("torch.nn.Linaer")
+        construct.import_object("torch.nn.Linaer")
     assert "'Linaer'" in str(info.value) and 'did you mean "Linear"' in str(info.value)
 
 
 def test_import_object_bare_name_needs_a_dot():
     with pytest.raises(ConfigError, match="not a dotted path"):
-        config.import_object("Linear")
+        construct.import_object("Linear")
 
 
 def test_import_object_bare_torch_optim_name():
-    assert config.import_object("SGD", default_module="torch.optim") is torch.optim.SGD
+    assert construct.import_object("SGD", default_module="torch.optim") is torch.optim.SGD
     assert (
-        config.import_object("torch.optim.AdamW", default_module="torch.optim") is torch.optim.AdamW
+        construct.import_object("torch.optim.AdamW", default_module="torch.optim")
+        is torch.optim.AdamW
     )
     with pytest.raises(ConfigError) as info:
-        config.import_object("SDG", default_module="torch.optim")
+        construct.import_object("SDG", default_module="torch.optim")
     assert "torch.optim has no 'SDG'" in str(info.value) and 'did you mean "SGD"' in str(info.value)
 
 
 def test_instantiate_bad_keyword_lists_the_valid_ones():
     params = [nn.Parameter(torch.zeros(2))]
     with pytest.raises(ConfigError) as info:
-        config.instantiate("optimizer", torch.optim.SGD, params, lrr=0.1)
+        construct.instantiate("optimizer", torch.optim.SGD, params, lrr=0.1)
     message = str(info.value)
     assert message.startswith("optimizer:")
     assert "'lrr'" in message and 'did you mean "lr"' in message
@@ -375,12 +376,12 @@ def test_instantiate_bad_keyword_lists_the_valid_ones():
 
 def test_instantiate_missing_argument():
     with pytest.raises(ConfigError) as info:
-        config.instantiate("model", nn.Linear, in_features=3)
+        construct.instantiate("model", nn.Linear, in_features=3)
     assert "model" in str(info.value) and "out_features" in str(info.value)
 
 
 def test_instantiate_builds_with_good_arguments():
-    layer = config.instantiate("model", nn.Linear, in_features=3, out_features=2, bias=False)
+    layer = construct.instantiate("model", nn.Linear, in_features=3, out_features=2, bias=False)
     assert isinstance(layer, nn.Linear) and layer.weight.shape == (2, 3) and layer.bias is None
 
 
@@ -393,12 +394,12 @@ def test_build_value_builds_nested_class_mappings():
             {"class": "torch.nn.Linear", "in_features": 5, "out_features": 1, "bias": False},
         ],
     }
-    built = config.build_value(spec, "model.net", [])
+    built = construct.build_value(spec, "model.net", [])
     assert isinstance(built, nn.Sequential) and len(built) == 3
     assert isinstance(built[0], nn.Linear) and built[0].weight.shape == (5, 3)
     assert isinstance(built[1], nn.Tanh)
     assert built[2].bias is None
-    plain = config.build_value({"a": [1, {"b": 2}], "c": "torch.nn.Linear"}, "x", [])
+    plain = construct.build_value({"a": [1, {"b": 2}], "c": "torch.nn.Linear"}, "x", [])
     assert plain == {"a": [1, {"b": 2}], "c": "torch.nn.Linear"}
 
 
@@ -408,7 +409,7 @@ def test_build_value_nested_error_names_where():
         "args": [{"class": "torch.nn.Linear", "in_feat": 3, "out_features": 1}],
     }
     with pytest.raises(ConfigError) as info:
-        config.build_value(spec, "model.net", [])
+        construct.build_value(spec, "model.net", [])
     assert "model.net.args.0" in str(info.value) and "'in_feat'" in str(info.value)
 
 
@@ -424,9 +425,9 @@ def test_a_config_inside_its_package_finds_the_package_from_any_working_director
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    assert config.import_object("zoo_pkg.models.net.Net", [folder]).__name__ == "Net"
+    assert construct.import_object("zoo_pkg.models.net.Net", [folder]).__name__ == "Net"
     with pytest.raises(ConfigError, match="cannot import 'zoo_pkg.other'"):
-        config.import_object("zoo_pkg.other.Thing", [folder])
+        construct.import_object("zoo_pkg.other.Thing", [folder])
 
 
 @pytest.mark.parametrize(
@@ -498,7 +499,7 @@ def test_the_constructor_decides_which_keywords_it_takes():
     """A signature is a hint: transformers' configs take keywords their signatures do not name."""
     import transformers
 
-    built = config.build_value(
+    built = construct.build_value(
         {"class": "transformers.BertConfig", "num_labels": 3, "hidden_size": 32},
         "model.config",
         [],
@@ -512,12 +513,12 @@ def test_the_constructor_decides_which_keywords_it_takes():
     Narrow.__signature__ = inspect.Signature(
         [inspect.Parameter("size", inspect.Parameter.KEYWORD_ONLY)]
     )
-    assert config.instantiate("model", Narrow, size=1, extra=2).kwargs == {"size": 1, "extra": 2}
+    assert construct.instantiate("model", Narrow, size=1, extra=2).kwargs == {"size": 1, "extra": 2}
 
 
 def test_a_keyword_the_constructor_refuses_is_one_did_you_mean_line():
     with pytest.raises(ConfigError) as info:
-        config.instantiate("model", nn.Linear, in_features=3, out_featurs=2)
+        construct.instantiate("model", nn.Linear, in_features=3, out_featurs=2)
     message = str(info.value)
     assert message.startswith("model: Linear takes no argument 'out_featurs'")
     assert 'did you mean "out_features"' in message and "in_features, out_features" in message
@@ -531,11 +532,11 @@ def test_a_fraction_for_an_integer_is_an_error_before_the_call():
             built.append(block_size)
 
     with pytest.raises(ConfigError, match="model: .*Blocks's block_size takes an integer, got 8.5"):
-        config.instantiate("model", Blocks, block_size=8.5)
+        construct.instantiate("model", Blocks, block_size=8.5)
     with pytest.raises(ConfigError, match="heads takes an integer, got 2.0"):
-        config.instantiate("model", Blocks, block_size=8, heads=2.0)
+        construct.instantiate("model", Blocks, block_size=8, heads=2.0)
     assert built == []
-    config.instantiate("model", Blocks, block_size=8, scale=2)  # an int for a float is fine
+    construct.instantiate("model", Blocks, block_size=8, scale=2)  # an int for a float is fine
     assert built == [8]
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import overrides
-from phalanx.config import Config, import_object, instantiate
+from phalanx.config import Config
+from phalanx.construct import import_object, instantiate
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.progress import ShowProgress
