@@ -76,6 +76,7 @@ def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
         scale_grads=False,
     )
     optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
+    behind: list[Any] = []  # the step before's agreement, in flight
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -83,9 +84,14 @@ def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
-        if args.hand_agrees:  # every process learns the step's loss and stop flag, as phalanx's
+        if args.hand_agrees == "now":  # every process learns the step's loss and stop flag
             dist.all_reduce(torch.zeros(4, dtype=torch.float64))
         optimizer.step()
+        if args.hand_agrees == "late":  # ... behind the step, read by the next, as phalanx's
+            work = dist.all_reduce(torch.zeros(4, dtype=torch.float64), async_op=True)
+            if behind:
+                behind.pop().wait()
+            behind.append(work)
 
     return step
 
@@ -152,8 +158,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
         "--hand-agrees",
-        action="store_true",
-        help="the hand loop also all-reduces the step's loss and stop flag, as phalanx does",
+        choices=("now", "late"),
+        help="the hand loop also all-reduces the step's loss and stop flag: at the step's end "
+        "(now), or behind the step, waited for at the next one's end (late, as phalanx's step)",
     )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
@@ -166,10 +173,11 @@ def main() -> None:
     ratios = [p / h for p, h in zip(times["phalanx"], times["hand"], strict=True)]
     hand, mine = statistics.median(times["hand"]), statistics.median(times["phalanx"])
     q = statistics.quantiles(ratios, n=4)
+    agrees = f"; the hand loop agrees on the loss ({args.hand_agrees})" if args.hand_agrees else ""
     print(
         f"2 processes (gloo), MLP hidden {args.hidden} split at net.2, batch {args.batch}, "
         f"{args.microbatches} micro-batches, {args.schedule}; {args.rounds} rounds of "
-        f"{args.steps} steps{'; the hand loop agrees on the loss' if args.hand_agrees else ''}\n"
+        f"{args.steps} steps{agrees}\n"
         f"hand pipelining loop  {1e3 * hand:.3f} ms/step\n"
         f"phalanx pipeline      {1e3 * mine:.3f} ms/step   ratio {statistics.median(ratios):.3f}x "
         f"(IQR {q[0]:.3f}-{q[2]:.3f})\n"

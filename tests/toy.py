@@ -319,6 +319,19 @@ class Record(Hook):
         self.epochs.append({s: dict(v) for s, v in epoch_data.items()})
 
 
+class EpochLoss(Hook):
+    """Keeps each epoch's mean training loss as the trainer gives it at the epoch's end; it reads no
+    step's loss, so a strategy that agrees on the loss behind the step is never waited for."""
+
+    gathers = False
+
+    def __init__(self):
+        self.means: list[float] = []
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self.means.append(float(self.trainer.epoch_loss))
+
+
 class RequestStopAt(Hook):
     """Asks for a graceful stop on rank `rank` alone, after training step `step`: a real SIGTERM to
     itself."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -195,7 +195,12 @@ class Trainer(Checkpointing):
         self._round_profile = dict.fromkeys(
             _TRAINING_TIMES, 0.0
         )  # the same, since the last evaluation round
-        self.last_loss: torch.Tensor | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._settle: Callable[[], object] | None = None  # the last step's loss, while in flight
+        # the epoch's training losses: the sum of the settled ones, the last one's, and their count
+        self._loss_sum: torch.Tensor | None = None
+        self._held: torch.Tensor | None = None
+        self._loss_steps = 0
         self.last_batch_size = 0
         self.training = (
             False  # True while after_batch follows an optimizer step (not an evaluation)
@@ -319,6 +324,7 @@ class Trainer(Checkpointing):
     def _train_epoch(self, end: bool = True) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
+        self._loss_sum, self._held, self._loss_steps = None, None, 0
         profile = dict.fromkeys(
             ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
         )
@@ -449,7 +455,12 @@ class Trainer(Checkpointing):
             for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
                 result = train_step(fetched, stop.requested)
-                self.last_loss, self.last_batch_size = result.loss, fetched[0][0].global_size
+                if self._held is not None:  # the step before's loss: settled by this one's end
+                    held = self._held
+                    self._loss_sum = held if self._loss_sum is None else self._loss_sum + held
+                self._last_loss, self._settle = result.loss, result.settle
+                self._held, self._loss_steps = result.loss, self._loss_steps + 1
+                self.last_batch_size = fetched[0][0].global_size
                 self.step, self.step_in_epoch = self.step + 1, k + 1
                 t2 = clock()
                 terminated = self._after_batch(listeners, TRAIN, result.parts)
@@ -479,6 +490,7 @@ class Trainer(Checkpointing):
                     t3 = clock()
                 t0 = t3
         finally:
+            self._settled()  # no agreement in flight outlives the steps
             for key, seconds in zip(
                 _TRAINING_TIMES,
                 (fetching, computing, communicating, optimizing, hooking),
@@ -486,6 +498,33 @@ class Trainer(Checkpointing):
             ):
                 profile[key] += seconds
                 self._round_profile[key] += seconds
+
+    @property
+    def last_loss(self) -> torch.Tensor | None:
+        """The last training step's global mean loss. Where the strategy agrees on it behind the
+        step (the pipeline), reading it waits for that agreement: read it when it is needed."""
+        self._settled()
+        return self._last_loss
+
+    @last_loss.setter
+    def last_loss(self, loss: torch.Tensor | None) -> None:
+        self._last_loss, self._settle = loss, None
+
+    @property
+    def epoch_loss(self) -> torch.Tensor | None:
+        """The mean of the training steps' losses in the epoch so far (since the resume, in an
+        epoch resumed), None before its first step. Reading it waits for the last step's loss as
+        `last_loss` does; the earlier steps' are settled already."""
+        if self._held is None:
+            return None
+        self._settled()
+        total = self._held if self._loss_sum is None else self._loss_sum + self._held
+        return total / self._loss_steps
+
+    def _settled(self) -> None:
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
 
     def _evaluation_round(self, every: int) -> None:
         """Evaluate the extra streams after every `main_loop.eval_every_n_steps` (`every`) optimizer

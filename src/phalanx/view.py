@@ -65,8 +65,15 @@ class RunView:
 
     @property
     def last_loss(self) -> torch.Tensor | None:
-        """The last step's global mean loss (a tensor on the device: reading it waits for it)."""
+        """The last step's global mean loss, a tensor on the device. Where the ranks agree on it
+        behind the step (the pipeline), reading it waits for them: read it when it is needed."""
         return self._run.last_loss
+
+    @property
+    def epoch_loss(self) -> torch.Tensor | None:
+        """The mean of this epoch's training step losses so far (None before its first step);
+        reading it waits for the last step's, as `last_loss`."""
+        return self._run.epoch_loss
 
     @property
     def last_grad_norm(self) -> float | None:

@@ -108,6 +108,32 @@ def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference)
             assert rel(torch.tensor(flat, dtype=torch.float64), expected) < 1e-10
 
 
+@pytest.mark.parametrize("asking", [0, 1], ids=["first-stage-asks", "last-stage-asks"])
+def test_a_stop_asked_on_one_stage_stops_every_stage_a_step_late_alike(asking, reference):
+    """The ranks agree on the loss and the stop flag behind the step: a stop asked on one process
+    after step 5 (epoch 2's first) is taken by step 6, read at step 7's end on every process
+    alike, which then save and exit with SIGTERM's code; the losses up to there are the single
+    process's."""
+    raw = piped(SCENARIOS["batch10"], 2, ["net.4"], "1f1b", 4)
+    ends = workers.run_ranks(2, workers.stop_on_one_rank, raw, asking, 5, timeout=120)
+    assert [end["code"] for end in ends] == [143, 143]
+    assert [end["step"] for end in ends] == [7, 7]
+    want = torch.tensor(reference["batch10"]["losses"][:7])
+    for end in ends:
+        assert torch.allclose(torch.tensor(end["losses"]), want, rtol=1e-10)
+
+
+def test_the_epoch_loss_that_no_step_waited_for_is_the_mean_of_the_steps(reference):
+    """No hook reads a step's loss, so each step's agreement runs behind it unread; the epoch's
+    mean, read at its end, is still the mean of the single process's step losses."""
+    raw = piped(SCENARIOS["batch10"], 2, ["net.4"], "1f1b", 4)
+    per_rank = workers.run_ranks(2, workers.epoch_losses, raw, timeout=120)
+    losses = torch.tensor(reference["batch10"]["losses"], dtype=torch.float64)
+    want = losses.reshape(2, -1).mean(1)  # 2 epochs of 4 steps
+    for means in per_rank:
+        assert torch.allclose(torch.tensor(means, dtype=torch.float64), want, rtol=1e-10)
+
+
 def _new_run(folder: Path, raw: dict) -> Path:
     path = toy.write_config(folder, raw)
     cfg, _ = config.load(str(path), [])

@@ -157,6 +157,15 @@ def stop_on_one_rank(
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
 
+def epoch_losses(rank: int, raw: dict) -> list[float]:
+    """Train with no hook but `toy.EpochLoss`; each epoch's mean training loss."""
+    cfg = config.validate(raw)
+    means = toy.EpochLoss()
+    trainer = Trainer(cfg, None, [TESTS], hooks=[means], strategy=strategies.create(cfg))
+    assert trainer.run() == 0
+    return means.means
+
+
 def profile_lines(rank: int, raw: dict) -> dict:
     """Train with LogProfile; the strategy's sampled backward communication and the lines logged."""
     import logging

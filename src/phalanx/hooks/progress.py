@@ -54,16 +54,15 @@ class ShowProgress(Hook):
         task, state = self._tasks.get(stream) or self._new_task(progress, stream)
         state["samples"] += self.trainer.last_batch_size
         state["batches"] += 1
-        if self.trainer.training:
-            state["loss_sum"] = state["loss_sum"] + self.trainer.last_loss
         now = time.monotonic()
         fields: dict[str, Any] = {}  # the columns' fields, beside update's own keywords
         if now - state["shown"] >= self.refresh_s:
             state["shown"] = now
             rate = state["samples"] / max(now - state["start"], 1e-9)
             fields = {"rate": f"{rate:,.0f} samples/s"}
-            if self.trainer.training:
-                fields["loss"] = f"{float(state['loss_sum']) / state['batches']:.4f}"
+            loss = self.trainer.epoch_loss if self.trainer.training else None
+            if loss is not None:  # read when shown: a loss agreed behind the step is not waited for
+                fields["loss"] = f"{float(loss):.4f}"
         progress.update(task, advance=1, **fields)
 
     def _new_task(self, progress: Progress, stream: str) -> tuple[Any, dict[str, Any]]:
@@ -79,7 +78,6 @@ class ShowProgress(Hook):
         state = {
             "samples": 0,
             "batches": 0,
-            "loss_sum": 0.0,
             "start": time.monotonic(),
             "shown": 0.0,
         }

@@ -72,9 +72,12 @@ class _Tracker(_Writer):
         self._started = True
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        step, loss = self.trainer.step, self.trainer.last_loss  # a training step has set its loss
+        step = self.trainer.step
         due = self.every and step % self.every == 0
-        if self._started and self.trainer.training and loss is not None and due:
+        if not (self._started and self.trainer.training and due):
+            return
+        loss = self.trainer.last_loss  # a training step has set it; read only when logged
+        if loss is not None:
             values = {"train.step_loss": float(loss)}
             if self.trainer.last_grad_norm is not None:
                 values["train.step_grad_norm"] = self.trainer.last_grad_norm

@@ -175,14 +175,16 @@ class WriteTensorBoard(_Writer):
                 )
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        step, loss = self.trainer.step, self.trainer.last_loss  # the loss of a training step
-        if (
+        step = self.trainer.step
+        if not (
             self._writer is not None
             and self.trainer.training
-            and loss is not None
             and self.every
             and step % self.every == 0
         ):
+            return
+        loss = self.trainer.last_loss  # the loss of a training step; read only when written
+        if loss is not None:
             with writing(self._run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(loss), step)
                 if self.trainer.last_grad_norm is not None:

@@ -159,9 +159,13 @@ class Outcome:
 
     loss: torch.Tensor  # the global batch's mean loss (weighted where the model weighs), every rank
     parts: list[dict | None]  # this rank's inputs and outputs, one per micro-batch (None: empty)
-    stop: bool  # whether any rank asked to stop
+    stop: bool  # whether any rank asked to stop (by this step, or by the one before: see `settle`)
     communication_s: float = 0.0  # seconds spent communicating outside backward
     optimizer_s: float = 0.0  # seconds of the engine's `finish`
+    # Where set, the ranks' agreement on the loss runs behind the step: `loss` holds its value
+    # only once `settle()` has returned, and `stop` is the agreement of the step before (every
+    # rank alike). The strategy settles a step by the end of its next one at the latest.
+    settle: Callable[[], object] | None = None
 
 
 @runtime_checkable

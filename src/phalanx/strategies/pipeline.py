@@ -120,6 +120,7 @@ class Pipeline(ProcessGroup):
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
+        self._in_flight: _Agreement | None = None  # the last step's agreement, behind it
 
     # --- building --------------------------------------------------------------------------
 
@@ -283,17 +284,18 @@ class Pipeline(ProcessGroup):
         start = time.perf_counter()
         loss = engine.finish(values[:2] if self._weighted else values[0], self.gradient_norm)
         optimizer = time.perf_counter() - start
-        if pending is not None:  # the agreement ran behind the optimizer's step
+        if pending is None:
+            return Outcome(loss, parts, bool(values[3] > 0), communication, optimizer)
+        # the agreement runs on behind the step; the step before's has ended by now (every stage's
+        # part of this step needed the others'), and gives the stop flag, a step late on every
+        # process alike
+        before, self._in_flight = self._in_flight, pending
+        stopped = False
+        if before is not None:
             start = time.perf_counter()
-            self.progress.enter("the agreement on the step's loss")
-            pending.wait()
+            stopped = before.settled()
             communication += time.perf_counter() - start
-            if values[2] > 0:
-                raise ModelError(
-                    "the model's loss became weighted (it returned loss_weight) after steps "
-                    "without weights; return loss_weight from every step, or from none"
-                )
-        return Outcome(loss, parts, bool(values[3] > 0), communication, optimizer)
+        return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
 
     def _pad_step(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
         """The shard padded to the schedule's micro-batches, and each row's weight (1 real, 0
@@ -344,13 +346,12 @@ class Pipeline(ProcessGroup):
         self.progress.enter("the gradient all-reduce of a stage's copies")
         sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
 
-    def _agree(self, stop: bool) -> tuple[torch.Tensor, Any]:
+    def _agree(self, stop: bool) -> tuple[torch.Tensor, _Agreement | None]:
         """The step's loss (its last stages' parts, summed over the copies) and whether any process
         asked to stop, summed over every process: (loss part, weight sum or 0, weighted, stop).
-        A weighted loss waits for them (the optimizer's step needs its weights' sum); a plain one
-        returns the reduction's handle, to be waited for after the optimizer's step: the
-        agreement then overlaps the step (the last stage's, while the first finishes its last
-        backward)."""
+        A weighted loss waits for them (the optimizer's step needs its weights' sum), as does the
+        first step, from which every process learns whether the loss is weighted (only the last
+        stages see it); a plain one's agreement runs behind the step (`_Agreement`)."""
         values = torch.zeros(4, dtype=torch.float64, device=self.device)
         weighted = False
         if self._parts:
@@ -360,12 +361,10 @@ class Pipeline(ProcessGroup):
             values[2] = float(weighted)
         values[3] = float(stop)
         self.progress.enter("the agreement on the step's loss")
-        # the first step waits on every process, which learns from it whether the loss is
-        # weighted (only the last stages see the loss)
-        if weighted or self._weighted is not False:
+        if self._weighted is not False:
             dist.all_reduce(values)
             return values, None
-        return values, dist.all_reduce(values, async_op=True)
+        return values, _Agreement(values, dist.all_reduce(values, async_op=True))
 
     def _mean(self, values: torch.Tensor) -> torch.Tensor:
         """`values`' mean over every process."""
@@ -536,6 +535,25 @@ class Pipeline(ProcessGroup):
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
+
+
+class _Agreement:
+    """A step's agreement on its loss and stop flag, running behind the step."""
+
+    def __init__(self, values: torch.Tensor, work: Any):
+        self._values, self._work = values, work
+
+    def settled(self) -> bool:
+        """Wait for the agreement (once); whether any process asked to stop."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            if self._values[2] > 0:
+                raise ModelError(
+                    "the model's loss became weighted (it returned loss_weight) after steps "
+                    "without weights; return loss_weight from every step, or from none"
+                )
+        return bool(self._values[3] > 0)
 
 
 def _count(n: int, noun: str, plural: str = "s") -> str:
