@@ -97,9 +97,12 @@ class Pipeline(ProcessGroup):
         self.is_first, self.is_last = 0 in self.mine, self.stages - 1 in self.mine
         shard = math.ceil(window / self.copies)  # the most samples of a window a copy takes
         self.rows = max(1, math.ceil(shard / settings.microbatches))  # per micro-batch
-        # every process makes every group, in the same order
-        self._pipe = self._dp = None
-        for c in range(self.copies):
+        # every process makes every group, in the same order; one copy's stages talk over the
+        # default group (a second group of the same processes costs each of them its own
+        # communication threads)
+        self._pipe = dist.group.WORLD if self.copies == 1 else None
+        self._dp = None
+        for c in range(self.copies if self.copies > 1 else 0):
             group = dist.new_group([c * self.depth + p for p in range(self.depth)])
             if c == copy:
                 self._pipe = group
@@ -121,6 +124,7 @@ class Pipeline(ProcessGroup):
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
         self._in_flight: _Agreement | None = None  # the last step's agreement, behind it
+        self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
 
     # --- building --------------------------------------------------------------------------
 
@@ -313,6 +317,10 @@ class Pipeline(ProcessGroup):
                 )
         real = torch.zeros(total, dtype=torch.float64)  # on the host: read without a device sync
         real[:n] = 1.0
+        # each micro-batch's real samples, for the last stage's loss (it runs them in order)
+        self._counts = [
+            min(max(n - i * self.rows, 0), self.rows) for i in range(total // self.rows)
+        ]
         return {_KEY + k: v for k, v in padded.items()}, real
 
     @staticmethod
@@ -325,15 +333,19 @@ class Pipeline(ProcessGroup):
     def _loss(self, output: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The last stage's objective for one micro-batch: the contract's weights on its real rows
         (the first `n`), the padding out of the graph."""
-        n = int(real.sum())
+        n = self._counts[len(self._captured) - 1]  # `real`'s sum, known on the host
         data = self._captured[-1]
         tokens = data.pop(TOKENS, None)
-        if tokens is not None and n < self.rows:
-            tokens = tokens.reshape(self.rows, -1)[:n].reshape(-1)
-        data = {k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in data.items()}
-        self._captured[-1] = data
+        if n < self.rows:  # padding rows out
+            if tokens is not None:
+                tokens = tokens.reshape(self.rows, -1)[:n].reshape(-1)
+            data = {
+                k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in data.items()
+            }
+            self._captured[-1] = data
+            output = output[:n]
         micro = Micro(list(range(n)), self._global_size)
-        weighed = self._engine.weigh(output[:n], data, micro, 1.0, tokens)
+        weighed = self._engine.weigh(output, data, micro, 1.0, tokens)
         self._parts.append(weighed.part)
         if weighed.gradient is None:
             return weighed.loss
