@@ -121,6 +121,21 @@ class Classifier(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, y, reduction="none")}
 
 
+class DigitsMLP(nn.Module):
+    """A small MLP on examples.digits' items {"image", "label"}: forward(image, label) -> logits
+    and the per-sample loss."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+        )
+
+    def forward(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(image)
+        return {"logits": logits, "loss": F.cross_entropy(logits, label, reduction="none")}
+
+
 def dropout_model() -> dict:
     """A plain nn.Sequential with dropout for toy.Regression: no wrapper class, the batch mapped by
     `inputs`."""

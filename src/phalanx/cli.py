@@ -68,6 +68,14 @@ SUBCOMMANDS = {
           phalanx bench examples/digits/config.yaml --devices 1,2 --steps 50
           phalanx bench config.yaml --devices 1,2,4 --steps 200 --output runs/scaling""",
     ),
+    "plan": (
+        "predict, before the job, which strategy and device count trains a config fastest",
+        """\
+        examples:
+          phalanx plan examples/digits/config.yaml
+          phalanx plan examples/two_tower/config.yaml --devices 2 --output plan.json
+          phalanx plan config.yaml --nnodes 4 --link infiniband-hdr""",
+    ),
     "slurm": (
         "write a Slurm batch script that trains a config on several machines, requeued on "
         "preemption",
@@ -195,6 +203,26 @@ def parser() -> argparse.ArgumentParser:
     made["bench"].add_argument(
         "--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)"
     )
+    made["plan"].add_argument("config", help="the YAML config file")
+    made["plan"].add_argument("overrides", **overrides)
+    made["plan"].add_argument(
+        "--devices",
+        type=int,
+        help="the most devices a setup may use on this machine (default: all its GPUs, or one "
+        "CPU process per core)",
+    )
+    made["plan"].add_argument(
+        "--nnodes", type=int, default=1, help="machines like this one (default 1)"
+    )
+    made["plan"].add_argument(
+        "--link",
+        default="ethernet-10g",
+        help="the link between machines, which one machine cannot measure (default "
+        "ethernet-10g; also ethernet-25g, ethernet-100g, infiniband-hdr)",
+    )
+    made["plan"].add_argument(
+        "--output", default="plan.json", help="the JSON file to write (default: plan.json)"
+    )
     for name in ("slurm", "k8s"):
         made[name].add_argument(
             "config", help="the YAML config file (for k8s: its path inside the image or volume)"
@@ -260,6 +288,10 @@ def run(args: argparse.Namespace) -> int:
         commands.cluster_job(args)
     elif args.command == "ls":
         commands.list_runs(args.root)
+    elif args.command == "plan":
+        from phalanx import planner
+
+        planner.plan(args.config, args.overrides, args.devices, args.nnodes, args.link, args.output)
     elif args.command == "doctor":
         commands.doctor(args.config, args.overrides, _nodes(args))
     elif args.command == "info":

@@ -115,9 +115,9 @@ def test_a_parameter_the_model_holds_itself_is_an_error():
     ],
 )
 def test_auto_cuts_the_slowest_stage_as_short_as_it_can_be(times, stages, valid, holds, cuts):
-    from phalanx.strategies.cutting import _partition
+    from phalanx.costs import partition
 
-    assert _partition([float(t) for t in times], stages, valid, holds) == cuts
+    assert partition([float(t) for t in times], stages, valid, holds) == cuts
 
 
 class Lopsided(nn.Module):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from phalanx.costs import partition
 from phalanx.errors import ConfigError
 
 
@@ -165,29 +166,67 @@ def balance(
 ) -> tuple[list[str], list[float]]:
     """`split: auto`: split points that cut the model's largest chain of blocks (the
     `nn.Sequential` or `nn.ModuleList` with the most parameters and at least `stages` blocks) into
-    `stages` stages of about equal time. Each block's forward and backward is timed on its input
-    of the probe's batch, on a copy of it on `device` (the one it will train on; default where it
-    is), one block at a time (its running statistics and the random numbers stay as they were);
-    `agree` makes the times every process's same (their mean), so that every process picks the
-    same points. Returns the points and the blocks' times (ms)."""
+    `stages` stages of about equal time (`chain`'s times); `agree` makes the times every process's
+    same (their mean), so that every process picks the same points. Returns the points and the
+    blocks' times (ms)."""
+    chain = chain_of(model, call, batch, stages, device)
+    times = agree(torch.tensor([b.time_ms for b in chain.blocks])).tolist()
+    valid = {i for i, b in enumerate(chain.blocks) if b.cut_before}
+    cuts = partition(times, stages, valid, [b.param_bytes > 0 for b in chain.blocks])
+    if cuts is None:
+        raise ConfigError(
+            f"parallel.pipeline.split=auto cannot cut {chain.name or 'the model'} into {stages} "
+            f"stages that each hold parameters where the model passes one tensor from block to "
+            f"block (valid points: {', '.join(chain.names(sorted(valid)))}); "
+            "name the split points, or ask for fewer stages"
+        )
+    return chain.names(cuts), times
+
+
+@dataclass(frozen=True)
+class ChainBlock:
+    time_ms: float  # its forward and backward on the probe's input
+    param_bytes: int  # its trainable parameters'
+    input_bytes: int  # the tensor entering it (0 where it is not one tensor)
+    cut_before: bool  # whether a stage may start at it: the model passes it one tensor
+
+
+@dataclass(frozen=True)
+class Chain:
+    name: str  # the chain's module name ('' for the model itself)
+    blocks: list[ChainBlock]
+
+    def names(self, indices: list[int]) -> list[str]:
+        prefix = f"{self.name}." if self.name else ""
+        return [f"{prefix}{i}" for i in indices]
+
+
+def chain_of(
+    model: nn.Module,
+    call: Callable,
+    batch: Mapping,
+    stages: int = 2,
+    device: torch.device | None = None,
+) -> Chain:
+    """The model's largest chain of at least `stages` blocks, each block's forward and backward
+    timed on its input of `batch`, on a copy of it on `device` (default where it is), one block at
+    a time (its running statistics and the random numbers stay as they were)."""
     trunk_name, trunk = _largest_chain(model, stages)
     children = list(trunk.children())
     _, inputs, outputs, _ = _record(model, call, batch, children, _units(model, trunk))
     valid = _valid_cuts(trunk_name, children, inputs, outputs)
-    times = agree(
-        torch.tensor([_timed(child, inputs.get(i), device) for i, child in enumerate(children)])
-    ).tolist()
-    holds = [any(p.requires_grad for p in child.parameters()) for child in children]
-    cuts = _partition(times, stages, valid, holds)
-    if cuts is None:
-        raise ConfigError(
-            f"parallel.pipeline.split=auto cannot cut {trunk_name or 'the model'} into {stages} "
-            f"stages that each hold parameters where the model passes one tensor from block to "
-            f"block (valid points: {', '.join(f'{trunk_name}.{j}' for j in sorted(valid))}); "
-            "name the split points, or ask for fewer stages"
+    blocks = []
+    for i, child in enumerate(children):
+        given = inputs.get(i)
+        blocks.append(
+            ChainBlock(
+                _timed(child, given, device),
+                sum(p.numel() * p.element_size() for p in child.parameters() if p.requires_grad),
+                given.numel() * given.element_size() if isinstance(given, torch.Tensor) else 0,
+                i in valid,
+            )
         )
-    prefix = f"{trunk_name}." if trunk_name else ""
-    return [f"{prefix}{i}" for i in cuts], times
+    return Chain(trunk_name, blocks)
 
 
 def _largest_chain(model: nn.Module, stages: int) -> tuple[str, nn.Module]:
@@ -233,42 +272,6 @@ def _timed(
             if k:
                 best = min(best, 1e3 * (time.perf_counter() - start))
     return best
-
-
-def _partition(
-    times: list[float], stages: int, valid: set[int], holds: list[bool]
-) -> list[int] | None:
-    """Where `stages` contiguous stages of the blocks start (each after the first at a `valid`
-    point, each holding a block with parameters) so that the slowest stage is the fastest it can
-    be; None where no such cut exists."""
-    n = len(times)
-    sums = [0.0]
-    for t in times:
-        sums.append(sums[-1] + t)
-    owns = [0]
-    for h in holds:
-        owns.append(owns[-1] + int(h))
-    starts = [0, *sorted(i for i in valid if 0 < i < n)]
-    inf = float("inf")
-    # best[k][i]: the slowest stage of blocks [0, i) cut into k stages; back[k][i]: the last start
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    back = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, stages + 1):
-        for i in [*starts[1:], n] if k < stages else [n]:
-            for j in starts:
-                if j >= i or best[k - 1][j] == inf or owns[i] == owns[j]:
-                    continue
-                cost = max(best[k - 1][j], sums[i] - sums[j])
-                if cost < best[k][i]:
-                    best[k][i], back[k][i] = cost, j
-    if best[stages][n] == inf:
-        return None
-    cuts, i = [], n
-    for k in range(stages, 1, -1):
-        i = back[k][i]
-        cuts.append(i)
-    return sorted(cuts)
 
 
 def _trunk(model: nn.Module, names: list[str]) -> tuple[str, list[int], nn.Module]:

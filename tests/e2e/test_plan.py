@@ -1,0 +1,100 @@
+"""`phalanx plan` end to end on CPU processes: it ranks one device first for a small MLP whose
+step the all-reduce outweighs, and two processes first for a wide one whose step is computation;
+`phalanx bench` measures the same order. Bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import toy
+
+from phalanx import strategies
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(strategies.cpu_cores() < 2, reason="two CPU processes need two cores"),
+]
+_SCRIPT = Path(sys.executable).with_name("phalanx")
+PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+EXAMPLES = Path(__file__).resolve().parents[2]
+
+SMALL = {  # examples/digits' data, a 64-32-10 MLP: the gradients' all-reduce outweighs the step
+    "name": "digits-mlp",
+    "model": {"class": "toy.DigitsMLP", "hidden": 32},
+    "optimizer": {"class": "SGD", "lr": 0.05},
+    "dataset": {"class": "examples.digits.data.Digits", "batch_size": 32},
+    "main_loop": {"epochs": 1, "extra_streams": []},
+    "hooks": [],
+}
+WIDE = {  # 64 -> 512 -> 512 -> 512 -> 1 on batches of 1024: the step is computation
+    "name": "wide-mlp",
+    "model": {"class": "toy.Deep", "features": 64, "hidden": 512, "layers": 3},
+    "optimizer": {"class": "SGD", "lr": 0.01},
+    "dataset": {"class": "toy.Regression", "batch_size": 1024, "n_train": 4096, "features": 64},
+    "main_loop": {"epochs": 1, "extra_streams": []},
+    "hooks": [],
+}
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [*PHALANX, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _plan_and_bench(tmp_path: Path, raw: dict) -> tuple[dict, list[dict]]:
+    path = toy.write_config(tmp_path, raw)
+    planned = _run(["plan", str(path), "--devices", "2", "--output", "plan.json"], tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["seconds"] < 60  # a few seconds on this machine
+    benched = _run(
+        ["bench", str(path), "--devices", "1,2", "--steps", "30", "--output", "bench"], tmp_path
+    )
+    assert benched.returncode == 0, benched.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
+    return plan, rows
+
+
+def test_a_small_mlp_is_planned_and_measured_fastest_on_one_device(tmp_path):
+    plan, rows = _plan_and_bench(tmp_path, SMALL)
+    first = plan["predictions"][0]
+    assert first["strategy"] == "single", [p["setup"] for p in plan["predictions"][:3]]
+    ddp = next(p for p in plan["predictions"] if p["setup"] == "ddp x2")
+    assert ddp["speedup"] < 1 and "of one device" in ddp["reason"]
+    assert rows[1]["speedup"] < 1  # measured: two processes are slower
+    # the links the prediction used were measured here, and the table and headline say so
+    links = plan["measured"]["all_reduce"]["2"]
+    assert links["source"].startswith("measured") and links["bandwidth"] > 0
+
+
+def test_a_wide_mlp_is_planned_and_measured_fastest_on_two_processes(tmp_path):
+    plan, rows = _plan_and_bench(tmp_path, WIDE)
+    first = plan["predictions"][0]
+    assert first["devices"] == 2 and first["speedup"] > 1, first
+    assert rows[1]["speedup"] > 1  # measured: two processes are faster
+    single = next(p for p in plan["predictions"] if p["strategy"] == "single")
+    assert single["speedup"] == 1.0 and single["parts_ms"]["compute"] > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "change", "message"),
+    [
+        ([], {"model": {"class": "toy.NoSuchModel"}}, "has no 'NoSuchModel'"),
+        (["--devices", "64"], {}, "--devices 64: this machine has"),
+    ],
+    ids=["model-that-does-not-build", "devices-the-machine-lacks"],
+)
+def test_bad_input_is_one_line(tmp_path, extra, change, message):
+    path = toy.write_config(tmp_path, {**SMALL, **change})
+    result = _run(["plan", str(path), *extra], tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "plan.json").exists()

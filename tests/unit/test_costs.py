@@ -1,0 +1,164 @@
+"""The planner's cost model on synthetic measurements: what it predicts follows from the figures
+it is given, case by case."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx import costs
+from phalanx.costs import Block, Compute, Link, Measured, Setup
+
+GB = 1 << 30
+
+
+def measured(**changes) -> Measured:
+    """A model of 100 MB of parameters in 4 equal blocks, 10 ms of fixed cost a step and 1 ms a
+    sample, on devices of 80 GB joined by a 10 GB/s link."""
+    base = dict(
+        batch=64,
+        accumulation=1,
+        compute=Compute(0.010, 0.001),
+        optimizer_s=0.005,
+        param_bytes=100 << 20,
+        grad_bytes=100 << 20,
+        optimizer_bytes=200 << 20,
+        activation_bytes_per_sample=1 << 20,
+        device_memory=80 * GB,
+        all_reduce={n: Link(1e-4, 10e9) for n in (2, 3, 4)},
+        p2p=Link(1e-5, 10e9),
+        blocks=tuple(Block(f"net.{i}", 0.25, 25 << 20, 4096, True) for i in range(4)),
+        chain="net",
+    )
+    return Measured(**{**base, **changes})
+
+
+def best(m: Measured, devices: int) -> costs.Prediction:
+    return costs.rank(m, costs.candidates(m, devices))[0]
+
+
+def test_a_compute_bound_model_is_fastest_on_the_most_devices():
+    top = best(measured(), 4)
+    assert top.setup.devices == 4 and top.setup.strategy in ("ddp", "fsdp")
+    assert 2.5 < top.speedup < 4  # 79 ms a step on one; 26 ms of compute on each of four
+    assert "each device computes 16 samples" in top.reason
+
+
+def test_an_all_reduce_bound_model_is_fastest_on_one_device_and_says_why():
+    slow = {n: Link(1e-3, 0.1e9) for n in (2, 3, 4)}  # 100 MB at 0.1 GB/s: about 1 s
+    m = measured(all_reduce=slow, p2p=Link(1e-3, 0.1e9), compute=Compute(0.001, 0.0001))
+    ranked = costs.rank(m, costs.candidates(m, 4))
+    assert ranked[0].setup.strategy == "single"
+    ddp2 = next(p for p in ranked if p.setup == Setup("ddp", 2))
+    assert ddp2.speedup < 0.1
+    assert "all-reduce of 100.0 MB at 0.10 GB/s takes" in ddp2.reason
+    assert "longer than the" in ddp2.reason and "x of one device" in ddp2.reason
+
+
+def test_a_reduction_that_backward_hides_costs_nothing():
+    hidden = costs.predict(measured(overlap=1.0), Setup("ddp", 2))
+    exposed = costs.predict(measured(overlap=0.0), Setup("ddp", 2))
+    reduce = Link(1e-4, 10e9).time(100 << 20)
+    assert hidden.parts["communication"] == pytest.approx(0.0)
+    assert exposed.parts["communication"] == pytest.approx(reduce)
+    assert exposed.step_s - hidden.step_s == pytest.approx(reduce)
+
+
+def test_the_pipeline_pays_its_bubble_and_more_micro_batches_shrink_it():
+    m = measured(all_reduce={2: Link(0.0, 1e18)}, p2p=Link(0.0, 1e18))  # free links
+    split = ("net.2",)
+    steps = {}
+    for mb in (1, 4, 16):
+        p = costs.predict(m, Setup("pipeline", 2, 2, mb, "1f1b", split))
+        slot = 0.5 * m.compute.time(64 / mb)  # half the model a stage
+        assert p.parts["compute"] == pytest.approx(mb * slot)
+        assert p.parts["bubble"] == pytest.approx(slot)  # (stages - 1) slots
+        steps[mb] = p.parts["compute"] + p.parts["bubble"]
+    one = m.compute.time(64)
+    assert steps[1] == pytest.approx(one)  # one micro-batch: the stages take turns
+    # each micro-batch pays the fixed cost of a call (10 ms here): 16 cost more than 4
+    assert steps[4] < steps[1] < steps[16]
+    # without it, the bubble's share falls with more micro-batches: (m + p - 1) / m of the ideal
+    free = measured(
+        compute=Compute(0.0, 0.001), all_reduce={2: Link(0.0, 1e18)}, p2p=Link(0.0, 1e18)
+    )
+    ideal = free.compute.time(64) / 2
+    for mb in (1, 4, 16):
+        p = costs.predict(free, Setup("pipeline", 2, 2, mb, "1f1b", split))
+        assert p.parts["compute"] + p.parts["bubble"] == pytest.approx(ideal * (mb + 1) / mb)
+    looped = costs.predict(m, Setup("pipeline", 2, 2, 4, "interleaved", split))
+    assert (
+        looped.parts["bubble"]
+        < costs.predict(m, Setup("pipeline", 2, 2, 4, "1f1b", split)).parts["bubble"]
+    )
+
+
+def test_a_setup_that_does_not_fit_ranks_after_every_one_that_does():
+    # 16 GB of parameters, gradients and optimizer state: one 10 GB device cannot hold them; 4
+    # fsdp shards (4 GB each) can
+    m = measured(
+        param_bytes=4 * GB,
+        grad_bytes=4 * GB,
+        optimizer_bytes=8 * GB,
+        device_memory=10 * GB,
+        blocks=tuple(Block(f"net.{i}", 0.25, GB, 4096, True) for i in range(4)),
+    )
+    ranked = costs.rank(m, costs.candidates(m, 4))
+    fitting = [p for p in ranked if p.fits]
+    assert fitting and all(p.fits for p in ranked[: len(fitting)])
+    single = next(p for p in ranked if p.setup.strategy == "single")
+    assert not single.fits and single.reason.startswith("does not fit: 16.1 GB a device of 10.0 GB")
+    assert any(p.setup == Setup("fsdp", 4) for p in fitting)
+    assert ranked[0].fits
+
+
+def test_every_candidate_the_measurements_allow_is_priced():
+    m = measured()
+    setups = costs.candidates(m, 4)
+    kinds = {(s.strategy, s.devices) for s in setups}
+    assert {("single", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 3), ("pipeline", 4)} <= kinds
+    assert ("towers", 2) not in kinds  # towers and placement need GPUs
+    assert all(s.strategy != "placement" for s in setups)
+    with_gpus = {(s.strategy, s.devices) for s in costs.candidates(measured(gpus=2), 2)}
+    assert {("towers", 2), ("placement", 2)} <= with_gpus
+    no_chain = {s.strategy for s in costs.candidates(measured(blocks=()), 4)}
+    assert "pipeline" not in no_chain
+
+
+def test_the_partition_balances_the_slowest_stage():
+    assert costs.partition([1.0, 1.0, 1.0, 3.0], 2, {1, 2, 3}, [True] * 4) == [3]
+    assert costs.partition([1.0, 1.0, 1.0, 1.0], 2, {1, 3}, [True] * 4) == [1]  # 2 is no cut
+    assert costs.partition([1.0, 1.0], 3, {1}, [True, True]) is None
+
+
+def test_the_links_are_calibrated_to_what_a_ddp_step_paid():
+    from phalanx.planner import calibrated
+
+    m = measured(compute=Compute(0.0, 0.001), grad_bytes=256 << 10)
+    bare = {"2": [0.001, 0.011]}  # 1 KiB in 1 ms; 256 KiB in 11 ms
+
+    def found(alone: float, beside: float, step: float) -> dict:
+        return {
+            "all_reduce": bare,
+            "p2p": [0.001, 0.002],
+            "sizes": [1024, 256 << 10],
+            "compute_alone": alone,
+            "compute_side_by_side": beside,
+            "ddp_step": step,
+        }
+
+    reduce = calibrated(m, found(0.032, 0.032, 0.0), 2).all_reduce[2].time(256 << 10)
+    assert reduce == pytest.approx(0.011)
+    # each process's 32 samples take 32 ms alone and 40 ms beside the other (1.25x); the ddp
+    # step took that, the bare all-reduce, and 5 ms more: every step of several processes pays it
+    slow = calibrated(m, found(0.032, 0.040, 0.040 + reduce + 0.005), 2)
+    assert slow.crowding == pytest.approx(1.25) and slow.overlap == 0.0
+    assert slow.sync_s == pytest.approx(0.005)
+    ddp = costs.predict(slow, Setup("ddp", 2))  # the model gives back the step it was shown
+    assert ddp.parts["compute"] + ddp.parts["communication"] == pytest.approx(0.045 + reduce)
+    fsdp = costs.predict(slow, Setup("fsdp", 2))
+    assert fsdp.parts["communication"] > slow.sync_s  # its own collectives, and the same wait
+    # a step that took less than computing plus the bare reduction hid the rest behind backward
+    hid = calibrated(m, found(0.032, 0.032, 0.032 + reduce / 2), 2)
+    assert 0 < hid.overlap < 1 and hid.sync_s == 0.0
+    ddp = costs.predict(hid, Setup("ddp", 2))
+    assert ddp.parts["communication"] == pytest.approx(reduce / 2)
