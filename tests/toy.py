@@ -99,6 +99,27 @@ class Deep(Linear):
         self.net = nn.Sequential(*blocks, nn.Linear(hidden, 1))
 
 
+class Tied(Linear):
+    """toy.Linear over 4 features through net = Sequential(Linear, Tanh, Linear, Tanh, Linear),
+    whose first and last Linear share one weight (tied, as a language model's embedding and
+    head)."""
+
+    def __init__(self, features: int = 4):
+        super().__init__(features)
+        self.net = nn.Sequential(
+            nn.Linear(features, features),
+            nn.Tanh(),
+            nn.Linear(features, features),
+            nn.Tanh(),
+            nn.Linear(features, features),
+        )
+        self.net[4].weight = self.net[0].weight
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).sum(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
 class Scaled(Linear):
     """toy.Linear with a learned output scale that the model holds itself, drawn in its __init__."""
 

@@ -84,6 +84,9 @@ class Measured:
     # what a step of several processes pays beyond its collectives' own time: waiting for the
     # slowest process, waking the communication threads (from a measured ddp step)
     sync_s: float = 0.0
+    fsdp_unit_s: float = 0.0  # what fsdp pays a unit and micro-batch beyond its collectives
+    microbatch_s: float = 0.0  # what a pipeline pays a micro-batch beyond its stages and messages
+    refused: dict[str, str] = field(default_factory=dict)  # strategies that cannot train it: why
     data_s_per_sample: float = 0.0  # fetching and collating a sample, in the training loop
 
 
@@ -161,7 +164,7 @@ def candidates(m: Measured, devices: int) -> list[Setup]:
                     out.append(Setup("pipeline", stages * copies, stages, mb, schedule, names))
         if m.gpus >= stages:
             out.append(Setup("placement", stages, stages, 1, "gpipe", names))
-    return out
+    return [s for s in out if s.strategy not in m.refused]
 
 
 def rank(m: Measured, setups: list[Setup]) -> list[Prediction]:
@@ -229,11 +232,12 @@ def _fsdp(m: Measured, setup: Setup) -> Prediction:
     # once a step: each collective moves what half an all-reduce of its bytes moves, and pays
     # its latency
     link = _link(m, n)
-    units = 1 + sum(1 for b in m.blocks if b.param_bytes)
+    units = fsdp_units(m)
     gathers = 2 * m.accumulation * units * link.time(m.param_bytes / (2 * units))
     scatter = units * link.time(m.grad_bytes / (2 * units))
     reduce = gathers + scatter
     hidden = min(reduce, m.overlap * m.compute.backward_share * compute)
+    reduce += m.accumulation * units * m.fsdp_unit_s  # its own work around each collective
     exposed = reduce - hidden
     largest = max((b.param_bytes for b in m.blocks), default=m.param_bytes)
     memory = _whole(m) / n + largest + m.activation_bytes_per_sample * micro
@@ -266,7 +270,7 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     message = 0.0 if m.p2p is None else 2 * _CROSSINGS[setup.schedule] * m.p2p.time(crossing)
     compute = m.accumulation * mb * slot
     bubble = m.accumulation * _BUBBLE[setup.schedule] * (p - 1) * slot
-    messages = m.accumulation * mb * message
+    messages = m.accumulation * mb * (message + m.microbatch_s)
     communication = messages
     if setup.strategy == "pipeline":  # the step's loss and stop flag, agreed by every process
         communication += _link(m, setup.devices).latency_s + m.sync_s
@@ -353,6 +357,19 @@ def partition(
         i = back[k][i]
         cuts.append(i)
     return sorted(cuts)
+
+
+def fsdp_units(m: Measured) -> int:
+    """The units fsdp shards the model into: each block of the chain that holds parameters, and
+    the rest of the model."""
+    return 1 + sum(1 for b in m.blocks if b.param_bytes)
+
+
+def balanced_split(blocks: tuple[Block, ...], stages: int) -> list[str] | None:
+    """The module names where stages 2.. start, balanced by the blocks' time (None where the
+    blocks cannot be cut into `stages`)."""
+    cut = _balanced(blocks, stages) if len(blocks) >= stages else None
+    return None if cut is None else [blocks[i].name for i in cut]
 
 
 def _balanced(blocks: tuple[Block, ...], stages: int) -> list[int] | None:

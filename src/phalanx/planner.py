@@ -168,15 +168,20 @@ def measure(
     )
     if devices < 2:
         return measured
-    return calibrated(measured, links(one, config_path, devices, threads, grad_bytes), devices)
+    split = costs.balanced_split(blocks, devices)
+    found = links(one, config_path, devices, threads, grad_bytes, split)
+    return calibrated(measured, found, devices, split)
 
 
-def calibrated(m: costs.Measured, found: dict[str, Any], devices: int) -> costs.Measured:
+def calibrated(
+    m: costs.Measured, found: dict[str, Any], devices: int, split: list[str] | None = None
+) -> costs.Measured:
     """The measured links, and what training pays beyond them: from the ddp step of `devices`
     processes, beyond their computation side by side, the time its reduction took more than the
     bare all-reduce (waiting for the slowest process, waking threads: every step of several
-    processes pays it), or how much of the reduction backward hid; and how much slower each
-    process computes beside the others."""
+    processes pays it), or how much of the reduction backward hid; how much slower each process
+    computes beside the others; and what an fsdp step pays a unit, and a pipeline's a
+    micro-batch, beyond what the model prices (hooks, gathering, the schedule's own work)."""
     small, large = found["sizes"]
     reduce = {int(n): _link(small, large, *t) for n, t in found["all_reduce"].items()}
     bare = reduce[devices].time(m.grad_bytes)
@@ -188,7 +193,7 @@ def calibrated(m: costs.Measured, found: dict[str, Any], devices: int) -> costs.
     sync, overlap = max(exposed - bare, 0.0), 0.0
     if exposed < bare:
         overlap = min(1.0, (bare - exposed) / max(backward, 1e-9))
-    return replace(
+    m = replace(
         m,
         all_reduce=reduce,
         p2p=_link(small, large, *found["p2p"]),
@@ -196,6 +201,23 @@ def calibrated(m: costs.Measured, found: dict[str, Any], devices: int) -> costs.
         crowding=crowding,
         sync_s=sync,
     )
+    one = replace(m, accumulation=1)  # the workers measured one micro-batch a step
+    if isinstance(found.get("fsdp_step"), str):
+        m = replace(m, refused={**m.refused, "fsdp": found["fsdp_step"]})
+    elif found.get("fsdp_step") is not None:
+        priced = costs.predict(one, costs.Setup("fsdp", devices))
+        paid = priced.parts["compute"] + priced.parts["communication"]
+        units = costs.fsdp_units(m)
+        m = replace(m, fsdp_unit_s=max(found["fsdp_step"] - paid, 0.0) / units)
+    if isinstance(found.get("pipeline_step"), str):
+        refused = found["pipeline_step"]
+        m = replace(m, refused={**m.refused, "pipeline": refused, "placement": refused})
+    elif split and found.get("pipeline_step") is not None:
+        setup = costs.Setup("pipeline", devices, devices, 4, "1f1b", tuple(split))
+        parts = costs.predict(one, setup).parts
+        paid = parts["compute"] + parts["bubble"] + parts["communication"]
+        m = replace(m, microbatch_s=max(found["pipeline_step"] - paid, 0.0) / 4)
+    return m
 
 
 def _devices_here(accelerator: str, asked: int | None) -> int:
@@ -302,21 +324,27 @@ def _device_memory(accelerator: str, devices: int) -> int:
 
 
 def links(
-    one: list[str], config_path: str, devices: int, threads: int | None, grad_bytes: int
+    one: list[str],
+    config_path: str,
+    devices: int,
+    threads: int | None,
+    grad_bytes: int,
+    split: list[str] | None = None,
 ) -> dict[str, Any]:
     """What `devices` processes started as the job's would be measure: each one's forward and
     backward of its shard while the others run theirs (processes that share a machine slow each
     other), the same step under ddp (its communication as training pays it: the reduction, the
     waiting for the slowest, the threads that compete with computation), and the bare links: the
     all-reduce over 2..`devices` processes and a message between two, at a small size and at
-    the gradients' (at least 256 KiB, at most 64 MiB). `one`: the overrides that make the config
-    one device's."""
+    the gradients' (at least 256 KiB, at most 64 MiB); and where they can, an fsdp step and a
+    pipeline's (`split`, 4 micro-batches, 1f1b), for what each costs beyond its collectives.
+    `one`: the overrides that make the config one device's."""
     from phalanx import launch
 
     large = int(min(max(grad_bytes, 256 << 10), 64 << 20))
     with tempfile.TemporaryDirectory(prefix="phalanx-plan-") as tmp:
         folder = Path(tmp)
-        launch.launch(folder, devices, links_worker, config_path, one, threads, large)
+        launch.launch(folder, devices, links_worker, config_path, one, threads, large, split)
         found = json.loads((folder / "links.json").read_text())
     return found
 
@@ -327,7 +355,12 @@ def _link(small: int, large: int, t_small: float, t_large: float) -> costs.Link:
 
 
 def links_worker(
-    folder: Path, config_path: str, one: list[str], threads: int | None, large: int
+    folder: Path,
+    config_path: str,
+    one: list[str],
+    threads: int | None,
+    large: int,
+    split: list[str] | None,
 ) -> int:
     """One process of `links`: rank 0 writes links.json."""
     import torch.distributed as dist
@@ -362,6 +395,19 @@ def links_worker(
         _forward_backward(trainer, batch, device, True), device
     )
     found["ddp_step"] = _gathered_max(_ddp_step(trainer, step, device), device)
+    others = [*one, f"parallel.devices={world}"]
+    found["fsdp_step"] = _strategy_step(config_path, [*others, "parallel.strategy=fsdp"], step)
+    if split:
+        whole = [
+            (
+                Micro(list(range(micro)), micro),
+                loading.collate(list(map(stream.__getitem__, range(micro)))),
+            )
+        ]
+        pipeline = f"parallel.pipeline={{split: [{', '.join(split)}], microbatches: 4}}"
+        found["pipeline_step"] = _strategy_step(
+            config_path, [*others, "parallel.strategy=pipeline", pipeline], whole
+        )
     sizes = (SMALL, large)
     for n in range(2, world + 1):
         sub = dist.new_group(list(range(n)))  # every process makes every group
@@ -414,6 +460,20 @@ def _forward_backward(trainer: Any, batch: Mapping, device: torch.device, runs_h
             runs.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return statistics.median(runs) if runs else 0.0
+
+
+def _strategy_step(config_path: str, overrides: list[str], step: list) -> float | str:
+    """The slowest process's step of the config under `overrides` (less its optimizer's), or why
+    the strategy cannot train the model (every process fails alike as it builds)."""
+    from phalanx.trainer import Trainer
+
+    try:
+        cfg = config.load(config_path, overrides)[0]
+        trainer = Trainer(cfg, None, [Path(config_path).resolve().parent, Path.cwd()], hooks=[])
+    except PhalanxError as e:
+        return str(e)
+    seconds = _ddp_step(trainer, step, trainer.strategy.device)
+    return _gathered_max(seconds, trainer.strategy.device)
 
 
 def _ddp_step(trainer: Any, step: list, device: torch.device) -> float:
@@ -527,6 +587,9 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
         )
     else:
         logs.out.print(f"fastest: {best.setup.label}, {best.speedup:.2f}x of one device")
+    for why in dict.fromkeys(m.refused.values()):
+        refused = [name for name, said in m.refused.items() if said == why]
+        logs.out.print(f"not planned: {', '.join(refused)}: {why}")
     sources = {link.source for link in m.all_reduce.values()}
     if m.p2p is not None:
         sources.add(m.p2p.source)

@@ -236,6 +236,16 @@ def test_a_pipeline_the_processes_or_the_model_cannot_make_is_one_error(devices,
         workers.run_ranks(devices, workers.train_all, [raw], timeout=120)
 
 
+def test_a_weight_two_stages_share_is_one_error_that_names_it():
+    raw = scenario(10)
+    raw["model"] = {"class": "toy.Tied", "features": 4}
+    raw["dataset"] = {**raw["dataset"], "features": 4}
+    raw = piped(raw, 2, ["net.2"], "gpipe", 2)
+    codes = workers.run_ranks(2, workers.error_lines, raw, timeout=120)
+    for line in codes:  # every process says it, none hangs
+        assert "net.4.weight is net.0.weight (a tied weight)" in line
+
+
 def test_the_pipeline_strategy_without_its_split_points_says_how_to_give_them():
     raw = scenario(10)
     raw["parallel"] = {**raw["parallel"], "strategy": "pipeline"}

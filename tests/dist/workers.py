@@ -157,6 +157,18 @@ def stop_on_one_rank(
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
 
+def error_lines(rank: int, raw: dict) -> str:
+    """Build a trainer of `raw` and expect a ConfigError; its message."""
+    from phalanx.errors import ConfigError
+
+    cfg = config.validate(raw)
+    try:
+        Trainer(cfg, None, [TESTS], hooks=[], strategy=strategies.create(cfg))
+    except ConfigError as e:
+        return str(e)
+    raise AssertionError("the trainer was built")
+
+
 def epoch_losses(rank: int, raw: dict) -> list[float]:
     """Train with no hook but `toy.EpochLoss`; each epoch's mean training loss."""
     cfg = config.validate(raw)

@@ -162,3 +162,8 @@ def test_the_links_are_calibrated_to_what_a_ddp_step_paid():
     assert 0 < hid.overlap < 1 and hid.sync_s == 0.0
     ddp = costs.predict(hid, Setup("ddp", 2))
     assert ddp.parts["communication"] == pytest.approx(reduce / 2)
+
+
+def test_a_strategy_that_cannot_train_the_model_is_not_planned():
+    m = measured(refused={"pipeline": "a tied weight", "placement": "a tied weight"})
+    assert {s.strategy for s in costs.candidates(m, 4)} == {"single", "ddp", "fsdp"}

@@ -170,6 +170,12 @@ class Pipeline(ProcessGroup):
                 "fsdp, or use LayerNorm or GroupNorm",
             )
             trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
+            first = {id(p): n for n, p in whole.named_parameters()}
+            aliases = {
+                n: first[id(p)]
+                for n, p in whole.named_parameters(remove_duplicate=False)
+                if first[id(p)] != n
+            }
             self._trainable = len(trainable)
             self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
             keep_stages(whole, self._split, self.mine, self.stages, self._active, self.device)
@@ -180,10 +186,22 @@ class Pipeline(ProcessGroup):
                     f"in parallel.pipeline.split ({names})"
                 )
             index = {name: i for i, name in enumerate(trainable)}
-            self._global_index = [index[n] for n in mine]
+            apart = [n for n in mine if n not in index and n in aliases]
+            if apart:  # said by every process, after they compare (see below)
+                tied.append(
+                    f"the pipeline strategy cannot split the model at {', '.join(names)}: "
+                    f"{apart[0]} is {aliases[apart[0]]} (a tied weight), which another stage "
+                    "holds; untie them, split where one stage holds both, or train with ddp or "
+                    "fsdp"
+                )
+            self._global_index = [index[n] for n in mine if n in index]
             return whole.to(self.device)
 
+        tied: list[str] = []
         self.model = prepare(module, options, place)
+        said = [t for t in self.gather(tied[0] if tied else None) if t]
+        if said:
+            raise ConfigError(said[0])
         counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.depth]
         each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
         m = self.settings.microbatches
