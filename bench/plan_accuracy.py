@@ -60,9 +60,11 @@ def _measured(config: Path, overrides: list[str], setup: str, steps: int, out: P
 
     if setup == "single":
         auto = [*overrides, "parallel.strategy=auto"]  # single on 1, ddp on 2
-        rows = commands.bench(str(config), [1, 2], steps, auto, str(out))
+        rows = commands.bench(str(config), [1, 2], steps, auto, str(out), plan=False)
         return rows[0]["samples_per_s"]
-    rows = commands.bench(str(config), [2], steps, [*overrides, *SETUPS[setup]], str(out))
+    rows = commands.bench(
+        str(config), [2], steps, [*overrides, *SETUPS[setup]], str(out), plan=False
+    )
     return rows[0]["samples_per_s"]
 
 

@@ -13,6 +13,7 @@ device, with `towers` on several, or in each process of a `torchrun` job.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -93,6 +94,9 @@ def fit(
     """
     objects = Objects.given(model, dataset, hooks)
     raw, path = _read(config_source, _listed(overrides))
+    plan = None
+    if raw.get("parallel", {}).get("strategy") == "plan":
+        raw, plan = _planned(raw, path, _listed(overrides), nodes, objects)
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
@@ -104,6 +108,7 @@ def fit(
         with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
             try:
                 logs.setup(run_dir)
+                _record_plan(run_dir, plan)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
                 code = launch.launch(
@@ -127,6 +132,7 @@ def fit(
         try:
             trainer = _worker_trainer(cfg, run_dir, search_dirs, strategy, objects)
             log.info("run directory: %s", run_dir)
+            _record_plan(run_dir, plan)
             for note in objects.notes:
                 log.info("%s", note)
             _log_start(cfg, strategy, trainer)
@@ -260,6 +266,35 @@ def _read(
             f"the config is a {type(source).__name__}; give the path of a YAML file or a dict"
         )
     return config.read(source, overrides), Path(source)
+
+
+def _planned(
+    raw: dict, path: Path | None, overrides: list[str], nodes: Nodes | None, objects: Objects
+) -> tuple[dict, dict]:
+    """`parallel.strategy: plan`: the raw config with the plan's choice in `parallel`, and the
+    plan."""
+    from phalanx import planner
+
+    if path is None or objects or nodes is not None:
+        raise ConfigError(
+            "parallel.strategy=plan plans from a config file, for one machine, with the classes "
+            "the config names; give a YAML file without model or dataset objects, or for several "
+            "machines run `phalanx plan CONFIG --nnodes N` and name its choice"
+        )
+    devices = raw.get("parallel", {}).get("devices", "auto")
+    settings, report = planner.choose(
+        str(path), overrides, devices if isinstance(devices, int) else None
+    )
+    parallel = {k: v for k, v in raw.get("parallel", {}).items() if k not in ("pipeline",)}
+    return {**raw, "parallel": {**parallel, **settings}}, report
+
+
+def _record_plan(run_dir: Path, plan: dict | None) -> None:
+    """The plan's choice in the run's log, and the plan beside it."""
+    if plan is None:
+        return
+    log.info("%s", plan["choice"])
+    write_text_atomic(run_dir / "plan.json", json.dumps(plan, indent=1))
 
 
 def _in_this_process(cfg: config.Config) -> str:

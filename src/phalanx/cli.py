@@ -203,6 +203,12 @@ def parser() -> argparse.ArgumentParser:
     made["bench"].add_argument(
         "--output", help="folder for runs, bench.json and scaling.png (default: runs/bench-<time>)"
     )
+    made["bench"].add_argument(
+        "--no-plan",
+        action="store_true",
+        help="leave out the planner's predictions beside the measurements (they take a few "
+        "seconds to measure)",
+    )
     made["plan"].add_argument("config", help="the YAML config file")
     made["plan"].add_argument("overrides", **overrides)
     made["plan"].add_argument(
@@ -283,7 +289,14 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "export":
         commands.export(args.run_dir, args.output, args.checkpoint)
     elif args.command == "bench":
-        commands.bench(args.config, _counts(args.devices), args.steps, args.overrides, args.output)
+        commands.bench(
+            args.config,
+            _counts(args.devices),
+            args.steps,
+            args.overrides,
+            args.output,
+            not args.no_plan,
+        )
     elif args.command in ("slurm", "k8s"):
         commands.cluster_job(args)
     elif args.command == "ls":

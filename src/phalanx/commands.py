@@ -280,14 +280,21 @@ def doctor_worker(folder: Path, accelerator: str, backend: str) -> int:
 
 
 def bench(
-    config_path: str, devices: list[int], steps: int, overrides: list[str], output: str | None
+    config_path: str,
+    devices: list[int],
+    steps: int,
+    overrides: list[str],
+    output: str | None,
+    plan: bool = True,
 ) -> list[dict]:
-    """Train a config for `steps` steps at each device count; print and save the scaling table."""
+    """Train a config for `steps` steps at each device count; print and save the scaling table,
+    beside what `phalanx plan` predicted for each count (where `plan`)."""
     if not devices or min(devices) < 1 or steps < 2:
         raise PhalanxError(
             f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})"
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    predicted = _predicted(config_path, overrides, devices) if plan else {}
     # On the CPU every configuration gets the same threads per device, the most that the largest
     # one can give each of its processes: otherwise one process would use every core against
     # workers with one each, and the table would compare thread counts, not devices.
@@ -320,13 +327,17 @@ def bench(
             )
         [run_dir] = sorted(out_dir.glob(f"{name}-*"))[-1:]
         summary = json.loads((run_dir / "throughput.json").read_text())
+        measured = summary.get("samples_per_s", 0.0)
+        guess = predicted.get(n)
         rows.append(
             {
                 "devices": n,
-                "samples_per_s": summary.get("samples_per_s", 0.0),
+                "samples_per_s": measured,
                 "tokens_per_s": summary.get("tokens_per_s"),
                 "mfu": summary.get("mfu"),
                 **_shares(summary),
+                "predicted_samples_per_s": guess,
+                "prediction_error": (guess - measured) / measured if guess and measured else None,
             }
         )
     rows = metrics.scaling(rows)
@@ -340,6 +351,30 @@ def bench(
     _plot_scaling(rows, out_dir / "scaling.png")
     _print_scaling(rows, out_dir, threads)
     return rows
+
+
+def _predicted(config_path: str, overrides: list[str], devices: list[int]) -> dict[int, float]:
+    """What the planner predicts for the config's strategy at each device count (samples/s), or
+    nothing where it cannot plan on this machine (it says why)."""
+    from phalanx import planner
+
+    try:
+        report = planner.plan(config_path, overrides, max(devices), output=None, show=False)
+    except PhalanxError as e:
+        logs.out.print(f"no predictions beside the measurements: {e}")
+        return {}
+    named = config.load(config_path, overrides)[0].parallel.strategy
+    out = {}
+    for n in devices:
+        strategy = "single" if n == 1 else ("ddp" if named == "auto" else named)
+        fitting = [
+            p
+            for p in report["predictions"]
+            if p["strategy"] == strategy and (p["devices"] == n or strategy == "single")
+        ]
+        if fitting:  # the best variant of it (the ranking's order)
+            out[n] = fitting[0]["samples_per_s"]
+    return out
 
 
 def _shares(summary: dict[str, Any]) -> dict[str, float]:
@@ -365,6 +400,8 @@ def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None
     for column in (
         "devices",
         "samples/s",
+        "predicted",
+        "error",
         "tokens/s",
         "speedup",
         "efficiency",
@@ -384,6 +421,8 @@ def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None
         table.add_row(
             str(r["devices"]),
             f"{r['samples_per_s']:,.0f}",
+            "-" if not r.get("predicted_samples_per_s") else f"{r['predicted_samples_per_s']:,.0f}",
+            "-" if r.get("prediction_error") is None else f"{100 * r['prediction_error']:+.0f}%",
             "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}",
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
             pct(r["efficiency"]),

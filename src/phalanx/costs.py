@@ -269,7 +269,9 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     # each micro-batch's activation goes forward and its gradient back at the slowest cut
     message = 0.0 if m.p2p is None else 2 * _CROSSINGS[setup.schedule] * m.p2p.time(crossing)
     compute = m.accumulation * mb * slot
-    bubble = m.accumulation * _BUBBLE[setup.schedule] * (p - 1) * slot
+    # too few micro-batches to fill the pipeline leave nothing for a cleverer schedule to overlap
+    idle = _BUBBLE[setup.schedule] if mb >= p else 1.0
+    bubble = m.accumulation * idle * (p - 1) * slot
     messages = m.accumulation * mb * (message + m.microbatch_s)
     communication = messages
     if setup.strategy == "pipeline":  # the step's loss and stop flag, agreed by every process

@@ -43,8 +43,10 @@ def plan(
     nnodes: int = 1,
     link: str = "ethernet-10g",
     output: str | None = "plan.json",
+    show: bool = True,
 ) -> dict[str, Any]:
-    """Measure, predict, print the ranked table and write `output`; returns what it writes."""
+    """Measure, predict, print the ranked table (where `show`) and write `output` (where given);
+    returns what it writes."""
     started = time.perf_counter()
     cfg, _ = config.load(config_path, overrides)
     accelerator, _ = strategies.resolve_device(cfg)
@@ -76,11 +78,38 @@ def plan(
         "predictions": [_row(p) for p in predictions],
         "seconds": time.perf_counter() - started,
     }
-    _print(predictions, measured, report)
+    if show:
+        _print(predictions, measured, report)
     if output:
         write_text_atomic(Path(output), json.dumps(report, indent=1))
         logs.out.print(f"wrote {output}")
     return report
+
+
+def choose(config_path: str, overrides: list[str], devices: int | None) -> tuple[dict, dict]:
+    """`parallel.strategy: plan`: the plan of the config (with the strategy left to it) on this
+    machine, up to `devices`; returns the `parallel` settings of its fastest setup that fits and
+    that a config can name, and the plan's report (its `choice` says which and why)."""
+    report = plan(config_path, [*overrides, "parallel.strategy=auto"], devices, output=None)
+    for p in report["predictions"]:
+        if not p["fits"] or p["strategy"] == "placement":  # placement names devices by module
+            continue
+        settings: dict[str, Any] = {"strategy": p["strategy"], "devices": p["devices"]}
+        if p["strategy"] == "pipeline":
+            settings["pipeline"] = {
+                "split": p["split"],
+                "microbatches": p["microbatches"],
+                "schedule": p["schedule"],
+            }
+        report["choice"] = (
+            f"parallel.strategy=plan chose {p['setup']}: predicted {p['step_ms']:.1f} ms a step, "
+            f"{p['speedup']:.2f}x of one device ({p['reason']})"
+        )
+        return settings, report
+    raise ConfigError(
+        "parallel.strategy=plan found no setup that fits this machine's devices (see the plan "
+        "above); lower dataset.batch_size, or plan for more devices"
+    )
 
 
 # --- measuring ------------------------------------------------------------------------------
@@ -148,7 +177,7 @@ def measure(
     )
     activations = _activation_bytes(trainer, fetched(largest), params) / largest
     data = _data_time(stream, largest)
-    blocks, chain = _blocks(model, Forward(model, cfg.model, search), fetched(largest), compute)
+    blocks, chain = _blocks(trainer, Forward(model, cfg.model, search), fetched(largest), compute)
     cuda = accelerator == "cuda"
     measured = costs.Measured(
         batch=batch,
@@ -287,16 +316,24 @@ def _activation_bytes(trainer: Any, step: list, params: Sequence[torch.Tensor]) 
     return float(total)
 
 
+def _on_device(trainer: Any, batch: Mapping) -> dict:
+    """The batch as the engine gives it to the model: on the device, in the precision's dtype."""
+    device = trainer.strategy.device
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    precision = trainer.precision
+    return batch if precision.passes_through else dict(precision.convert_batch(batch, None))
+
+
 def _blocks(
-    model: torch.nn.Module, call: Any, step: list, compute: costs.Compute
+    trainer: Any, call: Any, step: list, compute: costs.Compute
 ) -> tuple[tuple[costs.Block, ...], str]:
     """The blocks of the model's largest chain, each's share of the step's time (none where the
     model has no chain of two blocks)."""
     from phalanx.strategies.cutting import chain_of
 
     (micro, batch) = step[0]
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    model = trainer.model
+    batch = _on_device(trainer, batch)
     try:
         chain = chain_of(model, call, batch, 2)
     except ConfigError:
@@ -445,7 +482,7 @@ def _forward_backward(trainer: Any, batch: Mapping, device: torch.device, runs_h
 
     model = copy.deepcopy(trainer.model)
     call = Forward(model, trainer.cfg.model, trainer.search_dirs)
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = _on_device(trainer, batch)
     runs = []
     for k in range(7):
         torch.distributed.barrier()

@@ -178,6 +178,14 @@ def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
     # the last line is DDP's average at the end
     assert f"{1e3 * comm:.2f} ms per step" in reported[-1]
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
+    # once a run, the share of the step spent communicating; a 3-weight model's step is almost
+    # all communication, and the run says what one device would take instead
+    shares = [line for line in first["lines"] if line.startswith("communication | ")]
+    assert len(shares) == 1 and "% of the training time" in shares[0]
+    warned = [line for line in first["lines"] if "more than half of each step waits" in line]
+    assert len(warned) == 1 and "one device would take about" in warned[0]
+    assert "times 2, no communication" in warned[0] and "phalanx plan" in warned[0]
+    assert not [line for line in second["lines"] if line.startswith("communication | ")]
 
 
 def test_stop_after_minutes_stops_every_rank_at_the_same_agreement_step():

@@ -41,6 +41,13 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
         rows[1]["samples_per_s"] / (2 * rows[0]["samples_per_s"])
     )
     assert (out / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # beside each measurement, what the planner predicted for it, and by how much it missed
+    for r in rows:
+        assert r["predicted_samples_per_s"] > 0
+        assert r["prediction_error"] == pytest.approx(
+            (r["predicted_samples_per_s"] - r["samples_per_s"]) / r["samples_per_s"]
+        )
+    assert "predicted" in result.stdout and "error" in result.stdout
     assert "efficiency" in result.stdout and "samples/s" in result.stdout
     # the same threads per device in every run, not torch's default in one process against one
     # thread in each worker; and the all-reduce that backward waits for is communication

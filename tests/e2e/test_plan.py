@@ -98,3 +98,15 @@ def test_bad_input_is_one_line(tmp_path, extra, change, message):
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_run_of_strategy_plan_trains_with_the_plans_choice_and_says_why(tmp_path):
+    path = toy.write_config(tmp_path, SMALL)
+    result = _run(["train", str(path), "parallel.strategy=plan", "output_root=runs"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["predictions"][0]["strategy"] == "single"
+    log = (run / "log.txt").read_text()
+    assert "parallel.strategy=plan chose single: predicted" in log
+    assert "strategy: single" in (run / "config.yaml").read_text()  # what a resume takes

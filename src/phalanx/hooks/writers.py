@@ -77,6 +77,7 @@ class LogProfile(_Writer):
 
     def __init__(self) -> None:
         self._reported: tuple[float, float] | None = None
+        self._judged = False  # whether the communication share was said (once a run)
 
     def after_epoch_profile(
         self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
@@ -95,6 +96,9 @@ class LogProfile(_Writer):
             if isinstance(strategy, ReportsCommunication)
             else None
         )
+        if not self._judged and strategy.world_size > 1:
+            self._judged = True
+            self._judge(profile, sampled)
         if sampled is not None and sampled != self._reported:
             self._reported = sampled
             comm, overlap = sampled
@@ -106,6 +110,38 @@ class LogProfile(_Writer):
                 100 * min(overlap / comm, 1.0),
                 1e3 * max(comm - overlap, 0.0),
             )
+
+    def _judge(self, profile: dict[str, float], sampled: tuple[float, float] | None) -> None:
+        """After the run's first epoch of several processes: the share of a training step spent
+        communicating (after backward, and the part of backward's all-reduce that computation did
+        not hide), and where it is more than half, a warning with what one device would take."""
+        steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
+        waited = max(sampled[0] - sampled[1], 0.0) * steps if sampled is not None else 0.0
+        training = {k: v for k, v in profile.items() if k != "eval"}
+        computing = max(training.get("forward_backward", 0.0) - waited, 0.0)
+        communicating = training.get("communication", 0.0) + waited
+        total = sum(training.values()) or 1.0
+        share = communicating / total
+        log.info(
+            "communication | %.0f%% of the training time (%.2f ms a step)",
+            100 * share,
+            1e3 * communicating / steps,
+        )
+        if share <= 0.5:
+            return
+        n = self.trainer.strategy.world_size
+        one = (n * computing + training.get("optimizer", 0.0)) / steps
+        here = total / steps
+        log.warning(
+            "more than half of each step waits for communication (%.0f%%): one device would "
+            "take about %.1f ms a step (this process's computation times %d, no communication), "
+            "%.2fx this run's speed of %.1f ms; `phalanx plan` prices every setup",
+            100 * share,
+            1e3 * one,
+            n,
+            here / one if one else 0.0,
+            1e3 * here,
+        )
 
 
 class WriteCSV(_Writer):

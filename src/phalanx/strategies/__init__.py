@@ -277,12 +277,17 @@ def strategy_name(cfg: Config) -> str:
     """The strategy the config names; `auto` is ddp for several devices (or inside a worker), else
     single."""
     name = cfg.parallel.strategy
+    if name == "plan":  # api.fit replaces it with the plan's choice before anything is built
+        raise ConfigError(
+            "parallel.strategy=plan is chosen by `phalanx train`; here name a strategy (`phalanx "
+            "plan CONFIG` says which)"
+        )
     if name == "auto":
         return "ddp" if in_worker() or resolve_device(cfg)[1] > 1 else "single"
     if name not in REGISTRY:
         raise ConfigError(
             f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose "
-            f"one of {', '.join(['auto', *REGISTRY])}"
+            f"one of {', '.join(['auto', 'plan', *REGISTRY])}"
         )
     return name
 
