@@ -131,7 +131,7 @@ def test_the_partition_balances_the_slowest_stage():
 
 
 def test_the_links_are_calibrated_to_what_a_ddp_step_paid():
-    from phalanx.planner import calibrated
+    from phalanx.probes import calibrated
 
     m = measured(compute=Compute(0.0, 0.001), grad_bytes=256 << 10)
     bare = {"2": [0.001, 0.011]}  # 1 KiB in 1 ms; 256 KiB in 11 ms

@@ -348,6 +348,7 @@ class _SampledDDP:
     """A main process whose DDP sampled the backward all-reduce: `sampled` is what it reports."""
 
     is_main = True
+    world_size = 2
 
     def __init__(self) -> None:
         self.sampled = (0.004, 0.003)
@@ -364,7 +365,7 @@ def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_ch
     logger = logging.getLogger("phalanx")
     strategy = _SampledDDP()
     hook = LogProfile()
-    hook.attach(SimpleNamespace(strategy=strategy))
+    hook.attach(SimpleNamespace(strategy=strategy, step_in_epoch=0, steps_per_epoch=10))
     profile = {"data": 0.1, "forward_backward": 0.3}
     try:
         logs.setup(None)  # INFO on, whatever earlier tests left
@@ -377,6 +378,11 @@ def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_ch
         logger.removeHandler(handler)
     lines = [message for message in messages if "all-reduce" in message]
     assert len(lines) == 2, lines
+    # once, after the first epoch: the share of communication (10 steps each waiting 1 ms of
+    # the all-reduce, 0.01 s of 0.4 s), under half: no warning
+    shares = [m for m in messages if m.startswith("communication |")]
+    assert shares == ["communication | 2% of the training time (1.00 ms a step)"]
+    assert not [m for m in messages if "waits for communication" in m]
     assert all(
         line.startswith(
             "gradient all-reduce in backward, DDP's sampled average over the run so far"

@@ -68,7 +68,7 @@ def test_single_strategy_with_several_devices_is_refused(monkeypatch):
 
 def test_unknown_strategy_lists_the_choices(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ConfigError, match="auto, single, ddp"):
+    with pytest.raises(ConfigError, match="auto, plan, single, ddp"):
         strategies.create(cfg(strategy="pipelines"))
     with pytest.raises(ConfigError, match='"ddp"'):
         strategies.create(cfg(strategy="dpp"))

@@ -1,0 +1,272 @@
+"""What `phalanx plan` measures in the processes a job would start: their computation side by
+side, a real ddp, fsdp and pipeline step, and the bare links (the backend's all-reduce and a
+message between two processes); and how those figures calibrate the cost model's links to what
+training pays for them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx import config, costs, environment
+from phalanx.errors import ConfigError, PhalanxError
+
+SMALL = 1024  # bytes: the messages that measure a link's latency
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def on_device(trainer: Any, batch: Mapping) -> dict:
+    """The batch as the engine gives it to the model: on the device, in the precision's dtype."""
+    device = trainer.strategy.device
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    precision = trainer.precision
+    return batch if precision.passes_through else dict(precision.convert_batch(batch, None))
+
+
+def links(
+    one: list[str],
+    config_path: str,
+    devices: int,
+    threads: int | None,
+    grad_bytes: int,
+    split: list[str] | None = None,
+) -> dict[str, Any]:
+    """What `devices` processes started as the job's would be measure: each one's forward and
+    backward of its shard while the others run theirs (processes that share a machine slow each
+    other), the same step under ddp (its communication as training pays it: the reduction, the
+    waiting for the slowest, the threads that compete with computation), and the bare links: the
+    all-reduce over 2..`devices` processes and a message between two, at a small size and at
+    the gradients' (at least 256 KiB, at most 64 MiB); and where they can, an fsdp step and a
+    pipeline's (`split`, 4 micro-batches, 1f1b), for what each costs beyond its collectives.
+    `one`: the overrides that make the config one device's."""
+    from phalanx import launch
+
+    large = int(min(max(grad_bytes, 256 << 10), 64 << 20))
+    with tempfile.TemporaryDirectory(prefix="phalanx-plan-") as tmp:
+        folder = Path(tmp)
+        launch.launch(folder, devices, links_worker, config_path, one, threads, large, split)
+        found = json.loads((folder / "links.json").read_text())
+    return found
+
+
+def _link(small: int, large: int, t_small: float, t_large: float) -> costs.Link:
+    bandwidth = (large - small) / max(t_large - t_small, 1e-9)
+    return costs.Link(max(t_small - small / bandwidth, 1e-7), bandwidth)
+
+
+def links_worker(
+    folder: Path,
+    config_path: str,
+    one: list[str],
+    threads: int | None,
+    large: int,
+    split: list[str] | None,
+) -> int:
+    """One process of `links`: rank 0 writes links.json."""
+    import torch.distributed as dist
+
+    from phalanx import loading
+    from phalanx.data import Micro, get_stream
+    from phalanx.trainer import Trainer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    place = environment.here()
+    world, rank = place.world_size, place.rank
+    cfg = config.load(config_path, [*one, "parallel.strategy=ddp", f"parallel.devices={world}"])[0]
+    trainer = Trainer(cfg, None, [Path(config_path).resolve().parent, Path.cwd()], hooks=[])
+    strategy = trainer.strategy
+    device = strategy.device
+    micro = math.ceil(cfg.dataset.batch_size / cfg.parallel.gradient_accumulation)
+    shard = [i for i in range(micro) if i % world == rank]
+    stream = get_stream(trainer.dataset, "train")
+    batch = loading.collate([stream[i] for i in shard])
+    if batch is None:
+        raise ConfigError(
+            f"a micro-batch of {micro} samples leaves process {rank} of {world} none to measure; "
+            "plan for fewer devices (--devices), or a larger dataset.batch_size"
+        )
+    step = [(Micro(shard, micro), batch)]
+    found: dict[str, Any] = {"all_reduce": {}}
+    # the shard's forward and backward on a copy of the model: the first process alone, then
+    # every process at once, with no reduction
+    found["compute_alone"] = _forward_backward(trainer, batch, device, rank == 0)
+    found["compute_side_by_side"] = _gathered_max(
+        _forward_backward(trainer, batch, device, True), device
+    )
+    found["ddp_step"] = _gathered_max(_ddp_step(trainer, step, device), device)
+    others = [*one, f"parallel.devices={world}"]
+    found["fsdp_step"] = _strategy_step(config_path, [*others, "parallel.strategy=fsdp"], step)
+    if split:
+        whole = [
+            (
+                Micro(list(range(micro)), micro),
+                loading.collate(list(map(stream.__getitem__, range(micro)))),
+            )
+        ]
+        pipeline = f"parallel.pipeline={{split: [{', '.join(split)}], microbatches: 4}}"
+        found["pipeline_step"] = _strategy_step(
+            config_path, [*others, "parallel.strategy=pipeline", pipeline], whole
+        )
+    sizes = (SMALL, large)
+    for n in range(2, world + 1):
+        sub = dist.new_group(list(range(n)))  # every process makes every group
+        if rank < n:
+            found["all_reduce"][n] = [
+                _timed(lambda x, g=sub: dist.all_reduce(x, group=g), size, device) for size in sizes
+            ]
+        dist.barrier()
+    if rank < 2:
+        other = 1 - rank
+
+        def round_trip(x: torch.Tensor) -> None:
+            if rank == 0:
+                dist.send(x, other)
+                dist.recv(x, other)
+            else:
+                dist.recv(x, other)
+                dist.send(x, other)
+
+        found["p2p"] = [_timed(round_trip, size, device) / 2 for size in sizes]
+    found["sizes"] = list(sizes)
+    dist.barrier()
+    if rank == 0:
+        (folder / "links.json").write_text(json.dumps(found))
+    strategy.shutdown()
+    return 0
+
+
+def _forward_backward(trainer: Any, batch: Mapping, device: torch.device, runs_here: bool) -> float:
+    """The median seconds of the batch's forward and backward through a copy of the model, where
+    `runs_here` (the others wait at the same barriers)."""
+    import copy
+
+    from phalanx.model import Forward
+
+    model = copy.deepcopy(trainer.model)
+    call = Forward(model, trainer.cfg.model, trainer.search_dirs)
+    batch = on_device(trainer, batch)
+    runs = []
+    for k in range(7):
+        torch.distributed.barrier()
+        if not runs_here:
+            continue
+        synchronize(device)
+        start = time.perf_counter()
+        loss = call(batch)["loss"]
+        loss.sum().backward()
+        synchronize(device)
+        if k >= 2:
+            runs.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(runs) if runs else 0.0
+
+
+def _strategy_step(config_path: str, overrides: list[str], step: list) -> float | str:
+    """The slowest process's step of the config under `overrides` (less its optimizer's), or why
+    the strategy cannot train the model (every process fails alike as it builds)."""
+    from phalanx.trainer import Trainer
+
+    try:
+        cfg = config.load(config_path, overrides)[0]
+        trainer = Trainer(cfg, None, [Path(config_path).resolve().parent, Path.cwd()], hooks=[])
+    except PhalanxError as e:
+        return str(e)
+    seconds = _ddp_step(trainer, step, trainer.strategy.device)
+    return _gathered_max(seconds, trainer.strategy.device)
+
+
+def _ddp_step(trainer: Any, step: list, device: torch.device) -> float:
+    """The median seconds of the ddp step, less its optimizer's."""
+    runs = []
+    for k in range(7):
+        torch.distributed.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        outcome = trainer.train_step(step)
+        synchronize(device)
+        if k >= 2:
+            runs.append(time.perf_counter() - start - outcome.optimizer_s)
+    return statistics.median(runs)
+
+
+def _gathered_max(seconds: float, device: torch.device) -> float:
+    """The slowest process's figure: a step lasts as long as its slowest process."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return float(value)
+
+
+def _timed(op: Any, nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    """The median seconds of `op` on a float32 tensor of `nbytes`, after two to warm up."""
+    x = torch.zeros(max(1, nbytes // 4), device=device)
+    runs = []
+    for k in range(repeats + 2):
+        synchronize(device)
+        start = time.perf_counter()
+        op(x)
+        synchronize(device)
+        if k >= 2:
+            runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def calibrated(
+    m: costs.Measured, found: dict[str, Any], devices: int, split: list[str] | None = None
+) -> costs.Measured:
+    """The measured links, and what training pays beyond them: from the ddp step of `devices`
+    processes, beyond their computation side by side, the time its reduction took more than the
+    bare all-reduce (waiting for the slowest process, waking threads: every step of several
+    processes pays it), or how much of the reduction backward hid; how much slower each process
+    computes beside the others; and what an fsdp step pays a unit, and a pipeline's a
+    micro-batch, beyond what the model prices (hooks, gathering, the schedule's own work)."""
+    small, large = found["sizes"]
+    reduce = {int(n): _link(small, large, *t) for n, t in found["all_reduce"].items()}
+    bare = reduce[devices].time(m.grad_bytes)
+    crowding = max(found["compute_side_by_side"] / max(found["compute_alone"], 1e-9), 1.0)
+    micro = math.ceil(m.batch / (m.accumulation * devices))
+    computing = m.compute.time(micro) * crowding  # as the cost model prices it
+    exposed = max(found["ddp_step"] - computing, 0.0)
+    backward = m.compute.backward_share * computing
+    sync, overlap = max(exposed - bare, 0.0), 0.0
+    if exposed < bare:
+        overlap = min(1.0, (bare - exposed) / max(backward, 1e-9))
+    m = replace(
+        m,
+        all_reduce=reduce,
+        p2p=_link(small, large, *found["p2p"]),
+        overlap=overlap,
+        crowding=crowding,
+        sync_s=sync,
+    )
+    one = replace(m, accumulation=1)  # the workers measured one micro-batch a step
+    if isinstance(found.get("fsdp_step"), str):
+        m = replace(m, refused={**m.refused, "fsdp": found["fsdp_step"]})
+    elif found.get("fsdp_step") is not None:
+        priced = costs.predict(one, costs.Setup("fsdp", devices))
+        paid = priced.parts["compute"] + priced.parts["communication"]
+        units = costs.fsdp_units(m)
+        m = replace(m, fsdp_unit_s=max(found["fsdp_step"] - paid, 0.0) / units)
+    if isinstance(found.get("pipeline_step"), str):
+        refused = found["pipeline_step"]
+        m = replace(m, refused={**m.refused, "pipeline": refused, "placement": refused})
+    elif split and found.get("pipeline_step") is not None:
+        setup = costs.Setup("pipeline", devices, devices, 4, "1f1b", tuple(split))
+        parts = costs.predict(one, setup).parts
+        paid = parts["compute"] + parts["bubble"] + parts["communication"]
+        m = replace(m, microbatch_s=max(found["pipeline_step"] - paid, 0.0) / 4)
+    return m
