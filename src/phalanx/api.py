@@ -94,9 +94,11 @@ def fit(
     """
     objects = Objects.given(model, dataset, hooks)
     raw, path = _read(config_source, _listed(overrides))
-    plan = None
+    plan: dict | None = None
     if raw.get("parallel", {}).get("strategy") == "plan":
         raw, plan = _planned(raw, path, _listed(overrides), nodes, objects)
+    if raw.get("parallel", {}).get("gradient_accumulation") == "auto":
+        raw, plan = _accumulation(raw, path, _listed(overrides), nodes, objects)
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
@@ -289,12 +291,31 @@ def _planned(
     return {**raw, "parallel": {**parallel, **settings}}, report
 
 
+def _accumulation(
+    raw: dict, path: Path | None, overrides: list[str], nodes: Nodes | None, objects: Objects
+) -> tuple[dict, dict]:
+    """`parallel.gradient_accumulation: auto`: the raw config with the count that fits, and what
+    to log."""
+    from phalanx import planner
+
+    if path is None or objects or nodes is not None:
+        raise ConfigError(
+            "parallel.gradient_accumulation=auto is measured from a config file, on one machine, "
+            "with the classes the config names; give a YAML file without model or dataset "
+            "objects, or give a number"
+        )
+    count, said = planner.accumulation_for(str(path), overrides)
+    parallel = {**raw.get("parallel", {}), "gradient_accumulation": count}
+    return {**raw, "parallel": parallel}, {"choice": said}
+
+
 def _record_plan(run_dir: Path, plan: dict | None) -> None:
-    """The plan's choice in the run's log, and the plan beside it."""
+    """The plan's choice in the run's log, and the plan beside it (where there is one)."""
     if plan is None:
         return
     log.info("%s", plan["choice"])
-    write_text_atomic(run_dir / "plan.json", json.dumps(plan, indent=1))
+    if "predictions" in plan:
+        write_text_atomic(run_dir / "plan.json", json.dumps(plan, indent=1))
 
 
 def _in_this_process(cfg: config.Config) -> str:
@@ -560,7 +581,7 @@ def what_runs(cfg: config.Config, strategy) -> str:
         threads = torch.get_num_threads()
         drives += f" with {threads} thread{'s' if threads > 1 else ''}"
     who = f"{processes} processes, each {drives}" if processes > 1 else f"1 process {drives}"
-    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.gradient_accumulation
+    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.accumulation
     micro = split_sizes(batch, min(accumulation, batch))[0]
     weights = cfg.parallel.shard_weights
     shards = strategy.data_world_size * each  # a pipeline's stages share their copy's shard

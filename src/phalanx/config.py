@@ -183,8 +183,17 @@ class ParallelConfig(_Section):
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
     strategy: str = "auto"
-    gradient_accumulation: StrictInt = Field(
-        1, ge=1, description="micro-batches per optimizer step"
+    gradient_accumulation: StrictInt | Literal["auto"] = Field(
+        1,
+        description="micro-batches per optimizer step; auto: the fewest whose predicted peak "
+        "memory fits each device (`phalanx plan`'s memory column), chosen when a run starts",
+    )
+    device_memory_gb: StrictFloat | None = Field(
+        None,
+        gt=0,
+        description="the memory of one device that a run may fill, for the planner and "
+        "gradient_accumulation: auto; default: what the device has (on the CPU, the machine's "
+        "memory shared among its processes)",
     )
     sync_batchnorm: bool = Field(
         False, description="BatchNorm statistics over the global micro-batch"
@@ -226,6 +235,23 @@ class ParallelConfig(_Section):
         if value is not None and not isinstance(value, kind):
             raise TypeError(f"parallel.{strategy} is a {type(value).__name__}, not a {kind}")
         return value
+
+    @property
+    def accumulation(self) -> int:
+        """`gradient_accumulation`, once `auto` is resolved: a run resolves it as it starts."""
+        if self.gradient_accumulation == "auto":
+            raise ConfigError(
+                "parallel.gradient_accumulation=auto is chosen when `phalanx train` (or "
+                "phalanx.fit) starts a run from a config file; here give a number"
+            )
+        return self.gradient_accumulation
+
+    @field_validator("gradient_accumulation")
+    @classmethod
+    def _one_or_more(cls, n: int | str) -> int | str:
+        if isinstance(n, int) and n < 1:
+            raise ValueError(f"gradient_accumulation must be 1 or more, or auto; got {n}")
+        return n
 
     @field_validator("cpu_threads")
     @classmethod

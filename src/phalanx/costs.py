@@ -13,7 +13,7 @@ and the optimizer on the parameters a device holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
@@ -117,6 +117,7 @@ class Prediction:
     parts: dict[str, float]  # seconds a step: compute, communication, bubble, optimizer
     reason: str
     samples_per_s: float = 0.0
+    accumulation: int = 1  # micro-batches a step it was priced at
     speedup: float = 1.0  # one device's step time over this one's
     efficiency: float = 1.0  # the speedup over the device count
     notes: list[str] = field(default_factory=list)
@@ -167,10 +168,26 @@ def candidates(m: Measured, devices: int) -> list[Setup]:
     return [s for s in out if s.strategy not in m.refused]
 
 
-def rank(m: Measured, setups: list[Setup]) -> list[Prediction]:
+def fitting(m: Measured, setup: Setup) -> Prediction:
+    """The setup at the fewest micro-batches a step, from the measured count up by doubling, whose
+    predicted peak fits a device (`gradient_accumulation: auto`); the last tried where none does."""
+    accumulation = m.accumulation
+    while True:
+        prediction = predict(replace(m, accumulation=accumulation), setup)
+        prediction.accumulation = accumulation
+        if prediction.fits or accumulation >= m.batch:
+            return prediction
+        accumulation = min(2 * accumulation, m.batch)
+
+
+def rank(m: Measured, setups: list[Setup], auto: bool = False) -> list[Prediction]:
     """The predictions, fastest first among those that fit, then those that do not; speedups and
-    efficiencies against one device."""
-    predictions = [predict(m, s) for s in setups]
+    efficiencies against one device. `auto`: each setup at the fewest micro-batches a step that
+    fit (`fitting`)."""
+    predictions = [fitting(m, s) if auto else predict(m, s) for s in setups]
+    for p in predictions:
+        if not auto:
+            p.accumulation = m.accumulation
     one = next((p.step_s for p in predictions if p.setup.strategy == "single"), None)
     for p in predictions:
         if one and p.step_s > 0:

@@ -55,24 +55,17 @@ def plan(
     if nnodes > 1 and link not in KNOWN_LINKS:
         raise ConfigError(f"--link {link!r} is not a known link; use one of {list(KNOWN_LINKS)}")
     threads = None if accelerator == "cuda" else max(1, strategies.cpu_cores() // here)
-    one = [  # the config on one device, trained by this process
-        *overrides,
-        *(["~model.n_gpus"] if cfg.model.n_gpus is not None else []),
-        "parallel.strategy=single",
-        "parallel.devices=1",
-        f"parallel.accelerator={accelerator}",
-        "main_loop.extra_streams=[]",
-        "hooks=[]",
-    ]
-    measured = measure(config_path, one, accelerator, here, threads)
+    auto = _auto(cfg)
+    measured = measure(config_path, _one(cfg, overrides, accelerator), accelerator, here, threads)
     measured = _across_machines(measured, here, nnodes, link)
-    predictions = costs.rank(measured, costs.candidates(measured, here * nnodes))
+    predictions = costs.rank(measured, costs.candidates(measured, here * nnodes), auto)
     report = {
         "config": str(config_path),
         "accelerator": accelerator,
         "devices_per_machine": here,
         "machines": nnodes,
         "cpu_threads_per_process": threads,
+        "auto_accumulation": auto,
         "measured": _jsonable(asdict(measured)),
         "predictions": [_row(p) for p in predictions],
         "seconds": time.perf_counter() - started,
@@ -85,6 +78,67 @@ def plan(
     return report
 
 
+def _one(cfg: config.Config, overrides: list[str], accelerator: str) -> list[str]:
+    """The overrides that make the config one device's, trained by this process."""
+    return [
+        *overrides,
+        *(["~model.n_gpus"] if cfg.model.n_gpus is not None else []),
+        *(
+            ["parallel.gradient_accumulation=1"]
+            if cfg.parallel.gradient_accumulation == "auto"
+            else []
+        ),
+        "parallel.strategy=single",
+        "parallel.devices=1",
+        f"parallel.accelerator={accelerator}",
+        "main_loop.extra_streams=[]",
+        "hooks=[]",
+    ]
+
+
+def _auto(cfg: config.Config) -> bool:
+    return cfg.parallel.gradient_accumulation == "auto"
+
+
+def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
+    """`parallel.gradient_accumulation: auto`: the fewest micro-batches a step whose predicted
+    peak memory fits each device under the config's own strategy and devices (measured on one
+    device, in this process, for a few seconds); and what to log about it."""
+    cfg = config.load(config_path, overrides)[0]
+    accelerator, devices = strategies.resolve_device(cfg)
+    name = strategies.strategy_name(cfg)
+    if name == "placement":
+        raise ConfigError(
+            "parallel.gradient_accumulation=auto cannot price placement's devices (each holds "
+            "the modules the config pins to it); give a number"
+        )
+    threads = None if accelerator == "cuda" else max(1, strategies.cpu_cores() // devices)
+    m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
+    m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
+    setup = costs.Setup(name, devices)
+    if name == "pipeline":
+        from phalanx.settings import PipelineSettings
+
+        settings = cfg.parallel.section("pipeline", PipelineSettings)
+        named = settings.split
+        stages = (settings.stages or devices) if named == "auto" else len(named) + 1
+        split = costs.balanced_split(m.blocks, stages) if named == "auto" else named
+        setup = costs.Setup(
+            name, devices, stages, settings.microbatches, settings.schedule, tuple(split or ())
+        )
+    p = costs.fitting(m, setup)
+    said = (
+        f"parallel.gradient_accumulation=auto chose {p.accumulation}: a predicted peak of "
+        f"{costs._mb(p.memory_bytes)} of {costs._mb(m.device_memory)} a device ({setup.label})"
+    )
+    if not p.fits:
+        raise ConfigError(
+            f"parallel.gradient_accumulation=auto found no count that fits: {said}; lower "
+            "dataset.batch_size, or use more devices or fsdp"
+        )
+    return p.accumulation, said
+
+
 def choose(config_path: str, overrides: list[str], devices: int | None) -> tuple[dict, dict]:
     """`parallel.strategy: plan`: the plan of the config (with the strategy left to it) on this
     machine, up to `devices`; returns the `parallel` settings of its fastest setup that fits and
@@ -94,15 +148,22 @@ def choose(config_path: str, overrides: list[str], devices: int | None) -> tuple
         if not p["fits"] or p["strategy"] == "placement":  # placement names devices by module
             continue
         settings: dict[str, Any] = {"strategy": p["strategy"], "devices": p["devices"]}
+        if report["auto_accumulation"]:
+            settings["gradient_accumulation"] = p["accumulation"]
         if p["strategy"] == "pipeline":
             settings["pipeline"] = {
                 "split": p["split"],
                 "microbatches": p["microbatches"],
                 "schedule": p["schedule"],
             }
+        accumulated = (
+            f" with gradient_accumulation={p['accumulation']} (auto)"
+            if report["auto_accumulation"]
+            else ""
+        )
         report["choice"] = (
-            f"parallel.strategy=plan chose {p['setup']}: predicted {p['step_ms']:.1f} ms a step, "
-            f"{p['speedup']:.2f}x of one device ({p['reason']})"
+            f"parallel.strategy=plan chose {p['setup']}{accumulated}: predicted "
+            f"{p['step_ms']:.1f} ms a step, {p['speedup']:.2f}x of one device ({p['reason']})"
         )
         return settings, report
     raise ConfigError(
@@ -140,7 +201,7 @@ def measure(
         first = str(e).splitlines()[0] if str(e) else ""
         raise ConfigError(f"the config does not build: {type(e).__name__}: {first}") from e
     batch = cfg.dataset.batch_size
-    accumulation = cfg.parallel.gradient_accumulation
+    accumulation = cfg.parallel.accumulation
     stream = get_stream(trainer.dataset, "train")
     largest = min(math.ceil(batch / accumulation), len(stream))
 
@@ -188,7 +249,7 @@ def measure(
         optimizer_bytes=optimizer_bytes,
         activation_bytes_per_sample=activations,
         data_s_per_sample=data,
-        device_memory=_device_memory(accelerator, devices),
+        device_memory=_device_memory(cfg, accelerator, devices),
         all_reduce={},
         blocks=blocks,
         chain=chain,
@@ -289,7 +350,9 @@ def _blocks(
     )
 
 
-def _device_memory(accelerator: str, devices: int) -> int:
+def _device_memory(cfg: config.Config, accelerator: str, devices: int) -> int:
+    if cfg.parallel.device_memory_gb is not None:
+        return int(cfg.parallel.device_memory_gb * (1 << 30))
     if accelerator == "cuda":
         return int(torch.cuda.get_device_properties(0).total_memory)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -332,6 +395,7 @@ def _row(p: costs.Prediction) -> dict[str, Any]:
         "efficiency": p.efficiency,
         "memory_bytes": p.memory_bytes,
         "fits": p.fits,
+        "accumulation": p.accumulation,
         "parts_ms": {k: 1e3 * v for k, v in p.parts.items()},
         "reason": p.reason,
     }

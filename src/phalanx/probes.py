@@ -91,7 +91,7 @@ def links_worker(
     trainer = Trainer(cfg, None, [Path(config_path).resolve().parent, Path.cwd()], hooks=[])
     strategy = trainer.strategy
     device = strategy.device
-    micro = math.ceil(cfg.dataset.batch_size / cfg.parallel.gradient_accumulation)
+    micro = math.ceil(cfg.dataset.batch_size / cfg.parallel.accumulation)
     shard = [i for i in range(micro) if i % world == rank]
     stream = get_stream(trainer.dataset, "train")
     batch = loading.collate([stream[i] for i in shard])

@@ -364,7 +364,7 @@ class Trainer(Checkpointing):
                 loading.StreamSteps(
                     stream,
                     cfg.dataset.batch_size,
-                    cfg.parallel.gradient_accumulation,
+                    cfg.parallel.accumulation,
                     strategy.data_rank,
                     strategy.data_world_size,
                     self.shard_weights,
@@ -382,7 +382,7 @@ class Trainer(Checkpointing):
         plan = data.Plan(
             data.epoch_order(cfg.seed, epoch, len(stream), self.order),
             cfg.dataset.batch_size,
-            cfg.parallel.gradient_accumulation,
+            cfg.parallel.accumulation,
             strategy.data_rank,
             strategy.data_world_size,
             self.shard_weights,

@@ -110,3 +110,33 @@ def test_a_run_of_strategy_plan_trains_with_the_plans_choice_and_says_why(tmp_pa
     log = (run / "log.txt").read_text()
     assert "parallel.strategy=plan chose single: predicted" in log
     assert "strategy: single" in (run / "config.yaml").read_text()  # what a resume takes
+
+
+def test_auto_accumulation_trains_with_the_fewest_micro_batches_that_fit(tmp_path):
+    """Devices of 8 MB: the wide MLP's 4.5 MB of parameters and gradients and the activations of
+    1,024 samples (about 6.5 MB) do not fit in one micro-batch; the run takes the fewest that do,
+    says so, and keeps the count in its config."""
+    raw = {
+        **WIDE,
+        "dataset": {**WIDE["dataset"], "n_train": 2048},
+        "parallel": {"gradient_accumulation": "auto", "device_memory_gb": 0.008},
+    }
+    path = toy.write_config(tmp_path, raw)
+    result = _run(["train", str(path), "output_root=runs"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run] = list((tmp_path / "runs").iterdir())
+    said = [
+        line
+        for line in (run / "log.txt").read_text().splitlines()
+        if "parallel.gradient_accumulation=auto chose" in line
+    ]
+    assert len(said) == 1, said
+    count = int(said[0].split("chose ")[1].split(":")[0])
+    assert count >= 2 and "of 8.2 MB a device" in said[0]
+    assert f"gradient_accumulation: {count}" in (run / "config.yaml").read_text()
+    # a device that holds nothing more than the state is one line, before any run is made
+    raw["parallel"]["device_memory_gb"] = 0.001
+    toy.write_config(tmp_path, raw)
+    result = _run(["train", str(path), "output_root=runs2"], tmp_path)
+    assert result.returncode != 0 and "found no count that fits" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "runs2").exists()

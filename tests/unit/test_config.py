@@ -200,8 +200,10 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.pipeline.microbatches",
         "parallel.pipeline.stages_per_process",
         "parallel.pipeline.stages",
+        "parallel.gradient_accumulation",
+        "parallel.device_memory_gb",
     } <= set(keys)
-    assert len(keys) == 25, keys
+    assert len(keys) == 26, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])
@@ -617,3 +619,19 @@ def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypat
     assert "unknown key 'parallel.ring'" in _error(
         toy.regression_config(parallel={"ring": {"rings": 3}})
     )
+
+
+def test_gradient_accumulation_is_a_count_or_auto_which_a_run_resolves():
+    cfg = config.validate(toy.regression_config(parallel={"gradient_accumulation": "auto"}))
+    with pytest.raises(config.ConfigError, match="gradient_accumulation=auto is chosen when"):
+        cfg.parallel.accumulation  # noqa: B018 - what every consumer reads
+    assert (
+        config.validate(
+            toy.regression_config(parallel={"gradient_accumulation": 3})
+        ).parallel.accumulation
+        == 3
+    )
+    message = _error(toy.regression_config(parallel={"gradient_accumulation": 0}))
+    assert "gradient_accumulation" in message and "1 or more, or auto" in message
+    message = _error(toy.regression_config(parallel={"device_memory_gb": -1.0}))
+    assert "parallel.device_memory_gb" in message

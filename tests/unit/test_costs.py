@@ -167,3 +167,18 @@ def test_the_links_are_calibrated_to_what_a_ddp_step_paid():
 def test_a_strategy_that_cannot_train_the_model_is_not_planned():
     m = measured(refused={"pipeline": "a tied weight", "placement": "a tied weight"})
     assert {s.strategy for s in costs.candidates(m, 4)} == {"single", "ddp", "fsdp"}
+
+
+def test_auto_accumulation_is_the_fewest_micro_batches_whose_peak_fits():
+    # 400 MB of state and 1 MB of activations a sample: 64 samples need 464 MB, 16 need 416 MB
+    m = measured(device_memory=420 << 20)
+    single = costs.fitting(m, Setup("single", 1))
+    assert single.fits and single.accumulation == 4  # 2 micro-batches of 32 need 432 MB
+    assert not costs.predict(m, Setup("single", 1)).fits
+    ddp = costs.fitting(m, Setup("ddp", 2))  # 32 samples a process
+    assert ddp.fits and ddp.accumulation == 2
+    never = costs.fitting(measured(device_memory=300 << 20), Setup("single", 1))
+    assert not never.fits and never.accumulation == 64  # the state alone does not fit
+    ranked = costs.rank(m, costs.candidates(m, 2), auto=True)
+    assert all(p.fits for p in ranked)
+    assert not all(p.fits for p in costs.rank(m, costs.candidates(m, 2)))

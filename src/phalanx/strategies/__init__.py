@@ -206,7 +206,7 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
     return Pipeline(
         accelerator,
         settings,
-        window=-(-cfg.dataset.batch_size // cfg.parallel.gradient_accumulation),
+        window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
         timeout_s=cfg.parallel.timeout_s,
         backend=cfg.parallel.backend,
     )
