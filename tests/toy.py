@@ -279,6 +279,28 @@ class SlowSave(Linear):
         return super().state_dict(*args, **kwargs)
 
 
+class OutOfMemoryAbove(Linear):
+    """Linear whose training forward raises torch.OutOfMemoryError on rank `rank` alone when given
+    more than `rows` samples, from its `after`-th training forward on (a device too small for
+    micro-batches larger than `rows`)."""
+
+    def __init__(self, features: int = 3, rows: int = 2, rank: int = 1, after: int = 1):
+        super().__init__(features)
+        self.rows, self.oom_rank, self.after, self.calls = rows, rank, after, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        import os
+
+        if self.training:
+            self.calls += 1
+            here = int(os.environ.get("RANK", 0)) == self.oom_rank
+            if here and self.calls >= self.after and x.shape[0] > self.rows:
+                raise torch.OutOfMemoryError(
+                    f"injected: {x.shape[0]} samples on a device that holds {self.rows}"
+                )
+        return super().forward(x, y)
+
+
 class FailAt(Linear):
     """Raises on rank `rank` at training step `step` (counting forward calls in training mode)."""
 

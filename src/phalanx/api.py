@@ -113,9 +113,7 @@ def fit(
                 _record_plan(run_dir, plan)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                code = launch.launch(
-                    run_dir, devices, run_worker, False, [], restarts=cfg.parallel.max_restarts
-                )
+                code = _launch_until_it_fits(run_dir, devices, False, [], cfg.parallel.max_restarts)
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
                     _discard(run_dir)
@@ -139,7 +137,16 @@ def fit(
                 log.info("%s", note)
             _log_start(cfg, strategy, trainer)
             trainer.initialise_from()
-            return _ended(run_dir, trainer, _run(trainer))
+            try:
+                return _ended(run_dir, trainer, _run(trainer))
+            except torch.OutOfMemoryError:
+                if objects:  # a model object cannot be built again as it began
+                    raise
+                more = _doubled(run_dir, [], "the process")
+                if more is None:
+                    raise
+            del trainer
+            return _until_it_fits(run_dir, more)
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -432,7 +439,13 @@ def _resume(
         objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     )
     if nodes is None and not strategies.needs_launch(cfg):
-        return _ended(run_dir, *_work(run_dir, True, overrides, objects))
+        try:
+            return _ended(run_dir, *_work(run_dir, True, overrides, objects))
+        except torch.OutOfMemoryError:
+            more = None if objects else _doubled(run_dir, list(overrides), "the process")
+            if more is None:
+                raise
+        return _until_it_fits(run_dir, more)
     if objects:
         raise ConfigError(_in_this_process(cfg))
     store = None
@@ -442,16 +455,97 @@ def _resume(
         machines.agree(store, nodes, rundir.resolved(cfg))
     if nodes is None or nodes.rank == 0:
         logs.setup(run_dir)
-    return launch.launch(
-        run_dir,
-        strategies.resolve_device(cfg)[1],
-        run_worker,
-        True,
-        list(overrides),
-        nodes=nodes,
-        store=store,
-        restarts=cfg.parallel.max_restarts,
+    if nodes is not None:
+        return launch.launch(
+            run_dir,
+            strategies.resolve_device(cfg)[1],
+            run_worker,
+            True,
+            list(overrides),
+            nodes=nodes,
+            store=store,
+            restarts=cfg.parallel.max_restarts,
+        )
+    return _launch_until_it_fits(
+        run_dir, strategies.resolve_device(cfg)[1], True, list(overrides), cfg.parallel.max_restarts
     )
+
+
+def _until_it_fits(run_dir: Path, count: int) -> Run:
+    """The run of this process again, from its last checkpoint, with `count` micro-batches a step;
+    twice as many again while it runs out of device memory."""
+    import gc
+
+    while True:
+        gc.collect()  # the failed attempt's tensors
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            more = [f"parallel.gradient_accumulation={count}"]
+            return _ended(run_dir, *_work(run_dir, False, more))
+        except torch.OutOfMemoryError:
+            doubled = _doubled(run_dir, [], "the process")
+            if doubled is None:
+                raise
+            count = doubled
+
+
+def _launch_until_it_fits(
+    run_dir: Path, devices: int, resume: bool, overrides: list[str], restarts: int
+) -> int:
+    """Launch the run's workers; where one runs out of device memory, every worker has ended (the
+    failing one ends the others at once: none is left waiting in a collective), so launch them
+    again with twice the micro-batches a step, kept in the run's config, from the last checkpoint
+    (the steps since are trained again, the same: the global batch and the gradients do not
+    depend on the count); until the micro-batches are single samples."""
+    while True:
+        try:
+            return launch.launch(run_dir, devices, run_worker, resume, overrides, restarts=restarts)
+        except PhalanxError:
+            more = _more_micro_batches(run_dir, overrides)
+            if more is None:
+                raise
+            overrides = [*overrides, f"parallel.gradient_accumulation={more}"]
+
+
+def _more_micro_batches(run_dir: Path, overrides: list[str]) -> int | None:
+    """After a launch that failed: where a worker ran out of memory and a step can be cut in more
+    micro-batches, twice as many, written into the run's config (and the run's log saying so)."""
+    marker = run_dir / launch.OOM_FILE
+    if not marker.is_file():
+        return None
+    rank = marker.read_text().strip()
+    marker.unlink(missing_ok=True)
+    return _doubled(run_dir, overrides, f"process {rank}")
+
+
+def _doubled(run_dir: Path, overrides: list[str], who: str) -> int | None:
+    """Twice the run's micro-batches a step, written into its config and said in its log; None
+    where they are single samples already."""
+    saved = rundir.load_config_text(run_dir)
+    cfg = config.validate(config.apply_overrides(saved, overrides))
+    count, batch = cfg.parallel.accumulation, cfg.dataset.batch_size
+    if count >= batch:
+        log.error(
+            "%s ran out of device memory with micro-batches of one sample: lower the model's "
+            "size or use fsdp",
+            who,
+        )
+        return None
+    more = min(2 * count, batch)
+    saved.setdefault("parallel", {})["gradient_accumulation"] = more
+    write_text_atomic(run_dir / rundir.CONFIG, config.dump(saved))
+    log.warning(
+        "%s ran out of device memory with %d micro-batch%s a step; %sthe run goes on from its "
+        "last checkpoint with %d (parallel.gradient_accumulation=%d, kept in its config)",
+        who,
+        count,
+        "" if count == 1 else "es",
+        "every process has stopped, and " if who.startswith("process") else "",
+        more,
+        more,
+    )
+    return more
 
 
 @contextlib.contextmanager

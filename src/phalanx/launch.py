@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx")
 STOP_FILE = ".stop-requested"  # the workers finish their step, save and exit
 ABORT_FILE = ".stop-now"  # the workers exit at once; it holds their exit code
+OOM_FILE = ".out-of-memory"  # a worker ran out of device memory; it holds the worker's rank
 SHUTDOWN_TIMEOUT_S = 5
 GUARD_INTERVAL_S = 0.1
 RENDEZVOUS = "phalanx-loopback"
@@ -160,6 +161,7 @@ def launch(
                 **common,
             )
     clear_requests(run_dir)
+    (run_dir / OOM_FILE).unlink(missing_ok=True)  # the launcher reads it after a failed launch
     for name in (
         "torch.distributed.elastic",
         "torch.distributed.elastic.multiprocessing.api",
@@ -395,11 +397,19 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
 
         dump_stacks(Path(run_dir))
         failures.record(e, progress.explain(e))
+        if _out_of_memory(e):  # the launcher may go on with more micro-batches a step
+            _write(Path(run_dir) / OOM_FILE, str(environment.here().rank))
         # the other workers of this attempt need not wait for their timeout (the next attempt's
         # ignore it)
         _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
         sys.stdout.flush()
         os._exit(2 if isinstance(e, PhalanxError) else 1)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError)
 
 
 def _detach_from_terminal() -> None:
