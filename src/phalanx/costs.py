@@ -16,12 +16,22 @@ import math
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv")
-# the idle slots a pipeline of P processes pays per step, in slots of one micro-batch, by schedule
-# (GPipe and 1F1B: P - 1; two stages a process halve them; zero-bubble V: the backward's weight
-# half fills about two thirds)
-_BUBBLE = {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.5, "zbv": 1 / 3}
-_CROSSINGS = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbv": 1}  # messages a cut, per direction
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
+TWO_A_PROCESS = ("interleaved", "zero_bubble", "zbv", "dualpipev")  # stages per process: 2
+# the idle slots a pipeline of P processes pays per step, in its busiest process's slots of one
+# micro-batch, by schedule: GPipe and 1F1B P - 1; two stages a process halve them; the
+# zero-bubble schedules fill about two thirds of what is left with the backward's weight halves
+# (approximations of the schedules' own tables, for ranking)
+_BUBBLE = {
+    "gpipe": 1.0,
+    "1f1b": 1.0,
+    "interleaved": 0.5,
+    "zero_bubble": 1 / 6,
+    "zbv": 1 / 6,
+    "dualpipev": 1 / 6,
+}
+# a process's cuts a micro-batch crosses, each way: one stage a process has one; two, two
+_CROSSINGS = {s: 2 if s in TWO_A_PROCESS else 1 for s in SCHEDULES}
 
 
 @dataclass(frozen=True)
@@ -151,20 +161,21 @@ def candidates(m: Measured, devices: int) -> list[Setup]:
         out += [Setup("ddp", n), Setup("fsdp", n)]
         if m.gpus >= n:
             out.append(Setup("towers", n))
-    cuts = [i for i, b in enumerate(m.blocks) if b.cut_before and i > 0]
-    for stages in range(2, min(devices, len(cuts) + 1) + 1):
-        split = _balanced(m.blocks, stages)
-        if split is None:
-            continue
-        names = tuple(m.blocks[i].name for i in split)
-        for copies in range(1, devices // stages + 1):
-            for mb in (1, 2, 4, 8, 16):
-                for schedule in SCHEDULES:
-                    if schedule in ("interleaved", "zbv") and (mb < stages or copies > 1):
-                        continue  # their own conditions on micro-batches; kept to one copy here
-                    out.append(Setup("pipeline", stages * copies, stages, mb, schedule, names))
-        if m.gpus >= stages:
-            out.append(Setup("placement", stages, stages, 1, "gpipe", names))
+    for stages in range(2, devices + 1):  # processes in a copy of the pipeline
+        for schedule in SCHEDULES:
+            per = 2 if schedule in TWO_A_PROCESS else 1
+            split = balanced_split(m.blocks, per * stages)
+            if split is None:
+                continue
+            for copies in range(1, devices // stages + 1):
+                for mb in (1, 2, 4, 8, 16):
+                    if per > 1 and (mb < stages or mb % stages or copies > 1):
+                        continue  # their schedules' own conditions; one copy here
+                    setup = Setup("pipeline", stages * copies, stages, mb, schedule, tuple(split))
+                    out.append(setup)
+        split = balanced_split(m.blocks, stages)
+        if m.gpus >= stages and split is not None:
+            out.append(Setup("placement", stages, stages, 1, "gpipe", tuple(split)))
     return [s for s in out if s.strategy not in m.refused]
 
 
@@ -271,19 +282,26 @@ def _fsdp(m: Measured, setup: Setup) -> Prediction:
 
 
 def _pipeline(m: Measured, setup: Setup) -> Prediction:
-    p, mb = setup.stages, setup.microbatches
+    p, mb = setup.stages, setup.microbatches  # processes in a copy of the pipeline
     copies = setup.devices // p
     index = {b.name: i for i, b in enumerate(m.blocks)}
     bounds = [0, *(index[n] for n in setup.split), len(m.blocks)]
     shares = [sum(b.share for b in m.blocks[lo:hi]) for lo, hi in pairwise(bounds)]
+    held = [float(sum(b.param_bytes for b in m.blocks[lo:hi])) for lo, hi in pairwise(bounds)]
     outside = max(0.0, 1.0 - sum(shares))  # the model's modules around the chain
     shares[0] += outside / 2
     shares[-1] += outside / 2
+    rest = (m.param_bytes - sum(held)) / 2
+    held[0] += rest
+    held[-1] += rest
+    mine = _stages_of(setup.schedule, p, len(shares))  # each process's stages
+    share = max(sum(shares[k] for k in ks) for ks in mine)  # the busiest process's part
     micro = math.ceil(m.batch / (m.accumulation * copies * mb))
     whole = m.compute.time(micro) * (m.crowding if setup.strategy == "pipeline" else 1.0)
-    slot = max(shares) * whole  # the slowest stage's forward and backward of one micro-batch
+    slot = share * whole  # the busiest process's forward and backward of one micro-batch
     crossing = max(m.blocks[i].input_bytes_per_sample for i in bounds[1:-1]) * micro
-    # each micro-batch's activation goes forward and its gradient back at the slowest cut
+    # each micro-batch's activation goes forward and its gradient back at each of the process's
+    # cuts
     message = 0.0 if m.p2p is None else 2 * _CROSSINGS[setup.schedule] * m.p2p.time(crossing)
     compute = m.accumulation * mb * slot
     # too few micro-batches to fill the pipeline leave nothing for a cleverer schedule to overlap
@@ -294,26 +312,34 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     if setup.strategy == "pipeline":  # the step's loss and stop flag, agreed by every process
         communication += _link(m, setup.devices).latency_s + m.sync_s
         if copies > 1:  # each stage's copies add their gradients
-            communication += _link(m, copies).time(max(shares) * m.grad_bytes)
-    held = (
-        max(sum(b.param_bytes for b in m.blocks[lo:hi]) for lo, hi in pairwise(bounds))
-        + (m.param_bytes - sum(b.param_bytes for b in m.blocks)) / 2
-    )
-    state = held * (1 + (m.grad_bytes + m.optimizer_bytes) / max(m.param_bytes, 1))
+            communication += _link(m, copies).time(share * m.grad_bytes)
+    state = max(sum(held[k] for k in ks) for ks in mine)
+    state *= 1 + (m.grad_bytes + m.optimizer_bytes) / max(m.param_bytes, 1)
     in_flight = mb if setup.schedule == "gpipe" else min(mb, p)
-    memory = state + in_flight * m.activation_bytes_per_sample * micro * max(shares)
+    memory = state + in_flight * m.activation_bytes_per_sample * micro * share
     parts = {
         "compute": compute,
         "bubble": bubble,
         "communication": communication,
-        "optimizer": m.optimizer_s * max(shares),
+        "optimizer": m.optimizer_s * share,
     }
+    stages = f"{len(shares)} stages on {p} processes" if len(shares) != p else f"{p} stages"
     reason = (
-        f"{mb} micro-batch{'es' if mb != 1 else ''} of {micro} through {p} stages, the slowest "
-        f"{_ms(slot)} each: a bubble of {_ms(bubble)}, {_ms(messages)} of messages "
+        f"{mb} micro-batch{'es' if mb != 1 else ''} of {micro} through {stages}, the busiest "
+        f"process {_ms(slot)} each: a bubble of {_ms(bubble)}, {_ms(messages)} of messages "
         f"({_mb(crossing)} at a cut)"
     )
     return _made(m, setup, parts, memory, reason)
+
+
+def _stages_of(schedule: str, processes: int, stages: int) -> list[list[int]]:
+    """Each process's stages: one each; looped (p, p + P, ...) for interleaved and zero_bubble; in
+    a V (p and 2P - 1 - p) for zbv and dualpipev."""
+    if stages == processes:
+        return [[k] for k in range(processes)]
+    if schedule in ("zbv", "dualpipev"):
+        return [[k, 2 * processes - 1 - k] for k in range(processes)]
+    return [list(range(k, stages, processes)) for k in range(processes)]
 
 
 # --- helpers ------------------------------------------------------------------------------

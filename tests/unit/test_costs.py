@@ -182,3 +182,21 @@ def test_auto_accumulation_is_the_fewest_micro_batches_whose_peak_fits():
     ranked = costs.rank(m, costs.candidates(m, 2), auto=True)
     assert all(p.fits for p in ranked)
     assert not all(p.fits for p in costs.rank(m, costs.candidates(m, 2)))
+
+
+def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
+    from phalanx.settings import PipelineSettings
+
+    m = measured(blocks=tuple(Block(f"net.{i}", 1 / 8, 1 << 20, 4096, True) for i in range(8)))
+    setups = [s for s in costs.candidates(m, 2) if s.strategy == "pipeline"]
+    assert {s.schedule for s in setups} == set(costs.SCHEDULES)
+    for s in setups:
+        # what strategy: plan writes into the config is a pipeline the settings accept, with the
+        # stages its schedule runs on the processes
+        settings = PipelineSettings(
+            split=list(s.split), microbatches=s.microbatches, schedule=s.schedule
+        )
+        assert len(s.split) + 1 == s.stages * settings.stages_per_process, s
+    v = costs.predict(m, Setup("pipeline", 2, 2, 4, "zbv", ("net.2", "net.4", "net.6")))
+    assert "4 stages on 2 processes" in v.reason
+    assert v.parts["compute"] == pytest.approx(4 * 0.5 * m.compute.time(16))  # half each
