@@ -117,7 +117,7 @@ class LogProfile(_Writer):
         not hide), and where it is more than half, a warning with what one device would take."""
         steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
         waited = max(sampled[0] - sampled[1], 0.0) * steps if sampled is not None else 0.0
-        training = {k: v for k, v in profile.items() if k != "eval"}
+        training = {k: v for k, v in profile.items() if k not in ("eval", "after_epoch")}
         computing = max(training.get("forward_backward", 0.0) - waited, 0.0)
         communicating = training.get("communication", 0.0) + waited
         total = sum(training.values()) or 1.0
