@@ -411,20 +411,17 @@ def fsdp_units(m: Measured) -> int:
 
 
 def balanced_split(blocks: tuple[Block, ...], stages: int) -> list[str] | None:
-    """The module names where stages 2.. start, balanced by the blocks' time (None where the
-    blocks cannot be cut into `stages`)."""
-    cut = _balanced(blocks, stages) if len(blocks) >= stages else None
-    return None if cut is None else [blocks[i].name for i in cut]
-
-
-def _balanced(blocks: tuple[Block, ...], stages: int) -> list[int] | None:
-    """The block indices where stages 2.. start, the slowest stage as fast as it can be."""
-    return partition(
+    """The module names where stages 2.. start, the slowest stage by the blocks' time as fast as
+    it can be (None where the blocks cannot be cut into `stages`)."""
+    if len(blocks) < stages:
+        return None
+    cut = partition(
         [b.share for b in blocks],
         stages,
         {i for i, b in enumerate(blocks) if b.cut_before},
         [b.param_bytes > 0 for b in blocks],
     )
+    return None if cut is None else [blocks[i].name for i in cut]
 
 
 def _ms(seconds: float) -> str:

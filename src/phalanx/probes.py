@@ -108,7 +108,7 @@ def links_worker(
     found["compute_side_by_side"] = _gathered_max(
         _forward_backward(trainer, batch, device, True), device
     )
-    found["ddp_step"] = _gathered_max(_ddp_step(trainer, step, device), device)
+    found["ddp_step"] = _gathered_max(_step_seconds(trainer, step, device), device)
     others = [*one, f"parallel.devices={world}"]
     found["fsdp_step"] = _strategy_step(config_path, [*others, "parallel.strategy=fsdp"], step)
     if split:
@@ -186,12 +186,12 @@ def _strategy_step(config_path: str, overrides: list[str], step: list) -> float 
         trainer = Trainer(cfg, None, [Path(config_path).resolve().parent, Path.cwd()], hooks=[])
     except PhalanxError as e:
         return str(e)
-    seconds = _ddp_step(trainer, step, trainer.strategy.device)
+    seconds = _step_seconds(trainer, step, trainer.strategy.device)
     return _gathered_max(seconds, trainer.strategy.device)
 
 
-def _ddp_step(trainer: Any, step: list, device: torch.device) -> float:
-    """The median seconds of the ddp step, less its optimizer's."""
+def _step_seconds(trainer: Any, step: list, device: torch.device) -> float:
+    """The median seconds of the trainer's step (its strategy's), less its optimizer's."""
     runs = []
     for k in range(7):
         torch.distributed.barrier()
