@@ -325,7 +325,8 @@ def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_
     }
     result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
     assert result.returncode == 1
-    assert record.read_text().split() == ["0", "1", "2"]  # exactly max_restarts + 1 attempts
+    # exactly max_restarts + 1 attempts
+    assert record.read_text().split() == ["0", "1", "2"], result.stdout + result.stderr
     assert "injected failure on rank 1, attempt 0" in result.stderr  # the first failure's traceback
     assert result.stderr.count("the workers started again") == 2  # said once a restart, by rank 0
     assert "Traceback" in result.stderr
