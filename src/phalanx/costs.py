@@ -297,7 +297,9 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     mine = _stages_of(setup.schedule, p, len(shares))  # each process's stages
     share = max(sum(shares[k] for k in ks) for ks in mine)  # the busiest process's part
     micro = math.ceil(m.batch / (m.accumulation * copies * mb))
-    whole = m.compute.time(micro) * (m.crowding if setup.strategy == "pipeline" else 1.0)
+    whole = m.compute.time(micro)
+    if setup.strategy == "pipeline":  # processes on one machine slow each other while both compute
+        whole *= 1 + (m.crowding - 1) * _together(p, mb, copies)
     slot = share * whole  # the busiest process's forward and backward of one micro-batch
     crossing = max(m.blocks[i].input_bytes_per_sample for i in bounds[1:-1]) * micro
     # each micro-batch's activation goes forward and its gradient back at each of the process's
@@ -330,6 +332,15 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
         f"({_mb(crossing)} at a cut)"
     )
     return _made(m, setup, parts, memory, reason)
+
+
+def _together(processes: int, microbatches: int, copies: int) -> float:
+    """The share of a pipeline's step in which its processes compute at once: none with one
+    micro-batch (they take turns), the steady state's `mb - 1` of its `mb + P - 1` slots with more;
+    copies side by side always."""
+    if copies > 1:
+        return 1.0
+    return (microbatches - 1) / (microbatches + processes - 1)
 
 
 def _stages_of(schedule: str, processes: int, stages: int) -> list[list[int]]:

@@ -92,6 +92,24 @@ def test_the_pipeline_pays_its_bubble_and_more_micro_batches_shrink_it():
     )
 
 
+def test_a_pipeline_pays_crowding_only_while_its_processes_compute_at_once():
+    """Processes of one machine slow each other while both compute: one micro-batch's stages take
+    turns and pay nothing for it; the more micro-batches, the more of the step they share."""
+    split = ("net.2",)
+    free = {"all_reduce": {2: Link(0.0, 1e18)}, "p2p": Link(0.0, 1e18)}
+    alone, crowded = measured(**free), measured(**free, crowding=1.2)
+
+    def busy(m: Measured, mb: int, devices: int = 2) -> float:
+        p = costs.predict(m, Setup("pipeline", devices, 2, mb, "gpipe", split)).parts
+        return p["compute"] + p["bubble"]
+
+    assert busy(crowded, 1) == pytest.approx(busy(alone, 1))
+    assert busy(crowded, 4) == pytest.approx(busy(alone, 4) * (1 + 0.2 * 3 / 5))
+    assert busy(crowded, 16) == pytest.approx(busy(alone, 16) * (1 + 0.2 * 15 / 17))
+    # copies of the pipeline compute side by side all the time
+    assert busy(crowded, 1, devices=4) == pytest.approx(busy(alone, 1, devices=4) * 1.2)
+
+
 def test_a_setup_that_does_not_fit_ranks_after_every_one_that_does():
     # 16 GB of parameters, gradients and optimizer state: one 10 GB device cannot hold them; 4
     # fsdp shards (4 GB each) can
