@@ -195,6 +195,9 @@ class Trainer(Checkpointing):
         self._round_profile = dict.fromkeys(
             _TRAINING_TIMES, 0.0
         )  # the same, since the last evaluation round
+        # the epoch's (until its end adds them to `profile`), and the steps' not yet added to it
+        self._epoch_times: dict[str, float] | None = None
+        self._live = [0.0] * len(_TRAINING_TIMES)
         self._last_loss: torch.Tensor | None = None
         self._settle: Callable[[], object] | None = None  # the last step's loss, while in flight
         # the epoch's training losses: the sum of the settled ones, the last one's, and their count
@@ -328,9 +331,11 @@ class Trainer(Checkpointing):
         profile = dict.fromkeys(
             ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
         )
+        self._epoch_times = profile
         try:
             self._train_steps(self._steps(epoch), profile)
         finally:  # also when a hook or a signal ends the epoch early
+            self._epoch_times = None
             for key, seconds in profile.items():
                 self.profile[key] += seconds
         self.epoch, self.step_in_epoch = epoch, 0
@@ -449,7 +454,9 @@ class Trainer(Checkpointing):
         clock, stop = time.perf_counter, self.stop
         train_step = self.train_step
         every = self.cfg.main_loop.eval_every_n_steps
-        fetching = computing = communicating = optimizing = hooking = 0.0
+        # seconds fetching, computing, communicating, optimizing and in hooks, since they were last
+        # added to the epoch's `profile` (a list that `times_so_far` reads)
+        live = self._live = [0.0] * len(_TRAINING_TIMES)
         try:
             t0 = clock()
             for k, fetched in steps:  # planning and fetching the step count as data time
@@ -466,11 +473,11 @@ class Trainer(Checkpointing):
                 terminated = self._after_batch(listeners, TRAIN, result.parts)
                 t3 = clock()
                 communication, optimizer = result.communication_s, result.optimizer_s
-                fetching += t1 - t0
-                computing += t2 - t1 - communication - optimizer
-                communicating += communication
-                optimizing += optimizer
-                hooking += t3 - t2
+                live[0] += t1 - t0
+                live[1] += t2 - t1 - communication - optimizer
+                live[2] += communication
+                live[3] += optimizer
+                live[4] += t3 - t2
                 if terminated is not None:
                     raise terminated
                 if result.stop:
@@ -478,26 +485,29 @@ class Trainer(Checkpointing):
                 if (
                     every is not None and self.step % every == 0
                 ):  # an evaluation round, inside the epoch
-                    for key, seconds in zip(
-                        _TRAINING_TIMES,
-                        (fetching, computing, communicating, optimizing, hooking),
-                        strict=True,
-                    ):
-                        self._round_profile[key] += seconds
-                        profile[key] += seconds
-                    fetching = computing = communicating = optimizing = hooking = 0.0
+                    self._add_times(live, profile)
                     self._evaluation_round(every)
                     t3 = clock()
                 t0 = t3
         finally:
             self._settled()  # no agreement in flight outlives the steps
-            for key, seconds in zip(
-                _TRAINING_TIMES,
-                (fetching, computing, communicating, optimizing, hooking),
-                strict=True,
-            ):
-                profile[key] += seconds
-                self._round_profile[key] += seconds
+            self._add_times(live, profile)
+
+    def _add_times(self, live: list[float], profile: dict[str, float]) -> None:
+        """The steps' seconds since they were last added, into the epoch's and the round's."""
+        for k, (key, seconds) in enumerate(zip(_TRAINING_TIMES, live, strict=True)):
+            profile[key] += seconds
+            self._round_profile[key] += seconds
+            live[k] = 0.0
+
+    def times_so_far(self) -> dict[str, float]:
+        """Seconds this process spent so far in the run, by part of the loop, up to the last step
+        (`profile` adds an epoch's at its end)."""
+        times = dict(self.profile)
+        for part in (self._epoch_times or {}), dict(zip(_TRAINING_TIMES, self._live, strict=True)):
+            for key, seconds in part.items():
+                times[key] = times.get(key, 0.0) + seconds
+        return times
 
     @property
     def last_loss(self) -> torch.Tensor | None:

@@ -88,8 +88,9 @@ class RunView:
 
     @property
     def profile(self) -> dict[str, float]:
-        """Seconds this process spent so far, by part of the loop (a copy)."""
-        return dict(self._run.profile)
+        """Seconds this process spent so far in the run, by part of the loop, up to the last
+        step (a copy)."""
+        return self._run.times_so_far()
 
     def learning_rates(self) -> list[float]:
         """The optimizer's current learning rate of each parameter group."""

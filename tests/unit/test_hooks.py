@@ -400,6 +400,41 @@ def test_log_profile_labels_ddps_run_long_average_and_repeats_it_only_when_it_ch
     ]
 
 
+def test_log_profile_judges_the_communication_share_after_the_first_steps_not_the_epoch():
+    """Steps 6 to 25 are judged (the first five, slow with first calls, are not), as the run goes:
+    a long epoch need not end before the run says that it waits for communication."""
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("phalanx")
+    strategy = _SampledDDP()
+    strategy.sampled = (0.0, 0.0)  # nothing inside backward: the share is what the steps say
+    view = SimpleNamespace(strategy=strategy, training=True, step_in_epoch=0, steps_per_epoch=1000)
+    hook = LogProfile()
+    hook.attach(view)
+    try:
+        logs.setup(None)
+        logger.addHandler(handler)
+        for step in range(1, 40):
+            # the first 5 steps: 1 s each of computation; then 4 ms computing, 6 ms communicating
+            slow = min(step, 5)
+            fast = max(step - 5, 0)
+            view.profile = {
+                "forward_backward": 1.0 * slow + 0.004 * fast,
+                "communication": 0.006 * fast,
+                "eval": 9.0,  # not a step's
+            }
+            hook.after_batch("train", {})
+    finally:
+        logger.removeHandler(handler)
+    shares = [m for m in messages if m.startswith("communication |")]
+    assert shares == ["communication | 60% of the training time (6.00 ms a step)"]
+    warned = [m for m in messages if "more than half of each step waits" in m]
+    assert len(warned) == 1 and "one device would take about 8.0 ms a step" in warned[0]
+    hook.after_epoch_profile(1, {"forward_backward": 1.0}, "train", [])  # said once a run
+    assert len([m for m in messages if m.startswith("communication |")]) == 1
+
+
 def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
     trainer = make_trainer(
         tmp_path,

@@ -73,11 +73,34 @@ class LogProfile(_Writer):
     With several processes, also the gradient all-reduce inside backward per step and how much of
     it computation hid. Those figures are DDP's own: running averages over the steps it sampled in
     the whole run so far (the first 10, then 1 in 100), not this epoch's; they are labelled so and
-    logged only when a new sample changed them."""
+    logged only when a new sample changed them.
+
+    And once a run of several processes, after its first steps (the `JUDGED` after `WARM`, or the
+    first epoch where it is shorter): the share of a step spent communicating, with a warning and
+    one device's estimate where it is more than half."""
+
+    gathers = False
+    WARM, JUDGED = 5, 20  # steps: the first ones (allocations, first calls) are not judged
 
     def __init__(self) -> None:
         self._reported: tuple[float, float] | None = None
         self._judged = False  # whether the communication share was said (once a run)
+        self._steps = 0  # training steps this run has seen
+        self._warm: dict[str, float] | None = None  # the times after the WARM steps
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        if self._judged or not self.trainer.training:
+            return
+        self._steps += 1
+        if self._steps == self.WARM:
+            self._warm = self.trainer.profile
+        elif self._steps == self.WARM + self.JUDGED and self._warm is not None:
+            self._judged = True
+            strategy = self.trainer.strategy
+            if strategy.is_main and strategy.world_size > 1:
+                now, warm = self.trainer.profile, self._warm
+                times = {k: v - warm.get(k, 0.0) for k, v in now.items() if k in _STEP_TIMES}
+                self._judge(times, self._sampled(), self.JUDGED)
 
     def after_epoch_profile(
         self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
@@ -91,14 +114,11 @@ class LogProfile(_Writer):
         ]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         strategy = self.trainer.strategy
-        sampled = (
-            strategy.backward_communication()
-            if isinstance(strategy, ReportsCommunication)
-            else None
-        )
-        if not self._judged and strategy.world_size > 1:
+        sampled = self._sampled()
+        if not self._judged and strategy.world_size > 1:  # an epoch shorter than the first steps
             self._judged = True
-            self._judge(profile, sampled)
+            steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
+            self._judge(profile, sampled, steps)
         if sampled is not None and sampled != self._reported:
             self._reported = sampled
             comm, overlap = sampled
@@ -107,17 +127,24 @@ class LogProfile(_Writer):
                 "first 10 steps, then 1 in 100) | %.2f ms per step, %.0f%% of it hidden behind "
                 "computation, %.2f ms waited",
                 1e3 * comm,
-                100 * min(overlap / comm, 1.0),
+                100 * min(overlap / comm, 1.0) if comm > 0 else 100.0,
                 1e3 * max(comm - overlap, 0.0),
             )
 
-    def _judge(self, profile: dict[str, float], sampled: tuple[float, float] | None) -> None:
-        """After the run's first epoch of several processes: the share of a training step spent
-        communicating (after backward, and the part of backward's all-reduce that computation did
-        not hide), and where it is more than half, a warning with what one device would take."""
-        steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
+    def _sampled(self) -> tuple[float, float] | None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, ReportsCommunication):
+            return strategy.backward_communication()
+        return None
+
+    def _judge(
+        self, profile: dict[str, float], sampled: tuple[float, float] | None, steps: int
+    ) -> None:
+        """The share of `steps` training steps of several processes spent communicating (after
+        backward, and the part of backward's all-reduce that computation did not hide), and where
+        it is more than half, a warning with what one device would take."""
         waited = max(sampled[0] - sampled[1], 0.0) * steps if sampled is not None else 0.0
-        training = {k: v for k, v in profile.items() if k not in ("eval", "after_epoch")}
+        training = {k: v for k, v in profile.items() if k in _STEP_TIMES}
         computing = max(training.get("forward_backward", 0.0) - waited, 0.0)
         communicating = training.get("communication", 0.0) + waited
         total = sum(training.values()) or 1.0
@@ -142,6 +169,9 @@ class LogProfile(_Writer):
             here / one if one else 0.0,
             1e3 * here,
         )
+
+
+_STEP_TIMES = ("data", "forward_backward", "communication", "optimizer", "hooks")
 
 
 class WriteCSV(_Writer):
