@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,45 @@ class DigitsMLP(nn.Module):
     def forward(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.net(image)
         return {"logits": logits, "loss": F.cross_entropy(logits, label, reduction="none")}
+
+
+class DigitsWithIds:
+    """examples.digits' streams, each item with its index as "id"."""
+
+    def __init__(self):
+        from examples.digits.data import Digits
+
+        self._streams = {name: _WithIds(stream) for name, stream in Digits().streams().items()}
+
+    def streams(self) -> dict[str, Dataset]:
+        return self._streams
+
+
+class _WithIds(Dataset):
+    def __init__(self, items: Dataset):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {**self.items[i], "id": i}
+
+
+class SlowDigitsMLP(DigitsMLP):
+    """DigitsMLP whose training forward on rank `rank` takes `seconds` more: a slower device."""
+
+    def __init__(self, hidden: int = 32, rank: int = 1, seconds: float = 0.02):
+        import os
+
+        super().__init__(hidden)
+        self.slow = int(os.environ.get("RANK", 0)) == rank
+        self.seconds = seconds
+
+    def forward(self, image: torch.Tensor, label: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.training and self.slow:
+            time.sleep(self.seconds)
+        return super().forward(image, label)
 
 
 def dropout_model() -> dict:
@@ -726,3 +766,19 @@ class BatchedRegression(Regression):
 
     def streams(self) -> dict[str, Dataset]:
         return {name: _Batched(items) for name, items in self._streams.items()}
+
+
+class LocalIds(Hook):
+    """The training samples this process computed, by epoch (its own part: nothing gathered)."""
+
+    gathers = False
+
+    def __init__(self):
+        self.epochs: list[list[int]] = [[]]
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        if self.trainer.training and "id" in batch:
+            self.epochs[-1].extend(batch["id"].tolist())
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self.epochs.append([])

@@ -722,7 +722,6 @@ def _worker_trainer(
         )
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
     trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
-    strategy.watch(lambda: (trainer.step, trainer.training))  # names a hung rank's step
     return trainer
 
 

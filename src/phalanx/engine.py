@@ -141,11 +141,17 @@ class Engine:
             self.max_grad_norm, total_norm if norm is None else norm
         ):
             self.precision.step(optimizer)
-        for scheduler in self._schedulers["step"]:
-            scheduler.step()
+        self.step_schedulers()
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
         return loss
+
+    def step_schedulers(self) -> None:
+        """The schedulers that step every optimizer step: `finish` steps them; a strategy whose
+        optimizer steps elsewhere (a parameter server's) steps them to keep this process's
+        learning rates, and their saved state, in line with it."""
+        for scheduler in self._schedulers["step"]:
+            scheduler.step()
 
     def forward(self, micro: Micro, batch: Mapping, replica: Replica = WHOLE) -> Weighed:
         """A micro-batch's forward through `replica`, weighed (`weigh`)."""

@@ -136,6 +136,24 @@ class PipelineSettings(StrategySettings):
         return self
 
 
+class ParamServerSettings(StrategySettings):
+    """`parallel.param_server`: settings of the `param_server` strategy."""
+
+    servers: StrictInt = Field(
+        1,
+        ge=1,
+        description="processes that hold the parameters and the optimizer (each a share of the "
+        "parameters) and apply the workers' gradients; the other processes are workers",
+    )
+    staleness: StrictInt = Field(
+        0,
+        ge=0,
+        description="how many updates old the parameters a worker computes on may be: a worker "
+        "whose copy is older waits for a fresh one; 0 is synchronous, and exactly the training "
+        "of one device",
+    )
+
+
 register("ddp", DDPSettings, Field(default_factory=DDPSettings, description="the ddp strategy's"))
 register("towers", TowersSettings, Field(default_factory=TowersSettings, description="the towers'"))
 register(
@@ -154,4 +172,9 @@ register(
         description="the placement strategy's devices by module name, such as {encoder: cuda:0, "
         "decoder: cuda:1, head: cpu}; the rest of the model on the run's device",
     ),
+)
+register(
+    "param_server",
+    ParamServerSettings,
+    Field(default_factory=ParamServerSettings, description="the param_server strategy's"),
 )

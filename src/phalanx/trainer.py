@@ -39,15 +39,18 @@ from phalanx.precision import Precision
 from phalanx.runstate import Checkpointing
 from phalanx.signals import GracefulStop, Interrupted
 from phalanx.strategies.base import (
+    DealsSamples,
     Micros,
     ModelOptions,
     Outcome,
     RandomStreams,
+    Serves,
     Strategy,
 )
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
+_UNSUMMED = 64  # steps whose losses may wait to be added up (settled) until one is read
 _TRAINING_TIMES = ("data", "forward_backward", "communication", "optimizer", "hooks")
 EVENTS = ("before_training", "after_batch", "after_epoch", "after_epoch_profile", "after_training")
 
@@ -202,7 +205,9 @@ class Trainer(Checkpointing):
         self._settle: Callable[[], object] | None = None  # the last step's loss, while in flight
         # the epoch's training losses: the sum of the settled ones, the last one's, and their count
         self._loss_sum: torch.Tensor | None = None
-        self._held: torch.Tensor | None = None
+        # the steps' losses not yet added to the sum: a strategy that agrees on them behind the
+        # step (pipeline, param_server) is waited for only when they are read
+        self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
         self._loss_steps = 0
         self.last_batch_size = 0
         self.training = (
@@ -222,6 +227,9 @@ class Trainer(Checkpointing):
             loading.Loaders(**self.loader_options) if persistent and not inference else None
         )
         self.view = RunView(self)  # what hooks see of the run
+        # the steps done and whether training: a strategy names a hung rank's step by it, and one
+        # whose processes do not step together (param_server) numbers its steps by it
+        self.strategy.watch(lambda: (self.step, self.training))
         for hook in self.hooks:
             hook.attach(self.view)
         self._listeners = {event: [h for h in self.hooks if h.overrides(event)] for event in EVENTS}
@@ -249,7 +257,19 @@ class Trainer(Checkpointing):
     # --- the main loop -------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train until the configured epochs end or a hook stops; returns the process exit code."""
+        """Train until the configured epochs end or a hook stops; returns the process exit code.
+        Where the strategy gives this process another role (a parameter server's), it serves the
+        processes that train instead."""
+        roles = self.strategy if isinstance(self.strategy, Serves) else None
+        if roles is None:
+            return self._run()
+        if roles.serving:
+            roles.serve(self.engine, self.steps_per_epoch)
+            return 0
+        with roles.working():
+            return self._run()
+
+    def _run(self) -> int:
         self.stop.install()
         success, code, interrupted = True, 0, False
         self._trace("started", epoch=self.epoch, step=self.step)
@@ -327,7 +347,7 @@ class Trainer(Checkpointing):
     def _train_epoch(self, end: bool = True) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
-        self._loss_sum, self._held, self._loss_steps = None, None, 0
+        self._loss_sum, self._unsummed, self._loss_steps = None, [], 0
         profile = dict.fromkeys(
             ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
         )
@@ -340,6 +360,8 @@ class Trainer(Checkpointing):
                 self.profile[key] += seconds
         self.epoch, self.step_in_epoch = epoch, 0
         self.engine.end_epoch()
+        if isinstance(self.strategy, Serves):
+            self.strategy.epoch_report()
         if not end:
             return
         every = self.cfg.main_loop.eval_every_n_steps
@@ -357,6 +379,10 @@ class Trainer(Checkpointing):
         """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch)])."""
         stream = self.stream(TRAIN)
         cfg, strategy = self.cfg, self.strategy
+        # the shards this process trains on; a strategy that deals the samples out gets them all
+        rank, world = strategy.data_rank, strategy.data_world_size
+        if isinstance(strategy, DealsSamples):
+            rank, world = 0, 1
         if data.is_iterable(
             stream
         ):  # the stream's own order: the next items, one global batch a step
@@ -370,8 +396,8 @@ class Trainer(Checkpointing):
                     stream,
                     cfg.dataset.batch_size,
                     cfg.parallel.accumulation,
-                    strategy.data_rank,
-                    strategy.data_world_size,
+                    rank,
+                    world,
                     self.shard_weights,
                     self.step_in_epoch,
                     TRAIN,
@@ -388,8 +414,8 @@ class Trainer(Checkpointing):
             data.epoch_order(cfg.seed, epoch, len(stream), self.order),
             cfg.dataset.batch_size,
             cfg.parallel.accumulation,
-            strategy.data_rank,
-            strategy.data_world_size,
+            rank,
+            world,
             self.shard_weights,
         )
         worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
@@ -462,11 +488,15 @@ class Trainer(Checkpointing):
             for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
                 result = train_step(fetched, stop.requested)
-                if self._held is not None:  # the step before's loss: settled by this one's end
-                    held = self._held
-                    self._loss_sum = held if self._loss_sum is None else self._loss_sum + held
                 self._last_loss, self._settle = result.loss, result.settle
-                self._held, self._loss_steps = result.loss, self._loss_steps + 1
+                self._loss_steps += 1
+                if result.settle is None and not self._unsummed:  # there already: add it up
+                    loss = result.loss
+                    self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+                else:
+                    self._unsummed.append((result.loss, result.settle or _settled))
+                    if len(self._unsummed) > _UNSUMMED:
+                        self._sum_losses(_UNSUMMED // 2)
                 self.last_batch_size = fetched[0][0].global_size
                 self.step, self.step_in_epoch = self.step + 1, k + 1
                 t2 = clock()
@@ -490,7 +520,7 @@ class Trainer(Checkpointing):
                     t3 = clock()
                 t0 = t3
         finally:
-            self._settled()  # no agreement in flight outlives the steps
+            self._sum_losses()  # no agreement in flight outlives the steps
             self._add_times(live, profile)
 
     def _add_times(self, live: list[float], profile: dict[str, float]) -> None:
@@ -523,13 +553,25 @@ class Trainer(Checkpointing):
     @property
     def epoch_loss(self) -> torch.Tensor | None:
         """The mean of the training steps' losses in the epoch so far (since the resume, in an
-        epoch resumed), None before its first step. Reading it waits for the last step's loss as
-        `last_loss` does; the earlier steps' are settled already."""
-        if self._held is None:
+        epoch resumed), None before its first step. Reading it waits for the steps' losses where
+        the strategy agrees on them behind the step, as `last_loss` does."""
+        if not self._loss_steps:
             return None
-        self._settled()
-        total = self._held if self._loss_sum is None else self._loss_sum + self._held
-        return total / self._loss_steps
+        self._sum_losses()
+        assert self._loss_sum is not None
+        return self._loss_sum / self._loss_steps
+
+    def _sum_losses(self, count: int | None = None) -> None:
+        """The first `count` unsummed losses (all: None) settled and added to the epoch's sum; the
+        newest of them settles first (one request can settle the ones before it)."""
+        count = len(self._unsummed) if count is None else count
+        due, self._unsummed = self._unsummed[:count], self._unsummed[count:]
+        for _, settle in reversed(due):
+            settle()
+        for loss, _ in due:
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        if not self._unsummed:
+            self._settle = None
 
     def _settled(self) -> None:
         settle, self._settle = self._settle, None
@@ -789,3 +831,7 @@ def _gathering(listeners: list[Hook]) -> tuple[list[Hook], set[str] | None]:
     listed = [h.gather_keys for h in gatherers if h.gather_keys is not None]
     keys = {k for named in listed for k in named} if len(listed) == len(gatherers) else None
     return gatherers, keys
+
+
+def _settled() -> None:
+    """A loss that is there already."""

@@ -202,8 +202,10 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.pipeline.stages",
         "parallel.gradient_accumulation",
         "parallel.device_memory_gb",
+        "parallel.param_server.servers",
+        "parallel.param_server.staleness",
     } <= set(keys)
-    assert len(keys) == 26, keys
+    assert len(keys) == 28, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])

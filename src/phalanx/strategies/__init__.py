@@ -11,7 +11,13 @@ import torch
 from phalanx import environment
 from phalanx.config import Config
 from phalanx.errors import ConfigError, did_you_mean
-from phalanx.settings import DDPSettings, FSDPSettings, PipelineSettings, TowersSettings
+from phalanx.settings import (
+    DDPSettings,
+    FSDPSettings,
+    ParamServerSettings,
+    PipelineSettings,
+    TowersSettings,
+)
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.single import Single
 
@@ -212,6 +218,30 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
     )
 
 
+def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    settings = cfg.parallel.section("param_server", ParamServerSettings)
+    if not in_worker():
+        raise ConfigError(
+            f"parallel.strategy=param_server runs {settings.servers} server(s) and at least one "
+            f"worker, each a process; set parallel.devices to {settings.servers + 1} or more "
+            "(phalanx starts them), or start phalanx under torchrun"
+        )
+    unsupported = {
+        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+        "precision=fp16": cfg.precision == "fp16",
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(
+            f"parallel.strategy=param_server does not support {', '.join(named)}; remove it, or "
+            "use parallel.strategy=ddp (bf16 instead of fp16)"
+        )
+    from phalanx.strategies.param_server import ParamServer
+
+    return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+
+
 def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
     if in_worker():
         raise ConfigError(
@@ -269,6 +299,12 @@ REGISTRY: dict[str, Entry] = {
     ),
     "placement": Entry(
         _placement, False, "one process, the model's modules pinned to devices by name"
+    ),
+    "param_server": Entry(
+        _param_server,
+        True,
+        "servers hold the parameters and the optimizer; workers pull, compute and push, without "
+        "waiting for each other (a staleness bound)",
     ),
 }
 

@@ -163,8 +163,8 @@ class Outcome:
     communication_s: float = 0.0  # seconds spent communicating outside backward
     optimizer_s: float = 0.0  # seconds of the engine's `finish`
     # Where set, the ranks' agreement on the loss runs behind the step: `loss` holds its value
-    # only once `settle()` has returned, and `stop` is the agreement of the step before (every
-    # rank alike). The strategy settles a step by the end of its next one at the latest.
+    # only once `settle()` has returned (the trainer calls it when the loss is read, or some steps
+    # later at the latest), and `stop` may be agreed a step late (every rank alike).
     settle: Callable[[], object] | None = None
 
 
@@ -195,6 +195,39 @@ class RandomStreams(Protocol):
     def load_stream_states(self, states: list[str] | None, seed: int, step: int) -> None:
         """Continue the streams a checkpoint held; where it holds none, or another device count's,
         seed them from the seed and the step."""
+
+
+@runtime_checkable
+class Serves(Protocol):
+    """A strategy some of whose processes serve the others instead of running the training loop
+    (a parameter server's servers). The trainer asks each process its role: a server `serve`s
+    until every worker is done; a worker runs the loop, its hooks and its checkpoints inside
+    `working()`, whose collectives are then among the workers alone."""
+
+    @property
+    def serving(self) -> bool:
+        """Whether this process serves."""
+
+    def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
+        """Serve the workers until each has ended its run (`engine`: this process's model,
+        optimizer and schedulers, which the servers step)."""
+
+    def working(self) -> contextlib.AbstractContextManager:
+        """Around a worker's run: its collectives among the workers; at a normal end, the servers
+        are told."""
+
+    def epoch_report(self) -> None:
+        """At each epoch's end, on every worker (a collective among them): the main one logs how
+        the epoch's work was shared."""
+
+
+@runtime_checkable
+class DealsSamples(Protocol):
+    """A strategy whose workers take each global batch's samples as they become free, instead of
+    a fixed shard each: every worker is given the whole global batch to train on (evaluation keeps
+    its shards, by `data_rank` and `data_world_size`)."""
+
+    deals_samples: bool
 
 
 @runtime_checkable
