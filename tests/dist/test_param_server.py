@@ -3,11 +3,14 @@ in float64; above 0, workers that do not wait for a slow one, within the bound."
 
 from __future__ import annotations
 
+import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
@@ -15,7 +18,8 @@ import workers  # noqa: E402
 from test_invariance import assert_same_run, rel, scenario  # noqa: E402
 from test_weighted import lm  # noqa: E402
 
-from phalanx import data  # noqa: E402
+from phalanx import api, config, rundir, strategies  # noqa: E402
+from phalanx.checkpoint import Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,8 +82,8 @@ def test_staleness_zero_trains_as_one_process(devices, servers, reference):
 
 def test_workers_that_do_not_wait_for_a_slow_one_stay_within_the_bound_and_learn():
     """Staleness 2, worker 1 computing slower (20 ms more a chunk): worker 0 takes more of each
-    batch and runs ahead, every gradient is at most 2 updates old (the logged histogram), every sample is trained
-    on once an epoch, and the digits are learnt."""
+    batch and runs ahead, every gradient is at most 2 updates old (the logged histogram), every
+    sample is trained on once an epoch, and the digits are learnt."""
     raw = {
         "name": "digits",
         "model": {"class": "toy.SlowDigitsMLP", "hidden": 64, "rank": 1, "seconds": 0.02},
@@ -96,11 +100,73 @@ def test_workers_that_do_not_wait_for_a_slow_one_stay_within_the_bound_and_learn
         assert len(mine) > 1.5 * len(theirs)  # the fast worker took more
     lines = [line for line in first["lines"] if line.startswith("param_server | ")]
     assert len(lines) == 6  # an epoch each
-    staleness = {
-        int(k): int(v)
-        for line in lines
-        for k, v in (pair.split(": ") for pair in line.split("old): ")[1].split("; ")[0].split(", "))
-    }
+    histogram = [re.search(r"updates old\): ([^;]*);", line) for line in lines]
+    staleness = {int(pair.split(": ")[0]) for found in histogram for pair in found[1].split(", ")}
     assert max(staleness) <= 2 and any(k > 0 for k in staleness), lines
     assert first["metrics"]["test.accuracy"] >= 0.95
     assert not [line for line in second["lines"] if line.startswith("param_server | ")]
+
+
+def _new_run(folder: Path, raw: dict) -> Path:
+    path = toy.write_config(folder, raw)
+    cfg, _ = config.load(str(path), [])
+    return rundir.create(cfg, path)
+
+
+def test_a_run_stopped_mid_epoch_resumes_between_param_server_ddp_and_one_process(tmp_path):
+    """Stopped after step 6 (mid-epoch 2) and resumed: param_server -> ddp, one process, 2 servers;
+    ddp -> param_server. The checkpoints hold the whole model and the servers' optimizer states as
+    one optimizer's (AdamW's moments of every parameter): each run ends as the run without a
+    stop."""
+    raw = scenario(10, 1, optimizer={"class": "AdamW", "lr": 0.01, "momentum": None})
+    raw = {**raw, "main_loop": {"epochs": 3, "extra_streams": []}}
+    whole = workers.train({**raw, "hooks": []})
+    raw = {**raw, "hooks": ["SaveLatest", {"StopAfter": {"steps": 6}}]}
+    ps = _new_run(tmp_path / "ps", served(raw, 3, 1))
+    assert workers.run_ranks(3, workers.run_dir_worker, str(ps), False, []) == [0, 0, 0]
+    ddp = _new_run(tmp_path / "ddp", {**raw, "parallel": {**raw["parallel"], "devices": 2}})
+    assert workers.run_ranks(2, workers.run_dir_worker, str(ddp), False, []) == [0, 0]
+    served_again = ["parallel.strategy=param_server", "parallel.param_server.servers=2"]
+    resumed = {
+        "ps-ddp": (ps, 2, ["parallel.strategy=ddp", "parallel.devices=2"]),
+        "ps-single": (ps, 1, ["parallel.strategy=single", "parallel.devices=1"]),
+        "ps-2-servers": (ps, 4, ["parallel.devices=4", *served_again]),
+        "ddp-ps": (ddp, 3, ["parallel.devices=3", served_again[0]]),
+    }
+    for name, (run, processes, overrides) in resumed.items():
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        more = ["hooks.1.StopAfter.steps=1000", *overrides]
+        if processes == 1:
+            assert api.run_worker(copy, True, more) == 0
+        else:
+            codes = workers.run_ranks(processes, workers.run_dir_worker, str(copy), True, more)
+            assert codes == [0] * processes
+        assert f"resuming {copy} from step 6 " in (copy / "log.txt").read_text(), name
+        latest = Checkpoints(copy / "checkpoints")
+        assert latest.latest_valid() == 15, name
+        got = load_file(str(latest.path(15) / "model.safetensors"))
+        for key, value in whole["params"].items():
+            assert rel(got[key], torch.tensor(value, dtype=torch.float64)) < 1e-10, (name, key)
+
+
+def test_servers_that_leave_no_worker_and_one_process_are_one_error_each():
+    raw = served(scenario(10, 1), 2, 2)
+    for line in workers.run_ranks(2, workers.error_lines, raw, timeout=120):
+        assert "servers=2 leaves no worker among the 2 processes" in line
+        assert "parallel.devices to at least 3" in line
+    with pytest.raises(config.ConfigError, match=r"runs 1 server\(s\) and at least one worker"):
+        strategies.create(config.validate(served(scenario(10, 1), 1, 1)))
+
+
+def test_a_stop_asked_on_one_worker_stops_every_worker_at_the_same_step(reference):
+    """A SIGTERM to worker 1 after step 5: both workers stop at the same step, soon after, save
+    and exit with SIGTERM's code; the losses up to there are one process's."""
+    raw = served(SCENARIOS["batch7"], 3, 1)
+    ends = workers.run_ranks(3, workers.stop_on_one_rank, raw, 1, 5, timeout=120)
+    assert [end["code"] for end in ends] == [143, 143, 0]
+    first, second = ends[0]["step"], ends[1]["step"]
+    assert first == second and 6 <= first <= 7
+    want = torch.tensor(reference["batch7"]["losses"][:first])
+    for end in ends[:2]:
+        assert torch.allclose(torch.tensor(end["losses"]), want, rtol=1e-10)

@@ -274,10 +274,20 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
         assert not (run / ".re-forming").exists()
 
 
-def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(tmp_path):
-    """kill -9 of rank 1 at step 9 with max_restarts 1: the launcher starts both workers again,
-    they resume from the checkpoint at the first epoch's end (step 6), and the end is an
-    uninterrupted run's."""
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"devices": 2},
+        {"devices": 3, "strategy": "param_server", "param_server": {"servers": 1}},
+    ],
+    ids=["ddp", "param_server"],
+)
+def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(
+    parallel, tmp_path
+):
+    """kill -9 of rank 1 (a worker) at its 9th training forward, in the second epoch, with
+    max_restarts 1: the launcher starts every process again, they resume from the checkpoint at
+    the first epoch's end (step 6), and the end is an uninterrupted run's (one process's)."""
     hooks = ["SaveLatest"]
     reference = toy.write_config(
         tmp_path / "ref",
@@ -285,7 +295,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
             **CFG,
             "hooks": hooks,
             "model": {"class": "toy.Linear"},
-            "parallel": {"accelerator": "cpu", "devices": 2},
+            "parallel": {"accelerator": "cpu", "devices": 1},
         },
     )
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
@@ -295,7 +305,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
         **CFG,
         "hooks": hooks,
         "model": {"class": "toy.FaultAt", "rank": 1, "step": 9, "kind": "kill"},
-        "parallel": {"accelerator": "cpu", "devices": 2, "max_restarts": 1},
+        "parallel": {"accelerator": "cpu", "max_restarts": 1, **parallel},
     }
     result = phalanx("train", str(toy.write_config(tmp_path / "faulty", faulty)), cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -220,6 +220,13 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
 
 def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
     settings = cfg.parallel.section("param_server", ParamServerSettings)
+    processes = environment.here().world_size
+    if in_worker() and processes <= settings.servers:
+        raise ConfigError(
+            f"parallel.param_server.servers={settings.servers} leaves no worker among the "
+            f"{processes} processes; set parallel.devices to at least {settings.servers + 1}, or "
+            "fewer servers"
+        )
     if not in_worker():
         raise ConfigError(
             f"parallel.strategy=param_server runs {settings.servers} server(s) and at least one "

@@ -78,12 +78,7 @@ class ParamServer(ProcessGroup, Replicated):
     ):
         super().__init__(accelerator, timeout_s, backend)
         self.servers, self.staleness = settings.servers, settings.staleness
-        self.workers = self.world_size - self.servers
-        if self.workers < 1:
-            raise ConfigError(
-                f"parallel.param_server.servers={self.servers} leaves no worker among the "
-                f"{self.world_size} processes; set parallel.devices to at least {self.servers + 1}"
-            )
+        self.workers = self.world_size - self.servers  # at least one: `strategies` checked
         self.serving = self.rank >= self.workers
         if self.serving:  # the parameters and the optimizer live in the server's memory
             self.device = torch.device("cpu")
@@ -299,6 +294,12 @@ class ParamServer(ProcessGroup, Replicated):
         self._group = None
 
     def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
+        if steps_per_epoch is None:
+            raise ConfigError(
+                "parallel.strategy=param_server needs a training stream whose length is known "
+                "(its servers end each epoch by its steps); give the dataset a __len__, or use "
+                "parallel.strategy=ddp"
+            )
         self._plan(engine)
         assert self.progress.where is not None
         _Server(self, engine, self.progress.where()[0], steps_per_epoch).run()
