@@ -1,7 +1,7 @@
 """Workers that do not wait: `param_server` against `ddp` when one worker is slower than the other.
 
-    .venv/bin/python bench/param_server.py                 # about 2 minutes
-    .venv/bin/python bench/param_server.py --epochs 6 --hidden 512
+    .venv/bin/python bench/param_server.py                 # about a minute
+    .venv/bin/python bench/param_server.py --hidden 256 --batch 256 --n 8192 --epochs 3
 
 Trains the same MLP on the same Gaussian blobs four ways through `phalanx train`, each process one
 CPU thread, and reads the steady samples/s that `LogThroughput` writes (`throughput.json`):
@@ -106,7 +106,12 @@ def config(args, parallel: dict, seconds: float, folder: Path) -> Path:
         "model": {"class": "bench.param_server.SlowMLP", "hidden": args.hidden, "seconds": seconds},
         "optimizer": {"class": "SGD", "lr": 0.05},
         "dataset": {"class": "bench.param_server.Blobs", "batch_size": args.batch, "n": args.n},
-        "parallel": {"accelerator": "cpu", "cpu_threads": 1, **parallel},
+        "parallel": {
+            "accelerator": "cpu",
+            "cpu_threads": 1,
+            "gradient_accumulation": args.accumulation,
+            **parallel,
+        },
         "main_loop": {"epochs": args.epochs, "skip_zeroth_epoch": True},
         "hooks": [{"LogThroughput": {"every_n_steps": 1000, "warmup_steps": 5}}],
     }
@@ -119,7 +124,7 @@ def config(args, parallel: dict, seconds: float, folder: Path) -> Path:
 def samples_per_s(path: Path) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "phalanx", "train", str(path)],
+        [str(Path(sys.executable).with_name("phalanx")), "train", str(path)],
         env=env,
         capture_output=True,
         text=True,
@@ -133,14 +138,17 @@ def samples_per_s(path: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--n", type=int, default=8192, help="training samples")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=65536, help="training samples")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--accumulation", type=int, default=1, help="micro-batches a step (param_server: chunks)"
+    )
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "param_server.json"))
     args = parser.parse_args()
 
-    slow = micro_batch_seconds(args.hidden, args.batch // 2)
+    slow = micro_batch_seconds(args.hidden, args.batch // (2 * args.accumulation))
     ddp = {"devices": 2, "strategy": "ddp"}
 
     def served(staleness: int) -> dict:
@@ -164,7 +172,8 @@ def main() -> None:
     names = list(setups)
     uneven = rates[names[1]] / rates[names[0]]
     even = rates[names[2]] / rates[names[3]]  # param_server's step time over ddp's
-    print(f"the slow worker sleeps {1e3 * slow:.1f} ms a micro-batch of {args.batch // 2}")
+    share = args.batch // (2 * args.accumulation)
+    print(f"the slow worker sleeps {1e3 * slow:.1f} ms a micro-batch of {share}")
     print(f"param_server (staleness 2) / ddp, one worker at half speed: {uneven:.2f}x samples/s")
     print(f"param_server (staleness 0) step time / ddp's, equal workers: {even:.2f}x")
     report = {"args": vars(args), "slow_s": slow, "samples_per_s": rates, "uneven": uneven}

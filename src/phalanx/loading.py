@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -233,6 +233,20 @@ def loader(
         prefetch_factor=prefetch_factor,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def fetcher(dataset: Any, name: str = "") -> Callable[[list[int]], dict[str, Any] | None]:
+    """A function that reads the given samples of a stream in this process and collates them: for
+    a strategy that deals each batch's samples out, whose processes read only those they take."""
+    items, keys = _unnamed(dataset)
+    batch = _Collate(name, False, None, keys)
+    getitems = getattr(items, "__getitems__", None)
+
+    def fetch(indices: list[int]) -> dict[str, Any] | None:
+        got = getitems(list(indices)) if getitems is not None else [items[i] for i in indices]
+        return batch(got)  # type: ignore[return-value]  # not in a worker: never _Unbatchable
+
+    return fetch
 
 
 def _unnamed(dataset: Any) -> tuple[Any, tuple[str, ...] | None]:

@@ -379,10 +379,17 @@ class Trainer(Checkpointing):
         """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch)])."""
         stream = self.stream(TRAIN)
         cfg, strategy = self.cfg, self.strategy
-        # the shards this process trains on; a strategy that deals the samples out gets them all
+        # the shards this process trains on; a strategy that deals the samples out plans them all
         rank, world = strategy.data_rank, strategy.data_world_size
-        if isinstance(strategy, DealsSamples):
+        deals = isinstance(strategy, DealsSamples)
+        if deals:
             rank, world = 0, 1
+        if deals and data.is_iterable(stream):
+            raise ConfigError(
+                f"parallel.strategy={cfg.parallel.strategy} deals each batch's samples out to its "
+                "workers, which needs a stream indexed by sample (a map-style dataset); this "
+                "training stream is iterable: use parallel.strategy=ddp"
+            )
         if data.is_iterable(
             stream
         ):  # the stream's own order: the next items, one global batch a step
@@ -418,6 +425,13 @@ class Trainer(Checkpointing):
             world,
             self.shard_weights,
         )
+        if deals:  # it reads the samples it takes itself: none is read here
+            assert isinstance(strategy, DealsSamples)
+            strategy.deal_from(loading.fetcher(stream, TRAIN))
+            return (
+                (k, [(micro, None) for micro in micros])
+                for k, micros in plan.steps(self.step_in_epoch)
+            )
         worker_seed = hash((cfg.seed, epoch, self.step_in_epoch, strategy.data_rank)) % 2**62
         self._check_sync_batchnorm(plan)
         batches = iter(

@@ -224,10 +224,13 @@ class Serves(Protocol):
 @runtime_checkable
 class DealsSamples(Protocol):
     """A strategy whose workers take each global batch's samples as they become free, instead of
-    a fixed shard each: every worker is given the whole global batch to train on (evaluation keeps
-    its shards, by `data_rank` and `data_world_size`)."""
+    a fixed shard each: its training steps' micro-batches come whole and unread (each `Micro`
+    holds every sample of the micro-batch, its batch None), and it reads the samples it takes with
+    the function `deal_from` gives it. Evaluation keeps its shards, by `data_rank` and
+    `data_world_size`."""
 
-    deals_samples: bool
+    def deal_from(self, fetch: Callable[[list[int]], Mapping | None]) -> None:
+        """`fetch(indices)`: the training stream's samples at `indices`, as a batch."""
 
 
 @runtime_checkable

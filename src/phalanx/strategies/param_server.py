@@ -8,14 +8,15 @@ for its share and applies one optimizer step per global batch, as one device wou
 
 The samples of each global batch are dealt, not sharded: every worker reads the whole batch, and
 each micro-batch of it is cut into W chunks that the workers claim from server 0 as they become
-free (a fast worker claims more). A chunk's gradient is weighed by the contract (1/B of the global
-batch), so the step's gradient is the sum of its chunks', whoever computed them. Before it
-computes a chunk of step k, a worker pulls the parameters from every server, which answer once
-they have applied step k - `staleness` (with only what changed): at staleness 0 every chunk of
-step k is computed on the parameters after step k - 1, and the run is exactly the synchronous
-one. Above 0, a worker may run up to `staleness` steps ahead of the slowest, on parameters as many
-updates old; the staleness of each gradient is counted and logged each epoch, with each worker's
-share of the work.
+free (a fast worker claims more), and reads only the samples of the chunks it takes. A chunk's
+gradient is weighed by the contract (1/B of the global batch), so the step's gradient is the sum
+of its chunks', whoever computed them. A worker computes a chunk of step k on parameters that
+have had k - `staleness` updates or more: where its copy is older, it pulls a fresh one from every
+server, which answer once they have applied that many. At staleness 0 every chunk of step k is
+computed on the parameters after step k - 1, and the run is exactly the synchronous one. Above 0,
+a worker may run up to `staleness` steps ahead of the slowest, on parameters as many updates old;
+the staleness of each gradient is counted and logged each epoch, with each worker's share of the
+work.
 
 The messages go over gloo's point-to-point operations (a group of its own where the default
 group is NCCL's): a header, then its payload; a server receives headers from whichever worker
@@ -32,7 +33,7 @@ import logging
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -67,7 +68,6 @@ _SCHEDULER_BEFORE_OPTIMIZER = (
 
 class ParamServer(ProcessGroup, Replicated):
     runs_empty_shards = False
-    deals_samples = True
 
     def __init__(
         self,
@@ -104,6 +104,7 @@ class ParamServer(ProcessGroup, Replicated):
         self._unsettled: list[tuple[int, torch.Tensor]] = []  # steps whose loss is not known yet
         self._staleness: Counter[int] = Counter()  # this epoch's gradients, by staleness
         self._chunks = 0  # this epoch's chunks computed here
+        self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
     # --- building
 
@@ -149,15 +150,21 @@ class ParamServer(ProcessGroup, Replicated):
         self._ids = []
         waited = 0.0
         stop_at = -1
-        while True:
+        last = False
+        while not last:  # chunks are handed out in order: after the last, none is left
             start = time.perf_counter()
             chunk, stop_at = self._claim(step, len(chunks), stop)
             if chunk < 0:
                 waited += time.perf_counter() - start
                 break
-            self._pull(step - self.staleness)
+            last = chunk == len(chunks) - 1
+            if self._version < step - self.staleness:  # older than the bound: a fresh copy
+                self._pull(step - self.staleness)
             waited += time.perf_counter() - start
-            micro, batch = chunks[chunk]
+            micro = chunks[chunk]
+            assert self._fetch is not None  # the trainer deals before the first step
+            batch = self._fetch(micro.shard)
+            assert batch is not None  # a chunk holds a sample or more
             weighed = engine.forward(micro, batch)
             engine.backward(weighed.loss, weighed.gradient)
             start = time.perf_counter()
@@ -179,20 +186,22 @@ class ParamServer(ProcessGroup, Replicated):
             settle=lambda: self._settle(step),
         )
 
-    def _deal(self, micros: Micros) -> Iterator[tuple[Micro, Mapping]]:
-        """The step's chunks: each micro-batch (the whole of it: this process was dealt every
-        sample) in `workers` contiguous pieces, in dataset order; empty ones left out."""
-        for micro, batch in micros:
-            assert batch is not None  # every sample of the global batch is this process's
+    def deal_from(self, fetch: Callable[[list[int]], Mapping | None]) -> None:
+        self._fetch = fetch
+
+    def _deal(self, micros: Micros) -> Iterator[Micro]:
+        """The step's chunks: each micro-batch (the whole of it, unread) in `workers` contiguous
+        pieces, in dataset order; empty ones left out."""
+        for micro, _ in micros:
             n = len(micro.shard)
             for piece in range(self.workers):
                 lo, hi = piece * n // self.workers, (piece + 1) * n // self.workers
                 if hi > lo:
-                    yield Micro(micro.shard[lo:hi], micro.global_size), _rows(batch, n, lo, hi)
+                    yield Micro(micro.shard[lo:hi], micro.global_size)
 
     def _claim(self, step: int, chunks: int, stop: bool) -> tuple[int, int]:
         """The next chunk of `step` no worker has claimed (-1: none left), from server 0, and the
-        step at which every worker stops (-1: none asked to)."""
+        step at which every worker stops (-1: none asked to). Chunks are handed out in order."""
         reply = self._ask(self.workers, [_CLAIM, step, chunks, int(stop), 0], 2)
         return int(reply[0]), int(reply[1])
 
@@ -419,6 +428,7 @@ class _Server:
         self.asked: list[tuple[int, int, int]] = []  # (worker, first, last) losses waiting
         self.sending: list[Any] = []
         self.done = 0
+        self._flat: torch.Tensor | None = None  # the parameters as a pull sends them, this version
 
     def run(self) -> None:
         header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
@@ -490,6 +500,7 @@ class _Server:
         value = self.engine.finish(loss, self._norm)
         self.losses[self.version] = float(value)
         self.version += 1
+        self._flat = None
         if self.steps_per_epoch and self.version % self.steps_per_epoch == 0:
             self.engine.end_epoch()
         for old in [k for k in self.losses if k < self.version - 100_000]:
@@ -515,7 +526,9 @@ class _Server:
             changed = self.version != have
             self._reply(worker, torch.tensor([self.version, int(changed)], dtype=torch.int64))
             if changed:
-                self._reply(worker, _flatten([p.detach() for p in self.params], self.dtype))
+                if self._flat is None:  # one copy a version, however many workers pull it
+                    self._flat = _flatten([p.detach() for p in self.params], self.dtype)
+                self._reply(worker, self._flat)
         self.pulls = waiting
         waiting_losses = []
         for worker, first, last in self.asked:
@@ -536,22 +549,6 @@ class _Server:
 
 
 # --- helpers
-
-
-def _rows(batch: Mapping, n: int, lo: int, hi: int) -> dict:
-    """Samples lo .. hi - 1 of a batch of `n`: its tensors and lists of `n` along their first
-    dimension; other values as they are."""
-    out: dict = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == n:
-            out[key] = value[lo:hi]
-        elif isinstance(value, list) and len(value) == n:
-            out[key] = value[lo:hi]
-        elif isinstance(value, Mapping):
-            out[key] = _rows(value, n, lo, hi)
-        else:
-            out[key] = value
-    return out
 
 
 def _dtype(params: list[nn.Parameter], share: list[int]) -> torch.dtype:
@@ -584,9 +581,11 @@ def _unflatten(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
 
 
 def _unflatten_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """The parameters' gradients: views of `flat` (which they then own), copies where the dtype
+    differs."""
     offset = 0
     for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype, copy=True)
+        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
         offset += p.numel()
 
 
