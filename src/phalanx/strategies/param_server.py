@@ -367,6 +367,11 @@ class ParamServer(ProcessGroup, Replicated):
     # --- state
 
     def model_state(self) -> nn.Module:
+        """The model after every step done so far. During a run every worker saves at the same
+        step: they meet first, so that none pushes a later step's gradients before the main one has
+        the servers' state too (`optimizer_state`)."""
+        if self._group is not None:
+            self.barrier()
         self._catch_up()
         return self.model
 
@@ -375,16 +380,21 @@ class ParamServer(ProcessGroup, Replicated):
         return super().evaluate(engine, batch)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The servers' states, each of its parameters, as one optimizer's (on the main worker)."""
-        if not self.is_main or not self._params:
-            return optimizer.state_dict() if self.is_main else {}
-        merged: dict[str, Any] = {"state": {}, "param_groups": None}
-        for server in self._server_ranks():
-            _wait([self._send(server, [_STATE, 0, 0, 0, 0])])
-            box: list[Any] = [None]
-            dist.recv_object_list(box, server, group=self._wire)
-            merged["state"].update(box[0]["state"])
-            merged["param_groups"] = merged["param_groups"] or box[0]["param_groups"]
+        """The servers' states, each of its parameters, as one optimizer's (on the main worker;
+        the other workers wait for it during a run, see `model_state`)."""
+        merged: dict[str, Any] = {}
+        if self.is_main and not self._params:  # no step yet: the servers' state is the initial
+            merged = optimizer.state_dict()
+        elif self.is_main:
+            merged = {"state": {}, "param_groups": None}
+            for server in self._server_ranks():
+                _wait([self._send(server, [_STATE, 0, 0, 0, 0])])
+                box: list[Any] = [None]
+                dist.recv_object_list(box, server, group=self._wire)
+                merged["state"].update(box[0]["state"])
+                merged["param_groups"] = merged["param_groups"] or box[0]["param_groups"]
+        if self._group is not None:
+            self.barrier()
         return merged
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
