@@ -169,7 +169,10 @@ def candidates(m: Measured, devices: int) -> list[Setup]:
                 continue
             for copies in range(1, devices // stages + 1):
                 for mb in (1, 2, 4, 8, 16):
-                    if per > 1 and (mb < stages or mb % stages or copies > 1):
+                    # interleaved 1F1B with one micro-batch: the stages alternate between the
+                    # processes, taking turns (the placement study's exaggerated split)
+                    alternating = schedule == "interleaved" and mb == 1 and copies == 1
+                    if per > 1 and (mb < stages or mb % stages or copies > 1) and not alternating:
                         continue  # their schedules' own conditions; one copy here
                     setup = Setup("pipeline", stages * copies, stages, mb, schedule, tuple(split))
                     out.append(setup)

@@ -218,3 +218,16 @@ def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
     v = costs.predict(m, Setup("pipeline", 2, 2, 4, "zbv", ("net.2", "net.4", "net.6")))
     assert "4 stages on 2 processes" in v.reason
     assert v.parts["compute"] == pytest.approx(4 * 0.5 * m.compute.time(16))  # half each
+
+
+def test_the_alternating_placement_is_planned_and_takes_turns():
+    """Four stages alternating over two processes with one micro-batch (interleaved): a candidate,
+    priced as the processes taking turns through the whole model, plus its crossings."""
+    m = measured(crowding=1.3)
+    setups = [s for s in costs.candidates(m, 2) if s.schedule == "interleaved"]
+    assert any(s.microbatches == 1 and len(s.split) == 3 for s in setups)
+    alternating = next(s for s in setups if s.microbatches == 1)
+    p = costs.predict(m, alternating)
+    whole = m.compute.time(64)  # one micro-batch of the whole batch, no crowding: they take turns
+    assert p.parts["compute"] + p.parts["bubble"] == pytest.approx(whole)
+    assert p.parts["communication"] > 0
