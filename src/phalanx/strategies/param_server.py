@@ -98,7 +98,7 @@ class ParamServer(ProcessGroup, Replicated):
         self._group: Any = None  # the group the collectives run over: all, then the workers
         self._params: list[nn.Parameter] = []  # the optimizer's, in its order
         self._shares: list[list[int]] = []  # each server's parameters, by index
-        self._version = -1  # the updates this worker's parameters have had (-1: never pulled)
+        self._version = 0  # the updates this worker's parameters have had
         self._drained = -1  # the steps done when this worker last caught up with the servers
         self._ids: list[int] = []  # the chunks of the last step this worker trained
         self._unsettled: list[tuple[int, torch.Tensor]] = []  # steps whose loss is not known yet
@@ -137,6 +137,9 @@ class ParamServer(ProcessGroup, Replicated):
             held[s] += self._params[i].numel()
         for share in self._shares:
             share.sort()
+        assert self.progress.where is not None  # the trainer tells every strategy its steps
+        # every process starts from the same state (broadcast, or restored): the servers' now
+        self._version = self.progress.where()[0]
 
     # --- the step (workers)
 
