@@ -31,7 +31,7 @@ from phalanx.engine import Engine
 from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.hooks.base import Hook
 from phalanx.precision import Precision
-from phalanx.strategies.base import RandomStreams, Strategy
+from phalanx.strategies.base import RandomStreams, Serves, Strategy
 
 log = logging.getLogger("phalanx")
 
@@ -279,6 +279,11 @@ class Checkpointing:
         count, streams re-derived from the seed, the step and the rank."""
         saved = state.get("rng_ranks") or [state["rng"]]
         rank, world_size = self.strategy.rank, self.strategy.world_size
+        if isinstance(self.strategy, Serves):  # the workers' streams alone were saved
+            world_size = self.strategy.data_world_size
+            if self.strategy.serving:  # a server draws nothing
+                seed_everything(derived_seed(self.cfg.seed, self.step, rank))
+                return
         if len(saved) == world_size:
             set_rng_state(saved[rank])
             self._restore_streams(saved[rank].get("devices"))

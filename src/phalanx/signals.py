@@ -93,6 +93,58 @@ def end_at_once_on_signals() -> None:
         signal.signal(sig, exit_at_once)
 
 
+# A signal's handler runs in the main thread between two Python instructions: not while the main
+# thread waits in a native call, such as a message from a peer that has died. Inside `waiting()`,
+# a thread of its own sees each signal (through the interpreter's wakeup fd) and, where the wait
+# has not ended `WAIT_GRACE_S` later, ends the process as `exit_at_once` would.
+WAIT_GRACE_S = 2.0
+_waits = 0  # the main thread's waits under way (nested)
+_wakeup: int | None = None  # the read end of the wakeup fd's pipe, once made
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Around a wait in a native call that only a peer can end (a point-to-point message): a signal
+    that arrives during it ends the process once the wait has outlasted `WAIT_GRACE_S` (a peer
+    that died never answers; the launcher's SIGTERM must still end this process). Call it from the
+    main thread."""
+    global _waits
+    _watch_signals()
+    _waits += 1
+    try:
+        yield
+    finally:
+        _waits -= 1
+
+
+def _watch_signals() -> None:
+    global _wakeup
+    if _wakeup is not None or threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    _wakeup = read
+    threading.Thread(
+        target=_signals_in_waits, args=(read,), name="phalanx-waits", daemon=True
+    ).start()
+
+
+def _signals_in_waits(read: int) -> None:
+    while True:
+        try:
+            got = os.read(read, 16)
+        except OSError:
+            return
+        if not got or not _waits:
+            continue  # the main thread runs Python: its own handler takes the signal
+        deadline = time.monotonic() + WAIT_GRACE_S
+        while _waits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _waits:  # still waiting: a peer that will not answer
+            exit_at_once(got[-1])
+
+
 class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None

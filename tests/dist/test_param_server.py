@@ -169,3 +169,40 @@ def test_a_stop_asked_on_one_worker_stops_every_worker_at_the_same_step(referenc
     want = torch.tensor(reference["batch7"]["losses"][:first])
     for end in ends[:2]:
         assert torch.allclose(torch.tensor(end["losses"]), want, rtol=1e-10)
+
+
+def test_a_signal_ends_a_process_that_waits_for_a_peer_which_never_answers(tmp_path):
+    """A worker or server waiting for a message from a process that died can run no Python, so
+    its handler never sees the launcher's SIGTERM: inside `signals.waiting()` a thread of its own
+    ends it (128 + the signal) once the wait outlasts a grace of 2 s."""
+    import multiprocessing as mp
+    import os
+    import signal
+    import time
+
+    ctx = mp.get_context("spawn")
+    ready = tmp_path / "ready"
+    port = workers.free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = []
+    for rank in range(2):
+        os.environ.update({**env, "RANK": str(rank)})
+        procs.append(ctx.Process(target=workers.wait_for_a_peer_that_never_sends, args=(rank, str(ready))))
+        procs[-1].start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)  # inside the wait
+        start = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGTERM)
+        procs[0].join(timeout=20)
+        assert procs[0].exitcode == 128 + signal.SIGTERM
+        assert 1.5 < time.monotonic() - start < 15
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for key in (*env, "RANK"):
+            os.environ.pop(key, None)

@@ -246,3 +246,23 @@ def dealt(rank: int, raw: dict) -> dict:
     trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
     assert trainer.run() == 0
     return {"ids": mine.epochs[:-1], "metrics": trainer.metrics, "lines": lines}
+
+
+def wait_for_a_peer_that_never_sends(rank: int, ready: str) -> None:
+    """Rank 0 waits in gloo for a message rank 1 never sends, a signal handler that only notes the
+    signal installed (as a graceful stop's is while training); rank 1 waits to be ended."""
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    from phalanx import signals
+
+    dist.init_process_group("gloo")
+    if rank == 0:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        Path(ready).write_text("waiting")
+        with signals.waiting():
+            dist.recv(torch.zeros(1), 1)
+    else:
+        time.sleep(120)

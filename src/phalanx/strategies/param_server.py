@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx import signals
 from phalanx.data import Micro
 from phalanx.engine import concat, total_norm
 from phalanx.errors import ConfigError
@@ -280,7 +281,8 @@ class ParamServer(ProcessGroup, Replicated):
 
     def _receive(self, server: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(n, dtype=dtype)
-        dist.recv(out, server, group=self._wire, tag=_REPLY)
+        with signals.waiting():  # a server that died never answers: a signal still ends this
+            dist.recv(out, server, group=self._wire, tag=_REPLY)
         return out
 
     def _ask(
@@ -447,7 +449,8 @@ class _Server:
         header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
         wire = self.strategy._wire
         while self.done < self.strategy.workers:
-            worker = dist.recv(header, None, group=wire, tag=_HEADER)
+            with signals.waiting():  # a worker that died never sends: a signal still ends this
+                worker = dist.recv(header, None, group=wire, tag=_HEADER)
             kind, a, b, c, d = (int(x) for x in header)
             if kind == _CLAIM:
                 self._claim(worker, a, b, bool(c))
@@ -486,8 +489,9 @@ class _Server:
         wire = self.strategy._wire
         grads = torch.empty(self.numel, dtype=self.dtype)
         loss = torch.empty(3, dtype=torch.float64)
-        dist.recv(grads, worker, group=wire, tag=_PAYLOAD)
-        dist.recv(loss, worker, group=wire, tag=_PAYLOAD)
+        with signals.waiting():
+            dist.recv(grads, worker, group=wire, tag=_PAYLOAD)
+            dist.recv(loss, worker, group=wire, tag=_PAYLOAD)
         pending = self.steps.get(step)
         if pending is None:
             pending = self.steps[step] = _Step(torch.zeros(self.numel, dtype=self.dtype))
@@ -608,5 +612,6 @@ def _cpu(value: Any) -> Any:
 
 def _wait(works: list[tuple[Any, torch.Tensor]]) -> None:
     """Wait for each (work, the tensor it sends: kept alive until then)."""
-    for work, _ in works:
-        work.wait()
+    with signals.waiting():
+        for work, _ in works:
+            work.wait()
