@@ -306,12 +306,15 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     slot = share * whole  # the busiest process's forward and backward of one micro-batch
     crossing = max(m.blocks[i].input_bytes_per_sample for i in bounds[1:-1]) * micro
     # each micro-batch's activation goes forward and its gradient back at each of the process's
-    # cuts
-    message = 0.0 if m.p2p is None else 2 * _CROSSINGS[setup.schedule] * m.p2p.time(crossing)
+    # cuts; one micro-batch alone crosses every cut in turn, nothing beside it
+    crossings = _CROSSINGS[setup.schedule] if mb > 1 else len(shares) - 1
+    message = 0.0 if m.p2p is None else 2 * crossings * m.p2p.time(crossing)
     compute = m.accumulation * mb * slot
     # too few micro-batches to fill the pipeline leave nothing for a cleverer schedule to overlap
     idle = _BUBBLE[setup.schedule] if mb >= p else 1.0
-    bubble = m.accumulation * idle * (p - 1) * slot
+    # filling and draining: a micro-batch passes every stage, the others' while the busiest waits
+    # (P - 1 of its slots where the stages are even; one micro-batch: the whole model in turn)
+    bubble = m.accumulation * idle * max(whole - slot, 0.0)
     messages = m.accumulation * mb * (message + m.microbatch_s)
     communication = messages
     if setup.strategy == "pipeline":  # the step's loss and stop flag, agreed by every process

@@ -231,3 +231,17 @@ def test_the_alternating_placement_is_planned_and_takes_turns():
     whole = m.compute.time(64)  # one micro-batch of the whole batch, no crowding: they take turns
     assert p.parts["compute"] + p.parts["bubble"] == pytest.approx(whole)
     assert p.parts["communication"] > 0
+
+
+def test_uneven_stages_fill_and_drain_through_every_stage_not_the_slowest_one_p_times():
+    """Stages of 3/4 and 1/4 of the model: one micro-batch takes the whole model's time (the stages
+    take turns), not twice the slower stage's; with more, each waits for the others' part once."""
+    blocks = tuple(Block(f"net.{i}", 0.25, 25 << 20, 4096, True) for i in range(4))
+    m = measured(blocks=blocks, all_reduce={2: Link(0.0, 1e18)}, p2p=Link(0.0, 1e18))
+    uneven = ("net.3",)  # 3 blocks, then 1
+    one = costs.predict(m, Setup("pipeline", 2, 2, 1, "gpipe", uneven)).parts
+    assert one["compute"] + one["bubble"] == pytest.approx(m.compute.time(64))
+    four = costs.predict(m, Setup("pipeline", 2, 2, 4, "gpipe", uneven)).parts
+    whole = m.compute.time(16)
+    assert four["compute"] == pytest.approx(4 * 0.75 * whole)
+    assert four["bubble"] == pytest.approx(0.25 * whole)
