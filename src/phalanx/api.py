@@ -687,7 +687,10 @@ def what_runs(cfg: config.Config, strategy) -> str:
     line = (
         f"strategy {strategies.strategy_name(cfg)}: {who}; precision {cfg.precision}; global batch "
         f"{batch} per optimizer step, {micros}, {share} per "
-        + ("copy of the pipeline" if getattr(strategy, "layout", None) else "device")
+        + (
+            getattr(strategy, "shard_name", None)
+            or ("copy of the pipeline" if getattr(strategy, "layout", None) else "device")
+        )
     )
     if getattr(strategy, "layout", None):
         line += f"; {strategy.layout}"

@@ -317,6 +317,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
         "it resumes from the last checkpoint" in log
     )
     assert "resuming" in log and "from step 6 " in log
+    if parallel.get("strategy") == "param_server":  # the run's first line says who serves
+        assert "3 to 4 per chunk; 1 server and 2 workers, which take the chunks" in log
 
 
 def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_path):

@@ -107,6 +107,17 @@ class ParamServer(ProcessGroup, Replicated):
         self._chunks = 0  # this epoch's chunks computed here
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
+    shard_name = "chunk"  # what the run's first line calls a worker's part of a micro-batch
+
+    @property
+    def layout(self) -> str:
+        """How the run's first line describes the processes."""
+        bound = "synchronous" if not self.staleness else f"up to {self.staleness} updates stale"
+        return (
+            f"{_count(self.servers, 'server')} and {_count(self.workers, 'worker')}, which take "
+            f"the chunks as they become free ({bound})"
+        )
+
     # --- building
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
@@ -615,3 +626,7 @@ def _wait(works: list[tuple[Any, torch.Tensor]]) -> None:
     with signals.waiting():
         for work, _ in works:
             work.wait()
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
