@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import socket
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -162,13 +163,19 @@ class ProcessGroup:
             self.barrier()
             dist.destroy_process_group()
             left_a_group = self.world_size > 1
+            if left_a_group:  # the interpreter's lock free while gloo's threads let go (see below)
+                time.sleep(RELEASE_S)
 
 
 # Whether this process trained in a group of several and left it: the gloo worker threads may still
 # be releasing the last collectives' tensors (which takes the interpreter's lock), and an
 # interpreter that finalizes under them aborts ("terminate called without an active exception").
-# The `phalanx` command then ends without finalizing (`cli.entry`).
+# The `phalanx` command then ends without finalizing (`cli.entry`); a script that called
+# `phalanx.fit` under torchrun, or a worker of the launcher, finalizes: `shutdown` gives the
+# threads `RELEASE_S` first (without it, 3 of 20 such scripts aborted on a loaded machine; with
+# it, none).
 left_a_group = False
+RELEASE_S = 0.1
 
 
 def sum_gradients(params: list[nn.Parameter], group: Any = None, divide: float = 1.0) -> None:
