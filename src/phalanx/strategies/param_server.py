@@ -6,9 +6,9 @@ last S the servers. Each server holds a share of the parameters (by size, in the
 order), their optimizer state, and the schedulers; every server receives every gradient's part
 for its share and applies one optimizer step per global batch, as one device would.
 
-The samples of each global batch are dealt, not sharded: every worker reads the whole batch, and
-each micro-batch of it is cut into W chunks that the workers claim from server 0 as they become
-free (a fast worker claims more), and reads only the samples of the chunks it takes. A chunk's
+The samples of each global batch are dealt, not sharded: each micro-batch is cut into W chunks
+that the workers claim from server 0 as they become free (a fast worker claims more), and a worker
+reads only the samples of the chunks it takes. A chunk's
 gradient is weighed by the contract (1/B of the global batch), so the step's gradient is the sum
 of its chunks', whoever computed them. A worker computes a chunk of step k on parameters that
 have had k - `staleness` updates or more: where its copy is older, it pulls a fresh one from every
