@@ -36,6 +36,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import make_items  # noqa: E402
+
 FEATURES, CLASSES = 32, 10
 
 
@@ -43,25 +47,10 @@ class Blobs:
     """Gaussian blobs (a stream `train` of `n` samples), the same in every process."""
 
     def __init__(self, n: int = 8192):
-        g = torch.Generator().manual_seed(0)
-        centers = 2 * torch.randn(CLASSES, FEATURES, generator=g)
-        y = torch.randint(CLASSES, (n,), generator=g)
-        x = centers[y] + torch.randn(n, FEATURES, generator=g)
-        self._train = _Items(x, y)
+        self._train = make_items(n, FEATURES, CLASSES)
 
     def streams(self) -> dict[str, Dataset]:
         return {"train": self._train}
-
-
-class _Items(Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x, y
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i], "y": self.y[i]}
 
 
 class SlowMLP(nn.Module):

@@ -178,17 +178,23 @@ def epoch_losses(rank: int, raw: dict) -> list[float]:
     return means.means
 
 
-def profile_lines(rank: int, raw: dict) -> dict:
-    """Train with LogProfile; the strategy's sampled backward communication and the lines logged."""
+def _logged_lines() -> list[str]:
+    """A list that every line phalanx logs from now on (INFO and above) is added to."""
     import logging
-
-    from phalanx.hooks import LogProfile
 
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record.getMessage())
     logging.getLogger("phalanx").addHandler(handler)
     logging.getLogger("phalanx").setLevel(logging.INFO)
+    return lines
+
+
+def profile_lines(rank: int, raw: dict) -> dict:
+    """Train with LogProfile; the strategy's sampled backward communication and the lines logged."""
+    from phalanx.hooks import LogProfile
+
+    lines = _logged_lines()
     cfg = config.validate(raw)
     trainer = Trainer(cfg, None, [TESTS], hooks=[LogProfile()], strategy=strategies.create(cfg))
     assert trainer.run() == 0
@@ -227,13 +233,7 @@ def run_dir_worker(rank: int, run_dir: str, resume: bool, overrides: list[str]) 
 def dealt(rank: int, raw: dict) -> dict:
     """Train; this worker's samples by epoch, the last evaluation's figures and the lines
     logged."""
-    import logging
-
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger("phalanx").addHandler(handler)
-    logging.getLogger("phalanx").setLevel(logging.INFO)
+    lines = _logged_lines()
     cfg = config.validate(raw)
     mine = toy.LocalIds()  # no hook reads a step's loss: nothing makes the workers wait
     from phalanx.hooks import ClassificationMetrics

@@ -79,6 +79,20 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
     return accelerator, devices
 
 
+def _refuse(
+    name: str,
+    unsupported: dict[str, bool],
+    instead: str = "parallel.strategy=ddp (bf16 instead of fp16)",
+) -> None:
+    """One error naming the settings strategy `name` does not support that the config uses."""
+    named = [setting for setting, used in unsupported.items() if used]
+    if named:
+        raise ConfigError(
+            f"parallel.strategy={name} does not support {', '.join(named)}; remove it, or use "
+            f"{instead}"
+        )
+
+
 def in_worker() -> bool:
     """Whether this process is one of several started by a launcher (phalanx's own, or torchrun)."""
     return environment.here().in_group
@@ -127,17 +141,14 @@ def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "parallel.strategy=towers drives every device from one process, but this is one of "
             "several processes; start phalanx without torchrun, or use parallel.strategy=ddp"
         )
-    unsupported = {
-        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-        "precision=fp16": cfg.precision == "fp16",
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(
-            f"parallel.strategy=towers does not support {', '.join(named)}; remove it, or use "
-            "parallel.strategy=ddp (bf16 instead of fp16)"
-        )
+    _refuse(
+        "towers",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+    )
     from phalanx.strategies.towers import Towers
 
     count = (
@@ -156,16 +167,13 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
             f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
             "with phalanx train (which starts them) or under torchrun"
         )
-    unsupported = {
-        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-        "precision=fp16": cfg.precision == "fp16",
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(
-            f"parallel.strategy=fsdp does not support {', '.join(named)}; remove it, or use "
-            "parallel.strategy=ddp (bf16 instead of fp16)"
-        )
+    _refuse(
+        "fsdp",
+        {
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+    )
     from phalanx.strategies.fsdp import FSDP
 
     return FSDP(
@@ -195,18 +203,16 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
             f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
             "start phalanx under torchrun"
         )
-    unsupported = {
-        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-        "precision=fp16": cfg.precision == "fp16",
-        "compile": bool(cfg.compile),
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(
-            f"parallel.strategy=pipeline does not support {', '.join(named)}; remove it, or use "
-            "parallel.strategy=ddp or fsdp"
-        )
+    _refuse(
+        "pipeline",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+            "compile": bool(cfg.compile),
+        },
+        "parallel.strategy=ddp or fsdp",
+    )
     from phalanx.strategies.pipeline import Pipeline
 
     return Pipeline(
@@ -233,17 +239,14 @@ def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
             f"worker, each a process; set parallel.devices to {settings.servers + 1} or more "
             "(phalanx starts them), or start phalanx under torchrun"
         )
-    unsupported = {
-        "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-        "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-        "precision=fp16": cfg.precision == "fp16",
-    }
-    named = [name for name, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(
-            f"parallel.strategy=param_server does not support {', '.join(named)}; remove it, or "
-            "use parallel.strategy=ddp (bf16 instead of fp16)"
-        )
+    _refuse(
+        "param_server",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+    )
     from phalanx.strategies.param_server import ParamServer
 
     return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
