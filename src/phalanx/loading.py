@@ -6,6 +6,7 @@ items dataset.keys names (`named`), and the steps of an iterable stream (`Stream
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import random
@@ -196,10 +197,21 @@ class _WorkersLoader(DataLoader):
     """A DataLoader with worker processes that raises their collate errors as themselves."""
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch's stub: its own iterator
+        if self._iterator is None or not self.persistent_workers:  # the workers start here
+            _collect_before_fork(self.multiprocessing_context)
         for batch in super().__iter__():
             if isinstance(batch, _Unbatchable):
                 raise DataError(batch.message)
             yield batch
+
+
+def _collect_before_fork(context: Any) -> None:
+    """A forked worker must not touch CUDA, yet its garbage collector frees whatever garbage it
+    inherited: an earlier loader's pinned batches, a resumed optimizer's CUDA state, whose freeing
+    calls CUDA and aborts the worker. Collected here, before the fork, there is none to inherit."""
+    method = (context or torch.multiprocessing).get_start_method()
+    if method == "fork" and torch.cuda.is_initialized():
+        gc.collect()
 
 
 def loader(

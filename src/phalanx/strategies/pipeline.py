@@ -142,7 +142,7 @@ class Pipeline(ProcessGroup):
             here = next(whole.parameters(), torch.empty(0)).device
             batch = {k: v.to(here) for k, v in _padded(sample(self.rows), self.rows).items()}
             if not options.precision.passes_through:
-                batch = dict(options.precision.convert_batch(batch, None))
+                batch = dict(options.precision.convert_batch(batch, here))
             self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
             names = self.settings.split
             if names == "auto":
