@@ -48,6 +48,31 @@ def test_asking_for_gpus_without_any_names_the_fix():
         strategies.resolve_device(config.validate(toy.regression_config(model={"n_gpus": 2})))
 
 
+def test_param_servers_need_no_gpu(monkeypatch):
+    """Two GPUs: two workers and a server in host memory fit, a third worker does not."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    served = {"accelerator": "cuda", "strategy": "param_server", "param_server": {"servers": 1}}
+    assert strategies.resolve_device(cfg(devices=3, **served)) == ("cuda", 3)
+    with pytest.raises(ConfigError, match=r"asks for 3 GPU workers, but 2 GPU\(s\) are visible"):
+        strategies.resolve_device(cfg(devices=4, **served))
+    with pytest.raises(ConfigError, match="3 GPUs requested but 2 are visible"):
+        strategies.resolve_device(cfg(accelerator="cuda", devices=3))
+
+
+def test_a_pipeline_in_one_process_or_over_gloo_on_gpus_is_one_error(monkeypatch):
+    """torch's schedules need two processes or more; gloo would read GPU memory as the host's."""
+    one = {"split": ["net.2"], "schedule": "interleaved"}  # two stages, two a process
+    with pytest.raises(ConfigError, match="puts its 2 stages in one process.*split it at 3 points"):
+        strategies.create(cfg(strategy="pipeline", accelerator="cpu", pipeline=one))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    two = {"split": ["net.2"]}
+    gloo = cfg(strategy="pipeline", accelerator="cuda", devices=2, backend="gloo", pipeline=two)
+    with pytest.raises(ConfigError, match="gloo cannot send GPU memory"):
+        strategies.create(gloo)
+
+
 def test_nccl_on_the_cpu_names_the_fix():
     with pytest.raises(
         ConfigError,

@@ -27,6 +27,13 @@ from phalanx.strategies.single import Single
 CPU_PROCESSES_PER_CORE = 4
 
 
+def _host_processes(cfg: Config) -> int:
+    """The processes of a run that hold no GPU: param_server's servers."""
+    if cfg.parallel.strategy != "param_server":
+        return 0
+    return cfg.parallel.section("param_server", ParamServerSettings).servers
+
+
 def cpu_cores() -> int:
     """The cores this process may run on."""
     try:
@@ -55,10 +62,18 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
         )
     if devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
-    if accelerator == "cuda" and devices > torch.cuda.device_count():
+    servers = _host_processes(cfg)
+    if accelerator == "cuda" and devices - servers > torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        if servers:
+            raise ConfigError(
+                f"parallel.devices={devices} with {servers} param_server server(s) (in host "
+                f"memory) asks for {devices - servers} GPU workers, but {visible} GPU(s) are "
+                f"visible; set parallel.devices to at most {visible + servers}"
+            )
         raise ConfigError(
-            f"{devices} GPUs requested but {torch.cuda.device_count()} are visible; "
-            f"set parallel.devices (or model.n_gpus) to at most {torch.cuda.device_count()}"
+            f"{devices} GPUs requested but {visible} are visible; "
+            f"set parallel.devices (or model.n_gpus) to at most {visible}"
         )
     if devices < 1:
         raise ConfigError(f"parallel.devices must be at least 1, got {devices}")
@@ -191,12 +206,20 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
             "stage starts, such as parallel.pipeline.split=[net.3]"
         )
+    if accelerator == "cuda" and cfg.parallel.backend == "gloo":
+        raise ConfigError(
+            "parallel.strategy=pipeline on GPUs sends activations between stages over NCCL, one "
+            "GPU a process; gloo cannot send GPU memory: set parallel.backend=auto (or nccl)"
+        )
+    per_process = settings.stages_per_process or 1
+    stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
+    if stages == per_process:
+        raise ConfigError(
+            f"parallel.pipeline puts its {stages} stages in one process ({per_process} per "
+            "process, parallel.pipeline.stages_per_process): a pipeline runs over two processes "
+            f"or more; split it at {2 * per_process - 1} points, or set parallel.strategy=single"
+        )
     if not in_worker():
-        per_process = settings.stages_per_process or 1
-        if settings.split != "auto":
-            stages: int | None = len(settings.split) + 1
-        else:
-            stages = settings.stages
         processes = f"{stages // per_process} processes" if stages else "several processes"
         raise ConfigError(
             f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import signals
+from phalanx import environment, signals
 from phalanx.data import Micro
 from phalanx.engine import concat, total_norm
 from phalanx.errors import ConfigError
@@ -77,20 +77,22 @@ class ParamServer(ProcessGroup, Replicated):
         timeout_s: float | None = None,
         backend: str = "auto",
     ):
-        super().__init__(accelerator, timeout_s, backend)
+        place = environment.here()
+        # the parameters and the optimizer live in a server's host memory: it holds no GPU, and
+        # every process joins the group over gloo, which both sides speak
+        self.serving = place.rank >= place.world_size - settings.servers
+        super().__init__("cpu" if self.serving else accelerator, timeout_s, "gloo")
         self.servers, self.staleness = settings.servers, settings.staleness
         self.workers = self.world_size - self.servers  # at least one: `strategies` checked
-        self.serving = self.rank >= self.workers
-        if self.serving:  # the parameters and the optimizer live in the server's memory
-            self.device = torch.device("cpu")
-            self.devices = (self.device,)
-        else:  # a worker steps its schedulers beside the servers' optimizers, never its own
+        if not self.serving:  # a worker steps its schedulers beside the servers' optimizers
             warnings.filterwarnings("ignore", message=_SCHEDULER_BEFORE_OPTIMIZER)
         self.data_rank = 0 if self.serving else self.rank
         self.data_world_size = self.workers
         # every process makes every group, in the same order
         self._wire = dist.new_group(backend="gloo", timeout=_SERVING_TIMEOUT)
-        self._crew = dist.new_group(list(range(self.workers)))
+        # the workers' collectives: NCCL where they are GPUs and the backend lets it
+        crew = "nccl" if accelerator == "cuda" and backend in ("auto", "nccl") else "gloo"
+        self._crew = dist.new_group(list(range(self.workers)), backend=crew)
         self._peers = (
             dist.new_group(list(range(self.workers, self.world_size)), backend="gloo")
             if self.servers > 1
