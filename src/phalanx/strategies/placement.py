@@ -5,22 +5,39 @@
 GPU, or the CPU); `cpu` keeps a module in host memory, for a model that does not fit the GPUs.
 Each named module's inputs follow it to its device, and the model's outputs come back to the run's
 device, where the loss is weighed: the step is `single`'s, on one copy of the model, so the contract
-holds as it does on one device. The devices take turns (one runs while the others wait, and
-activations are copied between them): placement is how a model too large for one device trains at
-all, not a way to train faster; `pipeline` keeps the stages busy at once.
+holds as it does on one device. The model's own forward code runs where its tensors are: code that
+combines the outputs of modules placed apart (or one with the batch) moves them itself, and a
+forward that does not is one error that says so. The devices take turns (one runs while the others
+wait, and activations are copied between them): placement is how a model too large for one device
+trains at all, not a way to train faster; `pipeline` keeps the stages busy at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from phalanx.errors import ConfigError
-from phalanx.strategies.base import DataParallel, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.errors import ConfigError, ModelError
+from phalanx.strategies.base import (
+    DataParallel,
+    Micros,
+    ModelOptions,
+    OneProcess,
+    Outcome,
+    Replicated,
+    prepare,
+)
+
+if TYPE_CHECKING:
+    from phalanx.engine import Engine
+
+
+_MIXED_DEVICES = ("Expected all tensors to be on the same device", "is not on the expected device")
 
 
 class Placement(OneProcess, Replicated, DataParallel):
@@ -47,6 +64,31 @@ class Placement(OneProcess, Replicated, DataParallel):
             part.register_forward_pre_hook(_inputs_to(device), with_kwargs=True)
         module.register_forward_hook(_outputs_to(self.device))
         return module
+
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
+        with self._explained():
+            return super().train_step(engine, micros, stop)
+
+    def evaluate(self, engine: Engine, batch: Mapping) -> dict:
+        with self._explained():
+            return super().evaluate(engine, batch)
+
+    @contextmanager
+    def _explained(self) -> Iterator[None]:
+        """torch's error for a forward that mixes devices, as what placement leaves to the model."""
+        try:
+            yield
+        except RuntimeError as error:
+            if not any(words in str(error) for words in _MIXED_DEVICES):
+                raise
+            where = ", ".join(f"{name} on {device}" for name, device in self.placement.items())
+            raise ModelError(
+                f"the model's forward combines tensors on different devices ({where}; the rest "
+                f"and the batch on {self.device}): parallel.placement moves each named module's "
+                "inputs to it, but code that combines the outputs of modules placed apart runs "
+                "where its tensors are. Move one in the forward (x.to(other.device)), or place "
+                "the module that combines them"
+            ) from error
 
     def shutdown(self) -> None:
         pass
