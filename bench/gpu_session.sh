@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in stages: `check` (the CUDA paths at smoke sizes, the GPU test
 # tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes),
+# `tier` (the GPU test tier on five pytest workers, about 2 minutes), `lease` (what a short lease
+# must see first, in one call of about 4 minutes: the tier, `phalanx plan` on the GPU, the
+# launch-bound benchmark),
 # and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload` (bench/largest_model.py's
 # search, one mode each; LARGEST_ARGS such as "--start 16" start it nearer the answer).
 # Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
@@ -26,6 +29,15 @@ for stage in "$@"; do
         timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/tests-gpu.log" | tail -n 30
         timeout 300 python3 bench/gpu.py --workload launch-bound --out "$OUT/gpu-launch-bound.json" 2>&1 | tee "$OUT/launch-bound.log" | tail -n 20
         ;;
+    lease|tier)
+        { nvidia-smi; python3 -c "import torch, sys; print(sys.version, torch.__version__, torch.cuda.get_device_name())"; nproc; } 2>&1 | tee "$OUT/machine.txt"
+        timeout -k 5 270 python3 -m pytest -q -p no:cacheprovider -n 5 --durations=0 tests/gpu 2>&1 | tee "$OUT/tests-gpu.log" | tail -n 30
+        [ "$stage" = tier ] && continue
+        for example in digits two_tower; do  # one GPU here: four machines like it, joined by HDR
+            COLUMNS=160 timeout -k 5 60 python3 -m phalanx.cli plan "examples/$example/config.yaml" --nnodes 4 --link infiniband-hdr --output "$OUT/plan-$example.json" 2>&1 | tee "$OUT/plan-$example.log" | tail -n 12
+        done
+        timeout -k 5 110 python3 bench/gpu.py --workload launch-bound --out "$OUT/gpu-launch-bound.json" 2>&1 | tee "$OUT/launch-bound.log" | tail -n 20
+        ;;
     gpt2|resnet50|launch-bound)
         w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
         timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
@@ -33,6 +45,6 @@ for stage in "$@"; do
     largest-plain|largest-checkpointed|largest-fsdp-offload)
         timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check gpt2 resnet50 launch-bound largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
+    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done

@@ -1,4 +1,6 @@
-"""The GPU tier: the CUDA paths of `single` and `ddp`, on whatever CUDA GPU is visible.
+"""The GPU tier: the CUDA paths of `single`, `ddp`, `placement` and `param_server`, on whatever CUDA
+GPU is visible (`pipeline` sends GPU activations over NCCL, one GPU a process: it needs two GPUs,
+and the lent machines have one).
 
 Every test here skips, saying so, on a machine without one (CI has none). Two ranks share the one
 GPU over gloo (`parallel.backend: gloo`): NCCL refuses two ranks on one device, and the lent
@@ -217,17 +219,30 @@ def test_negative_loss_weights_on_the_gpu_are_refused_at_the_epochs_end(tmp_path
         phalanx.fit(raw, model=_NegativeWeights(), dataset=streams)
 
 
-def test_placement_on_the_gpu_and_the_cpu_trains_as_one_gpu(one_gpu):
-    """toy.Linear's first layer on cuda:0 and its last in host memory: inputs follow each module,
-    the outputs come back to the GPU, and the run is one GPU's."""
-    raw = scenario("cuda", strategy="placement", placement={"net.0": "cuda:0", "net.2": "cpu"})
+def test_placement_on_the_cpu_and_the_gpu_trains_as_one_gpu(one_gpu):
+    """toy.Linear's first layer in host memory and its last on cuda:0: the batch follows the first
+    to the CPU, its output the last back to the GPU, and the run is one GPU's."""
+    raw = scenario("cuda", strategy="placement", placement={"net.0": "cpu", "net.2": "cuda:0"})
     assert_same_run(workers.train(raw), one_gpu["toy.Linear"])
 
 
-def test_a_pipeline_of_two_stages_sharing_the_gpu_trains_as_one_gpu(one_gpu):
-    raw = scenario("cuda", strategy="pipeline", devices=2, backend="gloo")
-    raw["parallel"]["pipeline"] = {"split": ["net.2"], "microbatches": 2, "schedule": "1f1b"}
+def test_a_forward_that_mixes_placed_devices_is_one_error():
+    """toy.Linear's last layer in host memory: its prediction (CPU) meets the target (GPU) in the
+    model's own forward, which placement leaves to the model; the error says so."""
+    from phalanx.errors import ModelError
+
+    raw = scenario("cuda", strategy="placement", placement={"net.0": "cuda:0", "net.2": "cpu"})
+    with pytest.raises(ModelError, match=r"combines tensors on different devices \(net.0 on cuda"):
+        workers.train(raw)
+
+
+def test_param_server_workers_on_the_gpu_train_as_one_gpu(one_gpu):
+    """Two workers sharing the GPU, one server holding the parameters in host memory: gradients
+    leave the GPU for the server over gloo and the pulled parameters come back, at staleness 0 the
+    run of one GPU."""
+    raw = scenario("cuda", strategy="param_server", backend="gloo")
+    raw["parallel"]["param_server"] = {"servers": 1, "staleness": 0}
     for [got] in workers.run_ranks(
-        2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
-    )[:1]:
+        3, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
+    )[:2]:
         assert_same_run(got, one_gpu["toy.Linear"])
