@@ -18,12 +18,12 @@ a worker may run up to `staleness` steps ahead of the slowest, on parameters as 
 the staleness of each gradient is counted and logged each epoch, with each worker's share of the
 work.
 
-The messages go over gloo's point-to-point operations (a group of its own where the default
-group is NCCL's): a header, then its payload; a server receives headers from whichever worker
-sends one. A step's loss is agreed behind it: the workers learn it from server 0 when it is read.
-A stop request stops every worker at the same step, one after the last step any worker had
-claimed. Checkpoints hold the logical state: a worker's copy of the model, fresh from the servers,
-and the servers' optimizer states gathered into the optimizer's own.
+The messages go over gloo's point-to-point operations, on a link of each server and worker
+(`serving`): a header, then its payload; a server takes the messages from whichever worker sends
+one, in the order they come. A step's loss is agreed behind it: the workers learn it from server 0
+when it is read. A stop request stops every worker at the same step, one after the last step any
+worker had claimed. Checkpoints hold the logical state: a worker's copy of the model, fresh from
+the servers, and the servers' optimizer states gathered into the optimizer's own.
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx import environment, signals
+from phalanx import environment
 from phalanx.data import Micro
-from phalanx.engine import concat, total_norm
+from phalanx.engine import concat
 from phalanx.errors import ConfigError
+from phalanx.strategies import serving
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, Replicated, prepare
-from phalanx.strategies.distributed import _OPS, ProcessGroup
+from phalanx.strategies.distributed import _OPS, ProcessGroup, _default_store
+from phalanx.strategies.serving import CLAIM, DONE, LOSSES, PULL, PUSH, STATE
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -55,13 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("phalanx")
 
-# message tags: a worker's header to a server, its payload, a server's reply
-_HEADER, _PAYLOAD, _REPLY = 11, 12, 13
-# what a header asks: [kind, step, a, b, c]
-_CLAIM, _PULL, _PUSH, _LOSSES, _STATE, _DONE = range(1, 7)
-_HEADER_SIZE = 5
-# a server waits for the workers as long as they take (an evaluation, a slow worker's chunk)
-_SERVING_TIMEOUT = timedelta(hours=24)
 _SCHEDULER_BEFORE_OPTIMIZER = (
     r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
 )
@@ -88,8 +81,7 @@ class ParamServer(ProcessGroup, Replicated):
             warnings.filterwarnings("ignore", message=_SCHEDULER_BEFORE_OPTIMIZER)
         self.data_rank = 0 if self.serving else self.rank
         self.data_world_size = self.workers
-        # every process makes every group, in the same order
-        self._wire = dist.new_group(backend="gloo", timeout=_SERVING_TIMEOUT)
+        # every process makes every group, in the same order, then its links
         # the workers' collectives: NCCL where they are GPUs and the backend lets it
         crew = "nccl" if accelerator == "cuda" and backend in ("auto", "nccl") else "gloo"
         self._crew = dist.new_group(list(range(self.workers)), backend=crew)
@@ -98,6 +90,11 @@ class ParamServer(ProcessGroup, Replicated):
             if self.servers > 1
             else None
         )
+        store = _default_store()
+        if store is None:
+            raise RuntimeError("param_server needs the process group's store, which torch hides")
+        others = range(self.workers) if self.serving else self._server_ranks()
+        self._links = serving.links(store, self.rank, others, self.serving)
         self._group: Any = None  # the group the collectives run over: all, then the workers
         self._params: list[nn.Parameter] = []  # the optimizer's, in its order
         self._shares: list[list[int]] = []  # each server's parameters, by index
@@ -131,7 +128,7 @@ class ParamServer(ProcessGroup, Replicated):
         self.progress.enter("the broadcast of the initial parameters")
         for tensor in module.state_dict().values():  # every process starts from process 0's
             wired = tensor.detach().cpu()
-            dist.broadcast(wired, 0, group=self._wire)
+            dist.broadcast(wired, 0)
             tensor.copy_(wired)
         self.check_identical(module)
         return module
@@ -219,14 +216,14 @@ class ParamServer(ProcessGroup, Replicated):
     def _claim(self, step: int, chunks: int, stop: bool) -> tuple[int, int]:
         """The next chunk of `step` no worker has claimed (-1: none left), from server 0, and the
         step at which every worker stops (-1: none asked to). Chunks are handed out in order."""
-        reply = self._ask(self.workers, [_CLAIM, step, chunks, int(stop), 0], 2)
+        reply = self._ask(self.workers, [CLAIM, step, chunks, int(stop), 0], 2)
         return int(reply[0]), int(reply[1])
 
     def _pull(self, version: int) -> None:
         """The parameters from every server, once each has applied `version` updates or more
         (only what changed since this worker's copy)."""
         sent = [
-            self._send(server, [_PULL, version, self._version, 0, 0])
+            self._send(server, [PULL, version, self._version, 0, 0])
             for server in self._server_ranks()
         ]
         versions = []
@@ -235,10 +232,12 @@ class ParamServer(ProcessGroup, Replicated):
             versions.append(int(reply[0]))
             if reply[1]:
                 flat = self._receive(
-                    server, _numel(self._params, share), _dtype(self._params, share)
+                    server,
+                    serving.numel_of(self._params, share),
+                    serving.dtype_of(self._params, share),
                 )
-                _unflatten(flat, [self._params[i] for i in share])
-        _wait(sent)
+                serving.unflatten(flat, [self._params[i] for i in share])
+        serving.wait(sent)
         self._version = min(versions)
 
     def _push(self, step: int, chunk: int, chunks: int, part: torch.Tensor) -> None:
@@ -249,13 +248,15 @@ class ParamServer(ProcessGroup, Replicated):
         loss[2] = float(len(values) == 2)  # a weighted loss's pair of sums
         works = []
         for server, share in zip(self._server_ranks(), self._shares, strict=True):
-            grads = _flatten(
-                [_gradient(self._params[i]) for i in share], _dtype(self._params, share)
+            grads = serving.flatten(
+                [serving.gradient(self._params[i]) for i in share],
+                serving.dtype_of(self._params, share),
             )
-            works.append(self._send(server, [_PUSH, step, chunk, self._version, chunks]))
-            works.append((dist.isend(grads, server, group=self._wire, tag=_PAYLOAD), grads))
-            works.append((dist.isend(loss, server, group=self._wire, tag=_PAYLOAD), loss))
-        _wait(works)
+            link = self._links[server]
+            works.append(self._send(server, [PUSH, step, chunk, self._version, chunks]))
+            works.append(serving.send(link, grads, serving.PAYLOAD, serving=False))
+            works.append(serving.send(link, loss, serving.PAYLOAD, serving=False))
+        serving.wait(works)
 
     def _settle(self, step: int) -> None:
         """The global loss of every step up to `step` whose loss this worker does not know yet,
@@ -266,7 +267,7 @@ class ParamServer(ProcessGroup, Replicated):
         self._unsettled = [(k, loss) for k, loss in self._unsettled if k > step]
         first, last = due[0][0], due[-1][0]
         values = self._ask(
-            self.workers, [_LOSSES, first, last, 0, 0], last - first + 1, torch.float64
+            self.workers, [LOSSES, first, last, 0, 0], last - first + 1, torch.float64
         )
         for k, loss in due:
             loss.fill_(float(values[k - first]))
@@ -290,20 +291,18 @@ class ParamServer(ProcessGroup, Replicated):
 
     def _send(self, server: int, header: list[int]) -> Any:
         message = torch.tensor(header, dtype=torch.int64)
-        return dist.isend(message, server, group=self._wire, tag=_HEADER), message
+        return serving.send(self._links[server], message, serving.HEADER, serving=False)
 
     def _receive(self, server: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(n, dtype=dtype)
-        with signals.waiting():  # a server that died never answers: a signal still ends this
-            dist.recv(out, server, group=self._wire, tag=_REPLY)
-        return out
+        return serving.receive(self._links[server], out, serving.REPLY, serving=False)
 
     def _ask(
         self, server: int, header: list[int], n: int, dtype: torch.dtype = torch.int64
     ) -> torch.Tensor:
         sent = self._send(server, header)
         reply = self._receive(server, n, dtype)
-        _wait([sent])
+        serving.wait([sent])
         return reply
 
     # --- roles
@@ -317,7 +316,7 @@ class ParamServer(ProcessGroup, Replicated):
         yield
         self._catch_up()
         for server in self._server_ranks():
-            _wait([self._send(server, [_DONE, 0, 0, 0, 0])])
+            serving.wait([self._send(server, [DONE, 0, 0, 0, 0])])
         self._group = None
 
     def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
@@ -329,7 +328,16 @@ class ParamServer(ProcessGroup, Replicated):
             )
         self._plan(engine)
         assert self.progress.where is not None
-        _Server(self, engine, self.progress.where()[0], steps_per_epoch).run()
+        index = self.rank - self.workers
+        server = serving.Server(
+            engine,
+            self._shares[index],
+            self.workers,
+            self._peers,
+            self.progress.where()[0],
+            steps_per_epoch,
+        )
+        server.run(self._links)
 
     def epoch_report(self) -> None:
         counts = self.gather((dict(self._staleness), self._chunks))
@@ -406,11 +414,10 @@ class ParamServer(ProcessGroup, Replicated):
         elif self.is_main:
             merged = {"state": {}, "param_groups": None}
             for server in self._server_ranks():
-                _wait([self._send(server, [_STATE, 0, 0, 0, 0])])
-                box: list[Any] = [None]
-                dist.recv_object_list(box, server, group=self._wire)
-                merged["state"].update(box[0]["state"])
-                merged["param_groups"] = merged["param_groups"] or box[0]["param_groups"]
+                [size] = self._ask(server, [STATE, 0, 0, 0, 0], 1).tolist()
+                share = serving.unpack(self._receive(server, size, torch.uint8))
+                merged["state"].update(share["state"])
+                merged["param_groups"] = merged["param_groups"] or share["param_groups"]
         if self._group is not None:
             self.barrier()
         return merged
@@ -419,215 +426,20 @@ class ParamServer(ProcessGroup, Replicated):
         optimizer.load_state_dict(state)
 
     def shutdown(self) -> None:
+        """Every process past its last message, the links go first (their gloo threads end here,
+        not while the interpreter finalizes), then the group."""
         self._group = None
+        if dist.is_initialized():
+            self.barrier()
+        self._links = {}
         super().shutdown()
-
-
-@dataclass
-class _Step:
-    """What a server has received of one step: the sum of its chunks' gradients, of their loss
-    parts, and how many of its chunks have come."""
-
-    grads: torch.Tensor
-    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
-    received: int = 0
-    chunks: int = 0
-
-
-class _Server:
-    """One server's loop: receive a header from any worker, act on it, answer; an update is
-    applied once every chunk of the next step has come."""
-
-    def __init__(
-        self, strategy: ParamServer, engine: Engine, version: int, steps_per_epoch: int | None
-    ):
-        self.strategy, self.engine, self.version = strategy, engine, version
-        self.steps_per_epoch = steps_per_epoch
-        self.index = strategy.rank - strategy.workers
-        self.share = strategy._shares[self.index]
-        self.params = [strategy._params[i] for i in self.share]
-        self.dtype = _dtype(strategy._params, self.share)
-        self.numel = sum(p.numel() for p in self.params)
-        self.steps: dict[int, _Step] = {}
-        self.claimed: dict[int, int] = {}  # step -> chunks claimed (server 0)
-        self.stop_at = -1
-        self.losses: dict[int, float] = {}  # step -> its global loss (server 0)
-        self.pulls: list[tuple[int, int, int]] = []  # (worker, version, its copy's) waiting
-        self.asked: list[tuple[int, int, int]] = []  # (worker, first, last) losses waiting
-        self.sending: list[Any] = []
-        self.done = 0
-        self._flat: torch.Tensor | None = None  # the parameters as a pull sends them, this version
-
-    def run(self) -> None:
-        header = torch.zeros(_HEADER_SIZE, dtype=torch.int64)
-        wire = self.strategy._wire
-        while self.done < self.strategy.workers:
-            with signals.waiting():  # a worker that died never sends: a signal still ends this
-                worker = dist.recv(header, None, group=wire, tag=_HEADER)
-            kind, a, b, c, d = (int(x) for x in header)
-            if kind == _CLAIM:
-                self._claim(worker, a, b, bool(c))
-            elif kind == _PULL:
-                self.pulls.append((worker, a, b))
-            elif kind == _PUSH:
-                self._receive_push(worker, a, b, c, d)
-            elif kind == _LOSSES:
-                self.asked.append((worker, a, b))
-            elif kind == _STATE:
-                self._send_state(worker)
-            elif kind == _DONE:
-                self.done += 1
-            self._answer()
-        _wait(self.sending)
-
-    def _reply(self, worker: int, tensor: torch.Tensor) -> None:
-        work = dist.isend(tensor, worker, group=self.strategy._wire, tag=_REPLY)
-        self.sending.append((work, tensor))
-        if len(self.sending) > 64:
-            self.sending = [s for s in self.sending if not s[0].is_completed()]
-
-    def _claim(self, worker: int, step: int, chunks: int, stop: bool) -> None:
-        if stop and self.stop_at < 0:  # every worker stops after the step after the last claimed
-            self.stop_at = max([step, *self.claimed]) + 1
-        taken = self.claimed.get(step, 0)
-        # a step applied already had all of its chunks (a slow worker comes to it late)
-        chunk = taken if taken < chunks and step >= self.version else -1
-        if chunk >= 0:
-            self.claimed[step] = taken + 1
-        for old in [k for k in self.claimed if k < self.version]:
-            del self.claimed[old]
-        self._reply(worker, torch.tensor([chunk, self.stop_at], dtype=torch.int64))
-
-    def _receive_push(self, worker: int, step: int, chunk: int, version: int, chunks: int) -> None:
-        wire = self.strategy._wire
-        grads = torch.empty(self.numel, dtype=self.dtype)
-        loss = torch.empty(3, dtype=torch.float64)
-        with signals.waiting():
-            dist.recv(grads, worker, group=wire, tag=_PAYLOAD)
-            dist.recv(loss, worker, group=wire, tag=_PAYLOAD)
-        pending = self.steps.get(step)
-        if pending is None:
-            pending = self.steps[step] = _Step(torch.zeros(self.numel, dtype=self.dtype))
-        pending.grads += grads
-        pending.loss[:2] += loss[:2]
-        pending.loss[2] = loss[2]
-        pending.received += 1
-        pending.chunks = chunks
-        while self.version in self.steps and self._complete(self.steps[self.version]):
-            self._apply(self.steps.pop(self.version))
-
-    @staticmethod
-    def _complete(pending: _Step) -> bool:
-        return pending.received == pending.chunks
-
-    def _apply(self, pending: _Step) -> None:
-        """One optimizer step with the step's summed gradients, as `Engine.finish` takes it."""
-        optimizer = self.engine.trained_optimizer
-        optimizer.zero_grad(set_to_none=True)
-        _unflatten_grads(pending.grads, self.params)
-        weighted = pending.loss[2] > 0
-        loss = pending.loss[:2].clone() if weighted else pending.loss[0].clone()
-        value = self.engine.finish(loss, self._norm)
-        self.losses[self.version] = float(value)
-        self.version += 1
-        self._flat = None
-        if self.steps_per_epoch and self.version % self.steps_per_epoch == 0:
-            self.engine.end_epoch()
-        for old in [k for k in self.losses if k < self.version - 100_000]:
-            del self.losses[old]
-
-    def _norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        """The global gradient norm over every server's share."""
-        norm = total_norm(gradients).to(torch.float64)
-        peers = self.strategy._peers
-        if peers is None:
-            return norm
-        squared = norm.square().reshape(1)
-        dist.all_reduce(squared, group=peers)
-        return squared.sqrt()[0]
-
-    def _answer(self) -> None:
-        """The pulls and loss requests that can be answered now."""
-        waiting = []
-        for worker, version, have in self.pulls:
-            if self.version < version:
-                waiting.append((worker, version, have))
-                continue
-            changed = self.version != have
-            self._reply(worker, torch.tensor([self.version, int(changed)], dtype=torch.int64))
-            if changed:
-                if self._flat is None:  # one copy a version, however many workers pull it
-                    self._flat = _flatten([p.detach() for p in self.params], self.dtype)
-                self._reply(worker, self._flat)
-        self.pulls = waiting
-        waiting_losses = []
-        for worker, first, last in self.asked:
-            if self.version <= last:
-                waiting_losses.append((worker, first, last))
-                continue
-            values = [self.losses[k] for k in range(first, last + 1)]
-            self._reply(worker, torch.tensor(values, dtype=torch.float64))
-        self.asked = waiting_losses
-
-    def _send_state(self, worker: int) -> None:
-        state = self.engine.trained_optimizer.state_dict()
-        mine = {
-            "state": {i: s for i, s in state["state"].items() if i in set(self.share)},
-            "param_groups": state["param_groups"],
-        }
-        dist.send_object_list([mine], worker, group=self.strategy._wire)
 
 
 # --- helpers
 
 
-def _dtype(params: list[nn.Parameter], share: list[int]) -> torch.dtype:
-    dtype = torch.float32
-    for i, k in enumerate(share):
-        dtype = params[k].dtype if i == 0 else torch.promote_types(dtype, params[k].dtype)
-    return dtype
-
-
-def _numel(params: list[nn.Parameter], share: list[int]) -> int:
-    return sum(params[i].numel() for i in share)
-
-
-def _gradient(param: nn.Parameter) -> torch.Tensor:
-    return param.grad if param.grad is not None else torch.zeros_like(param)
-
-
-def _flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    if not tensors:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=dtype) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            p.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-def _unflatten_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
-    """The parameters' gradients: views of `flat` (which they then own), copies where the dtype
-    differs."""
-    offset = 0
-    for p in params:
-        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
-        offset += p.numel()
-
-
 def _cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
-
-
-def _wait(works: list[tuple[Any, torch.Tensor]]) -> None:
-    """Wait for each (work, the tensor it sends: kept alive until then)."""
-    with signals.waiting():
-        for work, _ in works:
-            work.wait()
 
 
 def _count(n: int, noun: str) -> str:

@@ -1,0 +1,327 @@
+"""The servers' side of `param_server`, and the links between servers and workers.
+
+Each server and each worker talk over a gloo group of the two of them alone (a link), made from
+the run's store under a name of its own: a worker that dies breaks only its links, which its
+servers see at once, and a process started in its place can make new ones without the others
+making anything. A server reads each of its links in a thread of its own, which hands each whole
+message (a header, and a push's payload) to the server's loop; the loop answers in turn, one
+message at a time, in the order they came.
+"""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx import signals
+from phalanx.engine import total_norm
+
+if TYPE_CHECKING:
+    from phalanx.engine import Engine
+
+# message tags: a worker's header to a server, its payload, a server's reply
+HEADER, PAYLOAD, REPLY = 11, 12, 13
+# what a header asks: [kind, step, a, b, c]
+CLAIM, PULL, PUSH, LOSSES, STATE, DONE = range(1, 7)
+HEADER_SIZE = 5
+# a link waits as long as its other end takes (an evaluation, a slow worker's chunk)
+SERVING_TIMEOUT = timedelta(hours=24)
+_ENDED = -1  # what a link's reader hands the loop when its worker is gone
+
+
+_runs = 0  # the param_server runs this process has been part of: its links' names are theirs
+
+
+def links(store: Any, rank: int, others: range, serving: bool) -> dict[int, Any]:
+    """This process's links: a server's to every worker, a worker's to every server, by the other
+    end's rank (made in rank order, so that no two processes wait for each other)."""
+    global _runs
+    _runs += 1
+    return {
+        other: link(store, _runs, rank if serving else other, other if serving else rank, serving)
+        for other in others
+    }
+
+
+def link(store: Any, run: int, server: int, worker: int, serving: bool) -> Any:
+    """The gloo group of one server and one worker (the server its rank 0) in the process's `run`th
+    param_server run; both ends make it, and each waits here for the other."""
+    named = dist.PrefixStore(f"phalanx/param_server/{run}/link/{server}/{worker}", store)
+    return dist.ProcessGroupGloo(named, 0 if serving else 1, 2, SERVING_TIMEOUT)
+
+
+def send(group: Any, tensor: torch.Tensor, tag: int, serving: bool) -> tuple[Any, torch.Tensor]:
+    """Start sending `tensor` to the link's other end: (the work, the tensor, kept until done)."""
+    return group.send([tensor], 1 if serving else 0, tag), tensor
+
+
+def receive(group: Any, out: torch.Tensor, tag: int, serving: bool) -> torch.Tensor:
+    with signals.waiting():  # a peer that died never answers: a signal still ends this
+        group.recv([out], 1 if serving else 0, tag).wait()
+    return out
+
+
+def wait(works: list[tuple[Any, torch.Tensor]]) -> None:
+    """Wait for each (work, the tensor it sends: kept alive until then)."""
+    with signals.waiting():
+        for work, _ in works:
+            work.wait()
+
+
+def pack(value: Any) -> torch.Tensor:
+    """A state dict as bytes in a tensor, for a link (tensors and plain values only)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def unpack(data: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+@dataclass
+class _Step:
+    """What a server has received of one step: the sum of its chunks' gradients, of their loss
+    parts, and how many of its chunks have come."""
+
+    grads: torch.Tensor
+    loss: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    received: int = 0
+    chunks: int = 0
+
+
+@dataclass
+class _Message:
+    worker: int
+    header: list[int]
+    grads: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+class Server:
+    """One server's loop: take the next message any worker sent, act on it, answer; an update is
+    applied once every chunk of the next step has come."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        share: list[int],
+        workers: int,
+        peers: Any,
+        version: int,
+        steps_per_epoch: int | None,
+    ):
+        """`share`: this server's parameters, by their index in the optimizer's order; `peers`:
+        the servers' group (None where this is the only one)."""
+        optimizer = engine.trained_optimizer
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        self.engine, self.share = engine, share
+        self.params = [every[i] for i in share]
+        self.dtype = dtype_of(every, share)
+        self.workers, self.peers, self.version = workers, peers, version
+        self.steps_per_epoch = steps_per_epoch
+        self.numel = sum(p.numel() for p in self.params)
+        self.steps: dict[int, _Step] = {}
+        self.claimed: dict[int, int] = {}  # step -> chunks claimed (server 0)
+        self.stop_at = -1
+        self.losses: dict[int, float] = {}  # step -> its global loss (server 0)
+        self.pulls: list[tuple[int, int, int]] = []  # (worker, version, its copy's) waiting
+        self.asked: list[tuple[int, int, int]] = []  # (worker, first, last) losses waiting
+        self.sending: list[Any] = []
+        self.done = 0
+        self._flat: torch.Tensor | None = None  # the parameters as a pull sends them, this version
+        self.links: dict[int, Any] = {}
+        self.inbox: queue.Queue[_Message] = queue.Queue()
+
+    def run(self, links: dict[int, Any]) -> None:
+        self.links = links
+        for worker, group in links.items():
+            threading.Thread(
+                target=self._read, args=(worker, group), name=f"link-{worker}", daemon=True
+            ).start()
+        while self.done < self.workers:
+            with signals.waiting():
+                message = self.inbox.get()
+            kind, a, b, c, d = message.header
+            if kind == CLAIM:
+                self._claim(message.worker, a, b, bool(c))
+            elif kind == PULL:
+                self.pulls.append((message.worker, a, b))
+            elif kind == PUSH:
+                assert message.grads is not None and message.loss is not None
+                self._push(a, b, d, message.grads, message.loss)
+            elif kind == LOSSES:
+                self.asked.append((message.worker, a, b))
+            elif kind == STATE:
+                self._send_state(message.worker)
+            elif kind == DONE:
+                self.done += 1
+            elif kind == _ENDED:
+                raise RuntimeError(
+                    f"param_server: worker {message.worker} ended before the run did"
+                )
+            self._answer()
+        wait(self.sending)
+
+    def _read(self, worker: int, group: Any) -> None:
+        """Hand the loop each whole message of one worker's link, until the worker is done."""
+        try:
+            while True:
+                header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
+                group.recv([header], 1, HEADER).wait()
+                message = _Message(worker, [int(x) for x in header])
+                if message.header[0] == PUSH:
+                    message.grads = torch.empty(self.numel, dtype=self.dtype)
+                    message.loss = torch.empty(3, dtype=torch.float64)
+                    group.recv([message.grads], 1, PAYLOAD).wait()
+                    group.recv([message.loss], 1, PAYLOAD).wait()
+                self.inbox.put(message)
+                if message.header[0] == DONE:
+                    return
+        except RuntimeError:  # the link broke: the worker is gone
+            self.inbox.put(_Message(worker, [_ENDED, 0, 0, 0, 0]))
+
+    def _reply(self, worker: int, tensor: torch.Tensor) -> None:
+        self.sending.append(send(self.links[worker], tensor, REPLY, serving=True))
+        if len(self.sending) > 64:
+            self.sending = [s for s in self.sending if not s[0].is_completed()]
+
+    def _claim(self, worker: int, step: int, chunks: int, stop: bool) -> None:
+        if stop and self.stop_at < 0:  # every worker stops after the step after the last claimed
+            self.stop_at = max([step, *self.claimed]) + 1
+        taken = self.claimed.get(step, 0)
+        # a step applied already had all of its chunks (a slow worker comes to it late)
+        chunk = taken if taken < chunks and step >= self.version else -1
+        if chunk >= 0:
+            self.claimed[step] = taken + 1
+        for old in [k for k in self.claimed if k < self.version]:
+            del self.claimed[old]
+        self._reply(worker, torch.tensor([chunk, self.stop_at], dtype=torch.int64))
+
+    def _push(
+        self, step: int, chunk: int, chunks: int, grads: torch.Tensor, loss: torch.Tensor
+    ) -> None:
+        pending = self.steps.get(step)
+        if pending is None:
+            pending = self.steps[step] = _Step(torch.zeros(self.numel, dtype=self.dtype))
+        pending.grads += grads
+        pending.loss[:2] += loss[:2]
+        pending.loss[2] = loss[2]
+        pending.received += 1
+        pending.chunks = chunks
+        while self.version in self.steps and self._complete(self.steps[self.version]):
+            self._apply(self.steps.pop(self.version))
+
+    @staticmethod
+    def _complete(pending: _Step) -> bool:
+        return pending.received == pending.chunks
+
+    def _apply(self, pending: _Step) -> None:
+        """One optimizer step with the step's summed gradients, as `Engine.finish` takes it."""
+        optimizer = self.engine.trained_optimizer
+        optimizer.zero_grad(set_to_none=True)
+        _unflatten_grads(pending.grads, self.params)
+        weighted = pending.loss[2] > 0
+        loss = pending.loss[:2].clone() if weighted else pending.loss[0].clone()
+        value = self.engine.finish(loss, self._norm)
+        self.losses[self.version] = float(value)
+        self.version += 1
+        self._flat = None
+        if self.steps_per_epoch and self.version % self.steps_per_epoch == 0:
+            self.engine.end_epoch()
+        for old in [k for k in self.losses if k < self.version - 100_000]:
+            del self.losses[old]
+
+    def _norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm over every server's share."""
+        norm = total_norm(gradients).to(torch.float64)
+        if self.peers is None:
+            return norm
+        squared = norm.square().reshape(1)
+        dist.all_reduce(squared, group=self.peers)
+        return squared.sqrt()[0]
+
+    def _answer(self) -> None:
+        """The pulls and loss requests that can be answered now."""
+        waiting = []
+        for worker, version, have in self.pulls:
+            if self.version < version:
+                waiting.append((worker, version, have))
+                continue
+            changed = self.version != have
+            self._reply(worker, torch.tensor([self.version, int(changed)], dtype=torch.int64))
+            if changed:
+                if self._flat is None:  # one copy a version, however many workers pull it
+                    self._flat = flatten([p.detach() for p in self.params], self.dtype)
+                self._reply(worker, self._flat)
+        self.pulls = waiting
+        waiting_losses = []
+        for worker, first, last in self.asked:
+            if self.version <= last:
+                waiting_losses.append((worker, first, last))
+                continue
+            values = [self.losses[k] for k in range(first, last + 1)]
+            self._reply(worker, torch.tensor(values, dtype=torch.float64))
+        self.asked = waiting_losses
+
+    def _send_state(self, worker: int) -> None:
+        """This server's share of the optimizer's state: its size, then its bytes."""
+        state = self.engine.trained_optimizer.state_dict()
+        share = set(self.share)
+        data = pack(
+            {
+                "state": {i: s for i, s in state["state"].items() if i in share},
+                "param_groups": state["param_groups"],
+            }
+        )
+        self._reply(worker, torch.tensor([data.numel()], dtype=torch.int64))
+        self._reply(worker, data)
+
+
+# --- helpers
+
+
+def dtype_of(params: list[nn.Parameter], share: list[int]) -> torch.dtype:
+    dtype = torch.float32
+    for i, k in enumerate(share):
+        dtype = params[k].dtype if i == 0 else torch.promote_types(dtype, params[k].dtype)
+    return dtype
+
+
+def numel_of(params: list[nn.Parameter], share: list[int]) -> int:
+    return sum(params[i].numel() for i in share)
+
+
+def gradient(param: nn.Parameter) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def flatten(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([t.detach().reshape(-1).to(device="cpu", dtype=dtype) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def _unflatten_grads(flat: torch.Tensor, params: list[nn.Parameter]) -> None:
+    """The parameters' gradients: views of `flat` (which they then own), copies where the dtype
+    differs."""
+    offset = 0
+    for p in params:
+        p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
+        offset += p.numel()
