@@ -379,7 +379,9 @@ class FaultAt(Linear):
         super().__init__(features)
         self.rank, self.step, self.kind, self.calls = rank, step, kind, 0
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        self.armed = attempts is None or self.attempt in attempts
+        # a worker started alone in place of a dead one (param_server's) is not the one to fail
+        first = int(os.environ.get("PHALANX_INCARNATION", 0)) == 0
+        self.armed = first and (attempts is None or self.attempt in attempts)
         if record and int(os.environ.get("RANK", 0)) == rank:
             with open(record, "a") as f:
                 f.write(f"{self.attempt}\n")

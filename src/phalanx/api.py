@@ -44,6 +44,7 @@ from phalanx.files import write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given
+from phalanx.strategies.base import Serves
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
@@ -113,7 +114,14 @@ def fit(
                 _record_plan(run_dir, plan)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                code = _launch_until_it_fits(run_dir, devices, False, [], cfg.parallel.max_restarts)
+                code = _launch_until_it_fits(
+                    run_dir,
+                    devices,
+                    False,
+                    [],
+                    cfg.parallel.max_restarts,
+                    strategies.rejoining(cfg, devices),
+                )
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
                     _discard(run_dir)
@@ -466,8 +474,14 @@ def _resume(
             store=store,
             restarts=cfg.parallel.max_restarts,
         )
+    devices = strategies.resolve_device(cfg)[1]
     return _launch_until_it_fits(
-        run_dir, strategies.resolve_device(cfg)[1], True, list(overrides), cfg.parallel.max_restarts
+        run_dir,
+        devices,
+        True,
+        list(overrides),
+        cfg.parallel.max_restarts,
+        strategies.rejoining(cfg, devices),
     )
 
 
@@ -491,7 +505,12 @@ def _until_it_fits(run_dir: Path, count: int) -> Run:
 
 
 def _launch_until_it_fits(
-    run_dir: Path, devices: int, resume: bool, overrides: list[str], restarts: int
+    run_dir: Path,
+    devices: int,
+    resume: bool,
+    overrides: list[str],
+    restarts: int,
+    rejoin: tuple[int, ...] = (),
 ) -> int:
     """Launch the run's workers; where one runs out of device memory, every worker has ended (the
     failing one ends the others at once: none is left waiting in a collective), so launch them
@@ -500,7 +519,9 @@ def _launch_until_it_fits(
     depend on the count); until the micro-batches are single samples."""
     while True:
         try:
-            return launch.launch(run_dir, devices, run_worker, resume, overrides, restarts=restarts)
+            return launch.launch(
+                run_dir, devices, run_worker, resume, overrides, restarts=restarts, rejoin=rejoin
+            )
         except PhalanxError:
             more = _more_micro_batches(run_dir, overrides)
             if more is None:
@@ -575,6 +596,15 @@ def _work(
     cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
+    if isinstance(strategy, Serves) and strategy.rejoining:  # the others go on: join them there
+        steps, epoch_open = strategy.joined_at()
+        trainer.join(steps, epoch_open)
+        log.warning(
+            "worker rank %d joins the run in place of one that died, at step %d",
+            strategy.rank,
+            steps,
+        )
+        return trainer, _run(trainer)
     if (
         not resume
     ):  # workers of `train` that find the run started before: the launcher started them again

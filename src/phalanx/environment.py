@@ -21,6 +21,10 @@ from typing import Literal, overload
 
 from phalanx.errors import ConfigError
 
+# set by the launcher for a worker that is started again alone when it dies (param_server's):
+INCARNATION = "PHALANX_INCARNATION"  # how many processes of this rank died before this one
+REJOINS = "PHALANX_REJOINS"  # the ranks so started, comma-separated, and how often: "1,2:3"
+
 
 @dataclass(frozen=True)
 class Place:
@@ -35,6 +39,7 @@ class Place:
     master_addr: str | None = None
     master_port: int | None = None
     attempt: int = 0  # the agent's restarts of this machine's workers so far
+    incarnation: int = 0  # a process started in place of one that died: how many died before it
     agent_store: bool = False  # the agent serves the store the workers share (they are its clients)
 
     @property
@@ -59,6 +64,7 @@ def here(environ: Mapping[str, str] | None = None) -> Place:
             master_port=_int(env, "MASTER_PORT", None),
             attempt=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            incarnation=_int(env, INCARNATION, 0),
         )
     if _int(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         nodes = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))

@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -99,12 +99,15 @@ def launch(
     nodes: Nodes | None = None,
     store: Any = None,
     restarts: int = 0,
+    rejoin: Sequence[int] = (),
 ) -> int:
     """`run(run_dir, *args)` on `devices` local worker processes (a module-level function: each
     worker imports it by name); returns the exit code of this machine's first worker. With `nodes`
     (and the `store` that `join` gave), this machine's workers are part of a job on several. When a
     worker fails, all of them are started again, up to `restarts` times (`run` then sees the attempt
-    in `environment.here().attempt`); the error is the first failure's."""
+    in `environment.here().attempt`); the error is the first failure's. A worker of a rank in
+    `rejoin` that dies by a signal is started again alone, up to `restarts` times, while the others
+    go on (param_server's workers: see `_supervise`)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -169,7 +172,10 @@ def launch(
     ):  # the launcher reports failures itself, once
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        with _Relay(run_dir), _environment(_workers_settings(run_dir, nodes)):
+        settings = _workers_settings(run_dir, nodes)
+        if rejoin and restarts:
+            settings[environment.REJOINS] = f"{','.join(map(str, rejoin))}:{restarts}"
+        with _Relay(run_dir), _environment(settings):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         first_rank = None if nodes is not None and nodes.elastic else 0
@@ -390,6 +396,9 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
     _Guard(Path(run_dir), launcher_pid).start()
+    rejoins = _rejoins(environment.here().rank)
+    if rejoins and environment.INCARNATION not in os.environ:
+        return _supervise(run_dir, run, args, rejoins)
     try:
         return run(Path(run_dir), *args)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded for the launcher, once
@@ -404,6 +413,47 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
         _write(Path(run_dir) / ABORT_FILE, f"1 {environment.here().attempt}")
         sys.stdout.flush()
         os._exit(2 if isinstance(e, PhalanxError) else 1)
+
+
+def _rejoins(rank: int) -> int:
+    """How often this rank's worker is started again alone when it dies (0: it is not)."""
+    ranks, _, times = os.environ.get(environment.REJOINS, "").partition(":")
+    return int(times) if str(rank) in ranks.split(",") else 0
+
+
+def _supervise(run_dir: str, run: Callable[..., int], args: tuple, rejoins: int) -> int:
+    """A worker that rejoins: this process trains in a child, and starts another in its place when
+    one dies by a signal (killed, or out of host memory), `rejoins` times at most; the launcher
+    sees this process, which goes on, and the other workers go on too. A child that fails with an
+    error has recorded it (as a worker does); this process ends with its code."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    rank = environment.here().rank
+    for incarnation in range(rejoins + 1):
+        child = context.Process(
+            target=_incarnation, args=(run_dir, os.getpid(), run, args, incarnation)
+        )
+        child.start()
+        child.join()
+        code = child.exitcode if child.exitcode is not None else 1
+        if code == 0:
+            return 0
+        if code > 0 or incarnation == rejoins:  # as the worker would have ended (see `worker`)
+            sys.stdout.flush()
+            os._exit(code if code > 0 else 128 - code)
+        _stderr(
+            f"phalanx: worker rank {rank} ended by signal {-code}; a new one takes its place "
+            f"while the others go on ({incarnation + 1} of {rejoins})"
+        )
+    return 1  # not reached: the last incarnation returns above
+
+
+def _incarnation(
+    run_dir: str, parent_pid: int, run: Callable[..., int], args: tuple, incarnation: int
+) -> None:
+    os.environ[environment.INCARNATION] = str(incarnation)
+    sys.exit(worker(run_dir, parent_pid, run, args))
 
 
 def _out_of_memory(e: BaseException) -> bool:

@@ -176,6 +176,22 @@ class Checkpointing:
             self._trace("checkpoint", step=self.step, best=best is not None)
         return path
 
+    def join(self, steps: int, epoch_open: bool) -> None:
+        """Start where the servers of a run whose other workers go on are: `steps` applied, and
+        `epoch_open` where the epoch they complete has still to end (its evaluation and hooks).
+        The model comes from the servers at the first step; the schedulers step to where theirs
+        are."""
+        per_epoch = self.steps_per_epoch
+        assert per_epoch  # param_server refuses a stream of unknown length
+        epochs, into = divmod(steps, per_epoch)
+        if epoch_open and steps and not into:  # the epoch's steps are done, its end is not
+            epochs, into = epochs - 1, per_epoch
+        self.epoch, self.step, self.step_in_epoch = epochs, steps, into
+        for _ in range(steps):
+            self.engine.step_schedulers()
+        for _ in range(epochs):
+            self.engine.end_epoch()
+
     def restore(self, step: int, weights_only: bool = False, previous: dict | None = None) -> None:
         """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else.
         `previous`: the run's resolved config before this resume's overrides, which are checked

@@ -73,6 +73,13 @@ def test_a_pipeline_in_one_process_or_over_gloo_on_gpus_is_one_error(monkeypatch
         strategies.create(gloo)
 
 
+def test_param_server_workers_but_the_main_one_rejoin_where_restarts_are_allowed():
+    served = {"strategy": "param_server", "param_server": {"servers": 1}}
+    assert strategies.rejoining(cfg(devices=4, max_restarts=2, **served), 4) == (1, 2)
+    assert strategies.rejoining(cfg(devices=4, **served), 4) == ()  # no restarts
+    assert strategies.rejoining(cfg(devices=2, max_restarts=2), 2) == ()  # ddp restarts them all
+
+
 def test_nccl_on_the_cpu_names_the_fix():
     with pytest.raises(
         ConfigError,

@@ -34,6 +34,15 @@ def _host_processes(cfg: Config) -> int:
     return cfg.parallel.section("param_server", ParamServerSettings).servers
 
 
+def rejoining(cfg: Config, devices: int) -> tuple[int, ...]:
+    """The ranks whose worker, where it dies, is started again alone while the others go on:
+    param_server's workers other than the main one, on one machine, where restarts are allowed."""
+    servers = _host_processes(cfg)
+    if not servers or not cfg.parallel.max_restarts:
+        return ()
+    return tuple(range(1, devices - servers))
+
+
 def cpu_cores() -> int:
     """The cores this process may run on."""
     try:

@@ -220,6 +220,15 @@ class Serves(Protocol):
         """At each epoch's end, on every worker (a collective among them): the main one logs how
         the epoch's work was shared."""
 
+    @property
+    def rejoining(self) -> bool:
+        """Whether this process takes the place of a worker that died while the others went on:
+        it starts where the servers are (`joined_at`), not from a checkpoint."""
+
+    def joined_at(self) -> tuple[int, bool]:
+        """For a rejoining worker: the steps the servers have applied, and whether the workers have
+        still to end the epoch those steps complete."""
+
 
 @runtime_checkable
 class DealsSamples(Protocol):

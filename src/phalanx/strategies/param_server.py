@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,9 +46,9 @@ from phalanx import environment
 from phalanx.data import Micro
 from phalanx.engine import concat
 from phalanx.errors import ConfigError
-from phalanx.strategies import serving
+from phalanx.strategies import progress, serving
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, Replicated, prepare
-from phalanx.strategies.distributed import _OPS, ProcessGroup, _default_store
+from phalanx.strategies.distributed import _OPS, ProcessGroup, _attempt_store, _default_store
 from phalanx.strategies.serving import CLAIM, DONE, LOSSES, PULL, PUSH, STATE
 
 if TYPE_CHECKING:
@@ -74,27 +76,45 @@ class ParamServer(ProcessGroup, Replicated):
         # the parameters and the optimizer live in a server's host memory: it holds no GPU, and
         # every process joins the group over gloo, which both sides speak
         self.serving = place.rank >= place.world_size - settings.servers
+        self.incarnation = place.incarnation
+        if self.incarnation:  # in place of a worker that died: the others' group is closed to it
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         super().__init__("cpu" if self.serving else accelerator, timeout_s, "gloo")
+        if self.incarnation:
+            self.rank, self.world_size = place.rank, place.world_size
         self.servers, self.staleness = settings.servers, settings.staleness
         self.workers = self.world_size - self.servers  # at least one: `strategies` checked
         if not self.serving:  # a worker steps its schedulers beside the servers' optimizers
             warnings.filterwarnings("ignore", message=_SCHEDULER_BEFORE_OPTIMIZER)
         self.data_rank = 0 if self.serving else self.rank
         self.data_world_size = self.workers
-        # every process makes every group, in the same order, then its links
-        # the workers' collectives: NCCL where they are GPUs and the backend lets it
-        crew = "nccl" if accelerator == "cuda" and backend in ("auto", "nccl") else "gloo"
-        self._crew = dist.new_group(list(range(self.workers)), backend=crew)
+        # the processes talk over gloo groups of their own, made from the job's store by name:
+        # a link of each server and worker, the servers' group, and the workers' group of each
+        # generation (a new one each time a worker dies)
+        store = _attempt_store(place, timedelta(seconds=self.timeout_s)) if place.in_group else None
+        self._store = store if store is not None else _default_store()
+        if self._store is None:
+            raise RuntimeError("param_server needs the process group's store, which torch hides")
+        self._run = serving.next_run()
+        if self.serving:
+            self._links = {
+                worker: serving.link(self._store, self._run, self.rank, worker, 0, True)
+                for worker in range(self.workers)
+            }
+        else:
+            self._links = {
+                server: serving.link(
+                    self._store, self._run, server, self.rank, self.incarnation, False
+                )
+                for server in self._server_ranks()
+            }
         self._peers = (
-            dist.new_group(list(range(self.workers, self.world_size)), backend="gloo")
-            if self.servers > 1
+            self._made("peers", self.rank - self.workers, self.servers)
+            if self.serving and self.servers > 1
             else None
         )
-        store = _default_store()
-        if store is None:
-            raise RuntimeError("param_server needs the process group's store, which torch hides")
-        others = range(self.workers) if self.serving else self._server_ranks()
-        self._links = serving.links(store, self.rank, others, self.serving)
+        self._crew: Any = None  # the workers' group, of generation `_generation`
+        self._generation = -1
         self._group: Any = None  # the group the collectives run over: all, then the workers
         self._params: list[nn.Parameter] = []  # the optimizer's, in its order
         self._shares: list[list[int]] = []  # each server's parameters, by index
@@ -107,6 +127,25 @@ class ParamServer(ProcessGroup, Replicated):
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
     shard_name = "chunk"  # what the run's first line calls a worker's part of a micro-batch
+
+    def _made(self, name: str, rank: int, size: int) -> Any:
+        named = dist.PrefixStore(f"phalanx/param_server/{self._run}/{name}", self._store)
+        return dist.ProcessGroupGloo(named, rank, size, timedelta(seconds=self.timeout_s))
+
+    def _generation_key(self) -> str:
+        return f"phalanx/param_server/{self._run}/generation"
+
+    def _workers_group(self) -> Any:
+        """The workers' group of this generation: made again, each worker waiting for every
+        other, when a worker has died since (its successor among them)."""
+        generation = int(self._store.add(self._generation_key(), 0))
+        if generation != self._generation:
+            self._crew = self._made(f"crew/{generation}", self.rank, self.workers)
+            self._generation = generation
+        return self._crew
+
+    def _new_generation(self) -> None:
+        self._store.add(self._generation_key(), 1)
 
     @property
     def layout(self) -> str:
@@ -149,8 +188,9 @@ class ParamServer(ProcessGroup, Replicated):
         for share in self._shares:
             share.sort()
         assert self.progress.where is not None  # the trainer tells every strategy its steps
-        # every process starts from the same state (broadcast, or restored): the servers' now
-        self._version = self.progress.where()[0]
+        # every process starts from the same state (broadcast, or restored): the servers' now;
+        # one in a dead worker's place has none of theirs yet
+        self._version = -1 if self.incarnation else self.progress.where()[0]
 
     # --- the step (workers)
 
@@ -246,17 +286,21 @@ class ParamServer(ProcessGroup, Replicated):
         values = part.detach().to(torch.float64).reshape(-1).cpu()
         loss[: len(values)] = values
         loss[2] = float(len(values) == 2)  # a weighted loss's pair of sums
-        works = []
-        for server, share in zip(self._server_ranks(), self._shares, strict=True):
+        # server 0 last, once the others have theirs: what server 0 has, every server has (it
+        # deals a dead worker's chunks again only where it lacks them)
+        for server, share in reversed(list(zip(self._server_ranks(), self._shares, strict=True))):
             grads = serving.flatten(
                 [serving.gradient(self._params[i]) for i in share],
                 serving.dtype_of(self._params, share),
             )
             link = self._links[server]
-            works.append(self._send(server, [PUSH, step, chunk, self._version, chunks]))
-            works.append(serving.send(link, grads, serving.PAYLOAD, serving=False))
-            works.append(serving.send(link, loss, serving.PAYLOAD, serving=False))
-        serving.wait(works)
+            serving.wait(
+                [
+                    self._send(server, [PUSH, step, chunk, self._version, chunks]),
+                    serving.send(link, grads, serving.PAYLOAD, serving=False),
+                    serving.send(link, loss, serving.PAYLOAD, serving=False),
+                ]
+            )
 
     def _settle(self, step: int) -> None:
         """The global loss of every step up to `step` whose loss this worker does not know yet,
@@ -312,7 +356,7 @@ class ParamServer(ProcessGroup, Replicated):
 
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
-        self._group = self._crew
+        self._group = "workers"
         yield
         self._catch_up()
         for server in self._server_ranks():
@@ -331,11 +375,16 @@ class ParamServer(ProcessGroup, Replicated):
         index = self.rank - self.workers
         server = serving.Server(
             engine,
+            index,
             self._shares[index],
             self.workers,
             self._peers,
             self.progress.where()[0],
             steps_per_epoch,
+            lambda worker, incarnation: serving.link(
+                self._store, self._run, self.rank, worker, incarnation, True
+            ),
+            self._new_generation,
         )
         server.run(self._links)
 
@@ -357,26 +406,44 @@ class ParamServer(ProcessGroup, Replicated):
     # --- collectives: over every process until the run starts, then among the workers
 
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        out = tensor.detach().clone()
+        if self._group is None:  # before the run: every process (one that rejoins: only itself)
+            return tensor.detach().clone() if self.incarnation else super().reduce(tensor, op)
+        out = tensor.detach().cpu().clone()
         self.progress.enter("an all-reduce")
-        dist.all_reduce(out, op=_OPS[op], group=self._group)
-        return out
+        options = dist.AllreduceOptions()
+        options.reduceOp = _OPS[op]  # type: ignore[assignment]  # the stub: a RedOpType is one
+        self._workers_group().allreduce([out], options).wait()
+        return out.to(tensor.device)
 
     def gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size(self._group)
+        if self._group is None:
+            return [value] * self.world_size if self.incarnation else super().gather(value)
         self.progress.enter("a gather")
-        dist.all_gather_object(out, value, group=self._group)
-        return out
+        return [pickle.loads(data) for data in self._gather_bytes(pickle.dumps(value))]
 
     def broadcast(self, value: Any) -> Any:
-        box = [value]
+        if self._group is None:
+            return value if self.incarnation else super().broadcast(value)
         self.progress.enter("a broadcast")
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return box[0]
+        return pickle.loads(self._gather_bytes(pickle.dumps(value) if self.is_main else b"")[0])
 
     def barrier(self) -> None:
+        if self._group is None:
+            return None if self.incarnation else super().barrier()
         self.progress.enter("a barrier")
-        dist.barrier(group=self._group)
+        self._workers_group().barrier().wait()
+
+    def _gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every worker's `data`, over the workers' group."""
+        group = self._workers_group()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.workers)]
+        group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
+        longest = max(int(n) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.workers)]
+        group.allgather([every], [mine]).wait()
+        return [e[: int(n)].numpy().tobytes() for e, n in zip(every, sizes, strict=True)]
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         assert self.progress.where is not None
@@ -425,13 +492,33 @@ class ParamServer(ProcessGroup, Replicated):
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
 
+    @property
+    def rejoining(self) -> bool:
+        """Whether this process takes the place of a worker that died, while the others go on."""
+        return bool(self.incarnation) and not self.serving
+
+    def joined_at(self) -> tuple[int, bool]:
+        """Where the servers are, for a process in a dead worker's place: the steps applied, and
+        whether that is the end of an epoch whose evaluation and hooks the workers have still to
+        run (no chunk of a later step has been claimed)."""
+        applied, last_claimed = self._ask(self.workers, [serving.WHERE, 0, 0, 0, 0], 2).tolist()
+        return applied, last_claimed < applied
+
     def shutdown(self) -> None:
         """Every process past its last message, the links go first (their gloo threads end here,
-        not while the interpreter finalizes), then the group."""
+        not while the interpreter finalizes), then the group. Where a worker died, the group of
+        every process has lost it: the workers meet in theirs, the servers are done already."""
         self._group = None
-        if dist.is_initialized():
+        rejoined = int(self._store.add(self._generation_key(), 0)) > 0
+        if not self.serving and rejoined:
+            self._workers_group().barrier().wait()
+        elif dist.is_initialized() and not rejoined:
             self.barrier()
-        self._links = {}
+        self._links, self._crew, self._peers = {}, None, None
+        if rejoined:
+            progress.stop()
+            dist.destroy_process_group()
+            return
         super().shutdown()
 
 

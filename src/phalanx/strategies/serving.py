@@ -6,6 +6,11 @@ servers see at once, and a process started in its place can make new ones withou
 making anything. A server reads each of its links in a thread of its own, which hands each whole
 message (a header, and a push's payload) to the server's loop; the loop answers in turn, one
 message at a time, in the order they came.
+
+A worker that dies (its links break) loses nothing but its time: server 0 deals the chunks it had
+claimed and not pushed again, each server counts a chunk's gradient once however many times it
+comes (the dead worker's share of it, or another's recomputation), and every server makes a new
+link for the process that takes the dead one's place, which starts where the servers are.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import io
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -30,32 +36,31 @@ if TYPE_CHECKING:
 # message tags: a worker's header to a server, its payload, a server's reply
 HEADER, PAYLOAD, REPLY = 11, 12, 13
 # what a header asks: [kind, step, a, b, c]
-CLAIM, PULL, PUSH, LOSSES, STATE, DONE = range(1, 7)
+CLAIM, PULL, PUSH, LOSSES, STATE, DONE, WHERE = range(1, 8)
 HEADER_SIZE = 5
 # a link waits as long as its other end takes (an evaluation, a slow worker's chunk)
 SERVING_TIMEOUT = timedelta(hours=24)
-_ENDED = -1  # what a link's reader hands the loop when its worker is gone
+_ENDED, _JOINED = -1, -2  # what the loop is handed when a worker is gone, and when one is back
 
 
 _runs = 0  # the param_server runs this process has been part of: its links' names are theirs
 
 
-def links(store: Any, rank: int, others: range, serving: bool) -> dict[int, Any]:
-    """This process's links: a server's to every worker, a worker's to every server, by the other
-    end's rank (made in rank order, so that no two processes wait for each other)."""
+def next_run() -> int:
+    """A number for this process's next param_server run, the same in every process of it (they
+    make their runs in the same order), that keeps its links' names apart from an earlier run's."""
     global _runs
     _runs += 1
-    return {
-        other: link(store, _runs, rank if serving else other, other if serving else rank, serving)
-        for other in others
-    }
+    return _runs
 
 
-def link(store: Any, run: int, server: int, worker: int, serving: bool) -> Any:
-    """The gloo group of one server and one worker (the server its rank 0) in the process's `run`th
-    param_server run; both ends make it, and each waits here for the other."""
-    named = dist.PrefixStore(f"phalanx/param_server/{run}/link/{server}/{worker}", store)
-    return dist.ProcessGroupGloo(named, 0 if serving else 1, 2, SERVING_TIMEOUT)
+def link(store: Any, run: int, server: int, worker: int, incarnation: int, serving: bool) -> Any:
+    """The gloo group of one server and one worker's `incarnation` (the server its rank 0) in the
+    process's `run`th param_server run; both ends make it, and each waits here for the other."""
+    name = f"phalanx/param_server/{run}/link/{server}/{worker}.{incarnation}"
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(name, store), 0 if serving else 1, 2, SERVING_TIMEOUT
+    )
 
 
 def send(group: Any, tensor: torch.Tensor, tag: int, serving: bool) -> tuple[Any, torch.Tensor]:
@@ -90,11 +95,11 @@ def unpack(data: torch.Tensor) -> Any:
 @dataclass
 class _Step:
     """What a server has received of one step: the sum of its chunks' gradients, of their loss
-    parts, and how many of its chunks have come."""
+    parts, and which of its chunks have come."""
 
     grads: torch.Tensor
     loss: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
-    received: int = 0
+    received: set[int] = field(default_factory=set)
     chunks: int = 0
 
 
@@ -104,6 +109,7 @@ class _Message:
     header: list[int]
     grads: torch.Tensor | None = None
     loss: torch.Tensor | None = None
+    link: Any = None  # a new link to the worker (_JOINED)
 
 
 class Server:
@@ -113,17 +119,23 @@ class Server:
     def __init__(
         self,
         engine: Engine,
+        index: int,
         share: list[int],
         workers: int,
         peers: Any,
         version: int,
         steps_per_epoch: int | None,
+        relink: Callable[[int, int], Any],
+        generation: Callable[[], None],
     ):
-        """`share`: this server's parameters, by their index in the optimizer's order; `peers`:
-        the servers' group (None where this is the only one)."""
+        """`index`: this server's among the servers; `share`: its parameters, by their index in
+        the optimizer's order; `peers`: the servers' group (None where this is the only one);
+        `relink(worker, incarnation)`: a new link to a worker that took a dead one's place (it
+        waits for it); `generation()`: tell the workers their group changes (server 0, when a
+        worker dies)."""
         optimizer = engine.trained_optimizer
         every = [p for group in optimizer.param_groups for p in group["params"]]
-        self.engine, self.share = engine, share
+        self.engine, self.index, self.share = engine, index, share
         self.params = [every[i] for i in share]
         self.dtype = dtype_of(every, share)
         self.workers, self.peers, self.version = workers, peers, version
@@ -140,13 +152,15 @@ class Server:
         self._flat: torch.Tensor | None = None  # the parameters as a pull sends them, this version
         self.links: dict[int, Any] = {}
         self.inbox: queue.Queue[_Message] = queue.Queue()
+        self.relink, self.generation = relink, generation
+        self.outstanding: dict[int, set[tuple[int, int]]] = {}  # worker -> claimed, not pushed
+        self.again: dict[int, list[int]] = {}  # step -> chunks to deal again (server 0)
+        self.gone: dict[int, int] = {}  # worker -> how many of its processes died
 
     def run(self, links: dict[int, Any]) -> None:
-        self.links = links
+        self.links = dict(links)
         for worker, group in links.items():
-            threading.Thread(
-                target=self._read, args=(worker, group), name=f"link-{worker}", daemon=True
-            ).start()
+            self._listen(worker, group)
         while self.done < self.workers:
             with signals.waiting():
                 message = self.inbox.get()
@@ -157,19 +171,60 @@ class Server:
                 self.pulls.append((message.worker, a, b))
             elif kind == PUSH:
                 assert message.grads is not None and message.loss is not None
+                self.outstanding.get(message.worker, set()).discard((a, b))
                 self._push(a, b, d, message.grads, message.loss)
             elif kind == LOSSES:
                 self.asked.append((message.worker, a, b))
             elif kind == STATE:
                 self._send_state(message.worker)
+            elif kind == WHERE:
+                later = [k for k in self.claimed if k >= self.version]
+                where = [self.version, max(later, default=-1)]
+                self._reply(message.worker, torch.tensor(where, dtype=torch.int64))
             elif kind == DONE:
                 self.done += 1
             elif kind == _ENDED:
-                raise RuntimeError(
-                    f"param_server: worker {message.worker} ended before the run did"
-                )
+                self._ended(message.worker)
+            elif kind == _JOINED:
+                self.links[message.worker] = message.link
+                self._listen(message.worker, message.link)
             self._answer()
-        wait(self.sending)
+        self._settle_sends()
+
+    def _listen(self, worker: int, group: Any) -> None:
+        threading.Thread(
+            target=self._read, args=(worker, group), name=f"link-{worker}", daemon=True
+        ).start()
+
+    def _ended(self, worker: int) -> None:
+        """A worker's links broke: what it had claimed and not pushed is dealt again (server 0),
+        what it waited for is not answered, and a new link waits for the process in its place."""
+        del self.links[worker]
+        self.pulls = [p for p in self.pulls if p[0] != worker]
+        self.asked = [a for a in self.asked if a[0] != worker]
+        for step, chunk in sorted(self.outstanding.pop(worker, set())):
+            if step >= self.version:
+                self.again.setdefault(step, []).append(chunk)
+        if self.index == 0:
+            self.generation()
+        self.gone[worker] = self.gone.get(worker, 0) + 1
+        threading.Thread(
+            target=self._join, args=(worker, self.gone[worker]), name="join", daemon=True
+        ).start()
+
+    def _join(self, worker: int, incarnation: int) -> None:
+        group = self.relink(worker, incarnation)
+        self.inbox.put(_Message(worker, [_JOINED, 0, 0, 0, 0], link=group))
+
+    def _settle_sends(self) -> None:
+        """Wait for the replies still going out; one to a worker that died is lost with it."""
+        for work, _ in self.sending:
+            try:
+                with signals.waiting():
+                    work.wait()
+            except RuntimeError:
+                pass
+        self.sending = []
 
     def _read(self, worker: int, group: Any) -> None:
         """Hand the loop each whole message of one worker's link, until the worker is done."""
@@ -190,7 +245,13 @@ class Server:
             self.inbox.put(_Message(worker, [_ENDED, 0, 0, 0, 0]))
 
     def _reply(self, worker: int, tensor: torch.Tensor) -> None:
-        self.sending.append(send(self.links[worker], tensor, REPLY, serving=True))
+        group = self.links.get(worker)
+        if group is None:  # gone: its successor asks again
+            return
+        try:
+            self.sending.append(send(group, tensor, REPLY, serving=True))
+        except RuntimeError:  # it died a moment ago: its link's reader says so next
+            return
         if len(self.sending) > 64:
             self.sending = [s for s in self.sending if not s[0].is_completed()]
 
@@ -198,31 +259,44 @@ class Server:
         if stop and self.stop_at < 0:  # every worker stops after the step after the last claimed
             self.stop_at = max([step, *self.claimed]) + 1
         taken = self.claimed.get(step, 0)
-        # a step applied already had all of its chunks (a slow worker comes to it late)
-        chunk = taken if taken < chunks and step >= self.version else -1
+        again = self.again.get(step)
+        if step < self.version:  # applied already: it had all of its chunks (a slow worker)
+            chunk = -1
+        elif again:  # a chunk whose worker died before it pushed it
+            chunk = again.pop(0)
+        else:
+            chunk = taken if taken < chunks else -1
+            if chunk >= 0:
+                self.claimed[step] = taken + 1
         if chunk >= 0:
-            self.claimed[step] = taken + 1
+            self.outstanding.setdefault(worker, set()).add((step, chunk))
         for old in [k for k in self.claimed if k < self.version]:
             del self.claimed[old]
+        for old in [k for k in self.again if k < self.version]:
+            del self.again[old]
         self._reply(worker, torch.tensor([chunk, self.stop_at], dtype=torch.int64))
 
     def _push(
         self, step: int, chunk: int, chunks: int, grads: torch.Tensor, loss: torch.Tensor
     ) -> None:
+        if step < self.version:  # applied already: a chunk dealt again, and computed twice
+            return
         pending = self.steps.get(step)
         if pending is None:
             pending = self.steps[step] = _Step(torch.zeros(self.numel, dtype=self.dtype))
+        if chunk in pending.received:  # the dead worker's share of it came after all
+            return
         pending.grads += grads
         pending.loss[:2] += loss[:2]
         pending.loss[2] = loss[2]
-        pending.received += 1
+        pending.received.add(chunk)
         pending.chunks = chunks
         while self.version in self.steps and self._complete(self.steps[self.version]):
             self._apply(self.steps.pop(self.version))
 
     @staticmethod
     def _complete(pending: _Step) -> bool:
-        return pending.received == pending.chunks
+        return len(pending.received) == pending.chunks
 
     def _apply(self, pending: _Step) -> None:
         """One optimizer step with the step's summed gradients, as `Engine.finish` takes it."""
@@ -246,7 +320,7 @@ class Server:
         if self.peers is None:
             return norm
         squared = norm.square().reshape(1)
-        dist.all_reduce(squared, group=self.peers)
+        self.peers.allreduce([squared]).wait()
         return squared.sqrt()[0]
 
     def _answer(self) -> None:
