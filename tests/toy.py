@@ -72,6 +72,38 @@ class Classes:
         return self._streams
 
 
+def keras_net(
+    features: int = 16, classes: int = 3, dtype: str = "float64", dense: bool = False
+) -> Any:
+    """A Keras Sequential model over `features` inputs seen as a 1x4x4 image: convolutions (the
+    last, 1x1 over the whole image, gives the class scores) and a Dropout, whose seed generator is
+    state too; with `dense`, Dense layers before and after. Keras's matmul computes in float32
+    even for float64 tensors on its torch backend (its type promotion maps float64 to float32
+    outside TensorFlow), so only a model without Dense layers computes wholly in float64. Keras is
+    imported here, by phalanx's import of this function, on its torch backend."""
+    import keras
+
+    side = int(features**0.5)
+    policy = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(dtype)  # the model and every layer compute in it
+    conv = {"data_format": "channels_first"}
+    try:
+        return keras.Sequential(
+            [
+                keras.Input((features,)),
+                *([keras.layers.Dense(features, activation="tanh")] if dense else []),
+                keras.layers.Reshape((1, side, side)),
+                keras.layers.Conv2D(4, 3, padding="same", activation="tanh", **conv),
+                keras.layers.Dropout(0.0),
+                keras.layers.Conv2D(classes, side, **conv),
+                keras.layers.Flatten(),
+                *([keras.layers.Dense(classes)] if dense else []),
+            ]
+        )
+    finally:
+        keras.config.set_dtype_policy(policy)
+
+
 class Linear(nn.Module):
     """forward(x, y) -> {"prediction", "loss" (per sample)}."""
 

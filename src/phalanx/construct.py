@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -15,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError, did_you_mean
+
+
+def prefer_torch_keras() -> None:
+    """Keras, if it is imported from here on, on its torch backend (where none was chosen)."""
+    if "keras" not in sys.modules:
+        os.environ.setdefault("KERAS_BACKEND", "torch")
 
 
 def import_object(
@@ -33,6 +40,7 @@ def import_object(
             f"give a name from {default_module} or a dotted path such as mypkg.MyClass"
         )
     module_name, _, attr = path.rpartition(".")
+    prefer_torch_keras()  # a user's module may import Keras: on torch, unless told otherwise
     if not module_name:
         raise ConfigError(
             f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass"

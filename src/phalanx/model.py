@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from phalanx import keras_models
 from phalanx.config import LossConfig, ModelConfig
 from phalanx.construct import build_value, import_object, instantiate
 from phalanx.errors import ModelError
@@ -32,6 +34,8 @@ def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
     kwargs = {k: build_value(v, f"model.{k}", search_dirs) for k, v in cfg.kwargs().items()}
     args = build_value(cfg.args, "model.args", search_dirs)
     module = instantiate("model", import_object(cfg.class_, search_dirs), *args, **kwargs)
+    if keras_models.is_keras(module):
+        return keras_models.KerasModule(module)
     if not isinstance(module, nn.Module):
         raise ModelError(
             f"model.class {cfg.class_!r} built a {type(module).__name__}, not a torch.nn.Module"
@@ -279,6 +283,9 @@ class _NamedLoss:
         self.cfg = cfg
         self.function = _loss_function(cfg, search_dirs)
         self.kwargs = cfg.kwargs()
+        keras_loss = _keras_loss(self.function, self.kwargs)
+        if keras_loss is not None:  # its keywords made it
+            self.function, self.kwargs = keras_loss, {}
         self.ignore_index = _ignore_index(self.function, self.kwargs)
 
     def __call__(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Loss:
@@ -312,6 +319,14 @@ class _NamedLoss:
 
 def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:
     return import_object(cfg.function, search_dirs, default_module="torch.nn.functional")
+
+
+def _keras_loss(function: Any, kwargs: dict[str, Any]) -> Callable | None:
+    """A Keras loss class, made with `kwargs`, as a per-sample loss; None for anything else."""
+    keras = sys.modules.get("keras")
+    if keras is None or not (isinstance(function, type) and issubclass(function, keras.Loss)):
+        return None
+    return keras_models.per_sample(function, kwargs)
 
 
 def _forward_params(module: nn.Module) -> tuple[dict[str, bool], bool]:

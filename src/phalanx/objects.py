@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 from torch import nn
 
-from phalanx import rundir
+from phalanx import keras_models, rundir
 from phalanx.config import DatasetConfig, ModelConfig
 from phalanx.errors import ConfigError, ModelError, RunDirError
 
@@ -53,6 +53,8 @@ class Objects:
         """Checked: a module, a dataset with streams() or a mapping of streams, Hook instances."""
         from phalanx.hooks import Hook
 
+        if keras_models.is_keras(model):
+            model = keras_models.KerasModule(model)
         if model is not None and not isinstance(model, nn.Module):
             raise ModelError(
                 f"model= is a {type(model).__name__}, not a torch.nn.Module; give the module "

@@ -29,7 +29,13 @@ class Precision:
             raise ConfigError("precision: fp16 needs a CUDA device; on CPU use bf16 or fp32")
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module.double() if self.name == "fp64" else module
+        if self.name != "fp64":
+            return module
+        from phalanx.keras_models import KerasModule
+
+        if isinstance(module, KerasModule):  # its layers compute in their own dtype
+            module.check_dtype("float64", "precision=fp64")
+        return module.double()
 
     def convert_batch(
         self, batch: Mapping[str, Any], device: torch.device | None = None

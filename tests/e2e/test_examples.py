@@ -28,6 +28,9 @@ EXAMPLES = {
         ["parallel.accelerator=cpu", "parallel.devices=2"],
         0.97,
     ),
+    # a Keras model (Keras's torch backend), on one process and on two
+    "keras": ("examples/keras_digits/config.yaml", [], 0.97),
+    "keras-2cpu": ("examples/keras_digits/config.yaml", ["parallel.devices=2"], 0.97),
 }
 
 

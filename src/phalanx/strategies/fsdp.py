@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from phalanx import keras_models
 from phalanx.errors import ConfigError
 from phalanx.settings import FSDPSettings
 from phalanx.strategies.base import DataParallel, ModelOptions, prepare
@@ -95,6 +96,12 @@ class FSDP(ProcessGroup, DataParallel):
         device, it is sharded first and each module's values are then drawn whole, one module at a
         time, in the dtype the model was built in and in module order (as one process draws them),
         and cut to this rank's shards."""
+        keras_models.refuse(
+            module,
+            "fsdp",
+            "it swaps the module's parameters for shards, and Keras's layers read their own "
+            "variables, which would never train",
+        )
         self._model = module
         self._statistics = PerDeviceStatistics(module, self.world_size, self.is_main, WITH_DDP)
         if self.options.init == "meta":

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from phalanx import keras_models
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
@@ -132,6 +133,12 @@ class Pipeline(ProcessGroup):
         return contextlib.nullcontext()
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        keras_models.refuse(
+            module,
+            "pipeline",
+            "it cuts the model at its submodules, and a Keras model's layers are not torch "
+            "submodules",
+        )
         if options.sample is None or options.adapter is None:
             raise RuntimeError("the pipeline strategy needs a sample batch and the model's adapter")
         sample, adapter = options.sample, options.adapter

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from phalanx import keras_models
 from phalanx.errors import ConfigError, ModelError
 from phalanx.strategies.base import (
     DataParallel,
@@ -47,6 +48,11 @@ class Placement(OneProcess, Replicated, DataParallel):
         self.devices = tuple(dict.fromkeys([device, *self.placement.values()]))
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
+        keras_models.refuse(
+            module,
+            "placement",
+            "it moves submodules by name, and a Keras model's layers are not torch submodules",
+        )
         self.model = module
         return prepare(module, options, self._place), self.model
 

@@ -1,0 +1,178 @@
+"""Keras 3 models under phalanx.
+
+On its torch backend a Keras model is a `torch.nn.Module` whose weights are torch parameters, so
+phalanx trains it as any module. Two things stand in the way, and this module removes them: Keras
+names its weights with process-wide counters (`dense_4/kernel` in a process's fifth Dense layer),
+so a checkpoint written by one build would not load into the next; and a Keras model returns its
+predictions, its loss living in `compile(loss=...)`. `KerasModule` holds the model and registers
+the very parameters Keras reads under names taken from the model's structure (`dense_2.kernel`:
+the layer's class and its place among its parent's layers), which every build of the same model
+gives alike; a Keras loss named in `model.loss` gives the per-sample loss (`per_sample`).
+
+Keras must be loaded with `KERAS_BACKEND=torch`: phalanx sets it before it imports Keras, and says
+so where a Keras on another backend was imported first.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.errors import ModelError
+
+INSTALL = 'pip install -e ".[keras]" (or pip install keras)'
+
+
+def import_keras() -> Any:
+    """Keras, on its torch backend."""
+    if "keras" not in sys.modules:
+        chosen = os.environ.get("KERAS_BACKEND", "torch")
+        if chosen != "torch":
+            raise ModelError(
+                f"KERAS_BACKEND={chosen}, but phalanx trains Keras models on its torch backend; "
+                "unset KERAS_BACKEND or set it to torch"
+            )
+        os.environ["KERAS_BACKEND"] = "torch"
+    try:
+        import keras
+    except ImportError:
+        raise ModelError(
+            f"the model is a Keras model, but Keras is not installed: {INSTALL}"
+        ) from None
+    backend = keras.backend.backend()
+    if backend != "torch":
+        raise ModelError(
+            f"Keras was imported on its {backend} backend before phalanx could choose torch; set "
+            "KERAS_BACKEND=torch before importing keras (or import phalanx first)"
+        )
+    return keras
+
+
+def is_keras(value: Any) -> bool:
+    """Whether `value` is a Keras layer or model (Keras is not imported to find out)."""
+    keras = sys.modules.get("keras")
+    return keras is not None and isinstance(value, keras.layers.Layer)
+
+
+class KerasModule(nn.Module):
+    """A Keras model as a torch module: the model's own parameters under names of its structure.
+
+    `forward(x)` calls the model (`training` follows the module's mode) and returns its output. The
+    Keras model is held, not registered as a submodule: its names carry Keras's counters. Moving
+    the module (`to`, `double`) moves the parameters in place, where Keras reads them too.
+    """
+
+    def __init__(self, model: Any):
+        super().__init__()
+        import_keras()
+        if not model.built:
+            raise ModelError(
+                f"the Keras model {model.name!r} is not built, so it has no weights yet; give its "
+                "input shape (keras.Input(shape=...) first, or model.build((None, ...)))"
+            )
+        self.__dict__["_keras"] = model
+        self.layers = _holder(model)
+
+    @property
+    def keras_model(self) -> Any:
+        """The Keras model itself."""
+        return self.__dict__["_keras"]
+
+    def __deepcopy__(self, memo: dict) -> KerasModule:
+        """A copy whose module holds the parameters its Keras model reads (Keras copies its
+        variables' values into new parameters of its own): a tower's replica."""
+        twin = KerasModule(copy.deepcopy(self.keras_model, memo))
+        twin.load_state_dict(self.state_dict())
+        return twin.train(self.training)
+
+    def check_dtype(self, dtype: str, asked: str) -> None:
+        """One error where a layer of the model computes in another dtype than `dtype` (Keras
+        casts to a layer's compute dtype, whatever its weights hold)."""
+        others = sorted(
+            {
+                layer.compute_dtype
+                for layer in [self.keras_model, *self.keras_model._flatten_layers()]
+                if layer.compute_dtype != dtype
+            }
+        )
+        if others:
+            raise ModelError(
+                f"{asked}, but the Keras model computes in {', '.join(others)}: build it in "
+                f"{dtype} (keras.config.set_dtype_policy({dtype!r}) before building it, or dtype= "
+                "on the model and each layer)"
+            )
+
+    def forward(self, x: Any) -> Any:
+        return self.keras_model(x, training=self.training)
+
+    def extra_repr(self) -> str:
+        return f"keras {type(self.keras_model).__name__} {self.keras_model.name!r}"
+
+
+class _Layer(nn.Module):
+    """One Keras layer's variables, and its layers', in the module tree."""
+
+
+def _holder(layer: Any) -> nn.Module:
+    held = _Layer()
+    for variable in _own_variables(layer):
+        held.register_parameter(_safe(variable.name), variable.value)
+    for i, sub in enumerate(_sublayers(layer)):
+        child = _holder(sub)
+        if any(True for _ in child.parameters()):
+            held.add_module(f"{_snake(type(sub).__name__)}_{i}", child)
+    return held
+
+
+def _own_variables(layer: Any) -> list[Any]:
+    """The variables a layer tracks itself, not through its layers."""
+    inner = {id(v) for sub in _sublayers(layer) for v in sub.variables}
+    return [v for v in layer.variables if id(v) not in inner]
+
+
+def _sublayers(layer: Any) -> list[Any]:
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
+def _snake(name: str) -> str:
+    from keras.src.utils.naming import to_snake_case
+
+    return to_snake_case(name)
+
+
+def _safe(name: str) -> str:
+    return name.replace(".", "_").replace("/", "_") or "variable"
+
+
+def refuse(module: nn.Module, strategy: str, why: str) -> None:
+    """One error where a strategy cannot train a Keras model (`why`: what it does that Keras does
+    not follow)."""
+    if isinstance(module, KerasModule):
+        raise ModelError(
+            f"parallel.strategy={strategy} cannot train a Keras model: {why}; use "
+            "parallel.strategy=ddp (or towers, or one device)"
+        )
+
+
+def per_sample(loss_class: type, kwargs: dict[str, Any]) -> Callable:
+    """A Keras loss class as phalanx's losses are called, `f(prediction, target)`, giving one value
+    per sample in the prediction's dtype (Keras's losses take the target first, reduce unless told
+    not to, and compute in the dtype they were made with)."""
+    made: dict[torch.dtype, Any] = {}
+
+    def call(
+        prediction: torch.Tensor, target: torch.Tensor, reduction: str = "none"
+    ) -> torch.Tensor:
+        loss = made.get(prediction.dtype)
+        if loss is None:
+            dtype = str(prediction.dtype).removeprefix("torch.")
+            loss = made[prediction.dtype] = loss_class(reduction=None, dtype=dtype, **kwargs)
+        return loss(target, prediction)
+
+    return call

@@ -1,0 +1,122 @@
+"""A Keras 3 model (torch backend, float64) trained by phalanx on 1, 2 and 3 CPU processes and
+under towers: one run, to 1e-10. Keras's Dense layers compute in float32 whatever their dtype on
+the torch backend (see toy.keras_net): with them, the runs agree to float32's precision."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402
+import workers  # noqa: E402
+import torch  # noqa: E402
+from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def keras_run(dense: bool = False, **parallel) -> dict:
+    return toy.regression_config(
+        model={
+            "class": "toy.keras_net",
+            "features": 16,
+            "classes": 3,
+            "dense": dense,
+            "inputs": {"x": "x"},
+            "outputs": "logits",
+            "loss": {
+                "function": "keras.losses.SparseCategoricalCrossentropy",
+                "output": "logits",
+                "target": "y",
+                "from_logits": True,
+            },
+        },
+        optimizer={"class": "AdamW", "lr": 0.01, "warmup_steps": 3},
+        dataset={
+            "class": "toy.Classes",
+            "batch_size": 10,
+            "n_train": 41,
+            "n_valid": N_VALID,
+            "features": 16,
+        },
+        parallel={"accelerator": "cpu", "devices": 1, **parallel},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+        hooks=[],
+    )
+
+
+@pytest.fixture(scope="module")
+def alone() -> dict:
+    return workers.train(keras_run())
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_a_keras_model_trains_on_several_processes_as_on_one(processes, alone):
+    for [got] in workers.run_ranks(processes, workers.train_all, [keras_run()])[:1]:
+        assert_same_run(got, alone)
+        assert got["ids"] == alone["ids"]  # the same samples, in the same order
+
+
+def test_a_keras_model_trains_under_towers_as_on_one_device(alone):
+    assert_same_run(workers.train(keras_run(strategy="towers", devices=2)), alone)
+
+
+def test_the_weights_have_the_names_of_the_models_structure(alone):
+    assert sorted(alone["params"]) == [
+        "layers.conv2d_2.bias",
+        "layers.conv2d_2.kernel",
+        "layers.conv2d_4.bias",
+        "layers.conv2d_4.kernel",
+    ]
+
+
+def test_with_dense_layers_two_processes_agree_to_float32s_precision():
+    want = workers.train(keras_run(dense=True))
+    [[got], _] = workers.run_ranks(2, workers.train_all, [keras_run(dense=True)])
+    for name, value in want["params"].items():
+        assert rel(torch.tensor(got["params"][name]), torch.tensor(value)) < 1e-5, name
+    assert got["ids"] == want["ids"]
+
+
+@pytest.mark.parametrize(
+    ("parallel", "why"),
+    [
+        ({"strategy": "fsdp"}, "it swaps the module's parameters for shards"),
+        ({"strategy": "placement", "placement": {"layers": "cpu"}}, "not torch submodules"),
+    ],
+    ids=["fsdp", "placement"],
+)
+def test_a_strategy_that_cannot_train_a_keras_model_says_so(parallel, why):
+    from phalanx.errors import ModelError
+
+    with pytest.raises(ModelError, match=f"cannot train a Keras model: .*{why}"):
+        workers.train(keras_run(**parallel))
+
+
+def test_a_keras_run_stopped_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path):
+    """Stopped after 3 of 10 steps and resumed in a new build of the model (Keras names its
+    weights apart from an earlier build's), the checkpoint loads by structure and the end is the
+    whole run's."""
+    from safetensors.torch import load_file
+
+    from phalanx import commands
+    from phalanx.checkpoint import WEIGHTS, Checkpoints
+
+    def latest(run: Path) -> dict:
+        checkpoints = Checkpoints(run / "checkpoints")
+        return load_file(str(checkpoints.path(checkpoints.latest_valid()) / WEIGHTS))
+
+    raw = {**keras_run(), "hooks": ["SaveLatest"]}
+    assert commands.train(str(toy.write_config(tmp_path / "whole", raw)), []) == 0
+    [whole] = (tmp_path / "whole" / "runs").iterdir()
+    stopped = {**raw, "hooks": ["SaveLatest", {"StopAfter": {"steps": 3}}]}
+    assert commands.train(str(toy.write_config(tmp_path / "parts", stopped)), []) == 0
+    [parts] = (tmp_path / "parts" / "runs").iterdir()
+    assert commands.resume(str(parts), ["hooks.1.StopAfter.steps=1000"]) == 0
+    want, got = latest(whole), latest(parts)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert rel(got[name], want[name]) < 1e-10, name

@@ -1,0 +1,82 @@
+"""Keras 3 models under phalanx: names that every build shares, a Keras loss per sample, and the
+errors that say what to do."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import toy
+
+from phalanx import (
+    config,
+    keras_models,  # noqa: E402
+)
+from phalanx.errors import ModelError
+from phalanx.model import build_model
+
+keras = keras_models.import_keras()
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_second_build_has_the_same_names_and_loads_the_firsts_weights():
+    first = keras_models.KerasModule(toy.keras_net())
+    second = keras_models.KerasModule(toy.keras_net())  # Keras names it dense_2, conv2d_1 ...
+    assert [v.path for v in first.keras_model.weights] != [
+        v.path for v in second.keras_model.weights
+    ]
+    assert list(first.state_dict()) == list(second.state_dict())
+    x = torch.randn(5, 16, dtype=torch.float64)
+    first.eval(), second.eval()
+    assert not torch.equal(first(x), second(x))
+    second.load_state_dict(first.state_dict())
+    assert torch.equal(first(x), second(x))  # the weights Keras reads are the module's
+
+
+def test_a_keras_model_named_in_the_config_is_built_as_a_module():
+    cfg = config.validate(toy.regression_config(model={"class": "toy.keras_net", "features": 9}))
+    module = build_model(cfg.model, [])
+    assert isinstance(module, keras_models.KerasModule)
+    assert module(torch.randn(2, 9, dtype=torch.float64)).shape == (2, 3)
+
+
+def test_a_keras_loss_gives_torchs_loss_per_sample():
+    loss = keras_models.per_sample(
+        keras.losses.SparseCategoricalCrossentropy, {"from_logits": True}
+    )
+    logits, target = torch.randn(6, 4, dtype=torch.float64), torch.randint(4, (6,))
+    want = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+    assert torch.allclose(loss(logits, target), want, rtol=1e-12)
+
+
+def test_an_unbuilt_keras_model_names_the_fix():
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    with pytest.raises(ModelError, match=r"not built.*keras.Input\(shape=...\)"):
+        keras_models.KerasModule(unbuilt)
+
+
+def test_another_keras_backend_is_one_error():
+    code = "from phalanx import keras_models; keras_models.import_keras()"
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode != 0
+    assert "KERAS_BACKEND=jax, but phalanx trains Keras models on its torch backend" in (
+        result.stderr
+    )
+
+
+def test_fp64_asks_for_a_keras_model_that_computes_in_float64():
+    from phalanx.precision import Precision
+
+    with pytest.raises(
+        ModelError, match=r"precision=fp64, but the Keras model computes in float32"
+    ):
+        Precision("fp64", torch.device("cpu")).convert_module(
+            keras_models.KerasModule(toy.keras_net(dtype="float32"))
+        )
