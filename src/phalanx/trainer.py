@@ -28,7 +28,7 @@ from phalanx.checkpoint import Checkpoints, saves_shards
 from phalanx.config import CompileConfig, Config
 from phalanx.data import TRAIN
 from phalanx.engine import Engine, GradNorms, concat
-from phalanx.errors import ConfigError, lost_a_peer
+from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
@@ -210,6 +210,9 @@ class Trainer(Checkpointing):
         self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
         self._loss_steps = 0
         self.last_batch_size = 0
+        # the first step's gradients are looked at once: a model whose loss reaches none of the
+        # parameters the optimizer trains would otherwise train nothing, silently
+        self._unchecked = not isinstance(self.strategy, Serves)
         self.training = (
             False  # True while after_batch follows an optimizer step (not an evaluation)
         )
@@ -489,6 +492,23 @@ class Trainer(Checkpointing):
         finally:
             self.training = False
 
+    def _check_gradients(self) -> None:
+        """After the run's first step: one error where no parameter that the optimizer trains got
+        a gradient on any process (the step changed nothing, and no later one will)."""
+        self._unchecked = False
+        params = [p for g in self.engine.trained_optimizer.param_groups for p in g["params"]]
+        local = any(
+            p.grad is not None and bool(getattr(p.grad, "_local_tensor", p.grad).ne(0).any())
+            for p in params
+        )
+        if not self.any_rank(local):
+            raise ModelError(
+                "no parameter that the optimizer trains got a gradient in the first step: the "
+                "loss does not depend on them, so training would change nothing. Check that the "
+                "model's forward uses its parameters (not copies, nor tensors detached from them) "
+                "and that the loss is computed from its outputs"
+            )
+
     def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
         clock, stop = time.perf_counter, self.stop
@@ -502,6 +522,8 @@ class Trainer(Checkpointing):
             for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
                 result = train_step(fetched, stop.requested)
+                if self._unchecked:
+                    self._check_gradients()
                 self._last_loss, self._settle = result.loss, result.settle
                 self._loss_steps += 1
                 if result.settle is None and not self._unsummed:  # there already: add it up

@@ -127,3 +127,26 @@ def test_a_hook_that_stops_training_stops_the_caller_after_the_later_hooks():
     with pytest.raises(TrainingTerminated, match="enough"):
         trainer.call_after_batch("valid", [outputs], training=False)
     assert len(seen.events) == 1
+
+
+class _Copies(torch.nn.Module):
+    """Computes with a copy of its weight: the loss has a gradient, the parameter never does (as
+    a model whose layers read weights of their own, wrapped by a strategy that swaps them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        copy = self.weight.detach().clone().requires_grad_()
+        return {"loss": (x @ copy - y) ** 2}
+
+
+def test_a_loss_that_reaches_no_trained_parameter_is_one_error_at_the_first_step(tmp_path):
+    import phalanx
+    from phalanx.errors import ModelError
+
+    raw = toy.regression_config(output_root=str(tmp_path), hooks=[])
+    streams = toy.Regression().streams()
+    with pytest.raises(ModelError, match="no parameter that the optimizer trains got a gradient"):
+        phalanx.fit(raw, model=_Copies(), dataset=streams)
