@@ -191,7 +191,11 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="best, latest or a step number (default: the best, else the latest)",
     )
-    made["export"].add_argument("--output", required=True, help="the safetensors file to write")
+    made["export"].add_argument(
+        "--output",
+        required=True,
+        help="the safetensors file to write; for a Keras model, a .keras or .weights.h5 file",
+    )
     made["bench"].add_argument("config", help="the YAML config file")
     made["bench"].add_argument("overrides", **overrides)
     made["bench"].add_argument(

@@ -62,6 +62,8 @@ def export(run_path: str, output: str, which: str) -> int:
     returns the number of tensors. The model's code is not needed: the checkpoint holds every
     name."""
     evaluation.check_output(output, "model.safetensors")
+    if output.endswith((".keras", ".weights.h5")):
+        return _export_keras(run_path, output, which)
     logs.setup(None)
     run_dir = rundir.open_run(run_path)
     checkpoints = Checkpoints(run_dir / "checkpoints")
@@ -69,6 +71,26 @@ def export(run_path: str, output: str, which: str) -> int:
     count = checkpoints.export(step, Path(output))
     logs.out.print(f"wrote {count} tensors of {run_dir.name} at step {step} to {output}")
     return count
+
+
+def _export_keras(run_path: str, output: str, which: str) -> int:
+    """A Keras model's checkpoint as Keras saves it: the whole model (`.keras`) or its weights
+    (`.weights.h5`), which Keras loads (the model built as the run's config says)."""
+    from phalanx.keras_models import KerasModule
+
+    module = api.load(run_path, which if not which.isdigit() else int(which))
+    if not isinstance(module, KerasModule):
+        raise PhalanxError(
+            f"--output {output!r} is a Keras file, but the run's model is a "
+            f"{type(module).__name__}, not a Keras model; write model.safetensors"
+        )
+    model = module.keras_model
+    if output.endswith(".keras"):
+        model.save(output)
+    else:
+        model.save_weights(output)
+    logs.out.print(f"wrote {len(model.weights)} Keras weights of {run_path} to {output}")
+    return len(model.weights)
 
 
 def cluster_job(args: Any) -> str:

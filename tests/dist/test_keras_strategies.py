@@ -120,3 +120,24 @@ def test_a_keras_run_stopped_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path
     assert sorted(got) == sorted(want)
     for name in want:
         assert rel(got[name], want[name]) < 1e-10, name
+
+
+def test_export_writes_files_that_keras_loads(tmp_path):
+    """A run's checkpoint as a .keras model and as .weights.h5, which Keras loads: both give the
+    outputs of the model that phalanx.load gives."""
+    import phalanx
+    from phalanx import commands, keras_models
+
+    keras = keras_models.import_keras()
+    raw = {**keras_run(), "hooks": ["SaveLatest"]}
+    assert commands.train(str(toy.write_config(tmp_path / "run", raw)), []) == 0
+    [run] = (tmp_path / "run" / "runs").iterdir()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    want = phalanx.load(run)(x)
+    assert commands.export(str(run), str(tmp_path / "m.keras"), "latest") > 0
+    assert commands.export(str(run), str(tmp_path / "m.weights.h5"), "latest") > 0
+    whole = keras.models.load_model(tmp_path / "m.keras")
+    assert torch.allclose(whole(x, training=False), want, rtol=1e-12, atol=0)
+    rebuilt = toy.keras_net()
+    rebuilt.load_weights(tmp_path / "m.weights.h5")
+    assert torch.allclose(rebuilt(x, training=False), want, rtol=1e-12, atol=0)
