@@ -51,6 +51,11 @@ def import_object(
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if (e.name or "").split(".")[0] == "keras":  # an optional dependency, named where used
+            raise ConfigError(
+                f'{path!r} needs Keras, which is not installed: pip install -e ".[keras]" (or '
+                "pip install keras)"
+            ) from None
         raise ConfigError(
             f"cannot import {module_name!r} for {path!r}: {e}; check the path, or run "
             f"from the folder that holds the package"

@@ -80,3 +80,17 @@ def test_fp64_asks_for_a_keras_model_that_computes_in_float64():
         Precision("fp64", torch.device("cpu")).convert_module(
             keras_models.KerasModule(toy.keras_net(dtype="float32"))
         )
+
+
+def test_a_keras_path_without_keras_installed_says_what_to_install(tmp_path):
+    """In a process where `import keras` fails as it does where Keras is not installed."""
+    code = (
+        "import sys; sys.modules['keras'] = None\n"
+        "from phalanx.construct import import_object\n"
+        "import_object('keras.losses.SparseCategoricalCrossentropy')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert result.returncode != 0
+    assert "needs Keras, which is not installed: pip install -e" in result.stderr
