@@ -1,5 +1,5 @@
-"""A Keras 3 model (torch backend, float64) trained by phalanx on 1, 2 and 3 CPU processes and
-under towers: one run, to 1e-10. Keras's Dense layers compute in float32 whatever their dtype on
+"""A Keras 3 model (torch backend, float64) trained by phalanx on 1, 2 and 3 CPU processes, under
+towers and on a parameter server: one run, to 1e-10. Keras's Dense layers compute in float32 whatever their dtype on
 the torch backend (see toy.keras_net): with them, the runs agree to float32's precision."""
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ def test_a_keras_model_trains_on_several_processes_as_on_one(processes, alone):
 
 def test_a_keras_model_trains_under_towers_as_on_one_device(alone):
     assert_same_run(workers.train(keras_run(strategy="towers", devices=2)), alone)
+
+
+def test_a_keras_model_trains_on_a_parameter_server_as_on_one_process(alone):
+    raw = keras_run(strategy="param_server")
+    raw["parallel"]["param_server"] = {"servers": 1, "staleness": 0}
+    assert_same_run(workers.run_ranks(3, workers.train_all, [raw])[0][0], alone)
 
 
 def test_the_weights_have_the_names_of_the_models_structure(alone):
