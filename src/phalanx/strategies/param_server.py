@@ -24,6 +24,11 @@ one, in the order they come. A step's loss is agreed behind it: the workers lear
 when it is read. A stop request stops every worker at the same step, one after the last step any
 worker had claimed. Checkpoints hold the logical state: a worker's copy of the model, fresh from
 the servers, and the servers' optimizer states gathered into the optimizer's own.
+
+A worker other than process 0 that dies is started again alone by the launcher (`max_restarts`):
+the new process makes its own links, asks server 0 where the servers are and starts there
+(`rejoining`, `joined_at`); the workers meet in a group of their own made again each time one
+rejoins. The servers' side of this is in `serving`.
 """
 
 from __future__ import annotations
