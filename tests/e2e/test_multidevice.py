@@ -279,8 +279,9 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     [
         {"devices": 2},
         {"devices": 3, "strategy": "param_server", "param_server": {"servers": 1}},
+        {"devices": 4, "strategy": "param_server", "param_server": {"servers": 2}},
     ],
-    ids=["ddp", "param_server"],
+    ids=["ddp", "param_server", "param_server-2-servers"],
 )
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(
     parallel, tmp_path
@@ -315,7 +316,8 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
     assert relative(weights(run), want) < 1e-10
     log = (run / "log.txt").read_text()
     if parallel.get("strategy") == "param_server":
-        assert "3 to 4 per chunk; 1 server and 2 workers, which take the chunks" in log
+        servers = parallel["param_server"]["servers"]
+        assert f"3 to 4 per chunk; {servers} server" in log and "and 2 workers, which take" in log
         assert "worker rank 1 ended by signal 9; a new one takes its place" in result.stderr
         assert "worker rank 1 joins the run in place of one that died, at step" in result.stderr
         assert "started again" not in log and "resuming" not in log  # the others went on
