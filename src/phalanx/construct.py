@@ -17,9 +17,12 @@ from typing import Any
 
 from phalanx.errors import ConfigError, did_you_mean
 
+KERAS_INSTALL = 'pip install -e ".[keras]" (or pip install keras)'
+
 
 def prefer_torch_keras() -> None:
-    """Keras, if it is imported from here on, on its torch backend (where none was chosen)."""
+    """Keras, if it is imported from here on, on its torch backend (where none was chosen): the
+    one place phalanx chooses it (see `keras_models`)."""
     if "keras" not in sys.modules:
         os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -53,8 +56,7 @@ def import_object(
     except ImportError as e:
         if (e.name or "").split(".")[0] == "keras":  # an optional dependency, named where used
             raise ConfigError(
-                f'{path!r} needs Keras, which is not installed: pip install -e ".[keras]" (or '
-                "pip install keras)"
+                f"{path!r} needs Keras, which is not installed: {KERAS_INSTALL}"
             ) from None
         raise ConfigError(
             f"cannot import {module_name!r} for {path!r}: {e}; check the path, or run "

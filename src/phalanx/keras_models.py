@@ -24,26 +24,24 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.construct import KERAS_INSTALL, prefer_torch_keras
 from phalanx.errors import ModelError
-
-INSTALL = 'pip install -e ".[keras]" (or pip install keras)'
 
 
 def import_keras() -> Any:
     """Keras, on its torch backend."""
-    if "keras" not in sys.modules:
-        chosen = os.environ.get("KERAS_BACKEND", "torch")
-        if chosen != "torch":
-            raise ModelError(
-                f"KERAS_BACKEND={chosen}, but phalanx trains Keras models on its torch backend; "
-                "unset KERAS_BACKEND or set it to torch"
-            )
-        os.environ["KERAS_BACKEND"] = "torch"
+    prefer_torch_keras()
+    chosen = os.environ.get("KERAS_BACKEND", "torch")
+    if "keras" not in sys.modules and chosen != "torch":
+        raise ModelError(
+            f"KERAS_BACKEND={chosen}, but phalanx trains Keras models on its torch backend; "
+            "unset KERAS_BACKEND or set it to torch"
+        )
     try:
         import keras
     except ImportError:
         raise ModelError(
-            f"the model is a Keras model, but Keras is not installed: {INSTALL}"
+            f"the model is a Keras model, but Keras is not installed: {KERAS_INSTALL}"
         ) from None
     backend = keras.backend.backend()
     if backend != "torch":

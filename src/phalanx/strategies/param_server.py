@@ -424,13 +424,16 @@ class ParamServer(ProcessGroup, Replicated):
         if self._group is None:
             return [value] * self.world_size if self.incarnation else super().gather(value)
         self.progress.enter("a gather")
-        return [pickle.loads(data) for data in self._gather_bytes(pickle.dumps(value))]
+        every = self._gather_bytes(pickle.dumps(value))
+        # safe: bytes this run's own workers pickled, over loopback links (as all_gather_object)
+        return [pickle.loads(data) for data in every]
 
     def broadcast(self, value: Any) -> Any:
         if self._group is None:
             return value if self.incarnation else super().broadcast(value)
         self.progress.enter("a broadcast")
-        return pickle.loads(self._gather_bytes(pickle.dumps(value) if self.is_main else b"")[0])
+        main = self._gather_bytes(pickle.dumps(value) if self.is_main else b"")[0]
+        return pickle.loads(main)  # safe: the main worker's own pickle, as broadcast_object_list
 
     def barrier(self) -> None:
         if self._group is None:
