@@ -3,6 +3,7 @@ second process from training in a run directory in use."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -76,6 +77,18 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
         holder.kill()
 
 
+def _published(progress: Progress, store, entered: int) -> None:
+    """Wait until `progress`'s publishing thread has put a report of `entered` collectives in
+    `store` (no fixed sleep: the thread is slower on a busy machine)."""
+    key = f"phalanx/progress/{progress.rank}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if store.check([key]) and json.loads(store.get(key))["entered"] == entered:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"rank {progress.rank} published no report of {entered} collectives")
+
+
 def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_step():
     """Three ranks trained 2 steps; ranks 0 and 2 entered step 3's all-reduce, rank 1 never did."""
     store = dist.HashStore()
@@ -87,7 +100,8 @@ def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_st
                 progress.enter("the gradient all-reduce")
         ranks[0].enter("the gradient all-reduce")
         ranks[2].enter("the gradient all-reduce")
-        time.sleep(0.3)  # the reports are published
+        for progress, entered in zip(ranks, (3, 2, 3), strict=True):
+            _published(progress, store, entered)
         message = ranks[0].explain(
             RuntimeError("[gloo] Timed out waiting 4000ms for recv operation to complete")
         )
@@ -96,7 +110,36 @@ def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_st
             "timeout (parallel.timeout_s=4); rank 0 waited for it there."
         )
         assert "rank 1: last seen in step 3" in message and "rank 2:" not in message
+        assert "the last collective it entered: the gradient all-reduce of step 3" in message
         assert ranks[0].explain(RuntimeError("Connection closed by peer")) is None  # not a timeout
+    finally:
+        for progress in ranks:
+            progress.close()
+
+
+def test_the_collective_is_named_with_the_step_it_was_entered_in_not_the_unwound_one():
+    """The timeout's error unwinds the step (the run reads 'not training' again) before the message
+    is made, and the publishing thread may report that meanwhile: the message still names the
+    step whose collective rank 0 waited in, and the collective a rank entered with its own step."""
+    store = dist.HashStore()
+    ranks = [Progress(r, 2, 4.0, store, interval_s=0.02) for r in range(2)]
+    where = {0: (2, True), 1: (2, True)}
+    try:
+        for rank, progress in enumerate(ranks):
+            progress.where = lambda rank=rank: where[rank]
+        ranks[1].enter("the gradient all-reduce")  # rank 1: step 3's, then hangs
+        ranks[0].enter("the gradient all-reduce")
+        ranks[0].enter("the gradient all-reduce")  # rank 0 waits in step 3's second
+        where[0] = (2, False)  # unwound: evaluation after step 2, as the loop's `finally` leaves it
+        _published(ranks[0], store, 2)
+        _published(ranks[1], store, 1)
+        deadline = time.monotonic() + 30
+        while "evaluation" not in json.loads(store.get("phalanx/progress/0"))["position"]:
+            assert time.monotonic() < deadline, "rank 0 never published its unwound position"
+            time.sleep(0.01)
+        message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 4000ms for recv"))
+        assert message.startswith("rank 1 did not reach the gradient all-reduce of step 3 within")
+        assert "evaluation" not in message, message
     finally:
         for progress in ranks:
             progress.close()

@@ -1,11 +1,13 @@
 """Which rank did not arrive: when a collective times out, the rank that waited names the ranks that
 never reached it, and the step they were in.
 
-Each rank counts the collectives it enters (an attribute write, no communication). A background
-thread publishes that count, the last collective and the training step to the process group's store
-whenever they change, at most ten times a second and off the training thread, so that no step pays
-for it. A rank whose collective times out compares its own count with the others' last reports: a
-rank with a smaller count never arrived.
+Each rank counts the collectives it enters (an attribute write, no communication), and keeps the
+name of the last one with where the run was when it entered it. A background thread publishes these
+and where the run is now to the process group's store whenever they change, at most ten times a
+second and off the training thread, so that no step pays for it. A rank whose collective times out
+compares its own count with the others' last reports: a rank with a smaller count never arrived.
+The collective it waited in is named with the step it was entered in, not the step the run reads
+once the error has unwound it.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ class Progress:
         interval_s: float = PUBLISH_INTERVAL_S,
     ):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        self.entered = 0  # collectives this rank has entered
-        self.what = "start-up"  # the last of them
-        self.where: Callable[[], tuple[int, bool]] | None = (
-            None  # (steps done, training) of the run
-        )
+        # collectives this rank has entered, the last of them, and where the run was then
+        self.entered = 0
+        self.what = "start-up"
+        self.entered_at: tuple[int, bool] | None = None
+        # (steps done, training) of the run, now
+        self.where: Callable[[], tuple[int, bool]] | None = None
         self._store = store
-        self._published: dict[str, Any] | None = None  # the last report this rank published
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if store is not None:
@@ -52,19 +54,18 @@ class Progress:
         """This rank enters a collective."""
         self.entered += 1
         self.what = what
+        self.entered_at = self.where() if self.where is not None else None
 
     def position(self) -> str:
         """Where the run is: 'step N' (the step being trained), 'evaluation after step N' or
         'start-up'."""
-        if self.where is None:
-            return "start-up"
-        done, training = self.where()
-        return f"step {done + 1}" if training else f"evaluation after step {done}"
+        return _position(self.where() if self.where is not None else None)
 
     def report(self) -> dict[str, Any]:
         return {
             "entered": self.entered,
             "what": self.what,
+            "entered_in": _position(self.entered_at),
             "position": self.position(),
             "time": time.time(),
         }
@@ -72,7 +73,6 @@ class Progress:
     def _publish(self) -> tuple:
         report = self.report()
         self._store.set(KEY.format(rank=self.rank), json.dumps(report))
-        self._published = report
         return report["entered"], report["what"], report["position"]
 
     def _loop(self, interval_s: float) -> None:
@@ -103,14 +103,7 @@ class Progress:
         behind."""
         if not is_timeout(error) or self._store is None:
             return None
-        # where this rank was while it waited (the error has since unwound the step), as published
-        # then
-        me = (
-            self._published
-            if self._published and self._published["entered"] == self.entered
-            else self.report()
-        )
-        me = {**me, "time": time.time()}
+        me = self.report()
         behind = {
             rank: info
             for rank, info in self.reports().items()
@@ -121,7 +114,7 @@ class Progress:
         names = ", ".join(str(r) for r in behind)
         lines = [
             f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} "
-            f"of {me['position']} within the collective timeout "
+            f"of {me['entered_in']} within the collective timeout "
             f"(parallel.timeout_s={self.timeout_s:g}); rank {self.rank} "
             "waited for it there. Every rank was stopped."
         ]
@@ -132,7 +125,7 @@ class Progress:
                 ago = max(0.0, me["time"] - info["time"])
                 lines.append(
                     f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); "
-                    f"the last collective it entered: {info['what']}"
+                    f"the last collective it entered: {info['what']} of {info['entered_in']}"
                 )
         lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
         return "\n".join(lines)
@@ -141,6 +134,14 @@ class Progress:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
+
+
+def _position(where: tuple[int, bool] | None) -> str:
+    """'step N' (the step being trained), 'evaluation after step N' or 'start-up'."""
+    if where is None:
+        return "start-up"
+    done, training = where
+    return f"step {done + 1}" if training else f"evaluation after step {done}"
 
 
 def is_timeout(error: BaseException) -> bool:
