@@ -16,12 +16,14 @@ PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phala
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def start(*args: str, cwd: Path, new_session: bool = False) -> subprocess.Popen:
-    """`phalanx ARGS...` started in `cwd`, its output captured."""
+def start(
+    *args: str, cwd: Path, new_session: bool = False, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`phalanx ARGS...` started in `cwd`, its output captured (`env`: variables to add)."""
     return subprocess.Popen(
         [*PHALANX, *args],
         cwd=cwd,
-        env=ENV,
+        env={**ENV, **(env or {})},
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -338,16 +338,20 @@ class SlowRegression(Regression):
 
 
 class SlowSave(Linear):
-    """Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds."""
+    """Linear whose state_dict, read while a checkpoint is written, takes `save_delay` seconds,
+    after its first `fast_calls` (a data-parallel start reads it once to broadcast it)."""
 
-    def __init__(self, save_delay: float = 0.0, **kwargs: Any):
+    def __init__(self, save_delay: float = 0.0, fast_calls: int = 0, **kwargs: Any):
         super().__init__(**kwargs)
-        self.save_delay = save_delay
+        self.save_delay, self.fast_calls = save_delay, fast_calls
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
         import time
 
-        time.sleep(self.save_delay)
+        if self.fast_calls > 0:
+            self.fast_calls -= 1
+        else:
+            time.sleep(self.save_delay)
         return super().state_dict(*args, **kwargs)
 
 

