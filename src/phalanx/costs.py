@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
+from typing import Any
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
 TWO_A_PROCESS = ("interleaved", "zero_bubble", "zbv", "dualpipev")  # stages per process: 2
@@ -98,6 +99,20 @@ class Measured:
     microbatch_s: float = 0.0  # what a pipeline pays a micro-batch beyond its stages and messages
     refused: dict[str, str] = field(default_factory=dict)  # strategies that cannot train it: why
     data_s_per_sample: float = 0.0  # fetching and collating a sample, in the training loop
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Measured:
+        """The measurements as a plan wrote them (`plan.json`'s "measured"), to price again: the
+        same predictions without measuring anything."""
+        return cls(
+            **{
+                **raw,
+                "compute": Compute(**raw["compute"]),
+                "all_reduce": {int(n): Link(**link) for n, link in raw["all_reduce"].items()},
+                "p2p": Link(**raw["p2p"]) if raw.get("p2p") else None,
+                "blocks": tuple(Block(**block) for block in raw.get("blocks", ())),
+            }
+        )
 
 
 @dataclass(frozen=True)

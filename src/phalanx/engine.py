@@ -292,11 +292,16 @@ class Engine:
         return data
 
     def end_epoch(self) -> None:
+        self.refuse_negative_weights()
+        for scheduler in self._schedulers["epoch"]:
+            scheduler.step()
+
+    def refuse_negative_weights(self) -> None:
+        """One error where a weight on an accelerator since the last check was negative. It reads
+        the device: at an epoch's end, or where the caller reads it anyway."""
         if self._negative and bool(torch.stack(self._negative).any()):
             raise ModelError(NEGATIVE_WEIGHTS)
         self._negative.clear()
-        for scheduler in self._schedulers["epoch"]:
-            scheduler.step()
 
     def _forward(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, loading, strategies
+from phalanx import data, loading, strategies, timeline
 from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
@@ -201,6 +201,11 @@ class Trainer(Checkpointing):
         # the epoch's (until its end adds them to `profile`), and the steps' not yet added to it
         self._epoch_times: dict[str, float] | None = None
         self._live = [0.0] * len(_TRAINING_TIMES)
+        # on a GPU the parts are timed on the device's timeline: the host's clock would charge
+        # the queued kernels to whatever first waits for them
+        self._timeline = (
+            timeline.DeviceTimeline.for_cuda() if self.strategy.device.type == "cuda" else None
+        )
         self._last_loss: torch.Tensor | None = None
         self._settle: Callable[[], object] | None = None  # the last step's loss, while in flight
         # the epoch's training losses: the sum of the settled ones, the last one's, and their count
@@ -496,6 +501,9 @@ class Trainer(Checkpointing):
         """After the run's first step: one error where no parameter that the optimizer trains got
         a gradient on any process (the step changed nothing, and no later one will)."""
         self._unchecked = False
+        # negative weights zero the step's gradients (no positive weight to divide by): the
+        # cause, where there is one, is the error to give
+        self.engine.refuse_negative_weights()
         params = [p for g in self.engine.trained_optimizer.param_groups for p in g["params"]]
         local = any(
             p.grad is not None and bool(getattr(p.grad, "_local_tensor", p.grad).ne(0).any())
@@ -514,6 +522,7 @@ class Trainer(Checkpointing):
         clock, stop = time.perf_counter, self.stop
         train_step = self.train_step
         every = self.cfg.main_loop.eval_every_n_steps
+        device = self._timeline
         # seconds fetching, computing, communicating, optimizing and in hooks, since they were last
         # added to the epoch's `profile` (a list that `times_so_far` reads)
         live = self._live = [0.0] * len(_TRAINING_TIMES)
@@ -521,7 +530,11 @@ class Trainer(Checkpointing):
             t0 = clock()
             for k, fetched in steps:  # planning and fetching the step count as data time
                 t1 = clock()
+                if device is not None:
+                    device.begin()
                 result = train_step(fetched, stop.requested)
+                if device is not None:
+                    device.end()
                 if self._unchecked:
                     self._check_gradients()
                 self._last_loss, self._settle = result.loss, result.settle
@@ -561,6 +574,8 @@ class Trainer(Checkpointing):
 
     def _add_times(self, live: list[float], profile: dict[str, float]) -> None:
         """The steps' seconds since they were last added, into the epoch's and the round's."""
+        if self._timeline is not None:
+            timeline.split(live, *self._timeline.take())
         for k, (key, seconds) in enumerate(zip(_TRAINING_TIMES, live, strict=True)):
             profile[key] += seconds
             self._round_profile[key] += seconds
@@ -569,6 +584,9 @@ class Trainer(Checkpointing):
     def times_so_far(self) -> dict[str, float]:
         """Seconds this process spent so far in the run, by part of the loop, up to the last step
         (`profile` adds an epoch's at its end)."""
+        if self._timeline is not None and self._epoch_times is not None:
+            # the steps' times exist once the device has reached them
+            self._add_times(self._live, self._epoch_times)
         times = dict(self.profile)
         for part in (self._epoch_times or {}), dict(zip(_TRAINING_TIMES, self._live, strict=True)):
             for key, seconds in part.items():

@@ -205,9 +205,10 @@ class _NegativeWeights(torch.nn.Module):
         return {"loss": (prediction - y) ** 2, "loss_weight": torch.full_like(y, -1.0)}
 
 
-def test_negative_loss_weights_on_the_gpu_are_refused_at_the_epochs_end(tmp_path, monkeypatch):
+def test_negative_loss_weights_on_the_gpu_are_refused(tmp_path, monkeypatch):
     """On the GPU the check is not read every micro-batch (that would wait for the device), but
-    the run still fails, at the end of its first epoch."""
+    the run still fails with its cause: at the first step's gradient check, which reads the device
+    anyway (the negative weights left no gradient), or else at the end of the first epoch."""
     import phalanx
     from phalanx.errors import ModelError
 
@@ -246,3 +247,42 @@ def test_param_server_workers_on_the_gpu_train_as_one_gpu(one_gpu):
         3, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
     )[:2]:
         assert_same_run(got, one_gpu["toy.Linear"])
+
+
+class _SlowKernels(torch.nn.Module):
+    """toy.Linear's shape, whose forward also queues a kernel that keeps the GPU busy ~20 ms."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        torch.cuda._sleep(20_000_000)  # clock cycles: about 10-20 ms on a current GPU
+        return {"loss": (self.layer(x).squeeze(-1) - y) ** 2}
+
+
+def test_the_time_split_on_the_gpu_charges_the_steps_not_the_hook_that_reads_the_loss(
+    tmp_path, monkeypatch
+):
+    """A hook that reads each step's loss waits there for the GPU; the host's clock would charge
+    the step's kernels to it. The split follows the GPU's timeline: the steps get that time."""
+    import phalanx
+    from phalanx.hooks import Hook
+
+    class ReadsTheLoss(Hook):
+        def after_batch(self, stream: str, batch: dict) -> None:
+            if self.trainer.training:
+                float(self.trainer.last_loss)
+
+        def after_epoch_profile(self, epoch: int, profile: dict, *streams) -> None:
+            seen.append(dict(profile))
+
+    seen: list[dict] = []
+    monkeypatch.chdir(tmp_path)
+    raw = scenario("cuda")
+    raw["parallel"]["gradient_accumulation"] = 1
+    raw["main_loop"] = {"epochs": 1, "extra_streams": []}
+    streams = toy.Regression(n_train=N_TRAIN).streams()
+    phalanx.fit(raw, model=_SlowKernels(), dataset=streams, hooks=[ReadsTheLoss()])
+    [profile] = seen
+    assert profile["forward_backward"] > 5 * profile["hooks"], profile

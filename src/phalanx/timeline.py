@@ -1,0 +1,104 @@
+"""Where a GPU's time goes, for the loop's time split: CUDA events around each training step.
+
+On a GPU the host queues a step's kernels and moves on; the host's clock then charges the queued
+work to whatever first waits for the device (a hook reading the loss), and calls the step cheap.
+The device's own timeline does not lie: an event recorded before and after each step completes
+when the GPU reaches it, so the time between the two is the GPU's time in the step, and the time
+between one step's end and the next one's start is the GPU's time outside the steps (waiting for
+data, for hooks, or doing the hooks' own work). The events are read behind the steps, once they
+have completed (`query`, which does not wait), and at an epoch's end, which waits for the last.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+# steps between two looks at which events have completed: events in flight stay bounded
+_FOLD_EVERY = 32
+
+
+class DeviceTimeline:
+    """The GPU's seconds in training steps and between them, from events recorded on the current
+    stream around each step. `new_event` makes an event with `record()`, `query()`,
+    `synchronize()` and `elapsed_time(other)` in milliseconds (torch.cuda.Event's)."""
+
+    def __init__(self, new_event: Callable[[], Any]):
+        self._new_event = new_event
+        self._free: list[Any] = []
+        # (start, end) of each step not yet read, oldest first
+        self._pending: deque[tuple[Any, Any]] = deque()
+        self._start: Any = None
+        self._last_end: Any = None  # the newest step's end already read: the next gap starts there
+        self._unfolded = 0
+        self.in_steps = 0.0  # seconds, since the last `take`
+        self.between_steps = 0.0
+
+    @classmethod
+    def for_cuda(cls) -> DeviceTimeline:
+        import torch
+
+        return cls(lambda: torch.cuda.Event(enable_timing=True))
+
+    def begin(self) -> None:
+        """A step is about to be queued."""
+        self._start = self._event()
+
+    def end(self) -> None:
+        """The step's work is queued."""
+        self._pending.append((self._start, self._event()))
+        self._unfolded += 1
+        if self._unfolded >= _FOLD_EVERY:
+            self._fold(wait=False)
+
+    def take(self) -> tuple[float, float]:
+        """Seconds the GPU spent in the steps, and between them, since the last take (waits for
+        the last step queued). The next step's gap is counted from its own start: what comes
+        between (an evaluation, an epoch's end) is timed by the host."""
+        self._fold(wait=True)
+        times = self.in_steps, self.between_steps
+        self.in_steps = self.between_steps = 0.0
+        if self._last_end is not None:
+            self._free.append(self._last_end)
+            self._last_end = None
+        return times
+
+    def _event(self) -> Any:
+        event = self._free.pop() if self._free else self._new_event()
+        event.record()
+        return event
+
+    def _fold(self, wait: bool) -> None:
+        self._unfolded = 0
+        if wait and self._pending:
+            self._pending[-1][1].synchronize()
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.in_steps += start.elapsed_time(end) / 1e3
+            if self._last_end is not None:
+                self.between_steps += self._last_end.elapsed_time(start) / 1e3
+                self._free.append(self._last_end)
+            self._free.append(start)
+            self._last_end = end
+
+
+def split(live: list[float], in_steps: float, between_steps: float) -> None:
+    """Rewrite the loop's host-timed parts `live` (data, forward_backward, communication,
+    optimizer, hooks) on the device's timeline: the steps' parts sum to the GPU's time in the
+    steps (communication and the optimizer keep the host's time in them, which they cannot
+    exceed; forward and backward is the rest), and data and hooks share the GPU's time between
+    steps in proportion to the host's time in each."""
+    data, _, communication, optimizer, hooks = live
+    inside = communication + optimizer
+    scale = min(1.0, in_steps / inside) if inside > 0 else 1.0
+    communication, optimizer = communication * scale, optimizer * scale
+    outside = data + hooks
+    data_share = data / outside if outside > 0 else 1.0
+    live[:] = [
+        between_steps * data_share,
+        in_steps - communication - optimizer,
+        communication,
+        optimizer,
+        between_steps * (1.0 - data_share),
+    ]
