@@ -205,6 +205,15 @@ class ParallelConfig(_Section):
         None, gt=0, description="collective timeout; default 300 on CPU, 600 on GPU"
     )
     oversubscribe: bool = Field(False, description="allow more than 4 CPU processes per core")
+    build: Literal["host", "device"] = Field(
+        "host",
+        description="where the model is built: host (on the CPU, then moved to its device: the "
+        "same initial values on any device kind, count and strategy) or device (built on its "
+        "device as under `with torch.device(...)`, its initialisation run there: no copy of the "
+        "model in host memory and no host-side drawing of its values, for large models on GPUs; "
+        "the initial values are the device's draws, the same on any count of that kind of device "
+        "under single, ddp, towers and param_server)",
+    )
     cpu_threads: StrictInt | Literal["auto"] = Field(
         "auto",
         description="torch's threads per device on the CPU; auto: a process alone keeps torch's "

@@ -63,11 +63,15 @@ def _check_given_model(module: torch.nn.Module, strategy: Strategy) -> None:
     """A model given as an object: built already, so not on the meta device; and, where each rank
     built its own (under torchrun), the same on every rank, as one process's would be."""
     where = strategy.init_context()
-    if isinstance(where, torch.device) and where.type == "meta":
+    if isinstance(where, torch.device):
+        setting, instead = (
+            ("parallel.fsdp.init: meta", "init: full")
+            if where.type == "meta"
+            else ("parallel.build: device", "build: host")
+        )
         raise ConfigError(
-            "parallel.fsdp.init: meta builds the model itself, one module at a time, but the "
-            "model was given as an object, built already; name its class in model.class, or use "
-            "init: full"
+            f"{setting} builds the model itself, but the model was given as an object, built "
+            f"already; name its class in model.class, or use {instead}"
         )
     differing = strategy.differing_ranks(module) if hasattr(strategy, "differing_ranks") else []
     if differing:

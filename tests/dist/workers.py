@@ -106,13 +106,15 @@ def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
         return strategies.create(cfg)
     from phalanx.strategies.ddp import DDP
 
-    return DDP(
+    ddp = DDP(
         "cuda" if shared_gpu else "cpu",
         None,
         cfg.parallel.sync_batchnorm,
         carry_through_autograd=carry_through_autograd,
         backend="gloo",
     )
+    ddp.build_on_device = cfg.parallel.build == "device"
+    return ddp
 
 
 def train(raw: dict, carry_through_autograd: bool = False) -> dict:

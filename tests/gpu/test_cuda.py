@@ -286,3 +286,20 @@ def test_the_time_split_on_the_gpu_charges_the_steps_not_the_hook_that_reads_the
     phalanx.fit(raw, model=_SlowKernels(), dataset=streams, hooks=[ReadsTheLoss()])
     [profile] = seen
     assert profile["forward_backward"] > 5 * profile["hooks"], profile
+
+
+def test_a_model_built_on_the_gpu_trains_alike_on_one_rank_and_two():
+    """parallel.build=device: the model is built and its values drawn on the GPU; two ranks start
+    from rank 0's draws, which are one process's, and train as it does."""
+    raw = scenario("cuda", build="device")
+    one = workers.train(raw)
+    assert (
+        rel(
+            one["params"]["net.0.weight"], workers.train(scenario("cuda"))["params"]["net.0.weight"]
+        )
+        > 0
+    )
+    for [got] in workers.run_ranks(
+        2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
+    ):
+        assert_same_run(got, one)

@@ -317,3 +317,59 @@ def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(mo
         match="strategy=fsdp on 2 devices runs one process per device; start it with phalanx train",
     ):
         strategies.create(cfg(accelerator="cpu", devices=2, strategy="fsdp"))
+
+
+class _RecordsWhereBuilt(torch.nn.Module):
+    """toy.Linear's shape; records the device its parameters were made on, and a tensor it draws
+    while it is built."""
+
+    def __init__(self, features: int = 3):
+        super().__init__()
+        self.layer = torch.nn.Linear(features, 1, dtype=torch.float64)
+        self.built_on = self.layer.weight.device
+        self.drawn_on = torch.rand(1).device
+
+    def forward(self, x, y):
+        return {"loss": (self.layer(x).squeeze(-1) - y) ** 2}
+
+
+def test_a_model_built_on_its_device_is_built_inside_that_device(monkeypatch, tmp_path):
+    """parallel.build=device: the model's constructor runs with the strategy's device as torch's
+    default, so its parameters and what it draws are made there (the meta device here stands for a
+    GPU); a model given as an object, built already, is refused."""
+    from phalanx.objects import Objects
+    from phalanx.trainer import Trainer
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    built = strategies.create(cfg(build="device"))
+    assert built.init_context() == built.device == torch.device("cpu")
+    assert not isinstance(strategies.create(cfg()).init_context(), torch.device)  # host: as ever
+    elsewhere = Single(torch.device("meta"))
+    elsewhere.build_on_device = True
+    with elsewhere.init_context():
+        model = _RecordsWhereBuilt()
+    assert model.built_on == model.drawn_on == torch.device("meta")
+    with pytest.raises(ConfigError, match="parallel.build: device builds the model itself"):
+        Trainer(
+            config.validate(toy.regression_config(parallel={"build": "device"})),
+            None,
+            [tmp_path],
+            objects=Objects.given(_RecordsWhereBuilt(), None, None),
+        )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "instead"),
+    [
+        ({"strategy": "fsdp"}, "parallel.fsdp.init=meta"),
+        ({"strategy": "placement", "placement": {"net.0": "cpu"}}, "parallel.build=host"),
+    ],
+    ids=["fsdp", "placement"],
+)
+def test_building_on_the_device_under_a_strategy_that_splits_the_model_names_the_way(
+    monkeypatch, parallel, instead
+):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=f"splits it across devices; use {instead}"):
+        strategies.create(cfg(build="device", **parallel))

@@ -404,4 +404,26 @@ def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
 def create(cfg: Config) -> Strategy:
     """The strategy the config asks for, on this process's devices."""
     accelerator, devices = resolve_device(cfg)
-    return REGISTRY[strategy_name(cfg)].build(cfg, accelerator, devices)
+    name = strategy_name(cfg)
+    strategy = REGISTRY[name].build(cfg, accelerator, devices)
+    if cfg.parallel.build == "device":
+        _build_on_device(strategy, name)
+    return strategy
+
+
+def _build_on_device(strategy: Strategy, name: str) -> None:
+    """parallel.build=device: the strategies that keep the whole model on one device build it
+    there; the others split or shard it, and say how they build a large model instead."""
+    from phalanx.strategies.base import Replicated
+
+    if not isinstance(strategy, Replicated) or name == "placement":
+        instead = (
+            "parallel.fsdp.init=meta (each module drawn and sharded in turn)"
+            if name == "fsdp"
+            else "parallel.build=host"
+        )
+        raise ConfigError(
+            f"parallel.build=device builds the whole model on one device, but "
+            f"parallel.strategy={name} splits it across devices; use {instead}"
+        )
+    strategy.build_on_device = True

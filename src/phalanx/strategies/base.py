@@ -257,9 +257,12 @@ class Replicated:
 
     runs_empty_shards = False
     model: nn.Module
+    device: torch.device
+    # parallel.build=device: the model is built on `device` itself, not on the host
+    build_on_device = False
 
     def init_context(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return torch.device(self.device) if self.build_on_device else contextlib.nullcontext()
 
     def model_state(self) -> nn.Module:
         return self.model
