@@ -2,7 +2,6 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.phalanx-installed
 
 # Which torch to install, and from where (both may be given on the command line):
 #   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu    # PyTorch's CPU-only wheels
@@ -20,26 +19,40 @@ TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX),)
 
 .PHONY: demo test bench clean
 
+# Each target installs what it needs, and says so as it goes: the demo torch, phalanx and the
+# examples' data (scikit-learn); the tests also the trackers, Keras, transformers and the checkers.
+PIP := $(PY) -m pip install --disable-pip-version-check --progress-bar on
+
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install --quiet $(TORCH_FROM) "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+$(VENV)/.torch-installed: $(PY)
+	@echo "== installing $(TORCH) into $(VENV)"
+	$(PIP) $(TORCH_FROM) "$(TORCH)"
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.demo-installed: $(VENV)/.torch-installed pyproject.toml
+	@echo "== installing phalanx and what its examples need (scikit-learn)"
+	$(PIP) -e ".[examples]"
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.demo-installed pyproject.toml
+	@echo "== installing what the tests need (trackers, Keras, transformers, pytest, ruff, mypy)"
+	$(PIP) -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.demo-installed
 	$(VENV)/bin/phalanx train examples/digits/config.yaml
 	$(VENV)/bin/phalanx eval "$$(ls -td runs/digits-2* | head -n 1)" --stream test
 
-test: $(STAMP)
+test: $(VENV)/.test-installed
 	$(VENV)/bin/ruff format --check src tests bench examples
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-bench: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]"
+bench: $(VENV)/.test-installed
+	$(PIP) -e ".[bench]"
 	$(PY) bench/overhead.py
 	$(PY) bench/ddp_overhead.py
 
