@@ -31,7 +31,7 @@ def start(
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> SimpleNamespace:
+def finish(proc: subprocess.Popen, timeout: float = 180) -> SimpleNamespace:
     """Wait for the process; its exit code and output."""
     out, err = proc.communicate(timeout=timeout)
     return SimpleNamespace(returncode=proc.returncode, stdout=out, stderr=err)

@@ -81,7 +81,7 @@ def test_a_machine_that_ends_is_said_by_the_other_in_one_line_in_its_log_and_tra
     node1 = start("train", str(path), *flags, "--node-rank", "1", cwd=tmp_path, new_session=True)
     run = _training(tmp_path / "runs", node0)
     os.killpg(node1.pid, signal.SIGKILL)  # the machine: its launcher and its worker at once
-    finish(node1, timeout=30)
+    finish(node1, timeout=120)
     result = finish(node0, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("phalanx: error: ")]
@@ -113,7 +113,7 @@ def test_when_an_elastic_jobs_node_0_dies_the_other_says_so_in_one_line(tmp_path
             what="a round of two",
         )
         os.killpg(node0.pid, signal.SIGKILL)  # the machine that serves the store
-        finish(node0, timeout=30)
+        finish(node0, timeout=120)
         result = finish(node1, timeout=150)
     finally:
         for node in (node0, node1):

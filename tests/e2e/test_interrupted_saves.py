@@ -54,7 +54,7 @@ def test_a_second_signal_during_a_ddp_save_does_not_say_saved(tmp_path):
     proc.send_signal(signal.SIGINT)  # finish the step, save: rank 0 reads its weights for 3 s
     time.sleep(1.5)
     proc.send_signal(signal.SIGINT)  # at once
-    result = finish(proc, timeout=60)
+    result = finish(proc, timeout=180)
     assert result.returncode == 130, result.stderr[-2000:]
     assert "saved. Continue with" not in result.stderr, result.stderr[-2000:]
     assert {int(p.name[5:]) for p in (run / "checkpoints").glob("step-*")} == saved

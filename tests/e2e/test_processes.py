@@ -291,7 +291,7 @@ def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):
         (tmp_path / "runs").iterdir()
     )  # the run directory exists
     proc.send_signal(signal.SIGTERM)
-    result = finish(proc, timeout=30)
+    result = finish(proc, timeout=120)
     assert result.returncode == 143, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "phalanx: interrupted"
     assert "Traceback" not in result.stderr
@@ -322,7 +322,7 @@ def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
             )
         workers = workers_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
-        result = finish(proc, timeout=30)
+        result = finish(proc, timeout=120)
     finally:
         proc.kill()
         kill_all(workers)
@@ -348,7 +348,7 @@ def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
         )
         workers = workers_of(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        result = finish(proc, timeout=30)
+        result = finish(proc, timeout=120)
     finally:
         proc.kill()
         kill_all(workers)

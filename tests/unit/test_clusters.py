@@ -17,7 +17,7 @@ import yaml
 
 from phalanx import cli
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def _run_job(script: Path, bin_dir: Path, exit_code: int) -> subprocess.Complete
         "SLURM_SUBMIT_DIR": str(script.parent),
     }
     return subprocess.run(  # from another folder: the script goes to the one it was submitted from
-        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd="/"
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120, cwd="/"
     )
 
 

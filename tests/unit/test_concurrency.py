@@ -20,7 +20,7 @@ from phalanx import config, rundir, runlock
 from phalanx.errors import RunDirError
 from phalanx.strategies.progress import Progress
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
 
 
 def test_two_runs_created_in_the_same_instant_get_a_directory_each(tmp_path, monkeypatch):

@@ -63,7 +63,7 @@ def test_another_keras_backend_is_one_error():
     code = "from phalanx import keras_models; keras_models.import_keras()"
     env = {**os.environ, "KERAS_BACKEND": "jax"}
     result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
     )
     assert result.returncode != 0
     assert "KERAS_BACKEND=jax, but phalanx trains Keras models on its torch backend" in (
@@ -90,7 +90,7 @@ def test_a_keras_path_without_keras_installed_says_what_to_install(tmp_path):
         "import_object('keras.losses.SparseCategoricalCrossentropy')\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=tmp_path
     )
     assert result.returncode != 0
     assert "needs Keras, which is not installed: pip install -e" in result.stderr

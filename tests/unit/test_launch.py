@@ -8,7 +8,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from phalanx import failures
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = pytest.mark.timeout(120)
 
 
 def _fail_on_rank(records, monkeypatch, rank: int, error: BaseException) -> None:
