@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,19 +157,44 @@ def refuse(module: nn.Module, strategy: str, why: str) -> None:
         )
 
 
-def per_sample(loss_class: type, kwargs: dict[str, Any]) -> Callable:
+def per_sample(loss_class: type, kwargs: dict[str, Any]) -> KerasLoss:
+    """A Keras loss class as phalanx's losses are called (see `KerasLoss`)."""
+    return KerasLoss(loss_class, kwargs)
+
+
+class KerasLoss:
     """A Keras loss class as phalanx's losses are called, `f(prediction, target)`, giving one value
     per sample in the prediction's dtype (Keras's losses take the target first, reduce unless told
-    not to, and compute in the dtype they were made with)."""
-    made: dict[torch.dtype, Any] = {}
+    not to, and compute in the dtype they were made with). Named as the Keras loss (`__name__`), so
+    that an error about it says which loss."""
 
-    def call(
-        prediction: torch.Tensor, target: torch.Tensor, reduction: str = "none"
+    def __init__(self, loss_class: type, kwargs: dict[str, Any]):
+        self.loss_class, self.kwargs = loss_class, kwargs
+        self.__name__ = loss_class.__name__
+        self._made: dict[torch.dtype, Any] = {}
+
+    def __call__(
+        self, prediction: torch.Tensor, target: torch.Tensor, reduction: str = "none"
     ) -> torch.Tensor:
-        loss = made.get(prediction.dtype)
+        loss = self._made.get(prediction.dtype)
         if loss is None:
             dtype = str(prediction.dtype).removeprefix("torch.")
-            loss = made[prediction.dtype] = loss_class(reduction=None, dtype=dtype, **kwargs)
+            loss = self._made[prediction.dtype] = self.loss_class(
+                reduction=None, dtype=dtype, **self.kwargs
+            )
         return loss(target, prediction)
 
-    return call
+    def aligned(
+        self, prediction: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and target as the loss compares them. Keras's losses of a function (its
+        built-in ones: MeanSquaredError, ...) first match ranks that differ by one, a `(B, 1)`
+        output against a `(B,)` target giving one value per sample; a loss class of its own
+        compares them as they are."""
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+        from keras.src.losses.losses import LossFunctionWrapper
+
+        if not issubclass(self.loss_class, LossFunctionWrapper):
+            return prediction, target
+        target, prediction = squeeze_or_expand_to_same_rank(target, prediction)
+        return prediction, target

@@ -16,7 +16,7 @@ from phalanx import (
     keras_models,  # noqa: E402
 )
 from phalanx.errors import ModelError
-from phalanx.model import build_model
+from phalanx.model import build_model, per_sample_loss
 
 keras = keras_models.import_keras()
 
@@ -94,3 +94,23 @@ def test_a_keras_path_without_keras_installed_says_what_to_install(tmp_path):
     )
     assert result.returncode != 0
     assert "needs Keras, which is not installed: pip install -e" in result.stderr
+
+
+def test_a_keras_loss_on_a_single_output_against_a_target_per_sample_is_one_value_each():
+    """The usual regression head: a (B, 1) output against (B,) targets, which Keras's
+    MeanSquaredError matches itself (not every output against every target)."""
+    loss = keras_models.per_sample(keras.losses.MeanSquaredError, {})
+    output, target = torch.randn(6, 1, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    got = per_sample_loss(loss, output, target, None, {}).per_sample
+    assert got.shape == (6,)
+    # Keras's mean computes in float32 on its torch backend, whatever the dtype
+    assert torch.allclose(got, (output.squeeze(-1) - target) ** 2, rtol=1e-6)
+
+
+def test_shapes_a_keras_loss_does_not_match_are_an_error_naming_the_loss():
+    """(B, 1, 1) against (B,): Keras matches ranks that differ by one only, so the two would
+    broadcast to (B, 1, B)."""
+    loss = keras_models.per_sample(keras.losses.MeanSquaredError, {})
+    output, target = torch.randn(6, 1, 1, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    with pytest.raises(ModelError, match=r"model.loss: MeanSquaredError compares .* \[6, 1, 1\]"):
+        per_sample_loss(loss, output, target, None, {})
