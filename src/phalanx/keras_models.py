@@ -9,6 +9,8 @@ the very parameters Keras reads under names taken from the model's structure (`d
 the layer's class and its place among its parent's layers), which every build of the same model
 gives alike; a Keras loss named in `model.loss` gives the per-sample loss (`per_sample`).
 
+A tower's replica is a copy of the Keras model made as Python copies objects (`_copied`).
+
 Keras must be loaded with `KERAS_BACKEND=torch`: phalanx sets it before it imports Keras, and says
 so where a Keras on another backend was imported first.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -82,11 +85,8 @@ class KerasModule(nn.Module):
         return self.__dict__["_keras"]
 
     def __deepcopy__(self, memo: dict) -> KerasModule:
-        """A copy whose module holds the parameters its Keras model reads (Keras copies its
-        variables' values into new parameters of its own): a tower's replica."""
-        twin = KerasModule(copy.deepcopy(self.keras_model, memo))
-        twin.load_state_dict(self.state_dict())
-        return twin.train(self.training)
+        """A copy whose module holds the parameters its Keras model reads: a tower's replica."""
+        return KerasModule(_copied(self.keras_model, memo)).train(self.training)
 
     def check_dtype(self, dtype: str, asked: str) -> None:
         """One error where a layer of the model computes in another dtype than `dtype` (Keras
@@ -110,6 +110,42 @@ class KerasModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"keras {type(self.keras_model).__name__} {self.keras_model.name!r}"
+
+
+def _copied(model: Any, memo: dict) -> Any:
+    """A deep copy of a Keras model, made as Python copies any object: attribute by attribute, the
+    functions it calls (a `Lambda`'s, with their globals and closures) shared. Keras's own copy
+    saves the model and loads it again, which rebuilds a lambda from its bytecode without the names
+    it reads and needs a model class of one's own registered with Keras. Every Keras object the
+    model reaches gets an empty instance first, so that the copy fills it rather than asking Keras
+    to pickle it; modules the model refers to (a seed generator's backend) are shared."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    found: list[Any] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (type, str, bytes, torch.Tensor)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, types.ModuleType):
+            memo.setdefault(id(value), value)
+            continue
+        if isinstance(value, KerasSaveable) and id(value) not in memo:
+            found.append(value)
+            memo[id(value)] = object.__new__(type(value))
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif isinstance(value, types.MethodType):
+            stack.append(value.__self__)
+        elif hasattr(value, "__dict__") and not isinstance(value, types.FunctionType):
+            stack.append(vars(value))
+    for value in found:
+        vars(memo[id(value)]).update(copy.deepcopy(vars(value), memo))
+    return memo[id(model)]
 
 
 class _Layer(nn.Module):

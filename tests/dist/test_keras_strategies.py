@@ -18,13 +18,14 @@ from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-def keras_run(dense: bool = False, **parallel) -> dict:
+def keras_run(dense: bool = False, lambda_layer: bool = False, **parallel) -> dict:
     return toy.regression_config(
         model={
             "class": "toy.keras_net",
             "features": 16,
             "classes": 3,
             "dense": dense,
+            "lambda_layer": lambda_layer,
             "inputs": {"x": "x"},
             "outputs": "logits",
             "loss": {
@@ -62,6 +63,12 @@ def test_a_keras_model_trains_on_several_processes_as_on_one(processes, alone):
 
 def test_a_keras_model_trains_under_towers_as_on_one_device(alone):
     assert_same_run(workers.train(keras_run(strategy="towers", devices=2)), alone)
+
+
+def test_a_keras_model_with_a_lambda_layer_trains_under_towers_as_on_one_device():
+    """Each tower's replica is a copy of the model whose lambda still reads the names it did."""
+    alone = workers.train(keras_run(lambda_layer=True))
+    assert_same_run(workers.train(keras_run(lambda_layer=True, strategy="towers", devices=2)), alone)
 
 
 def test_a_keras_model_trains_on_a_parameter_server_as_on_one_process(alone):

@@ -3,6 +3,7 @@ errors that say what to do."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -114,3 +115,31 @@ def test_shapes_a_keras_loss_does_not_match_are_an_error_naming_the_loss():
     output, target = torch.randn(6, 1, 1, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
     with pytest.raises(ModelError, match=r"model.loss: MeanSquaredError compares .* \[6, 1, 1\]"):
         per_sample_loss(loss, output, target, None, {})
+
+
+def _with_a_lambda() -> keras_models.KerasModule:
+    """Its lambda reads this module's global `keras`, as a lambda in a user's module does."""
+    return keras_models.KerasModule(
+        keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(3, dtype="float64"),
+                keras.layers.Lambda(lambda t: keras.ops.tanh(t) * 2),
+            ]
+        )
+    )
+
+
+def test_a_copy_of_a_keras_model_with_a_lambda_computes_as_the_original_on_its_own_weights():
+    """A tower's replica is a deep copy."""
+    original = _with_a_lambda().eval()
+    twin = copy.deepcopy(original)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert torch.equal(twin(x), original(x))
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+    assert not torch.equal(twin(x), original(x))
+    assert {p.data_ptr() for p in twin.parameters()}.isdisjoint(
+        p.data_ptr() for p in original.parameters()
+    )
