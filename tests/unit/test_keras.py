@@ -4,6 +4,7 @@ errors that say what to do."""
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from phalanx import (
     config,
     keras_models,  # noqa: E402
 )
-from phalanx.errors import ModelError
+from phalanx.errors import ModelError, StorageError
 from phalanx.model import build_model, per_sample_loss
 
 keras = keras_models.import_keras()
@@ -143,3 +144,32 @@ def test_a_copy_of_a_keras_model_with_a_lambda_computes_as_the_original_on_its_o
     assert {p.data_ptr() for p in twin.parameters()}.isdisjoint(
         p.data_ptr() for p in original.parameters()
     )
+
+
+class _FillsTheDisk(keras.layers.Layer):
+    """Saved part-way through Keras's writing of a file: the write fails as on a full disk."""
+
+    def save_own_variables(self, store):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("name", ["m.keras", "m.weights.h5"])
+def test_a_keras_file_on_a_full_disk_is_one_error_and_leaves_the_old_file(tmp_path, name):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), _FillsTheDisk()])
+    (tmp_path / name).write_text("the earlier export")
+    with pytest.raises(StorageError) as info:
+        keras_models.save(model, tmp_path / name)
+    message = str(info.value)
+    assert str(tmp_path / name) in message and "the disk is full" in message
+    assert "\n" not in message
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no half-written file
+    assert (tmp_path / name).read_text() == "the earlier export"
+
+
+def test_a_keras_file_where_the_system_refuses_it_is_one_error_and_leaves_nothing(tmp_path):
+    """Under a regular file, where root cannot write either."""
+    (tmp_path / "a-file").write_text("")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(StorageError, match=r"cannot write .*a-file/m.keras: Not a directory"):
+        keras_models.save(model, tmp_path / "a-file" / "m.keras")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
