@@ -73,11 +73,16 @@ class Classes:
 
 
 def keras_net(
-    features: int = 16, classes: int = 3, dtype: str = "float64", dense: bool = False
+    features: int = 16,
+    classes: int = 3,
+    dtype: str = "float64",
+    dense: bool = False,
+    lambda_layer: bool = False,
 ) -> Any:
     """A Keras Sequential model over `features` inputs seen as a 1x4x4 image: convolutions (the
     last, 1x1 over the whole image, gives the class scores) and a Dropout, whose seed generator is
-    state too; with `dense`, Dense layers before and after. Keras's matmul computes in float32
+    state too; with `dense`, Dense layers before and after; with `lambda_layer`, the first
+    convolution's tanh is a `Lambda` layer of a Python lambda. Keras's matmul computes in float32
     even for float64 tensors on its torch backend (its type promotion maps float64 to float32
     outside TensorFlow), so only a model without Dense layers computes wholly in float64. Keras is
     imported here, by phalanx's import of this function, on its torch backend."""
@@ -93,7 +98,10 @@ def keras_net(
                 keras.Input((features,)),
                 *([keras.layers.Dense(features, activation="tanh")] if dense else []),
                 keras.layers.Reshape((1, side, side)),
-                keras.layers.Conv2D(4, 3, padding="same", activation="tanh", **conv),
+                keras.layers.Conv2D(
+                    4, 3, padding="same", activation=None if lambda_layer else "tanh", **conv
+                ),
+                *([keras.layers.Lambda(lambda t: keras.ops.tanh(t))] if lambda_layer else []),
                 keras.layers.Dropout(0.0),
                 keras.layers.Conv2D(classes, side, **conv),
                 keras.layers.Flatten(),

@@ -57,6 +57,7 @@ SUBCOMMANDS = {
         examples:
           phalanx export runs/digits-20260101-120000 --output model.safetensors
           phalanx export runs/gpt-20260101-120000 --checkpoint latest --output gpt.safetensors
+          phalanx export runs/keras-20260101-120000 --output model.keras
 
         then, with no phalanx:
           model.load_state_dict(safetensors.torch.load_file("model.safetensors"))""",
@@ -196,6 +197,13 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="the safetensors file to write; for a Keras model, a .keras or .weights.h5 file",
     )
+    made["export"].add_argument(
+        "--model",
+        metavar="CLASS",
+        help="for a Keras file: build the Keras model by running this class or function (the "
+        "run's model.class), called with the config's model arguments; without it the model is "
+        "rebuilt from the description training saved, running none of the run's code",
+    )
     made["bench"].add_argument("config", help="the YAML config file")
     made["bench"].add_argument("overrides", **overrides)
     made["bench"].add_argument(
@@ -291,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "predict":
         commands.predict(args.run_dir, args.stream, args.output, args.checkpoint)
     elif args.command == "export":
-        commands.export(args.run_dir, args.output, args.checkpoint)
+        commands.export(args.run_dir, args.output, args.checkpoint, args.model)
     elif args.command == "bench":
         commands.bench(
             args.config,

@@ -19,6 +19,7 @@ from phalanx import (
     config,
     environment,
     evaluation,
+    keras_models,
     launch,
     logs,
     metrics,
@@ -29,6 +30,7 @@ from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import PhalanxError
 from phalanx.files import write_atomic, write_text_atomic
+from phalanx.model import build_model
 from phalanx.nodes import Nodes
 
 log = logging.getLogger("phalanx")
@@ -57,13 +59,18 @@ def predict(run_path: str, stream: str, output: str, which: str) -> int:
     return evaluation.write_predictions(arrays, collect, stream, output)
 
 
-def export(run_path: str, output: str, which: str) -> int:
+def export(run_path: str, output: str, which: str, model: str | None = None) -> int:
     """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
     returns the number of tensors. The model's code is not needed: the checkpoint holds every
-    name."""
+    name. A Keras model may go to Keras's own files instead (see `_export_keras`)."""
     evaluation.check_output(output, "model.safetensors")
-    if output.endswith((".keras", ".weights.h5")):
-        return _export_keras(run_path, output, which)
+    if output.endswith(keras_models.KERAS_FILES):
+        return _export_keras(run_path, Path(output), which, model)
+    if model is not None:
+        raise PhalanxError(
+            f"--model builds a Keras model for a .keras or .weights.h5 output; {output!r} is "
+            "written from the checkpoint alone: leave --model out"
+        )
     logs.setup(None)
     run_dir = rundir.open_run(run_path)
     checkpoints = Checkpoints(run_dir / "checkpoints")
@@ -73,24 +80,32 @@ def export(run_path: str, output: str, which: str) -> int:
     return count
 
 
-def _export_keras(run_path: str, output: str, which: str) -> int:
+def _export_keras(run_path: str, output: Path, which: str, model: str | None) -> int:
     """A Keras model's checkpoint as Keras saves it: the whole model (`.keras`) or its weights
-    (`.weights.h5`), which Keras loads (the model built as the run's config says)."""
-    from phalanx.keras_models import KerasModule
-
-    module = api.load(run_path, which if not which.isdigit() else int(which))
-    if not isinstance(module, KerasModule):
-        raise PhalanxError(
-            f"--output {output!r} is a Keras file, but the run's model is a "
-            f"{type(module).__name__}, not a Keras model; write model.safetensors"
-        )
-    model = module.keras_model
-    if output.endswith(".keras"):
-        model.save(output)
+    (`.weights.h5`), which Keras loads. The model is rebuilt from the description training saved of
+    it, running none of the run's code; only with `model` (a dotted path, given by the user) is it
+    built by that class or function, called with the run config's model arguments."""
+    logs.setup(None)
+    run_dir = rundir.open_run(run_path, announce=model is not None)
+    cfg = config.validate(rundir.load_config_text(run_dir))
+    if model is None:
+        module = keras_models.rebuilt(run_dir, cfg.model.class_)
     else:
-        model.save_weights(output)
-    logs.out.print(f"wrote {len(model.weights)} Keras weights of {run_path} to {output}")
-    return len(model.weights)
+        built = build_model(
+            cfg.model.model_copy(update={"class_": model}), rundir.search_dirs(run_dir)
+        )
+        if not isinstance(built, keras_models.KerasModule):
+            raise PhalanxError(
+                f"--model {model} built a {type(built).__name__}, not a Keras model; name what "
+                "builds the run's Keras model, or write a .safetensors file"
+            )
+        module = built
+    # the checkpoint's weights, loaded into the module's parameters, which Keras reads
+    api.load(run_dir, which if not which.isdigit() else int(which), model=module)
+    keras_model = module.keras_model
+    keras_models.save(keras_model, output)
+    logs.out.print(f"wrote {len(keras_model.weights)} Keras weights of {run_path} to {output}")
+    return len(keras_model.weights)
 
 
 def cluster_job(args: Any) -> str:

@@ -9,6 +9,11 @@ the very parameters Keras reads under names taken from the model's structure (`d
 the layer's class and its place among its parent's layers), which every build of the same model
 gives alike; a Keras loss named in `model.loss` gives the per-sample loss (`per_sample`).
 
+A tower's replica is a copy of the Keras model made as Python copies objects (`_copied`). For
+`phalanx export`, training records Keras's description of the model (`record`), which export
+rebuilds it from with no code of the run's (`rebuilt`) before it writes Keras's own file atomically
+(`save`).
+
 Keras must be loaded with `KERAS_BACKEND=torch`: phalanx sets it before it imports Keras, and says
 so where a Keras on another backend was imported first.
 """
@@ -16,16 +21,27 @@ so where a Keras on another backend was imported first.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
-from collections.abc import Callable
+import types
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from phalanx.construct import KERAS_INSTALL, prefer_torch_keras
-from phalanx.errors import ModelError
+from phalanx.errors import ModelError, PhalanxError
+from phalanx.files import write_text_atomic, writing
+
+log = logging.getLogger("phalanx")
+
+# the files Keras writes: a whole model, or its weights
+KERAS_FILES = (".keras", ".weights.h5")
+# in a run directory: Keras's description of the run's model (its config, no code), which `phalanx
+# export` rebuilds it from without importing the run's code
+ARCHITECTURE = "keras_model.json"
 
 
 def import_keras() -> Any:
@@ -83,11 +99,8 @@ class KerasModule(nn.Module):
         return self.__dict__["_keras"]
 
     def __deepcopy__(self, memo: dict) -> KerasModule:
-        """A copy whose module holds the parameters its Keras model reads (Keras copies its
-        variables' values into new parameters of its own): a tower's replica."""
-        twin = KerasModule(copy.deepcopy(self.keras_model, memo))
-        twin.load_state_dict(self.state_dict())
-        return twin.train(self.training)
+        """A copy whose module holds the parameters its Keras model reads: a tower's replica."""
+        return KerasModule(_copied(self.keras_model, memo)).train(self.training)
 
     def check_dtype(self, dtype: str, asked: str) -> None:
         """One error where a layer of the model computes in another dtype than `dtype` (Keras
@@ -111,6 +124,42 @@ class KerasModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"keras {type(self.keras_model).__name__} {self.keras_model.name!r}"
+
+
+def _copied(model: Any, memo: dict) -> Any:
+    """A deep copy of a Keras model, made as Python copies any object: attribute by attribute, the
+    functions it calls (a `Lambda`'s, with their globals and closures) shared. Keras's own copy
+    saves the model and loads it again, which rebuilds a lambda from its bytecode without the names
+    it reads and needs a model class of one's own registered with Keras. Every Keras object the
+    model reaches gets an empty instance first, so that the copy fills it rather than asking Keras
+    to pickle it; modules the model refers to (a seed generator's backend) are shared."""
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    found: list[Any] = []
+    seen: set[int] = set()
+    stack = [model]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (type, str, bytes, torch.Tensor)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, types.ModuleType):
+            memo.setdefault(id(value), value)
+            continue
+        if isinstance(value, KerasSaveable) and id(value) not in memo:
+            found.append(value)
+            memo[id(value)] = object.__new__(type(value))
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif isinstance(value, types.MethodType):
+            stack.append(value.__self__)
+        elif hasattr(value, "__dict__") and not isinstance(value, types.FunctionType):
+            stack.append(vars(value))
+    for value in found:
+        vars(memo[id(value)]).update(copy.deepcopy(vars(value), memo))
+    return memo[id(model)]
 
 
 class _Layer(nn.Module):
@@ -148,6 +197,81 @@ def _safe(name: str) -> str:
     return name.replace(".", "_").replace("/", "_") or "variable"
 
 
+def record(module: nn.Module, run_dir: Path) -> None:
+    """Where `module` is a Keras model, its description as Keras gives it (`to_json`: its layers
+    and their settings, no weights) in the run directory, for `phalanx export` to rebuild it
+    without the run's code. A model Keras cannot describe (a layer of Python objects) is only said:
+    its export builds it with the run's code."""
+    if not isinstance(module, KerasModule):
+        return
+    try:
+        text = module.keras_model.to_json()
+    except (NotImplementedError, TypeError, ValueError) as e:
+        log.info(
+            "Keras cannot describe the model (%s); exporting it to a Keras file will need --model",
+            _first_line(e),
+        )
+        return
+    write_text_atomic(run_dir / ARCHITECTURE, text)
+
+
+def rebuilt(run_dir: Path, model_class: str) -> KerasModule:
+    """The run's Keras model rebuilt from the description training saved of it (see `record`),
+    untrained; Keras imports only its own modules and, in its safe mode, runs no code of the run's
+    (a `Lambda`'s function, a layer class of one's own is an error). `model_class`: the run's
+    `model.class`, for the error that says how to build it with the run's code instead."""
+    keras = import_keras()
+    fix = f"build it with the run's code instead: --model {model_class}"
+    path = run_dir / ARCHITECTURE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PhalanxError(
+            f"{run_dir} has no {ARCHITECTURE}, the description of a Keras model that training "
+            f"saves: its model is not a Keras model (write a .safetensors file), or one that Keras "
+            f"could not describe or that was trained before phalanx saved it; {fix}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PhalanxError(f"{path} is unreadable ({e}); {fix}") from None
+    try:
+        model = keras.models.model_from_json(text)
+    except (TypeError, ValueError) as e:
+        raise PhalanxError(
+            f"Keras cannot rebuild the model of {run_dir} from {ARCHITECTURE} without running the "
+            f"run's code ({_first_line(e)}); {fix}"
+        ) from None
+    return KerasModule(model)
+
+
+def save(model: Any, path: Path) -> None:
+    """The Keras model as Keras saves it, whole (`path` ending in `.keras`) or its weights
+    (`.weights.h5`): written beside `path` under a temporary name and renamed, so that a failed
+    write leaves no half-written file (and any earlier file as it was); a write the system refuses
+    is one StorageError."""
+    whole = path.name.endswith(".keras")
+    # short, one per process, and ending as Keras asks the name to
+    partial = path.with_name(f".phalanx-{os.getpid()}{'.keras' if whole else '.weights.h5'}")
+    with writing(path, partial=partial, where="--output"):
+        if whole:
+            model.save(partial)
+        else:
+            model.save_weights(partial)
+        os.replace(partial, path)
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    """What went wrong, in one line: the first sentence of the error that came first (Keras wraps
+    a layer's error in one that quotes the whole model's config)."""
+    for _ in range(16):
+        inner = error.__cause__ or error.__context__
+        if inner is None:
+            break
+        error = inner
+    text = " ".join(str(error).split()) or type(error).__name__
+    sentence = text.split(". ", 1)[0]
+    return sentence if len(sentence) <= limit else sentence[:limit] + "..."
+
+
 def refuse(module: nn.Module, strategy: str, why: str) -> None:
     """One error where a strategy cannot train a Keras model (`why`: what it does that Keras does
     not follow)."""
@@ -158,19 +282,44 @@ def refuse(module: nn.Module, strategy: str, why: str) -> None:
         )
 
 
-def per_sample(loss_class: type, kwargs: dict[str, Any]) -> Callable:
+def per_sample(loss_class: type, kwargs: dict[str, Any]) -> KerasLoss:
+    """A Keras loss class as phalanx's losses are called (see `KerasLoss`)."""
+    return KerasLoss(loss_class, kwargs)
+
+
+class KerasLoss:
     """A Keras loss class as phalanx's losses are called, `f(prediction, target)`, giving one value
     per sample in the prediction's dtype (Keras's losses take the target first, reduce unless told
-    not to, and compute in the dtype they were made with)."""
-    made: dict[torch.dtype, Any] = {}
+    not to, and compute in the dtype they were made with). Named as the Keras loss (`__name__`), so
+    that an error about it says which loss."""
 
-    def call(
-        prediction: torch.Tensor, target: torch.Tensor, reduction: str = "none"
+    def __init__(self, loss_class: type, kwargs: dict[str, Any]):
+        self.loss_class, self.kwargs = loss_class, kwargs
+        self.__name__ = loss_class.__name__
+        self._made: dict[torch.dtype, Any] = {}
+
+    def __call__(
+        self, prediction: torch.Tensor, target: torch.Tensor, reduction: str = "none"
     ) -> torch.Tensor:
-        loss = made.get(prediction.dtype)
+        loss = self._made.get(prediction.dtype)
         if loss is None:
             dtype = str(prediction.dtype).removeprefix("torch.")
-            loss = made[prediction.dtype] = loss_class(reduction=None, dtype=dtype, **kwargs)
+            loss = self._made[prediction.dtype] = self.loss_class(
+                reduction=None, dtype=dtype, **self.kwargs
+            )
         return loss(target, prediction)
 
-    return call
+    def aligned(
+        self, prediction: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output and target as the loss compares them. Keras's losses of a function (its
+        built-in ones: MeanSquaredError, ...) first match ranks that differ by one, a `(B, 1)`
+        output against a `(B,)` target giving one value per sample; a loss class of its own
+        compares them as they are."""
+        from keras.src.losses.loss import squeeze_or_expand_to_same_rank
+        from keras.src.losses.losses import LossFunctionWrapper
+
+        if not issubclass(self.loss_class, LossFunctionWrapper):
+            return prediction, target
+        target, prediction = squeeze_or_expand_to_same_rank(target, prediction)
+        return prediction, target

@@ -196,7 +196,10 @@ def per_sample_loss(
 
 def _check_broadcast(function: Callable, prediction: torch.Tensor, target: torch.Tensor) -> None:
     """An element-wise loss whose output and target broadcast to a shape that is neither's, such as
-    (B, 1) against (B,) making a (B, B) loss, would train on the wrong objective: an error."""
+    (B, 1) against (B,) making a (B, B) loss, would train on the wrong objective: an error. A Keras
+    loss is checked on the shapes it compares, after its own matching of ranks."""
+    if isinstance(function, keras_models.KerasLoss):
+        prediction, target = function.aligned(prediction, target)
     p, t = tuple(prediction.shape), tuple(target.shape)
     try:
         both = tuple(torch.broadcast_shapes(p, t))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, loading, strategies, timeline
+from phalanx import data, keras_models, loading, strategies, timeline
 from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
@@ -121,6 +121,9 @@ class Trainer(Checkpointing):
         else:
             with self.strategy.init_context():
                 module = build_model(cfg.model, self.search_dirs)
+        if run_dir is not None and not inference and self.strategy.is_main:
+            # a Keras model's description, which `phalanx export` rebuilds it from without its code
+            keras_models.record(module, run_dir)
         self.precision = Precision(cfg.precision, self.strategy.device, cfg.channels_last)
         compiled = (
             (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig())

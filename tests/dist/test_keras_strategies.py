@@ -18,13 +18,14 @@ from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 
-def keras_run(dense: bool = False, **parallel) -> dict:
+def keras_run(dense: bool = False, lambda_layer: bool = False, **parallel) -> dict:
     return toy.regression_config(
         model={
             "class": "toy.keras_net",
             "features": 16,
             "classes": 3,
             "dense": dense,
+            "lambda_layer": lambda_layer,
             "inputs": {"x": "x"},
             "outputs": "logits",
             "loss": {
@@ -62,6 +63,12 @@ def test_a_keras_model_trains_on_several_processes_as_on_one(processes, alone):
 
 def test_a_keras_model_trains_under_towers_as_on_one_device(alone):
     assert_same_run(workers.train(keras_run(strategy="towers", devices=2)), alone)
+
+
+def test_a_keras_model_with_a_lambda_layer_trains_under_towers_as_on_one_device():
+    """Each tower's replica is a copy of the model whose lambda still reads the names it did."""
+    alone = workers.train(keras_run(lambda_layer=True))
+    assert_same_run(workers.train(keras_run(lambda_layer=True, strategy="towers", devices=2)), alone)
 
 
 def test_a_keras_model_trains_on_a_parameter_server_as_on_one_process(alone):
@@ -128,22 +135,73 @@ def test_a_keras_run_stopped_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path
         assert rel(got[name], want[name]) < 1e-10, name
 
 
-def test_export_writes_files_that_keras_loads(tmp_path):
+# the run's model code: it says when it is imported and when it builds the model
+COUNTED_NET = """
+from pathlib import Path
+
+import toy
+
+Path(__file__).with_name("imported").open("a").write("once")
+
+
+def build(**kwargs):
+    Path(__file__).with_name("built").open("a").write("once")
+    return toy.keras_net(**kwargs)
+"""
+
+
+def test_export_writes_files_that_keras_loads_running_none_of_the_runs_code(tmp_path):
     """A run's checkpoint as a .keras model and as .weights.h5, which Keras loads: both give the
-    outputs of the model that phalanx.load gives."""
+    outputs of the model that phalanx.load gives. The model is rebuilt from the description the
+    run saved: its module is neither imported nor called again."""
     import phalanx
     from phalanx import commands, keras_models
 
     keras = keras_models.import_keras()
     raw = {**keras_run(), "hooks": ["SaveLatest"]}
-    assert commands.train(str(toy.write_config(tmp_path / "run", raw)), []) == 0
-    [run] = (tmp_path / "run" / "runs").iterdir()
-    x = torch.randn(4, 16, dtype=torch.float64)
-    want = phalanx.load(run)(x)
+    raw["model"]["class"] = "counted_net.build"
+    folder = tmp_path / "run"
+    toy.write_config(folder, raw)
+    (folder / "counted_net.py").write_text(COUNTED_NET)
+    assert commands.train(str(folder / "config.yaml"), []) == 0
+    [run] = (folder / "runs").iterdir()
+    sys.modules.pop("counted_net")  # as in a new process
     assert commands.export(str(run), str(tmp_path / "m.keras"), "latest") > 0
     assert commands.export(str(run), str(tmp_path / "m.weights.h5"), "latest") > 0
+    assert (folder / "imported").read_text() == (folder / "built").read_text() == "once"
+    x = torch.randn(4, 16, dtype=torch.float64)
+    want = phalanx.load(run)(x)
     whole = keras.models.load_model(tmp_path / "m.keras")
     assert torch.allclose(whole(x, training=False), want, rtol=1e-12, atol=0)
     rebuilt = toy.keras_net()
     rebuilt.load_weights(tmp_path / "m.weights.h5")
     assert torch.allclose(rebuilt(x, training=False), want, rtol=1e-12, atol=0)
+
+
+def test_a_keras_model_that_keras_rebuilds_only_by_running_code_is_exported_with_model(
+    tmp_path, capsys
+):
+    """A Lambda's function is code: without --model, one error that names the fix; with it, the
+    file. A name the system refuses is one error line too."""
+    import phalanx
+    from phalanx import cli
+
+    raw = {**keras_run(lambda_layer=True), "hooks": ["SaveLatest"]}
+    assert cli.main(["train", str(toy.write_config(tmp_path / "run", raw))]) == 0
+    [run] = (tmp_path / "run" / "runs").iterdir()
+    output = tmp_path / "m.keras"
+    capsys.readouterr()
+    assert cli.main(["export", str(run), "--output", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "Lambda" in error and "--model toy.keras_net" in error
+    assert not output.exists()
+    long = tmp_path / ("x" * 300 + ".keras")
+    assert cli.main(["export", str(run), "--output", str(long)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "File name too long" in error
+    assert cli.main(["export", str(run), "--output", str(output), "--model", "toy.keras_net"]) == 0
+    # (Keras's own load of the whole file rebuilds the lambda without the names it reads)
+    rebuilt = toy.keras_net(lambda_layer=True)
+    rebuilt.load_weights(output)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert torch.allclose(rebuilt(x, training=False), phalanx.load(run)(x), rtol=1e-12, atol=0)

@@ -3,6 +3,8 @@ errors that say what to do."""
 
 from __future__ import annotations
 
+import copy
+import errno
 import os
 import subprocess
 import sys
@@ -15,8 +17,8 @@ from phalanx import (
     config,
     keras_models,  # noqa: E402
 )
-from phalanx.errors import ModelError
-from phalanx.model import build_model
+from phalanx.errors import ModelError, StorageError
+from phalanx.model import build_model, per_sample_loss
 
 keras = keras_models.import_keras()
 
@@ -94,3 +96,80 @@ def test_a_keras_path_without_keras_installed_says_what_to_install(tmp_path):
     )
     assert result.returncode != 0
     assert "needs Keras, which is not installed: pip install -e" in result.stderr
+
+
+def test_a_keras_loss_on_a_single_output_against_a_target_per_sample_is_one_value_each():
+    """The usual regression head: a (B, 1) output against (B,) targets, which Keras's
+    MeanSquaredError matches itself (not every output against every target)."""
+    loss = keras_models.per_sample(keras.losses.MeanSquaredError, {})
+    output, target = torch.randn(6, 1, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    got = per_sample_loss(loss, output, target, None, {}).per_sample
+    assert got.shape == (6,)
+    # Keras's mean computes in float32 on its torch backend, whatever the dtype
+    assert torch.allclose(got, (output.squeeze(-1) - target) ** 2, rtol=1e-6)
+
+
+def test_shapes_a_keras_loss_does_not_match_are_an_error_naming_the_loss():
+    """(B, 1, 1) against (B,): Keras matches ranks that differ by one only, so the two would
+    broadcast to (B, 1, B)."""
+    loss = keras_models.per_sample(keras.losses.MeanSquaredError, {})
+    output, target = torch.randn(6, 1, 1, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    with pytest.raises(ModelError, match=r"model.loss: MeanSquaredError compares .* \[6, 1, 1\]"):
+        per_sample_loss(loss, output, target, None, {})
+
+
+def _with_a_lambda() -> keras_models.KerasModule:
+    """Its lambda reads this module's global `keras`, as a lambda in a user's module does."""
+    return keras_models.KerasModule(
+        keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(3, dtype="float64"),
+                keras.layers.Lambda(lambda t: keras.ops.tanh(t) * 2),
+            ]
+        )
+    )
+
+
+def test_a_copy_of_a_keras_model_with_a_lambda_computes_as_the_original_on_its_own_weights():
+    """A tower's replica is a deep copy."""
+    original = _with_a_lambda().eval()
+    twin = copy.deepcopy(original)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert torch.equal(twin(x), original(x))
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(1.0)
+    assert not torch.equal(twin(x), original(x))
+    assert {p.data_ptr() for p in twin.parameters()}.isdisjoint(
+        p.data_ptr() for p in original.parameters()
+    )
+
+
+class _FillsTheDisk(keras.layers.Layer):
+    """Saved part-way through Keras's writing of a file: the write fails as on a full disk."""
+
+    def save_own_variables(self, store):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("name", ["m.keras", "m.weights.h5"])
+def test_a_keras_file_on_a_full_disk_is_one_error_and_leaves_the_old_file(tmp_path, name):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), _FillsTheDisk()])
+    (tmp_path / name).write_text("the earlier export")
+    with pytest.raises(StorageError) as info:
+        keras_models.save(model, tmp_path / name)
+    message = str(info.value)
+    assert str(tmp_path / name) in message and "the disk is full" in message
+    assert "\n" not in message
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no half-written file
+    assert (tmp_path / name).read_text() == "the earlier export"
+
+
+def test_a_keras_file_where_the_system_refuses_it_is_one_error_and_leaves_nothing(tmp_path):
+    """Under a regular file, where root cannot write either."""
+    (tmp_path / "a-file").write_text("")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(StorageError, match=r"cannot write .*a-file/m.keras: Not a directory"):
+        keras_models.save(model, tmp_path / "a-file" / "m.keras")
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
