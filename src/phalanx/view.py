@@ -7,6 +7,7 @@ counters.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +125,12 @@ class RunView:
     def output_names(self) -> tuple[str, ...]:
         """The names of the model's outputs in a batch (the rest are the batch's own values)."""
         return tuple(self._run.forward.output_names)
+
+    def first_samples(self, n: int) -> Mapping[str, Any]:
+        """The training stream's first `n` samples (fewer where it is shorter) as one batch, as the
+        dataset gives them: a batch to measure the model on (in the batch after_batch sees, a model
+        output of an input's name has taken the input's place)."""
+        return self._run._first_samples(n)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this process holds (its shards,
