@@ -53,6 +53,16 @@ class RunView:
     def steps_per_epoch(self) -> int:
         return self._run.steps_per_epoch
 
+    def stream_batches(self, name: str) -> int | None:
+        """Batches in one evaluation of stream `name` (None where the stream does not say its
+        length)."""
+        from phalanx.data import stream_length
+
+        run = self._run
+        n = stream_length(run.stream(name))
+        size = run.cfg.dataset.eval_batch_size or run.cfg.dataset.batch_size
+        return None if n is None else -(-n // size)
+
     @property
     def training(self) -> bool:
         """Whether the batch that `after_batch` sees came from an optimizer step (not an
