@@ -98,7 +98,7 @@ def evaluate(
 def print_metrics(run_dir: Path, result: dict[str, Any]) -> None:
     """An evaluation's metrics as a table (`phalanx eval`), the run named on a line of its own: a
     title as wide as a run's name would wrap within it."""
-    logs.out.print(f"run {run_dir}")
+    logs.out.print(f"run {run_dir}", soft_wrap=True)  # whole: the terminal wraps it, if any
     table = Table(title=f"{result['stream']} at step {result['checkpoint']}")
     table.add_column("variable")
     table.add_column("value", justify="right")

@@ -159,6 +159,23 @@ def test_evaluate_and_predict_return_what_the_readme_says_and_print_nothing(cli_
             call(cli_run, "tset")
 
 
+def test_the_eval_command_keeps_the_run_name_whole_on_a_narrow_terminal(cli_run, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from phalanx import commands
+
+    out = io.StringIO()
+    monkeypatch.setattr(
+        "phalanx.logs.out", Console(file=out, width=40, force_terminal=True, color_system=None)
+    )
+    result = commands.evaluate(str(cli_run), "valid", "latest")
+    lines = [line.strip() for line in out.getvalue().splitlines()]
+    assert f"run {cli_run}" in lines, lines  # the name whole, on a line of its own
+    assert f"valid at step {result['checkpoint']}" in lines, lines
+
+
 def test_a_resume_of_a_run_with_no_epoch_left_is_refused_before_anything_is_written(
     cli_run, tmp_path
 ):
