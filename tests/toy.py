@@ -173,6 +173,15 @@ class Scaled(Linear):
         return {"prediction": prediction, "loss": (prediction - y) ** 2}
 
 
+class SameName(Linear):
+    """toy.Linear whose prediction is the output `y`: the name of the target it is trained on, as a
+    rating model returns the `rating` it predicts."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        prediction = self.net(x).squeeze(-1)
+        return {"y": prediction, "loss": (prediction - y) ** 2}
+
+
 class Classifier(nn.Module):
     def __init__(self, features: int = 4, classes: int = 3):
         super().__init__()

@@ -32,6 +32,7 @@ from phalanx import (
     evaluation,
     launch,
     logs,
+    resuming,
     rundir,
     runlock,
     signals,
@@ -236,8 +237,9 @@ def evaluate(
     model: nn.Module | None = None,
     dataset: Any = None,
 ) -> dict[str, float]:
-    """A checkpoint's metrics on a stream (`phalanx eval`): the run's ComputeStats and
-    ClassificationMetrics hooks, on one process; also saved as `eval-<stream>-step-<N>.json`."""
+    """A checkpoint's metrics on a stream (`phalanx eval`, which also prints them): the run's
+    ComputeStats and ClassificationMetrics hooks, on one process; also saved as
+    `eval-<stream>-step-<N>.json`."""
     found = evaluation.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))
     return found["metrics"]
 
@@ -252,9 +254,8 @@ def predict(
     dataset: Any = None,
 ) -> dict[str, torch.Tensor]:
     """A checkpoint's per-sample values on a stream (`phalanx predict`): every batch key and model
-    output, and `<output>.class` for class scores, each an array whose first dimension is the
-    sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors
-    arrays)."""
+    output, and `<output>.class` for class scores, each a CPU tensor whose first dimension is the
+    sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors)."""
     if output is not None:
         evaluation.check_output(output, "predictions.csv")
     arrays, collect = evaluation.predictions(
@@ -629,6 +630,8 @@ def _work(
     if resume:
         previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
         _restore_latest(trainer, run_dir, previous)
+        if overrides:  # every rank restored the same step: every rank refuses alike
+            resuming.check_epochs_left(trainer.cfg.main_loop.epochs, trainer.epoch, overrides)
         if (
             overrides and strategy.is_main
         ):  # the run's config changes only once the resume is sure to go on

@@ -314,8 +314,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.command == "ls":
         commands.list_runs(args.root)
     elif args.command == "plan":
-        from phalanx import planner
+        from phalanx import logs, planner
 
+        logs.setup(None)  # what it measures, said as it goes
         planner.plan(args.config, args.overrides, args.devices, args.nnodes, args.link, args.output)
     elif args.command == "doctor":
         commands.doctor(args.config, args.overrides, _nodes(args))

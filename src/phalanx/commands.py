@@ -48,7 +48,9 @@ def resume(run_path: str, overrides: list[str], nodes: Nodes | None = None) -> i
 
 def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
     """`phalanx eval`: a checkpoint's metrics on a stream, printed and saved as JSON."""
-    return evaluation.evaluate(run_path, stream, which)
+    result = evaluation.evaluate(run_path, stream, which)
+    evaluation.print_metrics(Path(run_path), result)
+    return result
 
 
 def predict(run_path: str, stream: str, output: str, which: str) -> int:

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from phalanx import settings
+from phalanx.environment import cpu_cores
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.overrides import apply as apply_overrides
 from phalanx.yamltext import TooLarge, check_bounds, read_yaml
@@ -133,6 +134,16 @@ class SchedulerConfig(_ClassSection):
     interval: Literal["step", "epoch"] = Field("step", description="when the scheduler steps")
 
 
+# DataLoader workers a training process may start: per CPU core of the machine that checks the
+# config, and on any machine (a job's script may be written on a smaller machine than the one that
+# runs it). More than one a core helps loaders that wait on storage or the network; a thousand only
+# fork the machine to a halt.
+WORKERS_PER_CORE, WORKERS_ANYWHERE = 4, 32
+# batches a DataLoader worker may prepare ahead (torch's default is 2): each is held in memory, and
+# the first epoch waits for every worker's
+MOST_PREFETCHED = 64
+
+
 class DatasetConfig(_ClassSection):
     batch_size: StrictInt = Field(
         gt=0, description="global batch: samples per optimizer step, for the whole job"
@@ -147,7 +158,7 @@ class DatasetConfig(_ClassSection):
         None,
         ge=1,
         description="batches each DataLoader worker prepares ahead (torch's default, 2, where "
-        "unset)",
+        "unset); at most 64",
     )
     keys: list[str] | None = Field(
         None,
@@ -156,7 +167,9 @@ class DatasetConfig(_ClassSection):
         "torchvision), or the one name of items that are tensors",
     )
     num_workers: StrictInt | Literal["auto"] = Field(
-        "auto", description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU"
+        "auto",
+        description="DataLoader worker processes; auto: 0 on CPU, up to 4 per GPU; at most the "
+        "larger of 32 and 4 a CPU core",
     )
     persistent_workers: bool | Literal["auto"] = Field(
         "auto",
@@ -167,9 +180,27 @@ class DatasetConfig(_ClassSection):
 
     @field_validator("num_workers")
     @classmethod
-    def _not_negative(cls, n: int | str) -> int | str:
+    def _workers_this_machine_runs(cls, n: int | str) -> int | str:
         if isinstance(n, int) and n < 0:
             raise ValueError(f"num_workers must be 0 or more, or auto; got {n}")
+        cores = cpu_cores()
+        most = max(WORKERS_ANYWHERE, WORKERS_PER_CORE * cores)
+        if isinstance(n, int) and n > most:
+            raise ValueError(
+                f"num_workers={n} would start {n} loader processes for each training process on "
+                f"a machine of {cores} CPU core(s); give {most} or fewer (the larger of "
+                f"{WORKERS_ANYWHERE} and {WORKERS_PER_CORE} a core), or auto"
+            )
+        return n
+
+    @field_validator("prefetch_factor")
+    @classmethod
+    def _batches_ahead_bounded(cls, n: int | None) -> int | None:
+        if n is not None and n > MOST_PREFETCHED:
+            raise ValueError(
+                f"prefetch_factor={n} would have each loader worker prepare {n} batches ahead, "
+                f"all held in memory; give 1 to {MOST_PREFETCHED} (torch's default is 2)"
+            )
         return n
 
 

@@ -245,8 +245,11 @@ class Plan:
 TRAIN = "train"  # the training stream's name
 
 
-def get_stream(dataset: Any, name: str) -> Any:
-    """Stream `name` of a dataset object: `dataset.streams()[name]`."""
+def get_stream(
+    dataset: Any, name: str, fix: str = "Fix main_loop.extra_streams or the dataset"
+) -> Any:
+    """Stream `name` of a dataset object: `dataset.streams()[name]`; where it has none, an error
+    that lists the streams it has and ends with `fix`."""
     streams = getattr(dataset, "streams", None)
     if not callable(streams):
         raise DataError(
@@ -257,7 +260,7 @@ def get_stream(dataset: Any, name: str) -> Any:
     if name not in available:
         raise DataError(
             f"dataset {type(dataset).__name__} has no stream {name!r}; it has "
-            f"{', '.join(available) or 'none'}. Fix main_loop.extra_streams or the dataset"
+            f"{', '.join(available) or 'none'}. {fix}"
         )
     stream = available[name]
     if is_iterable(stream):

@@ -82,6 +82,14 @@ def here(environ: Mapping[str, str] | None = None) -> Place:
     return Place("alone")
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def first_host(nodelist: str) -> str | None:
     """The first host of a Slurm node list: `gpu[07-09,12],cpu1` -> `gpu07`."""
     found = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from phalanx import config, logs, rundir
+from phalanx import config, data, logs, rundir
 from phalanx.errors import PhalanxError
 from phalanx.files import storage_error, write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
@@ -52,9 +52,11 @@ def _restored(
     cfg: config.Config,
     which: str | int,
     hooks: Sequence[Hook],
+    stream: str,
     objects: Objects | None = None,
 ) -> tuple[Trainer, int]:
-    """A trainer with the weights of checkpoint `which` and only the given hooks."""
+    """A trainer with the weights of checkpoint `which` and only the given hooks, for `stream`
+    (which the run's dataset must have)."""
     trainer = Trainer(
         cfg,
         run_dir,
@@ -63,6 +65,7 @@ def _restored(
         inference=True,
         objects=Objects(objects.model, objects.dataset) if objects else None,
     )
+    data.get_stream(trainer.dataset, stream, "Give one of them to --stream (stream= in Python)")
     step = trainer.stored_checkpoints.select(which)
     trainer.restore(step, weights_only=True)
     return trainer, step
@@ -78,7 +81,7 @@ def evaluate(
         for h in build_hooks(cfg, rundir.search_dirs(run_dir))
         if isinstance(h, (ComputeStats, ClassificationMetrics))
     ] or [ComputeStats()]
-    trainer, step = _restored(run_dir, cfg, which, metric_hooks, objects)
+    trainer, step = _restored(run_dir, cfg, which, metric_hooks, stream, objects)
     trainer.epoch_data = {stream: {}}
     trainer.evaluate(stream)
     for hook in metric_hooks:
@@ -89,13 +92,19 @@ def evaluate(
         "metrics": trainer.epoch_data[stream],
     }
     write_text_atomic(run_dir / f"eval-{stream}-step-{step}.json", json.dumps(result, indent=1))
-    table = Table(title=f"{run_dir.name}: {stream} at step {step}")
+    return result
+
+
+def print_metrics(run_dir: Path, result: dict[str, Any]) -> None:
+    """An evaluation's metrics as a table (`phalanx eval`), the run named on a line of its own: a
+    title as wide as a run's name would wrap within it."""
+    logs.out.print(f"run {run_dir}", soft_wrap=True)  # whole: the terminal wraps it, if any
+    table = Table(title=f"{result['stream']} at step {result['checkpoint']}")
     table.add_column("variable")
     table.add_column("value", justify="right")
     for name, value in result["metrics"].items():
         table.add_row(name, f"{value:.6g}")
     logs.out.print(table)
-    return result
 
 
 class _Collect(Hook):
@@ -192,9 +201,11 @@ def predictions(
     run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None
 ) -> tuple[dict[str, torch.Tensor], _Collect]:
     """Per-sample values of a checkpoint on a stream (the batch's and the model's outputs, and the
-    class of outputs that are class scores), each an array over the samples in dataset order."""
+    class of outputs that are class scores), each a CPU tensor over the samples in dataset
+    order."""
     collect = _Collect()
-    trainer, _ = _restored(*_open(run_path, "predict", objects), which, [collect], objects)
+    run_dir, cfg = _open(run_path, "predict", objects)
+    trainer, _ = _restored(run_dir, cfg, which, [collect], stream, objects)
     trainer.evaluate(stream)
     return collect.arrays(), collect
 

@@ -60,11 +60,13 @@ def training_flops(
     module: nn.Module,
     forward: Callable[[nn.Module, Mapping], torch.Tensor],
     batch: Mapping[str, Any],
+    warn: bool = True,
 ) -> int | None:
     """FLOPs of one forward and backward of `module` on `batch`, counted on meta tensors.
 
     `forward(module, batch)` returns the scalar to differentiate. None when the model cannot run on
-    the meta device (data-dependent shapes, for one): throughput is still measured, MFU is not.
+    the meta device (data-dependent shapes, for one): throughput is still measured, MFU is not;
+    where `warn`, the log says why (one process of a job says it for all).
     """
     try:
         meta = copy.deepcopy(module).to("meta")
@@ -73,12 +75,25 @@ def training_flops(
         }
         return count_flops(lambda: forward(meta, meta_batch).backward())
     except Exception as e:  # noqa: BLE001 - any failure only means no MFU figure
-        log.warning(
-            "could not count the model's FLOPs on the meta device (%s: %s); MFU is not reported",
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
+        if warn:
+            log.warning(
+                "could not count the model's FLOPs on the meta device (%s: %s); MFU is not "
+                "reported",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
         return None
+
+
+def on_meta(module: nn.Module) -> nn.Module:
+    """A copy of `module` on the meta device: its structure and shapes, for measuring it, made
+    without copying a value of its parameters or buffers (tied ones stay tied)."""
+    memo: dict[int, Any] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        meta = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        is_parameter = isinstance(tensor, nn.Parameter)
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if is_parameter else meta
+    return copy.deepcopy(module, memo)
 
 
 def memory(*devices: torch.device) -> dict[str, float]:

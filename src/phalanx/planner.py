@@ -8,6 +8,7 @@ the reason for each verdict, and write plan.json.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -25,6 +26,8 @@ from phalanx.errors import ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
 from phalanx.probes import calibrated, links, on_device, synchronize
 
+log = logging.getLogger("phalanx")
+
 # links between machines that cannot be measured from one: (latency s, bytes/s); the plan says
 # which one it assumed
 KNOWN_LINKS = {
@@ -33,6 +36,11 @@ KNOWN_LINKS = {
     "ethernet-100g": (20e-6, 12.5e9),
     "infiniband-hdr": (5e-6, 25e9),
 }
+
+
+# the most devices a plan prices: it prices every setup up to the devices asked for, a number of
+# setups that grows with them (seconds at this bound)
+MAX_DEVICES = 1024
 
 
 def plan(
@@ -52,6 +60,12 @@ def plan(
     here = _devices_here(accelerator, devices)
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be 1 or more, got {nnodes}")
+    if here * nnodes > MAX_DEVICES:
+        raise ConfigError(
+            f"--nnodes {nnodes}: the plan prices every setup up to {here} x {nnodes} devices, "
+            f"and it plans for {MAX_DEVICES:,} at most; give --nnodes {MAX_DEVICES // here} or "
+            f"fewer (with {here} device(s) a machine), or fewer --devices"
+        )
     if nnodes > 1 and link not in KNOWN_LINKS:
         raise ConfigError(f"--link {link!r} is not a known link; use one of {list(KNOWN_LINKS)}")
     threads = None if accelerator == "cuda" else max(1, strategies.cpu_cores() // here)
@@ -68,6 +82,7 @@ def plan(
         "auto_accumulation": auto,
         "measured": _jsonable(asdict(measured)),
         "predictions": [_row(p) for p in predictions],
+        "not_planned": unplanned(measured, here * nnodes),
         "seconds": time.perf_counter() - started,
     }
     if show:
@@ -193,6 +208,7 @@ def measure(
         torch.set_num_threads(threads)
     cfg = config.load(config_path, one)[0]
     search = [Path(config_path).resolve().parent, Path.cwd()]
+    log.info("plan: building the model and the dataset on one %s device", accelerator)
     try:
         trainer = Trainer(cfg, None, search, hooks=[])
     except PhalanxError:
@@ -209,6 +225,10 @@ def measure(
         return [(Micro(list(range(b)), b), loading.collate([stream[i] for i in range(b)]))]
 
     sizes = sorted({largest, max(1, math.ceil(largest / devices)), max(1, math.ceil(largest / 16))})
+    log.info(
+        "plan: timing one device's training step (7 of each) at micro-batches of %s samples",
+        ", ".join(map(str, sizes)),
+    )
     times, optimizer = {}, []
     for b in sizes:
         step = fetched(b)
@@ -235,6 +255,10 @@ def measure(
         for v in s.values()
         if isinstance(v, torch.Tensor) and v.dim()
     )
+    log.info(
+        "plan: measuring the memory a step's backward keeps, the time to load a batch and each "
+        "block of the model's largest chain"
+    )
     activations = _activation_bytes(trainer, fetched(largest), params) / largest
     data = _data_time(stream, largest)
     blocks, chain = _blocks(trainer, Forward(model, cfg.model, search), fetched(largest), compute)
@@ -258,6 +282,12 @@ def measure(
     if devices < 2:
         return measured
     split = costs.balanced_split(blocks, devices)
+    log.info(
+        "plan: starting %d processes to measure the links between them and a step of ddp, fsdp%s "
+        "on them",
+        devices,
+        " and a pipeline" if split else "",
+    )
     found = links(one, config_path, devices, threads, grad_bytes, split)
     return calibrated(measured, found, devices, split)
 
@@ -436,13 +466,41 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
         )
     else:
         logs.out.print(f"fastest: {best.setup.label}, {best.speedup:.2f}x of one device")
-    for why in dict.fromkeys(m.refused.values()):
-        refused = [name for name, said in m.refused.items() if said == why]
-        logs.out.print(f"not planned: {', '.join(refused)}: {why}")
+    left = report["not_planned"]
+    for why in dict.fromkeys(left.values()):
+        logs.out.print(
+            f"not planned: {', '.join(n for n, said in left.items() if said == why)}: {why}"
+        )
     sources = {link.source for link in m.all_reduce.values()}
     if m.p2p is not None:
         sources.add(m.p2p.source)
     logs.out.print(f"links: {', '.join(sorted(sources)) or 'none needed'}")
+
+
+def unplanned(m: costs.Measured, devices: int) -> dict[str, str]:
+    """The strategies the plan has no row for, and why: those that cannot train the model
+    (`m.refused`), and those that the devices, this machine or the model leave out."""
+    out = dict(m.refused)
+    gpus = f"this machine has {m.gpus or 'no'} GPU{'' if m.gpus == 1 else 's'}"
+    if devices < 2:
+        for name in ("ddp", "fsdp", "towers", "pipeline", "placement"):
+            out.setdefault(name, "one device is planned for; give --devices 2 or more")
+    if m.gpus < 2:
+        out.setdefault("towers", f"it drives several GPUs from one process, and {gpus}")
+    if costs.balanced_split(m.blocks, 2) is None:
+        chain = (
+            "the model has no chain of blocks to cut (an nn.Sequential or nn.ModuleList whose "
+            "blocks its forward calls in turn, each passing one tensor to the next)"
+        )
+        out.setdefault("pipeline", chain)
+        out.setdefault("placement", chain)
+    if m.gpus < 2:
+        out.setdefault("placement", f"it pins modules to the GPUs of one process, and {gpus}")
+    out["param_server"] = (
+        "its asynchronous updates are not priced; measure them with phalanx bench CONFIG "
+        "parallel.strategy=param_server"
+    )
+    return out
 
 
 def _shown(predictions: list[costs.Prediction]) -> list[costs.Prediction]:

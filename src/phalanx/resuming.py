@@ -9,6 +9,7 @@ mid-epoch; a different optimizer class is refused, since the saved state belongs
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 from phalanx.config import flat_keys
@@ -93,3 +94,16 @@ def replay_schedule(
         for _ in range(steps - done):
             for scheduler in by_step:
                 scheduler.step()
+
+
+def check_epochs_left(epochs: int, done: int, overrides: Sequence[str]) -> None:
+    """A resume with `overrides` of a run that has trained `done` of its `epochs` already would
+    only rewrite its config: one error instead, before anything is written."""
+    if done < epochs:
+        return
+    raise ConfigError(
+        f"main_loop.epochs={epochs}: the run has trained {done} epoch{'' if done == 1 else 's'} "
+        f"already (its latest checkpoint), so resuming it with {' '.join(overrides)} would train "
+        f"nothing; to train longer, give more epochs than {done}, such as "
+        f"main_loop.epochs={2 * done}"
+    )

@@ -15,6 +15,7 @@ from phalanx import __version__
 from phalanx.config import Config, dump, read_yaml
 from phalanx.errors import RunDirError
 from phalanx.files import writing
+from phalanx.overrides import default_hooks
 
 CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
 log = logging.getLogger("phalanx")
@@ -52,7 +53,12 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
 
 
 def resolved(cfg: Config) -> dict:
-    return cfg.model_dump(mode="json", by_alias=True)
+    """The config as the run takes it: every default filled in, the default hooks listed where the
+    config lists none (what runs, and what a resume of it runs)."""
+    raw = cfg.model_dump(mode="json", by_alias=True)
+    if raw.get("hooks") is None:
+        raw["hooks"] = default_hooks(cfg.main_loop.extra_streams)
+    return raw
 
 
 def open_run(path: str | Path, announce: bool = True) -> Path:

@@ -7,6 +7,7 @@ counters.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,16 @@ class RunView:
     @property
     def steps_per_epoch(self) -> int:
         return self._run.steps_per_epoch
+
+    def stream_batches(self, name: str) -> int | None:
+        """Batches in one evaluation of stream `name` (None where the stream does not say its
+        length)."""
+        from phalanx.data import stream_length
+
+        run = self._run
+        n = stream_length(run.stream(name))
+        size = run.cfg.dataset.eval_batch_size or run.cfg.dataset.batch_size
+        return None if n is None else -(-n // size)
 
     @property
     def training(self) -> bool:
@@ -124,6 +135,12 @@ class RunView:
     def output_names(self) -> tuple[str, ...]:
         """The names of the model's outputs in a batch (the rest are the batch's own values)."""
         return tuple(self._run.forward.output_names)
+
+    def first_samples(self, n: int) -> Mapping[str, Any]:
+        """The training stream's first `n` samples (fewer where it is shorter) as one batch, as the
+        dataset gives them: a batch to measure the model on (in the batch after_batch sees, a model
+        output of an input's name has taken the input's place)."""
+        return self._run._first_samples(n)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this process holds (its shards,

@@ -308,3 +308,16 @@ def test_a_run_that_starts_from_trained_weights_does_so_on_every_strategy(tmp_pa
             torch.tensor(got[0]["losses"]), torch.tensor(alone["losses"]), rtol=1e-10
         ), name
         assert_same_run(got[0], alone)
+
+
+def test_the_flops_of_a_step_are_the_whole_models_on_every_stage():
+    """Each stage's process holds part of the model and runs only that part: the FLOPs are counted
+    on the whole model, on the first stage too (which sees no outputs), as one process counts
+    them; and no process warns."""
+    raw = scenario(10)
+    [alone] = workers.run_ranks(1, workers.counted_flops, raw)
+    per_rank = workers.run_ranks(2, workers.counted_flops, piped(raw, 2, ["net.4"], "1f1b", 4))
+    assert alone["flops"] is not None
+    for got in per_rank:
+        assert got["flops"] == pytest.approx(alone["flops"], rel=1e-12)
+        assert not [line for line in got["lines"] if "FLOPs" in line], got["lines"]

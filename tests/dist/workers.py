@@ -268,3 +268,15 @@ def wait_for_a_peer_that_never_sends(rank: int, ready: str) -> None:
             dist.recv(torch.zeros(1), 1)
     else:
         time.sleep(120)
+
+
+def counted_flops(rank: int, raw: dict) -> dict:
+    """Train with LogThroughput; the FLOPs a sample that it counted, and the lines logged."""
+    from phalanx.hooks import LogThroughput
+
+    lines = _logged_lines()
+    cfg = config.validate(raw)
+    hook = LogThroughput()
+    trainer = Trainer(cfg, None, [TESTS], hooks=[hook], strategy=strategies.create(cfg))
+    assert trainer.run() == 0
+    return {"flops": hook.flops_per_sample, "lines": lines}

@@ -89,8 +89,9 @@ def test_a_wide_mlp_is_planned_and_measured_fastest_on_two_processes(tmp_path):
     [
         ([], {"model": {"class": "toy.NoSuchModel"}}, "has no 'NoSuchModel'"),
         (["--devices", "64"], {}, "--devices 64: this machine has"),
+        (["--nnodes", "1000000000"], {}, "plans for 1,024 at most; give --nnodes"),
     ],
-    ids=["model-that-does-not-build", "devices-the-machine-lacks"],
+    ids=["model-that-does-not-build", "devices-the-machine-lacks", "machines-past-the-bound"],
 )
 def test_bad_input_is_one_line(tmp_path, extra, change, message):
     path = toy.write_config(tmp_path, {**SMALL, **change})
@@ -98,6 +99,18 @@ def test_bad_input_is_one_line(tmp_path, extra, change, message):
     assert result.returncode != 0
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_the_plan_says_what_it_measures_and_why_strategies_have_no_row(tmp_path):
+    path = toy.write_config(tmp_path, SMALL)
+    result = _run(["plan", str(path), "--devices", "1"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "plan: timing one device's training step" in result.stderr, result.stderr
+    said = [line for line in result.stdout.splitlines() if line.startswith("not planned: ")]
+    named = {name for line in said for name in line.split(": ")[1].split(", ")}
+    assert named == {"ddp", "fsdp", "towers", "pipeline", "placement", "param_server"}, said
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert set(plan["not_planned"]) == named
 
 
 def test_a_run_of_strategy_plan_trains_with_the_plans_choice_and_says_why(tmp_path):

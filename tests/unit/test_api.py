@@ -4,6 +4,7 @@ model back. The command is written on these functions, so `phalanx train` is tes
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 import phalanx
 from phalanx import rundir
 from phalanx.checkpoint import Checkpoints
-from phalanx.errors import ConfigError, ModelError, PhalanxError, RunDirError
+from phalanx.errors import ConfigError, DataError, ModelError, PhalanxError, RunDirError
 from phalanx.hooks import Hook, StopAfter
 
 pytestmark = pytest.mark.timeout(180)
@@ -138,6 +139,55 @@ def test_load_gives_the_model_back(cli_run):
         phalanx.load(cli_run, checkpoint="newest")
     with pytest.raises(PhalanxError, match="does not fit this model"):
         phalanx.load(cli_run, model=toy.Linear(features=3, hidden=5))
+
+
+def test_evaluate_and_predict_return_what_the_readme_says_and_print_nothing(cli_run, capsys):
+    """evaluate returns the metrics (the command prints them); predict returns CPU tensors, as the
+    README says; a stream the dataset lacks is one error that lists those it has."""
+    metrics = phalanx.evaluate(cli_run, "valid")
+    values = phalanx.predict(cli_run, "valid")
+    assert capsys.readouterr().out == ""
+    assert set(metrics) == {"loss"} and isinstance(metrics["loss"], float)
+    assert values and all(
+        isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in values.values()
+    )
+    assert values["loss"].mean().item() == pytest.approx(metrics["loss"], rel=1e-12)
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "is `phalanx predict`: a dict of CPU tensors" in readme
+    for call in (phalanx.evaluate, phalanx.predict):
+        with pytest.raises(DataError, match=r"no stream 'tset'; it has train, valid, test\. Give"):
+            call(cli_run, "tset")
+
+
+def test_the_eval_command_keeps_the_run_name_whole_on_a_narrow_terminal(cli_run, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from phalanx import commands
+
+    out = io.StringIO()
+    monkeypatch.setattr(
+        "phalanx.logs.out", Console(file=out, width=40, force_terminal=True, color_system=None)
+    )
+    result = commands.evaluate(str(cli_run), "valid", "latest")
+    lines = [line.strip() for line in out.getvalue().splitlines()]
+    assert f"run {cli_run}" in lines, lines  # the name whole, on a line of its own
+    assert f"valid at step {result['checkpoint']}" in lines, lines
+
+
+def test_a_resume_of_a_run_with_no_epoch_left_is_refused_before_anything_is_written(
+    cli_run, tmp_path
+):
+    run_dir = tmp_path / cli_run.name
+    shutil.copytree(cli_run, run_dir)
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    with pytest.raises(ConfigError) as refused:
+        phalanx.resume(run_dir, overrides=["main_loop.epochs=1"])
+    said = str(refused.value)
+    assert "main_loop.epochs=1: the run has trained 2 epochs already" in said
+    assert "would train nothing" in said and "main_loop.epochs=4" in said
+    assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
 def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatch):

@@ -499,6 +499,30 @@ def test_the_dataloader_options_reach_the_loader():
         Trainer(config.validate(raw), None, search)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("num_workers", "past", r"num_workers=\d+ would start \d+ loader processes .* or fewer"),
+        ("num_workers", 1000, r"num_workers=1000 .* CPU core\(s\); give \d+ or fewer"),
+        ("prefetch_factor", 10**9, r"prefetch_factor=1000000000 .*; give 1 to 64"),
+    ],
+    ids=["workers-one-past", "workers-1000", "prefetch-1e9"],
+)
+def test_loader_workers_and_batches_ahead_are_bounded_by_the_config_check(key, value, message):
+    """A thousand workers would all be forked before anything stopped them: the config's check,
+    the first thing a run does, refuses it in one error (only the check runs here: a regression
+    must not fork them in the test)."""
+    from phalanx.environment import cpu_cores
+
+    most = max(32, 4 * cpu_cores())
+    dataset = {"class": "toy.Regression", "batch_size": 8, "num_workers": most}
+    assert config.validate(toy.regression_config(dataset=dataset)).dataset.num_workers == most
+    dataset[key] = most + 1 if value == "past" else value
+    with pytest.raises(ConfigError, match=f"^dataset.{key}: .*{message}") as refused:
+        config.validate(toy.regression_config(dataset=dataset))
+    assert "\n" not in str(refused.value)
+
+
 def test_the_constructor_decides_which_keywords_it_takes():
     """A signature is a hint: transformers' configs take keywords their signatures do not name."""
     import transformers

@@ -245,3 +245,25 @@ def test_uneven_stages_fill_and_drain_through_every_stage_not_the_slowest_one_p_
     whole = m.compute.time(16)
     assert four["compute"] == pytest.approx(4 * 0.75 * whole)
     assert four["bubble"] == pytest.approx(0.25 * whole)
+
+
+@pytest.mark.parametrize(
+    ("devices", "gpus", "chain"),
+    [(4, 0, True), (4, 4, True), (4, 4, False), (1, 4, True), (4, 1, False)],
+    ids=["cpu", "gpus", "gpus-no-chain", "one-device", "one-gpu-no-chain"],
+)
+def test_every_strategy_the_plan_leaves_out_is_said_with_why(devices, gpus, chain):
+    """Each strategy is planned (it has a row) or in `not_planned` with its reason, never both and
+    never neither."""
+    from phalanx import planner, strategies
+
+    m = measured(gpus=gpus, blocks=measured().blocks if chain else ())
+    planned = {s.strategy for s in costs.candidates(m, devices)}
+    left = planner.unplanned(m, devices)
+    assert planned.isdisjoint(left), (planned, left)
+    assert planned | set(left) == set(strategies.REGISTRY), (planned, left)
+    assert all(why and "\n" not in why for why in left.values())
+    if gpus < 2:
+        assert "GPU" in left["towers"] and ("GPU" in left["placement"] or not chain)
+    if not chain and devices > 1:
+        assert "no chain of blocks" in left["pipeline"]

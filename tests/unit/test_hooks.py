@@ -703,6 +703,56 @@ def test_show_progress_draws_on_a_terminal(tmp_path, monkeypatch):
     assert "epoch 2 (step 10)" in text  # log lines go through the same console
 
 
+class _Ticks:
+    """A clock that advances one second each time it is read: a batch a second."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_the_progress_bar_rates_from_the_first_batchs_end_and_counts_evaluation_batches(
+    tmp_path, monkeypatch
+):
+    """A batch of 8 a second is 8 samples/s from the first refresh on (not the first batch's samples
+    over the instant since it ended); the validation bar counts to its 2 batches (10 samples in
+    batches of 8), the second of 2 samples."""
+    out = io.StringIO()
+    terminal = Console(file=out, force_terminal=True, width=150, color_system=None)
+    monkeypatch.setattr("phalanx.logs.console", terminal)
+    monkeypatch.setattr("phalanx.hooks.progress.console", terminal)
+    trainer = make_trainer(tmp_path, [ShowProgress(refresh_s=0.0, clock=_Ticks()), ComputeStats()])
+    assert trainer.run() == 0
+    text = out.getvalue()
+    rows = [r.strip() for r in re.split(r"\x1b\[[0-9;?]*[A-Za-z]|\n", text) if r.strip()]
+
+    def rates(name: str) -> set[str]:
+        return {m[1] for r in rows if (m := re.search(rf"^{name} .* ([\d,]+) samples/s", r))}
+
+    assert rates("epoch") == {"8"} and rates("valid") == {"2"}, rows  # valid: 8, then 2
+    valid = [r for r in rows if r.startswith("valid")]
+    assert valid and all(re.search(r" [12]/2 ", r) for r in valid), valid
+
+
+def test_off_a_terminal_progress_is_a_log_line_every_so_often(tmp_path):
+    """Every 3 s (a batch a second): the fourth of 5 steps is 3 s after the first ended."""
+    trainer = make_trainer(
+        tmp_path, [ShowProgress(every_s=3, clock=_Ticks()), ComputeStats()], main_loop={"epochs": 2}
+    )
+    assert trainer.run() == 0
+    log = (tmp_path / "run" / "log.txt").read_text().splitlines()
+    lines = [line.split(" INFO ", 1)[1] for line in log if "samples/s" in line]
+    assert len(lines) == 2, lines  # one an epoch; the 2 validation batches take 1 s
+    for epoch, line in enumerate(lines, 1):
+        assert re.fullmatch(
+            rf"epoch {epoch}/2: 4/5 steps \(80%\), 8 samples/s, loss \d+\.\d{{4}}, eta 0:00:01",
+            line,
+        ), line
+
+
 def test_show_progress_draws_nothing_off_a_terminal(tmp_path, monkeypatch):
     out = io.StringIO()
     monkeypatch.setattr("phalanx.hooks.progress.console", Console(file=out, force_terminal=False))

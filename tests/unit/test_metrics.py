@@ -32,6 +32,15 @@ def test_training_flops_count_forward_and_weight_gradients_on_meta_tensors():
     )  # the real model is untouched
 
 
+def test_a_model_on_meta_keeps_its_shapes_and_tied_weights_and_leaves_the_model_as_it_was():
+    model = toy.Tied()
+    meta = metrics.on_meta(model)
+    assert all(p.device.type == "meta" for p in meta.parameters())
+    assert meta.net[4].weight is meta.net[0].weight  # tied, as in the model
+    assert [p.shape for p in meta.parameters()] == [p.shape for p in model.parameters()]
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_scaling_efficiency_is_throughput_over_n_times_one_device():
     rows = metrics.scaling(
         [
@@ -74,6 +83,23 @@ def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
     assert trainer.epoch_data["train"]["samples_per_s"] == pytest.approx(32)
     # 3 weights and a bias in float64, a gradient of each, and plain SGD keeps no state
     assert summary["state_bytes"] == {"parameters": 32, "gradients": 32, "optimizer": 0}
+
+
+def test_flops_are_counted_where_an_output_has_the_name_of_an_input(tmp_path, caplog):
+    """The model returns its prediction as `y`, the target's name: the batch that hooks see holds
+    the prediction there, and the FLOPs are still counted, on the dataset's own `y`."""
+    cfg = config.validate(
+        toy.regression_config(
+            model={"class": "toy.SameName", "features": 3},
+            dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 16},
+            main_loop={"epochs": 1, "extra_streams": []},
+        )
+    )
+    hook = LogThroughput(warmup_steps=1, clock=_Clock(0.25))
+    trainer = Trainer(cfg, tmp_path, [toy.__file__.rsplit("/", 1)[0]], hooks=[hook])
+    assert trainer.run() == 0
+    assert hook.flops_per_sample == pytest.approx(12)  # as toy.Linear's, above
+    assert "FLOPs" not in caplog.text
 
 
 def test_peak_flops_are_unknown_on_cpu():

@@ -89,3 +89,23 @@ def test_a_trace_that_cannot_be_written_is_one_error_naming_it(run):
     (run / rundir.TRACE).mkdir()  # as unwritable as a full disk, without filling one
     with pytest.raises(StorageError, match="trace.jsonl"):
         rundir.trace(run, "started")
+
+
+def test_the_saved_config_lists_the_hooks_that_run_where_the_config_lists_none(tmp_path):
+    import toy
+    import yaml
+
+    from phalanx import config
+    from phalanx.hooks import build_hooks
+
+    raw = toy.regression_config(main_loop={"epochs": 1, "extra_streams": ["valid"]})
+    del raw["hooks"]
+    cfg = config.validate({**raw, "output_root": str(tmp_path / "runs")})
+    run_dir = rundir.create(cfg, None)
+    saved = yaml.safe_load((run_dir / rundir.CONFIG).read_text())["hooks"]
+    names = [spec if isinstance(spec, str) else next(iter(spec)) for spec in saved]
+    assert names == [type(hook).__name__ for hook in build_hooks(cfg, [])]
+    assert "SaveBest" in names  # the default list's, with valid among the extra streams
+    # what a resume of the run builds from its config
+    again = build_hooks(config.validate(rundir.load_config_text(run_dir)), [])
+    assert [type(hook).__name__ for hook in again] == names

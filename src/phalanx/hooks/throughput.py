@@ -14,7 +14,7 @@ from phalanx import metrics
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
 from phalanx.model import Forward, shard_loss_mean
-from phalanx.strategies.base import ReportsCommunication
+from phalanx.strategies.base import HoldsPart, ReportsCommunication
 
 log = logging.getLogger("phalanx")
 
@@ -65,7 +65,7 @@ class LogThroughput(Hook):
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training:
             return
-        if not self._counted and batch:
+        if not self._counted:
             self._count(batch)
         now = self.clock()
         if self._last is not None:
@@ -85,25 +85,35 @@ class LogThroughput(Hook):
             self._log_window()
 
     def _count(self, batch: dict[str, Any]) -> None:
-        """FLOPs per sample, and tokens per sample, from this rank's first training batch."""
+        """FLOPs per sample, and tokens per sample, from the first training batch of this process
+        (or, where it runs part of the model and sees no batch, as a pipeline's first stages, its
+        share of the global batch). They are counted on the dataset's samples, not on the batch
+        seen here, where an output may have taken the place of an input of its name; on the whole
+        model, which a strategy may hold only part of in each process."""
         self._counted = True
         trainer = self.trainer
-        inputs = {k: v for k, v in batch.items() if k not in trainer.output_names}
+        strategy = trainer.strategy
         n = next(
-            (v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim()), 0
+            (v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()),
+            -(-trainer.last_batch_size // strategy.data_world_size),
         )
+        if not n:
+            return
+        inputs = dict(trainer.first_samples(n))
+        n = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor)), 0)
         tokens = inputs.get(self.tokens_key) if self.tokens_key else None
         if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
             self.tokens_per_sample = int(tokens.shape[1])
         if not n:
             return
-        module = trainer.model
+        module = strategy.whole_model() if isinstance(strategy, HoldsPart) else trainer.model
 
         def step(meta_module: torch.nn.Module, meta_batch: Mapping) -> torch.Tensor:
             outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)
             return shard_loss_mean(outputs["loss"], n)
 
-        flops = metrics.training_flops(module, step, inputs)
+        # one warning for the job: every process would fail alike
+        flops = metrics.training_flops(module, step, inputs, warn=strategy.is_main)
         self.flops_per_sample = flops / n if flops else None
 
     def _figures(self, seconds: float, samples: float) -> dict[str, float]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +9,7 @@ import torch
 
 from phalanx import environment
 from phalanx.config import Config
+from phalanx.environment import cpu_cores
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.settings import (
     DDPSettings,
@@ -41,14 +41,6 @@ def rejoining(cfg: Config, devices: int) -> tuple[int, ...]:
     if not servers or not cfg.parallel.max_restarts:
         return ()
     return tuple(range(1, devices - servers))
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def resolve_device(cfg: Config) -> tuple[str, int]:

@@ -251,6 +251,17 @@ class ReportsCommunication(Protocol):
         seconds of it that overlapped computation. None where there is no sample yet."""
 
 
+@runtime_checkable
+class HoldsPart(Protocol):
+    """A strategy each of whose processes keeps only part of the model's modules and runs only that
+    part when the model is called (a pipeline's stages): what measures the whole model (its FLOPs a
+    step) asks it for the whole."""
+
+    def whole_model(self) -> nn.Module:
+        """The whole model as it was before the split, on the meta device: its structure and
+        shapes, none of its values."""
+
+
 class Replicated:
     """Shared members of strategies that keep a whole copy of the model and optimizer in each
     process."""

@@ -121,6 +121,7 @@ class Pipeline(ProcessGroup):
         self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
         self._sample_shapes: dict[str, torch.Size] = {}
         self.model_summary = ""  # the whole model's, before it is split (see setup)
+        self._meta_model: nn.Module | None = None  # the whole model on the meta device (setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
@@ -144,6 +145,11 @@ class Pipeline(ProcessGroup):
         sample, adapter = options.sample, options.adapter
 
         def place(whole: nn.Module) -> nn.Module:
+            from phalanx import metrics
+
+            # the whole model's shapes, before the split below removes other stages' modules and
+            # makes the kept ones run one stage: what counting its FLOPs needs
+            self._meta_model = metrics.on_meta(whole)
             # the probe runs where the model was built (the host): only this process's stages
             # go to its device, so that a model too large for one device splits at all
             here = next(whole.parameters(), torch.empty(0)).device
@@ -162,8 +168,6 @@ class Pipeline(ProcessGroup):
                     + " ms)"
                 )
             self._split = probe(whole, adapter(whole), batch, names, self.stages)
-            from phalanx import metrics
-
             self.model_summary = metrics.summary(whole)
             self._statistics = PerDeviceStatistics(
                 whole,
@@ -221,6 +225,12 @@ class Pipeline(ProcessGroup):
             f"({self.settings.schedule}){self.chosen}"
         )
         return self.model, self.model
+
+    def whole_model(self) -> nn.Module:
+        """The whole model before the split, on the meta device (see `HoldsPart`)."""
+        if self._meta_model is None:
+            raise RuntimeError("the pipeline strategy has not set the model up yet")
+        return self._meta_model
 
     def _built(self, engine: Engine) -> Any:
         """The stage and its schedule, made at the first step (the adapter is the engine's)."""
