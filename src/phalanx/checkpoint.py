@@ -33,12 +33,19 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, StorageError
-from phalanx.files import fsync_dir, fsync_file, write_atomic, write_text_atomic, writing
+from phalanx.files import (
+    fsync_dir,
+    fsync_file,
+    read_json,
+    write_atomic,
+    write_text_atomic,
+    writing,
+)
 from phalanx.shards import checkpoint_exception, load_shards, read_shards_model, shard_error
+from phalanx.stepfiles import FORMAT, read_manifest, read_optimizer_state, read_trainer_state
 
 log = logging.getLogger("phalanx")
 
-FORMAT = 1
 # where a checkpoint's weights go: a module, or a function that loads them from the weights file or
 # the shards folder (a strategy's, which may also load the optimizer's state from the shards)
 Weights = nn.Module | Callable[[Path], None]
@@ -341,18 +348,7 @@ class Checkpoints:
         file."""
         folder = self.path(step)
         manifest_path = folder / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{manifest_path} is missing or unreadable; this checkpoint is incomplete"
-            ) from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads "
-                f"{FORMAT}"
-            )
+        files = read_manifest(manifest_path)
         for name, meta in files.items():
             parts = PurePosixPath(name).parts
             if not parts or parts[0] == "/" or ".." in parts:
@@ -396,8 +392,8 @@ class Checkpoints:
         if not path.is_file():
             return None
         try:
-            step = json.loads(path.read_text(encoding="utf-8"))["step"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+            step = read_json(path)["step"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             step = None
         if type(step) is not int or step < 0:
             raise CheckpointError(
@@ -483,63 +479,6 @@ class Checkpoints:
         return len(state)
 
 
-# The trainer state's counters: each a whole number, at least this much.
-_COUNTERS = {"epoch": 0, "step": 0, "step_in_epoch": 0, "batch_size": 1}
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """`trainer.json`, checked for the keys and counters a resume relies on."""
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(
-            f"{path} is not readable JSON ({e}); the checkpoint is damaged"
-        ) from None
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is "
-            "damaged"
-        )
-    missing = [k for k in (*_COUNTERS, "seed", "rng", "hooks") if k not in state]
-    if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}; the checkpoint is damaged")
-    for key, least in _COUNTERS.items():
-        value = state[key]
-        if type(value) is not int or value < least:
-            raise CheckpointError(
-                f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is "
-                "damaged"
-            )
-    if (
-        state["step"] < state["epoch"] + state["step_in_epoch"]
-    ):  # every epoch takes one step at least
-        raise CheckpointError(
-            f"{path} says step {state['step']} after {state['epoch']} epochs and "
-            f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged"
-        )
-    if not isinstance(state["rng"], dict) or not isinstance(state["hooks"], dict):
-        raise CheckpointError(
-            f"{path} has malformed rng or hooks entries; the checkpoint is damaged"
-        )
-    return state
-
-
-def read_optimizer_state(path: Path) -> dict[str, Any]:
-    """`optimizer.pt` through `torch.load(weights_only=True)`: tensors and plain containers only."""
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - whatever the unpickler makes of the bytes, the file is unusable
-        raise CheckpointError(
-            f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
-            "the checkpoint is damaged"
-        ) from None
-    if not isinstance(state, dict) or not {"optimizer", "schedulers", "scaler"} <= set(state):
-        raise CheckpointError(
-            f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged"
-        )
-    return state
-
-
 def _weights_path(folder: Path) -> Path:
     return folder / SHARDS if (folder / SHARDS).is_dir() else folder / WEIGHTS
 
@@ -608,14 +547,6 @@ def load_weights(module: nn.Module, path: Path) -> None:
             f"{path} does not fit this model ({lines[:300]}); was it saved from "
             "another model config?"
         ) from None
-
-
-def _unpickling_error(e: Exception) -> str:
-    """The gist of torch.load's error: for a refused pickle, what the restricted unpickler
-    refused."""
-    text = str(e).split("WeightsUnpickler error:", 1)[-1].strip()
-    first = text.splitlines()[0].split(". ")[0] if text else ""
-    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
 _SEALERS = 4  # threads that hash and sync a checkpoint's files

@@ -266,7 +266,7 @@ class Checkpointing:
             ):  # the iterable stream goes on from where it stood
                 self.stream(TRAIN).load_state_dict(state["stream"])
                 self._positioned = True
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError) as e:
             raise CheckpointError(
                 f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged or was saved from another config"

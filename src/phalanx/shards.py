@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import CheckpointError, CheckpointMismatch
-from phalanx.files import os_error, storage_error
+from phalanx.files import os_error, read_json, storage_error
 
 
 def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -308,7 +307,7 @@ def _manifest_files(folder: Path) -> set[str]:
     may read (a name with a folder in it, `..` above all, is none of them)."""
     path = folder.parent / "manifest.json"
     try:
-        files = json.loads(path.read_text())["files"]
+        files = read_json(path)["files"]
         names = [name for name in files if isinstance(name, str)]
     except (OSError, ValueError, KeyError, TypeError):
         raise _Damaged(f"its step's {path.name} is missing or unreadable") from None

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from phalanx import commands
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
 from phalanx.errors import ConfigError
+from phalanx.hooks import SaveBest, StopOnPlateau
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,8 +229,14 @@ def _rewrite(folder: Path, name: str, data: bytes) -> None:
             lambda state: json.dumps({**state, "step_in_epoch": 6}).encode(),
         ),  # an epoch has 5 steps
         ("optimizer.pt", lambda state: bytes(range(256)) * 8),
+        (TRAINER, lambda state: b"[" * 100_000 + b"]" * 100_000),  # beyond json's recursion
     ],
-    ids=["empty-trainer-state", "step-beyond-the-epoch", "optimizer-of-random-bytes"],
+    ids=[
+        "empty-trainer-state",
+        "step-beyond-the-epoch",
+        "optimizer-of-random-bytes",
+        "trainer-state-nested-too-deep",
+    ],
 )
 def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_path, name, content):
     raw = _config()
@@ -345,3 +352,22 @@ def test_a_run_from_before_the_feistel_order_keeps_its_own(tmp_path):
     end, state, resumed = _latest(run_dir)
     assert end == 15 and state["order"] == "randperm"
     assert any(not torch.equal(resumed[k], whole[k]) for k in whole)  # another order, other weights
+
+
+# --- hooks' saved state
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "hook, state, words",
+    [
+        (SaveBest(), {"best": "0.5"}, "SaveBest's saved best is '0.5', not float or int"),
+        (StopOnPlateau(), {"best": 0.5, "waited": [1]}, "saved waited is \\[1\\], not int"),
+    ],
+)
+def test_a_hooks_saved_state_of_another_shape_is_refused_before_training_meets_it(
+    hook, state, words
+):
+    """A ValueError, which a resume takes for a damaged step (it would fail a step much later)."""
+    with pytest.raises(ValueError, match=words):
+        hook.load_state_dict(state)
