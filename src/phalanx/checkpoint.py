@@ -473,7 +473,8 @@ class Checkpoints:
         written atomically. Returns the number of tensors."""
         from safetensors.torch import save
 
-        state = whole_state(_weights_path(self.verify(step)))
+        path = _weights_path(self.verify(step))
+        state = _untied(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
@@ -493,8 +494,9 @@ def _load_into(weights: Weights, path: Path) -> None:
 
 
 def whole_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every name of a model's state dict from a safetensors file (tied weights that saving dropped
-    as duplicates put back, as copies) or a shards folder, as CPU tensors."""
+    """Every name of a model's state dict from a safetensors file or a shards folder, as CPU
+    tensors. A tied weight, which saving kept under one of its names, is put back under the others
+    as the same tensor: however many names a file's metadata ties, they cost no memory."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -507,10 +509,30 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
         ) as f:  # names save_model dropped as duplicates: dropped -> kept
             for dropped, kept in (f.metadata() or {}).items():
                 if kept in state and dropped not in state:
-                    state[dropped] = state[kept].clone()
+                    state[dropped] = state[kept]
     except SafetensorError as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
     return state
+
+
+def _untied(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """`state` with a copy of a tied weight under each of its names but the first (a safetensors
+    file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
+    copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
+    metadata would make a small file a huge one."""
+    held: dict[int, int] = {}  # each tensor of the file (by identity): its bytes
+    tied = set()
+    for name, tensor in state.items():
+        if id(tensor) in held:
+            tied.add(name)
+        held[id(tensor)] = tensor.nbytes
+    extra, stored = sum(state[name].nbytes for name in tied), sum(held.values())
+    if extra > stored:
+        raise CheckpointError(
+            f"{path} ties {len(tied)} more names to its tensors, whose copies would hold "
+            f"{extra:,} bytes, more than the {stored:,} it holds; the checkpoint is damaged"
+        )
+    return {name: t.clone() if name in tied else t for name, t in state.items()}
 
 
 def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[str, torch.Tensor]]:
