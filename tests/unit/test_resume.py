@@ -10,9 +10,9 @@ import pytest
 import torch
 import toy
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
-from phalanx import commands
+from phalanx import commands, rundir
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
 from phalanx.errors import ConfigError
 from phalanx.hooks import SaveBest, StopOnPlateau
@@ -352,6 +352,50 @@ def test_a_run_from_before_the_feistel_order_keeps_its_own(tmp_path):
     end, state, resumed = _latest(run_dir)
     assert end == 15 and state["order"] == "randperm"
     assert any(not torch.equal(resumed[k], whole[k]) for k in whole)  # another order, other weights
+
+
+# --- steps a resume cannot continue from, though their files verify
+# ---------------------------------------------------------------------------
+
+
+def test_a_step_whose_weights_are_not_finite_is_not_saved(tmp_path):
+    """SGD at 1e150 overflows the weights within a few steps: every step is saved (SaveEvery comes
+    before StopOnNaN) until the one whose weights are not finite, which is not, and StopOnNaN fails
+    the run there."""
+    raw = _config(optimizer={"class": "SGD", "lr": 1e150})
+    raw["hooks"] = [{"SaveEvery": {"steps": 1}}, "StopOnNaN"]
+    assert commands.train(str(toy.write_config(tmp_path / "run", raw)), []) == 1
+    run_dir = _run_dir(tmp_path / "run")
+    failed = next(e["step"] for e in rundir.read_trace(run_dir) if e["event"] == "failed")
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert failed > 1 and ckpts.steps() == list(range(1, failed))
+    for step in ckpts.steps():
+        weights = load_file(str(ckpts.path(step) / WEIGHTS))
+        assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+    assert (
+        f"the weights are not finite at step {failed}: it is not saved; a resume goes on from "
+        f"step {failed - 1}"
+    ) in (run_dir / "log.txt").read_text()
+
+
+def test_resume_falls_back_past_a_step_whose_weights_are_not_finite(tmp_path):
+    """A step saved with weights that are not finite (by an older version): a resume would only
+    diverge again, so it goes on from the step before, as the run trained whole did."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    folder = Checkpoints(run_dir / "checkpoints").path(7)
+    weights = load_file(str(folder / WEIGHTS))
+    _rewrite(
+        folder, WEIGHTS, save({k: torch.full_like(v, float("nan")) for k, v in weights.items()})
+    )
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    log = (run_dir / "log.txt").read_text()
+    assert f"skipping checkpoint step-7: {folder} holds weights that are not finite" in log
+    assert f"resuming {run_dir} from step 5" in log
+    end, _, resumed = _latest(run_dir)
+    assert end == 15
+    _assert_equal(resumed, whole)
 
 
 # --- hooks' saved state
