@@ -94,6 +94,7 @@ class Checkpoints:
         self._written: set[int] = (
             set()
         )  # steps this object wrote: known intact without hashing them again
+        self._passed: set[int] = set()  # steps a resume fell back past: replaced when saved again
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -272,7 +273,15 @@ class Checkpoints:
             return str(e)
         return None
 
+    def fell_back_past(self, steps: list[int]) -> None:
+        """Steps a resume could not continue from though their files verify (another model's,
+        weights that are not finite): training that reaches one of them again saves it anew."""
+        self._passed.update(steps)
+
     def _intact(self, step: int) -> bool:
+        if step in self._passed:
+            log.warning("replacing checkpoint step-%d, which the resume fell back past", step)
+            return False
         try:
             self.verify(step)
         except CheckpointError as e:

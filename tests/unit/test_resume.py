@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from phalanx import commands, rundir
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointMismatch, ConfigError
 from phalanx.hooks import SaveBest, StopOnPlateau
 
 pytestmark = pytest.mark.timeout(120)
@@ -398,8 +398,43 @@ def test_resume_falls_back_past_a_step_whose_weights_are_not_finite(tmp_path):
     _assert_equal(resumed, whole)
 
 
-# --- hooks' saved state
-# ---------------------------------------------------------------------------
+def test_a_newest_step_of_another_model_is_passed_and_saved_again_when_training_reaches_it(
+    tmp_path,
+):
+    """The newest step holds weights of another shape (a step copied from another run): the resume
+    names the mismatch, goes on from the step before, and when training reaches that step again it
+    is replaced, though its files verify. Where no step fits (an override that changes the model),
+    one error names the mismatch and the fix, and changes nothing."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=10)
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert ckpts.steps() == [5, 10]
+    _rewrite(ckpts.path(10), WEIGHTS, save(toy.Linear(features=4).double().state_dict()))
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    log = (run_dir / "log.txt").read_text()
+    assert f"skipping checkpoint step-10: {ckpts.path(10) / WEIGHTS} does not fit this model" in log
+    assert "size mismatch for net.weight: copying a param with shape torch.Size([1, 4])" in log
+    assert f"resuming {run_dir} from step 5" in log
+    _assert_equal(load_file(str(ckpts.path(10) / WEIGHTS)), _weights_at(tmp_path, 10))
+    end, _, resumed = _latest(run_dir)
+    assert end == 15
+    _assert_equal(resumed, whole)
+
+    before = (run_dir / "config.yaml").read_text()
+    with pytest.raises(CheckpointMismatch) as info:
+        commands.resume(str(run_dir), ["model.hidden=4"])
+    message = str(info.value)
+    assert f"no checkpoint of {run_dir} fits the model its config builds" in message
+    assert "step-15" in message and "resume without the overrides that change the model" in message
+    assert (run_dir / "config.yaml").read_text() == before
+    assert ckpts.steps() == [5, 10, 15]
+
+
+def _weights_at(tmp_path: Path, step: int) -> dict[str, torch.Tensor]:
+    """Step `step`'s weights in the run trained whole."""
+    ckpts = Checkpoints(_run_dir(tmp_path / "whole") / "checkpoints")
+    return load_file(str(ckpts.path(step) / WEIGHTS))
 
 
 @pytest.mark.parametrize(
