@@ -658,34 +658,46 @@ def _work(
 
 
 def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
-    """Restore the newest checkpoint that verifies, parses and fits, falling back step by step;
-    every rank takes the same step. Returns it."""
+    """Restore the newest checkpoint that verifies, parses, has finite weights and fits the model,
+    falling back step by step, each step passed over a warning; every rank takes the same step.
+    Returns it. Where none does and one was of another model, one error names that mismatch."""
     strategy, checkpoints = trainer.strategy, trainer.stored_checkpoints
     if strategy.is_main:
         removed = checkpoints.clean_stale()
         if removed:
             log.info("removed what an interrupted checkpoint write left: %s", ", ".join(removed))
-    first_error = None
+    # (step, why): said once a step is restored, or where none is and no mismatch says it all
+    passed: list[tuple[int, str]] = []
+    mismatch = None
     for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
         try:
             trainer.restore(step, previous=previous)
             error = None
-        except CheckpointMismatch:
-            raise  # the run's model changed: no older step fits either
-        except CheckpointError as e:
-            error = str(e)
+        except CheckpointError as e:  # a mismatch too: an older step may be of this model
+            error = (str(e), isinstance(e, CheckpointMismatch))
         errors = [e for e in strategy.gather(error) if e]
         if not errors:
+            _passed_over(passed, strategy.is_main)
+            checkpoints.fell_back_past([step for step, _ in passed])
             return step
-        first_error = first_error or errors[0]
-        if strategy.is_main:
-            log.warning(
-                "skipping checkpoint step-%d: %s; falling back to the previous one", step, errors[0]
-            )
-    why = f" (the newest one: {first_error})" if first_error else ""
+        passed.append((step, errors[0][0]))
+        mismatch = mismatch or next((text for text, other in errors if other), None)
+    if mismatch is not None:
+        raise CheckpointMismatch(
+            f"no checkpoint of {run_dir} fits the model its config builds ({mismatch}); resume "
+            "without the overrides that change the model, or with the model settings the run was "
+            "trained with"
+        )
+    _passed_over(passed, strategy.is_main)
+    why = f" (the newest one: {passed[0][1]})" if passed else ""
     raise CheckpointError(
         f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train"
     )
+
+
+def _passed_over(passed: list[tuple[int, str]], is_main: bool) -> None:
+    for step, why in passed if is_main else []:
+        log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, why)
 
 
 def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:

@@ -33,12 +33,19 @@ from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
 from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, StorageError
-from phalanx.files import fsync_dir, fsync_file, write_atomic, write_text_atomic, writing
+from phalanx.files import (
+    fsync_dir,
+    fsync_file,
+    read_json,
+    write_atomic,
+    write_text_atomic,
+    writing,
+)
 from phalanx.shards import checkpoint_exception, load_shards, read_shards_model, shard_error
+from phalanx.stepfiles import FORMAT, read_manifest, read_optimizer_state, read_trainer_state
 
 log = logging.getLogger("phalanx")
 
-FORMAT = 1
 # where a checkpoint's weights go: a module, or a function that loads them from the weights file or
 # the shards folder (a strategy's, which may also load the optimizer's state from the shards)
 Weights = nn.Module | Callable[[Path], None]
@@ -87,6 +94,7 @@ class Checkpoints:
         self._written: set[int] = (
             set()
         )  # steps this object wrote: known intact without hashing them again
+        self._passed: set[int] = set()  # steps a resume fell back past: replaced when saved again
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -265,7 +273,15 @@ class Checkpoints:
             return str(e)
         return None
 
+    def fell_back_past(self, steps: list[int]) -> None:
+        """Steps a resume could not continue from though their files verify (another model's,
+        weights that are not finite): training that reaches one of them again saves it anew."""
+        self._passed.update(steps)
+
     def _intact(self, step: int) -> bool:
+        if step in self._passed:
+            log.warning("replacing checkpoint step-%d, which the resume fell back past", step)
+            return False
         try:
             self.verify(step)
         except CheckpointError as e:
@@ -341,18 +357,7 @@ class Checkpoints:
         file."""
         folder = self.path(step)
         manifest_path = folder / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-            files = manifest["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(
-                f"{manifest_path} is missing or unreadable; this checkpoint is incomplete"
-            ) from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{manifest_path} has format {manifest.get('format')!r}; this phalanx reads "
-                f"{FORMAT}"
-            )
+        files = read_manifest(manifest_path)
         for name, meta in files.items():
             parts = PurePosixPath(name).parts
             if not parts or parts[0] == "/" or ".." in parts:
@@ -396,8 +401,8 @@ class Checkpoints:
         if not path.is_file():
             return None
         try:
-            step = json.loads(path.read_text(encoding="utf-8"))["step"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+            step = read_json(path)["step"]
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             step = None
         if type(step) is not int or step < 0:
             raise CheckpointError(
@@ -477,67 +482,11 @@ class Checkpoints:
         written atomically. Returns the number of tensors."""
         from safetensors.torch import save
 
-        state = whole_state(_weights_path(self.verify(step)))
+        path = _weights_path(self.verify(step))
+        state = _untied(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
-
-
-# The trainer state's counters: each a whole number, at least this much.
-_COUNTERS = {"epoch": 0, "step": 0, "step_in_epoch": 0, "batch_size": 1}
-
-
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    """`trainer.json`, checked for the keys and counters a resume relies on."""
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(
-            f"{path} is not readable JSON ({e}); the checkpoint is damaged"
-        ) from None
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"{path} holds a {type(state).__name__}, not the trainer state; the checkpoint is "
-            "damaged"
-        )
-    missing = [k for k in (*_COUNTERS, "seed", "rng", "hooks") if k not in state]
-    if missing:
-        raise CheckpointError(f"{path} lacks {', '.join(missing)}; the checkpoint is damaged")
-    for key, least in _COUNTERS.items():
-        value = state[key]
-        if type(value) is not int or value < least:
-            raise CheckpointError(
-                f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is "
-                "damaged"
-            )
-    if (
-        state["step"] < state["epoch"] + state["step_in_epoch"]
-    ):  # every epoch takes one step at least
-        raise CheckpointError(
-            f"{path} says step {state['step']} after {state['epoch']} epochs and "
-            f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged"
-        )
-    if not isinstance(state["rng"], dict) or not isinstance(state["hooks"], dict):
-        raise CheckpointError(
-            f"{path} has malformed rng or hooks entries; the checkpoint is damaged"
-        )
-    return state
-
-
-def read_optimizer_state(path: Path) -> dict[str, Any]:
-    """`optimizer.pt` through `torch.load(weights_only=True)`: tensors and plain containers only."""
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - whatever the unpickler makes of the bytes, the file is unusable
-        raise CheckpointError(
-            f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
-            "the checkpoint is damaged"
-        ) from None
-    if not isinstance(state, dict) or not {"optimizer", "schedulers", "scaler"} <= set(state):
-        raise CheckpointError(
-            f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged"
-        )
-    return state
 
 
 def _weights_path(folder: Path) -> Path:
@@ -554,8 +503,9 @@ def _load_into(weights: Weights, path: Path) -> None:
 
 
 def whole_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every name of a model's state dict from a safetensors file (tied weights that saving dropped
-    as duplicates put back, as copies) or a shards folder, as CPU tensors."""
+    """Every name of a model's state dict from a safetensors file or a shards folder, as CPU
+    tensors. A tied weight, which saving kept under one of its names, is put back under the others
+    as the same tensor: however many names a file's metadata ties, they cost no memory."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -568,10 +518,30 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
         ) as f:  # names save_model dropped as duplicates: dropped -> kept
             for dropped, kept in (f.metadata() or {}).items():
                 if kept in state and dropped not in state:
-                    state[dropped] = state[kept].clone()
+                    state[dropped] = state[kept]
     except SafetensorError as e:
         raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
     return state
+
+
+def _untied(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """`state` with a copy of a tied weight under each of its names but the first (a safetensors
+    file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
+    copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
+    metadata would make a small file a huge one."""
+    held: dict[int, int] = {}  # each tensor of the file (by identity): its bytes
+    tied = set()
+    for name, tensor in state.items():
+        if id(tensor) in held:
+            tied.add(name)
+        held[id(tensor)] = tensor.nbytes
+    extra, stored = sum(state[name].nbytes for name in tied), sum(held.values())
+    if extra > stored:
+        raise CheckpointError(
+            f"{path} ties {len(tied)} more names to its tensors, whose copies would hold "
+            f"{extra:,} bytes, more than the {stored:,} it holds; the checkpoint is damaged"
+        )
+    return {name: t.clone() if name in tied else t for name, t in state.items()}
 
 
 def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[str, torch.Tensor]]:
@@ -608,14 +578,6 @@ def load_weights(module: nn.Module, path: Path) -> None:
             f"{path} does not fit this model ({lines[:300]}); was it saved from "
             "another model config?"
         ) from None
-
-
-def _unpickling_error(e: Exception) -> str:
-    """The gist of torch.load's error: for a refused pickle, what the restricted unpickler
-    refused."""
-    text = str(e).split("WeightsUnpickler error:", 1)[-1].strip()
-    first = text.splitlines()[0].split(". ")[0] if text else ""
-    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
 _SEALERS = 4  # threads that hash and sync a checkpoint's files

@@ -29,7 +29,7 @@ from phalanx import (
 from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import PhalanxError
-from phalanx.files import write_atomic, write_text_atomic
+from phalanx.files import read_json, write_atomic, write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 
@@ -154,25 +154,7 @@ def cluster_job(args: Any) -> str:
 
 def list_runs(root: str) -> list[dict[str, Any]]:
     """A table of the runs under `root`: status, progress, checkpoints."""
-    rows = []
-    for run_dir in rundir.list_runs(Path(root)):
-        events = rundir.read_trace(run_dir)
-        last: dict[str, Any] = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
-        steps = Checkpoints(run_dir / "checkpoints").steps()
-        updated = last.get("time")
-        rows.append(
-            {
-                "run": str(run_dir.relative_to(Path(root))),
-                "status": last.get("event", "new"),
-                "epoch": last.get("epoch", ""),
-                "step": last.get("step", ""),
-                "latest": steps[-1] if steps else "",
-                "best": _best(run_dir / "checkpoints" / "best.json"),
-                "updated": datetime.fromtimestamp(updated).strftime("%Y-%m-%d %H:%M")
-                if isinstance(updated, (int, float))
-                else "",
-            }
-        )
+    rows = [_run_row(run_dir, Path(root)) for run_dir in rundir.list_runs(Path(root))]
     table = Table(title=f"runs in {root}")
     for column in ("run", "status", "epoch", "step", "latest", "best", "updated"):
         table.add_column(column)
@@ -182,16 +164,52 @@ def list_runs(root: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _run_row(run_dir: Path, root: Path) -> dict[str, Any]:
+    """A run's row of `list_runs`: what its files hold that has the shape phalanx writes; a run
+    whose folders cannot be read is shown as damaged, not a crash of the listing."""
+    row: dict[str, Any] = dict.fromkeys(("epoch", "step", "latest", "best", "updated"), "")
+    row = {"run": str(run_dir.relative_to(root)), "status": "new", **row}
+    try:
+        events = rundir.read_trace(run_dir)
+        steps = Checkpoints(run_dir / "checkpoints").steps()
+        best = _best(run_dir / "checkpoints" / "best.json")
+    except OSError as e:
+        return {**row, "status": f"damaged ({e.strerror or e})"}
+    last: dict[str, Any] = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
+    return {
+        **row,
+        "status": last.get("event", "new"),
+        "epoch": last.get("epoch") if type(last.get("epoch")) is int else "",
+        "step": last.get("step") if type(last.get("step")) is int else "",
+        "latest": steps[-1] if steps else "",
+        "best": best,
+        "updated": _when(last.get("time")),
+    }
+
+
+def _when(stamp: Any) -> str:
+    """A trace event's time as the table shows it; a damaged one as nothing."""
+    if type(stamp) not in (int, float):
+        return ""
+    try:
+        return datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M")
+    except (OverflowError, OSError, ValueError):
+        return ""
+
+
 def _best(path: Path) -> str:
     """best.json as `variable=value @ step`; a damaged one is shown as such, not a crash of the
     listing."""
     if not path.is_file():
         return ""
     try:
-        best = json.loads(path.read_bytes())
-        return f"{best['variable']}={float(best['value']):.4g} @ {int(best['step'])}"
-    except (OSError, ValueError, KeyError, TypeError):
+        best = read_json(path)
+        variable, value, step = best["variable"], float(best["value"]), best["step"]
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return "best.json unreadable"
+    if not isinstance(variable, str) or type(step) is not int:
+        return "best.json unreadable"
+    return f"{variable[:60]}={value:.4g} @ {step}"
 
 
 def info() -> dict[str, Any]:

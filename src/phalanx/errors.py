@@ -31,7 +31,7 @@ class CheckpointError(PhalanxError):
 
 
 class CheckpointMismatch(CheckpointError):
-    """A sound checkpoint that does not fit this run's model: an older step would not fit either."""
+    """A sound checkpoint that does not fit this run's model (saved from another model config)."""
 
 
 class RunDirError(PhalanxError):

@@ -1,17 +1,19 @@
 """Writing files so that a crash leaves either the old file or the new one, never half of one, and a
 write the system refuses (a full disk, a read-only folder, no permission) is one `StorageError`
-naming the path and the fix, with nothing partial left behind."""
+naming the path and the fix, with nothing partial left behind; and reading a run's JSON files so
+that a damaged or crafted one is a ValueError, never a crash."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from phalanx.errors import StorageError
 
@@ -107,3 +109,46 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# The deepest nesting a run's JSON files may have. phalanx writes a few levels; json's parser, and
+# whatever walks a value later (the next save's json.dumps), recurse once a level, so a file nested
+# thousands deep would raise RecursionError there instead of being refused here.
+JSON_DEPTH = 100
+
+
+def parse_json(text: str | bytes) -> Any:
+    """The value of JSON text; ValueError where it is not JSON (or not UTF-8) or nests deeper than
+    JSON_DEPTH levels."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+        deepest = JSON_DEPTH + 1
+    else:
+        deepest = _depth(value)
+    if deepest > JSON_DEPTH:
+        raise ValueError(f"it nests deeper than {JSON_DEPTH} levels")
+    return value
+
+
+def read_json(path: Path) -> Any:
+    """A JSON file's value: OSError where it cannot be read, ValueError as `parse_json`."""
+    return parse_json(Path(path).read_bytes())
+
+
+def _depth(value: Any) -> int:
+    """How many lists and mappings `value` nests, counted without recursion; past JSON_DEPTH, the
+    first count over it."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > JSON_DEPTH:
+            break
+        pending.extend((child, depth + 1) for child in item)
+    return deepest

@@ -14,7 +14,7 @@ from typing import Any
 from phalanx import __version__
 from phalanx.config import Config, dump, read_yaml
 from phalanx.errors import RunDirError
-from phalanx.files import writing
+from phalanx.files import parse_json, read_json, writing
 from phalanx.overrides import default_hooks
 
 CONFIG, META, TRACE = "config.yaml", "run.json", "trace.jsonl"
@@ -103,7 +103,7 @@ def search_dirs(run_dir: Path) -> list[Path]:
         "imported from"
     )
     try:
-        meta = json.loads(path.read_bytes())
+        meta = read_json(path)
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise RunDirError(f"{path} is not readable JSON ({_first_line(e)}); {fix}") from None
     folders = [meta.get(key) for key in ("config_dir", "cwd")] if isinstance(meta, dict) else [None]
@@ -117,7 +117,7 @@ def objects(run_dir: Path) -> dict[str, Any]:
     """The parts of a run given to `phalanx.fit` as objects: {"model": class, "dataset": class,
     "hooks": [...]}."""
     try:
-        meta = json.loads((run_dir / META).read_bytes())
+        meta = read_json(run_dir / META)
     except (OSError, ValueError):
         return {}  # search_dirs says what is wrong with the file, where it is needed
     given = meta.get("objects") if isinstance(meta, dict) else None
@@ -141,7 +141,7 @@ def trace(run_dir: Path, event: str, **fields: Any) -> None:
 
 def read_trace(run_dir: Path) -> list[dict]:
     """The run's events, skipping lines that are not one (a line cut short by a crash or a full
-    disk)."""
+    disk, a line nested too deep to read)."""
     try:
         lines = (run_dir / TRACE).read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -149,7 +149,7 @@ def read_trace(run_dir: Path) -> list[dict]:
     events = []
     for line in lines:
         try:
-            event = json.loads(line)
+            event = parse_json(line)
         except ValueError:
             continue
         if isinstance(event, dict) and isinstance(event.get("event"), str):

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from phalanx import data, resuming, rundir
@@ -63,6 +64,9 @@ class Checkpointing:
 
     @property
     def steps_per_epoch(self) -> int | None:
+        raise NotImplementedError  # the trainer's
+
+    def any_rank(self, flag: bool) -> bool:
         raise NotImplementedError  # the trainer's
 
     def _trace(self, event: str, **fields: Any) -> None:
@@ -164,6 +168,17 @@ class Checkpointing:
         if checkpoints is None:
             return None
         optimizer = self.engine.trained_optimizer
+        # a diverged run's weights: a resume would only diverge again, and retention would drop the
+        # last sound steps for them
+        if self.any_rank(not finite_weights(optimizer)):
+            if self.strategy.is_main:
+                kept = checkpoints.steps()
+                log.error(
+                    "the weights are not finite at step %d: it is not saved; %s",
+                    self.step,
+                    f"a resume goes on from step {kept[-1]}" if kept else "no step is saved yet",
+                )
+            return None
         state = self.state_dict()  # on every rank: hooks combine their running values across ranks
         rest = {
             "schedulers": [s.state_dict() for s, _ in self.schedulers],
@@ -206,6 +221,11 @@ class Checkpointing:
         optimizer_state, state = checkpoints.load(
             step, lambda weights: self.strategy.load_model_state(weights, optimizer)
         )
+        if not finite_weights(optimizer):  # this process's part; the caller agrees over the ranks
+            raise CheckpointError(
+                f"{path.parent} holds weights that are not finite (the run had diverged by then); "
+                "a resume from it would diverge again"
+            )
         changed = (
             resuming.changed_keys(previous, rundir.resolved(self.cfg))
             if previous is not None
@@ -266,7 +286,7 @@ class Checkpointing:
             ):  # the iterable stream goes on from where it stood
                 self.stream(TRAIN).load_state_dict(state["stream"])
                 self._positioned = True
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError) as e:
             raise CheckpointError(
                 f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged or was saved from another config"
@@ -326,6 +346,18 @@ class Checkpointing:
                 hook.load_state_dict(saved_hooks[key])
             else:
                 log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
+
+
+def finite_weights(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this process's part of the trained weights (a DTensor's shard) is finite: one
+    read-back for each device that holds some."""
+    found: dict[torch.device, list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this process's shard
+            if local.is_floating_point() or local.is_complex():
+                found.setdefault(local.device, []).append(torch.isfinite(local).all())
+    return all(bool(torch.stack(flags).all()) for flags in found.values())
 
 
 def _hook_key(index: int, hook: Hook) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
+import math
 import pickle
 import warnings
 from collections.abc import Iterator
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import CheckpointError, CheckpointMismatch
-from phalanx.files import os_error, storage_error
+from phalanx.files import os_error, read_json, storage_error
 
 
 def save_shards(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -108,8 +108,10 @@ def read_shards_model(folder: Path) -> dict[str, torch.Tensor]:
 
     reader = _reader(folder)
     metadata = reader.read_metadata()
+    # zeros: a crafted file's chunks may overlap and leave a gap, which must not show the process's
+    # memory (the metadata's checks bound the size by the files)
     state = {
-        key[len("model.") :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        key[len("model.") :]: torch.zeros(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
@@ -207,8 +209,9 @@ class _Damaged(ValueError):
 
 
 def _checked(metadata: Any, folder: Path) -> Any:
-    """`metadata` if every record holds what torch writes, field by field, and every file it names
-    is a file of this step's manifest (inside the folder, covered by its hashes); else _Damaged."""
+    """`metadata` if every record holds what torch writes, field by field, every file it names is a
+    file of this step's manifest (inside the folder, covered by its hashes), and it claims no more
+    than those files hold; else _Damaged."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -221,13 +224,15 @@ def _checked(metadata: Any, folder: Path) -> Any:
     if type(metadata) is not Metadata:
         raise _Damaged(f"it holds a {type(metadata).__name__}, not checkpoint metadata")
     entries = _mapping(metadata.state_dict_metadata, "state_dict_metadata")
+    storage = _mapping(metadata.storage_data, "storage_data", keys=object)
+    files = _manifest_files(folder)
+    _check_counts(entries, storage, files)
     for key, entry in entries.items():
         if type(entry) is TensorStorageMetadata:
             _check_tensor(entry, key)
         elif type(entry) is not BytesStorageMetadata:
             raise _Damaged(f"the entry of {key!r} is a {type(entry).__name__}")
-    files = _manifest_files(folder)
-    for index, info in _mapping(metadata.storage_data, "storage_data", keys=object).items():
+    for index, info in storage.items():
         if type(index) is not MetadataIndex or not isinstance(index.fqn, str):
             raise _Damaged("storage_data holds a key that is not a record's index")
         if not (index.offset is None or _is_size(index.offset)) or not _optional_int(index.index):
@@ -239,6 +244,10 @@ def _checked(metadata: Any, folder: Path) -> Any:
                 f"{index.fqn!r} is said to be in {info.relative_path!r}, which is not a file of "
                 "this step's manifest"
             )
+    _check_extents(storage, files)
+    for key, entry in entries.items():
+        if type(entry) is TensorStorageMetadata:
+            _check_chunks(key, entry, storage)
     for key, path in _mapping(metadata.planner_data or {}, "planner_data").items():
         if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path):
             raise _Damaged(f"the planner's path of {key!r} is malformed")
@@ -283,6 +292,76 @@ def _check_tensor(entry: Any, key: str) -> None:
         raise _Damaged(f"the record of tensor {key!r} is malformed")
 
 
+def _check_counts(entries: dict, storage: dict, files: dict[str, int]) -> None:
+    """Before any record is checked one by one: no more stored items than the files have bytes
+    (each takes one at least), and no more chunks, over every tensor, than stored items (each is
+    stored apart). A record that the file's pickle refers to a million times costs a few bytes, and
+    each reference would cost a read."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    held = sum(files.values())
+    if len(storage) > held:
+        raise _Damaged(
+            f"it lists {len(storage):,} stored items, more than its files' {held:,} bytes"
+        )
+    chunks = sum(
+        len(entry.chunks) if isinstance(entry.chunks, list) else 0
+        for entry in entries.values()
+        if type(entry) is TensorStorageMetadata
+    )
+    if chunks > len(storage):
+        raise _Damaged(f"its tensors have {chunks:,} chunks, but {len(storage):,} stored items")
+
+
+def _check_extents(storage: dict, files: dict[str, int]) -> None:
+    """Each stored item lies inside its file, untransformed (phalanx compresses nothing: a
+    compressed item could claim any size), and no two overlap: together they hold no more bytes
+    than the files."""
+    extents: dict[str, list[tuple[int, int]]] = {}
+    for index, info in storage.items():
+        end, size = info.offset + info.length, files[info.relative_path]
+        if info.transform_descriptors:
+            raise _Damaged(f"{index.fqn!r} is stored transformed ({info.transform_descriptors})")
+        if info.length < 1 or end > size:
+            raise _Damaged(
+                f"{index.fqn!r} is said to lie at bytes {info.offset:,} to {end:,} of "
+                f"{info.relative_path!r}, which has {size:,}"
+            )
+        extents.setdefault(info.relative_path, []).append((info.offset, end))
+    for path, spans in extents.items():
+        spans.sort()
+        if any(start < end for (_, end), (start, _) in zip(spans, spans[1:], strict=False)):
+            raise _Damaged(f"two items stored in {path!r} overlap")
+
+
+def _check_chunks(key: str, entry: Any, storage: dict) -> None:
+    """A tensor's chunks lie inside it, each once, each stored in an item of its size at least, and
+    together hold its elements: what the tensor claims, its files hold (an 8 TB tensor claimed in a
+    small file is refused here, not by the allocator)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    itemsize, seen, elements = entry.properties.dtype.itemsize, set(), 0
+    for chunk in entry.chunks:
+        if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size, strict=True)):
+            raise _Damaged(f"a chunk of tensor {key!r} lies outside its size {tuple(entry.size)}")
+        if chunk.offsets in seen:
+            raise _Damaged(f"tensor {key!r} lists its chunk at {tuple(chunk.offsets)} twice")
+        seen.add(chunk.offsets)
+        stored = storage.get(MetadataIndex(key, chunk.offsets))
+        count = math.prod(chunk.sizes)
+        if stored is None or count * itemsize > stored.length:
+            raise _Damaged(
+                f"the chunk of tensor {key!r} at {tuple(chunk.offsets)} has {count:,} elements, "
+                "more than is stored for it"
+            )
+        elements += count
+    if elements != math.prod(entry.size):
+        raise _Damaged(
+            f"the chunks of tensor {key!r} hold {elements:,} elements, not its "
+            f"{math.prod(entry.size):,}"
+        )
+
+
 def _is_size(value: Any) -> bool:
     return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
 
@@ -303,18 +382,22 @@ def _stored_at(info: Any) -> bool:
     )
 
 
-def _manifest_files(folder: Path) -> set[str]:
-    """The shards folder's files that its step's manifest covers, by name: the only files a load
-    may read (a name with a folder in it, `..` above all, is none of them)."""
+def _manifest_files(folder: Path) -> dict[str, int]:
+    """The shards folder's files that its step's manifest covers, by name, with their sizes: the
+    only files a load may read (a name with a folder in it, `..` above all, is none of them)."""
     path = folder.parent / "manifest.json"
     try:
-        files = json.loads(path.read_text())["files"]
+        files = read_json(path)["files"]
         names = [name for name in files if isinstance(name, str)]
     except (OSError, ValueError, KeyError, TypeError):
         raise _Damaged(f"its step's {path.name} is missing or unreadable") from None
     prefix = folder.name + "/"
     inside = {name[len(prefix) :] for name in names if name.startswith(prefix)}
-    return {name for name in inside if PurePosixPath(name).name == name and name not in ("", "..")}
+    covered = [n for n in inside if PurePosixPath(n).name == n and n not in ("", "..")]
+    try:
+        return {name: (folder / name).stat().st_size for name in covered}
+    except OSError as e:
+        raise _Damaged(f"a file of its step's {path.name} is missing ({e.strerror})") from None
 
 
 @functools.cache

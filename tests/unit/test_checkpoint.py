@@ -18,6 +18,8 @@ from phalanx.checkpoint import MANIFEST, OPTIMIZER, TRAINER, WEIGHTS, Checkpoint
 from phalanx.errors import CheckpointError, StorageError
 
 pytestmark = pytest.mark.timeout(60)
+# a value nested far deeper than json's parser recurses: it raises RecursionError
+DEEP = b"[" * 100_000 + b"]" * 100_000
 
 
 def _module(seed: int = 0) -> nn.Module:
@@ -204,6 +206,35 @@ def test_verify_rejects_an_unreadable_manifest_and_another_format(ckpts):
         ckpts.verify(1)
 
 
+@pytest.mark.parametrize(
+    "manifest, words",
+    [
+        (lambda m: {**m, "files": list(m["files"])}, "does not list its files"),
+        (
+            lambda m: {**m, "files": {k: [v["size"]] for k, v in m["files"].items()}},
+            "does not list",
+        ),
+        (lambda m: {**m, "files": {k: {**v, "size": "9"} for k, v in m["files"].items()}}, "size"),
+        (lambda m: [m], "holds a list, not a manifest"),
+        (DEEP, "nests deeper than 100 levels"),
+    ],
+    ids=["files-a-list", "entries-lists", "size-text", "a-list", "nested-too-deep"],
+)
+def test_a_manifest_of_another_shape_is_a_damaged_step_and_the_one_before_is_taken(
+    ckpts, manifest, words
+):
+    _save(ckpts, 1)
+    _save(ckpts, 2)
+    path = ckpts.path(2) / MANIFEST
+    if callable(manifest):
+        manifest = json.dumps(manifest(json.loads(path.read_text()))).encode()
+    path.write_bytes(manifest)
+    with pytest.raises(CheckpointError, match=words) as info:
+        ckpts.verify(2)
+    assert str(path) in str(info.value)
+    assert ckpts.latest_valid() == 1
+
+
 @pytest.fixture
 def phalanx_warnings(caplog, monkeypatch):
     # `logs.setup` (run by other tests in this process) turns propagation off; caplog listens on
@@ -303,7 +334,9 @@ def test_select_best_without_a_best(ckpts):
     assert ckpts.select("auto") == 3  # and the best where there is one
 
 
-@pytest.mark.parametrize("content", ["[]", "{}", '{"step": "4"}', "not json", '{"step": -1}'])
+@pytest.mark.parametrize(
+    "content", ["[]", "{}", '{"step": "4"}', "not json", '{"step": -1}', DEEP.decode()]
+)
 def test_a_best_json_that_names_no_step_is_an_error_saying_so(ckpts, content):
     _save(ckpts, 1)
     (ckpts.root / "best.json").write_text(content)
@@ -387,6 +420,13 @@ def _refused_pickle() -> bytes:
         (OPTIMIZER, _refused_pickle(), "cannot be read as optimizer state"),
         (OPTIMIZER, b"", "cannot be read as optimizer state"),
         (WEIGHTS, b"\x08" + bytes(15), "not a readable safetensors file"),
+        (TRAINER, DEEP, "not readable JSON \\(it nests deeper than 100 levels"),
+        (
+            TRAINER,
+            json.dumps(_state(3, grad_norms={"sum": "x", "max": 0, "count": 0, "nonfinite": 0})),
+            "malformed grad_norms",
+        ),
+        (TRAINER, json.dumps(_state(3, rounds=-2, rng_ranks="x")), "malformed rounds, rng_ranks"),
     ],
     ids=[
         "empty-object",
@@ -399,13 +439,16 @@ def _refused_pickle() -> bytes:
         "refused-pickle",
         "empty-file",
         "weights-not-safetensors",
+        "nested-too-deep",
+        "grad-norms-of-text",
+        "rounds-and-ranks-malformed",
     ],
 )
 def test_files_that_verify_but_do_not_parse_are_a_checkpoint_error_naming_them(
     ckpts, name, data, words
 ):
     saved = _save(ckpts, 3)
-    _rewrite(ckpts, 3, name, data)
+    _rewrite(ckpts, 3, name, data.encode() if isinstance(data, str) else data)
     assert ckpts.verify(3)
     fresh = _module(99)
     with pytest.raises(CheckpointError, match=words) as info:

@@ -10,11 +10,12 @@ import pytest
 import torch
 import toy
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 
-from phalanx import commands
+from phalanx import commands, rundir
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointMismatch, ConfigError
+from phalanx.hooks import SaveBest, StopOnPlateau
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,8 +229,14 @@ def _rewrite(folder: Path, name: str, data: bytes) -> None:
             lambda state: json.dumps({**state, "step_in_epoch": 6}).encode(),
         ),  # an epoch has 5 steps
         ("optimizer.pt", lambda state: bytes(range(256)) * 8),
+        (TRAINER, lambda state: b"[" * 100_000 + b"]" * 100_000),  # beyond json's recursion
     ],
-    ids=["empty-trainer-state", "step-beyond-the-epoch", "optimizer-of-random-bytes"],
+    ids=[
+        "empty-trainer-state",
+        "step-beyond-the-epoch",
+        "optimizer-of-random-bytes",
+        "trainer-state-nested-too-deep",
+    ],
 )
 def test_resume_falls_back_past_a_step_whose_files_verify_but_do_not_parse(tmp_path, name, content):
     raw = _config()
@@ -345,3 +352,101 @@ def test_a_run_from_before_the_feistel_order_keeps_its_own(tmp_path):
     end, state, resumed = _latest(run_dir)
     assert end == 15 and state["order"] == "randperm"
     assert any(not torch.equal(resumed[k], whole[k]) for k in whole)  # another order, other weights
+
+
+# --- steps a resume cannot continue from, though their files verify
+# ---------------------------------------------------------------------------
+
+
+def test_a_step_whose_weights_are_not_finite_is_not_saved(tmp_path):
+    """SGD at 1e150 overflows the weights within a few steps: every step is saved (SaveEvery comes
+    before StopOnNaN) until the one whose weights are not finite, which is not, and StopOnNaN fails
+    the run there."""
+    raw = _config(optimizer={"class": "SGD", "lr": 1e150})
+    raw["hooks"] = [{"SaveEvery": {"steps": 1}}, "StopOnNaN"]
+    assert commands.train(str(toy.write_config(tmp_path / "run", raw)), []) == 1
+    run_dir = _run_dir(tmp_path / "run")
+    failed = next(e["step"] for e in rundir.read_trace(run_dir) if e["event"] == "failed")
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert failed > 1 and ckpts.steps() == list(range(1, failed))
+    for step in ckpts.steps():
+        weights = load_file(str(ckpts.path(step) / WEIGHTS))
+        assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+    assert (
+        f"the weights are not finite at step {failed}: it is not saved; a resume goes on from "
+        f"step {failed - 1}"
+    ) in (run_dir / "log.txt").read_text()
+
+
+def test_resume_falls_back_past_a_step_whose_weights_are_not_finite(tmp_path):
+    """A step saved with weights that are not finite (by an older version): a resume would only
+    diverge again, so it goes on from the step before, as the run trained whole did."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    folder = Checkpoints(run_dir / "checkpoints").path(7)
+    weights = load_file(str(folder / WEIGHTS))
+    _rewrite(
+        folder, WEIGHTS, save({k: torch.full_like(v, float("nan")) for k, v in weights.items()})
+    )
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    log = (run_dir / "log.txt").read_text()
+    assert f"skipping checkpoint step-7: {folder} holds weights that are not finite" in log
+    assert f"resuming {run_dir} from step 5" in log
+    end, _, resumed = _latest(run_dir)
+    assert end == 15
+    _assert_equal(resumed, whole)
+
+
+def test_a_newest_step_of_another_model_is_passed_and_saved_again_when_training_reaches_it(
+    tmp_path,
+):
+    """The newest step holds weights of another shape (a step copied from another run): the resume
+    names the mismatch, goes on from the step before, and when training reaches that step again it
+    is replaced, though its files verify. Where no step fits (an override that changes the model),
+    one error names the mismatch and the fix, and changes nothing."""
+    raw = _config()
+    _, _, whole = _uninterrupted(tmp_path, raw)
+    run_dir = _stopped(tmp_path, raw, stop=10)
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert ckpts.steps() == [5, 10]
+    _rewrite(ckpts.path(10), WEIGHTS, save(toy.Linear(features=4).double().state_dict()))
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    log = (run_dir / "log.txt").read_text()
+    assert f"skipping checkpoint step-10: {ckpts.path(10) / WEIGHTS} does not fit this model" in log
+    assert "size mismatch for net.weight: copying a param with shape torch.Size([1, 4])" in log
+    assert f"resuming {run_dir} from step 5" in log
+    _assert_equal(load_file(str(ckpts.path(10) / WEIGHTS)), _weights_at(tmp_path, 10))
+    end, _, resumed = _latest(run_dir)
+    assert end == 15
+    _assert_equal(resumed, whole)
+
+    before = (run_dir / "config.yaml").read_text()
+    with pytest.raises(CheckpointMismatch) as info:
+        commands.resume(str(run_dir), ["model.hidden=4"])
+    message = str(info.value)
+    assert f"no checkpoint of {run_dir} fits the model its config builds" in message
+    assert "step-15" in message and "resume without the overrides that change the model" in message
+    assert (run_dir / "config.yaml").read_text() == before
+    assert ckpts.steps() == [5, 10, 15]
+
+
+def _weights_at(tmp_path: Path, step: int) -> dict[str, torch.Tensor]:
+    """Step `step`'s weights in the run trained whole."""
+    ckpts = Checkpoints(_run_dir(tmp_path / "whole") / "checkpoints")
+    return load_file(str(ckpts.path(step) / WEIGHTS))
+
+
+@pytest.mark.parametrize(
+    "hook, state, words",
+    [
+        (SaveBest(), {"best": "0.5"}, "SaveBest's saved best is '0.5', not float or int"),
+        (StopOnPlateau(), {"best": 0.5, "waited": [1]}, "saved waited is \\[1\\], not int"),
+    ],
+)
+def test_a_hooks_saved_state_of_another_shape_is_refused_before_training_meets_it(
+    hook, state, words
+):
+    """A ValueError, which a resume takes for a damaged step (it would fail a step much later)."""
+    with pytest.raises(ValueError, match=words):
+        hook.load_state_dict(state)

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from phalanx import rundir
+from phalanx import commands, rundir
 from phalanx.errors import RunDirError, StorageError
 
 pytestmark = pytest.mark.timeout(30)
@@ -109,3 +109,39 @@ def test_the_saved_config_lists_the_hooks_that_run_where_the_config_lists_none(t
     # what a resume of the run builds from its config
     again = build_hooks(config.validate(rundir.load_config_text(run_dir)), [])
     assert [type(hook).__name__ for hook in again] == names
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than json's parser recurses
+
+
+def test_a_line_nested_too_deep_is_skipped_as_any_that_is_no_event(run):
+    rundir.trace(run, "started", step=0)
+    with open(run / rundir.TRACE, "a") as f:
+        f.write(DEEP + "\n" + '{"event": ' * 200 + '"x"' + "}" * 200 + "\n")
+    rundir.trace(run, "finished", step=3)
+    assert [e["event"] for e in rundir.read_trace(run)] == ["started", "finished"]
+
+
+def test_ls_lists_a_run_whose_files_are_crafted_beside_the_others(run, tmp_path):
+    """A trace line and best.json nested too deep, a time no clock can show, a best value too
+    large for a float: the run is listed with what can be read, and so are the others."""
+    other = tmp_path / "toy-20260101-130000"
+    other.mkdir()
+    for name in (rundir.CONFIG, rundir.META):
+        (other / name).write_bytes((run / name).read_bytes())
+    rundir.trace(other, "finished", epoch=2, step=10)
+    rundir.trace(run, "started", epoch=0, step=0)
+    with open(run / rundir.TRACE, "a") as f:
+        f.write(DEEP + "\n" + json.dumps({"event": "epoch", "epoch": [1], "time": 1e300}) + "\n")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "best.json").write_text(DEEP)
+    assert commands.list_runs(str(tmp_path))[0]["best"] == "best.json unreadable"
+    (run / "checkpoints" / "best.json").write_text(
+        json.dumps({"variable": "valid.loss", "value": 10**400, "step": 5})
+    )
+    rows = commands.list_runs(str(tmp_path))
+    assert [(r["run"], r["status"], r["epoch"], r["best"], r["updated"]) for r in rows] == [
+        (run.name, "epoch", "", "best.json unreadable", ""),
+        (other.name, "finished", 2, "", rows[1]["updated"]),
+    ]
+    assert rows[1]["updated"]

@@ -232,6 +232,100 @@ def test_export_writes_every_name_for_plain_load_state_dict(ckpts, tmp_path):
     assert torch.equal(fresh.out.weight, tied.embed.weight)
 
 
+def test_export_refuses_a_file_whose_metadata_ties_more_copies_than_it_holds(ckpts, tmp_path):
+    """Each alias in a safetensors file's metadata is a name export writes a copy under: 200 of
+    them would make a file 200 times its size. A reader that only loads the weights into a model
+    gets the tied names as the same tensor, whatever their number."""
+    from safetensors.torch import save_file
+
+    from phalanx.checkpoint import WEIGHTS, whole_state
+
+    tied = Tied()
+    ckpts.save(3, tied, {"optimizer": {}, "schedulers": [], "scaler": {}}, _state(3))
+    weights = ckpts.path(3) / WEIGHTS
+    aliases = {f"copy{i}": "embed.weight" for i in range(200)}
+    save_file({"embed.weight": tied.embed.weight.detach()}, str(weights), metadata=aliases)
+    _rewrite_manifest(ckpts.path(3))
+    state = whole_state(weights)
+    assert len(state) == 201 and all(state[name] is state["embed.weight"] for name in aliases)
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(CheckpointError, match="ties 200 more names to its tensors") as info:
+        ckpts.export(3, out)
+    assert str(weights) in str(info.value) and not out.exists()
+
+
+def _crafted_metadata(ckpts: Checkpoints, step: int, change) -> Path:
+    """Step `step`'s `.metadata` as torch wrote it, with `change(metadata)` made to it, its manifest
+    rewritten to match (as a crafted run would be)."""
+    import pickle
+
+    path = ckpts.path(step) / SHARDS / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # a test's own file: the real records, read in full
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+    _rewrite_manifest(ckpts.path(step))
+    return path
+
+
+def _tensor(metadata, key: str = "model.0.weight"):
+    return metadata.state_dict_metadata[key]
+
+
+def _stored(metadata, index: int = 0):
+    return sorted(metadata.storage_data.values(), key=lambda i: (i.relative_path, i.offset))[index]
+
+
+def _referenced(metadata) -> None:
+    """One chunk record listed 20,000 times: the pickle refers to it again at 2 bytes each, and
+    torch's reader would read it 20,000 times."""
+    entry = _tensor(metadata)
+    entry.chunks = [entry.chunks[0]] * 20_000
+
+
+def _huge(metadata) -> None:
+    """A float64 tensor of 2^41 elements (16 TB), in the chunk that holds 12."""
+    entry = _tensor(metadata)
+    entry.size = entry.chunks[0].sizes = torch.Size([2**20, 2**21])
+
+
+def _overlapping(metadata) -> None:
+    _stored(metadata, 1).offset = _stored(metadata, 0).offset
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (_referenced, "its tensors have 20,0.. chunks, but .. stored items"),
+        (_huge, "model.0.weight' at \\(0, 0\\) has 2,199,023,255,552 elements, more than"),
+        (lambda m: setattr(_stored(m), "offset", 10**9), "which has"),
+        (_overlapping, "overlap"),
+        (lambda m: setattr(_stored(m), "transform_descriptors", ["zstd"]), "stored transformed"),
+        (lambda m: _tensor(m).chunks.append(_tensor(m).chunks[0]), "at \\(0, 0\\) twice"),
+        (lambda m: setattr(_tensor(m).chunks[0], "sizes", torch.Size([2, 3])), "hold 6 elements"),
+    ],
+    ids=["one-chunk-many-times", "16-tb", "past-its-file", "overlap", "compressed", "twice", "gap"],
+)
+def test_metadata_that_claims_more_than_its_files_hold_is_a_damaged_step(
+    ckpts, tmp_path, change, words
+):
+    """Every claim of `.metadata` is bounded by the files its step holds, before anything is read
+    or allocated: the error is the metadata's (not a read's, nor the allocator's), and a resume,
+    `init_from` and `export` read through the same check."""
+    _save(ckpts, 2)
+    _save(ckpts, 4)
+    path = _crafted_metadata(ckpts, 4, change)
+    assert path.stat().st_size < 50_000
+    model, _ = _trained(7)
+    refused = rf"\.metadata is not checkpoint metadata as torch writes it \(.*{words}"
+    with pytest.raises(CheckpointError, match=refused):
+        ckpts.load_weights(4, model)
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(CheckpointError, match=refused):
+        ckpts.export(4, out)
+    assert not out.exists()
+    assert ckpts.export(2, out) == 4  # the step before is sound
+
+
 def _crafted(module: str, name: str, *args: str) -> bytes:
     """A pickle that calls module.name(*args) when loaded: what a crafted `.metadata` may hold."""
     import pickle

@@ -7,7 +7,7 @@ from typing import Any
 
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook
-from phalanx.hooks.variables import check_mode, improved, lookup, split_name
+from phalanx.hooks.variables import check_mode, improved, lookup, saved, split_name
 
 
 class SaveEvery(Hook):
@@ -65,4 +65,4 @@ class SaveBest(Hook):
         return {"best": self.best}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best = state["best"]
+        self.best = saved(state, "best", "SaveBest", (float, int))

@@ -11,7 +11,7 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook, TrainingTerminated
-from phalanx.hooks.variables import check_mode, improved, lookup, split_name
+from phalanx.hooks.variables import check_mode, improved, lookup, saved, split_name
 from phalanx.overrides import name_of
 
 
@@ -138,4 +138,5 @@ class StopOnPlateau(Hook):
         return {"best": self.best, "waited": self.waited}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.best, self.waited = state["best"], state["waited"]
+        self.best = saved(state, "best", "StopOnPlateau", (float, int))
+        self.waited = saved(state, "waited", "StopOnPlateau", (int,)) or 0

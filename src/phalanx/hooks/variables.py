@@ -38,6 +38,16 @@ def improved(value: float, best: float | None, mode: str, min_delta: float = 0.0
     return value < best - min_delta if mode == "min" else value > best + min_delta
 
 
+def saved(state: Any, key: str, hook: str, kinds: tuple[type, ...]) -> Any:
+    """`state[key]` of a hook's saved state, if it is None or of one of `kinds` (bool is no number);
+    else ValueError, which a resume takes for a damaged checkpoint."""
+    value = state[key]
+    if value is not None and (type(value) not in kinds):
+        kind = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"{hook}'s saved {key} is {value!r:.60}, not {kind}")
+    return value
+
+
 def check_mode(mode: str, hook: str) -> str:
     if mode not in ("min", "max"):
         raise ConfigError(f"{hook}: mode {mode!r} must be min or max")
