@@ -362,6 +362,23 @@ def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
         assert "4 per device (no GPU is visible: the 2 devices are shares of the CPU)" in said
 
 
+def test_a_placement_the_run_does_not_apply_is_a_warning_that_names_its_strategy(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    placed = {"accelerator": "cpu", "placement": {"net.0": "cpu"}}
+    run = phalanx.fit(_raw(hooks=[], main_loop={"epochs": 1}, parallel=placed))
+    said = (run.run_dir / "log.txt").read_text()
+    assert (
+        "WARNING parallel.placement pins net.0 to devices for parallel.strategy=placement only; "
+        "this run's strategy, single, ignores it: set parallel.strategy=placement, or remove "
+        "parallel.placement\n" in said
+    )
+    placed["strategy"] = "placement"
+    run = phalanx.fit(_raw(hooks=[], main_loop={"epochs": 1}, parallel=placed))
+    assert "parallel.placement pins" not in (run.run_dir / "log.txt").read_text()
+
+
 @pytest.mark.parametrize("name", ["../../escape", "a/b", "..", "two\nlines", "ABSOLUTE"])
 def test_a_run_name_that_is_not_one_folder_name_is_refused_and_nothing_is_made(
     tmp_path, monkeypatch, name
