@@ -646,6 +646,7 @@ def _work(
             strategy.world_size,
         )
         log.info("%s", what_runs(cfg, strategy))
+        _warn_ignored(cfg, strategy)
         if trainer.epoch >= cfg.main_loop.epochs:
             log.info(
                 "the run has finished its %d epochs; raise main_loop.epochs to train more",
@@ -704,8 +705,17 @@ def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
     from phalanx import metrics
 
     log.info("%s", what_runs(cfg, strategy))
+    _warn_ignored(cfg, strategy)
     # a strategy that keeps part of the model in each process describes the whole one
     log.info("%s", getattr(strategy, "model_summary", None) or metrics.summary(trainer.model))
+
+
+def _warn_ignored(cfg: config.Config, strategy) -> None:
+    """Settings of another strategy that this run ignores, said once (every process logs its
+    warnings)."""
+    if strategy.is_main:
+        for said in strategies.ignored_settings(cfg):
+            log.warning("%s", said)
 
 
 def what_runs(cfg: config.Config, strategy) -> str:

@@ -136,22 +136,32 @@ def _said(first: dict, stacks: Path | None) -> PhalanxError:
 
 
 def in_the_run(run_dir: Path, failure: PhalanxError, nodes: Nodes | None) -> PhalanxError:
-    """`failure`, also written into the run: a `failed` event in trace.jsonl and a line in log.txt
-    (a machine that died writes nothing of its own: another machine's launcher says it)."""
+    """`failure`, also written into the run: a `failed` event in trace.jsonl (one line, the error
+    that ended a traceback with it) and the whole message in log.txt, as the terminal shows it (a
+    machine that died writes nothing of its own: another machine's launcher says it)."""
     who = "the launcher" if nodes is None else f"node {nodes.rank}'s launcher"
-    line = first_line(failure)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError, PhalanxError):  # the run directory may be gone with it
         last = (rundir.read_trace(run_dir) or [{}])[-1]
         if last.get("event") != "failed" or "cause" in last:  # not the failing rank's own
-            rundir.trace(run_dir, "failed", error=line, by=who)
+            rundir.trace(run_dir, "failed", error=summary_line(failure), by=who)
         with open(run_dir / "log.txt", "a", encoding="utf-8") as f:
-            f.write(f"{stamp} ERROR {who}: {line}\n")
+            f.write(f"{stamp} ERROR {who}: {str(failure).rstrip() or type(failure).__name__}\n")
     return failure
 
 
 def first_line(error: BaseException) -> str:
     return (" ".join(str(error).split("\n")[0].split()) or type(error).__name__)[:500]
+
+
+def summary_line(error: BaseException) -> str:
+    """The error in one line: its first, and where it goes on over several (a traceback), its last
+    (the exception that ended it)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    first = first_line(error)
+    if len(lines) < 2:
+        return first
+    return f"{first} ... {' '.join(lines[-1].split())[:500]}"
 
 
 def _recorded(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:

@@ -112,6 +112,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    check_main_importable(devices)
     records = Path(
         tempfile.mkdtemp(prefix="phalanx-workers-")
     )  # each worker's error.json, read on failure
@@ -387,6 +388,22 @@ def _environment(settings: dict[str, str]):
     finally:
         for key in added:
             os.environ.pop(key, None)
+
+
+def check_main_importable(devices: int) -> None:
+    """A spawned worker runs this program's main module again before anything else (as
+    multiprocessing's spawn does), from its file: a script read from standard input (`python - <
+    script.py`) has none, and each worker would end before it could say why."""
+    from multiprocessing import spawn
+
+    main = spawn.get_preparation_data("phalanx").get("init_main_from_path")
+    if main is not None and not os.path.isfile(main):
+        raise PhalanxError(
+            f"the {devices} worker processes would each run this program's main module again, "
+            f"from its file, {main}, which does not exist (a script read from standard input, "
+            "`python - < script.py`, has none): save the script to a file and run "
+            "`python script.py`, or set parallel.devices: 1"
+        )
 
 
 # --- the workers --------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import socket
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -85,39 +87,76 @@ def join(nodes: Nodes, timeout_s: float = TIMEOUT_S) -> Any:
 
 
 def _reach(nodes: Nodes, timeout_s: float) -> Any:
-    from torch.distributed import TCPStore
-
     started, said = time.monotonic(), False
+    where = f"{nodes.host}:{nodes.port}"
     while True:
         try:
-            store = TCPStore(
-                nodes.host, nodes.port, is_master=False, timeout=timedelta(seconds=_POLL_S)
-            )
+            store = _connect(nodes.host, nodes.port)
+        except _NotTheStore as e:
+            failure = str(e)
+            state = f"what answers at {where} is not node 0's rendezvous ({failure})"
         except (RuntimeError, OSError) as e:
-            waited = time.monotonic() - started
-            if waited >= timeout_s:
-                raise PhalanxError(
-                    f"node {nodes.rank} cannot reach node 0 at {nodes.host}:{nodes.port} within "
-                    f"{timeout_s:.0f} s ({' '.join(str(e).split())[:200]}); start node 0 with the "
-                    "same --rdzv, and check that this machine reaches that address"
-                ) from None
-            if waited >= SAY_AFTER_S and not said:
-                said = True
-                log.warning(
-                    "node %d: nothing answers at %s:%d yet; is node 0 started with --rdzv %s:%d, "
-                    "and does this machine reach that address (a firewall, another interface)? "
-                    "Trying again until %.0f s have passed",
-                    nodes.rank,
-                    nodes.host,
-                    nodes.port,
-                    nodes.host,
-                    nodes.port,
-                    timeout_s,
-                )
-            time.sleep(0.2)
-            continue
-        store.set_timeout(timedelta(seconds=timeout_s))
-        return store
+            failure = " ".join(str(e).split())[:200] or type(e).__name__
+            state = f"nothing answers at {where} yet"
+        else:
+            store.set_timeout(timedelta(seconds=timeout_s))
+            return store
+        waited = time.monotonic() - started
+        if waited >= SAY_AFTER_S and not said:
+            said = True
+            log.warning(
+                "node %d: %s; is node 0 started with --rdzv %s, and does this machine reach that "
+                "address (a firewall, another interface)? Trying again until %.0f s have passed",
+                nodes.rank,
+                state,
+                where,
+                timeout_s,
+            )
+        if waited >= timeout_s:
+            raise PhalanxError(
+                f"node {nodes.rank} cannot reach node 0 at {where} within {timeout_s:.0f} s "
+                f"({failure}); start node 0 with the same --rdzv, and check that this machine "
+                "reaches that address"
+            ) from None
+        time.sleep(0.2)
+
+
+class _NotTheStore(PhalanxError):
+    """Something answers at the address, but not as node 0's store does."""
+
+
+def _connect(host: str, port: int) -> Any:
+    """A client of the store at `host:port`, tried once. A plain connection first: where nothing
+    answers, torch's client would print its C++ stack to the terminal on every try; and what that
+    client prints where something else answers is held back (the exception says it in a line)."""
+    from torch.distributed import TCPStore
+
+    with socket.create_connection((host, port), timeout=_POLL_S):
+        pass
+    with _native_stderr_held():
+        try:
+            return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_POLL_S))
+        except RuntimeError as e:
+            raise _NotTheStore(str(e).strip().splitlines()[0][:200]) from None
+
+
+@contextlib.contextmanager
+def _native_stderr_held() -> Iterator[None]:
+    """What native code writes to this process's stderr meanwhile, dropped (a terminal would get
+    torch's C++ stack for every failed try)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr: nothing to hold back
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def wait_for(store: Any, key: str, what: str, timeout_s: float = TIMEOUT_S) -> bytes:

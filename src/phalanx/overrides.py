@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from phalanx.errors import ConfigError
-from phalanx.yamltext import TooLarge, safe_load
+from phalanx.yamltext import Refused, safe_load
 
 _EXAMPLES = "such as dataset.batch_size=64, +hooks=StopOnNaN or ~hooks.StopAfter"
 
@@ -86,7 +86,7 @@ def _value(text: str, item: str) -> Any:
         return safe_load(text)
     except yaml.YAMLError:
         raise ConfigError(f"override {item!r}: the value is not valid YAML") from None
-    except TooLarge as e:
+    except Refused as e:
         raise ConfigError(f"override {item!r}: the value is refused: {e}") from None
 
 

@@ -1,5 +1,5 @@
-"""YAML as phalanx reads it: `safe_load` only, YAML 1.2 floats, and bounds on what a text may
-expand to.
+"""YAML as phalanx reads it: `safe_load` only, YAML 1.2 floats, no key twice in one mapping, and
+bounds on what a text may expand to.
 
 YAML's aliases let a 1 KB file stand for billions of values (each `*a` repeats a whole subtree),
 which the parser builds cheaply, as shared objects, and everything after it (validation, the
@@ -22,8 +22,40 @@ MAX_VALUES = 200_000  # values (mappings, lists and scalars) once aliases are ex
 MAX_DEPTH = 64  # levels of nested mappings and lists
 
 
+class Refused(ValueError):
+    """YAML that phalanx does not take: a key twice in one mapping, or a value past the bounds."""
+
+
+class DuplicateKey(Refused):
+    """A mapping that gives one key twice (YAML's loaders keep the last, silently)."""
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML's safe loader, reading `1e-3` as a float as every other YAML 1.2 reader does."""
+    """YAML's safe loader, reading `1e-3` as a float as every other YAML 1.2 reader does, and
+    refusing a key given twice in one mapping (a merge's keys, `<<: *base`, may be given again:
+    that is what a merge is for)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            self._check_unique(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _check_unique(self, node: yaml.MappingNode) -> None:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # not hashable: the loader says so itself
+                continue
+            if first is not None:
+                raise DuplicateKey(
+                    f"the key {key!r} is given twice in one mapping, on lines {first} and "
+                    f"{line}; keep one of them"
+                )
+            lines[key] = line
 
 
 _Loader.add_implicit_resolver(
@@ -39,13 +71,14 @@ _Loader.add_implicit_resolver(
 _TOO_DEEP = f"it is nested more than {MAX_DEPTH} levels deep; a config needs far fewer: check it"
 
 
-class TooLarge(ValueError):
+class TooLarge(Refused):
     """A value past the bounds: too many values once aliases are expanded, too deep, or cyclic."""
 
 
 def safe_load(text: str) -> Any:
-    """YAML text as plain Python values; never constructs arbitrary objects. Raises TooLarge past
-    the bounds, and yaml.YAMLError for text that is not YAML."""
+    """YAML text as plain Python values; never constructs arbitrary objects. Raises DuplicateKey
+    for a key given twice in one mapping, TooLarge past the bounds, and yaml.YAMLError for text
+    that is not YAML."""
     try:
         value = yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader subclass
     except RecursionError:  # the parser recurses once per level
@@ -106,5 +139,5 @@ def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> 
         return safe_load(text)
     except yaml.YAMLError as e:
         raise error(f"{path} is not valid YAML: {str(e).splitlines()[0]}; {fix}") from None
-    except TooLarge as e:
+    except Refused as e:
         raise error(f"{path} is refused: {e}") from None

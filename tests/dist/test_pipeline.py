@@ -89,6 +89,10 @@ FOUR = ["net.2", "net.4", "net.6"]  # 4 stages: two on each of 2 processes, loop
 def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference):
     raws = [piped(raw, devices, split, schedule, 4) for raw in SCENARIOS.values()]
     per_rank = workers.run_ranks(devices, workers.train_all, raws)
+    # every process counts the same collectives, whichever stages it holds (a middle stage sends
+    # and receives twice what a first or last does): a hung one is named by its count
+    for name, *results in zip(SCENARIOS, *per_rank, strict=True):
+        assert len({got["collectives"] for got in results}) == 1, name
     for rank_results in per_rank:  # every rank logs the same global losses
         for name, got in zip(SCENARIOS, rank_results, strict=True):
             assert len(got["losses"]) == len(reference[name]["losses"])

@@ -132,7 +132,9 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     state = trainer.strategy.model_state()
     state = state.state_dict() if isinstance(state, torch.nn.Module) else state
     params = {k: v.detach().cpu().tolist() for k, v in state.items()}
+    progress = getattr(trainer.strategy, "progress", None)  # where the strategy runs collectives
     return {
+        "collectives": progress.entered if progress is not None else None,
         "params": params,
         "losses": record.losses,
         "epochs": record.epochs,

@@ -30,17 +30,17 @@ import toy
 
 
 class HangAt(toy.Linear):
-    """Blocks for an hour in forward on rank `rank` at training step `step`, after writing
-    `hung`."""
+    """Blocks for an hour in forward on rank `rank` at training step `step` (its first of `calls`
+    forwards a step: a pipeline's micro-batches), after writing `hung`."""
 
-    def __init__(self, features=3, rank=1, step=3):
-        super().__init__(features)
-        self.hang_rank, self.hang_step, self.calls = rank, step, 0
+    def __init__(self, features=3, rank=1, step=3, hidden=0, calls=1):
+        super().__init__(features, hidden)
+        self.hang_rank, self.hang_call, self.calls = rank, (step - 1) * calls + 1, 0
 
     def forward(self, x, y):
         if self.training:
             self.calls += 1
-            if int(os.environ.get("RANK", 0)) == self.hang_rank and self.calls == self.hang_step:
+            if int(os.environ.get("RANK", 0)) == self.hang_rank and self.calls == self.hang_call:
                 Path("hung").write_text(str(time.time()))
                 time.sleep(3600)
         return super().forward(x, y)
@@ -241,22 +241,36 @@ def test_a_second_signal_ends_every_worker_at_once(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+HUNG = {
+    "ddp": ({}, {}),
+    "fsdp": ({}, {}),
+    # the last stage hangs in its first micro-batch's forward: the first waits in a receive
+    "pipeline": (
+        {"hidden": 4, "calls": 2},
+        {"pipeline": {"split": ["net.2"], "microbatches": 2}},
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", list(HUNG))
 def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_timeout(
     tmp_path, strategy
 ):
     """Under fsdp the others wait in the parameters' all-gather of the forward, not in phalanx's
-    all-reduce: the hung rank is named all the same, not the rank whose wait timed out."""
+    all-reduce, and under the pipeline in a receive from the hung stage: the hung rank is named
+    all the same, not the rank whose wait timed out."""
     timeout = 3
+    model, parallel = HUNG[strategy]
     path = experiment(
         tmp_path,
-        model={"class": "parts.HangAt", "rank": 1, "step": 3},
+        model={"class": "parts.HangAt", "rank": 1, "step": 3, **model},
         dataset={"class": "toy.Regression", "batch_size": 8},
         parallel={
             "accelerator": "cpu",
             "devices": 2,
             "timeout_s": timeout,
             "strategy": strategy,
+            **parallel,
         },
     )
     proc = start("train", str(path), cwd=tmp_path)

@@ -395,6 +395,31 @@ def test_negative_loss_weights_are_refused(tmp_path, monkeypatch):
         phalanx.fit(_raw(hooks=[]), model=_Uneven(weight=-1.0), dataset=streams)
 
 
+def test_workers_of_a_script_read_from_standard_input_are_refused_before_they_start(
+    tmp_path, monkeypatch
+):
+    """`python - < script.py`: a spawned worker runs the main module again from its file, which
+    does not exist, and ended before it could say why (reported as killed from outside)."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__spec__", None)
+    monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)
+    with pytest.raises(PhalanxError) as info:
+        phalanx.fit(_raw(parallel={"accelerator": "cpu", "devices": 2}))
+    said = str(info.value)
+    assert said.startswith(
+        "the 2 worker processes would each run this program's main module again, from its file, "
+    )
+    assert said.endswith(
+        "/<stdin>, which does not exist (a script read from standard input, `python - < "
+        "script.py`, has none): save the script to a file and run `python script.py`, or set "
+        "parallel.devices: 1"
+    )
+    assert list((tmp_path / "runs").iterdir()) == []  # no run directory is left
+
+
 def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     towers = {"accelerator": "cpu", "devices": 3, "strategy": "towers", "gradient_accumulation": 2}
@@ -410,6 +435,23 @@ def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
         run = phalanx.fit(_raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}))
         said = (run.run_dir / "log.txt").read_text()
         assert "4 per device (no GPU is visible: the 2 devices are shares of the CPU)" in said
+
+
+def test_a_placement_the_run_does_not_apply_is_a_warning_that_names_its_strategy(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    placed = {"accelerator": "cpu", "placement": {"net.0": "cpu"}}
+    run = phalanx.fit(_raw(hooks=[], main_loop={"epochs": 1}, parallel=placed))
+    said = (run.run_dir / "log.txt").read_text()
+    assert (
+        "WARNING parallel.placement pins net.0 to devices for parallel.strategy=placement only; "
+        "this run's strategy, single, ignores it: set parallel.strategy=placement, or remove "
+        "parallel.placement\n" in said
+    )
+    placed["strategy"] = "placement"
+    run = phalanx.fit(_raw(hooks=[], main_loop={"epochs": 1}, parallel=placed))
+    assert "parallel.placement pins" not in (run.run_dir / "log.txt").read_text()
 
 
 @pytest.mark.parametrize("name", ["../../escape", "a/b", "..", "two\nlines", "ABSOLUTE"])

@@ -589,6 +589,29 @@ def test_a_yaml_alias_bomb_and_deep_nesting_are_refused_quickly(tmp_path):
         config.validate({**raw, "model": {"class": "toy.Linear", "a": loop}})
 
 
+def test_a_key_given_twice_is_one_error_naming_it_and_its_lines(tmp_path):
+    """YAML's loaders keep the last of two equal keys, silently: the first lr would be lost."""
+    (tmp_path / "twice.yaml").write_text(
+        "name: toy\noptimizer:\n  class: SGD\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.01\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        config.load(tmp_path / "twice.yaml")
+    assert str(info.value) == (
+        f"{tmp_path / 'twice.yaml'} is refused: the key 'lr' is given twice in one mapping, on "
+        "lines 4 and 6; keep one of them"
+    )
+    with pytest.raises(ConfigError, match="the key 'a' is given twice in one mapping"):
+        config.apply_overrides({"model": {}}, ["model.extra={a: 1, a: 2}"])
+    # a merge's keys may be given again: that is what a merge is for
+    merged = "base: &base {lr: 0.1, momentum: 0.9}\noptimizer:\n  <<: *base\n  lr: 0.01\n"
+    (tmp_path / "merged.yaml").write_text(merged)
+    assert yaml.safe_load(merged)["optimizer"] == {"lr": 0.01, "momentum": 0.9}
+    assert config.read_yaml(tmp_path / "merged.yaml", "")["optimizer"] == {
+        "lr": 0.01,
+        "momentum": 0.9,
+    }
+
+
 @pytest.mark.parametrize(
     ("schedule", "given", "held", "refused"),
     [

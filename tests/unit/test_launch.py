@@ -38,6 +38,32 @@ def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_b
     assert message.count("injected failure on rank 1 at step 3") == 1
 
 
+def test_the_run_keeps_the_failing_ranks_error_as_the_terminal_shows_it(tmp_path, monkeypatch):
+    """log.txt holds the whole message, traceback and error, not only its first line ("... Its
+    traceback:"); trace.jsonl's one line ends with the error."""
+    from phalanx.rundir import read_trace
+
+    _fail_on_rank(tmp_path, monkeypatch, 1, ValueError("injected failure on rank 1 at step 3"))
+    noticed = ProcessFailure(
+        local_rank=1, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json")
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    failure = failures.in_the_run(
+        run, failures.explain(ChildFailedError("worker", {1: noticed}), tmp_path), None
+    )
+    shown = str(failure)
+    assert shown.startswith("rank 1 failed first; every rank was stopped. Its traceback:\n")
+    assert shown.rstrip().endswith("ValueError: injected failure on rank 1 at step 3")
+    logged = (run / "log.txt").read_text()
+    assert logged.endswith(f" ERROR the launcher: {shown.rstrip()}\n")
+    [failed] = [e for e in read_trace(run) if e["event"] == "failed"]
+    assert failed["error"] == (
+        "rank 1 failed first; every rank was stopped. Its traceback: ... "
+        "ValueError: injected failure on rank 1 at step 3"
+    )
+
+
 def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     noticed = ProcessFailure(
         local_rank=0, pid=4242, exitcode=-9, error_file=str(tmp_path / "absent.json")

@@ -98,6 +98,48 @@ def test_a_node_that_cannot_reach_node_0_says_so_within_its_timeout():
         nodes.join(nodes.Nodes(2, 1, "127.0.0.1", _free_port()), timeout_s=2)
 
 
+def _another_service() -> int:
+    """A port where something that is not a store answers (an HTTP server's refusal)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            peer, _ = server.accept()
+            with peer:
+                peer.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
+@pytest.mark.parametrize("there", ["nothing", "another service"])
+def test_a_node_pointed_at_a_wrong_rendezvous_says_so_in_lines_of_its_own(
+    there, capfd, caplog, monkeypatch
+):
+    """torch's store client prints its C++ stack for every try (hundreds of lines a minute): the
+    terminal gets phalanx's warning and error alone, which name the address, the timeout and the
+    fix."""
+    monkeypatch.setattr(nodes, "SAY_AFTER_S", 0)
+    port = _free_port() if there == "nothing" else _another_service()
+    with pytest.raises(PhalanxError) as info:
+        nodes.join(nodes.Nodes(2, 1, "127.0.0.1", port), timeout_s=2)
+    assert str(info.value).startswith(f"node 1 cannot reach node 0 at 127.0.0.1:{port} within 2 s")
+    assert str(info.value).endswith(
+        "start node 0 with the same --rdzv, and check that this machine reaches that address"
+    )
+    said = capfd.readouterr().err
+    assert "frame #" not in said and "c10d" not in said and "TCPStore" not in said, said
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "phalanx"]
+    state = (
+        "nothing answers at"
+        if there == "nothing"
+        else "what answers at 127.0.0.1:{port} is not node 0's rendezvous"
+    )
+    assert f"node 1: {state.format(port=port)}" in warning
+    assert f"is node 0 started with --rdzv 127.0.0.1:{port}" in warning
+    assert "Trying again until 2 s have passed" in warning
+
+
 def test_node_0_serves_only_an_address_of_its_own_and_a_free_port():
     with pytest.raises(PhalanxError, match="node 0 cannot serve the rendezvous on 192.0.2.1"):
         nodes.join(nodes.Nodes(2, 0, "192.0.2.1", _free_port()))  # TEST-NET-1: no machine's address
@@ -194,4 +236,5 @@ def test_a_node_waiting_for_the_others_says_so_and_a_signal_ends_the_wait_at_onc
         proc.send_signal(signum)
         assert proc.wait(timeout=120) == 128 + signum
     assert says(1, "is node 0 started with --rdzv")
+    assert not says(1, "frame #")  # torch's store client's C++ stack, every try: held back
     assert not (tmp_path / "runs").exists()

@@ -109,6 +109,21 @@ def _refuse(
         )
 
 
+def ignored_settings(cfg: Config) -> list[str]:
+    """What the config sets for a strategy other than the run's, which the run ignores, and how to
+    use it or leave it: a warning each. (A strategy's section may stay in a config for when it is
+    chosen, as `parallel.pipeline` in examples/two_tower does; but a module placement the run
+    does not apply trains the model where the user did not put it.)"""
+    name, placement = strategy_name(cfg), cfg.parallel.section("placement", dict)
+    if not placement or name == "placement":
+        return []
+    return [
+        f"parallel.placement pins {', '.join(placement)} to devices for "
+        f"parallel.strategy=placement only; this run's strategy, {name}, ignores it: set "
+        "parallel.strategy=placement, or remove parallel.placement"
+    ]
+
+
 def in_worker() -> bool:
     """Whether this process is one of several started by a launcher (phalanx's own, or torchrun)."""
     return environment.here().in_group

@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import pipelining
 from torch.utils._pytree import tree_map
 
 from phalanx import keras_models
@@ -236,8 +237,6 @@ class Pipeline(ProcessGroup):
         """The stage and its schedule, made at the first step (the adapter is the engine's)."""
         if self._schedule is not None:
             return self._schedule
-        from torch.distributed import pipelining
-
         split = self._split
         assert split is not None  # setup has run
         bounds = [0, *split.cuts, split.size]
@@ -261,7 +260,8 @@ class Pipeline(ProcessGroup):
                 engine.precision,
             )
             stages.append(
-                pipelining.PipelineStage(
+                _CountedStage(
+                    self.progress.enter,
                     module,
                     k,
                     self.stages,
@@ -312,7 +312,8 @@ class Pipeline(ProcessGroup):
             self._global_size = micro.global_size
             self._captured.clear()
             padded, real = self._pad_step(self._converted(engine, batch), len(micro.shard))
-            schedule.step(target=real, **padded)
+            with self._counted_evenly(self.settings.microbatches):
+                schedule.step(target=real, **padded)
             parts.append(concat(self._captured) if self.is_last and micro.shard else None)
         start = time.perf_counter()
         self._reduce_gradients()
@@ -335,6 +336,22 @@ class Pipeline(ProcessGroup):
             stopped = before.settled()
             communication += time.perf_counter() - start
         return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
+
+    @contextlib.contextmanager
+    def _counted_evenly(self, microbatches: int) -> Iterator[None]:
+        """The schedule's step (or round) of `microbatches` as one collective, and its sends and
+        receives (`_count_transfer`): after it, every process has counted as many, whichever
+        stages it holds (a first or last stage sends and receives half of what a middle one does),
+        so that the counts of processes in the next step stay comparable."""
+        before = self.progress.entered
+        self.progress.enter("the pipeline schedule")
+        yield
+        # a stage k's transfers of one micro-batch count k and k + 1 (activations in and out),
+        # S - 1 - k and S - k (gradients): 2 S at most
+        most = 2 * self.stages * microbatches * len(self.mine)
+        what = self.progress.what
+        for _ in range(before + 1 + most - self.progress.entered):
+            self.progress.enter(what)
 
     def _pad_step(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
         """The shard padded to the schedule's micro-batches, and each row's weight (1 real, 0
@@ -416,6 +433,7 @@ class Pipeline(ProcessGroup):
     def _mean(self, values: torch.Tensor) -> torch.Tensor:
         """`values`' mean over every process."""
         values = values.to(self.device, torch.float64)
+        self.progress.enter("the averaging of the blocks' measured times")
         dist.all_reduce(values)
         return values.cpu() / self.world_size
 
@@ -443,9 +461,11 @@ class Pipeline(ProcessGroup):
                 padded, real = self._pad_step(part, min(per_round, n - start))
                 self._captured.clear()
                 if self.settings.schedule in V_SCHEDULES:
-                    self._evaluate_in_turn(padded, min(per_round, n - start))
+                    with self._counted_evenly(1):
+                        self._evaluate_in_turn(padded, min(per_round, n - start))
                 else:
-                    schedule.eval(target=real, **padded)
+                    with self._counted_evenly(self.settings.microbatches):
+                        schedule.eval(target=real, **padded)
                 out.extend(self._captured)
         return concat(out) if self.is_last else {}
 
@@ -464,9 +484,11 @@ class Pipeline(ProcessGroup):
                     shape, dtype = split.shapes[k - 1]
                     rows = next(iter(padded.values())).shape[0]
                     activation = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
+                    _count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
                     dist.recv(activation, self._global_rank(k - 1), group=self._pipe)
                     received = (activation,)
                 elif self._position_of(k - 1) == self.position:
+                    _count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
                     dist.send(received[0], self._global_rank(k), group=self._pipe)
             if here == self.position:
                 output = self._stage_modules[k](*received, **padded)
@@ -635,6 +657,61 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
 
 
 # --- the stages ---------------------------------------------------------------------------
+
+
+class _CountedStage(pipelining.PipelineStage):
+    """A stage whose sends and receives, as the schedules make them, count as collectives
+    (`enter`, once per stage the transfer lies down the flow of its data: see `_count_transfer`),
+    so that a timed-out transfer names the rank that did not come to it, and its step."""
+
+    def __init__(self, enter: Callable[[str], None], *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._enter = enter
+
+    def _counted(self, ops: list, gradient: bool, chunk: int, source: int, target: int) -> list:
+        if ops:  # the side a first or last stage lacks makes none
+            _count_transfer(self._enter, self.num_stages, gradient, chunk, source, target)
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, False, fwd_chunk_id, k - 1, k)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, False, fwd_chunk_id, k, k + 1)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, True, bwd_chunk_id, k + 1, k)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, True, bwd_chunk_id, k, k - 1)
+
+
+def _count_transfer(
+    enter: Callable[[str], None],
+    stages: int,
+    gradient: bool,
+    chunk: int | None,
+    source: int,
+    target: int,
+) -> None:
+    """A transfer between two stages, counted on both its sides as many times as its target lies
+    stages down the flow of its data (activations from the first stage, gradients from the last):
+    a process that waits for a stage up the flow has then counted more than the hung process it
+    waits for, though both received the same number of micro-batches. (The counts of a step are
+    evened out after it: `Pipeline._counted_evenly`.)"""
+    what = "gradient" if gradient else "activation"
+    of = f"micro-batch {chunk + 1}'s" if chunk is not None else "the round's"
+    name = f"the transfer of {of} {what} from stage {source} to stage {target}"
+    for _ in range(stages - 1 - target if gradient else target):
+        enter(name)
 
 
 _KEY = "batch_"  # before each batch key passed to the schedule: none may be its own argument
