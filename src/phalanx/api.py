@@ -740,13 +740,11 @@ def _worker_trainer(
     logs.setup(
         run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
     )
-    if strategy.device.type == "cpu":
-        threads = cfg.parallel.cpu_threads
-        if threads != "auto":
-            torch.set_num_threads(threads * len(strategy.devices))
-        elif strategy.world_size > 1:  # the machine's cores shared among its workers
-            local = environment.here().local_world_size
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if strategy.device.type == "cpu":  # the rule `phalanx plan` measures with
+        local = environment.here().local_world_size if strategy.world_size > 1 else 1
+        threads = strategies.cpu_threads(cfg.parallel.cpu_threads, local, len(strategy.devices))
+        if threads is not None:
+            torch.set_num_threads(threads)
     if strategy.world_size > 1:
         from phalanx.strategies.distributed import check_same_config
 

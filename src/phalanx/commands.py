@@ -317,13 +317,9 @@ def bench(
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     predicted = _predicted(config_path, overrides, devices) if plan else {}
-    # On the CPU every configuration gets the same threads per device, the most that the largest
-    # one can give each of its processes: otherwise one process would use every core against
-    # workers with one each, and the table would compare thread counts, not devices.
-    threads = None if torch.cuda.is_available() else max(1, strategies.cpu_cores() // max(devices))
-    accelerator = (
-        [] if threads is None else ["parallel.accelerator=cpu", f"parallel.cpu_threads={threads}"]
-    )
+    # each count runs as `phalanx train` runs it: on the CPU, one process with its own threads and
+    # several sharing the cores (`parallel.cpu_threads`), which each row says
+    accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
     warmup = min(5, steps // 2)
     hooks = (
         f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {warmup}}}}}, "
@@ -356,6 +352,7 @@ def bench(
                 "devices": n,
                 "samples_per_s": measured,
                 "tokens_per_s": summary.get("tokens_per_s"),
+                "cpu_threads": summary.get("cpu_threads"),
                 "mfu": summary.get("mfu"),
                 **_shares(summary),
                 "predicted_samples_per_s": guess,
@@ -366,12 +363,12 @@ def bench(
     write_text_atomic(
         out_dir / "bench.json",
         json.dumps(
-            {"config": str(config_path), "steps": steps, "cpu_threads": threads, "rows": rows},
+            {"config": str(config_path), "steps": steps, "rows": rows},
             indent=1,
         ),
     )
     _plot_scaling(rows, out_dir / "scaling.png")
-    _print_scaling(rows, out_dir, threads)
+    _print_scaling(rows, out_dir)
     return rows
 
 
@@ -414,13 +411,15 @@ def _shares(summary: dict[str, Any]) -> dict[str, float]:
     return {f"{k}_share": v / total for k, v in profile.items()}
 
 
-def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None:
+def _print_scaling(rows: list[dict], out_dir: Path) -> None:
     title = f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))"
-    if threads is not None:
-        title += f"; {threads} CPU thread(s) per device in every run"
+    threads = any(r.get("cpu_threads") for r in rows)
+    if threads:
+        title += "; CPU threads: each process's"
     table = Table(title=title)
     for column in (
         "devices",
+        *(["threads"] if threads else []),
         "samples/s",
         "predicted",
         "error",
@@ -442,6 +441,7 @@ def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None
     for r in rows:
         table.add_row(
             str(r["devices"]),
+            *([str(r.get("cpu_threads") or "-")] if threads else []),
             f"{r['samples_per_s']:,.0f}",
             "-" if not r.get("predicted_samples_per_s") else f"{r['predicted_samples_per_s']:,.0f}",
             "-" if r.get("prediction_error") is None else f"{100 * r['prediction_error']:+.0f}%",

@@ -51,6 +51,18 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def cpu_threads(setting: int | str, processes: int, devices: int = 1) -> int | None:
+    """torch's threads in a CPU process that drives `devices` devices, one of `processes` on its
+    machine: `setting` (`parallel.cpu_threads`) a device where it is a number; `auto`: a process
+    alone keeps the threads it has (None: torch's own, OMP_NUM_THREADS where set, else every
+    core), and several share the machine's cores evenly, at least one each."""
+    if isinstance(setting, int):
+        return setting * devices
+    if processes <= 1:
+        return None
+    return max(1, cpu_cores() // processes)
+
+
 def resolve_device(cfg: Config) -> tuple[str, int]:
     """(accelerator, devices per machine) from `parallel` and the `model.n_gpus` alias."""
     accelerator, devices = cfg.parallel.accelerator, cfg.parallel.devices
