@@ -325,15 +325,45 @@ def bench(
         f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {warmup}}}}}, "
         f"{{StopAfter: {{steps: {steps}}}}}]"
     )
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    try:
+        rows = _bench_runs(
+            config_path, devices, [*overrides, *accelerator, hooks], out_dir, predicted
+        )
+    except BaseException:
+        # a run that failed before it trained is discarded: the folders made for it go too
+        for folder in made:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+    rows = metrics.scaling(rows)
+    write_text_atomic(
+        out_dir / "bench.json",
+        json.dumps(
+            {"config": str(config_path), "steps": steps, "rows": rows},
+            indent=1,
+        ),
+    )
+    _plot_scaling(rows, out_dir / "scaling.png")
+    _print_scaling(rows, out_dir)
+    return rows
+
+
+def _bench_runs(
+    config_path: str,
+    devices: list[int],
+    overrides: list[str],
+    out_dir: Path,
+    predicted: dict[int, float],
+) -> list[dict]:
+    """Train the config at each device count in `out_dir`; a row each, beside the prediction."""
     rows = []
     for n in devices:
         name = f"devices{n}"
         fixed = [
-            *accelerator,
             f"parallel.devices={n}",
             f"output_root={out_dir}",
             f"name={name}",
-            hooks,
             "main_loop.epochs=1000000",
             "main_loop.extra_streams=[]",
             "main_loop.skip_zeroth_epoch=true",
@@ -359,16 +389,6 @@ def bench(
                 "prediction_error": (guess - measured) / measured if guess and measured else None,
             }
         )
-    rows = metrics.scaling(rows)
-    write_text_atomic(
-        out_dir / "bench.json",
-        json.dumps(
-            {"config": str(config_path), "steps": steps, "rows": rows},
-            indent=1,
-        ),
-    )
-    _plot_scaling(rows, out_dir / "scaling.png")
-    _print_scaling(rows, out_dir)
     return rows
 
 

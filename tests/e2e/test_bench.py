@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import toy
 
-from phalanx import strategies
+from phalanx import commands, strategies
+from phalanx.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
 _SCRIPT = Path(sys.executable).with_name("phalanx")
@@ -74,3 +75,12 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
     assert listed.returncode == 0, listed.stderr
     for n in (1, 2):
         assert f"bench/devices{n}-" in listed.stdout
+
+
+def test_a_bench_whose_run_fails_before_it_trains_leaves_no_folder(tmp_path, monkeypatch):
+    """The run is discarded (nothing trained), and so are the folders made for it."""
+    monkeypatch.chdir(tmp_path)
+    path = toy.write_config(tmp_path, toy.regression_config(model={"class": "toy.NoSuchModel"}))
+    with pytest.raises(ConfigError, match="has no 'NoSuchModel'"):
+        commands.bench(str(path), [1], 2, [], None, plan=False)
+    assert not (tmp_path / "runs").exists()
