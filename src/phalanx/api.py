@@ -103,6 +103,7 @@ def fit(
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
+    _check_strategy(cfg, nodes)
     if nodes is not None:
         run_dir, code = _train_on_nodes(cfg, path, nodes)
         return _launched(run_dir, code)
@@ -446,6 +447,7 @@ def _resume(
     cfg = config.validate(
         objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     )
+    _check_strategy(cfg, nodes)
     if nodes is None and not strategies.needs_launch(cfg):
         try:
             return _ended(run_dir, *_work(run_dir, True, overrides, objects))
@@ -483,6 +485,15 @@ def _resume(
         cfg.parallel.max_restarts,
         strategies.rejoining(cfg, devices),
     )
+
+
+def _check_strategy(cfg: config.Config, nodes: Nodes | None) -> None:
+    """The strategy's own conditions on the job's processes, before any starts and anything is
+    made or written (a resume's overrides included)."""
+    if nodes is not None and nodes.elastic:
+        return  # its processes are counted as machines join: each worker checks as it builds
+    machines = 1 if nodes is None else nodes.count
+    strategies.check(cfg, strategies.resolve_device(cfg)[1] * machines)
 
 
 def _until_it_fits(run_dir: Path, count: int) -> Run:
