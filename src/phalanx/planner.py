@@ -485,6 +485,15 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
     if m.p2p is not None:
         sources.add(m.p2p.source)
     logs.out.print(f"links: {', '.join(sorted(sources)) or 'none needed'}")
+    threads = report["cpu_threads_per_process"]
+    if threads:  # as each setup's runs will have them, which the plan measured with
+        most = max(threads)
+        said = [f"{threads[1]} for one process"] + [
+            f"{t} each for {n}"
+            for n, t in threads.items()
+            if n > 1 and (t != threads[n - 1] or n == most)
+        ]
+        logs.out.print(f"CPU threads: {', '.join(said)} (parallel.cpu_threads)")
 
 
 def _shown(predictions: list[costs.Prediction]) -> list[costs.Prediction]:
