@@ -104,6 +104,7 @@ def fit(
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
+    _check_strategy(cfg, nodes)
     if nodes is not None:
         run_dir, code = _train_on_nodes(cfg, path, nodes)
         return _launched(run_dir, code)
@@ -447,6 +448,7 @@ def _resume(
     cfg = config.validate(
         objects.into(config.apply_overrides(rundir.load_config_text(run_dir), overrides))
     )
+    _check_strategy(cfg, nodes)
     if nodes is None and not strategies.needs_launch(cfg):
         try:
             return _ended(run_dir, *_work(run_dir, True, overrides, objects))
@@ -484,6 +486,15 @@ def _resume(
         cfg.parallel.max_restarts,
         strategies.rejoining(cfg, devices),
     )
+
+
+def _check_strategy(cfg: config.Config, nodes: Nodes | None) -> None:
+    """The strategy's own conditions on the job's processes, before any starts and anything is
+    made or written (a resume's overrides included)."""
+    if nodes is not None and nodes.elastic:
+        return  # its processes are counted as machines join: each worker checks as it builds
+    machines = 1 if nodes is None else nodes.count
+    strategies.check(cfg, strategies.resolve_device(cfg)[1] * machines)
 
 
 def _until_it_fits(run_dir: Path, count: int) -> Run:
@@ -765,13 +776,11 @@ def _worker_trainer(
     logs.setup(
         run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
     )
-    if strategy.device.type == "cpu":
-        threads = cfg.parallel.cpu_threads
-        if threads != "auto":
-            torch.set_num_threads(threads * len(strategy.devices))
-        elif strategy.world_size > 1:  # the machine's cores shared among its workers
-            local = environment.here().local_world_size
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if strategy.device.type == "cpu":  # the rule `phalanx plan` measures with
+        local = environment.here().local_world_size if strategy.world_size > 1 else 1
+        threads = strategies.cpu_threads(cfg.parallel.cpu_threads, local, len(strategy.devices))
+        if threads is not None:
+            torch.set_num_threads(threads)
     if strategy.world_size > 1:
         from phalanx.strategies.distributed import check_same_config
 

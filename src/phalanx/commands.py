@@ -352,27 +352,53 @@ def bench(
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     predicted = _predicted(config_path, overrides, devices) if plan else {}
-    # On the CPU every configuration gets the same threads per device, the most that the largest
-    # one can give each of its processes: otherwise one process would use every core against
-    # workers with one each, and the table would compare thread counts, not devices.
-    threads = None if torch.cuda.is_available() else max(1, strategies.cpu_cores() // max(devices))
-    accelerator = (
-        [] if threads is None else ["parallel.accelerator=cpu", f"parallel.cpu_threads={threads}"]
-    )
+    # each count runs as `phalanx train` runs it: on the CPU, one process with its own threads and
+    # several sharing the cores (`parallel.cpu_threads`), which each row says
+    accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
     warmup = min(5, steps // 2)
     hooks = (
         f"hooks=[{{LogThroughput: {{every_n_steps: {steps}, warmup_steps: {warmup}}}}}, "
         f"{{StopAfter: {{steps: {steps}}}}}]"
     )
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]
+    try:
+        rows = _bench_runs(
+            config_path, devices, [*overrides, *accelerator, hooks], out_dir, predicted
+        )
+    except BaseException:
+        # a run that failed before it trained is discarded: the folders made for it go too
+        for folder in made:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+        raise
+    rows = metrics.scaling(rows)
+    write_text_atomic(
+        out_dir / "bench.json",
+        json.dumps(
+            {"config": str(config_path), "steps": steps, "rows": rows},
+            indent=1,
+        ),
+    )
+    _plot_scaling(rows, out_dir / "scaling.png")
+    _print_scaling(rows, out_dir)
+    return rows
+
+
+def _bench_runs(
+    config_path: str,
+    devices: list[int],
+    overrides: list[str],
+    out_dir: Path,
+    predicted: dict[int, float],
+) -> list[dict]:
+    """Train the config at each device count in `out_dir`; a row each, beside the prediction."""
     rows = []
     for n in devices:
         name = f"devices{n}"
         fixed = [
-            *accelerator,
             f"parallel.devices={n}",
             f"output_root={out_dir}",
             f"name={name}",
-            hooks,
             "main_loop.epochs=1000000",
             "main_loop.extra_streams=[]",
             "main_loop.skip_zeroth_epoch=true",
@@ -391,22 +417,13 @@ def bench(
                 "devices": n,
                 "samples_per_s": measured,
                 "tokens_per_s": summary.get("tokens_per_s"),
+                "cpu_threads": summary.get("cpu_threads"),
                 "mfu": summary.get("mfu"),
                 **_shares(summary),
                 "predicted_samples_per_s": guess,
                 "prediction_error": (guess - measured) / measured if guess and measured else None,
             }
         )
-    rows = metrics.scaling(rows)
-    write_text_atomic(
-        out_dir / "bench.json",
-        json.dumps(
-            {"config": str(config_path), "steps": steps, "cpu_threads": threads, "rows": rows},
-            indent=1,
-        ),
-    )
-    _plot_scaling(rows, out_dir / "scaling.png")
-    _print_scaling(rows, out_dir, threads)
     return rows
 
 
@@ -449,13 +466,15 @@ def _shares(summary: dict[str, Any]) -> dict[str, float]:
     return {f"{k}_share": v / total for k, v in profile.items()}
 
 
-def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None:
+def _print_scaling(rows: list[dict], out_dir: Path) -> None:
     title = f"scaling ({out_dir}); efficiency = throughput(N) / (N x throughput(1))"
-    if threads is not None:
-        title += f"; {threads} CPU thread(s) per device in every run"
+    threads = any(r.get("cpu_threads") for r in rows)
+    if threads:
+        title += "; CPU threads: each process's"
     table = Table(title=title)
     for column in (
         "devices",
+        *(["threads"] if threads else []),
         "samples/s",
         "predicted",
         "error",
@@ -477,6 +496,7 @@ def _print_scaling(rows: list[dict], out_dir: Path, threads: int | None) -> None
     for r in rows:
         table.add_row(
             str(r["devices"]),
+            *([str(r.get("cpu_threads") or "-")] if threads else []),
             f"{r['samples_per_s']:,.0f}",
             "-" if not r.get("predicted_samples_per_s") else f"{r['predicted_samples_per_s']:,.0f}",
             "-" if r.get("prediction_error") is None else f"{100 * r['prediction_error']:+.0f}%",

@@ -99,6 +99,9 @@ class Measured:
     microbatch_s: float = 0.0  # what a pipeline pays a micro-batch beyond its stages and messages
     refused: dict[str, str] = field(default_factory=dict)  # strategies that cannot train it: why
     data_s_per_sample: float = 0.0  # fetching and collating a sample, in the training loop
+    # one process's compute in a setup of several processes, by their count, where it differs from
+    # `compute` (one process alone): on the CPU each has its share of the cores, not all of them
+    computes: dict[int, Compute] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Measured:
@@ -108,6 +111,7 @@ class Measured:
             **{
                 **raw,
                 "compute": Compute(**raw["compute"]),
+                "computes": {int(n): Compute(**c) for n, c in raw.get("computes", {}).items()},
                 "all_reduce": {int(n): Link(**link) for n, link in raw["all_reduce"].items()},
                 "p2p": Link(**raw["p2p"]) if raw.get("p2p") else None,
                 "blocks": tuple(Block(**block) for block in raw.get("blocks", ())),
@@ -146,6 +150,12 @@ class Prediction:
     speedup: float = 1.0  # one device's step time over this one's
     efficiency: float = 1.0  # the speedup over the device count
     notes: list[str] = field(default_factory=list)
+
+
+def compute_of(m: Measured, setup: Setup) -> Compute:
+    """What a process of `setup` computes with: towers and placement are one process."""
+    alone = setup.strategy in ("single", "towers", "placement")
+    return m.compute if alone else m.computes.get(setup.devices, m.compute)
 
 
 def predict(m: Measured, setup: Setup) -> Prediction:
@@ -246,7 +256,7 @@ def _single(m: Measured, setup: Setup) -> Prediction:
 def _ddp(m: Measured, setup: Setup) -> Prediction:
     n = setup.devices
     micro = math.ceil(m.batch / (m.accumulation * n))
-    one = m.compute.time(micro) * m.crowding
+    one = compute_of(m, setup).time(micro) * m.crowding
     compute = m.accumulation * one
     reduce = _link(m, n).time(m.grad_bytes)
     hidden = min(reduce, m.overlap * m.compute.backward_share * one)
@@ -271,7 +281,7 @@ def _ddp(m: Measured, setup: Setup) -> Prediction:
 def _fsdp(m: Measured, setup: Setup) -> Prediction:
     n = setup.devices
     micro = math.ceil(m.batch / (m.accumulation * n))
-    one = m.compute.time(micro) * m.crowding
+    one = compute_of(m, setup).time(micro) * m.crowding
     compute = m.accumulation * one
     # each unit (a block of the chain, and the rest of the model) gathers its parameters for
     # each micro-batch's forward and again for its backward, and reduce-scatters its gradients
@@ -315,7 +325,7 @@ def _pipeline(m: Measured, setup: Setup) -> Prediction:
     mine = _stages_of(setup.schedule, p, len(shares))  # each process's stages
     share = max(sum(shares[k] for k in ks) for ks in mine)  # the busiest process's part
     micro = math.ceil(m.batch / (m.accumulation * copies * mb))
-    whole = m.compute.time(micro)
+    whole = compute_of(m, setup).time(micro)
     if setup.strategy == "pipeline":  # processes on one machine slow each other while both compute
         whole *= 1 + (m.crowding - 1) * _together(p, mb, copies)
     slot = share * whole  # the busiest process's forward and backward of one micro-batch

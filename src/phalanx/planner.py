@@ -68,7 +68,7 @@ def plan(
         )
     if nnodes > 1 and link not in KNOWN_LINKS:
         raise ConfigError(f"--link {link!r} is not a known link; use one of {list(KNOWN_LINKS)}")
-    threads = None if accelerator == "cuda" else max(1, strategies.cpu_cores() // here)
+    threads = _threads(cfg, accelerator, here, here * nnodes)
     auto = _auto(cfg)
     measured = measure(config_path, _one(cfg, overrides, accelerator), accelerator, here, threads)
     measured = _across_machines(measured, here, nnodes, link)
@@ -78,7 +78,7 @@ def plan(
         "accelerator": accelerator,
         "devices_per_machine": here,
         "machines": nnodes,
-        "cpu_threads_per_process": threads,
+        "cpu_threads_per_process": None if accelerator == "cuda" else threads,
         "auto_accumulation": auto,
         "measured": _jsonable(asdict(measured)),
         "predictions": [_row(p) for p in predictions],
@@ -111,6 +111,17 @@ def _one(cfg: config.Config, overrides: list[str], accelerator: str) -> list[str
     ]
 
 
+def _threads(cfg: config.Config, accelerator: str, here: int, most: int) -> dict[int, int]:
+    """torch's threads in each process of a setup of 1..`most` processes (at most `here` a machine),
+    by the setup's process count, as the runs will set them (`strategies.cpu_threads`): one
+    process alone keeps this one's. On GPUs the threads do not compute: this process's for all."""
+    own = torch.get_num_threads()
+    if accelerator == "cuda":
+        return dict.fromkeys(range(1, most + 1), own)
+    setting = cfg.parallel.cpu_threads
+    return {n: strategies.cpu_threads(setting, min(n, here)) or own for n in range(1, most + 1)}
+
+
 def _auto(cfg: config.Config) -> bool:
     return cfg.parallel.gradient_accumulation == "auto"
 
@@ -127,7 +138,9 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
             "parallel.gradient_accumulation=auto cannot price placement's devices (each holds "
             "the modules the config pins to it); give a number"
         )
-    threads = None if accelerator == "cuda" else max(1, strategies.cpu_cores() // devices)
+    # the run's own processes' threads: what one device is measured with (the memory is what
+    # counts here)
+    threads = {1: _threads(cfg, accelerator, devices, devices)[devices]}
     m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
     m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
     setup = costs.Setup(name, devices)
@@ -195,17 +208,32 @@ def measure(
     one: list[str],
     accelerator: str,
     devices: int,
-    threads: int | None,
+    threads: Mapping[int, int],
 ) -> costs.Measured:
     """Everything the cost model needs, measured in this process and, for the links, in
-    `devices` processes started as the job's would be."""
+    `devices` processes started as the job's would be. `threads`: torch's threads in each process
+    of a setup, by its process count; the computation is measured at each count, and this
+    process's own threads are as they were after."""
+    own = torch.get_num_threads()
+    try:
+        return _measure(config_path, one, accelerator, devices, threads)
+    finally:
+        torch.set_num_threads(own)
+
+
+def _measure(
+    config_path: str,
+    one: list[str],
+    accelerator: str,
+    devices: int,
+    threads: Mapping[int, int],
+) -> costs.Measured:
     from phalanx import loading
     from phalanx.data import Micro, get_stream
     from phalanx.model import Forward
     from phalanx.trainer import Trainer
 
-    if threads is not None:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads[1])
     cfg = config.load(config_path, one)[0]
     search = [Path(config_path).resolve().parent, Path.cwd()]
     log.info("plan: building the model and the dataset on one %s device", accelerator)
@@ -229,21 +257,15 @@ def measure(
         "plan: timing one device's training step (7 of each) at micro-batches of %s samples",
         ", ".join(map(str, sizes)),
     )
-    times, optimizer = {}, []
-    for b in sizes:
-        step = fetched(b)
-        for _ in range(2):  # warm-up: the first steps allocate
-            trainer.train_step(step)
-        runs = []
-        for _ in range(5):
-            synchronize(trainer.strategy.device)
-            start = time.perf_counter()
-            outcome = trainer.train_step(step)
-            synchronize(trainer.strategy.device)
-            runs.append((time.perf_counter() - start - outcome.optimizer_s, outcome.optimizer_s))
-        times[b] = min(r[0] for r in runs)
-        optimizer.append(statistics.median(r[1] for r in runs))
-    compute = _fit(times)
+    steps = {b: fetched(b) for b in sizes}
+    compute, optimizer = _compute(trainer, steps)
+    # a process of several computes with its share of the cores: measured at each share
+    at: dict[int, costs.Compute] = {threads[1]: compute}
+    for n in sorted(threads):
+        if n > 1 and threads[n] not in at:
+            torch.set_num_threads(threads[n])
+            at[threads[n]] = _compute(trainer, steps)[0]
+    torch.set_num_threads(threads[1])
     model = trainer.model
     params = [p for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -267,7 +289,8 @@ def measure(
         batch=batch,
         accumulation=accumulation,
         compute=compute,
-        optimizer_s=statistics.median(optimizer),
+        computes={n: at[t] for n, t in threads.items() if n > 1 and at[t] is not compute},
+        optimizer_s=optimizer,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
@@ -288,8 +311,27 @@ def measure(
         devices,
         " and a pipeline" if split else "",
     )
-    found = links(one, config_path, devices, threads, grad_bytes, split)
+    found = links(one, config_path, devices, threads[devices], grad_bytes, split)
     return calibrated(measured, found, devices, split)
+
+
+def _compute(trainer: Any, steps: Mapping[int, list]) -> tuple[costs.Compute, float]:
+    """The forward and backward of each batch size's step (the fastest of 5, after 2 that warm
+    up), fitted to `fixed + per_sample * b`; and the optimizer's step (the median)."""
+    times, optimizer = {}, []
+    for b, step in steps.items():
+        for _ in range(2):  # warm-up: the first steps allocate
+            trainer.train_step(step)
+        runs = []
+        for _ in range(5):
+            synchronize(trainer.strategy.device)
+            start = time.perf_counter()
+            outcome = trainer.train_step(step)
+            synchronize(trainer.strategy.device)
+            runs.append((time.perf_counter() - start - outcome.optimizer_s, outcome.optimizer_s))
+        times[b] = min(r[0] for r in runs)
+        optimizer.append(statistics.median(r[1] for r in runs))
+    return _fit(times), statistics.median(optimizer)
 
 
 def _devices_here(accelerator: str, asked: int | None) -> int:
@@ -475,6 +517,15 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
     if m.p2p is not None:
         sources.add(m.p2p.source)
     logs.out.print(f"links: {', '.join(sorted(sources)) or 'none needed'}")
+    threads = report["cpu_threads_per_process"]
+    if threads:  # as each setup's runs will have them, which the plan measured with
+        most = max(threads)
+        said = [f"{threads[1]} for one process"] + [
+            f"{t} each for {n}"
+            for n, t in threads.items()
+            if n > 1 and (t != threads[n - 1] or n == most)
+        ]
+        logs.out.print(f"CPU threads: {', '.join(said)} (parallel.cpu_threads)")
 
 
 def unplanned(m: costs.Measured, devices: int) -> dict[str, str]:

@@ -5,12 +5,15 @@ line; the child keeps the history and draws it at most once every INTERVAL_S sec
 when training ends (or, where it has not within CLOSE_WAIT_S, the trainer draws the last picture
 itself); it answers a line per drawing, `ok` or the error. A fresh interpreter, not a fork or a
 multiprocessing spawn: those copy the trainer's threads or run the user's script again. The child
-ignores SIGINT and SIGTERM (the trainer handles them and closes it) and exits when told, or when its
-input ends (the trainer died).
+runs in a process group of its own, so that a terminal's Ctrl-C (sent to the trainer's group) never
+reaches it, even while it starts; it ignores SIGINT and SIGTERM too (the trainer handles them and
+closes it) and exits when told, or when its input ends (the trainer died: it draws what it was
+given first, so that the plots are whole).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,7 +27,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from phalanx.errors import StorageError
-from phalanx.files import write_atomic, writing
+from phalanx.files import remove, write_atomic, writing
 
 log = logging.getLogger("phalanx")
 CLOSE_WAIT_S = (
@@ -136,8 +139,8 @@ class Painter:
     ) -> None:
         """Wait `wait_s` (CLOSE_WAIT_S) at most for the last drawing; an error the child reported is
         raised here. A child that has not drawn it by then (on a machine whose cores are all busy, a
-        child at idle priority waits) is ended, and `history`, where given with its `folder`, is
-        drawn here instead."""
+        child at idle priority waits) is ended, the picture it was writing removed, and `history`,
+        where given with its `folder`, is drawn here instead."""
         child, link = self._child, self._link
         if child is None or link is None:
             return
@@ -148,8 +151,9 @@ class Painter:
         try:
             self._unsent += b'{"end": true}\n'
             ended = self._send(link, deadline) and self._drain(link.answers, said, deadline)
-            if not ended and child.poll() is None and folder is not None and history is not None:
-                child.kill()
+            reported = any('"error"' in line for line in said)
+            if not ended and not reported and folder is not None and history is not None:
+                _end(child, folder)
                 log.info(
                     "PlotLines: the drawing process had not drawn the last epochs after %.0f s; "
                     "drawn here",
@@ -157,9 +161,7 @@ class Painter:
                 )
                 draw(folder, history)
         finally:
-            if child.poll() is None:
-                child.kill()
-            child.wait()
+            _end(child, folder)
             for pipe in (link.requests, link.replies):
                 try:
                     pipe.close()
@@ -220,6 +222,7 @@ class Painter:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
+                process_group=0,
             )
         except OSError as e:
             log.warning(
@@ -238,6 +241,16 @@ class Painter:
             answer = json.loads(line)
             if answer.get("error"):
                 raise StorageError(f"PlotLines: {answer['error']}")
+
+
+def _end(child: subprocess.Popen[bytes], folder: Path | None) -> None:
+    """End the drawing process, and remove the temporary file of a picture it was writing."""
+    if child.poll() is None:
+        child.kill()
+    child.wait()
+    if child.returncode == -signal.SIGKILL and folder is not None:
+        for partial in folder.glob(".*.png.tmp"):
+            remove(partial)
 
 
 def _serve() -> None:
@@ -259,7 +272,11 @@ def _serve() -> None:
     while not ended:
         wait = None if undrawn is None else max(0.0, last + INTERVAL_S - time.monotonic())
         lines = requests.ready(wait)
-        if lines is None:  # the trainer is gone
+        if lines is None:  # the trainer is gone: what it sent is drawn, no one hears the answer
+            if undrawn is not None:
+                # an orphan's error has no one to tell: the next run's drawing reports it
+                with contextlib.suppress(Exception):
+                    draw(undrawn, history)
             return
         for line in lines:
             request = json.loads(line)

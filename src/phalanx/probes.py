@@ -239,7 +239,7 @@ def calibrated(
     bare = reduce[devices].time(m.grad_bytes)
     crowding = max(found["compute_side_by_side"] / max(found["compute_alone"], 1e-9), 1.0)
     micro = math.ceil(m.batch / (m.accumulation * devices))
-    computing = m.compute.time(micro) * crowding  # as the cost model prices it
+    computing = costs.compute_of(m, costs.Setup("ddp", devices)).time(micro) * crowding  # as priced
     exposed = max(found["ddp_step"] - computing, 0.0)
     backward = m.compute.backward_share * computing
     sync, overlap = max(exposed - bare, 0.0), 0.0

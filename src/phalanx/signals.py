@@ -12,7 +12,8 @@ phalanx's launcher relays the signals it receives to its workers through files i
 directory. A signal sent to one worker directly (a scheduler preempting it) is that worker's stop
 request once training runs: the ranks agree on stop flags at every step, so every rank finishes
 the same step and the checkpoint is saved once. Before training runs, and after, a signal ends a
-worker at once (the launcher ending it).
+worker at once (the launcher ending it). A data loader's worker, forked with the training process's
+handlers, leaves SIGINT (a terminal's Ctrl-C, sent to the whole process group) to that process.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class GracefulStop:
         self._reform_file: Path | None = None
         self._starting = False  # the hooks start: a signal ends the run before its first step
         self._checked = 0.0
+        self._pid = os.getpid()  # the training process, whose handlers forked children inherit
 
     @property
     def requested(self) -> bool:
@@ -189,6 +191,7 @@ class GracefulStop:
         global _at_once
         if threading.current_thread() is not threading.main_thread():
             return
+        self._pid = os.getpid()
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         _at_once = False
@@ -211,6 +214,10 @@ class GracefulStop:
             self._starting = False
 
     def _handle(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGINT and os.getpid() != self._pid:
+            # a data loader's worker, forked with this handler: a terminal's Ctrl-C reaches the
+            # whole process group, and the training process finishes its step and ends the workers
+            return
         if self.signum is not None or _at_once:
             exit_at_once(signum)
         if self._starting:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import toy
 
-from phalanx import strategies
+from phalanx import commands, strategies
+from phalanx.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
 _SCRIPT = Path(sys.executable).with_name("phalanx")
@@ -49,13 +50,23 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
         )
     assert "predicted" in result.stdout and "error" in result.stdout
     assert "efficiency" in result.stdout and "samples/s" in result.stdout
-    # the same threads per device in every run, not torch's default in one process against one
-    # thread in each worker; and the all-reduce that backward waits for is communication
-    threads = max(1, strategies.cpu_cores() // 2)
-    assert json.loads((out / "bench.json").read_text())["cpu_threads"] == threads
-    for run in (next(out.glob("devices1-*")), next(out.glob("devices2-*"))):
-        assert f"cpu device with {threads} thread" in (run / "log.txt").read_text()
-    assert f"{threads} CPU thread(s) per device in every run" in " ".join(result.stdout.split())
+    # each count runs with the threads `phalanx train` gives it, and says them: one process keeps
+    # torch's own, two share the cores; the all-reduce that backward waits for is communication
+    own = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    threads = [int(own.stdout), max(1, strategies.cpu_cores() // 2)]
+    assert [r["cpu_threads"] for r in rows] == threads
+    for run, n in zip(
+        (next(out.glob("devices1-*")), next(out.glob("devices2-*"))), threads, strict=True
+    ):
+        said = (run / "log.txt").read_text()
+        assert f"cpu device with {n} thread{'s' if n > 1 else ''};" in said
+    assert "CPU threads: each process's" in " ".join(result.stdout.split())
     assert rows[0]["communication_share"] == 0 < rows[1]["communication_share"]
     # `phalanx ls` of the folder above lists the runs that bench grouped in its own folder
     listed = subprocess.run(
@@ -64,3 +75,12 @@ def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):
     assert listed.returncode == 0, listed.stderr
     for n in (1, 2):
         assert f"bench/devices{n}-" in listed.stdout
+
+
+def test_a_bench_whose_run_fails_before_it_trains_leaves_no_folder(tmp_path, monkeypatch):
+    """The run is discarded (nothing trained), and so are the folders made for it."""
+    monkeypatch.chdir(tmp_path)
+    path = toy.write_config(tmp_path, toy.regression_config(model={"class": "toy.NoSuchModel"}))
+    with pytest.raises(ConfigError, match="has no 'NoSuchModel'"):
+        commands.bench(str(path), [1], 2, [], None, plan=False)
+    assert not (tmp_path / "runs").exists()

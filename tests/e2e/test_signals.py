@@ -1,10 +1,12 @@
-"""Signals sent to a real `phalanx train` process: the first SIGINT or SIGTERM finishes the step,
-saves and exits with 128 + the signal number; `phalanx resume` then ends where an uninterrupted run
-ends; a second signal exits at once and leaves no half-written checkpoint."""
+"""Signals sent to a real `phalanx train` process: the first SIGINT (to the process group, as a
+terminal's Ctrl-C) or SIGTERM finishes the step, saves, leaves every file of the run whole and exits
+with 128 + the signal number; `phalanx resume` then ends where an uninterrupted run ends; a second
+signal exits at once and leaves no half-written checkpoint."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -58,9 +60,21 @@ class SlowRegression(toy.Regression):
 
 def slow_config(delay: float) -> dict:
     return toy.regression_config(
-        dataset={"class": "slowtoy.SlowRegression", "batch_size": 4, "delay": delay},
+        # loader workers, which a terminal's Ctrl-C reaches too
+        dataset={
+            "class": "slowtoy.SlowRegression",
+            "batch_size": 4,
+            "delay": delay,
+            "num_workers": 2,
+        },
         main_loop={"epochs": EPOCHS},
-        hooks=[{"ComputeStats": {"variables": ["loss"]}}, "WriteCSV", "SaveLatest"],
+        hooks=[
+            {"ComputeStats": {"variables": ["loss"]}},
+            "WriteCSV",
+            "SaveLatest",
+            "PlotLines",
+            {"WriteTensorBoard": {"every_n_steps": 5}},
+        ],
     )
 
 
@@ -99,21 +113,21 @@ def assert_weights_equal(run: Path, step: int, expected: dict[str, torch.Tensor]
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    """train, SIGINT after the first epoch; resume, SIGTERM after one more epoch; resume to the
-    end."""
+    """train, SIGINT to its process group after the first epoch (while the drawing process of the
+    plots starts); resume, SIGTERM after one more epoch; resume to the end."""
     exp = tmp_path_factory.mktemp("signals") / "exp"
     toy.write_config(exp, slow_config(delay=0.01))
     (exp / "slowtoy.py").write_text(SLOW)
     root = exp / "runs"
 
-    proc = start("train", "config.yaml", cwd=exp)
+    proc = start("train", "config.yaml", cwd=exp, new_session=True)
     wait_until(
         lambda: (run := the_run(root)) and any(e["event"] == "epoch" for e in trace(run)),
         proc,
         what="the first epoch",
     )
     run = the_run(root)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
     first = finish(proc)
     first.trace = trace(run)
     first.run = shutil.copytree(
@@ -152,8 +166,35 @@ def test_sigint_finishes_the_step_saves_and_exits_130(chain):
     # the step was finished, not cut: the weights are those of exactly `step` steps
     assert_weights_equal(chain.first.run, step, reference_weights(chain.exp, steps=step))
     assert f"interrupted at step {step}" in first.stderr and "phalanx resume" in first.stderr
+    # said once, by the training process: its loader workers leave the stop to it
+    assert first.stderr.count("SIGINT received") == 1, first.stderr
     assert "Traceback" not in first.stderr
     assert not list((chain.first.run / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigint_to_the_process_group_leaves_every_file_of_the_run_whole(chain):
+    """Plots, metrics and TensorBoard events hold every epoch done; no temporary file is left."""
+    run = chain.first.run
+    step = chain.first.trace[-1]["step"]
+    state = json.loads((run / "checkpoints" / f"step-{step}" / "trainer.json").read_text())
+    epochs = list(range(1, state["epoch"] + 1))
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp")]
+    [history] = [h["history"] for name, h in state["hooks"].items() if name.endswith("PlotLines")]
+    assert [epoch for epoch, _ in history["valid.loss"]] == epochs
+    from phalanx.plots import draw
+
+    draw(chain.exp / "whole", history)
+    assert (run / "plots" / "loss.png").read_bytes() == (
+        chain.exp / "whole" / "loss.png"
+    ).read_bytes()
+    rows = (run / "metrics.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == epochs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("epoch")] == epochs
+    assert max(e.step for e in events.Scalars("train/step_loss")) == 5 * (step // 5)
 
 
 def test_sigterm_saves_and_exits_143(chain):

@@ -1,18 +1,65 @@
 """The two-tower example (examples/two_tower) learns the ratings, and trains alike on one process,
-split by layers over two (`pipeline`), and with its blocks placed by name (`placement`)."""
+split by layers over two (`pipeline`), and with its blocks placed by name (`placement`, in the
+CPU form its README shows); and its README's commands pass the config's checks as written."""
 
 from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
 
 import pytest
+import torch
 
-from tests.e2e.test_examples import run_side_by_side
+from phalanx import config, strategies
+from tests.e2e.test_examples import REPO, run_side_by_side
 
 pytestmark = pytest.mark.timeout(400)
 
 CONFIG = "examples/two_tower/config.yaml"
+README = REPO / "examples" / "two_tower" / "README.md"
+
+
+def documented() -> list[list[str]]:
+    """The README's `phalanx` commands, split as bash splits them (a variable such as `$B`
+    expanded where the README sets it), without the word `phalanx`."""
+    commands, variables = [], {}
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            name, _, value = words[0].partition("=") if len(words) == 1 else ("", "", "")
+            if name.isidentifier() and value:
+                variables[name] = shlex.split(value)
+                continue
+            words = [
+                w
+                for word in words
+                for w in (variables.get(word[1:], [word]) if word.startswith("$") else [word])
+            ]
+            if words[:1] == ["phalanx"]:
+                commands.append(words[1:])
+    return commands
+
+
+def _overrides(command: list[str]) -> tuple[list[str], int | None]:
+    """A train or bench command's overrides, and the device count bench gives."""
+    words, devices, overrides = iter(command[2:]), None, []
+    for word in words:
+        if word == "--devices":
+            devices = int(next(words))
+        elif word in ("--steps", "--output"):
+            next(words, None)
+        elif not word.startswith("--"):
+            overrides.append(word)
+    return overrides, devices
+
+
+CPU_PLACEMENT = next(
+    _overrides(c)[0]
+    for c in documented()
+    if c[0] == "train" and "parallel.strategy=placement" in c and "cuda" not in " ".join(c)
+)
 RUNS = {
     "single": [],
     "pipeline": [
@@ -22,10 +69,7 @@ RUNS = {
         "parallel.cpu_threads=1",
         "parallel.pipeline.split=auto",  # cut where the measured times balance
     ],
-    "placement": [
-        "parallel.strategy=placement",
-        "parallel.placement={layers.0: cpu, layers.1.item: cpu, layers.3: cpu}",
-    ],
+    "placement": CPU_PLACEMENT,
 }
 
 
@@ -85,3 +129,25 @@ def test_the_pipeline_and_placement_train_as_one_process_does(runs):
     log = (runs["pipeline"] / "log.txt").read_text()
     assert "the model in 2 stages on 2 processes" in log
     assert "; split auto at layers." in log  # and the blocks' times it chose by
+
+
+@pytest.mark.timeout(60)
+def test_the_readmes_commands_pass_the_configs_checks_as_written(monkeypatch):
+    """Each `phalanx train` and `phalanx bench` of the README, on this machine where it names no
+    GPU: the overrides load, the strategy's own checks pass (a pipeline's schedule and its
+    micro-batches), and a strategy of one process builds (placement's devices)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("RANK", raising=False)
+    commands = [c for c in documented() if c[0] in ("train", "bench")]
+    assert len(commands) >= 10, commands
+    for command in commands:
+        overrides, devices = _overrides(command)
+        if "cuda:" in " ".join(overrides) and not torch.cuda.is_available():
+            continue  # the README says these need two GPUs
+        if devices is not None:  # bench runs each count on the CPU where there is no GPU
+            overrides = [*overrides, f"parallel.devices={devices}"]
+        cfg = config.load(command[1], overrides)[0]
+        processes = strategies.resolve_device(cfg)[1]
+        strategies.check(cfg, processes)
+        if not strategies.needs_launch(cfg):
+            strategies.create(cfg)

@@ -307,6 +307,27 @@ def test_resume_refuses_an_override_the_checkpoint_cannot_take(tmp_path, overrid
     assert Checkpoints(run_dir / "checkpoints").latest_valid() == 7
 
 
+def test_a_refused_pipeline_resume_leaves_the_run_as_it_was(tmp_path):
+    """Overrides whose strategy cannot run (1f1b with fewer micro-batches than stages) are refused
+    before any process starts: the config, the trace and the log are as they were, and a plain
+    resume goes on."""
+    raw = _config(model={"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 3})
+    run_dir = _stopped(tmp_path, raw, stop=7)
+    files = ("config.yaml", "trace.jsonl", "log.txt")
+    before = {name: (run_dir / name).read_bytes() for name in files}
+    pipeline = [
+        "parallel.strategy=pipeline",
+        "parallel.accelerator=cpu",
+        "parallel.devices=3",
+        "parallel.pipeline={split: [net.2, net.4], microbatches: 2}",
+    ]
+    with pytest.raises(ConfigError, match="1f1b needs at least as many micro-batches as stages"):
+        commands.resume(str(run_dir), [*pipeline, f"hooks.{STOP}.StopAfter.steps=1000"])
+    assert {name: (run_dir / name).read_bytes() for name in files} == before
+    assert commands.resume(str(run_dir), [f"hooks.{STOP}.StopAfter.steps=1000"]) == 0
+    assert _latest(run_dir)[0] == 15
+
+
 def test_resume_at_an_epoch_boundary_may_change_the_seed(tmp_path):
     raw = _config(
         hooks=[

@@ -73,6 +73,47 @@ def test_a_pipeline_in_one_process_or_over_gloo_on_gpus_is_one_error(monkeypatch
         strategies.create(gloo)
 
 
+@pytest.mark.parametrize(
+    ("pipeline", "processes", "message"),
+    [
+        ({"split": ["net.2"], "microbatches": 1}, 2, r"1f1b needs at least as many micro-batches"),
+        ({"split": ["net.2", "net.4"], "microbatches": 2}, 3, r"2 micro-batches for 3 stages"),
+        (
+            {"split": ["net.1", "net.2", "net.3"], "microbatches": 3, "schedule": "dualpipev"},
+            2,
+            r"dualpipev needs .* 3 micro-batches for 4 stages",
+        ),
+        (
+            {"split": ["net.1", "net.2", "net.3"], "microbatches": 5, "schedule": "interleaved"},
+            2,
+            r"5 micro-batches do not share out evenly over 2 rounds .* a multiple of 2",
+        ),
+        ({"split": ["net.2"], "microbatches": 4}, 3, r"set parallel.devices to a multiple of 2"),
+    ],
+    ids=["1f1b-one", "1f1b-three-stages", "dualpipev", "interleaved-rounds", "devices"],
+)
+def test_a_pipeline_that_cannot_run_its_micro_batches_is_refused_before_it_starts(
+    pipeline, processes, message
+):
+    """The conditions torch's schedules set as they are built (at the first step), checked on the
+    config alone: `phalanx train` and `resume` refuse it before any process starts."""
+    piped = cfg(strategy="pipeline", accelerator="cpu", devices=processes, pipeline=pipeline)
+    with pytest.raises(ConfigError, match=message):
+        strategies.check(piped, processes)
+
+
+def test_pipelines_whose_schedules_can_run_pass_the_check():
+    for pipeline, processes in [
+        ({"split": ["net.2"], "microbatches": 1, "schedule": "gpipe"}, 2),
+        ({"split": ["net.2", "net.4"], "microbatches": 3}, 3),
+        ({"split": ["net.1", "net.2", "net.3"], "microbatches": 1, "schedule": "interleaved"}, 2),
+        ({"split": ["net.1", "net.2", "net.3"], "microbatches": 4, "schedule": "dualpipev"}, 2),
+        ({"split": ["net.2"], "microbatches": 2}, 4),  # two copies of two stages
+    ]:
+        piped = cfg(strategy="pipeline", accelerator="cpu", devices=processes, pipeline=pipeline)
+        strategies.check(piped, processes)
+
+
 def test_param_server_workers_but_the_main_one_rejoin_where_restarts_are_allowed():
     served = {"strategy": "param_server", "param_server": {"servers": 1}}
     assert strategies.rejoining(cfg(devices=4, max_restarts=2, **served), 4) == (1, 2)

@@ -173,6 +173,8 @@ class LogThroughput(Hook):
             "state_bytes": self.trainer.state_bytes(),
         }
         strategy = self.trainer.strategy
+        if strategy.device.type == "cpu":  # what the main process computed with
+            out["cpu_threads"] = torch.get_num_threads()
         sampled = (
             strategy.backward_communication()
             if isinstance(strategy, ReportsCommunication)

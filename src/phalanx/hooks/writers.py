@@ -302,13 +302,13 @@ class PlotLines(_Writer):
         painter, self._painter = self._painter, None
         if painter is None:
             return
-        # after a signal (a preemption's grace period runs), the run's end is not held up for the
-        # last picture
+        # after a signal (a preemption's grace period runs) or a failure, the run's end waits for
+        # the drawing process briefly, then draws the last picture itself: the plots are whole
         stopped = self.trainer.stop_requested
         try:
             painter.close(
                 self._run_dir / self.path,
-                None if stopped else self.history,
+                self.history,
                 wait_s=1.0 if stopped or not success else None,
             )
         except StorageError as e:

@@ -43,6 +43,18 @@ def rejoining(cfg: Config, devices: int) -> tuple[int, ...]:
     return tuple(range(1, devices - servers))
 
 
+def cpu_threads(setting: int | str, processes: int, devices: int = 1) -> int | None:
+    """torch's threads in a CPU process that drives `devices` devices, one of `processes` on its
+    machine: `setting` (`parallel.cpu_threads`) a device where it is a number; `auto`: a process
+    alone keeps the threads it has (None: torch's own, OMP_NUM_THREADS where set, else every
+    core), and several share the machine's cores evenly, at least one each."""
+    if isinstance(setting, int):
+        return setting * devices
+    if processes <= 1:
+        return None
+    return max(1, cpu_cores() // processes)
+
+
 def resolve_device(cfg: Config) -> tuple[str, int]:
     """(accelerator, devices per machine) from `parallel` and the `model.n_gpus` alias."""
     accelerator, devices = cfg.parallel.accelerator, cfg.parallel.devices
@@ -129,15 +141,22 @@ def in_worker() -> bool:
     return environment.here().in_group
 
 
+def _no_check(cfg: Config, accelerator: str, processes: int) -> None:
+    """A strategy whose config has no conditions beyond its settings' own."""
+
+
 @dataclass(frozen=True)
 class Entry:
     """A strategy as the config names it: how to build it for this process, and whether it runs one
     process per device (which `phalanx train` starts) or drives all of them from one. Its own
-    section of the config, `parallel.<name>`, is registered in `phalanx.settings`."""
+    section of the config, `parallel.<name>`, is registered in `phalanx.settings`. `check`: the
+    conditions of the config alone on the processes of the job, which its builder checks too,
+    and `phalanx train` and `resume` before any process starts or anything is written."""
 
     build: Callable[[Config, str, int], Strategy]  # (config, accelerator, devices per machine)
     process_per_device: bool
     summary: str
+    check: Callable[[Config, str, int], None] = _no_check  # (config, accelerator, processes)
 
 
 def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
@@ -198,13 +217,7 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
             f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
             "with phalanx train (which starts them) or under torchrun"
         )
-    _refuse(
-        "fsdp",
-        {
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-        },
-    )
+    _check_fsdp(cfg, accelerator, devices)
     from phalanx.strategies.fsdp import FSDP
 
     return FSDP(
@@ -215,7 +228,47 @@ def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
     )
 
 
+def _check_fsdp(cfg: Config, accelerator: str, processes: int) -> None:
+    _refuse(
+        "fsdp",
+        {
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+    )
+
+
 def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
+    settings = _pipeline_settings(cfg, accelerator)
+    if not in_worker():
+        per_process = settings.stages_per_process or 1
+        stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
+        processes = f"{stages // per_process} processes" if stages else "several processes"
+        raise ConfigError(
+            f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "
+            f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
+            "start phalanx under torchrun"
+        )
+    from phalanx.strategies.pipeline import Pipeline
+
+    # its stages and the schedule's micro-batches are checked as it is built, at the world's size
+    return Pipeline(
+        accelerator,
+        settings,
+        window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
+        timeout_s=cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
+    )
+
+
+def _check_pipeline(cfg: Config, accelerator: str, processes: int) -> None:
+    from phalanx.strategies.pipeline import layout
+
+    layout(_pipeline_settings(cfg, accelerator), processes)
+
+
+def _pipeline_settings(cfg: Config, accelerator: str) -> PipelineSettings:
+    """`parallel.pipeline`, checked against the rest of the config."""
     settings = cfg.parallel.optional_section("pipeline", PipelineSettings)
     if settings is None:
         raise ConfigError(
@@ -235,13 +288,6 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "process, parallel.pipeline.stages_per_process): a pipeline runs over two processes "
             f"or more; split it at {2 * per_process - 1} points, or set parallel.strategy=single"
         )
-    if not in_worker():
-        processes = f"{stages // per_process} processes" if stages else "several processes"
-        raise ConfigError(
-            f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "
-            f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
-            "start phalanx under torchrun"
-        )
     _refuse(
         "pipeline",
         {
@@ -252,31 +298,30 @@ def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
         },
         "parallel.strategy=ddp or fsdp",
     )
-    from phalanx.strategies.pipeline import Pipeline
-
-    return Pipeline(
-        accelerator,
-        settings,
-        window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
-        timeout_s=cfg.parallel.timeout_s,
-        backend=cfg.parallel.backend,
-    )
+    return settings
 
 
 def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
     settings = cfg.parallel.section("param_server", ParamServerSettings)
-    processes = environment.here().world_size
-    if in_worker() and processes <= settings.servers:
-        raise ConfigError(
-            f"parallel.param_server.servers={settings.servers} leaves no worker among the "
-            f"{processes} processes; set parallel.devices to at least {settings.servers + 1}, or "
-            "fewer servers"
-        )
-    if not in_worker():
+    if in_worker():
+        _check_param_server(cfg, accelerator, environment.here().world_size)
+    else:
         raise ConfigError(
             f"parallel.strategy=param_server runs {settings.servers} server(s) and at least one "
             f"worker, each a process; set parallel.devices to {settings.servers + 1} or more "
             "(phalanx starts them), or start phalanx under torchrun"
+        )
+    from phalanx.strategies.param_server import ParamServer
+
+    return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+
+
+def _check_param_server(cfg: Config, accelerator: str, processes: int) -> None:
+    servers = cfg.parallel.section("param_server", ParamServerSettings).servers
+    if processes <= servers:
+        raise ConfigError(
+            f"parallel.param_server.servers={servers} leaves no worker among the {processes} "
+            f"processes; set parallel.devices to at least {servers + 1}, or fewer servers"
         )
     _refuse(
         "param_server",
@@ -286,9 +331,6 @@ def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
             "precision=fp16": cfg.precision == "fp16",
         },
     )
-    from phalanx.strategies.param_server import ParamServer
-
-    return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
 
 
 def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
@@ -340,11 +382,13 @@ REGISTRY: dict[str, Entry] = {
         _fsdp,
         True,
         "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
+        _check_fsdp,
     ),
     "pipeline": Entry(
         _pipeline,
         True,
         "the model split by layers into stages, one process each; micro-batches flow through",
+        _check_pipeline,
     ),
     "placement": Entry(
         _placement, False, "one process, the model's modules pinned to devices by name"
@@ -354,6 +398,7 @@ REGISTRY: dict[str, Entry] = {
         True,
         "servers hold the parameters and the optimizer; workers pull, compute and push, without "
         "waiting for each other (a staleness bound)",
+        _check_param_server,
     ),
 }
 
@@ -375,6 +420,15 @@ def strategy_name(cfg: Config) -> str:
             f"one of {', '.join(['auto', 'plan', *REGISTRY])}"
         )
     return name
+
+
+def check(cfg: Config, processes: int) -> None:
+    """The config's strategy's own conditions on a job of `processes` processes (a pipeline's
+    stages and micro-batches, the settings a strategy does not support), before any process starts
+    or anything is written: a resume's overrides that its strategy refuses leave the run as it
+    was."""
+    accelerator = resolve_device(cfg)[0]
+    REGISTRY[strategy_name(cfg)].check(cfg, accelerator, processes)
 
 
 def needs_launch(cfg: Config) -> bool:

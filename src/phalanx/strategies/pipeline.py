@@ -53,6 +53,55 @@ if TYPE_CHECKING:
     from phalanx.precision import Precision
 
 
+def layout(settings: PipelineSettings, processes: int) -> tuple[int, int]:
+    """The stages of `settings` over `processes` processes, and the processes a copy of the pipeline
+    takes; a ConfigError where they do not share out, or where the schedule cannot run its
+    micro-batches through them. A config check: a run or a resume is refused before any process
+    starts."""
+    per_process = settings.stages_per_process or 1
+    if settings.split == "auto":  # cut in setup, by measured time
+        stages = settings.stages or processes * per_process
+        made = "parallel.pipeline.stages makes"
+    else:
+        stages = len(settings.split) + 1
+        made = "parallel.pipeline.split makes"
+    if stages % per_process:
+        raise ConfigError(
+            f"{made} {stages} stages, which cannot be shared out {per_process} to a process "
+            f"(parallel.pipeline.stages_per_process); name {per_process} x N - 1 split points"
+        )
+    depth = stages // per_process
+    if processes % depth:
+        raise ConfigError(
+            f"{made} {stages} stages, {per_process} per process, so {depth} processes a copy of "
+            f"the pipeline, but there are {processes} processes: set parallel.devices to a "
+            f"multiple of {depth}"
+        )
+    _check_schedule(settings, stages, depth)
+    return stages, depth
+
+
+def _check_schedule(settings: PipelineSettings, stages: int, depth: int) -> None:
+    """The conditions that torch's schedules set on the micro-batch count as they are built (at
+    the first step, when a resume has already rewritten the run's config), checked beforehand."""
+    m, schedule = settings.microbatches, settings.schedule
+    if schedule in ("1f1b", "dualpipev") and m < stages:
+        other = ", or parallel.pipeline.schedule=gpipe" if schedule == "1f1b" else ""
+        raise ConfigError(
+            f"parallel.pipeline.schedule={schedule} needs at least as many micro-batches as "
+            f"stages, but has {_count(m, 'micro-batch', 'es')} for {stages} stages; set "
+            f"parallel.pipeline.microbatches to {stages} or more{other}"
+        )
+    rounds = max(1, m // depth)
+    if schedule in ("interleaved", "zero_bubble") and m % rounds:
+        raise ConfigError(
+            f"parallel.pipeline.schedule={schedule} runs its micro-batches in rounds of one a "
+            f"process: {m} micro-batches do not share out evenly over {rounds} rounds of "
+            f"{depth} processes; set parallel.pipeline.microbatches to a multiple of {depth}, or "
+            f"to {depth} or fewer"
+        )
+
+
 class Pipeline(ProcessGroup):
     runs_empty_shards = True  # every stage runs every micro-batch, padded, in step with the others
 
@@ -70,25 +119,7 @@ class Pipeline(ProcessGroup):
         super().__init__(accelerator, timeout_s, backend)
         self.settings = settings
         per_process = settings.stages_per_process or 1
-        if settings.split == "auto":  # cut in setup, by measured time
-            self.stages = settings.stages or self.world_size * per_process
-            made = "parallel.pipeline.stages makes"
-        else:
-            self.stages = len(settings.split) + 1
-            made = "parallel.pipeline.split makes"
-        if self.stages % per_process:
-            raise ConfigError(
-                f"{made} {self.stages} stages, which cannot be shared out "
-                f"{per_process} to a process (parallel.pipeline.stages_per_process); name "
-                f"{per_process} x N - 1 split points"
-            )
-        self.depth = self.stages // per_process  # processes in one copy of the pipeline
-        if self.world_size % self.depth:
-            raise ConfigError(
-                f"{made} {self.stages} stages, {per_process} per process, "
-                f"so {self.depth} processes a copy of the pipeline, but there are "
-                f"{self.world_size} processes: set parallel.devices to a multiple of {self.depth}"
-            )
+        self.stages, self.depth = layout(settings, self.world_size)
         self.copies = self.world_size // self.depth
         self.position, copy = self.rank % self.depth, self.rank // self.depth
         if settings.schedule in V_SCHEDULES:  # in a V: process p holds stages p and 2P - 1 - p
