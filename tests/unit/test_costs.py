@@ -3,6 +3,10 @@ it is given, case by case."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 from phalanx import costs
@@ -267,3 +271,56 @@ def test_every_strategy_the_plan_leaves_out_is_said_with_why(devices, gpus, chai
         assert "GPU" in left["towers"] and ("GPU" in left["placement"] or not chain)
     if not chain and devices > 1:
         assert "no chain of blocks" in left["pipeline"]
+
+
+# --- recorded measurements ----------------------------------------------------------------------
+# What `phalanx plan --devices 2` measured on a quiet 2-core machine (plans/*.json, the "measured"
+# of its plan.json), priced again here: the ranking follows from the figures, not from the load of
+# the machine running the tests. bench/plan_accuracy.py sets such predictions beside measured runs.
+PLANS = Path(__file__).parent / "plans"
+
+
+def recorded(name: str) -> Measured:
+    return Measured.from_json(json.loads((PLANS / f"{name}.json").read_text())["measured"])
+
+
+def test_a_small_mlp_whose_all_reduce_outweighs_its_step_is_fastest_on_one_device():
+    """examples/digits' data through a 64-32-10 MLP, batches of 32: a step takes a fraction of a
+    millisecond, less than the all-reduce of its gradients between two processes."""
+    m = recorded("digits-mlp")
+    ranked = costs.rank(m, costs.candidates(m, 2))
+    assert ranked[0].setup == Setup("single", 1), [p.setup.label for p in ranked[:3]]
+    ddp = next(p for p in ranked if p.setup == Setup("ddp", 2))
+    assert ddp.speedup < 1 and "of one device" in ddp.reason
+
+
+def test_a_wide_mlp_whose_step_is_computation_is_fastest_on_two_processes_of_a_thread_each():
+    """64 -> 512 -> 512 -> 512 -> 1 on batches of 1,024, at one thread a process: two processes
+    halve the matrix products, beside an all-reduce of 2 MB."""
+    m = recorded("wide-mlp-one-thread")
+    ranked = costs.rank(m, costs.candidates(m, 2))
+    assert ranked[0].setup == Setup("ddp", 2) and ranked[0].speedup > 1.2, ranked[0]
+    single = next(p for p in ranked if p.setup == Setup("single", 1))
+    assert single.speedup == 1.0 and single.parts["compute"] > 0
+
+
+def test_one_process_with_every_core_computes_the_wide_mlp_as_fast_as_two():
+    """The same MLP with the threads a run gets: one process alone has both cores, and two have
+    one each; their products take as long, so the all-reduce decides for one process."""
+    m = recorded("wide-mlp")
+    ranked = costs.rank(m, costs.candidates(m, 2))
+    assert ranked[0].setup == Setup("single", 1), [p.setup.label for p in ranked[:3]]
+    ddp = next(p for p in ranked if p.setup == Setup("ddp", 2))
+    assert 0.5 < ddp.speedup < 1
+    assert m.computes[2].per_sample_s > 1.5 * m.compute.per_sample_s  # a core each: slower
+
+
+def test_a_plan_written_to_json_is_priced_again_the_same():
+    """`Measured.from_json` reads what a plan wrote of its measurements: the same predictions."""
+    m = measured(refused={"towers": "one GPU"}, sync_s=0.002)
+    raw = json.loads(json.dumps(dataclasses.asdict(m)))  # as planner writes it: keys as strings
+    again = Measured.from_json(raw)
+    assert again == m
+    assert [p.step_s for p in costs.rank(again, costs.candidates(again, 4))] == [
+        p.step_s for p in costs.rank(m, costs.candidates(m, 4))
+    ]
