@@ -360,6 +360,13 @@ class Config(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
     seed: StrictInt = 0
+    per_sample_random: bool = Field(
+        True,
+        description="each sample's random numbers (dropout masks, the augmentation its dataset "
+        "draws in __getitem__) are a function of the seed, the step or epoch and the sample's "
+        "index alone, so that they do not depend on the device count, the strategy or the "
+        "loader's workers; false: torch's own per-process generators, as plain PyTorch draws",
+    )
     main_loop: MainLoopConfig = Field(default_factory=MainLoopConfig)
     hooks: list[str | dict[str, dict[str, Any] | None]] | None = None
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
