@@ -140,6 +140,23 @@ class Deep(Linear):
         self.net = nn.Sequential(*blocks, nn.Linear(hidden, 1))
 
 
+class Dropped(Linear):
+    """toy.Linear with two dropout layers: net = Sequential(Linear, Tanh, Dropout, Linear, Tanh,
+    Dropout, Linear), which a pipeline may split at net.3."""
+
+    def __init__(self, features: int = 3, hidden: int = 8, p: float = 0.3):
+        super().__init__(features)
+        self.net = nn.Sequential(
+            nn.Linear(features, hidden),
+            nn.Tanh(),
+            nn.Dropout(p),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Dropout(p / 2),
+            nn.Linear(hidden, 1),
+        )
+
+
 class Tied(Linear):
     """toy.Linear over 4 features through net = Sequential(Linear, Tanh, Linear, Tanh, Linear),
     whose first and last Linear share one weight (tied, as a language model's embedding and

@@ -20,7 +20,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
-        self.n_head, self.dropout = n_head, dropout
+        self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_dropout = nn.Dropout(dropout)
@@ -29,9 +29,9 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # [B, T, 3C] -> three [B, n_head, T, head_size]
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, C // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        # no dropout inside the fused attention: its kernel draws from torch's generator, a
+        # process's own; the residual and MLP dropouts (nn.Dropout) draw by sample
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_dropout(self.proj(y))
 

@@ -760,6 +760,11 @@ def what_runs(cfg: config.Config, strategy) -> str:
     )
     if getattr(strategy, "layout", None):
         line += f"; {strategy.layout}"
+    line += (
+        "; dropout and augmentation keyed by sample"
+        if cfg.per_sample_random
+        else "; dropout and augmentation drawn per process (per_sample_random: false)"
+    )
     if kind == "cpu" and processes * each > 1 and cfg.parallel.accelerator == "auto":
         line += f" (no GPU is visible: the {processes * each} devices are shares of the CPU)"
     return line

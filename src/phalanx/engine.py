@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from phalanx import random
 from phalanx.data import Micro
 from phalanx.errors import ModelError
 from phalanx.model import NEGATIVE_WEIGHTS, TOKENS, Forward, check_loss, check_weights
@@ -107,8 +108,13 @@ class Engine:
         schedulers: list[tuple[Any, str]],
         precision: Precision,
         max_grad_norm: float | None = None,
+        random_seed: int | None = None,
     ):
         self.module, self.forward_fn, self.optimizer = module, forward, optimizer
+        # a forward's random draws are keyed by its samples, the seed and the step (`draws`);
+        # None: torch's own generators
+        self.random_seed = random_seed
+        self.step = 0  # steps done before the one running: set by the trainer
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.norms = GradNorms()
@@ -155,8 +161,18 @@ class Engine:
 
     def forward(self, micro: Micro, batch: Mapping, replica: Replica = WHOLE) -> Weighed:
         """A micro-batch's forward through `replica`, weighed (`weigh`)."""
-        loss, data, tokens = self._forward(batch, len(micro.shard), replica.call, replica.device)
+        with random.drawing(self.draws(micro.shard)):
+            loss, data, tokens = self._forward(
+                batch, len(micro.shard), replica.call, replica.device
+            )
         return self.weigh(loss, data, micro, replica.scale, tokens)
+
+    def draws(self, samples: Sequence[int] | torch.Tensor) -> random.Draws | None:
+        """The random draws of a forward of `samples` (dataset indices; -1: padding) in the step
+        that runs; None where draws are torch's own."""
+        if self.random_seed is None:
+            return None
+        return random.Draws(self.random_seed, self.step, samples)
 
     def weigh(
         self,

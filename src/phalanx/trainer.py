@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, keras_models, loading, strategies, timeline
+from phalanx import data, keras_models, loading, random, strategies, timeline
 from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
@@ -138,6 +138,9 @@ class Trainer(Checkpointing):
             sample=self._first_samples,
             adapter=lambda m: Forward(m, cfg.model, self.search_dirs),
         )
+        # dropout masks keyed by sample: set on the user's module, under its own names, before any
+        # strategy wraps, shards or splits it
+        self.keyed = random.key_modules(module) if cfg.per_sample_random else []
         # the module to call, and the user's module inside it: what the optimizer steps and
         # checkpoints hold
         self.module, self.model = self.strategy.setup(module, options)
@@ -171,6 +174,7 @@ class Trainer(Checkpointing):
             self.schedulers,
             self.precision,
             cfg.optimizer.max_grad_norm,
+            random_seed=cfg.seed if cfg.per_sample_random else None,
         )
         self.checkpoints = (
             Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
@@ -846,6 +850,7 @@ class Trainer(Checkpointing):
     def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
         """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish
         to stop, agreed among ranks), as the strategy runs it; no hook is called."""
+        self.engine.step = self.step
         return self.strategy.train_step(self.engine, micros, stop)
 
     def eval_step(self, batch: Mapping) -> dict:

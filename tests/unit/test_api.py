@@ -429,12 +429,18 @@ def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
     assert (
         f"strategy towers: 1 process driving 3 cpu devices with {threads} thread"
         f"{'s' if threads > 1 else ''}; precision fp64; global batch 8 per optimizer step, "
-        "2 micro-batches of up to 4, 1 to 2 per device\n" in said
+        "2 micro-batches of up to 4, 1 to 2 per device; dropout and augmentation keyed by "
+        "sample\n" in said
     )
     if not torch.cuda.is_available():  # accelerator auto: the CPU, and the log says so
-        run = phalanx.fit(_raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}))
+        run = phalanx.fit(
+            _raw(hooks=[], parallel={"devices": 2, "strategy": "towers"}, per_sample_random=False)
+        )
         said = (run.run_dir / "log.txt").read_text()
-        assert "4 per device (no GPU is visible: the 2 devices are shares of the CPU)" in said
+        assert (
+            "4 per device; dropout and augmentation drawn per process (per_sample_random: false) "
+            "(no GPU is visible: the 2 devices are shares of the CPU)" in said
+        )
 
 
 def test_a_placement_the_run_does_not_apply_is_a_warning_that_names_its_strategy(

@@ -448,6 +448,9 @@ def checkpoint_modules(module: nn.Module, class_names: tuple[str, ...]) -> int:
 def _recomputed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import checkpoint
 
+    from phalanx import random
+
     if not torch.is_grad_enabled():  # evaluation: nothing to recompute
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    # the recomputation makes the very dropout masks the forward made
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=random.recomputing, **kwargs)

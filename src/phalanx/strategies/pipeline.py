@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.utils._pytree import tree_map
 
-from phalanx import keras_models
+from phalanx import keras_models, random
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
@@ -159,6 +159,7 @@ class Pipeline(ProcessGroup):
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
         self._in_flight: _Agreement | None = None  # the last step's agreement, behind it
         self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
+        self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
 
     # --- building --------------------------------------------------------------------------
 
@@ -293,6 +294,7 @@ class Pipeline(ProcessGroup):
             stages.append(
                 _CountedStage(
                     self.progress.enter,
+                    self._chunk_draws,
                     module,
                     k,
                     self.stages,
@@ -343,6 +345,8 @@ class Pipeline(ProcessGroup):
             self._global_size = micro.global_size
             self._captured.clear()
             padded, real = self._pad_step(self._converted(engine, batch), len(micro.shard))
+            # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
+            self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
                 schedule.step(target=real, **padded)
             parts.append(concat(self._captured) if self.is_last and micro.shard else None)
@@ -367,6 +371,11 @@ class Pipeline(ProcessGroup):
             stopped = before.settled()
             communication += time.perf_counter() - start
         return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
+
+    def _chunk_draws(self, chunk: int) -> random.Draws | None:
+        """The random draws of the schedule's micro-batch `chunk` of the step: its rows' samples,
+        whichever stage runs it (a padding row draws under a key of its own)."""
+        return self._engine.draws(self._samples[chunk * self.rows : (chunk + 1) * self.rows])
 
     @contextlib.contextmanager
     def _counted_evenly(self, microbatches: int) -> Iterator[None]:
@@ -695,9 +704,20 @@ class _CountedStage(pipelining.PipelineStage):
     (`enter`, once per stage the transfer lies down the flow of its data: see `_count_transfer`),
     so that a timed-out transfer names the rank that did not come to it, and its step."""
 
-    def __init__(self, enter: Callable[[str], None], *args: Any, **kwargs: Any):
+    def __init__(
+        self,
+        enter: Callable[[str], None],
+        draws: Callable[[int], random.Draws | None],
+        *args: Any,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
-        self._enter = enter
+        self._enter, self._draws = enter, draws
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """The forward of micro-batch `fwd_chunk_id`, its dropout masks those of its samples."""
+        with random.drawing(self._draws(fwd_chunk_id)):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def _counted(self, ops: list, gradient: bool, chunk: int, source: int, target: int) -> list:
         if ops:  # the side a first or last stage lacks makes none

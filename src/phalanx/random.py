@@ -1,0 +1,288 @@
+"""Random numbers keyed by the sample: dropout masks that are a function of the seed, the step, the
+sample's index in the dataset, the module that draws and how many times it drew in this forward,
+and of nothing else. No process, tower, micro-batch, pipeline stage or copy changes them, so a run
+with dropout is the same on any device count.
+
+The draw is a counter-based hash, not a generator with state: each element's 32 random bits are a
+keyed integer mix of those counters, computed in one tensor expression on int64 tensors (values
+below 2**32, products below 2**63, so no step overflows), the same bits on a CPU and a GPU. A
+sample's key mixes the run's seed, the step and its index; an element's, the module's name (its
+CRC-32), the draw's number and the element's place within the sample. Padding rows (a pipeline's)
+are keyed apart from every real index.
+
+The engine opens a `drawing` context around each forward of a shard of a micro-batch (a pipeline
+stage around each chunk it runs); `nn.Dropout` and its kin in the model draw through it once
+`key_modules` has set them to, and user code calls `dropout`. Outside such a context (a module run
+by hand) they draw as torch does. Activation checkpointing recomputes a forward with the draws it
+made (`recomputing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # added before mixing a counter: 0 and 1 then differ in many bits
+# the two multipliers of the mix are below 2**31: a 32-bit value times one stays below 2**63
+_MUL1, _MUL2 = 0x7FEB352D, 0x1B873593
+_SALT_SAMPLE, _SALT_SITE = 0x5A3F1C27, 0x2C1B3A95
+_BITS = 24  # of each element's 32 that a dropout compares with its rate
+
+_local = threading.local()
+
+
+def _mix_int(x: int) -> int:
+    """A 32-bit integer mix (two multiply-xorshift rounds) of Python ints, as `_mix` of tensors."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _MUL1) & _M32
+    x ^= x >> 15
+    x = (x * _MUL2) & _M32
+    return x ^ (x >> 16)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """`_mix_int`, element-wise on an int64 tensor of values below 2**32 (changed in place)."""
+    x ^= x >> 16
+    x.mul_(_MUL1).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(_MUL2).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
+
+
+def _join_int(key: int, counter: int) -> int:
+    return _mix_int(key ^ _mix_int((counter + _GOLDEN) & _M32))
+
+
+def sample_keys(seed: int, step: int, samples: torch.Tensor) -> torch.Tensor:
+    """Each sample's key (int64, below 2**32) at `step`: `samples` holds dataset indices, -1 for
+    padding, which no real index shares."""
+    base = _SALT_SAMPLE
+    for counter in (seed & _M32, (seed >> 32) & _M32, step & _M32, (step >> 32) & _M32):
+        base = _join_int(base, counter)
+    low = _mix(((samples & _M32) + _GOLDEN) & _M32) ^ base
+    high = _mix(((samples >> 32) + 1 + _GOLDEN) & _M32)  # padding: 0; a real index: 1 or more
+    return _mix(_mix(low) ^ high)
+
+
+def _site(name: str, draw: int) -> int:
+    """The key of a place that draws: a module's name (or a user's) and its draw in this
+    forward."""
+    return _join_int(_join_int(_SALT_SITE, zlib.crc32(name.encode())), draw)
+
+
+def bits(samples: torch.Tensor, site: int, per_sample: int) -> torch.Tensor:
+    """Random 32-bit values (int64) of shape (samples, per_sample): sample s's row is a function of
+    its key `samples[s]`, the drawing `site` and the column alone."""
+    element = torch.arange(per_sample, dtype=torch.int64, device=samples.device)
+    element = _mix(_mix(element) ^ site)
+    return _mix(samples[:, None] ^ element[None, :])
+
+
+class Draws:
+    """One forward's draws for the samples of a shard: their dataset indices (-1: padding), the
+    seed and the step; each site's number of draws so far."""
+
+    __slots__ = ("seed", "step", "samples", "counts", "_keys")
+
+    def __init__(self, seed: int, step: int, samples: Sequence[int] | torch.Tensor):
+        self.seed, self.step, self.samples = seed, step, samples
+        self.counts: dict[str, int] = {}
+        self._keys: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def keys(self, device: torch.device) -> torch.Tensor:
+        """The samples' keys, on `device` (made at the first draw, then kept)."""
+        keys = self._keys
+        if keys is None or keys.device != device:
+            indices = torch.as_tensor(self.samples, dtype=torch.int64).to(device)
+            keys = self._keys = sample_keys(self.seed, self.step, indices)
+        return keys
+
+    def site(self, name: str) -> int:
+        """The next draw of `name` in this forward."""
+        draw = self.counts.get(name, 0)
+        self.counts[name] = draw + 1
+        return _site(name, draw)
+
+    def snapshot(self) -> Draws:
+        """The same samples, with the counts as they stand (a recomputed forward draws again)."""
+        twin = Draws(self.seed, self.step, self.samples)
+        twin.counts, twin._keys = dict(self.counts), self._keys
+        return twin
+
+
+class drawing:  # noqa: N801 - a context manager, used as `with drawing(...)`
+    """Within it, this thread's keyed draws are those of `draws` (None: torch's own)."""
+
+    __slots__ = ("draws", "_before")
+
+    def __init__(self, draws: Draws | None):
+        self.draws = draws
+
+    def __enter__(self) -> Draws | None:
+        self._before = getattr(_local, "draws", None)
+        _local.draws = self.draws
+        return self.draws
+
+    def __exit__(self, *exc: object) -> None:
+        _local.draws = self._before
+
+
+def current() -> Draws | None:
+    """This thread's draws, where a forward of phalanx's runs."""
+    return getattr(_local, "draws", None)
+
+
+def recomputing() -> tuple[Any, Any]:
+    """For torch.utils.checkpoint's `context_fn`: the forward keeps a copy of the draws as they
+    stand, and the recomputation in backward (in whatever thread autograd runs it) draws from that
+    copy, so it makes the very masks the forward made."""
+    now = current()
+    if now is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), drawing(now.snapshot())
+
+
+# --- drawing ----------------------------------------------------------------------------------
+
+
+def _batch_dim(x: torch.Tensor, n: int, name: str) -> int:
+    """The dimension of `x` that runs over the forward's `n` samples: the first, or the second (a
+    sequence-first layout)."""
+    if x.dim() and x.shape[0] == n:
+        return 0
+    if x.dim() > 1 and x.shape[1] == n:
+        return 1
+    raise RuntimeError(
+        f"per-sample dropout at {name!r}: its input of shape {tuple(x.shape)} has no dimension of "
+        f"the forward's {n} samples (the first or the second), so its masks cannot follow the "
+        "samples; set per_sample_random: false to draw as torch does"
+    )
+
+
+def _keep(x: torch.Tensor, p: float, name: str, channels: bool, draws: Draws) -> torch.Tensor:
+    """A boolean mask of x's shape (broadcastable: per channel where `channels`) keeping each
+    element (or channel) with probability 1 - p, keyed by sample."""
+    dim = _batch_dim(x, len(draws), name)
+    moved = x.movedim(dim, 0)
+    shape = moved.shape[:2] if channels else moved.shape
+    per_sample = 1
+    for size in shape[1:]:
+        per_sample *= size
+    random = bits(draws.keys(x.device), draws.site(name), per_sample)
+    threshold = int(p * (1 << _BITS))
+    keep = (random >> (32 - _BITS)) >= threshold
+    keep = keep.reshape(*shape, *([1] * (moved.dim() - len(shape))))
+    return keep.movedim(0, dim)
+
+
+def dropout(
+    x: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    name: str | None = None,
+    inplace: bool = False,
+) -> torch.Tensor:
+    """`F.dropout`, its mask keyed by sample where a phalanx forward runs (`name`: the place that
+    draws, the same in every process; by default the caller's file and line); torch's draw
+    elsewhere."""
+    draws = current()
+    if not training or p == 0.0:
+        return x
+    if draws is None:
+        return F.dropout(x, p, training, inplace)
+    if p == 1.0:
+        return x.mul_(0.0) if inplace else x * 0.0
+    keep = _keep(x, p, name or _caller(), False, draws)
+    return _apply(x, keep, 1.0 / (1.0 - p), inplace)
+
+
+def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> torch.Tensor:
+    if inplace:
+        return x.masked_fill_(~keep, 0.0).mul_(scale)
+    return torch.where(keep, x, 0.0) * scale
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+
+
+# SELU's negative saturation, which alpha dropout sets dropped units to
+_ALPHA = -1.7580993408473766
+
+
+def _alpha_dropout(
+    x: torch.Tensor, p: float, channels: bool, name: str, draws: Draws
+) -> torch.Tensor:
+    """Alpha dropout (and its feature form): dropped units at SELU's saturation, then an affine map
+    that keeps the mean and variance."""
+    if p == 1.0:
+        return x * 0.0
+    keep = _keep(x, p, name, channels, draws)
+    a = ((1.0 - p) * (1.0 + p * _ALPHA**2)) ** -0.5
+    b = -a * _ALPHA * p
+    return torch.where(keep, x, _ALPHA) * a + b
+
+
+# --- the model's modules ----------------------------------------------------------------------
+
+_ELEMENTS = (nn.Dropout, nn.AlphaDropout)
+_CHANNELS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.FeatureAlphaDropout)
+
+
+def key_modules(module: nn.Module) -> list[str]:
+    """Set every dropout module of `module` (torch's Dropout, Dropout1d/2d/3d, AlphaDropout and
+    FeatureAlphaDropout) to draw keyed by sample, under its name in `module`: its forward is
+    replaced on the instance, so the module tree and its state dict are unchanged. Returns the
+    names."""
+    names = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, _ELEMENTS + _CHANNELS) and "forward" not in vars(sub):
+            # on the instance: the module's class and state names stay
+            keyed = functools.partial(_keyed_forward, sub, name or "dropout")
+            sub.forward = keyed  # type: ignore[method-assign]
+            names.append(name)
+    return names
+
+
+def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    draws = current()
+    p = float(getattr(module, "p", 0.0))
+    if draws is None or not module.training or p == 0.0:
+        return type(module).forward(module, x)
+    alpha = isinstance(module, (nn.AlphaDropout, nn.FeatureAlphaDropout))
+    channels = isinstance(module, _CHANNELS)
+    if channels and x.dim() < 3:
+        raise RuntimeError(
+            f"per-sample dropout at {name!r}: {type(module).__name__} takes batched inputs "
+            f"(samples, channels, ...); it got shape {tuple(x.shape)}. Give it a batch, or set "
+            "per_sample_random: false"
+        )
+    if alpha:
+        return _alpha_dropout(x, p, channels, name, draws)
+    if p == 1.0:
+        return x * 0.0
+    keep = _keep(x, p, name, channels, draws)
+    return _apply(x, keep, 1.0 / (1.0 - p), bool(getattr(module, "inplace", False)))
+
+
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Within it, this thread draws as torch does (a model run outside phalanx's steps)."""
+    with drawing(None):
+        yield

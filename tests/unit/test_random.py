@@ -1,0 +1,128 @@
+"""Dropout masks keyed by sample (phalanx.random): a sample's mask is a function of the seed, the
+step, its index, the module and the draw, whichever forward it sits in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx import random
+from phalanx.random import Draws, drawing
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _masks(samples: list[int], step: int = 3, name: str = "net.1", shape=(6, 5)) -> torch.Tensor:
+    """The kept elements (0 or 1) of a dropout of rate 0.5 over ones, one row per sample."""
+    with drawing(Draws(7, step, samples)):
+        out = random.dropout(torch.ones(len(samples), *shape), 0.5, name=name)
+    return (out != 0).to(torch.int8)
+
+
+def test_a_samples_mask_is_the_same_in_a_batch_of_one_of_five_and_padded():
+    alone = _masks([12])
+    five = _masks([3, 40, 12, 7, 9])
+    padded = _masks([12, -1, -1])  # a pipeline's micro-batch: padding rows after the real one
+    assert torch.equal(alone[0], five[2]) and torch.equal(alone[0], padded[0])
+    # and it is the same on the step's every forward: the draw does not depend on the order
+    assert torch.equal(five[0], _masks([3])[0])
+
+
+def test_masks_differ_between_samples_steps_modules_draws_and_from_padding():
+    base = _masks([12, 13])
+    assert not torch.equal(base[0], base[1])
+    assert not torch.equal(base[0], _masks([12], step=4)[0])
+    assert not torch.equal(base[0], _masks([12], name="net.2")[0])
+    padded = _masks([-1])
+    assert not torch.equal(base[0], padded[0])
+    with drawing(Draws(7, 3, [12])):  # the same module twice in one forward: two masks
+        first = random.dropout(torch.ones(1, 6, 5), 0.5, name="net.1")
+        second = random.dropout(torch.ones(1, 6, 5), 0.5, name="net.1")
+    assert torch.equal((first != 0)[0], base[0].bool()) and not torch.equal(first, second)
+
+
+def test_the_keep_rate_is_one_minus_p_and_kept_values_are_scaled():
+    with drawing(Draws(0, 0, list(range(1000)))):
+        out = random.dropout(torch.ones(1000, 1000), 0.3, name="x")
+    kept = (out != 0).double().mean().item()
+    assert abs(kept - 0.7) < 0.01 * 0.7  # 10**6 draws
+    assert torch.allclose(out[out != 0], torch.full_like(out[out != 0], 1 / 0.7))
+
+
+def test_the_bits_are_the_mix_of_their_counters_on_any_device():
+    """The same integers, element by element, from Python ints and from tensors: what a GPU's
+    int64 arithmetic computes too."""
+    values = [0, 1, 2**31, 2**32 - 1, 123456789]
+    mixed = random._mix(torch.tensor(values, dtype=torch.int64))
+    assert mixed.tolist() == [random._mix_int(v) for v in values]
+    keys = random.sample_keys(5, 9, torch.tensor([0, 1, 2**40, -1]))
+    assert keys.min() >= 0 and keys.max() < 2**32 and len(set(keys.tolist())) == 4
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Dropout(0.5)
+        self.b = nn.Dropout2d(0.5)
+        self.c = nn.AlphaDropout(0.2)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+def test_the_models_dropout_modules_draw_by_sample_and_keep_their_state_and_class():
+    net = _Net()
+    state = net.state_dict()
+    assert random.key_modules(net) == ["a", "b", "c"]
+    assert isinstance(net.a, nn.Dropout) and net.state_dict().keys() == state.keys()
+    x = torch.randn(4, 3, 5, 5)
+    with drawing(Draws(1, 2, [8, 9, 10, 11])):
+        whole = net(x)
+    with drawing(Draws(1, 2, [10])):
+        alone = net(x[2:3])
+    assert torch.equal(whole[2:3], alone)
+    # Dropout2d drops whole channels: each (sample, channel) plane is all kept or all dropped
+    with drawing(Draws(1, 2, [8, 9, 10, 11])):
+        planes = net.b(torch.ones(4, 3, 5, 5))
+    zero = (planes == 0).flatten(2)
+    assert torch.equal(zero.all(-1), zero.any(-1))
+    net.eval()
+    with drawing(Draws(1, 2, [8, 9, 10, 11])):
+        assert torch.equal(net(x), x)  # evaluation draws nothing
+    net.train()
+    torch.manual_seed(0)
+    outside = net.a(torch.ones(2, 8))  # no phalanx forward runs: torch's own draw
+    torch.manual_seed(0)
+    assert torch.equal(outside, nn.functional.dropout(torch.ones(2, 8), 0.5))
+
+
+def test_a_sequence_first_input_keys_its_second_dimension_and_another_is_an_error():
+    with drawing(Draws(1, 2, [4, 5])):
+        seq_first = random.dropout(torch.ones(7, 2, 3), 0.5, name="attn")
+    with drawing(Draws(1, 2, [5])):
+        alone = random.dropout(torch.ones(7, 1, 3), 0.5, name="attn")
+    assert torch.equal(seq_first[:, 1:2], alone)
+    with drawing(Draws(1, 2, [4, 5])), pytest.raises(RuntimeError, match="no dimension of"):
+        random.dropout(torch.ones(7, 3), 0.5, name="odd")
+
+
+def test_a_recomputed_forward_draws_the_masks_the_forward_drew():
+    """Activation checkpointing runs a forward again in backward: with the draws as they stood, so
+    the gradient is that of the masks the forward used."""
+    from torch.utils.checkpoint import checkpoint
+
+    def block(x):
+        return random.dropout(x, 0.5, name="block") * 2
+
+    x = torch.ones(3, 4, requires_grad=True)
+    with drawing(Draws(0, 1, [0, 1, 2])):
+        plain = block(x)
+    plain.sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    with drawing(Draws(0, 1, [0, 1, 2])):
+        out = checkpoint(block, x, use_reentrant=False, context_fn=random.recomputing)
+        random.dropout(torch.ones(3, 4), 0.5, name="block")  # the forward goes on drawing
+    out.sum().backward()
+    assert torch.equal(out, plain) and torch.equal(x.grad, want)
