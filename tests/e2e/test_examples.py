@@ -96,6 +96,25 @@ def test_digits_example_reaches_its_test_accuracy(evaluated, name):
     assert (run / "metrics.csv").is_file() and (run / "config.yaml").is_file()
 
 
+def test_the_demo_on_two_processes_is_the_demo_on_one(evaluated):
+    """The demo's CNN has dropout: drawn by sample, two processes pick the same best step and
+    reach the same test metrics as one, to float32 rounding."""
+    found = {}
+    for name in ("config", "config-2cpu"):
+        run = evaluated[name][0]
+        best = json.loads((run / "checkpoints" / "best.json").read_text())
+        saved = json.loads((run / f"eval-test-step-{best['step']}.json").read_text())
+        found[name] = (best["step"], saved["metrics"])
+    (one_step, one), (two_step, two) = found["config"], found["config-2cpu"]
+    assert one_step == two_step
+    sys.path.insert(0, str(REPO))
+    from examples.digits.data import Digits
+
+    samples = len(Digits().streams()["test"])
+    assert abs(one["accuracy"] - two["accuracy"]) <= 1 / samples  # at most one prediction apart
+    assert abs(one["loss"] - two["loss"]) <= 1e-3 * one["loss"]
+
+
 def test_the_full_example_writes_every_report(evaluated):
     run, trained, _ = evaluated["config"]
     assert {p.name for p in (run / "plots").iterdir()} == {"loss.png", "accuracy.png"}
