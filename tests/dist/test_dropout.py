@@ -81,6 +81,14 @@ def test_dropout_trains_as_on_one_process(one, processes, raw):
         assert rel(got["losses"], one["losses"]) < 1e-10
 
 
+def test_dropout_on_a_parameter_servers_workers_trains_as_on_one_process(one):
+    """Two workers claim chunks of each micro-batch as they become free (staleness 0): the chunk's
+    samples key its masks, whichever worker computes it."""
+    raw = scenario(3, strategy="param_server", param_server={"servers": 1, "staleness": 0})
+    for [got] in workers.run_ranks(3, workers.train_all, [raw])[:2]:
+        assert_same_run(got, one)
+
+
 def test_without_per_sample_draws_two_processes_train_otherwise(one):
     """torch's own generators, one a process: the test above could fail."""
     raw = {**scenario(2), "per_sample_random": False}
