@@ -159,7 +159,10 @@ class Painter:
                     "drawn here",
                     wait_s,
                 )
-                draw(folder, history)
+                try:
+                    draw(folder, history)
+                except StorageError as e:  # said as the child says it
+                    raise StorageError(f"PlotLines: {e}") from None
         finally:
             _end(child, folder)
             for pipe in (link.requests, link.replies):
