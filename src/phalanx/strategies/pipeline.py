@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +38,6 @@ from phalanx.settings import V_SCHEDULES, PipelineSettings
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
     Active,
-    Cut,
     Split,
     balance,
     keep_stages,
@@ -46,11 +45,11 @@ from phalanx.strategies.cutting import (
     stage_parts,
 )
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
+from phalanx.strategies.stages import KEY, CountedStage, Stage, count_transfer, rows_of
 from phalanx.strategies.syncbn import PerDeviceStatistics
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
-    from phalanx.precision import Precision
 
 
 def layout(settings: PipelineSettings, processes: int) -> tuple[int, int]:
@@ -281,10 +280,10 @@ class Pipeline(ProcessGroup):
             )
 
         stages = []
-        self._stage_modules: dict[int, _Stage] = {}
+        self._stage_modules: dict[int, Stage] = {}
         for k in self.mine:
             last = k == self.stages - 1
-            module = self._stage_modules[k] = _Stage(
+            module = self._stage_modules[k] = Stage(
                 stage_parts(self.model, split, k, self.stages),
                 (bounds[k], bounds[k + 1], k),
                 engine.forward_fn,
@@ -292,7 +291,7 @@ class Pipeline(ProcessGroup):
                 engine.precision,
             )
             stages.append(
-                _CountedStage(
+                CountedStage(
                     self.progress.enter,
                     self._chunk_draws,
                     module,
@@ -380,7 +379,7 @@ class Pipeline(ProcessGroup):
     @contextlib.contextmanager
     def _counted_evenly(self, microbatches: int) -> Iterator[None]:
         """The schedule's step (or round) of `microbatches` as one collective, and its sends and
-        receives (`_count_transfer`): after it, every process has counted as many, whichever
+        receives (`count_transfer`): after it, every process has counted as many, whichever
         stages it holds (a first or last stage sends and receives half of what a middle one does),
         so that the counts of processes in the next step stay comparable."""
         before = self.progress.entered
@@ -413,7 +412,7 @@ class Pipeline(ProcessGroup):
         self._counts = [
             min(max(n - i * self.rows, 0), self.rows) for i in range(total // self.rows)
         ]
-        return {_KEY + k: v for k, v in padded.items()}, real
+        return {KEY + k: v for k, v in padded.items()}, real
 
     @staticmethod
     def _converted(engine: Engine, batch: Mapping) -> Mapping:
@@ -491,7 +490,7 @@ class Pipeline(ProcessGroup):
         if self.model.training:
             self.model.eval()
         batch = self._converted(engine, batch)
-        n = _rows(batch)
+        n = rows_of(batch)
         per_round = self.rows * self.settings.microbatches
         out: list[dict | None] = []
         self._global_size = max(n, 1)
@@ -524,11 +523,11 @@ class Pipeline(ProcessGroup):
                     shape, dtype = split.shapes[k - 1]
                     rows = next(iter(padded.values())).shape[0]
                     activation = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
-                    _count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
+                    count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
                     dist.recv(activation, self._global_rank(k - 1), group=self._pipe)
                     received = (activation,)
                 elif self._position_of(k - 1) == self.position:
-                    _count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
+                    count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
                     dist.send(received[0], self._global_rank(k), group=self._pipe)
             if here == self.position:
                 output = self._stage_modules[k](*received, **padded)
@@ -673,13 +672,6 @@ def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def _rows(batch: Mapping) -> int:
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim():
-            return value.shape[0]
-    return 0
-
-
 def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
     """Each of the batch's tensors with rows of zeros added up to `rows`."""
     out = {}
@@ -694,121 +686,3 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
             value = torch.cat((value, value.new_zeros((rows - n, *value.shape[1:]))))
         out[key] = value
     return out
-
-
-# --- the stages ---------------------------------------------------------------------------
-
-
-class _CountedStage(pipelining.PipelineStage):
-    """A stage whose sends and receives, as the schedules make them, count as collectives
-    (`enter`, once per stage the transfer lies down the flow of its data: see `_count_transfer`),
-    so that a timed-out transfer names the rank that did not come to it, and its step."""
-
-    def __init__(
-        self,
-        enter: Callable[[str], None],
-        draws: Callable[[int], random.Draws | None],
-        *args: Any,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        self._enter, self._draws = enter, draws
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        """The forward of micro-batch `fwd_chunk_id`, its dropout masks those of its samples."""
-        with random.drawing(self._draws(fwd_chunk_id)):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def _counted(self, ops: list, gradient: bool, chunk: int, source: int, target: int) -> list:
-        if ops:  # the side a first or last stage lacks makes none
-            _count_transfer(self._enter, self.num_stages, gradient, chunk, source, target)
-        return ops
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
-        ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        k = self.stage_index
-        return self._counted(ops, False, fwd_chunk_id, k - 1, k)
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
-        k = self.stage_index
-        return self._counted(ops, False, fwd_chunk_id, k, k + 1)
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
-        ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        k = self.stage_index
-        return self._counted(ops, True, bwd_chunk_id, k + 1, k)
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
-        ops = super().get_bwd_send_ops(bwd_chunk_id)
-        k = self.stage_index
-        return self._counted(ops, True, bwd_chunk_id, k, k - 1)
-
-
-def _count_transfer(
-    enter: Callable[[str], None],
-    stages: int,
-    gradient: bool,
-    chunk: int | None,
-    source: int,
-    target: int,
-) -> None:
-    """A transfer between two stages, counted on both its sides as many times as its target lies
-    stages down the flow of its data (activations from the first stage, gradients from the last):
-    a process that waits for a stage up the flow has then counted more than the hung process it
-    waits for, though both received the same number of micro-batches. (The counts of a step are
-    evened out after it: `Pipeline._counted_evenly`.)"""
-    what = "gradient" if gradient else "activation"
-    of = f"micro-batch {chunk + 1}'s" if chunk is not None else "the round's"
-    name = f"the transfer of {of} {what} from stage {source} to stage {target}"
-    for _ in range(stages - 1 - target if gradient else target):
-        enter(name)
-
-
-_KEY = "batch_"  # before each batch key passed to the schedule: none may be its own argument
-
-
-class _Stage(nn.Module):
-    """One stage as `PipelineStage` runs it: the model's forward, as far as the stage goes. Its
-    parameters are its own modules' (a process's stages share one model)."""
-
-    def __init__(
-        self,
-        parts: list[nn.Module],
-        span: tuple[int, int, int],
-        call: Callable,
-        active: Active,
-        precision: Precision,
-    ):
-        super().__init__()
-        self.parts = nn.ModuleList(parts)
-        self._span, self._call, self._active, self._precision = span, call, active, precision
-
-    def forward(self, *received: torch.Tensor, **keyed: torch.Tensor) -> torch.Tensor:
-        batch = {key[len(_KEY) :]: value for key, value in keyed.items()}
-        active = self._active
-        active.lo, active.hi, active.stage = self._span
-        active.received = received[0] if received else None
-        try:
-            with self._precision.autocast():
-                outputs = self._call(batch)
-        except Cut as cut:
-            return cut.activation
-        finally:
-            active.received = None
-        loss = outputs["loss"]
-        rows = _rows(batch)
-        if loss.dim() != 1 or loss.shape[0] != rows:
-            raise ModelError(
-                "the pipeline strategy needs the model's loss per sample (a vector of the batch's "
-                f"size, {rows}), but it returned one of shape {tuple(loss.shape)}; return the "
-                "loss with reduction='none', or name one with model.loss"
-            )
-        data: dict[str, Any] = dict(batch)
-        for key, value in outputs.items():
-            if key == TOKENS:
-                data[key] = value
-            else:
-                data[key] = value.detach() if isinstance(value, torch.Tensor) else value
-        active.captured.append(data)
-        return loss

@@ -1,0 +1,143 @@
+"""The pipeline's stages as torch's schedules run them: each stage's module (the model's own
+forward, as far as the stage goes), and the `PipelineStage` that runs it, whose sends and receives
+count as collectives (so that a hung process is named) and whose forward of a micro-batch draws
+that micro-batch's samples' random numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed import pipelining
+
+from phalanx import random
+from phalanx.engine import TOKENS
+from phalanx.errors import ModelError
+from phalanx.strategies.cutting import Active, Cut
+
+if TYPE_CHECKING:
+    from phalanx.precision import Precision
+
+# before each batch key passed to the schedule: none may be its own argument
+KEY = "batch_"
+
+
+class CountedStage(pipelining.PipelineStage):
+    """A stage whose sends and receives, as the schedules make them, count as collectives
+    (`enter`, once per stage the transfer lies down the flow of its data: see `count_transfer`),
+    so that a timed-out transfer names the rank that did not come to it, and its step."""
+
+    def __init__(
+        self,
+        enter: Callable[[str], None],
+        draws: Callable[[int], random.Draws | None],
+        *args: Any,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self._enter, self._draws = enter, draws
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """The forward of micro-batch `fwd_chunk_id`, its dropout masks those of its samples."""
+        with random.drawing(self._draws(fwd_chunk_id)):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def _counted(self, ops: list, gradient: bool, chunk: int, source: int, target: int) -> list:
+        if ops:  # the side a first or last stage lacks makes none
+            count_transfer(self._enter, self.num_stages, gradient, chunk, source, target)
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, False, fwd_chunk_id, k - 1, k)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, False, fwd_chunk_id, k, k + 1)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, True, bwd_chunk_id, k + 1, k)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        k = self.stage_index
+        return self._counted(ops, True, bwd_chunk_id, k, k - 1)
+
+
+def count_transfer(
+    enter: Callable[[str], None],
+    stages: int,
+    gradient: bool,
+    chunk: int | None,
+    source: int,
+    target: int,
+) -> None:
+    """A transfer between two stages, counted on both its sides as many times as its target lies
+    stages down the flow of its data (activations from the first stage, gradients from the last):
+    a process that waits for a stage up the flow has then counted more than the hung process it
+    waits for, though both received the same number of micro-batches. (The counts of a step are
+    evened out after it: `Pipeline._counted_evenly`.)"""
+    what = "gradient" if gradient else "activation"
+    of = f"micro-batch {chunk + 1}'s" if chunk is not None else "the round's"
+    name = f"the transfer of {of} {what} from stage {source} to stage {target}"
+    for _ in range(stages - 1 - target if gradient else target):
+        enter(name)
+
+
+class Stage(nn.Module):
+    """One stage as `PipelineStage` runs it: the model's forward, as far as the stage goes. Its
+    parameters are its own modules' (a process's stages share one model)."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        span: tuple[int, int, int],
+        call: Callable,
+        active: Active,
+        precision: Precision,
+    ):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self._span, self._call, self._active, self._precision = span, call, active, precision
+
+    def forward(self, *received: torch.Tensor, **keyed: torch.Tensor) -> torch.Tensor:
+        batch = {key[len(KEY) :]: value for key, value in keyed.items()}
+        active = self._active
+        active.lo, active.hi, active.stage = self._span
+        active.received = received[0] if received else None
+        try:
+            with self._precision.autocast():
+                outputs = self._call(batch)
+        except Cut as cut:
+            return cut.activation
+        finally:
+            active.received = None
+        loss = outputs["loss"]
+        rows = rows_of(batch)
+        if loss.dim() != 1 or loss.shape[0] != rows:
+            raise ModelError(
+                "the pipeline strategy needs the model's loss per sample (a vector of the batch's "
+                f"size, {rows}), but it returned one of shape {tuple(loss.shape)}; return the "
+                "loss with reduction='none', or name one with model.loss"
+            )
+        data: dict[str, Any] = dict(batch)
+        for key, value in outputs.items():
+            if key == TOKENS:
+                data[key] = value
+            else:
+                data[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        active.captured.append(data)
+        return loss
+
+
+def rows_of(batch: Mapping) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim():
+            return value.shape[0]
+    return 0
