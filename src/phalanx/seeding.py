@@ -8,17 +8,27 @@ A key is a 64-bit integer of the seed and what the read is for: the epoch, for t
 (`training_key`); the stream's name, for evaluation (`stream_key`: each evaluation of a stream
 draws the same numbers, so its metrics change only with the model). An item's seed mixes the key
 with the index (`item_seed`) by splitmix64's finaliser, in Python integers: a few multiplications,
-cheap enough for every item. Saving and restoring the three generators costs more (NumPy's state
-is 2.5 KB, copied each way), so it is done once per batch read, not per item.
+cheap enough for every item.
+
+Seeding is what costs: each of the three is a Mersenne Twister, whose seeding computes its 2.5 KB
+state (1 to 3.5 us each, 7 us an item for the three), and reading or setting a state costs up to
+30 us (NumPy's). So the states are saved and restored once per batch read, not per item, and a
+map-style stream's reader (`Keyed`) seeds before each item only the generators that the stream has
+been seen to draw from: the others are looked at before and after each batch, and a batch during
+which one of them moved is read again with that one seeded too (its draws came from the reader's
+state, not the item's). A stream that draws nothing then pays about 1.5 us an item, one that draws
+from torch alone (torchvision's transforms) about 2.5 us; the batch in which a process first sees a
+stream draw is read twice. A read that restores the state it drew from is not seen to draw.
 """
 
 from __future__ import annotations
 
+import operator
 import random
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -64,30 +74,66 @@ def item_seed(k: int, index: int) -> int:
     return _mix(k ^ (index & _MASK))
 
 
+class _Generator(NamedTuple):
+    """One of the global generators that a dataset's `__getitem__` draws from."""
+
+    get: Callable[[], Any]
+    set: Callable[[Any], Any]
+    seed: Callable[[int], Any]
+    same: Callable[[Any, Any], bool]
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    # ('MT19937', key array, position, has_gauss, cached gaussian)
+    return a[2:] == b[2:] and np.array_equal(a[1], b[1])
+
+
+_TORCH = torch.default_generator
+# Not torch.manual_seed, which also seeds (and so initialises) CUDA: a DataLoader worker must not
+# touch it. NumPy's legacy seed takes 32 bits.
+GENERATORS = {
+    "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, torch.equal),
+    "random": _Generator(random.getstate, random.setstate, random.seed, operator.eq),
+    "numpy": _Generator(
+        np.random.get_state,
+        np.random.set_state,
+        lambda s: np.random.seed(s & 0xFFFFFFFF),
+        _same_numpy_state,
+    ),
+}
+
+
 def seed(s: int) -> None:
-    """Seed torch's global CPU generator, `random` and NumPy's legacy global generator with `s`.
-    Not `torch.manual_seed`, which also seeds (and so initialises) CUDA: a DataLoader worker must
-    not touch it."""
-    torch.default_generator.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s & 0xFFFFFFFF)
+    """Seed torch's global CPU generator, `random` and NumPy's legacy global generator with `s`."""
+    for generator in GENERATORS.values():
+        generator.seed(s)
+
+
+def states() -> dict[str, Any]:
+    """The three generators' states."""
+    return {name: generator.get() for name, generator in GENERATORS.items()}
+
+
+def restore(saved: dict[str, Any], names: Iterable[str] | None = None) -> None:
+    """Set the generators `names` (all: None) to their states in `saved`."""
+    for name in GENERATORS if names is None else names:
+        GENERATORS[name].set(saved[name])
 
 
 @contextmanager
 def kept() -> Iterator[None]:
     """Restore the three global generators on leaving, to the states they had on entering."""
-    state = torch.default_generator.get_state(), random.getstate(), np.random.get_state()
+    saved = states()
     try:
         yield
     finally:
-        torch.default_generator.set_state(state[0])
-        random.setstate(state[1])
-        np.random.set_state(state[2])
+        restore(saved)
 
 
 def read(keyed: Iterable[tuple[int, int]], read_one: Callable[[int], T]) -> list[T]:
-    """`read_one(index)` for each (key, index), each with the generators seeded from its key and
-    index; the generators as they were afterwards."""
+    """`read_one(index)` for each (key, index), each with the three generators seeded from its key
+    and index; the generators as they were afterwards. For reads that cannot be repeated (an
+    iterable stream's) or are rare; `Keyed` reads a map-style stream's batches."""
     out = []
     with kept():
         for k, index in keyed:
@@ -102,14 +148,16 @@ def read_items(k: int, indices: Iterable[int], read_one: Callable[[int], Any]) -
 
 
 class Keyed(Dataset):
-    """A stream read by (key, index): each item with the global generators seeded from both, and
-    restored after the batch (`read`). A batched read (`__getitems__`) draws for all of its
-    items at once, so it is called for one item at a time: each item's draws are then its own,
-    whatever batch it is in."""
+    """A map-style stream read by (key, index): each item as `read` would read it, seeding only the
+    generators the stream has been seen to draw from (`drawn`, learned in each process; see the
+    module's docstring), the generators restored after each batch. A batched read
+    (`__getitems__`) draws for all of its items at once, so it is called for one item at a time:
+    each item's draws are then its own, whatever batch it is in."""
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
         self._batched = callable(getattr(dataset, "__getitems__", None))
+        self.drawn: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -118,7 +166,29 @@ class Keyed(Dataset):
         return self.__getitems__([keyed])[0]
 
     def __getitems__(self, keyed: list[tuple[int, int]]) -> list[Any]:
-        return read(keyed, self._one)
+        saved = states()
+        try:
+            while True:
+                seeders = [GENERATORS[name].seed for name in self.drawn]
+                items = [self._one(k, index, seeders) for k, index in keyed]
+                moved = {
+                    name
+                    for name, generator in GENERATORS.items()
+                    if name not in self.drawn and not generator.same(saved[name], generator.get())
+                }
+                if not moved:
+                    break
+                # drawn from the reader's state: read again, those seeded too
+                self.drawn |= moved
+        except BaseException:
+            restore(saved)
+            raise
+        restore(saved, self.drawn)
+        return items
 
-    def _one(self, index: int) -> Any:
+    def _one(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
+        if seeders:
+            s = item_seed(k, index)
+            for seeder in seeders:
+                seeder(s)
         return self.dataset.__getitems__([index])[0] if self._batched else self.dataset[index]

@@ -41,6 +41,26 @@ class BatchedDraws(Draws):
         return [{"i": i, "drawn": d.expand(3).clone()} for i, d in zip(indices, drawn, strict=True)]
 
 
+class SometimesDraws(Draws):
+    """Draws from random and numpy only for the items whose torch draw says so: a generator first
+    drawn from in a later batch, or only once another is seeded."""
+
+    def __getitem__(self, i: int) -> dict:
+        first = torch.rand(()).item()
+        more = [random.random(), float(np.random.rand())] if first < 0.3 else [-1.0, -1.0]
+        return {"i": i, "drawn": torch.tensor([first, *more], dtype=torch.float64)}
+
+
+class DrawsOnceSeeded(Draws):
+    """Draws from numpy only where torch was seeded for the item: seen only on a batch's second
+    reading, which must then be read a third time."""
+
+    def __getitem__(self, i: int) -> dict:
+        seeded = torch.initial_seed() == seeding.item_seed(seeding.training_key(0, 1), i)
+        more = float(np.random.rand()) if seeded else -1.0
+        return {"i": i, "drawn": torch.tensor([torch.rand(()).item(), more, 0.0])}
+
+
 class StreamOfDraws(IterableDataset):
     """An iterable stream of N items, each what its read drew; its __iter__ shuffles the order of
     the values it gives with random, as a stream that shuffles its files does."""
@@ -78,7 +98,15 @@ def assert_same(a: dict, b: dict) -> None:
 
 def assert_all_differ(a: dict, b: dict) -> None:
     for i in a:
-        assert not torch.isclose(a[i], b[i]).any(), i
+        assert a[i][0] != b[i][0], i
+
+
+def defined(stream, key) -> dict[int, torch.Tensor]:
+    """Each item read with all three generators seeded from the key and its index: the definition
+    that a reader which seeds only the generators a stream draws from must match."""
+    batched = getattr(stream, "__getitems__", None)
+    items = seeding.read_items(key, range(N), lambda i: batched([i])[0] if batched else stream[i])
+    return drawn([{"i": torch.arange(N), "drawn": torch.stack([it["drawn"] for it in items])}])
 
 
 def generator_states() -> tuple:
@@ -89,10 +117,15 @@ def next_draws() -> tuple:
     return torch.rand(2).tolist(), random.random(), np.random.rand(2).tolist()
 
 
-@pytest.mark.parametrize("stream", [Draws(), BatchedDraws()], ids=["getitem", "getitems"])
+@pytest.mark.parametrize(
+    "stream", [Draws(), BatchedDraws(), SometimesDraws()], ids=["getitem", "getitems", "sometimes"]
+)
 def test_an_item_draws_the_same_however_and_wherever_it_is_read(stream):
     epoch1, epoch2 = seeding.training_key(0, 1), seeding.training_key(0, 2)
     alone = read(stream, epoch1, batch=1)
+    assert_same(alone, defined(stream, epoch1))
+    if isinstance(stream, SometimesDraws):  # both kinds of item, in the first batch or later
+        assert {bool(alone[i][1] == -1) for i in range(N)} == {True, False}
     assert_same(read(stream, epoch1, batch=5, order=list(reversed(range(N)))), alone)
     assert_same(read(stream, epoch1, batch=4, world=2), alone)  # two ranks' shards
     assert_same(read(stream, epoch1, batch=3, num_workers=2), alone)  # in DataLoader workers
@@ -109,10 +142,17 @@ def test_an_item_draws_the_same_however_and_wherever_it_is_read(stream):
         kept = drawn(loaders.loader(stream, plan, key=epoch2, training=True))
     finally:
         loaders.close()
-    assert_same(kept, read(stream, epoch2, batch=1))
+    assert_same(kept, defined(stream, epoch2))
     assert_all_differ(kept, alone)  # another epoch, other draws
     values = torch.stack([alone[i] for i in range(N)])
     assert len(set(values[:, 0].tolist())) == N  # each item its own
+
+
+def test_a_generator_drawn_from_only_once_another_is_seeded_is_seeded_too():
+    key = seeding.training_key(0, 1)
+    want = defined(DrawsOnceSeeded(), key)
+    assert all(want[i][1] != -1 for i in range(N))
+    assert_same(read(DrawsOnceSeeded(), key, batch=5), want)
 
 
 def test_reading_leaves_the_readers_generators_as_they_were():
@@ -123,6 +163,8 @@ def test_reading_leaves_the_readers_generators_as_they_were():
     want = next_draws()
     for read_some in (
         lambda: read(Draws(), seeding.training_key(0, 1), world=2, empty_batches=True),
+        lambda: read(SometimesDraws(), seeding.training_key(0, 1), batch=1),
+        lambda: read(BatchedDraws(), seeding.training_key(0, 1)),
         lambda: list(loading.StreamSteps(StreamOfDraws(), 4, key=seeding.stream_key(0, "x"))),
         lambda: loading.first_items(Draws(), 5, seeding.stream_key(0, "train")),  # LogThroughput's
         lambda: loading.first_items(StreamOfDraws(), 5, seeding.stream_key(0, "train")),
