@@ -170,7 +170,11 @@ class Keyed(Dataset):
         try:
             while True:
                 seeders = [GENERATORS[name].seed for name in self.drawn]
-                items = [self._one(k, index, seeders) for k, index in keyed]
+                if seeders:
+                    items = [self._seeded(k, index, seeders) for k, index in keyed]
+                else:  # a stream that has drawn nothing yet: no seed to compute
+                    read = self._one
+                    items = [read(index) for _, index in keyed]
                 moved = {
                     name
                     for name, generator in GENERATORS.items()
@@ -186,9 +190,11 @@ class Keyed(Dataset):
         restore(saved, self.drawn)
         return items
 
-    def _one(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
-        if seeders:
-            s = item_seed(k, index)
-            for seeder in seeders:
-                seeder(s)
+    def _seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
+        s = item_seed(k, index)
+        for seeder in seeders:
+            seeder(s)
+        return self._one(index)
+
+    def _one(self, index: int) -> Any:
         return self.dataset.__getitems__([index])[0] if self._batched else self.dataset[index]
