@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
-from phalanx import environment
+from phalanx import environment, seeding
 from phalanx.data import Micro, Plan, is_iterable
 from phalanx.errors import ConfigError, DataError
 
@@ -27,17 +27,17 @@ if TYPE_CHECKING:
 
 
 class _ShardSampler:
-    """Feeds a DataLoader the shards of a plan's steps, from a starting step on; with `seed` (for
-    `_Reseeded` workers), each index as (seed, index)."""
+    """Feeds a DataLoader the shards of a plan's steps, from a starting step on; with `tag`, each
+    index as (tag, index): the key of a `seeding.Keyed` read, or the seed of `_Reseeded` workers."""
 
-    def __init__(self, plan: Plan, start: int, seed: tuple[int, int] | None = None):
-        self.plan, self.start, self.seed = plan, start, seed
+    def __init__(self, plan: Plan, start: int, tag: Any = None):
+        self.plan, self.start, self.tag = plan, start, tag
 
-    def __iter__(self) -> Iterator[list[int]] | Iterator[list[tuple[tuple[int, int], int]]]:
-        seed = self.seed
+    def __iter__(self) -> Iterator[list[int]] | Iterator[list[tuple[Any, int]]]:
+        tag = self.tag
         for _, micros in self.plan.steps(self.start):
             for micro in micros:
-                yield micro.shard if seed is None else [(seed, i) for i in micro.shard]
+                yield micro.shard if tag is None else [(tag, i) for i in micro.shard]
 
     def __len__(self) -> int:
         return self.plan.micro_batches(self.start)
@@ -224,20 +224,23 @@ def loader(
     seed: int = 0,
     name: str = "",
     empty_batches: bool = False,
+    key: int | None = None,
 ) -> DataLoader:
     """A DataLoader that yields this rank's shard of every micro-batch of `plan` from step `start`;
     `name` is the stream's, for errors. An empty shard is None, or with `empty_batches` a batch of
     zero samples shaped like the stream's items (for strategies whose every rank runs the model).
+    With `key` (see `phalanx.seeding`), each item is read with the global generators seeded from the
+    key and its index, in this process or a worker alike, and restored after.
 
     Its own generator, seeded by `seed`, seeds the workers: making the loader draws nothing from the
     global RNG, so a resumed run's dropout and augmentation continue exactly where they stopped.
     """
     kind = _WorkersLoader if num_workers else DataLoader
-    empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+    empty = empty_batch(dataset, name, key) if empty_batches and len(dataset) else None
     items, keys = _unnamed(dataset)
     return kind(
-        items,
-        batch_sampler=_ShardSampler(plan, start),
+        items if key is None else seeding.Keyed(items),
+        batch_sampler=_ShardSampler(plan, start, key),
         collate_fn=_Collate(name, num_workers > 0, empty, keys),
         num_workers=num_workers,
         pin_memory=pin_memory,
@@ -247,18 +250,40 @@ def loader(
     )
 
 
-def fetcher(dataset: Any, name: str = "") -> Callable[[list[int]], dict[str, Any] | None]:
+def fetcher(
+    dataset: Any, name: str = "", key: int | None = None
+) -> Callable[[list[int]], dict[str, Any] | None]:
     """A function that reads the given samples of a stream in this process and collates them: for
-    a strategy that deals each batch's samples out, whose processes read only those they take."""
+    a strategy that deals each batch's samples out, whose processes read only those they take. With
+    `key`, each sample as `loader` reads it."""
     items, keys = _unnamed(dataset)
     batch = _Collate(name, False, None, keys)
+    keyed = seeding.Keyed(items)
     getitems = getattr(items, "__getitems__", None)
 
     def fetch(indices: list[int]) -> dict[str, Any] | None:
-        got = getitems(list(indices)) if getitems is not None else [items[i] for i in indices]
+        if key is not None:
+            got = keyed.__getitems__([(key, i) for i in indices])
+        elif getitems is not None:
+            got = getitems(list(indices))
+        else:
+            got = [items[i] for i in indices]
         return batch(got)  # type: ignore[return-value]  # not in a worker: never _Unbatchable
 
     return fetch
+
+
+def first_items(stream: Any, n: int, key: int | None = None) -> list[Any]:
+    """A stream's first `n` items (fewer where it is shorter): by index, or as an iterable stream
+    gives them; with `key`, each read as a keyed loader reads it, the global generators left as
+    they were."""
+    if is_iterable(stream):
+        steps = StreamSteps(stream, n, key=key)
+        return steps._take(steps._iter(), 0)
+    indices = range(min(n, len(stream)))
+    if key is None:
+        return [stream[i] for i in indices]
+    return seeding.read_items(key, indices, stream.__getitem__)
 
 
 def _unnamed(dataset: Any) -> tuple[Any, tuple[str, ...] | None]:
@@ -296,9 +321,7 @@ class _Reseeded(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, key: tuple[tuple[int, int], int]) -> Any:
-        token, index = (
-            key  # token: (seed, the loader's use), new at every epoch even where the seed is not
-        )
+        token, index = key
         self._reseed(token)
         return self.dataset[index]
 
@@ -329,7 +352,8 @@ def _seed_worker(seed: int, worker: int) -> None:
 class Loaders:
     """DataLoaders whose workers live for the whole run (`dataset.persistent_workers`): one per
     stream, pointed at each epoch's plan, its workers seeded at each epoch as `loader`'s fresh ones
-    are, so that a run reads and augments the same batches either way."""
+    are (or each item by its key, as `loader`'s), so that a run reads and augments the same batches
+    either way."""
 
     def __init__(
         self, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None
@@ -339,7 +363,7 @@ class Loaders:
             "pin_memory": pin_memory,
             "prefetch_factor": prefetch_factor,
         }
-        self._made: dict[tuple[str, bool], tuple[Any, DataLoader, _ShardSampler]] = {}
+        self._made: dict[tuple[str, bool, bool], tuple[Any, DataLoader, _ShardSampler]] = {}
         self._uses = 0
 
     def loader(
@@ -351,20 +375,23 @@ class Loaders:
         name: str = "",
         empty_batches: bool = False,
         training: bool = False,
+        key: int | None = None,
     ) -> DataLoader:
         """As `loader`, with the workers of this stream (for training or evaluation: a stream may
         be both, evaluated in the middle of its training epoch), started at their first use."""
-        made = self._made.get((name, training))
+        made = self._made.get((name, training, key is not None))
         self._uses += 1
-        token = (base_seed(seed), self._uses)
+        # the workers' items: keyed, or (seed, the loader's use), new at every epoch even where the
+        # seed is not
+        tag = key if key is not None else (base_seed(seed), self._uses)
         if made is None or made[0] is not dataset:
-            sampler = _ShardSampler(plan, start, token)
-            empty = empty_batch(dataset, name) if empty_batches and len(dataset) else None
+            sampler = _ShardSampler(plan, start, tag)
+            empty = empty_batch(dataset, name, key) if empty_batches and len(dataset) else None
             items, keys = _unnamed(dataset)
-            made = self._made[name, training] = (
+            made = self._made[name, training, key is not None] = (
                 dataset,
                 _WorkersLoader(
-                    _Reseeded(items),
+                    seeding.Keyed(items) if key is not None else _Reseeded(items),
                     batch_sampler=sampler,
                     collate_fn=_Collate(name, True, empty, keys),
                     persistent_workers=True,
@@ -374,7 +401,7 @@ class Loaders:
                 sampler,
             )
         _, made_loader, sampler = made
-        sampler.plan, sampler.start, sampler.seed = plan, start, token
+        sampler.plan, sampler.start, sampler.tag = plan, start, tag
         return made_loader
 
     def close(self) -> None:
@@ -387,10 +414,12 @@ class Loaders:
         self._made.clear()
 
 
-def empty_batch(dataset: Any, name: str = "") -> dict[str, Any]:
+def empty_batch(dataset: Any, name: str = "", key: int | None = None) -> dict[str, Any]:
     """A batch of zero samples shaped like the stream's items: each tensor value with a first
-    dimension of 0, lists empty, other values as the first item has them."""
-    return empty_like(dataset[0], name)
+    dimension of 0, lists empty, other values as the first item has them. With `key`, the first
+    item is read as a keyed loader reads it, the global generators left as they were."""
+    first = dataset[0] if key is None else seeding.read([(key, 0)], dataset.__getitem__)[0]
+    return empty_like(first, name)
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:
@@ -491,7 +520,9 @@ class StreamSteps:
     cuts positions. Every rank reads every item and keeps its own shards, so the global batches are
     those of one process on any number of them; the reading is repeated on each rank. Yields (step,
     [(micro, batch) ...]) from step `start`: the items of the steps before are read and dropped,
-    unless `positioned` (the stream restored its own position)."""
+    unless `positioned` (the stream restored its own position). With `key`, each item is read with
+    the global generators seeded from the key and its position in the stream (and `iter` of the
+    stream from the key alone), restored after each step's reading."""
 
     def __init__(
         self,
@@ -505,6 +536,7 @@ class StreamSteps:
         name: str = "",
         empty_batches: bool = False,
         positioned: bool = False,
+        key: int | None = None,
     ):
         self.stream, self.batch_size, self.accumulation = stream, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
@@ -514,11 +546,12 @@ class StreamSteps:
             empty_batches,
             positioned,
         )
+        self.key = key
 
     def __iter__(self) -> Iterator[tuple[int, list[tuple[Micro, dict | None]]]]:
-        items = iter(self.stream)
+        items = self._iter()
         if not self.positioned:
-            skipped = sum(1 for _ in itertools.islice(items, self.start * self.batch_size))
+            skipped = sum(len(self._take(items, k)) for k in range(self.start))
             if skipped < self.start * self.batch_size:
                 raise DataError(
                     f"stream {self.name!r} ended after {skipped} items, but the checkpoint is "
@@ -527,7 +560,7 @@ class StreamSteps:
                 )
         k = self.start
         while True:
-            taken = list(itertools.islice(items, self.batch_size))
+            taken = self._take(items, k)
             if not taken:
                 if (
                     k == 0
@@ -556,3 +589,22 @@ class StreamSteps:
                 fetched.append((micro, batch))
             yield k, fetched
             k += 1
+
+    def _iter(self) -> Iterator[Any]:
+        if self.key is None:
+            return iter(self.stream)
+        # where a stream's __iter__ draws (a shuffle of its files), it draws from the key too
+        return seeding.read([(self.key, _START)], lambda _: iter(self.stream))[0]
+
+    def _take(self, items: Iterator[Any], k: int) -> list[Any]:
+        """Step `k`'s items: the next `batch_size` (fewer at the stream's end)."""
+        if self.key is None:
+            return list(itertools.islice(items, self.batch_size))
+        first = k * self.batch_size
+        positions = range(first, first + self.batch_size)
+        read = seeding.read_items(self.key, positions, lambda _: next(items, _END))
+        return list(itertools.takewhile(lambda item: item is not _END, read))
+
+
+_START = -1  # the position `iter` of an iterable stream is keyed by: before its first item
+_END = object()

@@ -6,7 +6,6 @@ only through its protocol.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from phalanx import data, keras_models, loading, random, strategies, timeline
+from phalanx import data, keras_models, loading, random, seeding, strategies, timeline
 from phalanx.background import Background
 from phalanx.build import (
     build_dataset,
@@ -398,6 +397,8 @@ class Trainer(Checkpointing):
         """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch)])."""
         stream = self.stream(TRAIN)
         cfg, strategy = self.cfg, self.strategy
+        # each sample's augmentation: a function of the seed, the epoch and its index alone
+        key = seeding.training_key(cfg.seed, epoch) if cfg.per_sample_random else None
         # the shards this process trains on; a strategy that deals the samples out plans them all
         rank, world = strategy.data_rank, strategy.data_world_size
         deals = isinstance(strategy, DealsSamples)
@@ -429,6 +430,7 @@ class Trainer(Checkpointing):
                     TRAIN,
                     strategy.runs_empty_shards,
                     positioned,
+                    key,
                 )
             )
             if (
@@ -446,7 +448,7 @@ class Trainer(Checkpointing):
         )
         if deals:  # it reads the samples it takes itself: none is read here
             assert isinstance(strategy, DealsSamples)
-            strategy.deal_from(loading.fetcher(stream, TRAIN))
+            strategy.deal_from(loading.fetcher(stream, TRAIN, key))
             return (
                 (k, [(micro, None) for micro in micros])
                 for k, micros in plan.steps(self.step_in_epoch)
@@ -462,6 +464,7 @@ class Trainer(Checkpointing):
                 name=TRAIN,
                 empty_batches=strategy.runs_empty_shards,
                 training=True,
+                key=key,
             )
         )
         return (
@@ -478,9 +481,10 @@ class Trainer(Checkpointing):
         name: str = "",
         empty_batches: bool = False,
         training: bool = False,
+        key: int | None = None,
     ) -> Any:
         """The batches of `plan` from step `start`: from this stream's persistent workers, or a new
-        DataLoader."""
+        DataLoader; with `key`, each item read under its own seed (`phalanx.seeding`)."""
         if self.loaders is not None:
             return self.loaders.loader(
                 stream,
@@ -490,6 +494,7 @@ class Trainer(Checkpointing):
                 name=name,
                 empty_batches=empty_batches,
                 training=training,
+                key=key,
             )
         return loading.loader(
             stream,
@@ -498,6 +503,7 @@ class Trainer(Checkpointing):
             seed=seed,
             name=name,
             empty_batches=empty_batches,
+            key=key,
             **self.loader_options,
         )
 
@@ -721,6 +727,8 @@ class Trainer(Checkpointing):
         stream = self.stream(name)
         batch_size = self.cfg.dataset.eval_batch_size or self.cfg.dataset.batch_size
         strategy, listeners = self.strategy, self._listeners["after_batch"]
+        # every evaluation of a stream draws the same augmentation for each sample
+        key = seeding.stream_key(self.cfg.seed, name) if self.cfg.per_sample_random else None
         if data.is_iterable(stream):
             steps = loading.StreamSteps(
                 stream,
@@ -732,6 +740,7 @@ class Trainer(Checkpointing):
                 0,
                 name,
                 strategy.runs_empty_shards,
+                key=key,
             )
             batches = ((step[0][0].global_size, step[0][1]) for _, step in steps)
         else:
@@ -744,7 +753,7 @@ class Trainer(Checkpointing):
                 self.shard_weights,
             )
             loaded = self._loader(
-                stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards
+                stream, plan, 0, name=name, empty_batches=strategy.runs_empty_shards, key=key
             )
             batches = (
                 (min(batch_size, len(stream) - k * batch_size), batch)
@@ -780,11 +789,10 @@ class Trainer(Checkpointing):
     def _first_samples(self, n: int) -> Mapping:
         """The training stream's first `n` samples (fewer where it is shorter), as one batch."""
         stream = data.get_stream(self.dataset, TRAIN)
-        try:
-            count = min(n, len(stream))
-            items = [stream[i] for i in range(count)]
-        except TypeError:  # an iterable stream: its first samples as it gives them
-            items = list(itertools.islice(iter(stream), n))
+        # read as evaluation reads them: LogThroughput reads this process's shard size of them, so
+        # the trainer's own draws must not depend on the count
+        key = seeding.stream_key(self.cfg.seed, TRAIN) if self.cfg.per_sample_random else None
+        items = loading.first_items(stream, n, key)
         if not items:
             raise ConfigError("the training stream is empty: there is nothing to train on")
         keys = tuple(self.cfg.dataset.keys) if self.cfg.dataset.keys else None

@@ -94,8 +94,9 @@ class Pids(Hook):
 
 def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
     """Workers kept for the whole run (the default where there are workers) are the same processes
-    every epoch, and draw the same augmentation as workers started afresh each epoch: seeded at
-    each epoch as a new DataLoader seeds them (torch, numpy, random)."""
+    every epoch, and draw the same augmentation as workers started afresh each epoch: without
+    per-sample streams (per_sample_random: false), seeded at each epoch as a new DataLoader seeds
+    them (torch, numpy, random)."""
     noisy = {"class": "toy.NoisyRegression", "batch_size": 8, "num_workers": 2}
     runs = {}
     for persistent in (True, False):
@@ -105,6 +106,7 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
             hooks=[ComputeStats(), pids],
             main_loop={"epochs": 2, "extra_streams": ["valid"]},
             dataset={**noisy, "persistent_workers": persistent},
+            per_sample_random=False,
         )
         runs[persistent] = trainer, [epoch for epoch in pids.epochs if epoch], pids.valid
     (kept, kept_pids, kept_valid), (fresh, fresh_pids, fresh_valid) = runs[True], runs[False]
@@ -115,11 +117,16 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
     assert kept_pids[0] == kept_pids[1]  # the same two workers in both epochs
     assert not (fresh_pids[0] & fresh_pids[1])  # new workers each epoch
     assert_close(params(kept), params(fresh))
-    zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={**noisy, "num_workers": 0})
+    zero = train(
+        tmp_path / "zero",
+        hooks=[ComputeStats()],
+        dataset={**noisy, "num_workers": 0},
+        per_sample_random=False,
+    )
     assert any(
         not torch.allclose(a, b)
         for a, b in zip(params(zero).values(), params(fresh).values(), strict=True)
-    )  # noise drawn
+    )  # noise drawn, in other processes
     with pytest.raises(
         ConfigError, match="dataset.persistent_workers=true is for DataLoader workers"
     ):
@@ -129,7 +136,7 @@ def test_persistent_workers_read_and_augment_as_fresh_ones(tmp_path):
 def test_persistent_workers_resume_in_mid_epoch_and_serve_a_stream_trained_and_evaluated(tmp_path):
     """The training stream evaluated every 3 steps, in the middle of its own epochs, and a run
     stopped at step 7 (mid-epoch) and resumed: persistent workers give what fresh ones give, and
-    are gone when the run ends."""
+    are gone when the run ends (torch's per-worker seeding: per_sample_random false)."""
     import os
 
     import phalanx
@@ -144,6 +151,7 @@ def test_persistent_workers_resume_in_mid_epoch_and_serve_a_stream_trained_and_e
             main_loop={"epochs": 3, "extra_streams": ["valid", "train"], "eval_every_n_steps": 3},
             output_root=str(tmp_path / str(persistent)),
             hooks=[{"ComputeStats": {"variables": ["loss"]}}, "SaveLatest"],
+            per_sample_random=False,
         )
         pids = Pids()
         first = phalanx.fit(raw, hooks=[StopAfter(steps=7), pids])

@@ -1,0 +1,200 @@
+"""Per-sample random streams for the data: before a stream's item is read, torch's global CPU
+generator, Python's `random` and NumPy's legacy global generator are seeded from a key and the
+item's index, and after the read (of one item or a batch of them) they are restored, so the
+augmentation a dataset draws in `__getitem__` is a function of (seed, epoch, index) alone: the
+same in any process, DataLoader worker or batch, and the reader's own draws are not disturbed.
+
+A key is a 64-bit integer of the seed and what the read is for: the epoch, for training
+(`training_key`); the stream's name, for evaluation (`stream_key`: each evaluation of a stream
+draws the same numbers, so its metrics change only with the model). An item's seed mixes the key
+with the index (`item_seed`) by splitmix64's finaliser, in Python integers: a few multiplications,
+cheap enough for every item.
+
+Seeding is what costs: each of the three is a Mersenne Twister, whose seeding computes its 2.5 KB
+state (1 to 3.5 us each, 7 us an item for the three), and reading or setting a state costs up to
+30 us (NumPy's). So the states are saved and restored once per batch read, not per item, and a
+map-style stream's reader (`Keyed`) seeds before each item only the generators that the stream has
+been seen to draw from: the others are looked at before and after each batch, and a batch during
+which one of them moved is read again with that one seeded too (its draws came from the reader's
+state, not the item's). A stream that draws nothing then pays about 1.5 us an item, one that draws
+from torch alone (torchvision's transforms) about 2.5 us; the batch in which a process first sees a
+stream draw is read twice. A read that restores the state it drew from is not seen to draw.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+_MASK = (1 << 64) - 1
+_TRAINING, _EVALUATION = 0, 1  # what a key is for: no training key equals an evaluation's
+T = TypeVar("T")
+
+
+def _mix(z: int) -> int:
+    """splitmix64: a bijection of 64-bit integers whose every output bit depends on every input
+    bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def key(seed: int, *parts: int) -> int:
+    """A 64-bit key of the seed and `parts`, each folded in by one mix."""
+    k = _mix(seed & _MASK)
+    for part in parts:
+        k = _mix(k ^ (part & _MASK))
+    return k
+
+
+def training_key(seed: int, epoch: int) -> int:
+    """The key of epoch `epoch`'s training reads."""
+    return key(seed, _TRAINING, epoch)
+
+
+def stream_key(seed: int, stream: str) -> int:
+    """The key of every read of stream `stream` outside training: each evaluation of it, and the
+    samples a hook looks at (by the name's CRC-32: Python's own string hash differs between
+    processes)."""
+    return key(seed, _EVALUATION, zlib.crc32(stream.encode()))
+
+
+def item_seed(k: int, index: int) -> int:
+    """The seed of item `index` read under key `k`: distinct indices get distinct seeds (the mix is
+    a bijection)."""
+    return _mix(k ^ (index & _MASK))
+
+
+class _Generator(NamedTuple):
+    """One of the global generators that a dataset's `__getitem__` draws from."""
+
+    get: Callable[[], Any]
+    set: Callable[[Any], Any]
+    seed: Callable[[int], Any]
+    same: Callable[[Any, Any], bool]
+
+
+def _same_numpy_state(a: tuple, b: tuple) -> bool:
+    # ('MT19937', key array, position, has_gauss, cached gaussian)
+    return a[2:] == b[2:] and np.array_equal(a[1], b[1])
+
+
+_TORCH = torch.default_generator
+# Not torch.manual_seed, which also seeds (and so initialises) CUDA: a DataLoader worker must not
+# touch it. NumPy's legacy seed takes 32 bits.
+GENERATORS = {
+    "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, torch.equal),
+    "random": _Generator(random.getstate, random.setstate, random.seed, operator.eq),
+    "numpy": _Generator(
+        np.random.get_state,
+        np.random.set_state,
+        lambda s: np.random.seed(s & 0xFFFFFFFF),
+        _same_numpy_state,
+    ),
+}
+
+
+def seed(s: int) -> None:
+    """Seed torch's global CPU generator, `random` and NumPy's legacy global generator with `s`."""
+    for generator in GENERATORS.values():
+        generator.seed(s)
+
+
+def states() -> dict[str, Any]:
+    """The three generators' states."""
+    return {name: generator.get() for name, generator in GENERATORS.items()}
+
+
+def restore(saved: dict[str, Any], names: Iterable[str] | None = None) -> None:
+    """Set the generators `names` (all: None) to their states in `saved`."""
+    for name in GENERATORS if names is None else names:
+        GENERATORS[name].set(saved[name])
+
+
+@contextmanager
+def kept() -> Iterator[None]:
+    """Restore the three global generators on leaving, to the states they had on entering."""
+    saved = states()
+    try:
+        yield
+    finally:
+        restore(saved)
+
+
+def read(keyed: Iterable[tuple[int, int]], read_one: Callable[[int], T]) -> list[T]:
+    """`read_one(index)` for each (key, index), each with the three generators seeded from its key
+    and index; the generators as they were afterwards. For reads that cannot be repeated (an
+    iterable stream's) or are rare; `Keyed` reads a map-style stream's batches."""
+    out = []
+    with kept():
+        for k, index in keyed:
+            seed(item_seed(k, index))
+            out.append(read_one(index))
+    return out
+
+
+def read_items(k: int, indices: Iterable[int], read_one: Callable[[int], Any]) -> list[Any]:
+    """`read` of `indices`, all under key `k`."""
+    return read(((k, i) for i in indices), read_one)
+
+
+class Keyed(Dataset):
+    """A map-style stream read by (key, index): each item as `read` would read it, seeding only the
+    generators the stream has been seen to draw from (`drawn`, learned in each process; see the
+    module's docstring), the generators restored after each batch. A batched read
+    (`__getitems__`) draws for all of its items at once, so it is called for one item at a time:
+    each item's draws are then its own, whatever batch it is in."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self._batched = callable(getattr(dataset, "__getitems__", None))
+        self.drawn: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, keyed: tuple[int, int]) -> Any:
+        return self.__getitems__([keyed])[0]
+
+    def __getitems__(self, keyed: list[tuple[int, int]]) -> list[Any]:
+        saved = states()
+        try:
+            while True:
+                seeders = [GENERATORS[name].seed for name in self.drawn]
+                if seeders:
+                    items = [self._seeded(k, index, seeders) for k, index in keyed]
+                else:  # a stream that has drawn nothing yet: no seed to compute
+                    read = self._one
+                    items = [read(index) for _, index in keyed]
+                moved = {
+                    name
+                    for name, generator in GENERATORS.items()
+                    if name not in self.drawn and not generator.same(saved[name], generator.get())
+                }
+                if not moved:
+                    break
+                # drawn from the reader's state: read again, those seeded too
+                self.drawn |= moved
+        except BaseException:
+            restore(saved)
+            raise
+        restore(saved, self.drawn)
+        return items
+
+    def _seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
+        s = item_seed(k, index)
+        for seeder in seeders:
+            seeder(s)
+        return self._one(index)
+
+    def _one(self, index: int) -> Any:
+        return self.dataset.__getitems__([index])[0] if self._batched else self.dataset[index]
