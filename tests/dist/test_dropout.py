@@ -1,5 +1,7 @@
-"""Dropout under every strategy: masks keyed by sample make a run with dropout layers the same on
-one process, ddp, towers, fsdp and a pipeline, in float64, and across a resume on another count."""
+"""Dropout and augmentation under every strategy: a model with two dropout layers, trained on items
+that draw noise when read, is the same run on one process, one process with two loader workers,
+ddp, towers, fsdp, a pipeline and a parameter server's workers, in float64, and across a resume on
+another count: masks and noise are keyed by sample."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ N_TRAIN, N_VALID = 37, 10
 
 
 def scenario(devices: int = 1, accumulation: int = 1, **parallel) -> dict:
+    """Dropout of 0.3 and 0.15 between the layers; noise on every item read."""
     return toy.regression_config(
         model={"class": "toy.Dropped", "features": 3, "hidden": 8},
         optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
-        dataset={"class": "toy.Regression", "batch_size": 10, "n_train": N_TRAIN},
+        dataset={"class": "toy.NoisyRegression", "batch_size": 10, "n_train": N_TRAIN},
         parallel={
             "accelerator": "cpu",
             "devices": devices,
@@ -66,10 +69,18 @@ def one() -> dict:
         (2, scenario(2)),
         (3, scenario(3, 2)),
         (1, scenario(2, strategy="towers")),
+        (1, {**scenario(), "dataset": {**scenario()["dataset"], "num_workers": 2}}),
         (2, scenario(2, strategy="fsdp")),
         (2, scenario(2, strategy="pipeline", pipeline={"split": ["net.3"], "schedule": "1f1b"})),
     ],
-    ids=["ddp-2", "ddp-3-accumulation-2", "towers-2", "fsdp-2", "pipeline-2-stages-1f1b"],
+    ids=[
+        "ddp-2",
+        "ddp-3-accumulation-2",
+        "towers-2",
+        "two-loader-workers",
+        "fsdp-2",
+        "pipeline-2-stages-1f1b",
+    ],
 )
 def test_dropout_trains_as_on_one_process(one, processes, raw):
     if processes == 1:
