@@ -200,15 +200,27 @@ def dropout(
     """`F.dropout`, its mask keyed by sample where a phalanx forward runs (`name`: the place that
     draws, the same in every process; by default the caller's file and line); torch's draw
     elsewhere."""
-    draws = current()
     if not training or p == 0.0:
         return x
+    name = name or _caller()
+    if torch.compiler.is_compiling():  # outside the graph: see `run_eagerly`
+        return _eager()(x, p, name, inplace)
+    return _keyed_dropout(x, p, name, inplace)
+
+
+def _keyed_dropout(x: torch.Tensor, p: float, name: str, inplace: bool) -> torch.Tensor:
+    draws = current()
     if draws is None:
-        return F.dropout(x, p, training, inplace)
+        return F.dropout(x, p, True, inplace)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    keep = _keep(x, p, name or _caller(), False, draws)
+    keep = _keep(x, p, name, False, draws)
     return _apply(x, keep, 1.0 / (1.0 - p), inplace)
+
+
+@functools.cache
+def _eager() -> Any:
+    return torch.compiler.disable(_keyed_dropout)
 
 
 def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> torch.Tensor:
@@ -218,7 +230,7 @@ def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> 
 
 
 def _caller() -> str:
-    frame = sys._getframe(2)
+    frame = sys._getframe(2)  # dropout's caller
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
@@ -258,6 +270,16 @@ def key_modules(module: nn.Module) -> list[str]:
             sub.forward = keyed  # type: ignore[method-assign]
             names.append(name)
     return names
+
+
+def run_eagerly(module: nn.Module) -> None:
+    """Before `module` is compiled: its keyed dropouts run outside the compiled graph (torch.compile
+    would otherwise guard on each forward's draws, the step among them, and compile the module
+    again at every step)."""
+    for sub in module.modules():
+        keyed = vars(sub).get("forward")
+        if isinstance(keyed, functools.partial) and keyed.func is _keyed_forward:
+            sub.forward = torch.compiler.disable(keyed)
 
 
 def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -229,3 +229,18 @@ def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
     assert any(
         "profile of steps 2-4" in r.message and "aten::" in r.message for r in caplog.records
     )
+
+
+def test_compile_of_a_model_with_dropout_trains_the_same_without_compiling_again(tmp_path):
+    """Keyed dropout runs outside the compiled graph: the graph is not compiled again at each step
+    for the step's draws, and the run is the plain one's."""
+    from torch._dynamo.utils import counters
+
+    model = {"class": "toy.Dropped", "features": 3, "hidden": 8}
+    data = {"class": "toy.Regression", "batch_size": 8, "n_train": 64}
+    plain = train(tmp_path / "plain", model=model, dataset=data)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(tmp_path / "compiled", model=model, dataset=data, compile={"backend": "eager"})
+    assert_close(params(compiled), params(plain))
+    assert counters["frames"]["total"] <= 4, dict(counters["frames"])  # 16 steps: not one a step

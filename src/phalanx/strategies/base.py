@@ -419,6 +419,9 @@ def prepare(
         checkpoint_modules(module, options.checkpointed)
     module = place(module)
     if options.compile is not None:
+        from phalanx import random
+
+        random.run_eagerly(module)
         module = torch.compile(  # type: ignore[assignment]  # stub: a callable; it is a Module
             module, backend=options.compile.backend, mode=options.compile.mode
         )
