@@ -178,13 +178,18 @@ def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
     # the last line is DDP's average at the end
     assert f"{1e3 * comm:.2f} ms per step" in reported[-1]
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
-    # once a run, the share of the step spent communicating; a 3-weight model's step is almost
-    # all communication, and the run says what one device would take instead
+    # once a run, the share of the step spent communicating (a 3-weight model's step is mostly
+    # communication, though on a busy machine the step's other parts may outweigh it), and where
+    # it is more than half, what one device would take instead
     shares = [line for line in first["lines"] if line.startswith("communication | ")]
     assert len(shares) == 1 and "% of the training time" in shares[0]
+    share = float(shares[0].split("communication | ")[1].split("%")[0])
     warned = [line for line in first["lines"] if "more than half of each step waits" in line]
-    assert len(warned) == 1 and "one device would take about" in warned[0]
-    assert "times 2, no communication" in warned[0] and "phalanx plan" in warned[0]
+    if share != 50:  # the share is printed rounded: at 50 either is right
+        assert len(warned) == (1 if share > 50 else 0), (shares, warned)
+    for line in warned:
+        assert "one device would take about" in line
+        assert "times 2, no communication" in line and "phalanx plan" in line
     assert not [line for line in second["lines"] if line.startswith("communication | ")]
 
 
