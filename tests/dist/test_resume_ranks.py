@@ -33,7 +33,9 @@ def _raw(stop: int) -> dict:
             {"StopAfter": {"steps": stop}},
         ],
     )
-    return {**raw, "model": toy.dropout_model()}
+    # each process's own generators (keyed draws need no saving; these are what a checkpoint saves
+    # for a model's own draws, and for all of them under per_sample_random: false)
+    return {**raw, "model": toy.dropout_model(), "per_sample_random": False}
 
 
 def _new_run(folder: Path, raw: dict) -> Path:

@@ -108,13 +108,14 @@ def test_a_checkpoint_of_towers_resumes_on_another_tower_count_and_on_one_device
 
 def dropout_run(towers: int, epochs: int = 3, stop: int = 1000, **parallel) -> dict:
     """toy.Regression (40 samples, batch 8: 5 steps an epoch) through a model with dropout, saved
-    every step."""
+    every step; dropout drawn from each tower's own stream (per_sample_random: false; keyed draws
+    have no stream to keep)."""
     raw = toy.regression_config(
         parallel={"accelerator": "cpu", "devices": towers, **parallel},
         main_loop={"epochs": epochs, "extra_streams": []},
         hooks=["SaveLatest", {"StopAfter": {"steps": stop}}],
     )
-    return {**raw, "model": toy.dropout_model()}
+    return {**raw, "model": toy.dropout_model(), "per_sample_random": False}
 
 
 def test_towers_with_dropout_are_reproducible_and_draw_as_ddp_ranks_do():
