@@ -1,4 +1,8 @@
-"""Where a GPU's time goes, for the loop's time split: CUDA events around each training step.
+"""Where the training loop's time goes (`LoopTimes`): waiting for data, the step (forward and
+backward, communication after backward, the optimizer) and the hooks, by epoch, by evaluation round
+and in all; on a GPU, on the device's own timeline.
+
+Where a GPU's time goes: CUDA events around each training step.
 
 On a GPU the host queues a step's kernels and moves on; the host's clock then charges the queued
 work to whatever first waits for the device (a hook reading the loss), and calls the step cheap.
@@ -102,3 +106,60 @@ def split(live: list[float], in_steps: float, between_steps: float) -> None:
         optimizer,
         between_steps * (1.0 - data_share),
     ]
+
+
+# the parts of a training step's time, in `LoopTimes.live`'s order
+TRAINING = ("data", "forward_backward", "communication", "optimizer", "hooks")
+
+
+class LoopTimes:
+    """Seconds the loop spent, by part: `total` over the run (with `eval`), `round` since the last
+    evaluation round, `epoch` the epoch's while it runs, and `live` the steps' not yet added to
+    them, which the loop itself adds to (a list, for speed). On a GPU (`cuda`) the steps' parts are
+    rewritten on the device's timeline as they are added (see `DeviceTimeline`)."""
+
+    def __init__(self, cuda: bool = False):
+        self.total = dict.fromkeys((*TRAINING, "eval"), 0.0)
+        self.round = dict.fromkeys(TRAINING, 0.0)
+        self.epoch: dict[str, float] | None = None
+        self.live = [0.0] * len(TRAINING)
+        self.device = DeviceTimeline.for_cuda() if cuda else None
+
+    def begin_epoch(self) -> dict[str, float]:
+        """The epoch's own times, which `add` fills until `end_epoch`."""
+        self.epoch = dict.fromkeys(TRAINING, 0.0)
+        return self.epoch
+
+    def end_epoch(self, epoch: dict[str, float]) -> None:
+        self.epoch = None
+        for key, seconds in epoch.items():
+            self.total[key] += seconds
+
+    def begin_steps(self) -> list[float]:
+        """A new `live` list for a loop of steps to add to."""
+        self.live = [0.0] * len(TRAINING)
+        return self.live
+
+    def add(self, epoch: dict[str, float]) -> None:
+        """The steps' seconds since they were last added, into `epoch`'s and the round's."""
+        live = self.live
+        if self.device is not None:
+            split(live, *self.device.take())
+        for k, (key, seconds) in enumerate(zip(TRAINING, live, strict=True)):
+            epoch[key] += seconds
+            self.round[key] += seconds
+            live[k] = 0.0
+
+    def new_round(self) -> None:
+        self.round = dict.fromkeys(TRAINING, 0.0)
+
+    def so_far(self) -> dict[str, float]:
+        """Seconds so far in the run, by part, up to the last step."""
+        if self.device is not None and self.epoch is not None:
+            # the steps' times exist once the device has reached them
+            self.add(self.epoch)
+        times = dict(self.total)
+        for part in (self.epoch or {}), dict(zip(TRAINING, self.live, strict=True)):
+            for key, seconds in part.items():
+                times[key] = times.get(key, 0.0) + seconds
+        return times

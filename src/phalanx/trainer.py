@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
+from phalanx.losses import StepLosses
 from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
 from phalanx.precision import Precision
@@ -49,8 +50,6 @@ from phalanx.strategies.base import (
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
-_UNSUMMED = 64  # steps whose losses may wait to be added up (settled) until one is read
-_TRAINING_TIMES = ("data", "forward_backward", "communication", "optimizer", "hooks")
 EVENTS = ("before_training", "after_batch", "after_epoch", "after_epoch_profile", "after_training")
 
 
@@ -202,28 +201,9 @@ class Trainer(Checkpointing):
         ] = {}  # the numbers of the last evaluation round, as "stream.variable"
         # seconds this process spent: waiting for data; forward and backward (with the all-reduce
         # that overlaps backward); communication after backward; the optimizer; hooks; evaluation
-        self.profile = dict.fromkeys(
-            ("data", "forward_backward", "communication", "optimizer", "hooks", "eval"), 0.0
-        )
-        self._round_profile = dict.fromkeys(
-            _TRAINING_TIMES, 0.0
-        )  # the same, since the last evaluation round
-        # the epoch's (until its end adds them to `profile`), and the steps' not yet added to it
-        self._epoch_times: dict[str, float] | None = None
-        self._live = [0.0] * len(_TRAINING_TIMES)
-        # on a GPU the parts are timed on the device's timeline: the host's clock would charge
-        # the queued kernels to whatever first waits for them
-        self._timeline = (
-            timeline.DeviceTimeline.for_cuda() if self.strategy.device.type == "cuda" else None
-        )
-        self._last_loss: torch.Tensor | None = None
-        self._settle: Callable[[], object] | None = None  # the last step's loss, while in flight
-        # the epoch's training losses: the sum of the settled ones, the last one's, and their count
-        self._loss_sum: torch.Tensor | None = None
-        # the steps' losses not yet added to the sum: a strategy that agrees on them behind the
-        # step (pipeline, param_server) is waited for only when they are read
-        self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
-        self._loss_steps = 0
+        self.times = timeline.LoopTimes(cuda=self.strategy.device.type == "cuda")
+        self.profile = self.times.total
+        self.losses = StepLosses()
         self.last_batch_size = 0
         # the first step's gradients are looked at once: a model whose loss reaches none of the
         # parameters the optimizer trains would otherwise train nothing, silently
@@ -365,17 +345,12 @@ class Trainer(Checkpointing):
     def _train_epoch(self, end: bool = True) -> None:
         epoch = self.epoch + 1
         self.epoch_data = {s: {} for s in self.streams}
-        self._loss_sum, self._unsummed, self._loss_steps = None, [], 0
-        profile = dict.fromkeys(
-            ("data", "forward_backward", "communication", "optimizer", "hooks"), 0.0
-        )
-        self._epoch_times = profile
+        self.losses.begin_epoch()
+        profile = self.times.begin_epoch()
         try:
             self._train_steps(self._steps(epoch), profile)
         finally:  # also when a hook or a signal ends the epoch early
-            self._epoch_times = None
-            for key, seconds in profile.items():
-                self.profile[key] += seconds
+            self.times.end_epoch(profile)
         self.epoch, self.step_in_epoch = epoch, 0
         self.engine.end_epoch()
         if isinstance(self.strategy, Serves):
@@ -389,9 +364,7 @@ class Trainer(Checkpointing):
             self.epoch == self.cfg.main_loop.epochs and self.step % every
         ):  # the end of training, off the beat
             self.rounds = self.step // every + 1
-            self._evaluation_epoch(
-                self.rounds, self.cfg.main_loop.extra_streams, self._round_profile
-            )
+            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self.times.round)
 
     def _steps(self, epoch: int) -> Iterator[tuple[int, list[tuple[data.Micro, Any]]]]:
         """Epoch `epoch`'s steps from the cursor on: (step, [(micro-batch, this rank's batch)])."""
@@ -537,12 +510,12 @@ class Trainer(Checkpointing):
     def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self._listeners["after_batch"]
         clock, stop = time.perf_counter, self.stop
-        train_step = self.train_step
+        train_step, losses = self.train_step, self.losses
         every = self.cfg.main_loop.eval_every_n_steps
-        device = self._timeline
+        device = self.times.device
         # seconds fetching, computing, communicating, optimizing and in hooks, since they were last
-        # added to the epoch's `profile` (a list that `times_so_far` reads)
-        live = self._live = [0.0] * len(_TRAINING_TIMES)
+        # added to the epoch's `profile`
+        live = self.times.begin_steps()
         try:
             t0 = clock()
             for k, fetched in steps:  # planning and fetching the step count as data time
@@ -554,15 +527,7 @@ class Trainer(Checkpointing):
                     device.end()
                 if self._unchecked:
                     self._check_gradients()
-                self._last_loss, self._settle = result.loss, result.settle
-                self._loss_steps += 1
-                if result.settle is None and not self._unsummed:  # there already: add it up
-                    loss = result.loss
-                    self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-                else:
-                    self._unsummed.append((result.loss, result.settle or _settled))
-                    if len(self._unsummed) > _UNSUMMED:
-                        self._sum_losses(_UNSUMMED // 2)
+                losses.add(result.loss, result.settle)
                 self.last_batch_size = fetched[0][0].global_size
                 self.step, self.step_in_epoch = self.step + 1, k + 1
                 t2 = clock()
@@ -581,73 +546,31 @@ class Trainer(Checkpointing):
                 if (
                     every is not None and self.step % every == 0
                 ):  # an evaluation round, inside the epoch
-                    self._add_times(live, profile)
+                    self.times.add(profile)
                     self._evaluation_round(every)
                     t3 = clock()
                 t0 = t3
         finally:
-            self._sum_losses()  # no agreement in flight outlives the steps
-            self._add_times(live, profile)
-
-    def _add_times(self, live: list[float], profile: dict[str, float]) -> None:
-        """The steps' seconds since they were last added, into the epoch's and the round's."""
-        if self._timeline is not None:
-            timeline.split(live, *self._timeline.take())
-        for k, (key, seconds) in enumerate(zip(_TRAINING_TIMES, live, strict=True)):
-            profile[key] += seconds
-            self._round_profile[key] += seconds
-            live[k] = 0.0
+            losses.settle()  # no agreement in flight outlives the steps
+            self.times.add(profile)
 
     def times_so_far(self) -> dict[str, float]:
         """Seconds this process spent so far in the run, by part of the loop, up to the last step
         (`profile` adds an epoch's at its end)."""
-        if self._timeline is not None and self._epoch_times is not None:
-            # the steps' times exist once the device has reached them
-            self._add_times(self._live, self._epoch_times)
-        times = dict(self.profile)
-        for part in (self._epoch_times or {}), dict(zip(_TRAINING_TIMES, self._live, strict=True)):
-            for key, seconds in part.items():
-                times[key] = times.get(key, 0.0) + seconds
-        return times
+        return self.times.so_far()
 
     @property
     def last_loss(self) -> torch.Tensor | None:
         """The last training step's global mean loss. Where the strategy agrees on it behind the
         step (the pipeline), reading it waits for that agreement: read it when it is needed."""
-        self._settled()
-        return self._last_loss
-
-    @last_loss.setter
-    def last_loss(self, loss: torch.Tensor | None) -> None:
-        self._last_loss, self._settle = loss, None
+        return self.losses.last
 
     @property
     def epoch_loss(self) -> torch.Tensor | None:
         """The mean of the training steps' losses in the epoch so far (since the resume, in an
         epoch resumed), None before its first step. Reading it waits for the steps' losses where
         the strategy agrees on them behind the step, as `last_loss` does."""
-        if not self._loss_steps:
-            return None
-        self._sum_losses()
-        assert self._loss_sum is not None
-        return self._loss_sum / self._loss_steps
-
-    def _sum_losses(self, count: int | None = None) -> None:
-        """The first `count` unsummed losses (all: None) settled and added to the epoch's sum; the
-        newest of them settles first (one request can settle the ones before it)."""
-        count = len(self._unsummed) if count is None else count
-        due, self._unsummed = self._unsummed[:count], self._unsummed[count:]
-        for _, settle in reversed(due):
-            settle()
-        for loss, _ in due:
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        if not self._unsummed:
-            self._settle = None
-
-    def _settled(self) -> None:
-        settle, self._settle = self._settle, None
-        if settle is not None:
-            settle()
+        return self.losses.epoch_mean()
 
     def _evaluation_round(self, every: int) -> None:
         """Evaluate the extra streams after every `main_loop.eval_every_n_steps` (`every`) optimizer
@@ -657,9 +580,7 @@ class Trainer(Checkpointing):
         training, self.training = self.training, False
         self.rounds = self.step // every
         try:
-            self._evaluation_epoch(
-                self.rounds, self.cfg.main_loop.extra_streams, self._round_profile
-            )
+            self._evaluation_epoch(self.rounds, self.cfg.main_loop.extra_streams, self.times.round)
             self.epoch_data = {s: {} for s in self.streams}
         finally:
             self.training = training
@@ -691,7 +612,7 @@ class Trainer(Checkpointing):
         """Evaluate `streams`, then end epoch `epoch` (or evaluation round) with its after_epoch
         events."""
         profile = dict(profile or {})
-        self._round_profile = dict.fromkeys(_TRAINING_TIMES, 0.0)
+        self.times.new_round()
         self.epoch_data = self.epoch_data if epoch else {s: {} for s in self.streams}
         start = time.perf_counter()
         for name in streams:
@@ -905,7 +826,3 @@ def _gathering(listeners: list[Hook]) -> tuple[list[Hook], set[str] | None]:
     listed = [h.gather_keys for h in gatherers if h.gather_keys is not None]
     keys = {k for named in listed for k in named} if len(listed) == len(gatherers) else None
     return gatherers, keys
-
-
-def _settled() -> None:
-    """A loss that is there already."""

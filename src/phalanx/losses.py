@@ -1,0 +1,71 @@
+"""The training steps' losses, tallied: the last step's and the epoch's mean. A strategy may agree
+on a step's loss behind the step (the pipeline, param_server): such a loss is settled (waited for)
+only when it is read, and at most `UNSUMMED` of them wait to be added up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# steps whose losses may wait to be added up (settled) until one is read
+UNSUMMED = 64
+
+
+def _there() -> None:
+    """A loss that is there already."""
+
+
+class StepLosses:
+    """The losses of an epoch's steps: `add` each step's, read `last` and `epoch_mean`."""
+
+    def __init__(self) -> None:
+        self._last: torch.Tensor | None = None
+        # the last step's loss while its agreement is in flight
+        self._settle: Callable[[], object] | None = None
+        # the settled losses' sum, and those not yet added to it
+        self._sum: torch.Tensor | None = None
+        self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
+        self.steps = 0
+
+    def begin_epoch(self) -> None:
+        self._sum, self._unsummed, self.steps = None, [], 0
+
+    def add(self, loss: torch.Tensor, settle: Callable[[], object] | None) -> None:
+        """A step's global mean loss; `settle` waits for it, where it is agreed behind the step."""
+        self._last, self._settle = loss, settle
+        self.steps += 1
+        if settle is None and not self._unsummed:  # there already: add it up
+            self._sum = loss if self._sum is None else self._sum + loss
+            return
+        self._unsummed.append((loss, settle or _there))
+        if len(self._unsummed) > UNSUMMED:
+            self.settle(UNSUMMED // 2)
+
+    @property
+    def last(self) -> torch.Tensor | None:
+        """The last step's loss, waited for where it is agreed behind the step."""
+        settle, self._settle = self._settle, None
+        if settle is not None:
+            settle()
+        return self._last
+
+    def epoch_mean(self) -> torch.Tensor | None:
+        """The mean of the epoch's step losses so far, None before its first step."""
+        if not self.steps:
+            return None
+        self.settle()
+        assert self._sum is not None
+        return self._sum / self.steps
+
+    def settle(self, count: int | None = None) -> None:
+        """The first `count` unsummed losses (all: None) settled and added to the sum; the newest
+        of them settles first (one request can settle the ones before it)."""
+        count = len(self._unsummed) if count is None else count
+        due, self._unsummed = self._unsummed[:count], self._unsummed[count:]
+        for _, settle in reversed(due):
+            settle()
+        for loss, _ in due:
+            self._sum = loss if self._sum is None else self._sum + loss
+        if not self._unsummed:
+            self._settle = None
