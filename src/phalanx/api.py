@@ -45,7 +45,6 @@ from phalanx.files import write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given
-from phalanx.strategies.base import Serves
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
@@ -608,7 +607,7 @@ def _work(
     cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
     strategy = strategies.create(cfg)
     trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
-    if isinstance(strategy, Serves) and strategy.rejoining:  # the others go on: join them there
+    if strategy.rejoining:  # the others go on: join them there
         steps, epoch_open = strategy.joined_at()
         trainer.join(steps, epoch_open)
         log.warning(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.checkpoint import Checkpoints
+from phalanx.checkpoint import Checkpoints, saves_shards
+
+log = logging.getLogger("phalanx")
 
 
 class Background:
@@ -26,6 +29,21 @@ class Background:
         self.checkpoints, self.committed = checkpoints, committed
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    @classmethod
+    def for_run(
+        cls, checkpoints: Checkpoints, strategy: Any, committed: Callable[[int, bool], None]
+    ) -> Background | None:
+        """The writer for a run's checkpoints under `strategy`: a thread on the main process, where
+        the whole state is gathered there; none where every rank writes its own shards (they are
+        saved as they are taken) and on the other processes."""
+        if saves_shards(strategy):
+            log.info(
+                "checkpoints.async: every rank writes its own shards at once; they are saved "
+                "as they are taken"
+            )
+            return None
+        return cls(checkpoints, committed) if strategy.is_main else None
 
     def submit(
         self,

@@ -195,3 +195,26 @@ def _jsonable(value: Any) -> Any:
 
 def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def check_given_model(module: nn.Module, strategy: Any) -> None:
+    """A model given as an object: built already, so not on the meta device; and, where each rank
+    built its own (under torchrun), the same on every rank, as one process's would be."""
+    where = strategy.init_context()
+    if isinstance(where, torch.device):
+        setting, instead = (
+            ("parallel.fsdp.init: meta", "init: full")
+            if where.type == "meta"
+            else ("parallel.build: device", "build: host")
+        )
+        raise ConfigError(
+            f"{setting} builds the model itself, but the model was given as an object, built "
+            f"already; name its class in model.class, or use {instead}"
+        )
+    differing = strategy.differing_ranks(module)
+    if differing:
+        raise ConfigError(
+            f"the model given differs on rank(s) {differing} from rank 0's: each process built its "
+            "own from its own random state. Seed before building it (torch.manual_seed(0) first), "
+            "so that every process starts from the same weights"
+        )

@@ -83,6 +83,10 @@ class GradNorms:
             out.update(grad_norm=self.sum / self.count, grad_norm_max=self.max)
         return out
 
+    def reset(self) -> None:
+        """A new epoch's norms."""
+        self.__init__()  # type: ignore[misc]
+
     def state_dict(self) -> dict:
         return {"sum": self.sum, "max": self.max, "count": self.count, "nonfinite": self.nonfinite}
 

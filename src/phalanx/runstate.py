@@ -1,19 +1,20 @@
-"""The run's state in and out of checkpoints: the trainer's counters, random generators, sample
-order and hooks' state (`state_dict`), a step saved (`save_checkpoint`) and restored (`restore`), a
-new run's start from trained weights (`initialise_from`). A part of the trainer (`Trainer` takes it
-in), kept apart from the main loop; the layouts on disk are `checkpoint`'s, how each process holds
-the model is the strategy's.
+"""The run's state: its counters and the parts a checkpoint holds, saved (`save`) and restored
+(`restore`) by this one owner; a new run's start from trained weights (`initialise_from`), and a
+rejoining worker's start where the others are (`join`).
+
+The parts: the model and the optimizer (held by the strategy, written by the checkpoint store), the
+schedulers and the gradient scaler, the gradient norms, the hooks' state, the feed's position in an
+iterable stream, and the random streams (the process's, and the strategy's own where it keeps some,
+`Strategy.stream_states`). The layouts on disk are `checkpoint`'s.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from phalanx import data, resuming, rundir
 from phalanx.background import Background
@@ -27,51 +28,97 @@ from phalanx.build import (
 )
 from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.config import Config
-from phalanx.data import TRAIN
 from phalanx.engine import Engine
 from phalanx.errors import CheckpointError, CheckpointMismatch
+from phalanx.feed import Feed
 from phalanx.hooks.base import Hook
 from phalanx.precision import Precision
-from phalanx.strategies.base import RandomStreams, Serves, Strategy
+from phalanx.strategies.base import Strategy
 
 log = logging.getLogger("phalanx")
 
 
-class Checkpointing:
-    """What the trainer's state needs of the trainer: its parts and counters, set by `Trainer`."""
+class Part(Protocol):
+    """What a checkpoint holds of a part of the run: its state as JSON, and back."""
 
-    cfg: Config
-    run_dir: Path | None
-    search_dirs: list[Path]
-    strategy: Strategy
-    model: nn.Module
-    precision: Precision
-    engine: Engine
-    schedulers: list
-    hooks: list[Hook]
-    checkpoints: Checkpoints | None
-    background: Background | None
-    epoch: int
-    step: int
-    step_in_epoch: int
-    rounds: int
-    order: str
-    _positioned: bool  # an iterable training stream restored its own position from a checkpoint
-    _warned_position: bool
+    def state_dict(self) -> Any: ...
 
-    def stream(self, name: str) -> Any:
-        raise NotImplementedError  # the trainer's
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class HookStates:
+    """The hooks' state, each under its place and class; a hook that the checkpoint lacks starts
+    afresh, with a warning."""
+
+    def __init__(self, hooks: list[Hook]):
+        self.hooks = hooks
+
+    def state_dict(self) -> dict[str, Any]:
+        return {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for i, hook in enumerate(self.hooks):
+            key = _hook_key(i, hook)
+            if key in saved:
+                hook.load_state_dict(saved[key])
+            else:
+                log.warning("hook %s has no saved state in the checkpoint; it starts afresh", key)
+
+
+class RunState:
+    """The counters of a run (epochs and steps done, the step within the epoch, evaluation rounds
+    begun) and its checkpointable parts. `parts`: name -> part, each saved in the step's trainer
+    state under its name (an iterable stream's position, the hooks', the gradient norms')."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path | None,
+        search_dirs: list[Path],
+        strategy: Strategy,
+        model: torch.nn.Module,
+        engine: Engine,
+        schedulers: list,
+        precision: Precision,
+        feed: Feed | None,
+        parts: dict[str, Part],
+    ):
+        self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, search_dirs
+        self.strategy, self.model, self.engine = strategy, model, engine
+        self.schedulers, self.precision, self.feed = schedulers, precision, feed
+        self.parts = parts
+        self.epoch, self.step, self.step_in_epoch = 0, 0, 0
+        # evaluation rounds begun, with main_loop.eval_every_n_steps
+        self.rounds = 0
+        self.checkpoints = (
+            Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
+        )
+        # checkpoints.async: a writer thread on the main process, where the whole state is saved
+        self.background = (
+            Background.for_run(
+                self.checkpoints,
+                strategy,
+                lambda step, best: self.trace("checkpoint", step=step, best=best),
+            )
+            if cfg.checkpoints.async_ and self.checkpoints is not None
+            else None
+        )
 
     @property
     def steps_per_epoch(self) -> int | None:
-        raise NotImplementedError  # the trainer's
+        return None if self.feed is None else self.feed.steps_per_epoch
 
-    def any_rank(self, flag: bool) -> bool:
-        raise NotImplementedError  # the trainer's
-
-    def _trace(self, event: str, **fields: Any) -> None:
+    def trace(self, event: str, **fields: Any) -> None:
+        """An event of the run, in its trace (on the main process)."""
         if self.run_dir is not None and self.strategy.is_main:
             rundir.trace(self.run_dir, event, **fields)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank: decisions that end the loop are taken by all alike."""
+        if self.strategy.world_size == 1:
+            return flag
+        flags = torch.tensor([float(flag)], device=self.strategy.device)
+        return bool(self.strategy.reduce(flags, "max") > 0)
 
     @property
     def stored_checkpoints(self) -> Checkpoints:
@@ -80,31 +127,66 @@ class Checkpointing:
             raise RuntimeError("this trainer has no run directory, so no checkpoints to read")
         return self.checkpoints
 
+    # --- saving
+
     def state_dict(self) -> dict[str, Any]:
-        """Trainer state as JSON: counters, the sampler cursor, every RNG of every rank and the
-        hooks' state. Every rank calls it: the RNG states are gathered, and hooks combine their
+        """The run's state as JSON: counters, the sample order, every rank's random streams and the
+        parts'. Every rank calls it: the random states are gathered, and hooks combine their
         running values across ranks."""
         rng = rng_state()
-        if isinstance(self.strategy, RandomStreams):
-            rng["devices"] = self.strategy.stream_states()
-        state = {
+        devices = self.strategy.stream_states()
+        if devices is not None:
+            rng["devices"] = devices
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "step": self.step,
             "step_in_epoch": self.step_in_epoch,
             "batch_size": self.cfg.dataset.batch_size,
             "seed": self.cfg.seed,
-            "order": self.order,
+            "order": data.FEISTEL if self.feed is None else self.feed.order,
             "rounds": self.rounds,
             "rng": rng,
-            "hooks": {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)},
-            "grad_norms": self.engine.norms.state_dict(),
         }
-        position = self._stream_position()
-        if position is not None:
-            state["stream"] = position
+        for name, part in self.parts.items():
+            saved = part.state_dict()
+            if saved is not None:
+                state[name] = saved
         if self.strategy.world_size > 1:
             state["rng_ranks"] = self.strategy.gather(rng)
         return state
+
+    def save(self, best: dict | None = None) -> Path | None:
+        """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
+        checkpoints = self.checkpoints
+        if checkpoints is None:
+            return None
+        optimizer = self.engine.trained_optimizer
+        # a diverged run's weights: a resume would only diverge again, and retention would drop the
+        # last sound steps for them
+        if self.any_rank(not finite_weights(optimizer)):
+            if self.strategy.is_main:
+                kept = checkpoints.steps()
+                log.error(
+                    "the weights are not finite at step %d: it is not saved; %s",
+                    self.step,
+                    f"a resume goes on from step {kept[-1]}" if kept else "no step is saved yet",
+                )
+            return None
+        # on every rank: hooks combine their running values across ranks
+        state = self.state_dict()
+        rest = {
+            "schedulers": [s.state_dict() for s, _ in self.schedulers],
+            "scaler": self.precision.state_dict(),
+        }
+        path = checkpoints.save_state(
+            self.step, self.strategy, optimizer, rest, state, best, self.background
+        )
+        # the writer's thread traces its own
+        if path is not None and self.background is None:
+            self.trace("checkpoint", step=self.step, best=best is not None)
+        return path
+
+    # --- starting
 
     def initialise_from(self) -> None:
         """A new run's start from the trained weights `model.init_from` names (every rank reads
@@ -114,7 +196,8 @@ class Checkpointing:
         if spec is None:
             return
         path, state = initial_weights(spec.path, spec.checkpoint)
-        try:  # each process keeps its part: a replica, its shards, its stages
+        # each process keeps its part: a replica, its shards, its stages
+        try:
             missing, unexpected = self.strategy.load_state(state)
         except (RuntimeError, ValueError, KeyError) as e:
             lines = " ".join(str(e).split())
@@ -140,57 +223,6 @@ class Checkpointing:
                 f" ({listed})" if listed else "",
             )
 
-    def _stream_position(self) -> Any:
-        """Where an iterable training stream that can say so stands (`state_dict()`, as JSON)."""
-        stream = self.stream(TRAIN)
-        if not (
-            data.is_iterable(stream)
-            and callable(getattr(stream, "state_dict", None))
-            and callable(getattr(stream, "load_state_dict", None))
-        ):
-            return None
-        position = stream.state_dict()
-        try:
-            json.dumps(position)
-        except (TypeError, ValueError):
-            if not self._warned_position:
-                log.warning(
-                    "stream train's state_dict() is not JSON; a resume reads the stream again up "
-                    "to its position instead"
-                )
-                self._warned_position = True
-            return None
-        return position
-
-    def save_checkpoint(self, best: dict | None = None) -> Path | None:
-        """Save the whole training state at the current step. Every rank calls it; rank 0 writes."""
-        checkpoints = self.checkpoints
-        if checkpoints is None:
-            return None
-        optimizer = self.engine.trained_optimizer
-        # a diverged run's weights: a resume would only diverge again, and retention would drop the
-        # last sound steps for them
-        if self.any_rank(not finite_weights(optimizer)):
-            if self.strategy.is_main:
-                kept = checkpoints.steps()
-                log.error(
-                    "the weights are not finite at step %d: it is not saved; %s",
-                    self.step,
-                    f"a resume goes on from step {kept[-1]}" if kept else "no step is saved yet",
-                )
-            return None
-        state = self.state_dict()  # on every rank: hooks combine their running values across ranks
-        rest = {
-            "schedulers": [s.state_dict() for s, _ in self.schedulers],
-            "scaler": self.precision.state_dict(),
-        }
-        path = checkpoints.save_state(
-            self.step, self.strategy, optimizer, rest, state, best, self.background
-        )
-        if path is not None and self.background is None:  # the writer's thread traces its own
-            self._trace("checkpoint", step=self.step, best=best is not None)
-        return path
-
     def join(self, steps: int, epoch_open: bool) -> None:
         """Start where the servers of a run whose other workers go on are: `steps` applied, and
         `epoch_open` where the epoch they complete has still to end (its evaluation and hooks).
@@ -199,13 +231,16 @@ class Checkpointing:
         per_epoch = self.steps_per_epoch
         assert per_epoch  # param_server refuses a stream of unknown length
         epochs, into = divmod(steps, per_epoch)
-        if epoch_open and steps and not into:  # the epoch's steps are done, its end is not
+        # the epoch's steps are done, its end is not
+        if epoch_open and steps and not into:
             epochs, into = epochs - 1, per_epoch
         self.epoch, self.step, self.step_in_epoch = epochs, steps, into
         for _ in range(steps):
             self.engine.step_schedulers()
         for _ in range(epochs):
             self.engine.end_epoch()
+
+    # --- restoring
 
     def restore(self, step: int, weights_only: bool = False, previous: dict | None = None) -> None:
         """Continue from checkpoint `step`: weights, and unless `weights_only`, everything else.
@@ -221,7 +256,8 @@ class Checkpointing:
         optimizer_state, state = checkpoints.load(
             step, lambda weights: self.strategy.load_model_state(weights, optimizer)
         )
-        if not finite_weights(optimizer):  # this process's part; the caller agrees over the ranks
+        # this process's part; the caller agrees over the ranks
+        if not finite_weights(optimizer):
             raise CheckpointError(
                 f"{path.parent} holds weights that are not finite (the run had diverged by then); "
                 "a resume from it would diverge again"
@@ -232,34 +268,7 @@ class Checkpointing:
             else {}
         )
         resuming.check(changed, state, self.cfg.dataset.batch_size)
-        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its
-        # evaluation)
-        if self.steps_per_epoch is not None and state["step_in_epoch"] > self.steps_per_epoch:
-            raise CheckpointError(
-                f"{path} says step {state['step_in_epoch']} of an epoch that has "
-                f"{self.steps_per_epoch} steps; the checkpoint is damaged or of another dataset"
-            )
-        self.epoch, self.step, self.step_in_epoch = (
-            state["epoch"],
-            state["step"],
-            state["step_in_epoch"],
-        )
-        self.rounds = state.get("rounds", 0)
-        self.order = state.get(
-            "order", data.RANDPERM
-        )  # checkpoints that name none predate the Feistel order
-        if self.order not in data.ORDERS:
-            raise CheckpointError(
-                f"{path} names the sample order {self.order!r}, which this version of phalanx does "
-                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that "
-                "saved it"
-            )
-        if self.order != data.FEISTEL and self.strategy.is_main:
-            log.info(
-                "this run keeps the sample order it started with (%s, from an older version of "
-                "phalanx)",
-                self.order,
-            )
+        self._restore_counters(state, path)
         settings, schedules = (
             self._replayed_schedule()
             if resuming.affects_schedule(changed)
@@ -268,29 +277,58 @@ class Checkpointing:
         try:
             if optimizer_state["optimizer"] is not None:
                 self.strategy.load_optimizer_state(optimizer, optimizer_state["optimizer"])
+            # the new settings at this step, over the saved moments and counts
             for group, new in zip(
                 optimizer.param_groups, settings or [], strict=settings is not None
             ):
-                group.update(
-                    new
-                )  # the new settings at this step, over the saved moments and counts
+                group.update(new)
             for (scheduler, _), saved in zip(self.schedulers, schedules, strict=True):
                 scheduler.load_state_dict(saved)
             self.precision.load_state_dict(optimizer_state["scaler"])
             self._restore_rng(state)
-            self._restore_hooks(state["hooks"], step)
-            if "grad_norms" in state:
-                self.engine.norms.load_state_dict(state["grad_norms"])
-            if (
-                "stream" in state and state["step_in_epoch"]
-            ):  # the iterable stream goes on from where it stood
-                self.stream(TRAIN).load_state_dict(state["stream"])
-                self._positioned = True
+            self._restore_parts(state)
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AttributeError) as e:
             raise CheckpointError(
                 f"{path.parent} does not fit this run ({type(e).__name__}: {e}); the checkpoint "
                 "is damaged or was saved from another config"
             ) from None
+
+    def _restore_counters(self, state: dict[str, Any], path: Path) -> None:
+        # step_in_epoch = steps_per_epoch: saved after the epoch's last step, before its end (its
+        # evaluation)
+        per_epoch = self.steps_per_epoch
+        if per_epoch is not None and state["step_in_epoch"] > per_epoch:
+            raise CheckpointError(
+                f"{path} says step {state['step_in_epoch']} of an epoch that has "
+                f"{per_epoch} steps; the checkpoint is damaged or of another dataset"
+            )
+        self.epoch, self.step = state["epoch"], state["step"]
+        self.step_in_epoch = state["step_in_epoch"]
+        self.rounds = state.get("rounds", 0)
+        # checkpoints that name none predate the Feistel order
+        order = state.get("order", data.RANDPERM)
+        if order not in data.ORDERS:
+            raise CheckpointError(
+                f"{path} names the sample order {order!r}, which this version of phalanx does "
+                f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that "
+                "saved it"
+            )
+        if self.feed is not None:
+            self.feed.order = order
+        if order != data.FEISTEL and self.strategy.is_main:
+            log.info(
+                "this run keeps the sample order it started with (%s, from an older version of "
+                "phalanx)",
+                order,
+            )
+
+    def _restore_parts(self, state: dict[str, Any]) -> None:
+        for name, part in self.parts.items():
+            # an iterable stream's position at an epoch's end: the next epoch starts it afresh
+            if name == STREAM and not state["step_in_epoch"]:
+                continue
+            if name in state:
+                part.load_state_dict(state[name])
 
     def _replayed_schedule(self) -> tuple[list[dict], list[dict]]:
         """The optimizer's settings and the schedulers' states that the config gives at this step: a
@@ -303,8 +341,9 @@ class Checkpointing:
             self.cfg.dataset.batch_size,
             fused=self.strategy.device.type == "cuda",
         )
-        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, self.steps_per_epoch)
-        resuming.replay_schedule(schedulers, self.step, self.epoch, self.steps_per_epoch)
+        per_epoch = self.steps_per_epoch
+        schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, per_epoch)
+        resuming.replay_schedule(schedulers, self.step, self.epoch, per_epoch)
         settings = [
             {k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups
         ]
@@ -314,19 +353,19 @@ class Checkpointing:
         """Each rank's own random streams where the process count is the checkpoint's; on another
         count, streams re-derived from the seed, the step and the rank."""
         saved = state.get("rng_ranks") or [state["rng"]]
-        rank, world_size = self.strategy.rank, self.strategy.world_size
-        if isinstance(self.strategy, Serves):  # the workers' streams alone were saved
-            world_size = self.strategy.data_world_size
-            if self.strategy.serving:  # a server draws nothing
-                seed_everything(derived_seed(self.cfg.seed, self.step, rank))
-                return
+        strategy, seed = self.strategy, self.cfg.seed
+        rank, world_size = strategy.rank, strategy.random_processes
+        # a process that serves the others draws nothing
+        if strategy.serving:
+            seed_everything(derived_seed(seed, self.step, rank))
+            return
         if len(saved) == world_size:
             set_rng_state(saved[rank])
-            self._restore_streams(saved[rank].get("devices"))
+            strategy.load_stream_states(saved[rank].get("devices"), seed, self.step)
             return
-        seed_everything(derived_seed(self.cfg.seed, self.step, rank))
-        self._restore_streams(None)
-        if self.strategy.is_main:
+        seed_everything(derived_seed(seed, self.step, rank))
+        strategy.load_stream_states(None, seed, self.step)
+        if strategy.is_main:
             log.info(
                 "random streams re-derived from the seed, the step and the rank: the checkpoint "
                 "was saved by %d process(es), this run has %d",
@@ -334,18 +373,9 @@ class Checkpointing:
                 world_size,
             )
 
-    def _restore_streams(self, states: list[str] | None) -> None:
-        """Towers' own streams, after the process's (which set every CUDA device's generator)."""
-        if isinstance(self.strategy, RandomStreams):
-            self.strategy.load_stream_states(states, self.cfg.seed, self.step)
 
-    def _restore_hooks(self, saved_hooks: dict[str, Any], step: int) -> None:
-        for i, hook in enumerate(self.hooks):
-            key = _hook_key(i, hook)
-            if key in saved_hooks:
-                hook.load_state_dict(saved_hooks[key])
-            else:
-                log.warning("hook %s has no saved state in step-%d; it starts afresh", key, step)
+# the name of the feed's part: an iterable training stream's position
+STREAM = "stream"
 
 
 def finite_weights(optimizer: torch.optim.Optimizer) -> bool:
@@ -354,7 +384,8 @@ def finite_weights(optimizer: torch.optim.Optimizer) -> bool:
     found: dict[torch.device, list[torch.Tensor]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p  # a DTensor: this process's shard
+            # a DTensor: this process's shard
+            local = p.to_local() if hasattr(p, "to_local") else p
             if local.is_floating_point() or local.is_complex():
                 found.setdefault(local.device, []).append(torch.isfinite(local).all())
     return all(bool(torch.stack(flags).all()) for flags in found.values())

@@ -140,7 +140,7 @@ class RunView:
         """The training stream's first `n` samples (fewer where it is shorter) as one batch, as the
         dataset gives them: a batch to measure the model on (in the batch after_batch sees, a model
         output of an input's name has taken the input's place)."""
-        return self._run._first_samples(n)
+        return self._run.feed.first_samples(n)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this process holds (its shards,

@@ -492,7 +492,11 @@ def test_the_dataloader_options_reach_the_loader():
         hooks=[],
     )
     trainer = Trainer(config.validate(raw), None, search)
-    assert trainer.loader_options == {"num_workers": 1, "pin_memory": False, "prefetch_factor": 4}
+    assert trainer.feed.loader_options == {
+        "num_workers": 1,
+        "pin_memory": False,
+        "prefetch_factor": 4,
+    }
     assert trainer.run() == 0  # a worker process that prepares 4 batches ahead
     raw["dataset"]["num_workers"] = 0
     with pytest.raises(ConfigError, match="dataset.prefetch_factor=4 is for DataLoader workers"):

@@ -64,13 +64,13 @@ def test_channels_last_trains_the_same(tmp_path):
 
 
 def test_loader_workers_give_the_same_batches(tmp_path):
-    assert train(tmp_path / "auto", hooks=[]).loader_options == {
+    assert train(tmp_path / "auto", hooks=[]).feed.loader_options == {
         "num_workers": 0,
         "pin_memory": False,
     }
     zero = train(tmp_path / "zero", hooks=[ComputeStats()], dataset={"num_workers": 0})
     two = train(tmp_path / "two", hooks=[ComputeStats()], dataset={"num_workers": 2})
-    assert two.loader_options["num_workers"] == 2
+    assert two.feed.loader_options["num_workers"] == 2
     assert_close(params(two), params(zero))
 
 

@@ -212,7 +212,7 @@ def test_lr_scaling_follows_the_global_batch_not_the_device_count():
 
 
 def test_shard_weights_must_match_the_process_count():
-    from phalanx.trainer import _shard_weights
+    from phalanx.feed import _shard_weights
 
     c = cfg(shard_weights=[1, 2])
     assert _shard_weights(c, 1) is None

@@ -14,7 +14,6 @@ from phalanx import metrics
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
 from phalanx.model import Forward, shard_loss_mean
-from phalanx.strategies.base import HoldsPart, ReportsCommunication
 
 log = logging.getLogger("phalanx")
 
@@ -106,7 +105,7 @@ class LogThroughput(Hook):
             self.tokens_per_sample = int(tokens.shape[1])
         if not n:
             return
-        module = strategy.whole_model() if isinstance(strategy, HoldsPart) else trainer.model
+        module = strategy.whole_model() or trainer.model
 
         def step(meta_module: torch.nn.Module, meta_batch: Mapping) -> torch.Tensor:
             outputs = Forward(meta_module, trainer.cfg.model, trainer.search_dirs)(meta_batch)
@@ -175,11 +174,7 @@ class LogThroughput(Hook):
         strategy = self.trainer.strategy
         if strategy.device.type == "cpu":  # what the main process computed with
             out["cpu_threads"] = torch.get_num_threads()
-        sampled = (
-            strategy.backward_communication()
-            if isinstance(strategy, ReportsCommunication)
-            else None
-        )
+        sampled = strategy.backward_communication()
         if sampled is not None:  # inside forward_backward: the reduction that overlaps backward
             out["backward_communication_s"] = {"per_step": sampled[0], "hidden": sampled[1]}
         if seconds > 0:

@@ -15,7 +15,6 @@ from phalanx.errors import StorageError
 from phalanx.files import write_text_atomic, writing
 from phalanx.hooks.base import Hook
 from phalanx.hooks.variables import flat_variables
-from phalanx.strategies.base import ReportsCommunication
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
@@ -132,10 +131,7 @@ class LogProfile(_Writer):
             )
 
     def _sampled(self) -> tuple[float, float] | None:
-        strategy = self.trainer.strategy
-        if isinstance(strategy, ReportsCommunication):
-            return strategy.backward_communication()
-        return None
+        return self.trainer.strategy.backward_communication()
 
     def _judge(
         self, profile: dict[str, float], sampled: tuple[float, float] | None, steps: int

@@ -15,9 +15,11 @@ A strategy answers five questions, and nothing else reaches the trainer:
 The engine keeps the contract's arithmetic (each sample's weight 1/B, B the global batch) as
 functions a strategy's step calls (`Engine.forward`, `weigh`, `backward`, `finish`); a strategy
 only scales it where its reduction averages instead of adding (`Replica.scale`). Shared members come
-from mixins (`Replicated`, `OneProcess`, `DataParallel`); optional abilities are protocols a
-strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module that
-implements this protocol and an entry in `strategies.REGISTRY`.
+from mixins (`Replicated`, `OneProcess`, `DataParallel`). What the run's parts ask of a strategy
+beyond that (a feed that it reads itself, random streams of its own, a role other than training)
+is `Abilities`: asked of every strategy alike, answered by default as a plain strategy would, so
+that no part of the run asks which strategy it has. A new strategy is a module that implements
+this protocol and an entry in `strategies.REGISTRY`.
 """
 
 from __future__ import annotations
@@ -60,7 +62,89 @@ class ModelOptions:
     adapter: Callable[[nn.Module], Callable[[Mapping], dict]] | None = None
 
 
-class Strategy(Protocol):
+class Abilities(Protocol):
+    """What the run's parts ask of a strategy beyond training and evaluating, each asked of every
+    strategy alike; these answers are a strategy's that does nothing special, and a strategy that
+    does overrides them. Every strategy inherits them (through `OneProcess` or `ProcessGroup`)."""
+
+    world_size: int
+
+    # a parameter server's servers serve the processes that train instead of training
+    serving: bool = False
+    # whether this process's gradients are its own to look at after the first step (a parameter
+    # server's workers send theirs away as they are made)
+    local_gradients: bool = True
+
+    @property
+    def rejoining(self) -> bool:
+        """Whether this process takes the place of a worker that died while the others went on:
+        it starts where the servers are (`joined_at`), not from a checkpoint."""
+        return False
+
+    @property
+    def random_processes(self) -> int:
+        """The processes whose random streams a checkpoint holds: those that train."""
+        return self.world_size
+
+    def feed(self, feed: Any) -> None:
+        """See the run's `Feed` before its first step; a strategy that reads the training samples
+        itself calls `feed.deal`."""
+        return None
+
+    def working(self) -> contextlib.AbstractContextManager:
+        """Around a training process's run (a parameter server's worker: collectives among the
+        workers alone, the servers told at the end)."""
+        return contextlib.nullcontext()
+
+    def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
+        """Serve the processes that train, where `serving` (`engine`: this process's model,
+        optimizer and schedulers, which it steps for them)."""
+        raise RuntimeError(f"{type(self).__name__} has no process that serves")
+
+    def joined_at(self) -> tuple[int, bool]:
+        """Where `rejoining`: the steps applied, and whether the epoch they complete has still to
+        end."""
+        raise RuntimeError(f"{type(self).__name__} has no process that rejoins")
+
+    def end_epoch(self) -> None:
+        """At each epoch's end, on every training process (a parameter server logs how the epoch's
+        work was shared)."""
+        return None
+
+    def seed_streams(self, seed: int, step: int) -> None:
+        """A strategy whose one process runs several devices' shares of a batch (towers) gives each
+        other device a random stream of its own, from the seed, the step and its index, as
+        `derived_seed` gives ddp's ranks theirs. The process's own generators are the first
+        device's."""
+        return None
+
+    def stream_states(self) -> list[str] | None:
+        """Those other devices' streams as a checkpoint holds them (JSON); None: there are none."""
+        return None
+
+    def load_stream_states(self, states: list[str] | None, seed: int, step: int) -> None:
+        """Continue the streams a checkpoint held; where it holds none, or another device count's,
+        seed them from the seed and the step."""
+        return None
+
+    def differing_ranks(self, module: nn.Module) -> list[int]:
+        """The ranks whose copy of a model given as an object differs from rank 0's."""
+        return []
+
+    def backward_communication(self) -> tuple[float, float] | None:
+        """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and
+        seconds of it that overlapped computation. None where there is no sample, or none runs
+        inside backward."""
+        return None
+
+    def whole_model(self) -> nn.Module | None:
+        """Where each process keeps only part of the model's modules and runs only that part (a
+        pipeline's stages): the whole model as it was before the split, on the meta device, for
+        what measures the whole (its FLOPs a step). None: this process's model is the whole."""
+        return None
+
+
+class Strategy(Abilities, Protocol):
     """How one module is trained on this process's devices: a strategy serves the one module it set
     up."""
 
@@ -178,90 +262,6 @@ class SavesShards(Protocol):
         layout); every rank calls it."""
 
 
-@runtime_checkable
-class RandomStreams(Protocol):
-    """A strategy whose one process runs several devices' shares of a batch, each drawing its
-    random numbers (dropout) from a stream of its own, as each process of ddp does. The process's
-    own generators are the first device's stream (seeded and saved by the trainer); these are the
-    other devices'."""
-
-    def seed_streams(self, seed: int, step: int) -> None:
-        """Each other device's stream from the seed, the step and its index, as `derived_seed` gives
-        ddp's ranks theirs."""
-
-    def stream_states(self) -> list[str]:
-        """The other devices' streams as a checkpoint holds them (JSON-serialisable)."""
-
-    def load_stream_states(self, states: list[str] | None, seed: int, step: int) -> None:
-        """Continue the streams a checkpoint held; where it holds none, or another device count's,
-        seed them from the seed and the step."""
-
-
-@runtime_checkable
-class Serves(Protocol):
-    """A strategy some of whose processes serve the others instead of running the training loop
-    (a parameter server's servers). The trainer asks each process its role: a server `serve`s
-    until every worker is done; a worker runs the loop, its hooks and its checkpoints inside
-    `working()`, whose collectives are then among the workers alone."""
-
-    @property
-    def serving(self) -> bool:
-        """Whether this process serves."""
-
-    def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
-        """Serve the workers until each has ended its run (`engine`: this process's model,
-        optimizer and schedulers, which the servers step)."""
-
-    def working(self) -> contextlib.AbstractContextManager:
-        """Around a worker's run: its collectives among the workers; at a normal end, the servers
-        are told."""
-
-    def epoch_report(self) -> None:
-        """At each epoch's end, on every worker (a collective among them): the main one logs how
-        the epoch's work was shared."""
-
-    @property
-    def rejoining(self) -> bool:
-        """Whether this process takes the place of a worker that died while the others went on:
-        it starts where the servers are (`joined_at`), not from a checkpoint."""
-
-    def joined_at(self) -> tuple[int, bool]:
-        """For a rejoining worker: the steps the servers have applied, and whether the workers have
-        still to end the epoch those steps complete."""
-
-
-@runtime_checkable
-class DealsSamples(Protocol):
-    """A strategy whose workers take each global batch's samples as they become free, instead of
-    a fixed shard each: its training steps' micro-batches come whole and unread (each `Micro`
-    holds every sample of the micro-batch, its batch None), and it reads the samples it takes with
-    the function `deal_from` gives it. Evaluation keeps its shards, by `data_rank` and
-    `data_world_size`."""
-
-    def deal_from(self, fetch: Callable[[list[int]], Mapping | None]) -> None:
-        """`fetch(indices)`: the training stream's samples at `indices`, as a batch."""
-
-
-@runtime_checkable
-class ReportsCommunication(Protocol):
-    """A strategy whose gradient reduction runs inside backward and samples its own timing."""
-
-    def backward_communication(self) -> tuple[float, float] | None:
-        """The gradient all-reduce inside backward, as last sampled: seconds per step it took, and
-        seconds of it that overlapped computation. None where there is no sample yet."""
-
-
-@runtime_checkable
-class HoldsPart(Protocol):
-    """A strategy each of whose processes keeps only part of the model's modules and runs only that
-    part when the model is called (a pipeline's stages): what measures the whole model (its FLOPs a
-    step) asks it for the whole."""
-
-    def whole_model(self) -> nn.Module:
-        """The whole model as it was before the split, on the meta device: its structure and
-        shapes, none of its values."""
-
-
 class Replicated:
     """Shared members of strategies that keep a whole copy of the model and optimizer in each
     process."""
@@ -368,7 +368,7 @@ class DataParallel:
         return total_norm(gradients)
 
 
-class OneProcess:
+class OneProcess(Abilities):
     """Shared members of strategies that run in one process: there is no other to talk to."""
 
     runs_empty_shards = False

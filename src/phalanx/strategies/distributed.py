@@ -20,13 +20,14 @@ from phalanx import environment
 from phalanx.config import flat_keys
 from phalanx.errors import ConfigError
 from phalanx.strategies import progress
+from phalanx.strategies.base import Abilities
 
 log = logging.getLogger("phalanx")
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 DEFAULT_TIMEOUT_S = {"cpu": 300.0, "cuda": 600.0}
 
 
-class ProcessGroup:
+class ProcessGroup(Abilities):
     """This process's device, its place in the process group (joined here unless already joined) and
     the collectives over it. Each collective is counted (`progress`): a background thread publishes
     the count and the step to the group's store, so that a timed-out collective names the ranks

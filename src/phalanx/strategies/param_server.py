@@ -245,7 +245,19 @@ class ParamServer(ProcessGroup, Replicated):
             settle=lambda: self._settle(step),
         )
 
-    def deal_from(self, fetch: Callable[[list[int]], Mapping | None]) -> None:
+    # a worker's gradients go to the servers as they are made
+    local_gradients = False
+
+    @property
+    def random_processes(self) -> int:
+        # the workers' streams alone are saved: a server draws nothing
+        return self.workers
+
+    def feed(self, feed: Any) -> None:
+        # each worker takes each batch's samples as it becomes free, and reads them itself
+        feed.deal(self._deal_from)
+
+    def _deal_from(self, fetch: Callable[[list[int]], Mapping | None]) -> None:
         self._fetch = fetch
 
     def _deal(self, micros: Micros) -> Iterator[Micro]:
@@ -393,7 +405,7 @@ class ParamServer(ProcessGroup, Replicated):
         )
         server.run(self._links)
 
-    def epoch_report(self) -> None:
+    def end_epoch(self) -> None:
         counts = self.gather((dict(self._staleness), self._chunks))
         self._staleness, self._chunks = Counter(), 0
         if not self.is_main:

@@ -259,7 +259,7 @@ class Pipeline(ProcessGroup):
         return self.model, self.model
 
     def whole_model(self) -> nn.Module:
-        """The whole model before the split, on the meta device (see `HoldsPart`)."""
+        """The whole model before the split, on the meta device (see `Abilities.whole_model`)."""
         if self._meta_model is None:
             raise RuntimeError("the pipeline strategy has not set the model up yet")
         return self._meta_model

@@ -186,7 +186,7 @@ class Towers(OneProcess, Replicated, DataParallel):
         with self._streams.drawing(i):
             return _on(self.devices[i], work, replica, *share)
 
-    # --- the towers' random streams (the RandomStreams protocol) -------------------------------
+    # --- the towers' random streams (`Abilities`) -------------------------------
 
     def seed_streams(self, seed: int, step: int) -> None:
         self._streams.seed(seed, step)
