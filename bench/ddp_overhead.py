@@ -345,9 +345,9 @@ def make_driver_hook(chunk: int, steps: int, on_chunk):
 
 
 def build_phalanx(args, run_root: Path, driver):
-    """A Trainer as `phalanx train` builds one in each worker (`api._worker_trainer`): logs on
-    rank 0 (log.txt kept, the console copy dropped), the config checked alike on every rank, the
-    launcher's stop file watched; its hooks those the config lists, then `driver`."""
+    """A Trainer as `phalanx train` builds one in each worker (`worker.build_worker_trainer`):
+    logs on rank 0 (log.txt kept, the console copy dropped), the config checked alike on every
+    rank, the launcher's stop file watched; its hooks those the config lists, then `driver`."""
     from phalanx import __version__, config, launch, logs, rundir, strategies
     from phalanx.hooks import build_hooks, default_hooks
     from phalanx.strategies.distributed import check_same_config

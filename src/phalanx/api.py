@@ -12,8 +12,6 @@ device, with `towers` on several, or in each process of a `torchrun` job.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import shutil
@@ -25,27 +23,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx import (
-    __version__,
-    config,
-    environment,
-    evaluation,
-    launch,
-    logs,
-    resuming,
-    rundir,
-    runlock,
-    signals,
-    strategies,
-)
+from phalanx import config, evaluation, launch, logs, relaunch, rundir, signals, strategies
 from phalanx import nodes as machines
 from phalanx.checkpoint import CheckpointMismatch, Checkpoints, initial_weights
 from phalanx.errors import CheckpointError, ConfigError, PhalanxError
-from phalanx.files import write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given
 from phalanx.trainer import Trainer
+from phalanx.worker import (
+    build_worker_trainer,
+    hold_training_lock,
+    log_start,
+    run_trainer,
+    run_worker,
+    train_in_run,
+)
 
 log = logging.getLogger("phalanx")
 
@@ -58,7 +51,8 @@ class Run:
     # the command's exit code: 0 finished (or stopped by a hook), 1 failed, 128 + N interrupted by
     # signal N
     code: int
-    metrics: dict[str, float]  # the last evaluation's numbers, as {"valid.loss": ...}
+    # the last evaluation's numbers, as {"valid.loss": ...}
+    metrics: dict[str, float]
     _model: nn.Module | None = field(default=None, repr=False)
 
     @property
@@ -95,11 +89,7 @@ def fit(
     """
     objects = Objects.given(model, dataset, hooks)
     raw, path = _read(config_source, _listed(overrides))
-    plan: dict | None = None
-    if raw.get("parallel", {}).get("strategy") == "plan":
-        raw, plan = _planned(raw, path, _listed(overrides), nodes, objects)
-    if raw.get("parallel", {}).get("gradient_accumulation") == "auto":
-        raw, plan = _accumulation(raw, path, _listed(overrides), nodes, objects)
+    raw, plan = relaunch.settle_planned(raw, path, _listed(overrides), nodes, objects)
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
@@ -109,13 +99,14 @@ def fit(
         return _launched(run_dir, code)
     if strategies.needs_launch(cfg):
         run_dir = rundir.create(cfg, path)
-        with _training_lock(run_dir, "train"):  # the launcher holds it for its workers
+        # the launcher holds it for its workers
+        with hold_training_lock(run_dir, "train"):
             try:
                 logs.setup(run_dir)
-                _record_plan(run_dir, plan)
+                relaunch.record_plan(run_dir, plan)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
-                code = _launch_until_it_fits(
+                code = relaunch.launch_until_it_fits(
                     run_dir,
                     devices,
                     False,
@@ -137,25 +128,26 @@ def fit(
         )
     )
     search_dirs = [path.resolve().parent, Path.cwd()] if path is not None else [Path.cwd()]
-    with _training_lock(run_dir, "train"):
+    with hold_training_lock(run_dir, "train"):
         try:
-            trainer = _worker_trainer(cfg, run_dir, search_dirs, strategy, objects)
+            trainer = build_worker_trainer(cfg, run_dir, search_dirs, strategy, objects)
             log.info("run directory: %s", run_dir)
-            _record_plan(run_dir, plan)
+            relaunch.record_plan(run_dir, plan)
             for note in objects.notes:
                 log.info("%s", note)
-            _log_start(cfg, strategy, trainer)
+            log_start(cfg, strategy, trainer)
             trainer.initialise_from()
             try:
-                return _ended(run_dir, trainer, _run(trainer))
+                return _ended(run_dir, trainer, run_trainer(trainer))
             except torch.OutOfMemoryError:
-                if objects:  # a model object cannot be built again as it began
+                # a model object cannot be built again as it began
+                if objects:
                     raise
-                more = _doubled(run_dir, [], "the process")
+                more = relaunch.double_micro_batches(run_dir, [], "the process")
                 if more is None:
                     raise
             del trainer
-            return _until_it_fits(run_dir, more)
+            return _ended(run_dir, *relaunch.train_until_it_fits(run_dir, more))
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -176,17 +168,18 @@ def resume(
     """Continue a run from its latest valid checkpoint, in the same run directory, on any device
     count; `overrides` change its config from here on. A run trained with objects is given them
     again."""
-    logs.setup(None)  # first: opening the run logs where its classes come from
+    # first: opening the run logs where its classes come from
+    logs.setup(None)
     run_dir = rundir.open_run(Path(run_path), announce=False)
     objects = Objects.given(model, dataset, hooks)
     overrides = _listed(overrides)
     check_given(run_dir, objects, "resume")
     try:
-        if nodes is not None and nodes.rank != 0:  # node 0 holds the lock and writes the logs
+        # node 0 holds the lock and writes the logs
+        if nodes is not None and nodes.rank != 0:
             return _as_run(run_dir, _resume(run_dir, overrides, objects, nodes))
-        with _training_lock(
-            run_dir, "resume"
-        ):  # a run in use is one error line, before anything else
+        # a run in use is one error line, before anything else
+        with hold_training_lock(run_dir, "resume"):
             rundir.announce_imports(run_dir)
             result = _resume(run_dir, overrides, objects, nodes)
         return _as_run(run_dir, result)
@@ -217,9 +210,8 @@ def load(
         )
     path, state = initial_weights(str(run_dir), checkpoint)
     dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    if (
-        len(dtypes) == 1
-    ):  # the dtype it trained in (fp64 stays fp64); copied in, so tied weights stay tied
+    # the dtype it trained in (fp64 stays fp64); copied in, so tied weights stay tied
+    if len(dtypes) == 1:
         model.to(dtypes.pop())
     try:
         model.load_state_dict(state)
@@ -286,54 +278,6 @@ def _read(
     return config.read(source, overrides), Path(source)
 
 
-def _planned(
-    raw: dict, path: Path | None, overrides: list[str], nodes: Nodes | None, objects: Objects
-) -> tuple[dict, dict]:
-    """`parallel.strategy: plan`: the raw config with the plan's choice in `parallel`, and the
-    plan."""
-    from phalanx import planner
-
-    if path is None or objects or nodes is not None:
-        raise ConfigError(
-            "parallel.strategy=plan plans from a config file, for one machine, with the classes "
-            "the config names; give a YAML file without model or dataset objects, or for several "
-            "machines run `phalanx plan CONFIG --nnodes N` and name its choice"
-        )
-    devices = raw.get("parallel", {}).get("devices", "auto")
-    settings, report = planner.choose(
-        str(path), overrides, devices if isinstance(devices, int) else None
-    )
-    parallel = {k: v for k, v in raw.get("parallel", {}).items() if k not in ("pipeline",)}
-    return {**raw, "parallel": {**parallel, **settings}}, report
-
-
-def _accumulation(
-    raw: dict, path: Path | None, overrides: list[str], nodes: Nodes | None, objects: Objects
-) -> tuple[dict, dict]:
-    """`parallel.gradient_accumulation: auto`: the raw config with the count that fits, and what
-    to log."""
-    from phalanx import planner
-
-    if path is None or objects or nodes is not None:
-        raise ConfigError(
-            "parallel.gradient_accumulation=auto is measured from a config file, on one machine, "
-            "with the classes the config names; give a YAML file without model or dataset "
-            "objects, or give a number"
-        )
-    count, said = planner.accumulation_for(str(path), overrides)
-    parallel = {**raw.get("parallel", {}), "gradient_accumulation": count}
-    return {**raw, "parallel": parallel}, {"choice": said}
-
-
-def _record_plan(run_dir: Path, plan: dict | None) -> None:
-    """The plan's choice in the run's log, and the plan beside it (where there is one)."""
-    if plan is None:
-        return
-    log.info("%s", plan["choice"])
-    if "predictions" in plan:
-        write_text_atomic(run_dir / "plan.json", json.dumps(plan, indent=1))
-
-
 def _in_this_process(cfg: config.Config) -> str:
     devices = strategies.resolve_device(cfg)[1]
     return (
@@ -359,9 +303,8 @@ def _as_run(run_dir: Path, result: Run | int) -> Run:
 def _ended(run_dir: Path, trainer: Trainer, code: int) -> Run:
     """A run trained in this process, in `run_dir`."""
     metrics = trainer.metrics
-    if (
-        not metrics and trainer.strategy.is_main
-    ):  # resumed after its last evaluation: the one recorded
+    # resumed after its last evaluation: the one recorded
+    if not metrics and trainer.strategy.is_main:
         metrics = _launched(run_dir, code).metrics
     return Run(run_dir, code, metrics, trainer.model)
 
@@ -371,7 +314,8 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
     devices = strategies.resolve_device(cfg)[1]
     logs.setup(None)
     store = machines.join(nodes)
-    machines.agree(store, nodes, rundir.resolved(cfg))  # before node 0 makes the run directory
+    # before node 0 makes the run directory
+    machines.agree(store, nodes, rundir.resolved(cfg))
     if nodes.rank != 0:
         run_dir = machines.share_run_dir(store, None)
         log.info(
@@ -392,7 +336,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
             restarts=cfg.parallel.max_restarts,
         )
     run_dir = machines.share_run_dir(store, rundir.create(cfg, path))
-    with _training_lock(run_dir, "train"):
+    with hold_training_lock(run_dir, "train"):
         try:
             logs.setup(run_dir)
             log.info(
@@ -450,12 +394,15 @@ def _resume(
     _check_strategy(cfg, nodes)
     if nodes is None and not strategies.needs_launch(cfg):
         try:
-            return _ended(run_dir, *_work(run_dir, True, overrides, objects))
+            return _ended(run_dir, *train_in_run(run_dir, True, overrides, objects))
         except torch.OutOfMemoryError:
-            more = None if objects else _doubled(run_dir, list(overrides), "the process")
+            # a model object cannot be built again as it began
+            if objects:
+                raise
+            more = relaunch.double_micro_batches(run_dir, list(overrides), "the process")
             if more is None:
                 raise
-        return _until_it_fits(run_dir, more)
+        return _ended(run_dir, *relaunch.train_until_it_fits(run_dir, more))
     if objects:
         raise ConfigError(_in_this_process(cfg))
     store = None
@@ -477,7 +424,7 @@ def _resume(
             restarts=cfg.parallel.max_restarts,
         )
     devices = strategies.resolve_device(cfg)[1]
-    return _launch_until_it_fits(
+    return relaunch.launch_until_it_fits(
         run_dir,
         devices,
         True,
@@ -490,315 +437,8 @@ def _resume(
 def _check_strategy(cfg: config.Config, nodes: Nodes | None) -> None:
     """The strategy's own conditions on the job's processes, before any starts and anything is
     made or written (a resume's overrides included)."""
+    # its processes are counted as machines join: each worker checks as it builds
     if nodes is not None and nodes.elastic:
-        return  # its processes are counted as machines join: each worker checks as it builds
+        return
     machines = 1 if nodes is None else nodes.count
     strategies.check(cfg, strategies.resolve_device(cfg)[1] * machines)
-
-
-def _until_it_fits(run_dir: Path, count: int) -> Run:
-    """The run of this process again, from its last checkpoint, with `count` micro-batches a step;
-    twice as many again while it runs out of device memory."""
-    import gc
-
-    while True:
-        gc.collect()  # the failed attempt's tensors
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        try:
-            more = [f"parallel.gradient_accumulation={count}"]
-            return _ended(run_dir, *_work(run_dir, False, more))
-        except torch.OutOfMemoryError:
-            doubled = _doubled(run_dir, [], "the process")
-            if doubled is None:
-                raise
-            count = doubled
-
-
-def _launch_until_it_fits(
-    run_dir: Path,
-    devices: int,
-    resume: bool,
-    overrides: list[str],
-    restarts: int,
-    rejoin: tuple[int, ...] = (),
-) -> int:
-    """Launch the run's workers; where one runs out of device memory, every worker has ended (the
-    failing one ends the others at once: none is left waiting in a collective), so launch them
-    again with twice the micro-batches a step, kept in the run's config, from the last checkpoint
-    (the steps since are trained again, the same: the global batch and the gradients do not
-    depend on the count); until the micro-batches are single samples."""
-    while True:
-        try:
-            return launch.launch(
-                run_dir, devices, run_worker, resume, overrides, restarts=restarts, rejoin=rejoin
-            )
-        except PhalanxError:
-            more = _more_micro_batches(run_dir, overrides)
-            if more is None:
-                raise
-            overrides = [*overrides, f"parallel.gradient_accumulation={more}"]
-
-
-def _more_micro_batches(run_dir: Path, overrides: list[str]) -> int | None:
-    """After a launch that failed: where a worker ran out of memory and a step can be cut in more
-    micro-batches, twice as many, written into the run's config (and the run's log saying so)."""
-    marker = run_dir / launch.OOM_FILE
-    if not marker.is_file():
-        return None
-    rank = marker.read_text().strip()
-    marker.unlink(missing_ok=True)
-    return _doubled(run_dir, overrides, f"process {rank}")
-
-
-def _doubled(run_dir: Path, overrides: list[str], who: str) -> int | None:
-    """Twice the run's micro-batches a step, written into its config and said in its log; None
-    where they are single samples already."""
-    saved = rundir.load_config_text(run_dir)
-    cfg = config.validate(config.apply_overrides(saved, overrides))
-    count, batch = cfg.parallel.accumulation, cfg.dataset.batch_size
-    if count >= batch:
-        log.error(
-            "%s ran out of device memory with micro-batches of one sample: lower the model's "
-            "size or use fsdp",
-            who,
-        )
-        return None
-    more = min(2 * count, batch)
-    saved.setdefault("parallel", {})["gradient_accumulation"] = more
-    write_text_atomic(run_dir / rundir.CONFIG, config.dump(saved))
-    log.warning(
-        "%s ran out of device memory with %d micro-batch%s a step; %sthe run goes on from its "
-        "last checkpoint with %d (parallel.gradient_accumulation=%d, kept in its config)",
-        who,
-        count,
-        "" if count == 1 else "es",
-        "every process has stopped, and " if who.startswith("process") else "",
-        more,
-        more,
-    )
-    return more
-
-
-@contextlib.contextmanager
-def _training_lock(run_dir: Path, command: str):
-    """The run directory's lock, held while this process trains there (see runlock): by the launcher
-    or the only process, or by rank 0 under torchrun; workers of phalanx's launcher do not take
-    it."""
-    place = environment.here()
-    if place.in_group and place.rank != 0:
-        yield
-        return
-    with runlock.hold(run_dir, command):
-        launch.clear_requests(run_dir)  # stop requests left by a launcher that was killed
-        yield
-
-
-def run_worker(run_dir: Path, resume: bool, overrides: Sequence[str] = ()) -> int:
-    """Train in an existing run directory in this process (one of several, or the only one)."""
-    return _work(run_dir, resume, overrides)[1]
-
-
-def _work(
-    run_dir: Path, resume: bool, overrides: Sequence[str] = (), objects: Objects | None = None
-) -> tuple[Trainer, int]:
-    objects = objects or Objects()
-    saved = rundir.load_config_text(run_dir)
-    cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
-    strategy = strategies.create(cfg)
-    trainer = _worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
-    if strategy.rejoining:  # the others go on: join them there
-        steps, epoch_open = strategy.joined_at()
-        trainer.join(steps, epoch_open)
-        log.warning(
-            "worker rank %d joins the run in place of one that died, at step %d",
-            strategy.rank,
-            steps,
-        )
-        return trainer, _run(trainer)
-    if (
-        not resume
-    ):  # workers of `train` that find the run started before: the launcher started them again
-        started, steps = strategy.broadcast(
-            (
-                any(e.get("event") == "started" for e in rundir.read_trace(run_dir)),
-                Checkpoints(run_dir / "checkpoints").steps(),
-            )
-            if strategy.is_main
-            else None
-        )
-        if started:  # after a worker failed, or (in an elastic job) when the machines changed
-            resume = bool(steps)
-        if started and strategy.is_main:
-            log.warning(
-                "the workers started again in this run (a worker failed, or the machines "
-                "changed): %s",
-                "it resumes from the last checkpoint"
-                if resume
-                else "no checkpoint yet, so it starts over",
-            )
-    if resume:
-        previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
-        _restore_latest(trainer, run_dir, previous)
-        if overrides:  # every rank restored the same step: every rank refuses alike
-            resuming.check_epochs_left(trainer.cfg.main_loop.epochs, trainer.epoch, overrides)
-        if (
-            overrides and strategy.is_main
-        ):  # the run's config changes only once the resume is sure to go on
-            write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
-            rundir.trace(run_dir, "overrides", values=list(overrides))
-        log.info(
-            "resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
-            run_dir,
-            trainer.step,
-            trainer.epoch + 1,
-            trainer.step_in_epoch,
-            strategy.world_size,
-        )
-        log.info("%s", what_runs(cfg, strategy))
-        _warn_ignored(cfg, strategy)
-        if trainer.epoch >= cfg.main_loop.epochs:
-            log.info(
-                "the run has finished its %d epochs; raise main_loop.epochs to train more",
-                cfg.main_loop.epochs,
-            )
-    else:
-        _log_start(cfg, strategy, trainer)
-        trainer.initialise_from()
-    return trainer, _run(trainer)
-
-
-def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
-    """Restore the newest checkpoint that verifies, parses, has finite weights and fits the model,
-    falling back step by step, each step passed over a warning; every rank takes the same step.
-    Returns it. Where none does and one was of another model, one error names that mismatch."""
-    strategy, checkpoints = trainer.strategy, trainer.stored_checkpoints
-    if strategy.is_main:
-        removed = checkpoints.clean_stale()
-        if removed:
-            log.info("removed what an interrupted checkpoint write left: %s", ", ".join(removed))
-    # (step, why): said once a step is restored, or where none is and no mismatch says it all
-    passed: list[tuple[int, str]] = []
-    mismatch = None
-    for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
-        try:
-            trainer.restore(step, previous=previous)
-            error = None
-        except CheckpointError as e:  # a mismatch too: an older step may be of this model
-            error = (str(e), isinstance(e, CheckpointMismatch))
-        errors = [e for e in strategy.gather(error) if e]
-        if not errors:
-            _passed_over(passed, strategy.is_main)
-            checkpoints.fell_back_past([step for step, _ in passed])
-            return step
-        passed.append((step, errors[0][0]))
-        mismatch = mismatch or next((text for text, other in errors if other), None)
-    if mismatch is not None:
-        raise CheckpointMismatch(
-            f"no checkpoint of {run_dir} fits the model its config builds ({mismatch}); resume "
-            "without the overrides that change the model, or with the model settings the run was "
-            "trained with"
-        )
-    _passed_over(passed, strategy.is_main)
-    why = f" (the newest one: {passed[0][1]})" if passed else ""
-    raise CheckpointError(
-        f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train"
-    )
-
-
-def _passed_over(passed: list[tuple[int, str]], is_main: bool) -> None:
-    for step, why in passed if is_main else []:
-        log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, why)
-
-
-def _log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
-    from phalanx import metrics
-
-    log.info("%s", what_runs(cfg, strategy))
-    _warn_ignored(cfg, strategy)
-    # a strategy that keeps part of the model in each process describes the whole one
-    log.info("%s", getattr(strategy, "model_summary", None) or metrics.summary(trainer.model))
-
-
-def _warn_ignored(cfg: config.Config, strategy) -> None:
-    """Settings of another strategy that this run ignores, said once (every process logs its
-    warnings)."""
-    if strategy.is_main:
-        for said in strategies.ignored_settings(cfg):
-            log.warning("%s", said)
-
-
-def what_runs(cfg: config.Config, strategy) -> str:
-    """The run's first line: the strategy, its processes and the devices each drives, the
-    precision, and the batch as the step, each micro-batch and each device take it."""
-    from phalanx.data import split_sizes
-
-    processes, each = strategy.world_size, len(strategy.devices)
-    kind = strategy.device.type
-    drives = f"driving {each} {kind} device{'s' if each > 1 else ''}"
-    if kind == "cpu":
-        threads = torch.get_num_threads()
-        drives += f" with {threads} thread{'s' if threads > 1 else ''}"
-    who = f"{processes} processes, each {drives}" if processes > 1 else f"1 process {drives}"
-    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.accumulation
-    micro = split_sizes(batch, min(accumulation, batch))[0]
-    weights = cfg.parallel.shard_weights
-    shards = strategy.data_world_size * each  # a pipeline's stages share their copy's shard
-    shares = split_sizes(micro, shards, weights if weights and len(weights) == shards else None)
-    share = f"{min(shares)}" if min(shares) == max(shares) else f"{min(shares)} to {max(shares)}"
-    micros = (
-        f"{accumulation} micro-batches of up to {micro}" if accumulation > 1 else "one micro-batch"
-    )
-    line = (
-        f"strategy {strategies.strategy_name(cfg)}: {who}; precision {cfg.precision}; global batch "
-        f"{batch} per optimizer step, {micros}, {share} per "
-        + (
-            getattr(strategy, "shard_name", None)
-            or ("copy of the pipeline" if getattr(strategy, "layout", None) else "device")
-        )
-    )
-    if getattr(strategy, "layout", None):
-        line += f"; {strategy.layout}"
-    line += (
-        "; dropout and augmentation keyed by sample"
-        if cfg.per_sample_random
-        else "; dropout and augmentation drawn per process (per_sample_random: false)"
-    )
-    if kind == "cpu" and processes * each > 1 and cfg.parallel.accelerator == "auto":
-        line += f" (no GPU is visible: the {processes * each} devices are shares of the CPU)"
-    return line
-
-
-def _worker_trainer(
-    cfg: config.Config,
-    run_dir: Path,
-    search_dirs: list[Path],
-    strategy,
-    objects: Objects | None = None,
-) -> Trainer:
-    """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
-    logs.setup(
-        run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
-    )
-    if strategy.device.type == "cpu":  # the rule `phalanx plan` measures with
-        local = environment.here().local_world_size if strategy.world_size > 1 else 1
-        threads = strategies.cpu_threads(cfg.parallel.cpu_threads, local, len(strategy.devices))
-        if threads is not None:
-            torch.set_num_threads(threads)
-    if strategy.world_size > 1:
-        from phalanx.strategies.distributed import check_same_config
-
-        check_same_config(
-            strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__}
-        )
-    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
-    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
-    return trainer
-
-
-def _run(trainer: Trainer) -> int:
-    code = trainer.run()
-    # Only after success: closing the process group on a failure would make the other ranks fail
-    # on the closed connection before this rank has recorded the error that came first.
-    trainer.strategy.shutdown()
-    return code

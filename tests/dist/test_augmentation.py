@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
 
-from phalanx import api, config, rundir  # noqa: E402
+from phalanx import config, rundir, worker  # noqa: E402
 from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -84,7 +84,7 @@ def test_a_run_stopped_on_two_processes_resumes_on_one_with_the_same_augmentatio
     run = _new_run(tmp_path / "run", _raw(2, stop=9))  # mid-epoch 2
     assert workers.run_ranks(2, workers.run_dir_worker, str(run), False, [], timeout=240) == [0, 0]
     resume = [f"hooks.{STOP}.StopAfter.steps=1000", "parallel.devices=1"]
-    assert api.run_worker(run, True, resume) == 0
+    assert worker.run_worker(run, True, resume) == 0
     checkpoints = Checkpoints(run / "checkpoints")
     step = checkpoints.latest_valid()
     assert step == 12

@@ -17,7 +17,7 @@ import workers  # noqa: E402
 
 from safetensors.torch import load_file  # noqa: E402
 
-from phalanx import api, config, rundir  # noqa: E402
+from phalanx import config, rundir, worker  # noqa: E402
 from phalanx.checkpoint import Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -116,7 +116,7 @@ def test_a_ddp_run_stopped_mid_epoch_resumes_on_one_process_as_one_process_train
     run = rundir.create(cfg, path)
     assert workers.run_ranks(2, workers.run_dir_worker, str(run), False, []) == [0, 0]
     more = ["hooks.1.StopAfter.steps=1000", "parallel.devices=1"]
-    assert api.run_worker(run, True, more) == 0
+    assert worker.run_worker(run, True, more) == 0
     want = workers.train({**raw, "hooks": [], "parallel": {**raw["parallel"], "devices": 1}})
     got = load_file(Checkpoints(run / "checkpoints").path(8) / "model.safetensors")
     for name, value in want["params"].items():

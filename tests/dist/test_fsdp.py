@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
 
-from phalanx import api, cli, config, rundir  # noqa: E402
+from phalanx import cli, config, rundir, worker  # noqa: E402
 from phalanx.checkpoint import SHARDS, WEIGHTS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -138,7 +138,7 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
             shard = copy / "checkpoints" / "step-8" / SHARDS / "__1_0.distcp"
             shard.write_bytes(shard.read_bytes()[:-8])
         if processes == 1:
-            assert api.run_worker(copy, True, [*more, *overrides]) == 0
+            assert worker.run_worker(copy, True, [*more, *overrides]) == 0
         else:
             assert (
                 workers.run_ranks(

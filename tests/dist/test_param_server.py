@@ -18,7 +18,7 @@ import workers  # noqa: E402
 from test_invariance import assert_same_run, rel, scenario  # noqa: E402
 from test_weighted import lm  # noqa: E402
 
-from phalanx import api, config, rundir, strategies  # noqa: E402
+from phalanx import config, rundir, strategies, worker  # noqa: E402
 from phalanx.checkpoint import Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -137,7 +137,7 @@ def test_a_run_stopped_mid_epoch_resumes_between_param_server_ddp_and_one_proces
         shutil.copytree(run, copy)
         more = ["hooks.1.StopAfter.steps=1000", *overrides]
         if processes == 1:
-            assert api.run_worker(copy, True, more) == 0
+            assert worker.run_worker(copy, True, more) == 0
         else:
             codes = workers.run_ranks(processes, workers.run_dir_worker, str(copy), True, more)
             assert codes == [0] * processes

@@ -16,7 +16,7 @@ import toy  # noqa: E402
 import workers  # noqa: E402
 from test_invariance import N_VALID, assert_same_run, rel  # noqa: E402
 
-from phalanx import api, cli, config, rundir, strategies  # noqa: E402
+from phalanx import cli, config, rundir, strategies, worker  # noqa: E402
 from phalanx.checkpoint import SHARDS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -156,7 +156,7 @@ def _stopping(raw: dict, steps: int) -> dict:
 def _resume(run: Path, processes: int, overrides: list[str]) -> None:
     more = ["hooks.1.StopAfter.steps=1000", *overrides]
     if processes == 1:
-        assert api.run_worker(run, True, more) == 0
+        assert worker.run_worker(run, True, more) == 0
     else:
         codes = workers.run_ranks(processes, workers.run_dir_worker, str(run), True, more)
         assert codes == [0] * processes

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import toy  # noqa: E402
 import workers  # noqa: E402
 
-from phalanx import api, config, rundir  # noqa: E402
+from phalanx import config, rundir, worker  # noqa: E402
 from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,7 +67,7 @@ def test_two_processes_with_dropout_resume_bit_identical(tmp_path):
         assert torch.equal(got[key], want[key]), key
 
     # On one process the streams cannot continue: they are re-derived, and the log says so.
-    assert api.run_worker(copy, True, [*resume, "parallel.devices=1"]) == 0
+    assert worker.run_worker(copy, True, [*resume, "parallel.devices=1"]) == 0
     assert _final(copy)[0] == 15
     assert (
         "random streams re-derived from the seed, the step and the rank"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import toy
 
-from phalanx import api, config, strategies
+from phalanx import config, strategies, worker
 from phalanx.hooks import ComputeStats
 from phalanx.trainer import Trainer
 
@@ -231,7 +231,7 @@ def train_all(rank: int, raws: list[dict], carry_through_autograd: bool = False)
 
 
 def run_dir_worker(rank: int, run_dir: str, resume: bool, overrides: list[str]) -> int:
-    return api.run_worker(Path(run_dir), resume, overrides)
+    return worker.run_worker(Path(run_dir), resume, overrides)
 
 
 def dealt(rank: int, raw: dict) -> dict:
