@@ -28,11 +28,10 @@ from phalanx.build import (
 )
 from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.config import Config
-from phalanx.engine import Engine
 from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.feed import Feed
 from phalanx.hooks.base import Hook
-from phalanx.precision import Precision
+from phalanx.parts import ModelParts
 from phalanx.strategies.base import Strategy
 
 log = logging.getLogger("phalanx")
@@ -76,16 +75,14 @@ class RunState:
         run_dir: Path | None,
         search_dirs: list[Path],
         strategy: Strategy,
-        model: torch.nn.Module,
-        engine: Engine,
-        schedulers: list,
-        precision: Precision,
-        feed: Feed | None,
+        model: ModelParts,
+        feed: Feed,
         parts: dict[str, Part],
     ):
+        """`model`: the model, its optimizer (through the strategy), schedulers and scaler."""
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, search_dirs
-        self.strategy, self.model, self.engine = strategy, model, engine
-        self.schedulers, self.precision, self.feed = schedulers, precision, feed
+        self.strategy, self.model, self.engine = strategy, model.model, model.engine
+        self.schedulers, self.precision, self.feed = model.schedulers, model.precision, feed
         self.parts = parts
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         # evaluation rounds begun, with main_loop.eval_every_n_steps
@@ -106,7 +103,7 @@ class RunState:
 
     @property
     def steps_per_epoch(self) -> int | None:
-        return None if self.feed is None else self.feed.steps_per_epoch
+        return self.feed.steps_per_epoch
 
     def trace(self, event: str, **fields: Any) -> None:
         """An event of the run, in its trace (on the main process)."""
@@ -143,7 +140,7 @@ class RunState:
             "step_in_epoch": self.step_in_epoch,
             "batch_size": self.cfg.dataset.batch_size,
             "seed": self.cfg.seed,
-            "order": data.FEISTEL if self.feed is None else self.feed.order,
+            "order": self.feed.order,
             "rounds": self.rounds,
             "rng": rng,
         }
@@ -313,8 +310,7 @@ class RunState:
                 f"not know (it knows {', '.join(data.ORDERS)}); resume it with the version that "
                 "saved it"
             )
-        if self.feed is not None:
-            self.feed.order = order
+        self.feed.order = order
         if order != data.FEISTEL and self.strategy.is_main:
             log.info(
                 "this run keeps the sample order it started with (%s, from an older version of "

@@ -17,32 +17,21 @@ from typing import Any
 
 import torch
 
-from phalanx import keras_models, random, strategies, timeline
-from phalanx.build import (
-    build_dataset,
-    build_optimizer,
-    build_schedulers,
-    check_given_model,
-    derived_seed,
-    seed_everything,
-)
-from phalanx.config import CompileConfig, Config
+from phalanx import strategies, timeline
+from phalanx.config import Config
 from phalanx.data import TRAIN
-from phalanx.engine import Engine
-from phalanx.errors import ModelError, lost_a_peer
-from phalanx.feed import Feed
+from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.calling import Calls
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
 from phalanx.losses import StepLosses
-from phalanx.model import Forward, build_model
 from phalanx.objects import Objects
-from phalanx.precision import Precision
-from phalanx.runstate import STREAM, HookStates, RunState
+from phalanx.parts import build_feed, build_parts
+from phalanx.runstate import STREAM, HookStates, Part, RunState
 from phalanx.signals import GracefulStop, Interrupted
-from phalanx.strategies.base import Micros, ModelOptions, Outcome, Strategy
+from phalanx.strategies.base import Micros, Outcome, Strategy
 from phalanx.view import RunView
 
 log = logging.getLogger("phalanx")
@@ -72,43 +61,22 @@ class Trainer:
         objects = objects or Objects()
         self.cfg, self.run_dir, self.search_dirs = cfg, run_dir, list(search_dirs)
         self.strategy = strategy = strategy or strategies.create(cfg)
-        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
-        torch.set_float32_matmul_precision(cfg.matmul_precision)
-        seed_everything(cfg.seed)
-        self.dataset = (
-            objects.dataset
-            if objects.dataset is not None
-            else build_dataset(cfg.dataset, self.search_dirs)
-        )
+        if strategy.serving:
+            raise ConfigError(
+                "this process serves the others (parallel.strategy=param_server, rank "
+                f"{strategy.rank}): it trains nothing, so it builds no Trainer; build what it "
+                "serves with phalanx.worker.build_server and call strategy.serve"
+            )
         # loader workers kept between epochs; not for one evaluation (eval, predict), which
         # nothing would end
-        self.feed = Feed(cfg, self.dataset, strategy, persistent=not inference)
-        self._build_model(objects.model, inference)
-        self.optimizer = optimizer = (
-            None
-            if inference
-            else build_optimizer(
-                cfg.optimizer,
-                self.model,
-                self.search_dirs,
-                cfg.dataset.batch_size,
-                fused=strategy.device.type == "cuda",
-            )
+        self.feed = build_feed(cfg, self.search_dirs, strategy, objects, not inference)
+        self.dataset = self.feed.dataset
+        parts = build_parts(
+            cfg, self.search_dirs, strategy, self.feed, objects.model, inference, run_dir
         )
-        self.schedulers = (
-            []
-            if optimizer is None
-            else build_schedulers(cfg, optimizer, self.search_dirs, self.steps_per_epoch)
-        )
-        self.engine = Engine(
-            self.module,
-            self.forward,
-            self.optimizer,
-            self.schedulers,
-            self.precision,
-            cfg.optimizer.max_grad_norm,
-            random_seed=cfg.seed if cfg.per_sample_random else None,
-        )
+        self.precision, self.keyed, self.engine = parts.precision, parts.keyed, parts.engine
+        self.module, self.model, self.forward = parts.module, parts.model, parts.forward
+        self.optimizer, self.schedulers = parts.optimizer, parts.schedulers
         self.epoch_data: dict[str, dict[str, Any]] = {}
         # the numbers of the last evaluation round, as "stream.variable"
         self.metrics: dict[str, float] = {}
@@ -130,18 +98,10 @@ class Trainer:
                 Profile(cfg.profile.start_step, cfg.profile.steps, cfg.profile.record_shapes)
             )
         self.hooks = [*own, *objects.hooks]
-        self.state = RunState(
-            cfg,
-            run_dir,
-            self.search_dirs,
-            strategy,
-            self.model,
-            self.engine,
-            self.schedulers,
-            self.precision,
-            self.feed,
-            {"hooks": HookStates(self.hooks), "grad_norms": self.engine.norms, STREAM: self.feed},
-        )
+        # what a checkpoint holds of the run beside the model: each part's state, by name
+        held: dict[str, Part] = {"hooks": HookStates(self.hooks), STREAM: self.feed}
+        held["grad_norms"] = self.engine.norms
+        self.state = RunState(cfg, run_dir, self.search_dirs, strategy, parts, self.feed, held)
         self.checkpoints, self.background = self.state.checkpoints, self.state.background
         # what hooks see of the run
         self.view = RunView(self)
@@ -149,45 +109,6 @@ class Trainer:
         # whose processes do not step together (param_server) numbers its steps by it
         strategy.watch(lambda: (self.state.step, self.training))
         self.calls = Calls(self.hooks, self.view, strategy)
-
-    def _build_model(self, given: torch.nn.Module | None, inference: bool) -> None:
-        """The model, as the strategy holds it (`module`, to call) and as the user wrote it
-        (`model`, inside it: what the optimizer steps and checkpoints hold)."""
-        cfg, strategy = self.cfg, self.strategy
-        if given is not None:
-            module = given
-            check_given_model(module, strategy)
-        else:
-            with strategy.init_context():
-                module = build_model(cfg.model, self.search_dirs)
-        # a Keras model's description, which `phalanx export` rebuilds it from without its code
-        if self.run_dir is not None and not inference and strategy.is_main:
-            keras_models.record(module, self.run_dir)
-        self.precision = Precision(cfg.precision, strategy.device, cfg.channels_last)
-        compiled = (
-            (cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig())
-            if cfg.compile
-            else None
-        )
-        options = ModelOptions(
-            self.precision,
-            cfg.channels_last,
-            tuple(cfg.activation_checkpointing),
-            compiled,
-            sample=self.feed.first_samples,
-            adapter=lambda m: Forward(m, cfg.model, self.search_dirs),
-        )
-        # dropout masks keyed by sample: set on the user's module, under its own names, before any
-        # strategy wraps, shards or splits it
-        self.keyed = random.key_modules(module) if cfg.per_sample_random else []
-        self.module, self.model = strategy.setup(module, options)
-        # Dropout and augmentation: each rank's streams from the seed and the rank (rank 0's those
-        # of one process), as on a resume on another process count; not from what building the model
-        # drew, so that a model given as an object trains as the config's own would. Towers: each
-        # tower's, as ddp's ranks'.
-        seed_everything(derived_seed(cfg.seed, 0, strategy.rank))
-        strategy.seed_streams(cfg.seed, 0)
-        self.forward = Forward(self.module, cfg.model, self.search_dirs, inner=self.model)
 
     # --- the run's counters and state, held by `state`
 
@@ -255,12 +176,7 @@ class Trainer:
     # --- the main loop -------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Train until the configured epochs end or a hook stops; returns the process exit code.
-        Where the strategy gives this process another role (a parameter server's), it serves the
-        processes that train instead."""
-        if self.strategy.serving:
-            self.strategy.serve(self.engine, self.steps_per_epoch)
-            return 0
+        """Train until the configured epochs end or a hook stops; returns the process exit code."""
         with self.strategy.working():
             return self._run()
 

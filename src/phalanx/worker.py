@@ -20,6 +20,7 @@ from phalanx import (
     environment,
     launch,
     logs,
+    parts,
     resuming,
     rundir,
     runlock,
@@ -30,6 +31,8 @@ from phalanx.checkpoint import CheckpointMismatch, Checkpoints
 from phalanx.errors import CheckpointError
 from phalanx.files import write_text_atomic
 from phalanx.objects import Objects
+from phalanx.runstate import RunState
+from phalanx.strategies.base import Strategy
 from phalanx.trainer import Trainer
 
 log = logging.getLogger("phalanx")
@@ -51,20 +54,44 @@ def hold_training_lock(run_dir: Path, command: str) -> Iterator[None]:
 
 
 def run_worker(run_dir: Path, resume: bool, overrides: Sequence[str] = ()) -> int:
-    """Train in an existing run directory in this process (one of several, or the only one)."""
-    return train_in_run(run_dir, resume, overrides)[1]
+    """Train in an existing run directory in this process (one of several, or the only one); or,
+    where the strategy gives this process that role, serve the processes that train."""
+    objects = Objects()
+    saved, cfg, strategy = _read_run(run_dir, overrides, objects)
+    # a process that serves builds no trainer: the model's parts and the run state alone
+    if strategy.serving:
+        return serve_in_run(cfg, run_dir, strategy, resume, saved, overrides, objects)
+    return _train(run_dir, resume, overrides, objects, saved, cfg, strategy)[1]
 
 
 def train_in_run(
     run_dir: Path, resume: bool, overrides: Sequence[str] = (), objects: Objects | None = None
 ) -> tuple[Trainer, int]:
-    """Train this process's part of the run in `run_dir`, from its saved config and `overrides`:
-    from the start, or (`resume`) from its newest valid checkpoint; the trainer and the exit
-    code."""
+    """Train the run in `run_dir` in this process, from its saved config and `overrides`: from the
+    start, or (`resume`) from its newest valid checkpoint; the trainer and the exit code."""
     objects = objects or Objects()
+    saved, cfg, strategy = _read_run(run_dir, overrides, objects)
+    return _train(run_dir, resume, overrides, objects, saved, cfg, strategy)
+
+
+def _read_run(
+    run_dir: Path, overrides: Sequence[str], objects: Objects
+) -> tuple[dict, config.Config, Strategy]:
+    """The run's saved config, the config with `overrides`, and this process's strategy."""
     saved = rundir.load_config_text(run_dir)
     cfg = config.validate(objects.into(config.apply_overrides(saved, overrides)))
-    strategy = strategies.create(cfg)
+    return saved, cfg, strategies.create(cfg)
+
+
+def _train(
+    run_dir: Path,
+    resume: bool,
+    overrides: Sequence[str],
+    objects: Objects,
+    saved: dict,
+    cfg: config.Config,
+    strategy: Strategy,
+) -> tuple[Trainer, int]:
     trainer = build_worker_trainer(cfg, run_dir, rundir.search_dirs(run_dir), strategy, objects)
     # the others go on: join them there
     if strategy.rejoining:
@@ -81,11 +108,56 @@ def train_in_run(
         resume = _resumes_after_restart(run_dir, strategy)
     if resume:
         previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
-        _resume_from_latest(trainer, run_dir, cfg, previous, overrides)
+        _resume_from_latest(trainer.state, run_dir, cfg, previous, overrides)
     else:
         log_start(cfg, strategy, trainer)
         trainer.initialise_from()
     return trainer, run_trainer(trainer)
+
+
+def serve_in_run(
+    cfg: config.Config,
+    run_dir: Path,
+    strategy: Strategy,
+    resume: bool,
+    saved: dict,
+    overrides: Sequence[str],
+    objects: Objects,
+) -> int:
+    """Serve the processes that train (a parameter server's servers): the model's parts built as
+    theirs are, restored from the checkpoint they restore, then stepped for them until each has
+    ended its run."""
+    prepare_process(cfg, run_dir, strategy)
+    state = build_server(cfg, strategy, rundir.search_dirs(run_dir), run_dir, objects)
+    # the same decisions as the workers', in the same collectives
+    if not resume:
+        resume = _resumes_after_restart(run_dir, strategy)
+    if resume:
+        previous = rundir.resolved(config.validate(objects.into(saved))) if overrides else None
+        _resume_from_latest(state, run_dir, cfg, previous, overrides)
+    else:
+        state.initialise_from()
+    strategy.serve(state.engine, state.steps_per_epoch)
+    strategy.shutdown()
+    return 0
+
+
+def build_server(
+    cfg: config.Config,
+    strategy: Strategy,
+    search_dirs: list[Path],
+    run_dir: Path | None = None,
+    objects: Objects | None = None,
+) -> RunState:
+    """What a process that serves the others holds: the model's parts as theirs are built, and the
+    run's state, which a resume restores; `strategy.serve(state.engine, state.steps_per_epoch)`
+    serves them."""
+    objects = objects or Objects()
+    feed = parts.build_feed(cfg, search_dirs, strategy, objects, persistent=False)
+    model = parts.build_parts(cfg, search_dirs, strategy, feed, objects.model, run_dir=run_dir)
+    state = RunState(cfg, run_dir, search_dirs, strategy, model, feed, {})
+    strategy.watch(lambda: (state.step, False))
+    return state
 
 
 def _resumes_after_restart(run_dir: Path, strategy) -> bool:
@@ -111,7 +183,7 @@ def _resumes_after_restart(run_dir: Path, strategy) -> bool:
 
 
 def _resume_from_latest(
-    trainer: Trainer,
+    state: RunState,
     run_dir: Path,
     cfg: config.Config,
     previous: dict | None,
@@ -119,11 +191,11 @@ def _resume_from_latest(
 ) -> None:
     """Restore the newest valid checkpoint, keep the run's config changed by `overrides`, and say
     where the run goes on from."""
-    strategy = trainer.strategy
-    _restore_latest(trainer, run_dir, previous)
+    strategy = state.strategy
+    _restore_latest(state, run_dir, previous)
     # every rank restored the same step: every rank refuses alike
     if overrides:
-        resuming.check_epochs_left(trainer.cfg.main_loop.epochs, trainer.epoch, overrides)
+        resuming.check_epochs_left(cfg.main_loop.epochs, state.epoch, overrides)
     # the run's config changes only once the resume is sure to go on
     if overrides and strategy.is_main:
         write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
@@ -131,25 +203,25 @@ def _resume_from_latest(
     log.info(
         "resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
         run_dir,
-        trainer.step,
-        trainer.epoch + 1,
-        trainer.step_in_epoch,
+        state.step,
+        state.epoch + 1,
+        state.step_in_epoch,
         strategy.world_size,
     )
     log.info("%s", what_runs(cfg, strategy))
     _warn_ignored(cfg, strategy)
-    if trainer.epoch >= cfg.main_loop.epochs:
+    if state.epoch >= cfg.main_loop.epochs:
         log.info(
             "the run has finished its %d epochs; raise main_loop.epochs to train more",
             cfg.main_loop.epochs,
         )
 
 
-def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> int:
+def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> int:
     """Restore the newest checkpoint that verifies, parses, has finite weights and fits the model,
     falling back step by step, each step passed over a warning; every rank takes the same step.
     Returns it. Where none does and one was of another model, one error names that mismatch."""
-    strategy, checkpoints = trainer.strategy, trainer.stored_checkpoints
+    strategy, checkpoints = state.strategy, state.stored_checkpoints
     if strategy.is_main:
         removed = checkpoints.clean_stale()
         if removed:
@@ -159,7 +231,7 @@ def _restore_latest(trainer: Trainer, run_dir: Path, previous: dict | None) -> i
     mismatch = None
     for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
         try:
-            trainer.restore(step, previous=previous)
+            state.restore(step, previous=previous)
             error = None
         # a mismatch too: an older step may be of this model
         except CheckpointError as e:
@@ -256,6 +328,15 @@ def build_worker_trainer(
     objects: Objects | None = None,
 ) -> Trainer:
     """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
+    prepare_process(cfg, run_dir, strategy)
+    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
+    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
+    return trainer
+
+
+def prepare_process(cfg: config.Config, run_dir: Path, strategy: Strategy) -> None:
+    """This process's logs (rank 0's in the run directory), threads, and the same config checked
+    on every rank."""
     logs.setup(
         run_dir if strategy.is_main else None, logging.INFO if strategy.is_main else logging.WARNING
     )
@@ -271,9 +352,6 @@ def build_worker_trainer(
         check_same_config(
             strategy, rundir.resolved(cfg), {"phalanx": __version__, "torch": torch.__version__}
         )
-    trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
-    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
-    return trainer
 
 
 def run_trainer(trainer: Trainer) -> int:

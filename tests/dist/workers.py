@@ -117,14 +117,23 @@ def strategy_for(cfg: config.Config, carry_through_autograd: bool = False):
     return ddp
 
 
+def serve(cfg: config.Config, strategy: Any) -> dict:
+    """A parameter server's server: it builds no trainer, as `phalanx train`'s does not."""
+    state = worker.build_server(cfg, strategy, [TESTS])
+    state.initialise_from()
+    strategy.serve(state.engine, state.steps_per_epoch)
+    return {"code": 0, "served": True}
+
+
 def train(raw: dict, carry_through_autograd: bool = False) -> dict:
     """Train a config in this process (one of several, or alone); what the comparisons need."""
     cfg = config.validate(raw)
     record, seen = toy.Record(), toy.SeenIds()
     hooks = [ComputeStats(variables=["loss"], aggregations=["mean", "count"]), record, seen]
-    trainer = Trainer(
-        cfg, None, [TESTS], hooks=hooks, strategy=strategy_for(cfg, carry_through_autograd)
-    )
+    strategy = strategy_for(cfg, carry_through_autograd)
+    if strategy.serving:
+        return serve(cfg, strategy)
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy)
     trainer.initialise_from()  # model.init_from, as a new run of `phalanx train` starts
     assert trainer.run() == 0
     # plain lists: tensors sent between processes live in shared memory that dies with the sender
@@ -150,13 +159,11 @@ def stop_on_one_rank(
     """Train until rank `stop_rank` asks to stop after step `stop_step`; where this rank ended."""
     cfg = config.validate(raw)
     record = toy.Record()
-    trainer = Trainer(
-        cfg,
-        None,
-        [TESTS],
-        hooks=[record, toy.RequestStopAt(stop_rank, stop_step)],
-        strategy=strategy_for(cfg, carry_through_autograd),
-    )
+    strategy = strategy_for(cfg, carry_through_autograd)
+    if strategy.serving:
+        return serve(cfg, strategy)
+    hooks = [record, toy.RequestStopAt(stop_rank, stop_step)]
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy)
     code = trainer.run()
     return {"code": code, "step": trainer.step, "losses": record.losses}
 
@@ -247,7 +254,10 @@ def dealt(rank: int, raw: dict) -> dict:
         ClassificationMetrics(predicted="logits", gold="label"),
         mine,
     ]
-    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
+    strategy = strategies.create(cfg)
+    if strategy.serving:
+        return serve(cfg, strategy)
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategy)
     assert trainer.run() == 0
     return {"ids": mine.epochs[:-1], "metrics": trainer.metrics, "lines": lines}
 
