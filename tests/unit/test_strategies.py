@@ -156,8 +156,10 @@ def test_a_strategy_section_refuses_unknown_keys_with_a_suggestion():
 
 
 def test_every_registered_strategy_has_the_protocol_and_its_summary():
-    for name, entry in strategies.REGISTRY.items():
-        assert entry.summary and callable(entry.build), name
+    from phalanx.strategies import registry
+
+    for name, family in registry.families().items():
+        assert family.name == name and family.summary and callable(family.build), name
     members = [m for m in vars(Strategy) if not m.startswith("_")]
     single = Single(torch.device("cpu"))
     assert [m for m in members if not hasattr(single, m)] == []

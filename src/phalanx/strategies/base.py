@@ -17,7 +17,7 @@ functions a strategy's step calls (`Engine.forward`, `weigh`, `backward`, `finis
 only scales it where its reduction averages instead of adding (`Replica.scale`). Shared members come
 from mixins (`Replicated`, `OneProcess`, `DataParallel`); optional abilities are protocols a
 strategy may also implement (`ReportsCommunication`), never stubs. A new strategy is a module that
-implements this protocol and an entry in `strategies.REGISTRY`.
+implements this protocol and registers itself (`registry.register`).
 """
 
 from __future__ import annotations
