@@ -416,3 +416,22 @@ def test_building_on_the_device_under_a_strategy_that_splits_the_model_names_the
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match=f"splits it across devices; use {instead}"):
         strategies.create(cfg(build="device", **parallel))
+
+
+def test_each_pipeline_schedule_is_torchs_by_its_name_and_the_settings_take_the_table():
+    """One table of schedules: its names are the settings' choices, each is torch's class by
+    `get_schedule_class`'s name, and the stages a process holds by default are what torch's
+    schedule runs (several: a schedule that takes a list of stages)."""
+    from torch.distributed.pipelining import schedules as torchs
+
+    from phalanx.strategies import schedules
+    from phalanx.strategies.pipeline import PipelineSettings
+
+    for name, schedule in schedules.SCHEDULES.items():
+        kind = schedules.torch_class(name)
+        assert kind is torchs.get_schedule_class(schedule.torch_name), name
+        assert schedules.takes_stages(name) == (schedule.per_process > 1), name
+        settings = PipelineSettings(split=["net.2", "net.4", "net.6"], schedule=name)
+        assert settings.stages_per_process == schedule.per_process, name
+    with pytest.raises(ValueError, match="'gpipe', '1f1b', 'interleaved', 'zero_bubble', 'zbv'"):
+        PipelineSettings(split=["net.2"], schedule="bfs")
