@@ -435,3 +435,24 @@ def test_each_pipeline_schedule_is_torchs_by_its_name_and_the_settings_take_the_
         assert settings.stages_per_process == schedule.per_process, name
     with pytest.raises(ValueError, match="'gpipe', '1f1b', 'interleaved', 'zero_bubble', 'zbv'"):
         PipelineSettings(split=["net.2"], schedule="bfs")
+
+
+def test_the_registry_answers_what_the_config_asks_of_each_strategy(tmp_path):
+    """What the choice among strategies says and does comes from the strategies' own
+    declarations: the choices in order, those that run on several machines, a parameter
+    server's restartable workers, the planner's refusal of placement's accumulation."""
+    from phalanx import planner
+
+    choices = "auto, plan, single, ddp, towers, fsdp, pipeline, placement, param_server"
+    with pytest.raises(ConfigError, match=f"did you mean .*choose one of {choices}$"):
+        strategies.strategy_name(cfg(strategy="singel"))
+    with pytest.raises(ConfigError, match="on 2 machines; use parallel.strategy=ddp or fsdp$"):
+        strategies.check_nodes(cfg(strategy="towers"), 2)
+    served = cfg(strategy="param_server", max_restarts=2, param_server={"servers": 2})
+    assert strategies.rejoining(served, 5) == (1, 2)
+    assert strategies.rejoining(cfg(strategy="ddp", max_restarts=2), 5) == ()
+    assert [n for n, f in strategies.families().items() if f.auto] == ["single", "ddp"]
+    with pytest.raises(ConfigError, match="cannot price placement's devices"):
+        placed = {"strategy": "placement", "gradient_accumulation": "auto"}
+        path = toy.write_config(tmp_path, toy.regression_config(parallel=placed))
+        planner.accumulation_for(str(path), [])
