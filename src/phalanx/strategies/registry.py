@@ -117,9 +117,9 @@ def families() -> dict[str, Family]:
     """Every registered strategy by name, phalanx's own first."""
     global _loaded
     if not _loaded:
-        _loaded = True
         for module in BUILTIN:
             importlib.import_module(f"phalanx.strategies.{module}")
+        _loaded = True  # after every import: one that failed is tried again, not left out
         # a strategy of one's own imported before the first question comes after phalanx's own
         ordered = {name: _FAMILIES[name] for name in BUILTIN if name in _FAMILIES}
         rest = {name: f for name, f in _FAMILIES.items() if name not in ordered}
