@@ -206,7 +206,9 @@ def pytorchjob(
 def check_job(cfg: Config, nodes: int, gpus_per_node: int) -> None:
     """A job that starts one process per GPU on each machine: counts within reason, and a strategy
     that runs one process per device."""
-    from phalanx.strategies import REGISTRY
+    from phalanx.strategies.registry import families
+
+    known = families()
 
     if not 1 <= nodes <= MAX_NODES or not 1 <= gpus_per_node <= MAX_GPUS:
         raise PhalanxError(
@@ -214,17 +216,17 @@ def check_job(cfg: Config, nodes: int, gpus_per_node: int) -> None:
             f"and {gpus_per_node}"
         )
     name = cfg.parallel.strategy
-    per_device = [n for n, entry in REGISTRY.items() if entry.process_per_device]
+    per_device = [n for n, family in known.items() if family.process_per_device]
     if name == "auto" or name in per_device:
         return
-    if name in REGISTRY:
+    if name in known:
         raise ConfigError(
             f"parallel.strategy={name} runs in one process, but a cluster job starts one process "
             f"per GPU on every machine, each of which would run the whole of it; use "
             f"parallel.strategy={' or '.join(per_device)} (or auto)"
         )
     raise ConfigError(
-        f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; a cluster job "
+        f"parallel.strategy {name!r} is not available{did_you_mean(name, known)}; a cluster job "
         f"takes {', '.join(['auto', *per_device])}"
     )
 

@@ -26,7 +26,6 @@ from pydantic import (
     field_validator,
 )
 
-from phalanx import settings
 from phalanx.environment import cpu_cores
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.overrides import apply as apply_overrides
@@ -208,8 +207,8 @@ S = TypeVar("S")
 
 
 class ParallelConfig(_Section):
-    """`parallel`: the framework's keys, and each strategy's own section (`phalanx.settings`, added
-    by `schema`)."""
+    """`parallel`: the framework's keys, and each strategy's own section (its `registry.Family`'s
+    settings, added by `schema`)."""
 
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     devices: StrictInt | Literal["auto"] = 1
@@ -460,8 +459,12 @@ _SCHEMAS: dict[tuple, type[Config]] = {}
 
 def schema() -> type[Config]:
     """The config's model with a section of `parallel` for each strategy that registered one
-    (`phalanx.settings`), of the type it registered (built once for each set of sections)."""
-    sections: dict[str, Any] = dict(settings.SECTIONS)
+    (`strategies.registry`), of the type it registered (built once for each set of sections)."""
+    # the strategies' modules read this module's types: the registry, which imports them, is
+    # asked when a config is validated, once both are loaded
+    from phalanx.strategies import registry
+
+    sections: dict[str, Any] = registry.sections()
     key = tuple((name, id(section)) for name, section in sections.items())
     if key not in _SCHEMAS:
         parallel = create_model(

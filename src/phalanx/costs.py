@@ -1,12 +1,13 @@
 """The planner's cost model: from what was measured on the machine at hand (`Measured`), each
 candidate setup's step time, throughput, scaling and peak memory per device, and the reason for
-its verdict in numbers. Pure arithmetic, no torch and no clock: `planner` measures, this predicts,
-and the tests feed it synthetic measurements.
+its verdict in numbers. Pure arithmetic, no clock: `planner` measures, this predicts, and the
+tests feed it synthetic measurements. Each strategy prices its own setups (its
+`registry.Family.setups` and `cost`, in its module); this module holds what they share.
 
 Every setup trains the same global batch (the contract), so a setup is faster exactly when its
 step is shorter. A step is the roofline of its parts: compute (the measured forward and backward
 of a micro-batch, `fixed + per_sample * b`, so that a small shard does not pay less than a call
-costs), the communication that computation does not hide, a pipeline's bubble and its messages,
+costs), the communication that computation does not hide, the bubble of stages and their messages,
 and the optimizer on the parameters a device holds.
 """
 
@@ -14,25 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from itertools import pairwise
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev")
-TWO_A_PROCESS = ("interleaved", "zero_bubble", "zbv", "dualpipev")  # stages per process: 2
-# the idle slots a pipeline of P processes pays per step, in its busiest process's slots of one
-# micro-batch, by schedule: GPipe and 1F1B P - 1; two stages a process halve them; the
-# zero-bubble schedules fill about two thirds of what is left with the backward's weight halves
-# (approximations of the schedules' own tables, for ranking)
-_BUBBLE = {
-    "gpipe": 1.0,
-    "1f1b": 1.0,
-    "interleaved": 0.5,
-    "zero_bubble": 1 / 6,
-    "zbv": 1 / 6,
-    "dualpipev": 1 / 6,
-}
-# a process's cuts a micro-batch crosses, each way: one stage a process has one; two, two
-_CROSSINGS = {s: 2 if s in TWO_A_PROCESS else 1 for s in SCHEDULES}
+from phalanx.strategies import registry
 
 
 @dataclass(frozen=True)
@@ -62,7 +47,7 @@ class Compute:
 
 @dataclass(frozen=True)
 class Block:
-    """One block of the model's largest chain (what a pipeline or a placement splits)."""
+    """One block of the model's largest chain (what a split into stages cuts)."""
 
     name: str
     share: float  # of the whole model's forward and backward time
@@ -93,10 +78,11 @@ class Measured:
     # how much slower a device computes while the others on its machine compute too
     crowding: float = 1.0
     # what a step of several processes pays beyond its collectives' own time: waiting for the
-    # slowest process, waking the communication threads (from a measured ddp step)
+    # slowest process, waking the communication threads (from a measured step of one process a
+    # device)
     sync_s: float = 0.0
     fsdp_unit_s: float = 0.0  # what fsdp pays a unit and micro-batch beyond its collectives
-    microbatch_s: float = 0.0  # what a pipeline pays a micro-batch beyond its stages and messages
+    microbatch_s: float = 0.0  # what stages pay a micro-batch beyond their compute and messages
     refused: dict[str, str] = field(default_factory=dict)  # strategies that cannot train it: why
     data_s_per_sample: float = 0.0  # fetching and collating a sample, in the training loop
     # one process's compute in a setup of several processes, by their count, where it differs from
@@ -130,11 +116,10 @@ class Setup:
 
     @property
     def label(self) -> str:
-        if self.strategy != "pipeline":
-            return f"{self.strategy} x{self.devices}" if self.devices > 1 else self.strategy
-        copies = self.devices // self.stages
-        more = f" x{copies} copies" if copies > 1 else ""
-        return f"pipeline {self.stages} stages{more}, {self.microbatches} mb, {self.schedule}"
+        label = registry.get(self.strategy).label
+        if label is not None:
+            return label(self)
+        return f"{self.strategy} x{self.devices}" if self.devices > 1 else self.strategy
 
 
 @dataclass
@@ -153,26 +138,22 @@ class Prediction:
 
 
 def compute_of(m: Measured, setup: Setup) -> Compute:
-    """What a process of `setup` computes with: towers and placement are one process."""
-    alone = setup.strategy in ("single", "towers", "placement")
+    """What a process of `setup` computes with: a strategy of one process has the machine's."""
+    alone = not registry.get(setup.strategy).process_per_device
     return m.compute if alone else m.computes.get(setup.devices, m.compute)
 
 
 def predict(m: Measured, setup: Setup) -> Prediction:
-    """One setup's prediction (its speedup filled in by `rank`)."""
-    kind = {
-        "single": _single,
-        "ddp": _ddp,
-        "towers": _ddp,
-        "fsdp": _fsdp,
-        "pipeline": _pipeline,
-        "placement": _pipeline,
-    }[setup.strategy]
-    prediction = kind(m, setup)
+    """One setup's prediction (its speedup filled in by `rank`), by its strategy's `cost`."""
+    family = registry.get(setup.strategy)
+    if family.cost is None:
+        raise ValueError(f"the plan does not price {setup.strategy}")
+    prediction = family.cost(m, setup)
     if m.data_s_per_sample:  # each process fetches the samples it computes on (all of its copy's)
-        readers = {"ddp": setup.devices, "fsdp": setup.devices}.get(setup.strategy, 1)
-        if setup.strategy == "pipeline":
-            readers = setup.devices // setup.stages
+        if family.readers is not None:
+            readers = family.readers(setup)
+        else:
+            readers = setup.devices if family.process_per_device else 1
         prediction.parts["data"] = m.data_s_per_sample * math.ceil(m.batch / readers)
         prediction.step_s += prediction.parts["data"]
     prediction.samples_per_s = m.batch / prediction.step_s if prediction.step_s > 0 else 0.0
@@ -180,31 +161,14 @@ def predict(m: Measured, setup: Setup) -> Prediction:
 
 
 def candidates(m: Measured, devices: int) -> list[Setup]:
-    """Every setup up to `devices` devices that the measurements can price."""
-    out = [Setup("single", 1)]
-    for n in range(2, devices + 1):
-        out += [Setup("ddp", n), Setup("fsdp", n)]
-        if m.gpus >= n:
-            out.append(Setup("towers", n))
-    for stages in range(2, devices + 1):  # processes in a copy of the pipeline
-        for schedule in SCHEDULES:
-            per = 2 if schedule in TWO_A_PROCESS else 1
-            split = balanced_split(m.blocks, per * stages)
-            if split is None:
-                continue
-            for copies in range(1, devices // stages + 1):
-                for mb in (1, 2, 4, 8, 16):
-                    # interleaved 1F1B with one micro-batch: the stages alternate between the
-                    # processes, taking turns (the placement study's exaggerated split)
-                    alternating = schedule == "interleaved" and mb == 1 and copies == 1
-                    if per > 1 and (mb < stages or mb % stages or copies > 1) and not alternating:
-                        continue  # their schedules' own conditions; one copy here
-                    setup = Setup("pipeline", stages * copies, stages, mb, schedule, tuple(split))
-                    out.append(setup)
-        split = balanced_split(m.blocks, stages)
-        if m.gpus >= stages and split is not None:
-            out.append(Setup("placement", stages, stages, 1, "gpipe", tuple(split)))
-    return [s for s in out if s.strategy not in m.refused]
+    """Every setup up to `devices` devices that the measurements can price: each strategy's."""
+    out = [
+        setup
+        for name, family in registry.families().items()
+        if family.setups is not None and name not in m.refused
+        for setup in family.setups(m, devices)
+    ]
+    return out
 
 
 def fitting(m: Measured, setup: Setup) -> Prediction:
@@ -227,7 +191,8 @@ def rank(m: Measured, setups: list[Setup], auto: bool = False) -> list[Predictio
     for p in predictions:
         if not auto:
             p.accumulation = m.accumulation
-    one = next((p.step_s for p in predictions if p.setup.strategy == "single"), None)
+    alone = registry.auto(several=False)
+    one = next((p.step_s for p in predictions if p.setup.strategy == alone), None)
     for p in predictions:
         if one and p.step_s > 0:
             p.speedup = one / p.step_s
@@ -237,170 +202,38 @@ def rank(m: Measured, setups: list[Setup], auto: bool = False) -> list[Predictio
     return sorted(predictions, key=lambda p: (not p.fits, p.step_s))
 
 
-# --- the families ---------------------------------------------------------------------------
-
-
-def _single(m: Measured, setup: Setup) -> Prediction:
-    micro = math.ceil(m.batch / m.accumulation)
-    compute = m.accumulation * m.compute.time(micro)
-    memory = _whole(m) + m.activation_bytes_per_sample * micro
-    return _made(
-        m,
-        setup,
-        {"compute": compute, "optimizer": m.optimizer_s},
-        memory,
-        f"one device computes the batch of {m.batch} in {_ms(compute)}",
-    )
-
-
-def _ddp(m: Measured, setup: Setup) -> Prediction:
-    n = setup.devices
-    micro = math.ceil(m.batch / (m.accumulation * n))
-    one = compute_of(m, setup).time(micro) * m.crowding
-    compute = m.accumulation * one
-    reduce = _link(m, n).time(m.grad_bytes)
-    hidden = min(reduce, m.overlap * m.compute.backward_share * one)
-    exposed = reduce - hidden
-    memory = _whole(m) + m.activation_bytes_per_sample * micro
-    what = "the gradients' sum over the GPUs" if setup.strategy == "towers" else "the all-reduce"
-    if exposed > compute:
-        reason = (
-            f"{what} of {_mb(m.grad_bytes)} at {_rate(m.grad_bytes, reduce)} takes "
-            f"{_ms(reduce)}, longer than the {_ms(compute)} of computing each device's "
-            f"{micro} samples that it would overlap"
-        )
-    else:
-        reason = (
-            f"each device computes {micro} samples in {_ms(compute)}; {what} of "
-            f"{_mb(m.grad_bytes)} takes {_ms(reduce)}, {_ms(exposed)} of it not hidden"
-        )
-    parts = {"compute": compute, "communication": exposed + m.sync_s, "optimizer": m.optimizer_s}
-    return _made(m, setup, parts, memory, reason)
-
-
-def _fsdp(m: Measured, setup: Setup) -> Prediction:
-    n = setup.devices
-    micro = math.ceil(m.batch / (m.accumulation * n))
-    one = compute_of(m, setup).time(micro) * m.crowding
-    compute = m.accumulation * one
-    # each unit (a block of the chain, and the rest of the model) gathers its parameters for
-    # each micro-batch's forward and again for its backward, and reduce-scatters its gradients
-    # once a step: each collective moves what half an all-reduce of its bytes moves, and pays
-    # its latency
-    link = _link(m, n)
-    units = fsdp_units(m)
-    gathers = 2 * m.accumulation * units * link.time(m.param_bytes / (2 * units))
-    scatter = units * link.time(m.grad_bytes / (2 * units))
-    reduce = gathers + scatter
-    hidden = min(reduce, m.overlap * m.compute.backward_share * compute)
-    reduce += m.accumulation * units * m.fsdp_unit_s  # its own work around each collective
-    exposed = reduce - hidden
-    largest = max((b.param_bytes for b in m.blocks), default=m.param_bytes)
-    memory = _whole(m) / n + largest + m.activation_bytes_per_sample * micro
-    parts = {
-        "compute": compute,
-        "communication": exposed + m.sync_s,
-        "optimizer": m.optimizer_s / n,
-    }
-    reason = (
-        f"each device computes {micro} samples in {_ms(compute)}; gathering and scattering "
-        f"{_mb(m.param_bytes)} of parameters takes {_ms(reduce)}, {_ms(exposed)} of it not hidden"
-    )
-    return _made(m, setup, parts, memory, reason)
-
-
-def _pipeline(m: Measured, setup: Setup) -> Prediction:
-    p, mb = setup.stages, setup.microbatches  # processes in a copy of the pipeline
-    copies = setup.devices // p
-    index = {b.name: i for i, b in enumerate(m.blocks)}
-    bounds = [0, *(index[n] for n in setup.split), len(m.blocks)]
-    shares = [sum(b.share for b in m.blocks[lo:hi]) for lo, hi in pairwise(bounds)]
-    held = [float(sum(b.param_bytes for b in m.blocks[lo:hi])) for lo, hi in pairwise(bounds)]
-    outside = max(0.0, 1.0 - sum(shares))  # the model's modules around the chain
-    shares[0] += outside / 2
-    shares[-1] += outside / 2
-    rest = (m.param_bytes - sum(held)) / 2
-    held[0] += rest
-    held[-1] += rest
-    mine = _stages_of(setup.schedule, p, len(shares))  # each process's stages
-    share = max(sum(shares[k] for k in ks) for ks in mine)  # the busiest process's part
-    micro = math.ceil(m.batch / (m.accumulation * copies * mb))
-    whole = compute_of(m, setup).time(micro)
-    if setup.strategy == "pipeline":  # processes on one machine slow each other while both compute
-        whole *= 1 + (m.crowding - 1) * _together(p, mb, copies)
-    slot = share * whole  # the busiest process's forward and backward of one micro-batch
-    crossing = max(m.blocks[i].input_bytes_per_sample for i in bounds[1:-1]) * micro
-    # each micro-batch's activation goes forward and its gradient back at each of the process's
-    # cuts; one micro-batch alone crosses every cut in turn, nothing beside it
-    crossings = _CROSSINGS[setup.schedule] if mb > 1 else len(shares) - 1
-    message = 0.0 if m.p2p is None else 2 * crossings * m.p2p.time(crossing)
-    compute = m.accumulation * mb * slot
-    # too few micro-batches to fill the pipeline leave nothing for a cleverer schedule to overlap
-    idle = _BUBBLE[setup.schedule] if mb >= p else 1.0
-    # filling and draining: a micro-batch passes every stage, the others' while the busiest waits
-    # (P - 1 of its slots where the stages are even; one micro-batch: the whole model in turn)
-    bubble = m.accumulation * idle * max(whole - slot, 0.0)
-    messages = m.accumulation * mb * (message + m.microbatch_s)
-    communication = messages
-    if setup.strategy == "pipeline":  # the step's loss and stop flag, agreed by every process
-        communication += _link(m, setup.devices).latency_s + m.sync_s
-        if copies > 1:  # each stage's copies add their gradients
-            communication += _link(m, copies).time(share * m.grad_bytes)
-    state = max(sum(held[k] for k in ks) for ks in mine)
-    state *= 1 + (m.grad_bytes + m.optimizer_bytes) / max(m.param_bytes, 1)
-    in_flight = mb if setup.schedule == "gpipe" else min(mb, p)
-    memory = state + in_flight * m.activation_bytes_per_sample * micro * share
-    parts = {
-        "compute": compute,
-        "bubble": bubble,
-        "communication": communication,
-        "optimizer": m.optimizer_s * share,
-    }
-    stages = f"{len(shares)} stages on {p} processes" if len(shares) != p else f"{p} stages"
-    reason = (
-        f"{mb} micro-batch{'es' if mb != 1 else ''} of {micro} through {stages}, the busiest "
-        f"process {_ms(slot)} each: a bubble of {_ms(bubble)}, {_ms(messages)} of messages "
-        f"({_mb(crossing)} at a cut)"
-    )
-    return _made(m, setup, parts, memory, reason)
-
-
-def _together(processes: int, microbatches: int, copies: int) -> float:
-    """The share of a pipeline's step in which its processes compute at once: none with one
-    micro-batch (they take turns), the steady state's `mb - 1` of its `mb + P - 1` slots with more;
-    copies side by side always."""
-    if copies > 1:
-        return 1.0
-    return (microbatches - 1) / (microbatches + processes - 1)
-
-
-def _stages_of(schedule: str, processes: int, stages: int) -> list[list[int]]:
-    """Each process's stages: one each; looped (p, p + P, ...) for interleaved and zero_bubble; in
-    a V (p and 2P - 1 - p) for zbv and dualpipev."""
-    if stages == processes:
-        return [[k] for k in range(processes)]
-    if schedule in ("zbv", "dualpipev"):
-        return [[k, 2 * processes - 1 - k] for k in range(processes)]
-    return [list(range(k, stages, processes)) for k in range(processes)]
-
-
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _made(
+# why the plan has no row of a strategy, where the devices or the model leave it out
+ONE_DEVICE = "one device is planned for; give --devices 2 or more"
+NO_CHAIN = (
+    "the model has no chain of blocks to cut (an nn.Sequential or nn.ModuleList whose blocks its "
+    "forward calls in turn, each passing one tensor to the next)"
+)
+
+
+def gpus_here(m: Measured) -> str:
+    """The GPUs of the machine measured, in words."""
+    return f"this machine has {m.gpus or 'no'} GPU{'' if m.gpus == 1 else 's'}"
+
+
+def made(
     m: Measured, setup: Setup, parts: dict[str, float], memory: float, reason: str
 ) -> Prediction:
     fits = memory <= m.device_memory
     if not fits:
-        reason = f"does not fit: {_mb(memory)} a device of {_mb(m.device_memory)}; " + reason
+        reason = (
+            f"does not fit: {mb_text(memory)} a device of {mb_text(m.device_memory)}; " + reason
+        )
     return Prediction(setup, sum(parts.values()), memory, fits, parts, reason)
 
 
-def _whole(m: Measured) -> float:
+def whole_bytes(m: Measured) -> float:
     return m.param_bytes + m.grad_bytes + m.optimizer_bytes
 
 
-def _link(m: Measured, n: int) -> Link:
+def link_of(m: Measured, n: int) -> Link:
     """The all-reduce over `n` processes: measured, or the nearest measured count's."""
     if n in m.all_reduce:
         return m.all_reduce[n]
@@ -446,12 +279,6 @@ def partition(
     return sorted(cuts)
 
 
-def fsdp_units(m: Measured) -> int:
-    """The units fsdp shards the model into: each block of the chain that holds parameters, and
-    the rest of the model."""
-    return 1 + sum(1 for b in m.blocks if b.param_bytes)
-
-
 def balanced_split(blocks: tuple[Block, ...], stages: int) -> list[str] | None:
     """The module names where stages 2.. start, the slowest stage by the blocks' time as fast as
     it can be (None where the blocks cannot be cut into `stages`)."""
@@ -466,11 +293,11 @@ def balanced_split(blocks: tuple[Block, ...], stages: int) -> list[str] | None:
     return None if cut is None else [blocks[i].name for i in cut]
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
-def _mb(nbytes: float) -> str:
+def mb_text(nbytes: float) -> str:
     if nbytes >= 1 << 30:
         return f"{nbytes / (1 << 30):.1f} GB"
     if nbytes >= 1 << 20:
@@ -478,5 +305,5 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1024:.1f} KB"
 
 
-def _rate(nbytes: float, seconds: float) -> str:
+def rate(nbytes: float, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-12) / 1e9:.2f} GB/s"

@@ -24,7 +24,8 @@ from rich.table import Table
 from phalanx import config, costs, logs, strategies
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
-from phalanx.probes import calibrated, links, on_device, synchronize
+from phalanx.probes import calibrated, links, measured_steps, on_device, synchronize
+from phalanx.strategies import registry
 
 log = logging.getLogger("phalanx")
 
@@ -103,7 +104,7 @@ def _one(cfg: config.Config, overrides: list[str], accelerator: str) -> list[str
             if cfg.parallel.gradient_accumulation == "auto"
             else []
         ),
-        "parallel.strategy=single",
+        f"parallel.strategy={registry.auto(several=False)}",
         "parallel.devices=1",
         f"parallel.accelerator={accelerator}",
         "main_loop.extra_streams=[]",
@@ -133,36 +134,31 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
     cfg = config.load(config_path, overrides)[0]
     accelerator, devices = strategies.resolve_device(cfg)
     name = strategies.strategy_name(cfg)
-    if name == "placement":
-        raise ConfigError(
-            "parallel.gradient_accumulation=auto cannot price placement's devices (each holds "
-            "the modules the config pins to it); give a number"
-        )
+    family = registry.get(name)
+    # the setup to price, from the measurements (a strategy that cannot be priced refuses here,
+    # before anything is measured)
+    setup_of = (
+        family.accumulation_setup(cfg, devices)
+        if family.accumulation_setup is not None
+        else lambda m: costs.Setup(name, devices)
+    )
     # the run's own processes' threads: what one device is measured with (the memory is what
     # counts here)
     threads = {1: _threads(cfg, accelerator, devices, devices)[devices]}
     m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
     m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
-    setup = costs.Setup(name, devices)
-    if name == "pipeline":
-        from phalanx.settings import PipelineSettings
-
-        settings = cfg.parallel.section("pipeline", PipelineSettings)
-        named = settings.split
-        stages = (settings.stages or devices) if named == "auto" else len(named) + 1
-        split = costs.balanced_split(m.blocks, stages) if named == "auto" else named
-        setup = costs.Setup(
-            name, devices, stages, settings.microbatches, settings.schedule, tuple(split or ())
-        )
+    setup = setup_of(m)
     p = costs.fitting(m, setup)
     said = (
         f"parallel.gradient_accumulation=auto chose {p.accumulation}: a predicted peak of "
-        f"{costs._mb(p.memory_bytes)} of {costs._mb(m.device_memory)} a device ({setup.label})"
+        f"{costs.mb_text(p.memory_bytes)} of {costs.mb_text(m.device_memory)} a device "
+        f"({setup.label})"
     )
     if not p.fits:
+        sharding = " or ".join(n for n, f in registry.families().items() if f.shards_state)
         raise ConfigError(
             f"parallel.gradient_accumulation=auto found no count that fits: {said}; lower "
-            "dataset.batch_size, or use more devices or fsdp"
+            f"dataset.batch_size, or use more devices or {sharding}"
         )
     return p.accumulation, said
 
@@ -173,17 +169,14 @@ def choose(config_path: str, overrides: list[str], devices: int | None) -> tuple
     that a config can name, and the plan's report (its `choice` says which and why)."""
     report = plan(config_path, [*overrides, "parallel.strategy=auto"], devices, output=None)
     for p in report["predictions"]:
-        if not p["fits"] or p["strategy"] == "placement":  # placement names devices by module
+        # a row's own settings; None where a config cannot name it (devices by module)
+        own = registry.get(p["strategy"]).plan_settings(p) if p["fits"] else None
+        if own is None:
             continue
         settings: dict[str, Any] = {"strategy": p["strategy"], "devices": p["devices"]}
         if report["auto_accumulation"]:
             settings["gradient_accumulation"] = p["accumulation"]
-        if p["strategy"] == "pipeline":
-            settings["pipeline"] = {
-                "split": p["split"],
-                "microbatches": p["microbatches"],
-                "schedule": p["schedule"],
-            }
+        settings.update(own)
         accumulated = (
             f" with gradient_accumulation={p['accumulation']} (auto)"
             if report["auto_accumulation"]
@@ -306,10 +299,9 @@ def _measure(
         return measured
     split = costs.balanced_split(blocks, devices)
     log.info(
-        "plan: starting %d processes to measure the links between them and a step of ddp, fsdp%s "
-        "on them",
+        "plan: starting %d processes to measure the links between them and %s on them",
         devices,
-        " and a pipeline" if split else "",
+        measured_steps(split),
     )
     found = links(one, config_path, devices, threads[devices], grad_bytes, split)
     return calibrated(measured, found, devices, split)
@@ -497,12 +489,12 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
             f"{p.samples_per_s:,.0f}",
             f"{p.speedup:.2f}x",
             f"{100 * p.efficiency:.0f}%",
-            costs._mb(p.memory_bytes),
+            costs.mb_text(p.memory_bytes),
             p.reason,
         )
     logs.out.print(table)
     best = predictions[0]
-    if best.setup.strategy == "single":
+    if best.setup.strategy == registry.auto(several=False):
         logs.out.print(
             "one device is the fastest: more devices would make this config's steps slower"
         )
@@ -532,25 +524,10 @@ def unplanned(m: costs.Measured, devices: int) -> dict[str, str]:
     """The strategies the plan has no row for, and why: those that cannot train the model
     (`m.refused`), and those that the devices, this machine or the model leave out."""
     out = dict(m.refused)
-    gpus = f"this machine has {m.gpus or 'no'} GPU{'' if m.gpus == 1 else 's'}"
-    if devices < 2:
-        for name in ("ddp", "fsdp", "towers", "pipeline", "placement"):
-            out.setdefault(name, "one device is planned for; give --devices 2 or more")
-    if m.gpus < 2:
-        out.setdefault("towers", f"it drives several GPUs from one process, and {gpus}")
-    if costs.balanced_split(m.blocks, 2) is None:
-        chain = (
-            "the model has no chain of blocks to cut (an nn.Sequential or nn.ModuleList whose "
-            "blocks its forward calls in turn, each passing one tensor to the next)"
-        )
-        out.setdefault("pipeline", chain)
-        out.setdefault("placement", chain)
-    if m.gpus < 2:
-        out.setdefault("placement", f"it pins modules to the GPUs of one process, and {gpus}")
-    out["param_server"] = (
-        "its asynchronous updates are not priced; measure them with phalanx bench CONFIG "
-        "parallel.strategy=param_server"
-    )
+    for name, family in registry.families().items():
+        why = family.unplanned(m, devices) if family.unplanned is not None else None
+        if why:
+            out.setdefault(name, why)
     return out
 
 

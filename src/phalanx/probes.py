@@ -63,6 +63,11 @@ def links(
     return found
 
 
+def measured_steps(split: list[str] | None) -> str:
+    """The steps `links` measures, in words."""
+    return f"a step of ddp, fsdp{' and a pipeline' if split else ''}"
+
+
 def _link(small: int, large: int, t_small: float, t_large: float) -> costs.Link:
     bandwidth = (large - small) / max(t_large - t_small, 1e-9)
     return costs.Link(max(t_small - small / bandwidth, 1e-7), bandwidth)
@@ -259,7 +264,9 @@ def calibrated(
     elif found.get("fsdp_step") is not None:
         priced = costs.predict(one, costs.Setup("fsdp", devices))
         paid = priced.parts["compute"] + priced.parts["communication"]
-        units = costs.fsdp_units(m)
+        from phalanx.strategies.fsdp import units as fsdp_units
+
+        units = fsdp_units(m)
         m = replace(m, fsdp_unit_s=max(found["fsdp_step"] - paid, 0.0) / units)
     if isinstance(found.get("pipeline_step"), str):
         refused = found["pipeline_step"]

@@ -655,12 +655,16 @@ def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypat
     from pydantic import Field, StrictInt
 
     from phalanx import settings
+    from phalanx.strategies import registry
+    from phalanx.strategies.single import build
 
     class Rings(settings.StrategySettings):
         rings: StrictInt = Field(2, ge=1)
 
-    monkeypatch.setattr(settings, "SECTIONS", dict(settings.SECTIONS))
-    settings.register("ring", Rings, Field(default_factory=Rings))
+    monkeypatch.setattr(registry, "_FAMILIES", dict(registry.families()))
+    registry.register(
+        registry.Family("ring", build, "a ring", settings=Rings, field=Field(default_factory=Rings))
+    )
     raw = toy.regression_config(parallel={"strategy": "ring", "ring": {"rings": 3}})
     assert config.validate(raw).parallel.section("ring", Rings).rings == 3
     assert config.validate(toy.regression_config()).parallel.section("ring", Rings).rings == 2
@@ -668,7 +672,7 @@ def test_a_strategy_registers_its_own_section_checked_as_every_section(monkeypat
     assert """unknown key 'parallel.ring.ringz' (did you mean "rings"?)""" in _error(raw)
     raw["parallel"] = {"rign": {"rings": 3}}
     assert """unknown key 'parallel.rign' (did you mean "ring"?)""" in _error(raw)
-    del settings.SECTIONS["ring"]
+    del registry.families()["ring"]
     assert "unknown key 'parallel.ring'" in _error(
         toy.regression_config(parallel={"ring": {"rings": 3}})
     )

@@ -207,11 +207,12 @@ def test_auto_accumulation_is_the_fewest_micro_batches_whose_peak_fits():
 
 
 def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
-    from phalanx.settings import PipelineSettings
+    from phalanx.strategies.pipeline import PipelineSettings
+    from phalanx.strategies.schedules import SCHEDULES
 
     m = measured(blocks=tuple(Block(f"net.{i}", 1 / 8, 1 << 20, 4096, True) for i in range(8)))
     setups = [s for s in costs.candidates(m, 2) if s.strategy == "pipeline"]
-    assert {s.schedule for s in setups} == set(costs.SCHEDULES)
+    assert {s.schedule for s in setups} == set(SCHEDULES)
     for s in setups:
         # what strategy: plan writes into the config is a pipeline the settings accept, with the
         # stages its schedule runs on the processes
@@ -259,13 +260,14 @@ def test_uneven_stages_fill_and_drain_through_every_stage_not_the_slowest_one_p_
 def test_every_strategy_the_plan_leaves_out_is_said_with_why(devices, gpus, chain):
     """Each strategy is planned (it has a row) or in `not_planned` with its reason, never both and
     never neither."""
-    from phalanx import planner, strategies
+    from phalanx import planner
+    from phalanx.strategies import registry
 
     m = measured(gpus=gpus, blocks=measured().blocks if chain else ())
     planned = {s.strategy for s in costs.candidates(m, devices)}
     left = planner.unplanned(m, devices)
     assert planned.isdisjoint(left), (planned, left)
-    assert planned | set(left) == set(strategies.REGISTRY), (planned, left)
+    assert planned | set(left) == set(registry.families()), (planned, left)
     assert all(why and "\n" not in why for why in left.values())
     if gpus < 2:
         assert "GPU" in left["towers"] and ("GPU" in left["placement"] or not chain)

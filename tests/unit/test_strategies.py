@@ -156,8 +156,10 @@ def test_a_strategy_section_refuses_unknown_keys_with_a_suggestion():
 
 
 def test_every_registered_strategy_has_the_protocol_and_its_summary():
-    for name, entry in strategies.REGISTRY.items():
-        assert entry.summary and callable(entry.build), name
+    from phalanx.strategies import registry
+
+    for name, family in registry.families().items():
+        assert family.name == name and family.summary and callable(family.build), name
     members = [m for m in vars(Strategy) if not m.startswith("_")]
     single = Single(torch.device("cpu"))
     assert [m for m in members if not hasattr(single, m)] == []
@@ -414,3 +416,43 @@ def test_building_on_the_device_under_a_strategy_that_splits_the_model_names_the
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match=f"splits it across devices; use {instead}"):
         strategies.create(cfg(build="device", **parallel))
+
+
+def test_each_pipeline_schedule_is_torchs_by_its_name_and_the_settings_take_the_table():
+    """One table of schedules: its names are the settings' choices, each is torch's class by
+    `get_schedule_class`'s name, and the stages a process holds by default are what torch's
+    schedule runs (several: a schedule that takes a list of stages)."""
+    from torch.distributed.pipelining import schedules as torchs
+
+    from phalanx.strategies import schedules
+    from phalanx.strategies.pipeline import PipelineSettings
+
+    for name, schedule in schedules.SCHEDULES.items():
+        kind = schedules.torch_class(name)
+        assert kind is torchs.get_schedule_class(schedule.torch_name), name
+        assert schedules.takes_stages(name) == (schedule.per_process > 1), name
+        settings = PipelineSettings(split=["net.2", "net.4", "net.6"], schedule=name)
+        assert settings.stages_per_process == schedule.per_process, name
+    with pytest.raises(ValueError, match="'gpipe', '1f1b', 'interleaved', 'zero_bubble', 'zbv'"):
+        PipelineSettings(split=["net.2"], schedule="bfs")
+
+
+def test_the_registry_answers_what_the_config_asks_of_each_strategy(tmp_path):
+    """What the choice among strategies says and does comes from the strategies' own
+    declarations: the choices in order, those that run on several machines, a parameter
+    server's restartable workers, the planner's refusal of placement's accumulation."""
+    from phalanx import planner
+
+    choices = "auto, plan, single, ddp, towers, fsdp, pipeline, placement, param_server"
+    with pytest.raises(ConfigError, match=f"did you mean .*choose one of {choices}$"):
+        strategies.strategy_name(cfg(strategy="singel"))
+    with pytest.raises(ConfigError, match="on 2 machines; use parallel.strategy=ddp or fsdp$"):
+        strategies.check_nodes(cfg(strategy="towers"), 2)
+    served = cfg(strategy="param_server", max_restarts=2, param_server={"servers": 2})
+    assert strategies.rejoining(served, 5) == (1, 2)
+    assert strategies.rejoining(cfg(strategy="ddp", max_restarts=2), 5) == ()
+    assert [n for n, f in strategies.families().items() if f.auto] == ["single", "ddp"]
+    with pytest.raises(ConfigError, match="cannot price placement's devices"):
+        placed = {"strategy": "placement", "gradient_accumulation": "auto"}
+        path = toy.write_config(tmp_path, toy.regression_config(parallel=placed))
+        planner.accumulation_for(str(path), [])

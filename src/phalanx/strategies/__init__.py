@@ -1,25 +1,20 @@
-"""Strategies and the choice among them from the `parallel` section."""
+"""The choice among the strategies from the `parallel` section: the devices, the strategy the
+config names (each strategy's module declares itself in `registry`), and building it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from phalanx import environment
-from phalanx.config import Config
 from phalanx.environment import cpu_cores
 from phalanx.errors import ConfigError, did_you_mean
-from phalanx.settings import (
-    DDPSettings,
-    FSDPSettings,
-    ParamServerSettings,
-    PipelineSettings,
-    TowersSettings,
-)
-from phalanx.strategies.base import Strategy
-from phalanx.strategies.single import Single
+from phalanx.strategies.registry import auto, families, get
+
+if TYPE_CHECKING:
+    from phalanx.config import Config
+    from phalanx.strategies.base import Strategy
 
 # CPU processes a launch may start per core: more only slow each other down (and a typo such as
 # parallel.devices=1000 would start processes until the machine gives out).
@@ -28,19 +23,19 @@ CPU_PROCESSES_PER_CORE = 4
 
 
 def _host_processes(cfg: Config) -> int:
-    """The processes of a run that hold no GPU: param_server's servers."""
-    if cfg.parallel.strategy != "param_server":
+    """The processes of a run that hold no GPU (a parameter server's servers)."""
+    if cfg.parallel.strategy not in families():
         return 0
-    return cfg.parallel.section("param_server", ParamServerSettings).servers
+    return get(cfg.parallel.strategy).host_processes(cfg)
 
 
 def rejoining(cfg: Config, devices: int) -> tuple[int, ...]:
-    """The ranks whose worker, where it dies, is started again alone while the others go on:
-    param_server's workers other than the main one, on one machine, where restarts are allowed."""
-    servers = _host_processes(cfg)
-    if not servers or not cfg.parallel.max_restarts:
+    """The ranks whose worker, where it dies, is started again alone while the others go on (a
+    parameter server's workers other than the main one), on one machine, where restarts are
+    allowed."""
+    if not cfg.parallel.max_restarts or cfg.parallel.strategy not in families():
         return ()
-    return tuple(range(1, devices - servers))
+    return get(cfg.parallel.strategy).rejoining(cfg, devices)
 
 
 def cpu_threads(setting: int | str, processes: int, devices: int = 1) -> int | None:
@@ -80,8 +75,8 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
         visible = torch.cuda.device_count()
         if servers:
             raise ConfigError(
-                f"parallel.devices={devices} with {servers} param_server server(s) (in host "
-                f"memory) asks for {devices - servers} GPU workers, but {visible} GPU(s) are "
+                f"parallel.devices={devices} with {servers} {cfg.parallel.strategy} server(s) (in "
+                f"host memory) asks for {devices - servers} GPU workers, but {visible} GPU(s) are "
                 f"visible; set parallel.devices to at most {visible + servers}"
             )
         raise ConfigError(
@@ -107,33 +102,13 @@ def resolve_device(cfg: Config) -> tuple[str, int]:
     return accelerator, devices
 
 
-def _refuse(
-    name: str,
-    unsupported: dict[str, bool],
-    instead: str = "parallel.strategy=ddp (bf16 instead of fp16)",
-) -> None:
-    """One error naming the settings strategy `name` does not support that the config uses."""
-    named = [setting for setting, used in unsupported.items() if used]
-    if named:
-        raise ConfigError(
-            f"parallel.strategy={name} does not support {', '.join(named)}; remove it, or use "
-            f"{instead}"
-        )
-
-
 def ignored_settings(cfg: Config) -> list[str]:
     """What the config sets for a strategy other than the run's, which the run ignores, and how to
-    use it or leave it: a warning each. (A strategy's section may stay in a config for when it is
-    chosen, as `parallel.pipeline` in examples/two_tower does; but a module placement the run
-    does not apply trains the model where the user did not put it.)"""
-    name, placement = strategy_name(cfg), cfg.parallel.section("placement", dict)
-    if not placement or name == "placement":
-        return []
-    return [
-        f"parallel.placement pins {', '.join(placement)} to devices for "
-        f"parallel.strategy=placement only; this run's strategy, {name}, ignores it: set "
-        "parallel.strategy=placement, or remove parallel.placement"
-    ]
+    use it or leave it: a warning each, from each other strategy's `Family.ignored`. (A strategy's
+    section may stay in a config for when it is chosen; what a run would silently do otherwise,
+    such as training a model where the user did not put it, is said.)"""
+    name = strategy_name(cfg)
+    return [said for n, f in families().items() if n != name for said in f.ignored(cfg, name)]
 
 
 def in_worker() -> bool:
@@ -141,271 +116,9 @@ def in_worker() -> bool:
     return environment.here().in_group
 
 
-def _no_check(cfg: Config, accelerator: str, processes: int) -> None:
-    """A strategy whose config has no conditions beyond its settings' own."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A strategy as the config names it: how to build it for this process, and whether it runs one
-    process per device (which `phalanx train` starts) or drives all of them from one. Its own
-    section of the config, `parallel.<name>`, is registered in `phalanx.settings`. `check`: the
-    conditions of the config alone on the processes of the job, which its builder checks too,
-    and `phalanx train` and `resume` before any process starts or anything is written."""
-
-    build: Callable[[Config, str, int], Strategy]  # (config, accelerator, devices per machine)
-    process_per_device: bool
-    summary: str
-    check: Callable[[Config, str, int], None] = _no_check  # (config, accelerator, processes)
-
-
-def _single(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    if in_worker() or devices > 1:
-        raise ConfigError(
-            f"parallel.strategy=single runs one process on one device, but {devices} devices "
-            "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1"
-        )
-    return Single(torch.device(accelerator))
-
-
-def _ddp(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    if not in_worker():
-        raise ConfigError(
-            "parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
-            "(phalanx starts them), or start phalanx under torchrun"
-        )
-    from phalanx.strategies.ddp import DDP
-
-    return DDP(
-        accelerator,
-        cfg.parallel.timeout_s,
-        cfg.parallel.sync_batchnorm,
-        backend=cfg.parallel.backend,
-        bucket_cap_mb=cfg.parallel.section("ddp", DDPSettings).bucket_cap_mb,
-    )
-
-
-def _towers(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    if in_worker():
-        raise ConfigError(
-            "parallel.strategy=towers drives every device from one process, but this is one of "
-            "several processes; start phalanx without torchrun, or use parallel.strategy=ddp"
-        )
-    _refuse(
-        "towers",
-        {
-            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-        },
-    )
-    from phalanx.strategies.towers import Towers
-
-    count = (
-        [torch.device(accelerator, i) for i in range(devices)]
-        if accelerator == "cuda"
-        else [torch.device("cpu")] * devices
-    )
-    return Towers(count, cfg.parallel.section("towers", TowersSettings).variables_on)
-
-
-def _fsdp(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    """Several processes (phalanx starts one per device), or this one alone on one device (a group
-    of one: offload then trains a model larger than the device's memory)."""
-    if not in_worker() and devices > 1:
-        raise ConfigError(
-            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
-            "with phalanx train (which starts them) or under torchrun"
-        )
-    _check_fsdp(cfg, accelerator, devices)
-    from phalanx.strategies.fsdp import FSDP
-
-    return FSDP(
-        accelerator,
-        cfg.parallel.section("fsdp", FSDPSettings),
-        cfg.parallel.timeout_s,
-        backend=cfg.parallel.backend,
-    )
-
-
-def _check_fsdp(cfg: Config, accelerator: str, processes: int) -> None:
-    _refuse(
-        "fsdp",
-        {
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-        },
-    )
-
-
-def _pipeline(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    settings = _pipeline_settings(cfg, accelerator)
-    if not in_worker():
-        per_process = settings.stages_per_process or 1
-        stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
-        processes = f"{stages // per_process} processes" if stages else "several processes"
-        raise ConfigError(
-            f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "
-            f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
-            "start phalanx under torchrun"
-        )
-    from phalanx.strategies.pipeline import Pipeline
-
-    # its stages and the schedule's micro-batches are checked as it is built, at the world's size
-    return Pipeline(
-        accelerator,
-        settings,
-        window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
-        timeout_s=cfg.parallel.timeout_s,
-        backend=cfg.parallel.backend,
-    )
-
-
-def _check_pipeline(cfg: Config, accelerator: str, processes: int) -> None:
-    from phalanx.strategies.pipeline import layout
-
-    layout(_pipeline_settings(cfg, accelerator), processes)
-
-
-def _pipeline_settings(cfg: Config, accelerator: str) -> PipelineSettings:
-    """`parallel.pipeline`, checked against the rest of the config."""
-    settings = cfg.parallel.optional_section("pipeline", PipelineSettings)
-    if settings is None:
-        raise ConfigError(
-            "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
-            "stage starts, such as parallel.pipeline.split=[net.3]"
-        )
-    if accelerator == "cuda" and cfg.parallel.backend == "gloo":
-        raise ConfigError(
-            "parallel.strategy=pipeline on GPUs sends activations between stages over NCCL, one "
-            "GPU a process; gloo cannot send GPU memory: set parallel.backend=auto (or nccl)"
-        )
-    per_process = settings.stages_per_process or 1
-    stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
-    if stages == per_process:
-        raise ConfigError(
-            f"parallel.pipeline puts its {stages} stages in one process ({per_process} per "
-            "process, parallel.pipeline.stages_per_process): a pipeline runs over two processes "
-            f"or more; split it at {2 * per_process - 1} points, or set parallel.strategy=single"
-        )
-    _refuse(
-        "pipeline",
-        {
-            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-            "compile": bool(cfg.compile),
-        },
-        "parallel.strategy=ddp or fsdp",
-    )
-    return settings
-
-
-def _param_server(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    settings = cfg.parallel.section("param_server", ParamServerSettings)
-    if in_worker():
-        _check_param_server(cfg, accelerator, environment.here().world_size)
-    else:
-        raise ConfigError(
-            f"parallel.strategy=param_server runs {settings.servers} server(s) and at least one "
-            f"worker, each a process; set parallel.devices to {settings.servers + 1} or more "
-            "(phalanx starts them), or start phalanx under torchrun"
-        )
-    from phalanx.strategies.param_server import ParamServer
-
-    return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
-
-
-def _check_param_server(cfg: Config, accelerator: str, processes: int) -> None:
-    servers = cfg.parallel.section("param_server", ParamServerSettings).servers
-    if processes <= servers:
-        raise ConfigError(
-            f"parallel.param_server.servers={servers} leaves no worker among the {processes} "
-            f"processes; set parallel.devices to at least {servers + 1}, or fewer servers"
-        )
-    _refuse(
-        "param_server",
-        {
-            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-        },
-    )
-
-
-def _placement(cfg: Config, accelerator: str, devices: int) -> Strategy:
-    if in_worker():
-        raise ConfigError(
-            "parallel.strategy=placement runs in one process, but this is one of several; start "
-            "phalanx without torchrun, or use parallel.strategy=pipeline"
-        )
-    placement = cfg.parallel.section("placement", dict)
-    if not placement:
-        raise ConfigError(
-            "parallel.strategy=placement needs parallel.placement, the device of each module by "
-            "name, such as parallel.placement={encoder: cuda:0, decoder: cuda:1}"
-        )
-    visible = torch.cuda.device_count()
-    for name, where in placement.items():
-        try:
-            device = torch.device(where)
-        except RuntimeError:
-            device = None
-        if device is None or device.type not in ("cpu", "cuda"):
-            raise ConfigError(
-                f"parallel.placement puts {name} on {where!r}; name a device such as cuda:0, "
-                "cuda:1 or cpu"
-            )
-        if device.type == "cuda" and (device.index or 0) >= visible:
-            raise ConfigError(
-                f"parallel.placement puts {name} on {where}, but {visible} GPU(s) are visible"
-            )
-    if cfg.compile:
-        raise ConfigError("parallel.strategy=placement does not support compile; remove it")
-    from phalanx.strategies.placement import Placement
-
-    home = torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
-    return Placement(home, placement)
-
-
-# parallel.strategy -> the strategy; a strategy's own settings are the section of `parallel` named
-# after it
-REGISTRY: dict[str, Entry] = {
-    "single": Entry(_single, False, "one process, one device"),
-    "ddp": Entry(
-        _ddp, True, "one process per device, gradients all-reduced by DistributedDataParallel"
-    ),
-    "towers": Entry(
-        _towers, False, "one process driving every device, a replica on each, in threads"
-    ),
-    "fsdp": Entry(
-        _fsdp,
-        True,
-        "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
-        _check_fsdp,
-    ),
-    "pipeline": Entry(
-        _pipeline,
-        True,
-        "the model split by layers into stages, one process each; micro-batches flow through",
-        _check_pipeline,
-    ),
-    "placement": Entry(
-        _placement, False, "one process, the model's modules pinned to devices by name"
-    ),
-    "param_server": Entry(
-        _param_server,
-        True,
-        "servers hold the parameters and the optimizer; workers pull, compute and push, without "
-        "waiting for each other (a staleness bound)",
-        _check_param_server,
-    ),
-}
-
-
 def strategy_name(cfg: Config) -> str:
-    """The strategy the config names; `auto` is ddp for several devices (or inside a worker), else
-    single."""
+    """The strategy the config names; `auto` is the registry's pick for several devices (or inside a
+    worker), else its pick for one."""
     name = cfg.parallel.strategy
     if name == "plan":  # api.fit replaces it with the plan's choice before anything is built
         raise ConfigError(
@@ -413,28 +126,29 @@ def strategy_name(cfg: Config) -> str:
             "plan CONFIG` says which)"
         )
     if name == "auto":
-        return "ddp" if in_worker() or resolve_device(cfg)[1] > 1 else "single"
-    if name not in REGISTRY:
+        return auto(in_worker() or resolve_device(cfg)[1] > 1)
+    known = families()
+    if name not in known:
         raise ConfigError(
-            f"parallel.strategy {name!r} is not available{did_you_mean(name, REGISTRY)}; choose "
-            f"one of {', '.join(['auto', 'plan', *REGISTRY])}"
+            f"parallel.strategy {name!r} is not available{did_you_mean(name, known)}; choose "
+            f"one of {', '.join(['auto', 'plan', *known])}"
         )
     return name
 
 
 def check(cfg: Config, processes: int) -> None:
-    """The config's strategy's own conditions on a job of `processes` processes (a pipeline's
+    """The config's strategy's own conditions on a job of `processes` processes (such as
     stages and micro-batches, the settings a strategy does not support), before any process starts
     or anything is written: a resume's overrides that its strategy refuses leave the run as it
     was."""
     accelerator = resolve_device(cfg)[0]
-    REGISTRY[strategy_name(cfg)].check(cfg, accelerator, processes)
+    get(strategy_name(cfg)).check(cfg, accelerator, processes)
 
 
 def needs_launch(cfg: Config) -> bool:
     """Whether `phalanx train` must start worker processes itself."""
     return (
-        REGISTRY[strategy_name(cfg)].process_per_device
+        get(strategy_name(cfg)).process_per_device
         and resolve_device(cfg)[1] > 1
         and not in_worker()
     )
@@ -443,11 +157,12 @@ def needs_launch(cfg: Config) -> bool:
 def check_nodes(cfg: Config, count: int, elastic: bool = False) -> None:
     """A job on `count` machines runs one process per device on each: a strategy that does. An
     elastic one restarts its workers when the machines change, a fixed one cannot restart yet."""
-    name = "ddp" if cfg.parallel.strategy == "auto" else strategy_name(cfg)
-    if not REGISTRY[name].process_per_device:
+    name = auto(several=True) if cfg.parallel.strategy == "auto" else strategy_name(cfg)
+    if not get(name).process_per_device:
+        general = " or ".join(n for n, f in families().items() if f.general)
         raise ConfigError(
             f"parallel.strategy={name} runs in one process, but --nnodes {count} asks for a job on "
-            f"{count} machines; use parallel.strategy=ddp or fsdp"
+            f"{count} machines; use parallel.strategy={general}"
         )
     if elastic and not cfg.parallel.max_restarts:
         raise ConfigError(
@@ -466,7 +181,7 @@ def create(cfg: Config) -> Strategy:
     """The strategy the config asks for, on this process's devices."""
     accelerator, devices = resolve_device(cfg)
     name = strategy_name(cfg)
-    strategy = REGISTRY[name].build(cfg, accelerator, devices)
+    strategy = get(name).build(cfg, accelerator, devices)
     if cfg.parallel.build == "device":
         _build_on_device(strategy, name)
     return strategy
@@ -477,14 +192,10 @@ def _build_on_device(strategy: Strategy, name: str) -> None:
     there; the others split or shard it, and say how they build a large model instead."""
     from phalanx.strategies.base import Replicated
 
-    if not isinstance(strategy, Replicated) or name == "placement":
-        instead = (
-            "parallel.fsdp.init=meta (each module drawn and sharded in turn)"
-            if name == "fsdp"
-            else "parallel.build=host"
-        )
+    family = get(name)
+    if not isinstance(strategy, Replicated) or not family.builds_on_device:
         raise ConfigError(
             f"parallel.build=device builds the whole model on one device, but "
-            f"parallel.strategy={name} splits it across devices; use {instead}"
+            f"parallel.strategy={name} splits it across devices; use {family.large_model}"
         )
     strategy.build_on_device = True

@@ -19,7 +19,7 @@ from mixins (`Replicated`, `OneProcess`, `DataParallel`). What the run's parts a
 beyond that (a feed that it reads itself, random streams of its own, a role other than training)
 is `Abilities`: asked of every strategy alike, answered by default as a plain strategy would, so
 that no part of the run asks which strategy it has. A new strategy is a module that implements
-this protocol and an entry in `strategies.REGISTRY`.
+this protocol and registers itself (`registry.register`).
 """
 
 from __future__ import annotations

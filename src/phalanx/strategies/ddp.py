@@ -22,21 +22,41 @@ The process group, its collectives and the naming of hung ranks are `distributed
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field, StrictFloat
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from phalanx.costs import (
+    ONE_DEVICE,
+    Measured,
+    Prediction,
+    Setup,
+    compute_of,
+    link_of,
+    made,
+    mb_text,
+    ms,
+    rate,
+    whole_bytes,
+)
 from phalanx.engine import Replica
+from phalanx.errors import ConfigError
+from phalanx.settings import StrategySettings
+from phalanx.strategies import in_worker
 from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
+from phalanx.strategies.registry import Family, get, register
 from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 
 if TYPE_CHECKING:
+    from phalanx.config import Config
     from phalanx.data import Micro
     from phalanx.engine import Engine
 
@@ -258,3 +278,79 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         if comm <= 0:
             return None
         return comm / 1e9, (data.get("avg_backward_compute_comm_overlap_time") or 0) / 1e9
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+# what a strategy that does not support a setting suggests instead
+INSTEAD = "parallel.strategy=ddp (bf16 instead of fp16)"
+
+
+class DDPSettings(StrategySettings):
+    """`parallel.ddp`: settings of the `ddp` strategy."""
+
+    bucket_cap_mb: StrictFloat | None = Field(
+        None, gt=0, description="size of DDP's gradient buckets in MiB; default DDP's own (25)"
+    )
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> DDP:
+    if not in_worker():
+        raise ConfigError(
+            "parallel.strategy=ddp needs several processes; set parallel.devices to 2 or more "
+            "(phalanx starts them), or start phalanx under torchrun"
+        )
+    return DDP(
+        accelerator,
+        cfg.parallel.timeout_s,
+        cfg.parallel.sync_batchnorm,
+        backend=cfg.parallel.backend,
+        bucket_cap_mb=cfg.parallel.section("ddp", DDPSettings).bucket_cap_mb,
+    )
+
+
+def price(m: Measured, setup: Setup) -> Prediction:
+    """Each device computes its share of each micro-batch; the all-reduce of the gradients that
+    the backward does not hide is exposed."""
+    n = setup.devices
+    micro = math.ceil(m.batch / (m.accumulation * n))
+    one = compute_of(m, setup).time(micro) * m.crowding
+    compute = m.accumulation * one
+    reduce = link_of(m, n).time(m.grad_bytes)
+    hidden = min(reduce, m.overlap * m.compute.backward_share * one)
+    exposed = reduce - hidden
+    memory = whole_bytes(m) + m.activation_bytes_per_sample * micro
+    # one process driving every GPU (towers) sums the gradients itself
+    together = get(setup.strategy).process_per_device
+    what = "the all-reduce" if together else "the gradients' sum over the GPUs"
+    if exposed > compute:
+        reason = (
+            f"{what} of {mb_text(m.grad_bytes)} at {rate(m.grad_bytes, reduce)} takes "
+            f"{ms(reduce)}, longer than the {ms(compute)} of computing each device's "
+            f"{micro} samples that it would overlap"
+        )
+    else:
+        reason = (
+            f"each device computes {micro} samples in {ms(compute)}; {what} of "
+            f"{mb_text(m.grad_bytes)} takes {ms(reduce)}, {ms(exposed)} of it not hidden"
+        )
+    parts = {"compute": compute, "communication": exposed + m.sync_s, "optimizer": m.optimizer_s}
+    return made(m, setup, parts, memory, reason)
+
+
+register(
+    Family(
+        "ddp",
+        build,
+        "one process per device, gradients all-reduced by DistributedDataParallel",
+        process_per_device=True,
+        settings=DDPSettings,
+        field=Field(default_factory=DDPSettings, description="the ddp strategy's"),
+        auto="several",
+        general=True,
+        setups=lambda m, devices: [Setup("ddp", n) for n in range(2, devices + 1)],
+        cost=price,
+        unplanned=lambda m, devices: ONE_DEVICE if devices < 2 else None,
+    )
+)

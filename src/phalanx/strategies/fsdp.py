@@ -18,26 +18,44 @@ also be gathered to the main process (`model_state`, `optimizer_state`).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch import nn
 
 from phalanx import keras_models
+from phalanx.costs import (
+    ONE_DEVICE,
+    Measured,
+    Prediction,
+    Setup,
+    compute_of,
+    link_of,
+    made,
+    mb_text,
+    ms,
+    whole_bytes,
+)
 from phalanx.errors import ConfigError
-from phalanx.settings import FSDPSettings
+from phalanx.settings import StrategySettings
+from phalanx.strategies import in_worker
 from phalanx.strategies.base import DataParallel, ModelOptions, prepare
+from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
+from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import ValueType
     from torch.distributed.fsdp import FSDPModule
 
+    from phalanx.config import Config
     from phalanx.data import Micro
     from phalanx.engine import Engine
 
@@ -455,3 +473,119 @@ def _by_name(state: dict, names: list[str]) -> dict:
             for group in state["param_groups"]
         ],
     }
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+class FSDPSettings(StrategySettings):
+    """`parallel.fsdp`: settings of the `fsdp` strategy."""
+
+    shard: list[str] | None = Field(
+        None,
+        description="module class names sharded as units of their own; default each block of a "
+        "ModuleList or Sequential and each other part of the model holding parameters, then the "
+        "model itself; [] the model as one unit",
+    )
+    param_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
+        None,
+        description="the dtype parameters are gathered in for forward and backward; default "
+        "their own",
+    )
+    reduce_dtype: Literal["fp32", "bf16", "fp16", "fp64"] | None = Field(
+        None, description="the dtype gradients are reduced in; default param_dtype's"
+    )
+    offload: bool = Field(
+        False, description="keep parameters and optimizer state in CPU memory between uses"
+    )
+    init: Literal["full", "meta"] = Field(
+        "full",
+        description="full: every rank builds the whole model, then keeps its shards; meta: the "
+        "model is built without memory and each module's reset_parameters() fills its shards "
+        "one module at a time, so the whole model is never in one process's memory",
+    )
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> FSDP:
+    """Several processes (phalanx starts one per device), or this one alone on one device (a group
+    of one: offload then trains a model larger than the device's memory)."""
+    if not in_worker() and devices > 1:
+        raise ConfigError(
+            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
+            "with phalanx train (which starts them) or under torchrun"
+        )
+    check(cfg, accelerator, devices)
+    return FSDP(
+        accelerator,
+        cfg.parallel.section("fsdp", FSDPSettings),
+        cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
+    )
+
+
+def check(cfg: Config, accelerator: str, processes: int) -> None:
+    refuse(
+        "fsdp",
+        {
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+        INSTEAD,
+    )
+
+
+def units(m: Measured) -> int:
+    """The units fsdp shards the model into: each block of the chain that holds parameters, and
+    the rest of the model."""
+    return 1 + sum(1 for b in m.blocks if b.param_bytes)
+
+
+def price(m: Measured, setup: Setup) -> Prediction:
+    n = setup.devices
+    micro = math.ceil(m.batch / (m.accumulation * n))
+    one = compute_of(m, setup).time(micro) * m.crowding
+    compute = m.accumulation * one
+    # each unit (a block of the chain, and the rest of the model) gathers its parameters for
+    # each micro-batch's forward and again for its backward, and reduce-scatters its gradients
+    # once a step: each collective moves what half an all-reduce of its bytes moves, and pays
+    # its latency
+    link = link_of(m, n)
+    count = units(m)
+    gathers = 2 * m.accumulation * count * link.time(m.param_bytes / (2 * count))
+    scatter = count * link.time(m.grad_bytes / (2 * count))
+    reduce = gathers + scatter
+    hidden = min(reduce, m.overlap * m.compute.backward_share * compute)
+    reduce += m.accumulation * count * m.fsdp_unit_s  # its own work around each collective
+    exposed = reduce - hidden
+    largest = max((b.param_bytes for b in m.blocks), default=m.param_bytes)
+    memory = whole_bytes(m) / n + largest + m.activation_bytes_per_sample * micro
+    parts = {
+        "compute": compute,
+        "communication": exposed + m.sync_s,
+        "optimizer": m.optimizer_s / n,
+    }
+    reason = (
+        f"each device computes {micro} samples in {ms(compute)}; gathering and scattering "
+        f"{mb_text(m.param_bytes)} of parameters takes {ms(reduce)}, {ms(exposed)} of it not "
+        "hidden"
+    )
+    return made(m, setup, parts, memory, reason)
+
+
+register(
+    Family(
+        "fsdp",
+        build,
+        "one process per device, parameters, gradients and optimizer state sharded (FSDP2)",
+        process_per_device=True,
+        check=check,
+        settings=FSDPSettings,
+        field=Field(default_factory=FSDPSettings, description="the fsdp strategy's"),
+        general=True,
+        shards_state=True,
+        large_model="parallel.fsdp.init=meta (each module drawn and sharded in turn)",
+        setups=lambda m, devices: [Setup("fsdp", n) for n in range(2, devices + 1)],
+        cost=price,
+        unplanned=lambda m, devices: ONE_DEVICE if devices < 2 else None,
+    )
+)

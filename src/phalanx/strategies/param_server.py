@@ -45,20 +45,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from pydantic import Field, StrictInt
 from torch import nn
 
 from phalanx import environment
 from phalanx.data import Micro
 from phalanx.engine import concat
 from phalanx.errors import ConfigError
-from phalanx.strategies import progress, serving
+from phalanx.settings import StrategySettings
+from phalanx.strategies import in_worker, progress, serving
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, Replicated, prepare
+from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import _OPS, ProcessGroup, _attempt_store, _default_store
+from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.serving import CLAIM, DONE, LOSSES, PULL, PUSH, STATE
 
 if TYPE_CHECKING:
+    from phalanx.config import Config
     from phalanx.engine import Engine
-    from phalanx.settings import ParamServerSettings
 
 log = logging.getLogger("phalanx")
 
@@ -551,3 +555,86 @@ def _cpu(value: Any) -> Any:
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+class ParamServerSettings(StrategySettings):
+    """`parallel.param_server`: settings of the `param_server` strategy."""
+
+    servers: StrictInt = Field(
+        1,
+        ge=1,
+        description="processes that hold the parameters and the optimizer (each a share of the "
+        "parameters) and apply the workers' gradients; the other processes are workers",
+    )
+    staleness: StrictInt = Field(
+        0,
+        ge=0,
+        description="how many updates old the parameters a worker computes on may be: a worker "
+        "whose copy is older waits for a fresh one; 0 is synchronous, and exactly the training "
+        "of one device",
+    )
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> ParamServer:
+    settings = cfg.parallel.section("param_server", ParamServerSettings)
+    if in_worker():
+        check(cfg, accelerator, environment.here().world_size)
+    else:
+        raise ConfigError(
+            f"parallel.strategy=param_server runs {settings.servers} server(s) and at least one "
+            f"worker, each a process; set parallel.devices to {settings.servers + 1} or more "
+            "(phalanx starts them), or start phalanx under torchrun"
+        )
+    return ParamServer(accelerator, settings, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+
+
+def check(cfg: Config, accelerator: str, processes: int) -> None:
+    servers = _servers(cfg)
+    if processes <= servers:
+        raise ConfigError(
+            f"parallel.param_server.servers={servers} leaves no worker among the {processes} "
+            f"processes; set parallel.devices to at least {servers + 1}, or fewer servers"
+        )
+    refuse(
+        "param_server",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+        INSTEAD,
+    )
+
+
+def _servers(cfg: Config) -> int:
+    """The processes that hold no GPU: the servers."""
+    return cfg.parallel.section("param_server", ParamServerSettings).servers
+
+
+def _rejoining(cfg: Config, devices: int) -> tuple[int, ...]:
+    """The workers other than the main one: one that dies is started again alone while the others
+    go on."""
+    return tuple(range(1, devices - _servers(cfg)))
+
+
+register(
+    Family(
+        "param_server",
+        build,
+        "servers hold the parameters and the optimizer; workers pull, compute and push, without "
+        "waiting for each other (a staleness bound)",
+        process_per_device=True,
+        check=check,
+        settings=ParamServerSettings,
+        field=Field(default_factory=ParamServerSettings, description="the param_server strategy's"),
+        host_processes=_servers,
+        rejoining=_rejoining,
+        unplanned=lambda m, devices: (
+            "its asynchronous updates are not priced; measure them with phalanx bench CONFIG "
+            "parallel.strategy=param_server"
+        ),
+    )
+)

@@ -20,21 +20,23 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
+from pydantic import Field, StrictInt, model_validator
 from torch import nn
-from torch.distributed import pipelining
 from torch.utils._pytree import tree_map
 
 from phalanx import keras_models, random
+from phalanx.costs import NO_CHAIN, ONE_DEVICE, Measured, Setup, balanced_split
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
-from phalanx.settings import V_SCHEDULES, PipelineSettings
+from phalanx.settings import StrategySettings
+from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
     Active,
@@ -45,10 +47,15 @@ from phalanx.strategies.cutting import (
     stage_parts,
 )
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
-from phalanx.strategies.stages import KEY, CountedStage, Stage, count_transfer, rows_of
+from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.syncbn import PerDeviceStatistics
 
+# the stages' module (torch's pipelining, a second to import) is imported where a step needs it:
+# every process registers this strategy, few run it
+
 if TYPE_CHECKING:
+    from phalanx.config import Config
     from phalanx.engine import Engine
 
 
@@ -84,15 +91,18 @@ def _check_schedule(settings: PipelineSettings, stages: int, depth: int) -> None
     """The conditions that torch's schedules set on the micro-batch count as they are built (at
     the first step, when a resume has already rewritten the run's config), checked beforehand."""
     m, schedule = settings.microbatches, settings.schedule
-    if schedule in ("1f1b", "dualpipev") and m < stages:
-        other = ", or parallel.pipeline.schedule=gpipe" if schedule == "1f1b" else ""
+    if SCHEDULES[schedule].fills and m < stages:
+        # a schedule of one stage a process has one that fills the pipeline as it goes
+        unfilled = [n for n, s in SCHEDULES.items() if s.per_process == 1 and not s.fills]
+        one = SCHEDULES[schedule].per_process == 1
+        other = "".join(f", or parallel.pipeline.schedule={n}" for n in unfilled) if one else ""
         raise ConfigError(
             f"parallel.pipeline.schedule={schedule} needs at least as many micro-batches as "
             f"stages, but has {_count(m, 'micro-batch', 'es')} for {stages} stages; set "
             f"parallel.pipeline.microbatches to {stages} or more{other}"
         )
     rounds = max(1, m // depth)
-    if schedule in ("interleaved", "zero_bubble") and m % rounds:
+    if SCHEDULES[schedule].in_rounds and m % rounds:
         raise ConfigError(
             f"parallel.pipeline.schedule={schedule} runs its micro-batches in rounds of one a "
             f"process: {m} micro-batches do not share out evenly over {rounds} rounds of "
@@ -121,7 +131,7 @@ class Pipeline(ProcessGroup):
         self.stages, self.depth = layout(settings, self.world_size)
         self.copies = self.world_size // self.depth
         self.position, copy = self.rank % self.depth, self.rank // self.depth
-        if settings.schedule in V_SCHEDULES:  # in a V: process p holds stages p and 2P - 1 - p
+        if SCHEDULES[settings.schedule].in_v:  # in a V: process p holds stages p and 2P - 1 - p
             self.mine = [self.position, 2 * self.depth - 1 - self.position]
         else:  # looped: process p holds stages p, p + P, p + 2P ... (the interleaved schedules')
             self.mine = [self.position + j * self.depth for j in range(per_process)]
@@ -268,6 +278,8 @@ class Pipeline(ProcessGroup):
         """The stage and its schedule, made at the first step (the adapter is the engine's)."""
         if self._schedule is not None:
             return self._schedule
+        from phalanx.strategies.stages import CountedStage, Stage
+
         split = self._split
         assert split is not None  # setup has run
         bounds = [0, *split.cuts, split.size]
@@ -309,14 +321,9 @@ class Pipeline(ProcessGroup):
                     group=self._pipe,
                 )
             )
-        kind, given = {
-            "gpipe": (pipelining.ScheduleGPipe, stages[0]),
-            "1f1b": (pipelining.Schedule1F1B, stages[0]),
-            "interleaved": (pipelining.ScheduleInterleaved1F1B, stages),
-            "zero_bubble": (pipelining.ScheduleInterleavedZeroBubble, stages),
-            "zbv": (pipelining.ScheduleZBVZeroBubble, stages),
-            "dualpipev": (pipelining.ScheduleDualPipeV, stages),
-        }[self.settings.schedule]
+        name = self.settings.schedule
+        kind = schedules.torch_class(name)
+        given = stages if schedules.takes_stages(name) else stages[0]
         try:
             self._schedule = kind(
                 given, self.settings.microbatches, loss_fn=self._loss, scale_grads=False
@@ -406,6 +413,8 @@ class Pipeline(ProcessGroup):
                     f"batch dimension: the first was {tuple(self._sample_shapes[key])}, this one "
                     f"{tuple(value.shape[1:])}; pad the dataset's samples to one length"
                 )
+        from phalanx.strategies.stages import KEY
+
         real = torch.zeros(total, dtype=torch.float64)  # on the host: read without a device sync
         real[:n] = 1.0
         # each micro-batch's real samples, for the last stage's loss (it runs them in order)
@@ -486,6 +495,8 @@ class Pipeline(ProcessGroup):
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         """The shard's outputs, from the last stage (the others return none), in rounds of the
         schedule's micro-batches."""
+        from phalanx.strategies.stages import rows_of
+
         schedule = self._built(engine)
         if self.model.training:
             self.model.eval()
@@ -499,7 +510,7 @@ class Pipeline(ProcessGroup):
                 part = {k: v[start : start + per_round] for k, v in batch.items()}
                 padded, real = self._pad_step(part, min(per_round, n - start))
                 self._captured.clear()
-                if self.settings.schedule in V_SCHEDULES:
+                if SCHEDULES[self.settings.schedule].in_v:
                     with self._counted_evenly(1):
                         self._evaluate_in_turn(padded, min(per_round, n - start))
                 else:
@@ -513,6 +524,8 @@ class Pipeline(ProcessGroup):
         activation sent on to the next stage's process (torch 2.13's V schedules fail in `eval`,
         taking the activation passed within a process for a backward's). The last stage's outputs,
         less the padding, go to `_captured`."""
+        from phalanx.strategies.stages import count_transfer
+
         received: tuple[torch.Tensor, ...] = ()
         split = self._split
         assert split is not None
@@ -541,7 +554,7 @@ class Pipeline(ProcessGroup):
 
     def _position_of(self, stage: int) -> int:
         """The position in a copy of the pipeline of the process that holds `stage`."""
-        if self.settings.schedule in V_SCHEDULES:
+        if SCHEDULES[self.settings.schedule].in_v:
             return stage if stage < self.depth else 2 * self.depth - 1 - stage
         return stage % self.depth
 
@@ -686,3 +699,181 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
             value = torch.cat((value, value.new_zeros((rows - n, *value.shape[1:]))))
         out[key] = value
     return out
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+def _looped() -> list[str]:
+    """The schedules that loop several stages a process (p, p + P, ...)."""
+    return [n for n, s in SCHEDULES.items() if s.per_process > 1 and not s.in_v]
+
+
+class PipelineSettings(StrategySettings):
+    """`parallel.pipeline`: settings of the `pipeline` strategy."""
+
+    split: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = Field(
+        description="the modules where a new stage starts: blocks of one nn.Sequential or "
+        "nn.ModuleList of the model, such as [net.3]; one process per stage; or auto: the "
+        "model's largest such chain cut into stages of about equal measured time",
+    )
+    stages: StrictInt | None = Field(
+        None,
+        ge=2,
+        description="with split: auto, the stages to cut; default the processes times "
+        "stages_per_process (one copy of the pipeline)",
+    )
+    microbatches: StrictInt = Field(
+        4, ge=1, description="micro-batches per global batch (per accumulation window)"
+    )
+    # the choices are the schedule table's names (a Literal of them, as pydantic checks it)
+    schedule: Literal[tuple(SCHEDULES)] = Field(  # type: ignore[valid-type]
+        "1f1b", description=schedules.describe()
+    )
+    stages_per_process: StrictInt | None = Field(
+        None,
+        ge=1,
+        description="stages each process holds, looped (process p: stages p, p + P ...); "
+        f"default 1, and 2 for {' and '.join(_looped())} "
+        f"({' and '.join(n for n, s in SCHEDULES.items() if s.in_v)}: 2, in a V)",
+    )
+
+    @model_validator(mode="after")
+    def _per_process(self) -> PipelineSettings:
+        if self.stages is not None and self.split != "auto":
+            raise ValueError(
+                "stages goes with split: auto; a list of split points makes one stage more than "
+                "it names"
+            )
+        schedule = SCHEDULES[self.schedule]
+        if schedule.in_v:
+            if self.stages_per_process not in (None, 2):
+                raise ValueError(
+                    f"schedule {self.schedule} runs two stages per process, in a V; remove "
+                    "stages_per_process or set it to 2"
+                )
+            self.stages_per_process = 2
+        elif self.stages_per_process is None:
+            self.stages_per_process = schedule.per_process
+        elif self.stages_per_process > 1 and schedule.per_process == 1:
+            raise ValueError(
+                f"schedule {self.schedule} runs one stage per process; use "
+                f"{' or '.join(_looped())} for stages_per_process > 1"
+            )
+        return self
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> Pipeline:
+    settings = _settings(cfg, accelerator)
+    if not in_worker():
+        per_process = settings.stages_per_process or 1
+        stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
+        processes = f"{stages // per_process} processes" if stages else "several processes"
+        raise ConfigError(
+            f"parallel.strategy=pipeline runs its stages in {processes}; set parallel.devices to "
+            f"{stages // per_process if stages else 2} or a multiple (phalanx starts them), or "
+            "start phalanx under torchrun"
+        )
+    # its stages and the schedule's micro-batches are checked as it is built, at the world's size
+    return Pipeline(
+        accelerator,
+        settings,
+        window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
+        timeout_s=cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
+    )
+
+
+def check(cfg: Config, accelerator: str, processes: int) -> None:
+    layout(_settings(cfg, accelerator), processes)
+
+
+def _settings(cfg: Config, accelerator: str) -> PipelineSettings:
+    """`parallel.pipeline`, checked against the rest of the config."""
+    settings = cfg.parallel.optional_section("pipeline", PipelineSettings)
+    if settings is None:
+        raise ConfigError(
+            "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
+            "stage starts, such as parallel.pipeline.split=[net.3]"
+        )
+    if accelerator == "cuda" and cfg.parallel.backend == "gloo":
+        raise ConfigError(
+            "parallel.strategy=pipeline on GPUs sends activations between stages over NCCL, one "
+            "GPU a process; gloo cannot send GPU memory: set parallel.backend=auto (or nccl)"
+        )
+    per_process = settings.stages_per_process or 1
+    stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
+    if stages == per_process:
+        raise ConfigError(
+            f"parallel.pipeline puts its {stages} stages in one process ({per_process} per "
+            "process, parallel.pipeline.stages_per_process): a pipeline runs over two processes "
+            f"or more; split it at {2 * per_process - 1} points, or set parallel.strategy=single"
+        )
+    refuse(
+        "pipeline",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+            "compile": bool(cfg.compile),
+        },
+        "parallel.strategy=ddp or fsdp",
+    )
+    return settings
+
+
+def _unplanned(m: Measured, devices: int) -> str | None:
+    if devices < 2:
+        return ONE_DEVICE
+    return NO_CHAIN if balanced_split(m.blocks, 2) is None else None
+
+
+def _accumulation_setup(cfg: Config, devices: int) -> Callable[[Measured], Setup]:
+    """The pipeline the config names, its split cut from the measured blocks where auto."""
+    settings = cfg.parallel.section("pipeline", PipelineSettings)
+    named = settings.split
+    stages = (settings.stages or devices) if named == "auto" else len(named) + 1
+
+    def setup(m: Measured) -> Setup:
+        split = balanced_split(m.blocks, stages) if named == "auto" else named
+        return Setup(
+            "pipeline",
+            devices,
+            stages,
+            settings.microbatches,
+            settings.schedule,
+            tuple(split or ()),
+        )
+
+    return setup
+
+
+def _plan_settings(row: dict[str, Any]) -> dict[str, Any]:
+    """The section that trains a plan's pipeline row."""
+    return {
+        "pipeline": {
+            "split": row["split"],
+            "microbatches": row["microbatches"],
+            "schedule": row["schedule"],
+        }
+    }
+
+
+register(
+    Family(
+        "pipeline",
+        build,
+        "the model split by layers into stages, one process each; micro-batches flow through",
+        process_per_device=True,
+        check=check,
+        settings=PipelineSettings | None,
+        field=Field(None, description="the pipeline strategy's (split is required)"),
+        setups=schedules.setups,
+        cost=schedules.price,
+        unplanned=_unplanned,
+        label=schedules.label,
+        readers=lambda setup: setup.devices // setup.stages,
+        accumulation_setup=_accumulation_setup,
+        plan_settings=_plan_settings,
+    )
+)

@@ -14,16 +14,27 @@ trains at all, not a way to train faster; `pipeline` keeps the stages busy at on
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import Field
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from phalanx import keras_models
+from phalanx.costs import (
+    NO_CHAIN,
+    ONE_DEVICE,
+    Measured,
+    Prediction,
+    Setup,
+    balanced_split,
+    gpus_here,
+)
 from phalanx.errors import ConfigError, ModelError
+from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import (
     DataParallel,
     Micros,
@@ -33,8 +44,10 @@ from phalanx.strategies.base import (
     Replicated,
     prepare,
 )
+from phalanx.strategies.registry import Family, register
 
 if TYPE_CHECKING:
+    from phalanx.config import Config
     from phalanx.engine import Engine
 
 
@@ -126,3 +139,107 @@ def _moved(device: torch.device) -> Any:
 def _names(module: nn.Module) -> list[str]:
     names = [name for name, _ in module.named_modules() if name and name.count(".") < 2]
     return names[:12] or ["none"]
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> Placement:
+    if in_worker():
+        raise ConfigError(
+            "parallel.strategy=placement runs in one process, but this is one of several; start "
+            "phalanx without torchrun, or use parallel.strategy=pipeline"
+        )
+    placement = cfg.parallel.section("placement", dict)
+    if not placement:
+        raise ConfigError(
+            "parallel.strategy=placement needs parallel.placement, the device of each module by "
+            "name, such as parallel.placement={encoder: cuda:0, decoder: cuda:1}"
+        )
+    visible = torch.cuda.device_count()
+    for name, where in placement.items():
+        try:
+            device = torch.device(where)
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ConfigError(
+                f"parallel.placement puts {name} on {where!r}; name a device such as cuda:0, "
+                "cuda:1 or cpu"
+            )
+        if device.type == "cuda" and (device.index or 0) >= visible:
+            raise ConfigError(
+                f"parallel.placement puts {name} on {where}, but {visible} GPU(s) are visible"
+            )
+    if cfg.compile:
+        raise ConfigError("parallel.strategy=placement does not support compile; remove it")
+    home = torch.device("cuda", 0) if accelerator == "cuda" else torch.device("cpu")
+    return Placement(home, placement)
+
+
+def _ignored(cfg: Config, running: str) -> list[str]:
+    """A module placement that another strategy's run does not apply trains the model where the
+    user did not put it: said."""
+    placement = cfg.parallel.section("placement", dict)
+    if not placement:
+        return []
+    return [
+        f"parallel.placement pins {', '.join(placement)} to devices for "
+        f"parallel.strategy=placement only; this run's strategy, {running}, ignores it: set "
+        "parallel.strategy=placement, or remove parallel.placement"
+    ]
+
+
+def _setups(m: Measured, devices: int) -> list[Setup]:
+    """The model's chain cut evenly by time over 2 to `devices` GPUs (one micro-batch through
+    them in turn, as a pipeline of GPipe's)."""
+    out = []
+    for stages in range(2, devices + 1):
+        split = balanced_split(m.blocks, stages)
+        if m.gpus >= stages and split is not None:
+            out.append(Setup("placement", stages, stages, 1, "gpipe", tuple(split)))
+    return out
+
+
+def _price(m: Measured, setup: Setup) -> Prediction:
+    return schedules.price(m, setup, pipelined=False)
+
+
+def _unplanned(m: Measured, devices: int) -> str | None:
+    if devices < 2:
+        return ONE_DEVICE
+    if balanced_split(m.blocks, 2) is None:
+        return NO_CHAIN
+    if m.gpus < 2:
+        return f"it pins modules to the GPUs of one process, and {gpus_here(m)}"
+    return None
+
+
+def _accumulation_setup(cfg: Config, devices: int) -> Callable[[Measured], Setup]:
+    raise ConfigError(
+        "parallel.gradient_accumulation=auto cannot price placement's devices (each holds "
+        "the modules the config pins to it); give a number"
+    )
+
+
+register(
+    Family(
+        "placement",
+        build,
+        "one process, the model's modules pinned to devices by name",
+        settings=dict[str, str],
+        field=Field(
+            default_factory=dict,
+            description="the placement strategy's devices by module name, such as {encoder: "
+            "cuda:0, decoder: cuda:1, head: cpu}; the rest of the model on the run's device",
+        ),
+        ignored=_ignored,
+        builds_on_device=False,
+        setups=_setups,
+        cost=_price,
+        unplanned=_unplanned,
+        accumulation_setup=_accumulation_setup,
+        # a config names its devices by module, which a plan's row does not
+        plan_settings=lambda row: None,
+    )
+)

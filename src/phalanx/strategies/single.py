@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
+from phalanx.costs import Measured, Prediction, Setup, made, ms, whole_bytes
+from phalanx.errors import ConfigError
+from phalanx.strategies import in_worker
 from phalanx.strategies.base import DataParallel, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.strategies.registry import Family, register
+
+if TYPE_CHECKING:
+    from phalanx.config import Config
 
 
 class Single(OneProcess, Replicated, DataParallel):
@@ -19,3 +29,38 @@ class Single(OneProcess, Replicated, DataParallel):
 
     def shutdown(self) -> None:
         pass
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> Single:
+    if in_worker() or devices > 1:
+        raise ConfigError(
+            f"parallel.strategy=single runs one process on one device, but {devices} devices "
+            "were asked for; set parallel.strategy=auto (or ddp), or parallel.devices=1"
+        )
+    return Single(torch.device(accelerator))
+
+
+def price(m: Measured, setup: Setup) -> Prediction:
+    """One device computes every micro-batch of the step in turn."""
+    micro = math.ceil(m.batch / m.accumulation)
+    compute = m.accumulation * m.compute.time(micro)
+    memory = whole_bytes(m) + m.activation_bytes_per_sample * micro
+    return made(
+        m,
+        setup,
+        {"compute": compute, "optimizer": m.optimizer_s},
+        memory,
+        f"one device computes the batch of {m.batch} in {ms(compute)}",
+    )
+
+
+register(
+    Family(
+        "single",
+        build,
+        "one process, one device",
+        auto="one",
+        setups=lambda m, devices: [Setup("single", 1)],
+        cost=price,
+    )
+)

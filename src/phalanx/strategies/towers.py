@@ -24,14 +24,19 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from phalanx.build import derived_seed
+from phalanx.costs import ONE_DEVICE, Measured, Setup, gpus_here
 from phalanx.data import Micro
 from phalanx.engine import Replica, concat
+from phalanx.errors import ConfigError
+from phalanx.settings import StrategySettings
+from phalanx.strategies import in_worker
 from phalanx.strategies.base import (
     DataParallel,
     Micros,
@@ -41,9 +46,13 @@ from phalanx.strategies.base import (
     Replicated,
     prepare,
 )
+from phalanx.strategies.ddp import INSTEAD
+from phalanx.strategies.ddp import price as ddp_price
+from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
+    from phalanx.config import Config
     from phalanx.engine import Engine
     from phalanx.model import Forward
 
@@ -363,3 +372,64 @@ def _first_dim(batch: Mapping) -> int:
         if isinstance(value, (list, tuple)):
             return len(value)
     return 1
+
+
+# --- the strategy as the config names it ---------------------------------------------------
+
+
+class TowersSettings(StrategySettings):
+    """`parallel.towers`: settings of the `towers` strategy."""
+
+    variables_on: Literal["device0", "cpu"] = Field(
+        "device0",
+        description="where the master copy of the variables lives and the optimizer steps: on the "
+        "first device (which is also the first tower), or on the CPU",
+    )
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> Towers:
+    if in_worker():
+        raise ConfigError(
+            "parallel.strategy=towers drives every device from one process, but this is one of "
+            "several processes; start phalanx without torchrun, or use parallel.strategy=ddp"
+        )
+    refuse(
+        "towers",
+        {
+            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
+            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
+            "precision=fp16": cfg.precision == "fp16",
+        },
+        INSTEAD,
+    )
+    count = (
+        [torch.device(accelerator, i) for i in range(devices)]
+        if accelerator == "cuda"
+        else [torch.device("cpu")] * devices
+    )
+    return Towers(count, cfg.parallel.section("towers", TowersSettings).variables_on)
+
+
+def _unplanned(m: Measured, devices: int) -> str | None:
+    if devices < 2:
+        return ONE_DEVICE
+    if m.gpus < 2:
+        return f"it drives several GPUs from one process, and {gpus_here(m)}"
+    return None
+
+
+register(
+    Family(
+        "towers",
+        build,
+        "one process driving every device, a replica on each, in threads",
+        settings=TowersSettings,
+        field=Field(default_factory=TowersSettings, description="the towers'"),
+        # priced as ddp's all-reduce, the sum made by the one process
+        setups=lambda m, devices: [
+            Setup("towers", n) for n in range(2, devices + 1) if m.gpus >= n
+        ],
+        cost=ddp_price,
+        unplanned=_unplanned,
+    )
+)
