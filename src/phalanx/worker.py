@@ -261,14 +261,14 @@ def _warn_passed_over(passed: list[tuple[int, str]], is_main: bool) -> None:
         log.warning("skipping checkpoint step-%d: %s; falling back to the previous one", step, why)
 
 
-def log_start(cfg: config.Config, strategy, trainer: Trainer) -> None:
+def log_start(cfg: config.Config, strategy: Strategy, trainer: Trainer) -> None:
     """The run's first lines: what runs, the settings it ignores, and the model's summary."""
     from phalanx import metrics
 
     log.info("%s", what_runs(cfg, strategy))
     _warn_ignored(cfg, strategy)
     # a strategy that keeps part of the model in each process describes the whole one
-    log.info("%s", getattr(strategy, "model_summary", None) or metrics.summary(trainer.model))
+    log.info("%s", strategy.model_summary() or metrics.summary(trainer.model))
 
 
 def _warn_ignored(cfg: config.Config, strategy) -> None:
@@ -279,13 +279,14 @@ def _warn_ignored(cfg: config.Config, strategy) -> None:
             log.warning("%s", said)
 
 
-def what_runs(cfg: config.Config, strategy) -> str:
+def what_runs(cfg: config.Config, strategy: Strategy) -> str:
     """The run's first line: the strategy, its processes and the devices each drives, the
     precision, and the batch as the step, each micro-batch and each device take it."""
     from phalanx.data import split_sizes
 
     processes, each = strategy.world_size, len(strategy.devices)
     kind = strategy.device.type
+    goes_to, layout = strategy.describe()
     drives = f"driving {each} {kind} device{'s' if each > 1 else ''}"
     if kind == "cpu":
         threads = torch.get_num_threads()
@@ -294,7 +295,8 @@ def what_runs(cfg: config.Config, strategy) -> str:
     batch, accumulation = cfg.dataset.batch_size, cfg.parallel.accumulation
     micro = split_sizes(batch, min(accumulation, batch))[0]
     weights = cfg.parallel.shard_weights
-    shards = strategy.data_world_size * each  # a pipeline's stages share their copy's shard
+    # a pipeline's stages share their copy's shard
+    shards = strategy.data_world_size * each
     shares = split_sizes(micro, shards, weights if weights and len(weights) == shards else None)
     share = f"{min(shares)}" if min(shares) == max(shares) else f"{min(shares)} to {max(shares)}"
     micros = (
@@ -302,14 +304,10 @@ def what_runs(cfg: config.Config, strategy) -> str:
     )
     line = (
         f"strategy {strategies.strategy_name(cfg)}: {who}; precision {cfg.precision}; global batch "
-        f"{batch} per optimizer step, {micros}, {share} per "
-        + (
-            getattr(strategy, "shard_name", None)
-            or ("copy of the pipeline" if getattr(strategy, "layout", None) else "device")
-        )
+        f"{batch} per optimizer step, {micros}, {share} per {goes_to}"
     )
-    if getattr(strategy, "layout", None):
-        line += f"; {strategy.layout}"
+    if layout:
+        line += f"; {layout}"
     line += (
         "; dropout and augmentation keyed by sample"
         if cfg.per_sample_random

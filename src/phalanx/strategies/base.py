@@ -137,6 +137,16 @@ class Abilities(Protocol):
         inside backward."""
         return None
 
+    def describe(self) -> tuple[str, str]:
+        """For the run's first line: what each share of a micro-batch goes to ("device"), and how
+        the strategy lays the run out ("" where the rest of the line says it all)."""
+        return "device", ""
+
+    def model_summary(self) -> str | None:
+        """Where each process keeps part of the model: the whole model's summary, for the run's
+        first lines; None: this process's model is the whole."""
+        return None
+
     def whole_model(self) -> nn.Module | None:
         """Where each process keeps only part of the model's modules and runs only that part (a
         pipeline's stages): the whole model as it was before the split, on the meta device, for

@@ -135,8 +135,6 @@ class ParamServer(ProcessGroup, Replicated):
         self._chunks = 0  # this epoch's chunks computed here
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
-    shard_name = "chunk"  # what the run's first line calls a worker's part of a micro-batch
-
     def _made(self, name: str, rank: int, size: int) -> Any:
         named = dist.PrefixStore(f"phalanx/param_server/{self._run}/{name}", self._store)
         return dist.ProcessGroupGloo(named, rank, size, timedelta(seconds=self.timeout_s))
@@ -156,11 +154,10 @@ class ParamServer(ProcessGroup, Replicated):
     def _new_generation(self) -> None:
         self._store.add(self._generation_key(), 1)
 
-    @property
-    def layout(self) -> str:
-        """How the run's first line describes the processes."""
+    def describe(self) -> tuple[str, str]:
+        # a worker's part of a micro-batch is a chunk
         bound = "synchronous" if not self.staleness else f"up to {self.staleness} updates stale"
-        return (
+        return "chunk", (
             f"{_count(self.servers, 'server')} and {_count(self.workers, 'worker')}, which take "
             f"the chunks as they become free ({bound})"
         )

@@ -161,7 +161,8 @@ class Pipeline(ProcessGroup):
         self._whole: dict[str, tuple[int, ...]] = {}  # the whole model's state: names and shapes
         self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
         self._sample_shapes: dict[str, torch.Size] = {}
-        self.model_summary = ""  # the whole model's, before it is split (see setup)
+        # the whole model's, before it is split (see setup)
+        self.whole_summary = ""
         self._meta_model: nn.Module | None = None  # the whole model on the meta device (setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
@@ -210,7 +211,7 @@ class Pipeline(ProcessGroup):
                     + " ms)"
                 )
             self._split = probe(whole, adapter(whole), batch, names, self.stages)
-            self.model_summary = metrics.summary(whole)
+            self.whole_summary = metrics.summary(whole)
             self._statistics = PerDeviceStatistics(
                 whole,
                 self.world_size,
@@ -267,6 +268,12 @@ class Pipeline(ProcessGroup):
             f"({self.settings.schedule}){self.chosen}"
         )
         return self.model, self.model
+
+    def describe(self) -> tuple[str, str]:
+        return ("copy of the pipeline", self.layout) if self.layout else ("device", "")
+
+    def model_summary(self) -> str | None:
+        return self.whole_summary or None
 
     def whole_model(self) -> nn.Module:
         """The whole model before the split, on the meta device (see `Abilities.whole_model`)."""
