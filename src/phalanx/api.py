@@ -88,15 +88,15 @@ def fit(
     a job on several, as `--nnodes/--node-rank/--rdzv` give it.
     """
     objects = Objects.given(model, dataset, hooks)
-    raw, path = _read(config_source, _listed(overrides))
-    raw, plan = relaunch.settle_planned(raw, path, _listed(overrides), nodes, objects)
+    raw, path = _read(config_source, _list_overrides(overrides))
+    raw, plan = relaunch.settle_planned(raw, path, _list_overrides(overrides), nodes, objects)
     cfg = config.validate(objects.into(raw))
     if objects and (nodes is not None or strategies.needs_launch(cfg)):
         raise ConfigError(_in_this_process(cfg))
     _check_strategy(cfg, nodes)
     if nodes is not None:
         run_dir, code = _train_on_nodes(cfg, path, nodes)
-        return _launched(run_dir, code)
+        return _collect_launched(run_dir, code)
     if strategies.needs_launch(cfg):
         run_dir = rundir.create(cfg, path)
         # the launcher holds it for its workers
@@ -120,7 +120,7 @@ def fit(
                 raise
             finally:
                 logs.close_run_log()
-        return _launched(run_dir, code)
+        return _collect_launched(run_dir, code)
     strategy = strategies.create(cfg)
     run_dir = Path(
         strategy.broadcast(
@@ -138,7 +138,7 @@ def fit(
             log_start(cfg, strategy, trainer)
             trainer.initialise_from()
             try:
-                return _ended(run_dir, trainer, run_trainer(trainer))
+                return _collect_trained(run_dir, trainer, run_trainer(trainer))
             except torch.OutOfMemoryError:
                 # a model object cannot be built again as it began
                 if objects:
@@ -147,7 +147,7 @@ def fit(
                 if more is None:
                     raise
             del trainer
-            return _ended(run_dir, *relaunch.train_until_it_fits(run_dir, more))
+            return _collect_trained(run_dir, *relaunch.train_until_it_fits(run_dir, more))
         except BaseException as e:
             if strategy.is_main and not _worth_keeping(run_dir, e):
                 _discard(run_dir)
@@ -172,7 +172,7 @@ def resume(
     logs.setup(None)
     run_dir = rundir.open_run(Path(run_path), announce=False)
     objects = Objects.given(model, dataset, hooks)
-    overrides = _listed(overrides)
+    overrides = _list_overrides(overrides)
     check_given(run_dir, objects, "resume")
     try:
         # node 0 holds the lock and writes the logs
@@ -258,7 +258,7 @@ def predict(
     return arrays
 
 
-def _listed(overrides: str | Sequence[str]) -> list[str]:
+def _list_overrides(overrides: str | Sequence[str]) -> list[str]:
     """Overrides as a list: one string is one override, not a sequence of one-letter ones."""
     return [overrides] if isinstance(overrides, str) else list(overrides)
 
@@ -289,7 +289,7 @@ def _in_this_process(cfg: config.Config) -> str:
     )
 
 
-def _launched(run_dir: Path, code: int) -> Run:
+def _collect_launched(run_dir: Path, code: int) -> Run:
     """A run whose workers were other processes: its numbers from the run's trace."""
     events = [e for e in rundir.read_trace(run_dir) if e.get("event") == "epoch" and "metrics" in e]
     return Run(run_dir, code, events[-1]["metrics"] if events else {})
@@ -297,15 +297,15 @@ def _launched(run_dir: Path, code: int) -> Run:
 
 def _as_run(run_dir: Path, result: Run | int) -> Run:
     """What `_resume` gave: the run trained here, or the exit code of the workers it launched."""
-    return result if isinstance(result, Run) else _launched(run_dir, result)
+    return result if isinstance(result, Run) else _collect_launched(run_dir, result)
 
 
-def _ended(run_dir: Path, trainer: Trainer, code: int) -> Run:
+def _collect_trained(run_dir: Path, trainer: Trainer, code: int) -> Run:
     """A run trained in this process, in `run_dir`."""
     metrics = trainer.metrics
     # resumed after its last evaluation: the one recorded
     if not metrics and trainer.strategy.is_main:
-        metrics = _launched(run_dir, code).metrics
+        metrics = _collect_launched(run_dir, code).metrics
     return Run(run_dir, code, metrics, trainer.model)
 
 
@@ -394,7 +394,7 @@ def _resume(
     _check_strategy(cfg, nodes)
     if nodes is None and not strategies.needs_launch(cfg):
         try:
-            return _ended(run_dir, *train_in_run(run_dir, True, overrides, objects))
+            return _collect_trained(run_dir, *train_in_run(run_dir, True, overrides, objects))
         except torch.OutOfMemoryError:
             # a model object cannot be built again as it began
             if objects:
@@ -402,7 +402,7 @@ def _resume(
             more = relaunch.double_micro_batches(run_dir, list(overrides), "the process")
             if more is None:
                 raise
-        return _ended(run_dir, *relaunch.train_until_it_fits(run_dir, more))
+        return _collect_trained(run_dir, *relaunch.train_until_it_fits(run_dir, more))
     if objects:
         raise ConfigError(_in_this_process(cfg))
     store = None

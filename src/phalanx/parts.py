@@ -86,7 +86,7 @@ def build_parts(
         precision,
         cfg.channels_last,
         tuple(cfg.activation_checkpointing),
-        _compiled(cfg),
+        _compile_options(cfg),
         sample=feed.first_samples,
         adapter=lambda m: Forward(m, cfg.model, search_dirs),
     )
@@ -130,7 +130,7 @@ def build_parts(
     return ModelParts(precision, module, model, forward, optimizer, schedulers, engine, keyed)
 
 
-def _compiled(cfg: Config) -> Any:
+def _compile_options(cfg: Config) -> Any:
     if not cfg.compile:
         return None
     return cfg.compile if not isinstance(cfg.compile, bool) else CompileConfig()

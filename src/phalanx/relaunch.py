@@ -34,13 +34,13 @@ def settle_planned(
     replaced by the planner's choice, and the plan to record (None where neither is asked)."""
     plan: dict | None = None
     if raw.get("parallel", {}).get("strategy") == "plan":
-        raw, plan = _planned(raw, path, overrides, nodes, objects)
+        raw, plan = _plan(raw, path, overrides, nodes, objects)
     if raw.get("parallel", {}).get("gradient_accumulation") == "auto":
         raw, plan = _accumulation(raw, path, overrides, nodes, objects)
     return raw, plan
 
 
-def _planned(
+def _plan(
     raw: dict, path: Path | None, overrides: list[str], nodes: Nodes | None, objects: Objects
 ) -> tuple[dict, dict]:
     """`parallel.strategy: plan`: the raw config with the plan's choice in `parallel`, and the

@@ -292,10 +292,9 @@ class Replicated:
         from phalanx.checkpoint import SHARDS, load_weights
         from phalanx.shards import load_shards
 
+        # the whole state, read by each process on its own
         if path.name == SHARDS:
-            load_shards(
-                path, self.model, optimizer
-            )  # the whole state, read by each process on its own
+            load_shards(path, self.model, optimizer)
         else:
             load_weights(self.model, path)
 

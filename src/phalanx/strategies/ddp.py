@@ -61,9 +61,8 @@ if TYPE_CHECKING:
     from phalanx.engine import Engine
 
 _SYNCHRONISE_BATCHNORM = "set parallel.sync_batchnorm: true to normalise over the whole micro-batch"
-_SYNCHRONISED = (
-    contextlib.nullcontext()
-)  # the micro-batch whose backward reduces (it holds no state)
+# the micro-batch whose backward reduces (it holds no state)
+_SYNCHRONISED = contextlib.nullcontext()
 
 
 class _Carried(nn.Module):
@@ -106,15 +105,13 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         super().__init__(accelerator, timeout_s, backend)
         self.carry_through_autograd = carry_through_autograd
         self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
-        self.scale = float(
-            self.world_size
-        )  # DDP averages: each rank's objective times the world size sums
+        # DDP averages: each rank's objective times the world size sums
+        self.scale = float(self.world_size)
         self.replica = Replica(scale=self.scale)
         self._by_hand = False  # whether this step reduces by hand (some rank's shard is empty)
         self._ddp: DistributedDataParallel | None = None
-        self._mark_ready: Callable[[int], None] | None = (
-            None  # the reducer's "this gradient is ready"
-        )
+        # the reducer's "this gradient is ready"
+        self._mark_ready: Callable[[int], None] | None = None
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module
@@ -131,9 +128,8 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         carried = _Carried(module, _carrier_dtype(module), self.device)
         # DDP broadcasts rank 0's parameters and buffers at construction; buffers are not
         # re-broadcast every forward, so a rank that skips a forward never stalls the others.
-        with (
-            warnings.catch_warnings()
-        ):  # its successor still syncs buffers at init, which is what we want
+        # its successor still syncs buffers at init, which is what we want
+        with warnings.catch_warnings():
             warnings.filterwarnings(
                 "ignore", message=".*broadcast_buffers.*", category=FutureWarning
             )

@@ -48,9 +48,8 @@ class ProcessGroup(Abilities):
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
             timeout = timedelta(seconds=self.timeout_s)
-            if (
-                place.launcher == "agent" and place.agent_store
-            ):  # the agent's store, outliving attempts
+            # the agent's store, outliving attempts
+            if place.launcher == "agent" and place.agent_store:
                 dist.init_process_group(
                     backend,
                     timeout=timeout,

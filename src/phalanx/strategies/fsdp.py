@@ -161,19 +161,18 @@ class FSDP(ProcessGroup, DataParallel):
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)
         for name, sharded in module.named_modules():
-            if isinstance(
-                sharded, FSDPModule
-            ):  # sums, not averages: the objective carries 1/B already
+            # sums, not averages: the objective carries 1/B already
+            if isinstance(sharded, FSDPModule):
                 sharded.set_gradient_divide_factor(1.0)
                 sharded.set_force_sum_reduction_for_comms(True)
-                self._counted(module.get_submodule(name), name)
+                self._count_unit(module.get_submodule(name), name)
         # FSDP warns when a module returns a view (`x.squeeze(-1)`), since an in-place op on it
         # would skip its backward hook; phalanx changes no output in place (it detaches them for the
         # hooks)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         return module
 
-    def _counted(self, unit: nn.Module, name: str) -> None:
+    def _count_unit(self, unit: nn.Module, name: str) -> None:
         """Each unit's all-gather before its forward, counted as a collective entered (before
         FSDP's own hook, which gathers): a rank that hangs between two units' gathers is then
         behind the others, and named when their wait times out."""

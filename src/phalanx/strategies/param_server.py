@@ -118,7 +118,7 @@ class ParamServer(ProcessGroup, Replicated):
                 for server in self._server_ranks()
             }
         self._peers = (
-            self._made("peers", self.rank - self.workers, self.servers)
+            self._make_group("peers", self.rank - self.workers, self.servers)
             if self.serving and self.servers > 1
             else None
         )
@@ -135,7 +135,7 @@ class ParamServer(ProcessGroup, Replicated):
         self._chunks = 0  # this epoch's chunks computed here
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
-    def _made(self, name: str, rank: int, size: int) -> Any:
+    def _make_group(self, name: str, rank: int, size: int) -> Any:
         named = dist.PrefixStore(f"phalanx/param_server/{self._run}/{name}", self._store)
         return dist.ProcessGroupGloo(named, rank, size, timedelta(seconds=self.timeout_s))
 
@@ -147,7 +147,7 @@ class ParamServer(ProcessGroup, Replicated):
         other, when a worker has died since (its successor among them)."""
         generation = int(self._store.add(self._generation_key(), 0))
         if generation != self._generation:
-            self._crew = self._made(f"crew/{generation}", self.rank, self.workers)
+            self._crew = self._make_group(f"crew/{generation}", self.rank, self.workers)
             self._generation = generation
         return self._crew
 

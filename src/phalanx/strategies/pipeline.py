@@ -196,7 +196,7 @@ class Pipeline(ProcessGroup):
             # the probe runs where the model was built (the host): only this process's stages
             # go to its device, so that a model too large for one device splits at all
             here = next(whole.parameters(), torch.empty(0)).device
-            batch = {k: v.to(here) for k, v in _padded(sample(self.rows), self.rows).items()}
+            batch = {k: v.to(here) for k, v in _pad(sample(self.rows), self.rows).items()}
             if not options.precision.passes_through:
                 batch = dict(options.precision.convert_batch(batch, here))
             self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
@@ -357,7 +357,7 @@ class Pipeline(ProcessGroup):
             assert batch is not None  # an empty shard comes as a batch of zero samples
             self._global_size = micro.global_size
             self._captured.clear()
-            padded, real = self._pad_step(self._converted(engine, batch), len(micro.shard))
+            padded, real = self._pad_step(self._convert(engine, batch), len(micro.shard))
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
@@ -412,7 +412,7 @@ class Pipeline(ProcessGroup):
         total = self.rows * self.settings.microbatches
         if n > total:
             raise RuntimeError(f"a shard of {n} samples does not fit {total} pipeline rows")
-        padded = _padded(batch, total)
+        padded = _pad(batch, total)
         for key, value in padded.items():
             if value.shape[1:] != self._sample_shapes.get(key, value.shape[1:]):
                 raise ConfigError(
@@ -431,7 +431,7 @@ class Pipeline(ProcessGroup):
         return {KEY + k: v for k, v in padded.items()}, real
 
     @staticmethod
-    def _converted(engine: Engine, batch: Mapping) -> Mapping:
+    def _convert(engine: Engine, batch: Mapping) -> Mapping:
         """The batch as the engine gives it to the model (on the device, in the precision's
         dtype)."""
         precision = engine.precision
@@ -507,7 +507,7 @@ class Pipeline(ProcessGroup):
         schedule = self._built(engine)
         if self.model.training:
             self.model.eval()
-        batch = self._converted(engine, batch)
+        batch = self._convert(engine, batch)
         n = rows_of(batch)
         per_round = self.rows * self.settings.microbatches
         out: list[dict | None] = []
@@ -692,7 +692,7 @@ def _to_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
+def _pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
     """Each of the batch's tensors with rows of zeros added up to `rows`."""
     out = {}
     for key, value in batch.items():
@@ -711,7 +711,7 @@ def _padded(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
 # --- the strategy as the config names it ---------------------------------------------------
 
 
-def _looped() -> list[str]:
+def _looping_schedules() -> list[str]:
     """The schedules that loop several stages a process (p, p + P, ...)."""
     return [n for n, s in SCHEDULES.items() if s.per_process > 1 and not s.in_v]
 
@@ -741,7 +741,7 @@ class PipelineSettings(StrategySettings):
         None,
         ge=1,
         description="stages each process holds, looped (process p: stages p, p + P ...); "
-        f"default 1, and 2 for {' and '.join(_looped())} "
+        f"default 1, and 2 for {' and '.join(_looping_schedules())} "
         f"({' and '.join(n for n, s in SCHEDULES.items() if s.in_v)}: 2, in a V)",
     )
 
@@ -765,7 +765,7 @@ class PipelineSettings(StrategySettings):
         elif self.stages_per_process > 1 and schedule.per_process == 1:
             raise ValueError(
                 f"schedule {self.schedule} runs one stage per process; use "
-                f"{' or '.join(_looped())} for stages_per_process > 1"
+                f"{' or '.join(_looping_schedules())} for stages_per_process > 1"
             )
         return self
 

@@ -85,15 +85,15 @@ class Placement(OneProcess, Replicated, DataParallel):
         return module
 
     def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
-        with self._explained():
+        with self._explain_device_errors():
             return super().train_step(engine, micros, stop)
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
-        with self._explained():
+        with self._explain_device_errors():
             return super().evaluate(engine, batch)
 
     @contextmanager
-    def _explained(self) -> Iterator[None]:
+    def _explain_device_errors(self) -> Iterator[None]:
         """torch's error for a forward that mixes devices, as what placement leaves to the model."""
         try:
             yield
@@ -115,19 +115,19 @@ class Placement(OneProcess, Replicated, DataParallel):
 
 def _inputs_to(device: torch.device) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tree_map(_moved(device), args), tree_map(_moved(device), kwargs)
+        return tree_map(_move_to(device), args), tree_map(_move_to(device), kwargs)
 
     return hook
 
 
 def _outputs_to(device: torch.device) -> Any:
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        return tree_map(_moved(device), output)
+        return tree_map(_move_to(device), output)
 
     return hook
 
 
-def _moved(device: torch.device) -> Any:
+def _move_to(device: torch.device) -> Any:
     def move(value: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.device != device:
             return value.to(device, non_blocking=True)

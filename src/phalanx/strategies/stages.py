@@ -44,7 +44,9 @@ class CountedStage(pipelining.PipelineStage):
         with random.drawing(self._draws(fwd_chunk_id)):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def _counted(self, ops: list, gradient: bool, chunk: int, source: int, target: int) -> list:
+    def _count_transfers(
+        self, ops: list, gradient: bool, chunk: int, source: int, target: int
+    ) -> list:
         if ops:  # the side a first or last stage lacks makes none
             count_transfer(self._enter, self.num_stages, gradient, chunk, source, target)
         return ops
@@ -52,22 +54,22 @@ class CountedStage(pipelining.PipelineStage):
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         k = self.stage_index
-        return self._counted(ops, False, fwd_chunk_id, k - 1, k)
+        return self._count_transfers(ops, False, fwd_chunk_id, k - 1, k)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         k = self.stage_index
-        return self._counted(ops, False, fwd_chunk_id, k, k + 1)
+        return self._count_transfers(ops, False, fwd_chunk_id, k, k + 1)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         k = self.stage_index
-        return self._counted(ops, True, bwd_chunk_id, k + 1, k)
+        return self._count_transfers(ops, True, bwd_chunk_id, k + 1, k)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         k = self.stage_index
-        return self._counted(ops, True, bwd_chunk_id, k, k - 1)
+        return self._count_transfers(ops, True, bwd_chunk_id, k, k - 1)
 
 
 def count_transfer(

@@ -94,7 +94,7 @@ class Towers(OneProcess, Replicated, DataParallel):
             master = i == 0 and self.variables_on == "device0"
             replica = self.model if master else copy.deepcopy(self.model).to(device)
             self._replicas.append(replica)
-            self._towers.append(_compiled(replica, options))
+            self._towers.append(_compile(replica, options))
         self._statistics = PerDeviceStatistics(self.model, len(self.devices), True, WITH_DDP)
         return self.model, self.model
 
@@ -120,7 +120,7 @@ class Towers(OneProcess, Replicated, DataParallel):
             part = part.to(self.device)
             total = part if total is None else total + part
         assert total is not None  # a micro-batch has a sample or more
-        return total, self._joined([data for _, data in done])
+        return total, self._join_outputs([data for _, data in done])
 
     def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
         self._reduce_gradients()
@@ -141,7 +141,7 @@ class Towers(OneProcess, Replicated, DataParallel):
         done = self._run(
             lambda replica, m, b: engine.eval_forward(b, replica), Micro(list(range(n)), n), batch
         )
-        return self._joined(done)
+        return self._join_outputs(done)
 
     # --- the towers ---------------------------------------------------------------------------
 
@@ -216,7 +216,7 @@ class Towers(OneProcess, Replicated, DataParallel):
                 len(self.devices),
             )
 
-    def _joined(self, datas: list[dict]) -> dict:
+    def _join_outputs(self, datas: list[dict]) -> dict:
         """The towers' outputs, in dataset order, on the first device."""
         device = self.device
         return concat(
@@ -322,7 +322,7 @@ def _without_compile(options: ModelOptions) -> ModelOptions:
     return dataclasses.replace(options, compile=None)
 
 
-def _compiled(tower: nn.Module, options: ModelOptions) -> nn.Module:
+def _compile(tower: nn.Module, options: ModelOptions) -> nn.Module:
     if options.compile is None:
         return tower
     compiled = torch.compile(tower, backend=options.compile.backend, mode=options.compile.mode)
