@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
 )
 
+from phalanx import settings
 from phalanx.environment import cpu_cores
 from phalanx.errors import ConfigError, did_you_mean
 from phalanx.overrides import apply as apply_overrides
@@ -460,11 +461,7 @@ _SCHEMAS: dict[tuple, type[Config]] = {}
 def schema() -> type[Config]:
     """The config's model with a section of `parallel` for each strategy that registered one
     (`strategies.registry`), of the type it registered (built once for each set of sections)."""
-    # the strategies' modules read this module's types: the registry, which imports them, is
-    # asked when a config is validated, once both are loaded
-    from phalanx.strategies import registry
-
-    sections: dict[str, Any] = registry.sections()
+    sections: dict[str, Any] = settings.sections()
     key = tuple((name, id(section)) for name, section in sections.items())
     if key not in _SCHEMAS:
         parallel = create_model(

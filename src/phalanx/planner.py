@@ -25,7 +25,7 @@ from phalanx import config, costs, logs, strategies
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
 from phalanx.probes import calibrated, links, measured_steps, on_device, synchronize
-from phalanx.strategies import registry
+from phalanx.strategies import pricing, registry
 
 log = logging.getLogger("phalanx")
 
@@ -73,7 +73,7 @@ def plan(
     auto = _auto(cfg)
     measured = measure(config_path, _one(cfg, overrides, accelerator), accelerator, here, threads)
     measured = _across_machines(measured, here, nnodes, link)
-    predictions = costs.rank(measured, costs.candidates(measured, here * nnodes), auto)
+    predictions = pricing.rank(measured, pricing.candidates(measured, here * nnodes), auto)
     report = {
         "config": str(config_path),
         "accelerator": accelerator,
@@ -148,11 +148,11 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
     m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
     m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
     setup = setup_of(m)
-    p = costs.fitting(m, setup)
+    p = pricing.fitting(m, setup)
     said = (
         f"parallel.gradient_accumulation=auto chose {p.accumulation}: a predicted peak of "
         f"{costs.mb_text(p.memory_bytes)} of {costs.mb_text(m.device_memory)} a device "
-        f"({setup.label})"
+        f"({pricing.label(setup)})"
     )
     if not p.fits:
         sharding = " or ".join(n for n, f in registry.families().items() if f.shards_state)
@@ -446,7 +446,7 @@ def _across_machines(m: costs.Measured, here: int, nnodes: int, link: str) -> co
 
 def _row(p: costs.Prediction) -> dict[str, Any]:
     return {
-        "setup": p.setup.label,
+        "setup": pricing.label(p.setup),
         "strategy": p.setup.strategy,
         "devices": p.setup.devices,
         "stages": p.setup.stages,
@@ -484,7 +484,7 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
     for i, p in enumerate(shown, 1):
         table.add_row(
             str(i),
-            p.setup.label,
+            pricing.label(p.setup),
             f"{1e3 * p.step_s:.1f}",
             f"{p.samples_per_s:,.0f}",
             f"{p.speedup:.2f}x",
@@ -499,7 +499,7 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
             "one device is the fastest: more devices would make this config's steps slower"
         )
     else:
-        logs.out.print(f"fastest: {best.setup.label}, {best.speedup:.2f}x of one device")
+        logs.out.print(f"fastest: {pricing.label(best.setup)}, {best.speedup:.2f}x of one device")
     left = report["not_planned"]
     for why in dict.fromkeys(left.values()):
         logs.out.print(

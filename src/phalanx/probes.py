@@ -20,6 +20,7 @@ import torch
 
 from phalanx import config, costs, environment
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.strategies import pricing
 
 SMALL = 1024  # bytes: the messages that measure a link's latency
 
@@ -244,7 +245,9 @@ def calibrated(
     bare = reduce[devices].time(m.grad_bytes)
     crowding = max(found["compute_side_by_side"] / max(found["compute_alone"], 1e-9), 1.0)
     micro = math.ceil(m.batch / (m.accumulation * devices))
-    computing = costs.compute_of(m, costs.Setup("ddp", devices)).time(micro) * crowding  # as priced
+    computing = (
+        pricing.compute_of(m, costs.Setup("ddp", devices)).time(micro) * crowding
+    )  # as priced
     exposed = max(found["ddp_step"] - computing, 0.0)
     backward = m.compute.backward_share * computing
     sync, overlap = max(exposed - bare, 0.0), 0.0
@@ -262,7 +265,7 @@ def calibrated(
     if isinstance(found.get("fsdp_step"), str):
         m = replace(m, refused={**m.refused, "fsdp": found["fsdp_step"]})
     elif found.get("fsdp_step") is not None:
-        priced = costs.predict(one, costs.Setup("fsdp", devices))
+        priced = pricing.predict(one, costs.Setup("fsdp", devices))
         paid = priced.parts["compute"] + priced.parts["communication"]
         from phalanx.strategies.fsdp import units as fsdp_units
 
@@ -273,7 +276,7 @@ def calibrated(
         m = replace(m, refused={**m.refused, "pipeline": refused, "placement": refused})
     elif split and found.get("pipeline_step") is not None:
         setup = costs.Setup("pipeline", devices, devices, 4, "1f1b", tuple(split))
-        parts = costs.predict(one, setup).parts
+        parts = pricing.predict(one, setup).parts
         paid = parts["compute"] + parts["bubble"] + parts["communication"]
         m = replace(m, microbatch_s=max(found["pipeline_step"] - paid, 0.0) / 4)
     return m

@@ -8,10 +8,23 @@ registry, and the strategies read theirs with `cfg.parallel.section(name, Settin
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
+
+# the strategies' registry, loaded by name where a config is first validated: the registry loads
+# the strategies' modules, which read the config's types, so the config cannot import it as it
+# loads
+REGISTRY = "phalanx.strategies.registry"
 
 
 class StrategySettings(BaseModel):
     """A strategy's own section of `parallel`."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+def sections() -> dict[str, tuple[Any, Any]]:
+    """Each registered strategy's section of `parallel`: name -> (its type, pydantic's Field)."""
+    return importlib.import_module(REGISTRY).sections()

@@ -14,6 +14,7 @@ import pytest
 import toy
 
 from phalanx import costs, strategies
+from phalanx.strategies import pricing
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -65,8 +66,8 @@ def test_plan_and_bench_measure_this_machine_and_the_plan_prices_what_it_measure
     assert "links: measured" in planned.stdout
     # the ranking is the cost model's on the figures the plan wrote: a plan can be priced again
     measured = costs.Measured.from_json(plan["measured"])
-    again = costs.rank(measured, costs.candidates(measured, 2))
-    assert [p["setup"] for p in plan["predictions"]] == [p.setup.label for p in again]
+    again = pricing.rank(measured, pricing.candidates(measured, 2))
+    assert [p["setup"] for p in plan["predictions"]] == [pricing.label(p.setup) for p in again]
     assert {"single", "ddp x2", "fsdp x2"} <= {p["setup"] for p in plan["predictions"]}
     single = next(p for p in plan["predictions"] if p["strategy"] == "single")
     assert single["speedup"] == 1.0 and single["parts_ms"]["compute"] > 0

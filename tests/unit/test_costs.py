@@ -11,6 +11,7 @@ import pytest
 
 from phalanx import costs
 from phalanx.costs import Block, Compute, Link, Measured, Setup
+from phalanx.strategies import pricing
 
 GB = 1 << 30
 
@@ -37,7 +38,7 @@ def measured(**changes) -> Measured:
 
 
 def best(m: Measured, devices: int) -> costs.Prediction:
-    return costs.rank(m, costs.candidates(m, devices))[0]
+    return pricing.rank(m, pricing.candidates(m, devices))[0]
 
 
 def test_a_compute_bound_model_is_fastest_on_the_most_devices():
@@ -50,7 +51,7 @@ def test_a_compute_bound_model_is_fastest_on_the_most_devices():
 def test_an_all_reduce_bound_model_is_fastest_on_one_device_and_says_why():
     slow = {n: Link(1e-3, 0.1e9) for n in (2, 3, 4)}  # 100 MB at 0.1 GB/s: about 1 s
     m = measured(all_reduce=slow, p2p=Link(1e-3, 0.1e9), compute=Compute(0.001, 0.0001))
-    ranked = costs.rank(m, costs.candidates(m, 4))
+    ranked = pricing.rank(m, pricing.candidates(m, 4))
     assert ranked[0].setup.strategy == "single"
     ddp2 = next(p for p in ranked if p.setup == Setup("ddp", 2))
     assert ddp2.speedup < 0.1
@@ -59,8 +60,8 @@ def test_an_all_reduce_bound_model_is_fastest_on_one_device_and_says_why():
 
 
 def test_a_reduction_that_backward_hides_costs_nothing():
-    hidden = costs.predict(measured(overlap=1.0), Setup("ddp", 2))
-    exposed = costs.predict(measured(overlap=0.0), Setup("ddp", 2))
+    hidden = pricing.predict(measured(overlap=1.0), Setup("ddp", 2))
+    exposed = pricing.predict(measured(overlap=0.0), Setup("ddp", 2))
     reduce = Link(1e-4, 10e9).time(100 << 20)
     assert hidden.parts["communication"] == pytest.approx(0.0)
     assert exposed.parts["communication"] == pytest.approx(reduce)
@@ -72,7 +73,7 @@ def test_the_pipeline_pays_its_bubble_and_more_micro_batches_shrink_it():
     split = ("net.2",)
     steps = {}
     for mb in (1, 4, 16):
-        p = costs.predict(m, Setup("pipeline", 2, 2, mb, "1f1b", split))
+        p = pricing.predict(m, Setup("pipeline", 2, 2, mb, "1f1b", split))
         slot = 0.5 * m.compute.time(64 / mb)  # half the model a stage
         assert p.parts["compute"] == pytest.approx(mb * slot)
         assert p.parts["bubble"] == pytest.approx(slot)  # (stages - 1) slots
@@ -87,12 +88,12 @@ def test_the_pipeline_pays_its_bubble_and_more_micro_batches_shrink_it():
     )
     ideal = free.compute.time(64) / 2
     for mb in (1, 4, 16):
-        p = costs.predict(free, Setup("pipeline", 2, 2, mb, "1f1b", split))
+        p = pricing.predict(free, Setup("pipeline", 2, 2, mb, "1f1b", split))
         assert p.parts["compute"] + p.parts["bubble"] == pytest.approx(ideal * (mb + 1) / mb)
-    looped = costs.predict(m, Setup("pipeline", 2, 2, 4, "interleaved", split))
+    looped = pricing.predict(m, Setup("pipeline", 2, 2, 4, "interleaved", split))
     assert (
         looped.parts["bubble"]
-        < costs.predict(m, Setup("pipeline", 2, 2, 4, "1f1b", split)).parts["bubble"]
+        < pricing.predict(m, Setup("pipeline", 2, 2, 4, "1f1b", split)).parts["bubble"]
     )
 
 
@@ -104,7 +105,7 @@ def test_a_pipeline_pays_crowding_only_while_its_processes_compute_at_once():
     alone, crowded = measured(**free), measured(**free, crowding=1.2)
 
     def busy(m: Measured, mb: int, devices: int = 2) -> float:
-        p = costs.predict(m, Setup("pipeline", devices, 2, mb, "gpipe", split)).parts
+        p = pricing.predict(m, Setup("pipeline", devices, 2, mb, "gpipe", split)).parts
         return p["compute"] + p["bubble"]
 
     assert busy(crowded, 1) == pytest.approx(busy(alone, 1))
@@ -124,7 +125,7 @@ def test_a_setup_that_does_not_fit_ranks_after_every_one_that_does():
         device_memory=10 * GB,
         blocks=tuple(Block(f"net.{i}", 0.25, GB, 4096, True) for i in range(4)),
     )
-    ranked = costs.rank(m, costs.candidates(m, 4))
+    ranked = pricing.rank(m, pricing.candidates(m, 4))
     fitting = [p for p in ranked if p.fits]
     assert fitting and all(p.fits for p in ranked[: len(fitting)])
     single = next(p for p in ranked if p.setup.strategy == "single")
@@ -135,14 +136,14 @@ def test_a_setup_that_does_not_fit_ranks_after_every_one_that_does():
 
 def test_every_candidate_the_measurements_allow_is_priced():
     m = measured()
-    setups = costs.candidates(m, 4)
+    setups = pricing.candidates(m, 4)
     kinds = {(s.strategy, s.devices) for s in setups}
     assert {("single", 1), ("ddp", 2), ("ddp", 4), ("fsdp", 3), ("pipeline", 4)} <= kinds
     assert ("towers", 2) not in kinds  # towers and placement need GPUs
     assert all(s.strategy != "placement" for s in setups)
-    with_gpus = {(s.strategy, s.devices) for s in costs.candidates(measured(gpus=2), 2)}
+    with_gpus = {(s.strategy, s.devices) for s in pricing.candidates(measured(gpus=2), 2)}
     assert {("towers", 2), ("placement", 2)} <= with_gpus
-    no_chain = {s.strategy for s in costs.candidates(measured(blocks=()), 4)}
+    no_chain = {s.strategy for s in pricing.candidates(measured(blocks=()), 4)}
     assert "pipeline" not in no_chain
 
 
@@ -175,35 +176,35 @@ def test_the_links_are_calibrated_to_what_a_ddp_step_paid():
     slow = calibrated(m, found(0.032, 0.040, 0.040 + reduce + 0.005), 2)
     assert slow.crowding == pytest.approx(1.25) and slow.overlap == 0.0
     assert slow.sync_s == pytest.approx(0.005)
-    ddp = costs.predict(slow, Setup("ddp", 2))  # the model gives back the step it was shown
+    ddp = pricing.predict(slow, Setup("ddp", 2))  # the model gives back the step it was shown
     assert ddp.parts["compute"] + ddp.parts["communication"] == pytest.approx(0.045 + reduce)
-    fsdp = costs.predict(slow, Setup("fsdp", 2))
+    fsdp = pricing.predict(slow, Setup("fsdp", 2))
     assert fsdp.parts["communication"] > slow.sync_s  # its own collectives, and the same wait
     # a step that took less than computing plus the bare reduction hid the rest behind backward
     hid = calibrated(m, found(0.032, 0.032, 0.032 + reduce / 2), 2)
     assert 0 < hid.overlap < 1 and hid.sync_s == 0.0
-    ddp = costs.predict(hid, Setup("ddp", 2))
+    ddp = pricing.predict(hid, Setup("ddp", 2))
     assert ddp.parts["communication"] == pytest.approx(reduce / 2)
 
 
 def test_a_strategy_that_cannot_train_the_model_is_not_planned():
     m = measured(refused={"pipeline": "a tied weight", "placement": "a tied weight"})
-    assert {s.strategy for s in costs.candidates(m, 4)} == {"single", "ddp", "fsdp"}
+    assert {s.strategy for s in pricing.candidates(m, 4)} == {"single", "ddp", "fsdp"}
 
 
 def test_auto_accumulation_is_the_fewest_micro_batches_whose_peak_fits():
     # 400 MB of state and 1 MB of activations a sample: 64 samples need 464 MB, 16 need 416 MB
     m = measured(device_memory=420 << 20)
-    single = costs.fitting(m, Setup("single", 1))
+    single = pricing.fitting(m, Setup("single", 1))
     assert single.fits and single.accumulation == 4  # 2 micro-batches of 32 need 432 MB
-    assert not costs.predict(m, Setup("single", 1)).fits
-    ddp = costs.fitting(m, Setup("ddp", 2))  # 32 samples a process
+    assert not pricing.predict(m, Setup("single", 1)).fits
+    ddp = pricing.fitting(m, Setup("ddp", 2))  # 32 samples a process
     assert ddp.fits and ddp.accumulation == 2
-    never = costs.fitting(measured(device_memory=300 << 20), Setup("single", 1))
+    never = pricing.fitting(measured(device_memory=300 << 20), Setup("single", 1))
     assert not never.fits and never.accumulation == 64  # the state alone does not fit
-    ranked = costs.rank(m, costs.candidates(m, 2), auto=True)
+    ranked = pricing.rank(m, pricing.candidates(m, 2), auto=True)
     assert all(p.fits for p in ranked)
-    assert not all(p.fits for p in costs.rank(m, costs.candidates(m, 2)))
+    assert not all(p.fits for p in pricing.rank(m, pricing.candidates(m, 2)))
 
 
 def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
@@ -211,7 +212,7 @@ def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
     from phalanx.strategies.schedules import SCHEDULES
 
     m = measured(blocks=tuple(Block(f"net.{i}", 1 / 8, 1 << 20, 4096, True) for i in range(8)))
-    setups = [s for s in costs.candidates(m, 2) if s.strategy == "pipeline"]
+    setups = [s for s in pricing.candidates(m, 2) if s.strategy == "pipeline"]
     assert {s.schedule for s in setups} == set(SCHEDULES)
     for s in setups:
         # what strategy: plan writes into the config is a pipeline the settings accept, with the
@@ -220,7 +221,7 @@ def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
             split=list(s.split), microbatches=s.microbatches, schedule=s.schedule
         )
         assert len(s.split) + 1 == s.stages * settings.stages_per_process, s
-    v = costs.predict(m, Setup("pipeline", 2, 2, 4, "zbv", ("net.2", "net.4", "net.6")))
+    v = pricing.predict(m, Setup("pipeline", 2, 2, 4, "zbv", ("net.2", "net.4", "net.6")))
     assert "4 stages on 2 processes" in v.reason
     assert v.parts["compute"] == pytest.approx(4 * 0.5 * m.compute.time(16))  # half each
 
@@ -229,10 +230,10 @@ def test_the_alternating_placement_is_planned_and_takes_turns():
     """Four stages alternating over two processes with one micro-batch (interleaved): a candidate,
     priced as the processes taking turns through the whole model, plus its crossings."""
     m = measured(crowding=1.3)
-    setups = [s for s in costs.candidates(m, 2) if s.schedule == "interleaved"]
+    setups = [s for s in pricing.candidates(m, 2) if s.schedule == "interleaved"]
     assert any(s.microbatches == 1 and len(s.split) == 3 for s in setups)
     alternating = next(s for s in setups if s.microbatches == 1)
-    p = costs.predict(m, alternating)
+    p = pricing.predict(m, alternating)
     whole = m.compute.time(64)  # one micro-batch of the whole batch, no crowding: they take turns
     assert p.parts["compute"] + p.parts["bubble"] == pytest.approx(whole)
     assert p.parts["communication"] > 0
@@ -244,9 +245,9 @@ def test_uneven_stages_fill_and_drain_through_every_stage_not_the_slowest_one_p_
     blocks = tuple(Block(f"net.{i}", 0.25, 25 << 20, 4096, True) for i in range(4))
     m = measured(blocks=blocks, all_reduce={2: Link(0.0, 1e18)}, p2p=Link(0.0, 1e18))
     uneven = ("net.3",)  # 3 blocks, then 1
-    one = costs.predict(m, Setup("pipeline", 2, 2, 1, "gpipe", uneven)).parts
+    one = pricing.predict(m, Setup("pipeline", 2, 2, 1, "gpipe", uneven)).parts
     assert one["compute"] + one["bubble"] == pytest.approx(m.compute.time(64))
-    four = costs.predict(m, Setup("pipeline", 2, 2, 4, "gpipe", uneven)).parts
+    four = pricing.predict(m, Setup("pipeline", 2, 2, 4, "gpipe", uneven)).parts
     whole = m.compute.time(16)
     assert four["compute"] == pytest.approx(4 * 0.75 * whole)
     assert four["bubble"] == pytest.approx(0.25 * whole)
@@ -264,7 +265,7 @@ def test_every_strategy_the_plan_leaves_out_is_said_with_why(devices, gpus, chai
     from phalanx.strategies import registry
 
     m = measured(gpus=gpus, blocks=measured().blocks if chain else ())
-    planned = {s.strategy for s in costs.candidates(m, devices)}
+    planned = {s.strategy for s in pricing.candidates(m, devices)}
     left = planner.unplanned(m, devices)
     assert planned.isdisjoint(left), (planned, left)
     assert planned | set(left) == set(registry.families()), (planned, left)
@@ -290,8 +291,8 @@ def test_a_small_mlp_whose_all_reduce_outweighs_its_step_is_fastest_on_one_devic
     """examples/digits' data through a 64-32-10 MLP, batches of 32: a step takes a fraction of a
     millisecond, less than the all-reduce of its gradients between two processes."""
     m = recorded("digits-mlp")
-    ranked = costs.rank(m, costs.candidates(m, 2))
-    assert ranked[0].setup == Setup("single", 1), [p.setup.label for p in ranked[:3]]
+    ranked = pricing.rank(m, pricing.candidates(m, 2))
+    assert ranked[0].setup == Setup("single", 1), [pricing.label(p.setup) for p in ranked[:3]]
     ddp = next(p for p in ranked if p.setup == Setup("ddp", 2))
     assert ddp.speedup < 1 and "of one device" in ddp.reason
 
@@ -300,7 +301,7 @@ def test_a_wide_mlp_whose_step_is_computation_is_fastest_on_two_processes_of_a_t
     """64 -> 512 -> 512 -> 512 -> 1 on batches of 1,024, at one thread a process: two processes
     halve the matrix products, beside an all-reduce of 2 MB."""
     m = recorded("wide-mlp-one-thread")
-    ranked = costs.rank(m, costs.candidates(m, 2))
+    ranked = pricing.rank(m, pricing.candidates(m, 2))
     assert ranked[0].setup == Setup("ddp", 2) and ranked[0].speedup > 1.2, ranked[0]
     single = next(p for p in ranked if p.setup == Setup("single", 1))
     assert single.speedup == 1.0 and single.parts["compute"] > 0
@@ -310,8 +311,8 @@ def test_one_process_with_every_core_computes_the_wide_mlp_as_fast_as_two():
     """The same MLP with the threads a run gets: one process alone has both cores, and two have
     one each; their products take as long, so the all-reduce decides for one process."""
     m = recorded("wide-mlp")
-    ranked = costs.rank(m, costs.candidates(m, 2))
-    assert ranked[0].setup == Setup("single", 1), [p.setup.label for p in ranked[:3]]
+    ranked = pricing.rank(m, pricing.candidates(m, 2))
+    assert ranked[0].setup == Setup("single", 1), [pricing.label(p.setup) for p in ranked[:3]]
     ddp = next(p for p in ranked if p.setup == Setup("ddp", 2))
     assert 0.5 < ddp.speedup < 1
     assert m.computes[2].per_sample_s > 1.5 * m.compute.per_sample_s  # a core each: slower
@@ -323,6 +324,6 @@ def test_a_plan_written_to_json_is_priced_again_the_same():
     raw = json.loads(json.dumps(dataclasses.asdict(m)))  # as planner writes it: keys as strings
     again = Measured.from_json(raw)
     assert again == m
-    assert [p.step_s for p in costs.rank(again, costs.candidates(again, 4))] == [
-        p.step_s for p in costs.rank(m, costs.candidates(m, 4))
+    assert [p.step_s for p in pricing.rank(again, pricing.candidates(again, 4))] == [
+        p.step_s for p in pricing.rank(m, pricing.candidates(m, 4))
     ]

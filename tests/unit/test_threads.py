@@ -14,6 +14,7 @@ import toy
 import phalanx
 from phalanx import config, costs, planner, strategies
 from phalanx.costs import Compute, Setup
+from phalanx.strategies import pricing
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,9 +84,9 @@ def test_the_plan_prices_each_setup_with_its_processes_threads(monkeypatch, thre
         all_reduce={2: costs.Link(1e-6, 1e12)},
         computes={2: Compute(0.0, 0.004)},
     )
-    assert costs.predict(m, Setup("single", 1)).parts["compute"] == pytest.approx(0.064)
-    assert costs.predict(m, Setup("ddp", 2)).parts["compute"] == pytest.approx(0.128)
-    assert costs.predict(m, Setup("towers", 2)).parts["compute"] == pytest.approx(0.032)
+    assert pricing.predict(m, Setup("single", 1)).parts["compute"] == pytest.approx(0.064)
+    assert pricing.predict(m, Setup("ddp", 2)).parts["compute"] == pytest.approx(0.128)
+    assert pricing.predict(m, Setup("towers", 2)).parts["compute"] == pytest.approx(0.032)
 
 
 def test_the_plan_measures_at_each_thread_count_and_leaves_its_own(tmp_path, threads_kept):

@@ -38,7 +38,6 @@ from phalanx.costs import (
     Measured,
     Prediction,
     Setup,
-    compute_of,
     link_of,
     made,
     mb_text,
@@ -52,6 +51,7 @@ from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker
 from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
+from phalanx.strategies.pricing import compute_of
 from phalanx.strategies.registry import Family, get, register
 from phalanx.strategies.syncbn import PerDeviceStatistics, convert_sync_batchnorm
 

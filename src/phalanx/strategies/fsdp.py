@@ -35,7 +35,6 @@ from phalanx.costs import (
     Measured,
     Prediction,
     Setup,
-    compute_of,
     link_of,
     made,
     mb_text,
@@ -48,6 +47,7 @@ from phalanx.strategies import in_worker
 from phalanx.strategies.base import DataParallel, ModelOptions, prepare
 from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
+from phalanx.strategies.pricing import compute_of
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 

@@ -19,12 +19,12 @@ from phalanx.costs import (
     Prediction,
     Setup,
     balanced_split,
-    compute_of,
     link_of,
     made,
     mb_text,
     ms,
 )
+from phalanx.strategies.pricing import compute_of
 
 
 @dataclass(frozen=True)
