@@ -73,9 +73,8 @@ WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = (
     "trainer.json",
     "manifest.json",
 )
-SHARDS = (
-    "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
-)
+# a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
+SHARDS = "shards"
 _in_progress: set[Path] = set()
 
 
@@ -91,9 +90,8 @@ class Checkpoints:
 
     def __init__(self, root: Path, keep_last: int = 3):
         self.root, self.keep_last = Path(root), keep_last
-        self._written: set[int] = (
-            set()
-        )  # steps this object wrote: known intact without hashing them again
+        # steps this object wrote: known intact without hashing them again
+        self._written: set[int] = set()
         self._passed: set[int] = set()  # steps a resume fell back past: replaced when saved again
 
     def path(self, step: int) -> Path:
@@ -197,9 +195,8 @@ class Checkpoints:
         writes the rest and the manifest over every file and renames. Every rank raises the same
         error."""
         final = self.path(step)
-        tmp = (
-            self.root / f".tmp-step-{step}-shards"
-        )  # one name every rank knows (one job per run: the run lock)
+        # one name every rank knows (one job per run: the run lock)
+        tmp = self.root / f".tmp-step-{step}-shards"
         began = self._begin_sharded(step, tmp) if group.is_main else None
         began = group.broadcast(began)
         if began == "kept":  # written already, by an earlier save of this step: recorded now

@@ -265,9 +265,8 @@ def doctor(config_path: str, overrides: list[str], nodes: Nodes | None = None) -
     )
     with tempfile.TemporaryDirectory(prefix="phalanx-doctor-") as tmp:
         folder = Path(tmp)
-        (folder / rundir.CONFIG).write_text(
-            config.dump(rundir.resolved(cfg))
-        )  # other nodes check they see it
+        # other nodes check they see it
+        (folder / rundir.CONFIG).write_text(config.dump(rundir.resolved(cfg)))
         if nodes is not None or devices > 1:
             store = machines.join(nodes) if nodes is not None else None
             launch.launch(

@@ -100,9 +100,8 @@ class Order(Sequence[int]):
             return self._walk(self._table(), positions)
         values = self._rounds(positions.astype(np.uint64))
         outside = np.flatnonzero(values >= self.n)
-        while len(
-            outside
-        ):  # cycle-walking: a value beyond n goes round again, until it lands inside
+        # cycle-walking: a value beyond n goes round again, until it lands inside
+        while len(outside):
             values[outside] = self._rounds(values[outside])
             outside = outside[values[outside] >= self.n]
         return values.astype(np.int64)
@@ -282,9 +281,8 @@ def get_stream(
             f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; "
             "give it __len__ (a map-style dataset), or make it an IterableDataset"
         )
-    if (
-        len(stream) == 0
-    ):  # training on it would take no step, and its metrics would be those of nothing
+    # training on it would take no step, and its metrics would be those of nothing
+    if len(stream) == 0:
         raise DataError(
             f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
             f"sample: check what streams() returns for {name!r} (its path, split or filter)"

@@ -221,9 +221,8 @@ class Engine:
         (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch). A loss
         over tokens goes back token by token, each with the factor: the same gradient, without the
         per-sample means in the graph."""
-        dtype = (
-            loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
-        )  # counts need the digits
+        # counts need the digits
+        dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
         weights = weights.to(dtype)
         if not len(weights):
             objective = tokens if tokens is not None else loss
@@ -371,11 +370,8 @@ def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply tensors in place by a 0-dim tensor, in one kernel where they allow it."""
     try:
         torch._foreach_mul_(tensors, factor)
-    except (
-        RuntimeError,
-        TypeError,
-        NotImplementedError,
-    ):  # sharded tensors of some versions: one by one
+    except (RuntimeError, TypeError, NotImplementedError):
+        # sharded tensors of some versions: one by one
         for t in tensors:
             t.mul_(factor)
 

@@ -113,9 +113,8 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     check_main_importable(devices)
-    records = Path(
-        tempfile.mkdtemp(prefix="phalanx-workers-")
-    )  # each worker's error.json, read on failure
+    # each worker's error.json, read on failure
+    records = Path(tempfile.mkdtemp(prefix="phalanx-workers-"))
     common = _Common(
         nproc_per_node=devices,
         max_restarts=restarts,
@@ -142,9 +141,8 @@ def launch(
         run_id = nodes.run_id
         stores[run_id] = store
         run_dirs[run_id] = run_dir
-        if (
-            nodes.elastic
-        ):  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+        # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+        if nodes.elastic:
             config = LaunchConfig(
                 min_nodes=nodes.fewest,
                 max_nodes=nodes.count,
@@ -166,11 +164,12 @@ def launch(
             )
     clear_requests(run_dir)
     (run_dir / OOM_FILE).unlink(missing_ok=True)  # the launcher reads it after a failed launch
+    # the launcher reports failures itself, once
     for name in (
         "torch.distributed.elastic",
         "torch.distributed.elastic.multiprocessing.api",
         "torch.multiprocessing.spawn",
-    ):  # the launcher reports failures itself, once
+    ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         settings = _workers_settings(run_dir, nodes)
@@ -224,13 +223,11 @@ class _Relay:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.requested = False
-        self._started = _count_started(
-            run_dir
-        )  # "started" events before this launch (a resumed run)
+        # "started" events before this launch (a resumed run)
+        self._started = _count_started(run_dir)
         self._previous: dict[int, signals.Handler] = {}
-        self._interrupt: int | None = (
-            None  # the signal the receiving thread passed on to the main thread
-        )
+        # the signal the receiving thread passed on to the main thread
+        self._interrupt: int | None = None
         self._closed = threading.Event()
         self._receiver: threading.Thread | None = None
 

@@ -312,9 +312,8 @@ class _Reseeded(Dataset):
     def __init__(self, dataset: Any):
         self.dataset = dataset
         self._seed: tuple[int, int] | None = None
-        if callable(
-            getattr(dataset, "__getitems__", None)
-        ):  # its batched read (Hugging Face datasets have one)
+        # its batched read (Hugging Face datasets have one)
+        if callable(getattr(dataset, "__getitems__", None)):
             self.__getitems__ = self._getitems
 
     def __len__(self) -> int:
@@ -340,9 +339,8 @@ class _Reseeded(Dataset):
 
 
 def _seed_worker(seed: int, worker: int) -> None:
-    from torch.utils.data._utils.worker import (
-        _generate_state,  # the seeding torch's workers start with
-    )
+    # the seeding torch's workers start with
+    from torch.utils.data._utils.worker import _generate_state
 
     random.seed(seed + worker)
     torch.manual_seed(seed + worker)
@@ -562,9 +560,8 @@ class StreamSteps:
         while True:
             taken = self._take(items, k)
             if not taken:
-                if (
-                    k == 0
-                ):  # training on it would take no step, and its metrics would be those of nothing
+                # training on it would take no step, and its metrics would be those of nothing
+                if k == 0:
                     raise DataError(
                         f"stream {self.name!r} yielded no item; a stream needs at least one "
                         "sample: check what it reads (its path, split or filter)"
@@ -582,9 +579,8 @@ class StreamSteps:
             fetched = []
             for micro in plan.step(0):
                 batch = collate([taken[p - first] for p in micro.shard], self.name)
-                if (
-                    batch is None and self.empty_batches
-                ):  # a batch of zero samples, shaped like the items
+                # a batch of zero samples, shaped like the items
+                if batch is None and self.empty_batches:
                     batch = empty_like(taken[0], self.name)
                 fetched.append((micro, batch))
             yield k, fetched

@@ -58,22 +58,19 @@ class Forward:
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
-        self._single = (
-            self.outputs[0] if len(self.outputs) == 1 else None
-        )  # the name of a lone tensor output
+        # the name of a lone tensor output
+        self._single = self.outputs[0] if len(self.outputs) == 1 else None
         self.named_loss = _NamedLoss(cfg.loss, search_dirs) if cfg.loss else None
         user = inner if inner is not None else module
         self.params, self.takes_all = _forward_params(user)
         # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or
         # "other"
         self.hugging_face = _hugging_face_kind(user) if cfg.loss is None else None
-        if (
-            self.hugging_face
-        ):  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+        # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+        if self.hugging_face:
             self.params.pop("labels", None)
-            self.takes_all = (
-                False  # its **kwargs are options of attention kernels, not the batch's other keys
-            )
+            # its **kwargs are options of attention kernels, not the batch's other keys
+            self.takes_all = False
         self._no_cache = bool(self.hugging_face) and "use_cache" in self.params
         self.output_names: list[str] = []
 
@@ -92,9 +89,8 @@ class Forward:
             )
         except KeyError:
             arguments = self._arguments(batch)
-        if (
-            self._no_cache
-        ):  # a Hugging Face model keeps no attention cache it would hand back with its outputs
+        # a Hugging Face model keeps no attention cache it would hand back with its outputs
+        if self._no_cache:
             arguments["use_cache"] = False
         raw = self.module(**arguments)
         outputs = (

@@ -334,9 +334,8 @@ def nodes_rendezvous_handler(params):
 
 ELASTIC_RENDEZVOUS = "phalanx-elastic"
 LAST_CALL_S = 3  # after the least count has joined a round, how long it waits for more machines
-ROUND_KEY = (
-    "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
-)
+# + a machine's rank in the round: the round's token, for its workers
+ROUND_KEY = "phalanx/round-of-node/"
 
 
 def elastic_rendezvous_handler(params):
@@ -373,9 +372,8 @@ def elastic_rendezvous_handler(params):
                     (run_dirs[params.run_id] / REFORM_FILE).unlink(missing_ok=True)
             if info.rank == 0:
                 info.store.set("phalanx/round-token", uuid.uuid4().hex)
-            token = info.store.get(
-                "phalanx/round-token"
-            )  # in the round's own keys: waits for rank 0's
+            # in the round's own keys: waits for rank 0's
+            token = info.store.get("phalanx/round-token")
             store.set(f"{ROUND_KEY}{info.rank}", token)
             return RendezvousInfo(
                 info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port))

@@ -30,9 +30,8 @@ from phalanx.errors import StorageError
 from phalanx.files import remove, write_atomic, writing
 
 log = logging.getLogger("phalanx")
-CLOSE_WAIT_S = (
-    5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
-)
+# at the end of training, for the child's last drawing, before the trainer draws it itself
+CLOSE_WAIT_S = 5.0
 # the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
 INTERVAL_S = 2.0
 
@@ -52,9 +51,8 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
     for var, names in by_variable.items():
         fig = Figure(figsize=(6, 4))
         FigureCanvasAgg(fig)
-        fig.subplots_adjust(
-            left=0.14, right=0.97, top=0.91, bottom=0.13
-        )  # tight_layout's cost is half the plot's
+        # tight_layout's cost is half the plot's
+        fig.subplots_adjust(left=0.14, right=0.97, top=0.91, bottom=0.13)
         ax = fig.add_subplot()
         for name in names:
             epochs, values = zip(*history[name], strict=True)

@@ -35,9 +35,8 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
             except FileExistsError:
                 n += 1
                 run_dir = root / f"{cfg.name}-{stamp}-{n}"
-    with writing(
-        run_dir, partial=run_dir, where="set output_root to a folder you can write"
-    ):  # none half-made
+    # none half-made
+    with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))
         config_dir = config_path.resolve().parent if config_path is not None else Path.cwd()
         meta = {

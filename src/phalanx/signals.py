@@ -35,12 +35,10 @@ log = logging.getLogger("phalanx")
 Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 _worker = False  # set in a worker of phalanx's launcher
-_at_once = (
-    False  # in such a worker, while it is not training: every signal ends the process at once
-)
-_pid = (
-    os.getpid()
-)  # the process whose half-written checkpoints a signal removes (not a forked child's)
+# in such a worker, while it is not training: every signal ends the process at once
+_at_once = False
+# the process whose half-written checkpoints a signal removes (not a forked child's)
+_pid = os.getpid()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -78,9 +76,8 @@ def exit_at_once(signum: int, frame: object = None) -> None:
     number."""
     from phalanx import checkpoint
 
-    if (
-        os.getpid() == _pid
-    ):  # a forked child (a data loader's worker) owns no checkpoint in progress
+    # a forked child (a data loader's worker) owns no checkpoint in progress
+    if os.getpid() == _pid:
         checkpoint.abort_in_progress()
     os._exit(128 + signum)
 

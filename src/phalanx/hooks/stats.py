@@ -17,11 +17,8 @@ from phalanx.hooks.base import Hook
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
 WEIGHT = "loss_weight"
-_WEIGHTED = (
-    "weights",
-    "weighted",
-    "weighted_squares",
-)  # sums of w, w * x and w * x^2, where weighted
+# sums of w, w * x and w * x^2, where weighted
+_WEIGHTED = ("weights", "weighted", "weighted_squares")
 
 
 class ComputeStats(Hook):
@@ -275,9 +272,8 @@ class ClassificationMetrics(Hook):
         return {"confusion": {s: c.tolist() for s, c in self._global().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        first = (
-            self.strategy.rank == 0
-        )  # counts go to one rank, so adding over ranks counts them once
+        # counts go to one rank, so adding over ranks counts them once
+        first = self.strategy.rank == 0
         self._confusion = {
             s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()
         }
@@ -292,9 +288,8 @@ def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:
 def _scores(confusion: torch.Tensor, metrics: list[str]) -> dict[str, float]:
     """Metrics from a confusion matrix (rows: true class, columns: predicted)."""
     true_pos = confusion.diag()
-    present = (confusion.sum(1) > 0) | (
-        confusion.sum(0) > 0
-    )  # classes seen as truth or as prediction
+    # classes seen as truth or as prediction
+    present = (confusion.sum(1) > 0) | (confusion.sum(0) > 0)
     precision = torch.where(confusion.sum(0) > 0, true_pos / confusion.sum(0).clamp(min=1), 0.0)
     recall = true_pos / confusion.sum(1).clamp(min=1)
     f1 = torch.where(
