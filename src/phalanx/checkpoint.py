@@ -510,9 +510,8 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
         return read_shards_model(path)
     try:
         state = load_file(str(path))
-        with safe_open(
-            str(path), "pt"
-        ) as f:  # names save_model dropped as duplicates: dropped -> kept
+        # names save_model dropped as duplicates: dropped -> kept
+        with safe_open(str(path), "pt") as f:
             for dropped, kept in (f.metadata() or {}).items():
                 if kept in state and dropped not in state:
                     state[dropped] = state[kept]

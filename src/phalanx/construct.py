@@ -113,9 +113,8 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
                 f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
             ) from None
         raise _failed(section, factory, kwargs, e) from e
-    except (
-        ValueError
-    ) as e:  # the constructor rejected a value: name the section (--debug: traceback)
+    except ValueError as e:
+        # the constructor rejected a value: name the section (--debug: traceback)
         raise _failed(section, factory, kwargs, e) from e
 
 

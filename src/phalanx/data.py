@@ -200,9 +200,8 @@ class Plan:
     ):
         self.order, self.batch_size, self.accumulation = order, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
-        self._steps: dict[
-            int, list[Micro]
-        ] = {}  # the loader's sampler and the loop ask for each step
+        # the loader's sampler and the loop ask for each step
+        self._steps: dict[int, list[Micro]] = {}
 
     def __len__(self) -> int:
         return -(-len(self.order) // self.batch_size)

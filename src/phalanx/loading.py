@@ -490,14 +490,12 @@ class NamedStream(_Named, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         return map(self._named, self.stream)
 
-    def __len__(
-        self,
-    ) -> int:  # a TypeError where the stream has no length, as len() of it would give
+    def __len__(self) -> int:
+        # a TypeError where the stream has no length, as len() of it would give
         return len(self.stream)
 
-    def __getattr__(
-        self, attribute: str
-    ) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
+    def __getattr__(self, attribute: str) -> Any:
+        # set_epoch, state_dict, load_state_dict, __len__ ...
         if attribute == "stream":
             raise AttributeError(attribute)
         return getattr(self.stream, attribute)

@@ -44,9 +44,8 @@ class ComputeStats(Hook):
         # several small ones every step.
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._pending_elements = 0
-        self._weights: dict[
-            tuple[str, str], list[torch.Tensor]
-        ] = {}  # each pending value's weight, where weighted
+        # each pending value's weight, where weighted
+        self._weights: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
