@@ -92,7 +92,8 @@ class Checkpoints:
         self.root, self.keep_last = Path(root), keep_last
         # steps this object wrote: known intact without hashing them again
         self._written: set[int] = set()
-        self._passed: set[int] = set()  # steps a resume fell back past: replaced when saved again
+        # steps a resume fell back past: replaced when saved again
+        self._passed: set[int] = set()
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -199,7 +200,8 @@ class Checkpoints:
         tmp = self.root / f".tmp-step-{step}-shards"
         began = self._begin_sharded(step, tmp) if group.is_main else None
         began = group.broadcast(began)
-        if began == "kept":  # written already, by an earlier save of this step: recorded now
+        # written already, by an earlier save of this step: recorded now
+        if began == "kept":
             error = self._recorded(step, best) if group.is_main else None
             error = group.broadcast(error)
             if error:
@@ -319,17 +321,20 @@ class Checkpoints:
                 if p.is_file()  # the shards' writers synced their own files
             }
             # the largest file first: its hash runs while the weights are written
-            with open(folder / OPTIMIZER, "wb") as f:  # Python's file: a full disk is an OSError
+            # Python's file: a full disk is an OSError
+            with open(folder / OPTIMIZER, "wb") as f:
                 torch.save(optimizer_state, f)
             sealed[OPTIMIZER] = pool.submit(_sealed, folder / OPTIMIZER)
-            if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
+            # safetensors' own handling of shared (tied) weights
+            if isinstance(module, nn.Module):
                 save_model(
                     module,
                     str(folder / WEIGHTS),
                     metadata={"step": str(step)},
                     force_contiguous=True,
                 )
-            elif module is not None:  # a state gathered from shards: no tensor shares storage
+            elif module is not None:
+                # a state gathered from shards: no tensor shares storage
                 save_file(
                     {k: v.contiguous() for k, v in module.items()},
                     str(folder / WEIGHTS),
@@ -459,7 +464,8 @@ class Checkpoints:
         the shards (its entry here is None): `weights` given a shards folder loads it from there."""
         folder = self.verify(step)
         trainer_state = read_trainer_state(folder / TRAINER)
-        if trainer_state["step"] != step:  # a folder renamed, or a state copied from another step
+        # a folder renamed, or a state copied from another step
+        if trainer_state["step"] != step:
             raise CheckpointError(
                 f"{folder / TRAINER} says step {trainer_state['step']}, but the folder is step "
                 f"{step}; the checkpoint is damaged"
@@ -525,7 +531,8 @@ def _untied(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tenso
     file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
     copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
     metadata would make a small file a huge one."""
-    held: dict[int, int] = {}  # each tensor of the file (by identity): its bytes
+    # each tensor of the file (by identity): its bytes
+    held: dict[int, int] = {}
     tied = set()
     for name, tensor in state.items():
         if id(tensor) in held:
@@ -576,7 +583,8 @@ def load_weights(module: nn.Module, path: Path) -> None:
         ) from None
 
 
-_SEALERS = 4  # threads that hash and sync a checkpoint's files
+# threads that hash and sync a checkpoint's files
+_SEALERS = 4
 
 
 def _sealed(path: Path, sync: bool = True) -> dict[str, Any]:

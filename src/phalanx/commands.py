@@ -445,7 +445,8 @@ def _predicted(config_path: str, overrides: list[str], devices: list[int]) -> di
             for p in report["predictions"]
             if p["strategy"] == strategy and (p["devices"] == n or strategy == "single")
         ]
-        if fitting:  # the best variant of it (the ranking's order)
+        # the best variant of it (the ranking's order)
+        if fitting:
             out[n] = fitting[0]["samples_per_s"]
     return out
 

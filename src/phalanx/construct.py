@@ -43,7 +43,8 @@ def import_object(
             f"give a name from {default_module} or a dotted path such as mypkg.MyClass"
         )
     module_name, _, attr = path.rpartition(".")
-    prefer_torch_keras()  # a user's module may import Keras: on torch, unless told otherwise
+    # a user's module may import Keras: on torch, unless told otherwise
+    prefer_torch_keras()
     if not module_name:
         raise ConfigError(
             f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass"

@@ -27,11 +27,13 @@ from torch.utils.data import IterableDataset
 from phalanx.errors import DataError
 
 FEISTEL, RANDPERM = "feistel", "randperm"
-ORDERS = (FEISTEL, RANDPERM)  # the order a run uses; checkpoints without one name used randperm
+# the order a run uses; checkpoints without one name used randperm
+ORDERS = (FEISTEL, RANDPERM)
 _ROUNDS = 6
 _MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
 _BLOCK = 1 << 16  # positions computed together
-_TABLE = 1 << 18  # domains up to this size are computed whole, once (2 MiB at most)
+# domains up to this size are computed whole, once (2 MiB at most)
+_TABLE = 1 << 18
 
 
 class Order(Sequence[int]):
@@ -65,7 +67,8 @@ class Order(Sequence[int]):
             if step != 1:
                 return self.at(np.arange(start, stop, step, dtype=np.int64)).tolist()
             out: list[int] = []
-            while start < stop:  # from the blocks of positions the slice spans
+            # from the blocks of positions the slice spans
+            while start < stop:
                 block = start // _BLOCK
                 values = self._block(block)
                 offset = block * _BLOCK

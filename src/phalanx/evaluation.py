@@ -30,7 +30,8 @@ def _open(
 ) -> tuple[Path, config.Config]:
     """A run and its config for one process on one device (checkpoints carry no device count); a
     run trained with objects needs them again."""
-    logs.setup(None)  # first: opening the run logs where its classes come from
+    # first: opening the run logs where its classes come from
+    logs.setup(None)
     objects = objects or Objects()
     run_dir = rundir.open_run(
         Path(run_path), announce=objects.model is None or objects.dataset is None
@@ -110,11 +111,13 @@ def print_metrics(run_dir: Path, result: dict[str, Any]) -> None:
 class _Collect(Hook):
     """Every batch's per-sample values (the batch's and the model's), in dataset order."""
 
-    CSV_VALUES = 32  # values per sample beyond which a tensor goes to an array file, not to CSV
+    # values per sample beyond which a tensor goes to an array file, not to CSV
+    CSV_VALUES = 32
 
     def __init__(self) -> None:
         self.columns: dict[str, list[torch.Tensor]] = {}
-        self.skipped: dict[str, str] = {}  # keys that are not per-sample tensors, and what they are
+        # keys that are not per-sample tensors, and what they are
+        self.skipped: dict[str, str] = {}
         self.count = 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:

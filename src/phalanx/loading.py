@@ -104,7 +104,8 @@ def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str
         try:
             batch = default_collate(items)
         except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
-            pass  # named one by one below, for the error that says which item or key
+            # named one by one below, for the error that says which item or key
+            pass
         else:
             if parts is None:
                 return {keys[0]: batch}
@@ -334,7 +335,8 @@ class _Reseeded(Dataset):
         if token != self._seed:
             self._seed = token
             worker = torch.utils.data.get_worker_info()
-            assert worker is not None  # persistent workers only: this runs in a worker process
+            # persistent workers only: this runs in a worker process
+            assert worker is not None
             _seed_worker(token[0], worker.id)
 
 
@@ -600,5 +602,6 @@ class StreamSteps:
         return list(itertools.takewhile(lambda item: item is not _END, read))
 
 
-_START = -1  # the position `iter` of an iterable stream is keyed by: before its first item
+# the position `iter` of an iterable stream is keyed by: before its first item
+_START = -1
 _END = object()

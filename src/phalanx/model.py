@@ -81,7 +81,8 @@ class Forward:
         return other
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        try:  # the mapping is checked only when it fails: this runs every step
+        try:
+            # the mapping is checked only when it fails: this runs every step
             arguments = (
                 {arg: batch[key] for key, arg in self.inputs.items()}
                 if self.inputs is not None
@@ -224,7 +225,8 @@ def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) 
     or the mean squared error where the labels are real numbers (regression heads)."""
     import torch.nn.functional as F
 
-    if labels.is_floating_point():  # one score per sample: regression; several: independent labels
+    # one score per sample: regression; several: independent labels
+    if labels.is_floating_point():
         if labels.dim() == 1:
             return per_sample_loss(F.mse_loss, logits.reshape(labels.shape), labels, None, {})
         return per_sample_loss(F.binary_cross_entropy_with_logits, logits, labels, None, {})

@@ -21,7 +21,8 @@ import torch
 from phalanx import config, costs, environment
 from phalanx.errors import ConfigError, PhalanxError
 
-SMALL = 1024  # bytes: the messages that measure a link's latency
+# bytes: the messages that measure a link's latency
+SMALL = 1024
 
 
 def synchronize(device: torch.device) -> None:
@@ -253,7 +254,8 @@ def calibrated(
         crowding=crowding,
         sync_s=sync,
     )
-    one = replace(m, accumulation=1)  # the workers measured one micro-batch a step
+    # the workers measured one micro-batch a step
+    one = replace(m, accumulation=1)
     if isinstance(found.get("fsdp_step"), str):
         m = replace(m, refused={**m.refused, "fsdp": found["fsdp_step"]})
     elif found.get("fsdp_step") is not None:

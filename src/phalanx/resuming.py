@@ -83,7 +83,8 @@ def replay_schedule(
     if steps_per_epoch is None:
         steps_per_epoch = steps
     done = 0
-    with warnings.catch_warnings():  # stepping a scheduler before its optimizer has stepped warns
+    # stepping a scheduler before its optimizer has stepped warns
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(epochs):
             for _ in range(min(steps_per_epoch, steps - done)):

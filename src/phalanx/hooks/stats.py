@@ -26,8 +26,10 @@ class ComputeStats(Hook):
     loss of a model that weighs its samples (`loss_weight`, such as real tokens) has the weighted
     mean and std, sum(w_i l_i) / sum(w_i): the objective that training minimises."""
 
-    gathers = False  # sums are added over ranks at the end of the epoch instead
-    FLUSH_ELEMENTS = 1 << 16  # values held back before they are reduced together
+    # sums are added over ranks at the end of the epoch instead
+    gathers = False
+    # values held back before they are reduced together
+    FLUSH_ELEMENTS = 1 << 16
 
     def __init__(
         self, variables: Sequence[str] = ("loss",), aggregations: Sequence[str] = ("mean",)
@@ -103,7 +105,8 @@ class ComputeStats(Hook):
                 continue
             values["mean"] = values["sum"] / count
             values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
-            if values["weights"] > 0:  # weighted: the mean and spread the objective has
+            # weighted: the mean and spread the objective has
+            if values["weights"] > 0:
                 values["mean"] = values["weighted"] / values["weights"]
                 values["std"] = math.sqrt(
                     max(values["weighted_squares"] / values["weights"] - values["mean"] ** 2, 0.0)
@@ -199,7 +202,8 @@ class ClassificationMetrics(Hook):
     indices; `gold` names the batch key holding the true class indices.
     """
 
-    gathers = False  # confusion matrices are added over ranks at the end of the epoch instead
+    # confusion matrices are added over ranks at the end of the epoch instead
+    gathers = False
 
     def __init__(
         self,

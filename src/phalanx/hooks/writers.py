@@ -80,11 +80,13 @@ class LogProfile(_Writer):
     one device's estimate where it is more than half."""
 
     gathers = False
-    WARM, JUDGED = 5, 20  # steps: the first ones (allocations, first calls) are not judged
+    # steps: the first ones (allocations, first calls) are not judged
+    WARM, JUDGED = 5, 20
 
     def __init__(self) -> None:
         self._reported: tuple[float, float] | None = None
-        self._judged = False  # whether the communication share was said (once a run)
+        # whether the communication share was said (once a run)
+        self._judged = False
         self._steps = 0  # training steps this run has seen
         self._warm: dict[str, float] | None = None  # the times after the WARM steps
 
@@ -249,7 +251,8 @@ class WriteTensorBoard(_Writer):
             and step % self.every == 0
         ):
             return
-        loss = self.trainer.last_loss  # the loss of a training step; read only when written
+        # the loss of a training step; read only when written
+        loss = self.trainer.last_loss
         if loss is not None:
             with writing(self._run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(loss), step)
@@ -314,7 +317,8 @@ class PlotLines(_Writer):
         except StorageError as e:
             if success:
                 raise
-            log.error("%s", e)  # a failed run's own error is the one to raise
+            # a failed run's own error is the one to raise
+            log.error("%s", e)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
