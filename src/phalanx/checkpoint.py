@@ -202,7 +202,7 @@ class Checkpoints:
         began = group.broadcast(began)
         # written already, by an earlier save of this step: recorded now
         if began == "kept":
-            error = self._recorded(step, best) if group.is_main else None
+            error = self._try_record(step, best) if group.is_main else None
             error = group.broadcast(error)
             if error:
                 raise StorageError(error)
@@ -262,9 +262,9 @@ class Checkpoints:
                 self._move_into_place(tmp, final)
         except StorageError as e:
             return str(e)
-        return self._recorded(step, best)
+        return self._try_record(step, best)
 
-    def _recorded(self, step: int, best: dict | None) -> str | None:
+    def _try_record(self, step: int, best: dict | None) -> str | None:
         """`_record`, its refusal as text (which every rank of a sharded save must hear of)."""
         try:
             self._record(step, best)
@@ -316,7 +316,7 @@ class Checkpoints:
         (hashlib and fsync release the GIL)."""
         with ThreadPoolExecutor(max_workers=_SEALERS, thread_name_prefix="phalanx-seal") as pool:
             sealed = {
-                p.relative_to(folder).as_posix(): pool.submit(_sealed, p, sync=False)
+                p.relative_to(folder).as_posix(): pool.submit(_seal, p, sync=False)
                 for p in folder.rglob("*")
                 if p.is_file()  # the shards' writers synced their own files
             }
@@ -324,7 +324,7 @@ class Checkpoints:
             # Python's file: a full disk is an OSError
             with open(folder / OPTIMIZER, "wb") as f:
                 torch.save(optimizer_state, f)
-            sealed[OPTIMIZER] = pool.submit(_sealed, folder / OPTIMIZER)
+            sealed[OPTIMIZER] = pool.submit(_seal, folder / OPTIMIZER)
             # safetensors' own handling of shared (tied) weights
             if isinstance(module, nn.Module):
                 save_model(
@@ -341,9 +341,9 @@ class Checkpoints:
                     metadata={"step": str(step)},
                 )
             if module is not None:
-                sealed[WEIGHTS] = pool.submit(_sealed, folder / WEIGHTS)
+                sealed[WEIGHTS] = pool.submit(_seal, folder / WEIGHTS)
             (folder / TRAINER).write_text(json.dumps(trainer_state))
-            sealed[TRAINER] = pool.submit(_sealed, folder / TRAINER)
+            sealed[TRAINER] = pool.submit(_seal, folder / TRAINER)
             files = {name: sealed[name].result() for name in sorted(sealed)}
         layout = "full" if module is not None else "sharded"
         (folder / MANIFEST).write_text(
@@ -486,7 +486,7 @@ class Checkpoints:
         from safetensors.torch import save
 
         path = _weights_path(self.verify(step))
-        state = _untied(whole_state(path), path)
+        state = _untie_weights(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
@@ -526,7 +526,7 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _untied(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def _untie_weights(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
     """`state` with a copy of a tied weight under each of its names but the first (a safetensors
     file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
     copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
@@ -587,7 +587,7 @@ def load_weights(module: nn.Module, path: Path) -> None:
 _SEALERS = 4
 
 
-def _sealed(path: Path, sync: bool = True) -> dict[str, Any]:
+def _seal(path: Path, sync: bool = True) -> dict[str, Any]:
     """A written file's manifest entry (its size and SHA-256), once it is synced (`sync`)."""
     digest = _sha256(path)
     if sync:

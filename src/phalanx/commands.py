@@ -350,7 +350,7 @@ def bench(
             f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})"
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    predicted = _predicted(config_path, overrides, devices) if plan else {}
+    predicted = _predict_speeds(config_path, overrides, devices) if plan else {}
     # each count runs as `phalanx train` runs it: on the CPU, one process with its own threads and
     # several sharing the cores (`parallel.cpu_threads`), which each row says
     accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
@@ -426,7 +426,7 @@ def _bench_runs(
     return rows
 
 
-def _predicted(config_path: str, overrides: list[str], devices: list[int]) -> dict[int, float]:
+def _predict_speeds(config_path: str, overrides: list[str], devices: list[int]) -> dict[int, float]:
     """What the planner predicts for the config's strategy at each device count (samples/s), or
     nothing where it cannot plan on this machine (it says why)."""
     from phalanx import planner

@@ -113,13 +113,15 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
             raise ConfigError(
                 f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
             ) from None
-        raise _failed(section, factory, kwargs, e) from e
+        raise _describe_failure(section, factory, kwargs, e) from e
     except ValueError as e:
         # the constructor rejected a value: name the section (--debug: traceback)
-        raise _failed(section, factory, kwargs, e) from e
+        raise _describe_failure(section, factory, kwargs, e) from e
 
 
-def _failed(section: str, factory: Any, kwargs: dict[str, Any], error: Exception) -> ConfigError:
+def _describe_failure(
+    section: str, factory: Any, kwargs: dict[str, Any], error: Exception
+) -> ConfigError:
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return ConfigError(
         f"{section}: {_name(factory)}({given}) failed: {type(error).__name__}: {error}; "

@@ -203,7 +203,7 @@ class Engine:
         weight = n / micro.global_size * scale
         weights = data.get(WEIGHT)
         if weights is not None:
-            return self._weighted(loss, weights, scale / micro.global_size, data, tokens)
+            return self._weigh(loss, weights, scale / micro.global_size, data, tokens)
         # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
         if not n:
             return Weighed(loss.sum() * 0.0, None, loss.detach().new_zeros(()), data)
@@ -218,7 +218,7 @@ class Engine:
             part = part * weight
         return _weighed(Weighed, (loss, gradient, part, data))  # the common case, every step
 
-    def _weighted(
+    def _weigh(
         self,
         loss: torch.Tensor,
         weights: torch.Tensor,

@@ -48,7 +48,7 @@ def _open(
     )
 
 
-def _restored(
+def _restore(
     run_dir: Path,
     cfg: config.Config,
     which: str | int,
@@ -82,7 +82,7 @@ def evaluate(
         for h in build_hooks(cfg, rundir.search_dirs(run_dir))
         if isinstance(h, (ComputeStats, ClassificationMetrics))
     ] or [ComputeStats()]
-    trainer, step = _restored(run_dir, cfg, which, metric_hooks, stream, objects)
+    trainer, step = _restore(run_dir, cfg, which, metric_hooks, stream, objects)
     trainer.epoch_data = {stream: {}}
     trainer.evaluate(stream)
     for hook in metric_hooks:
@@ -208,7 +208,7 @@ def predictions(
     order."""
     collect = _Collect()
     run_dir, cfg = _open(run_path, "predict", objects)
-    trainer, _ = _restored(run_dir, cfg, which, [collect], stream, objects)
+    trainer, _ = _restore(run_dir, cfg, which, [collect], stream, objects)
     trainer.evaluate(stream)
     return collect.arrays(), collect
 

@@ -52,10 +52,10 @@ def collate(
     batch is named: one dict per batch, not per sample."""
     if not items:
         return None
-    return _stacked(items, name, keys)
+    return _stack(items, name, keys)
 
 
-def _stacked(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+def _stack(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One or more items as a batch (see `collate`)."""
     if keys is not None and not isinstance(items[0], Mapping):
         return _named_batch(items, keys, name)
@@ -111,7 +111,7 @@ def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str
                 return {keys[0]: batch}
             if len(batch) == len(keys):
                 return dict(zip(keys, batch, strict=True))
-    return _stacked([name_item(item, keys, name) for item in items], name)
+    return _stack([name_item(item, keys, name) for item in items], name)
 
 
 def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
@@ -434,7 +434,7 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
 
 
 def empty_like(item: Any, name: str) -> dict[str, Any]:
-    batch = _stacked([item], name)
+    batch = _stack([item], name)
     return {
         k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
         for k, v in batch.items()

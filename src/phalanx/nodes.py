@@ -200,7 +200,7 @@ def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
     own as they arrive and gives the verdict; any difference fails every node, with one line that
     names the keys and each node's value. In an elastic job nodes come and go, so a joining node
     compares its own with node 0's, and only it is refused."""
-    mine = json.dumps({"nodes": nodes.count, "config": _compared(resolved)})
+    mine = json.dumps({"nodes": nodes.count, "config": _drop_local_keys(resolved)})
     if nodes.elastic:
         if nodes.rank == 0:
             store.set(f"{JOB_KEY}0", mine)
@@ -234,7 +234,7 @@ def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
         raise ConfigError(problem)
 
 
-def _compared(resolved: dict) -> dict:
+def _drop_local_keys(resolved: dict) -> dict:
     return {k: v for k, v in resolved.items() if k not in _LOCAL}
 
 

@@ -172,7 +172,7 @@ class Keyed(Dataset):
             while True:
                 seeders = [GENERATORS[name].seed for name in self.drawn]
                 if seeders:
-                    items = [self._seeded(k, index, seeders) for k, index in keyed]
+                    items = [self._read_seeded(k, index, seeders) for k, index in keyed]
                 else:
                     # a stream that has drawn nothing yet: no seed to compute
                     read = self._one
@@ -192,7 +192,7 @@ class Keyed(Dataset):
         restore(saved, self.drawn)
         return items
 
-    def _seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
+    def _read_seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
         s = item_seed(k, index)
         for seeder in seeders:
             seeder(s)

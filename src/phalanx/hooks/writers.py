@@ -102,7 +102,7 @@ class LogProfile(_Writer):
             if strategy.is_main and strategy.world_size > 1:
                 now, warm = self.trainer.profile, self._warm
                 times = {k: v - warm.get(k, 0.0) for k, v in now.items() if k in _STEP_TIMES}
-                self._judge(times, self._sampled(), self.JUDGED)
+                self._judge(times, self._sample_communication(), self.JUDGED)
 
     def after_epoch_profile(
         self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
@@ -116,7 +116,7 @@ class LogProfile(_Writer):
         ]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         strategy = self.trainer.strategy
-        sampled = self._sampled()
+        sampled = self._sample_communication()
         if not self._judged and strategy.world_size > 1:  # an epoch shorter than the first steps
             self._judged = True
             steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
@@ -133,7 +133,7 @@ class LogProfile(_Writer):
                 1e3 * max(comm - overlap, 0.0),
             )
 
-    def _sampled(self) -> tuple[float, float] | None:
+    def _sample_communication(self) -> tuple[float, float] | None:
         strategy = self.trainer.strategy
         if isinstance(strategy, ReportsCommunication):
             return strategy.backward_communication()
