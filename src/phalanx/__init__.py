@@ -10,7 +10,8 @@ __all__ = ["Run", "evaluate", "fit", "load", "predict", "resume"]
 
 
 def __getattr__(name: str):
-    if name in __all__:  # imported on first use: `phalanx --version` and `--help` need no torch
+    # imported on first use: `phalanx --version` and `--help` need no torch
+    if name in __all__:
         from phalanx import api
 
         return getattr(api, name)

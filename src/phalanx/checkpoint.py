@@ -73,9 +73,8 @@ WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = (
     "trainer.json",
     "manifest.json",
 )
-SHARDS = (
-    "shards"  # a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
-)
+# a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
+SHARDS = "shards"
 _in_progress: set[Path] = set()
 
 
@@ -91,10 +90,10 @@ class Checkpoints:
 
     def __init__(self, root: Path, keep_last: int = 3):
         self.root, self.keep_last = Path(root), keep_last
-        self._written: set[int] = (
-            set()
-        )  # steps this object wrote: known intact without hashing them again
-        self._passed: set[int] = set()  # steps a resume fell back past: replaced when saved again
+        # steps this object wrote: known intact without hashing them again
+        self._written: set[int] = set()
+        # steps a resume fell back past: replaced when saved again
+        self._passed: set[int] = set()
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -197,13 +196,13 @@ class Checkpoints:
         writes the rest and the manifest over every file and renames. Every rank raises the same
         error."""
         final = self.path(step)
-        tmp = (
-            self.root / f".tmp-step-{step}-shards"
-        )  # one name every rank knows (one job per run: the run lock)
+        # one name every rank knows (one job per run: the run lock)
+        tmp = self.root / f".tmp-step-{step}-shards"
         began = self._begin_sharded(step, tmp) if group.is_main else None
         began = group.broadcast(began)
-        if began == "kept":  # written already, by an earlier save of this step: recorded now
-            error = self._recorded(step, best) if group.is_main else None
+        # written already, by an earlier save of this step: recorded now
+        if began == "kept":
+            error = self._try_record(step, best) if group.is_main else None
             error = group.broadcast(error)
             if error:
                 raise StorageError(error)
@@ -263,9 +262,9 @@ class Checkpoints:
                 self._move_into_place(tmp, final)
         except StorageError as e:
             return str(e)
-        return self._recorded(step, best)
+        return self._try_record(step, best)
 
-    def _recorded(self, step: int, best: dict | None) -> str | None:
+    def _try_record(self, step: int, best: dict | None) -> str | None:
         """`_record`, its refusal as text (which every rank of a sharded save must hear of)."""
         try:
             self._record(step, best)
@@ -317,31 +316,34 @@ class Checkpoints:
         (hashlib and fsync release the GIL)."""
         with ThreadPoolExecutor(max_workers=_SEALERS, thread_name_prefix="phalanx-seal") as pool:
             sealed = {
-                p.relative_to(folder).as_posix(): pool.submit(_sealed, p, sync=False)
+                p.relative_to(folder).as_posix(): pool.submit(_seal, p, sync=False)
                 for p in folder.rglob("*")
                 if p.is_file()  # the shards' writers synced their own files
             }
             # the largest file first: its hash runs while the weights are written
-            with open(folder / OPTIMIZER, "wb") as f:  # Python's file: a full disk is an OSError
+            # Python's file: a full disk is an OSError
+            with open(folder / OPTIMIZER, "wb") as f:
                 torch.save(optimizer_state, f)
-            sealed[OPTIMIZER] = pool.submit(_sealed, folder / OPTIMIZER)
-            if isinstance(module, nn.Module):  # safetensors' own handling of shared (tied) weights
+            sealed[OPTIMIZER] = pool.submit(_seal, folder / OPTIMIZER)
+            # safetensors' own handling of shared (tied) weights
+            if isinstance(module, nn.Module):
                 save_model(
                     module,
                     str(folder / WEIGHTS),
                     metadata={"step": str(step)},
                     force_contiguous=True,
                 )
-            elif module is not None:  # a state gathered from shards: no tensor shares storage
+            elif module is not None:
+                # a state gathered from shards: no tensor shares storage
                 save_file(
                     {k: v.contiguous() for k, v in module.items()},
                     str(folder / WEIGHTS),
                     metadata={"step": str(step)},
                 )
             if module is not None:
-                sealed[WEIGHTS] = pool.submit(_sealed, folder / WEIGHTS)
+                sealed[WEIGHTS] = pool.submit(_seal, folder / WEIGHTS)
             (folder / TRAINER).write_text(json.dumps(trainer_state))
-            sealed[TRAINER] = pool.submit(_sealed, folder / TRAINER)
+            sealed[TRAINER] = pool.submit(_seal, folder / TRAINER)
             files = {name: sealed[name].result() for name in sorted(sealed)}
         layout = "full" if module is not None else "sharded"
         (folder / MANIFEST).write_text(
@@ -462,7 +464,8 @@ class Checkpoints:
         the shards (its entry here is None): `weights` given a shards folder loads it from there."""
         folder = self.verify(step)
         trainer_state = read_trainer_state(folder / TRAINER)
-        if trainer_state["step"] != step:  # a folder renamed, or a state copied from another step
+        # a folder renamed, or a state copied from another step
+        if trainer_state["step"] != step:
             raise CheckpointError(
                 f"{folder / TRAINER} says step {trainer_state['step']}, but the folder is step "
                 f"{step}; the checkpoint is damaged"
@@ -483,7 +486,7 @@ class Checkpoints:
         from safetensors.torch import save
 
         path = _weights_path(self.verify(step))
-        state = _untied(whole_state(path), path)
+        state = _untie_weights(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
@@ -513,9 +516,8 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
         return read_shards_model(path)
     try:
         state = load_file(str(path))
-        with safe_open(
-            str(path), "pt"
-        ) as f:  # names save_model dropped as duplicates: dropped -> kept
+        # names save_model dropped as duplicates: dropped -> kept
+        with safe_open(str(path), "pt") as f:
             for dropped, kept in (f.metadata() or {}).items():
                 if kept in state and dropped not in state:
                     state[dropped] = state[kept]
@@ -524,12 +526,13 @@ def whole_state(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _untied(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def _untie_weights(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
     """`state` with a copy of a tied weight under each of its names but the first (a safetensors
     file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
     copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
     metadata would make a small file a huge one."""
-    held: dict[int, int] = {}  # each tensor of the file (by identity): its bytes
+    # each tensor of the file (by identity): its bytes
+    held: dict[int, int] = {}
     tied = set()
     for name, tensor in state.items():
         if id(tensor) in held:
@@ -580,10 +583,11 @@ def load_weights(module: nn.Module, path: Path) -> None:
         ) from None
 
 
-_SEALERS = 4  # threads that hash and sync a checkpoint's files
+# threads that hash and sync a checkpoint's files
+_SEALERS = 4
 
 
-def _sealed(path: Path, sync: bool = True) -> dict[str, Any]:
+def _seal(path: Path, sync: bool = True) -> dict[str, Any]:
     """A written file's manifest entry (its size and SHA-256), once it is synced (`sync`)."""
     digest = _sha256(path)
     if sync:

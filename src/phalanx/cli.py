@@ -288,7 +288,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from phalanx import commands  # heavy imports (torch) only once the arguments are valid
+    # heavy imports (torch) only once the arguments are valid
+    from phalanx import commands
 
     if args.command == "train":
         return commands.train(args.config, args.overrides, _nodes(args))

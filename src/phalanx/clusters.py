@@ -34,8 +34,10 @@ from phalanx.config import Config
 from phalanx.errors import ConfigError, PhalanxError, did_you_mean
 
 PREEMPTED = 128 + 10  # SIGUSR1's exit code
-RUNS_MOUNT = "/runs"  # where a PyTorchJob's pods mount the volume that holds the run directories
-MAX_NODES, MAX_GPUS = 10_000, 64  # beyond these a count is a typo, not a cluster
+# where a PyTorchJob's pods mount the volume that holds the run directories
+RUNS_MOUNT = "/runs"
+# beyond these a count is a typo, not a cluster
+MAX_NODES, MAX_GPUS = 10_000, 64
 
 
 def slurm_script(

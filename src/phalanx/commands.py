@@ -265,9 +265,8 @@ def doctor(config_path: str, overrides: list[str], nodes: Nodes | None = None) -
     )
     with tempfile.TemporaryDirectory(prefix="phalanx-doctor-") as tmp:
         folder = Path(tmp)
-        (folder / rundir.CONFIG).write_text(
-            config.dump(rundir.resolved(cfg))
-        )  # other nodes check they see it
+        # other nodes check they see it
+        (folder / rundir.CONFIG).write_text(config.dump(rundir.resolved(cfg)))
         if nodes is not None or devices > 1:
             store = machines.join(nodes) if nodes is not None else None
             launch.launch(
@@ -351,7 +350,7 @@ def bench(
             f"--devices needs counts >= 1 and --steps at least 2 (got {devices}, {steps})"
         )
     out_dir = Path(output or f"runs/bench-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    predicted = _predicted(config_path, overrides, devices) if plan else {}
+    predicted = _predict_speeds(config_path, overrides, devices) if plan else {}
     # each count runs as `phalanx train` runs it: on the CPU, one process with its own threads and
     # several sharing the cores (`parallel.cpu_threads`), which each row says
     accelerator = [] if torch.cuda.is_available() else ["parallel.accelerator=cpu"]
@@ -427,7 +426,7 @@ def _bench_runs(
     return rows
 
 
-def _predicted(config_path: str, overrides: list[str], devices: list[int]) -> dict[int, float]:
+def _predict_speeds(config_path: str, overrides: list[str], devices: list[int]) -> dict[int, float]:
     """What the planner predicts for the config's strategy at each device count (samples/s), or
     nothing where it cannot plan on this machine (it says why)."""
     from phalanx import planner
@@ -446,7 +445,8 @@ def _predicted(config_path: str, overrides: list[str], devices: list[int]) -> di
             for p in report["predictions"]
             if p["strategy"] == strategy and (p["devices"] == n or strategy == "single")
         ]
-        if fitting:  # the best variant of it (the ranking's order)
+        # the best variant of it (the ranking's order)
+        if fitting:
             out[n] = fitting[0]["samples_per_s"]
     return out
 

@@ -43,7 +43,8 @@ def import_object(
             f"give a name from {default_module} or a dotted path such as mypkg.MyClass"
         )
     module_name, _, attr = path.rpartition(".")
-    prefer_torch_keras()  # a user's module may import Keras: on torch, unless told otherwise
+    # a user's module may import Keras: on torch, unless told otherwise
+    prefer_torch_keras()
     if not module_name:
         raise ConfigError(
             f"class {path!r} is not a dotted path; write e.g. mypackage.module.MyClass"
@@ -112,14 +113,15 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
             raise ConfigError(
                 f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
             ) from None
-        raise _failed(section, factory, kwargs, e) from e
-    except (
-        ValueError
-    ) as e:  # the constructor rejected a value: name the section (--debug: traceback)
-        raise _failed(section, factory, kwargs, e) from e
+        raise _describe_failure(section, factory, kwargs, e) from e
+    except ValueError as e:
+        # the constructor rejected a value: name the section (--debug: traceback)
+        raise _describe_failure(section, factory, kwargs, e) from e
 
 
-def _failed(section: str, factory: Any, kwargs: dict[str, Any], error: Exception) -> ConfigError:
+def _describe_failure(
+    section: str, factory: Any, kwargs: dict[str, Any], error: Exception
+) -> ConfigError:
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return ConfigError(
         f"{section}: {_name(factory)}({given}) failed: {type(error).__name__}: {error}; "

@@ -27,11 +27,13 @@ from torch.utils.data import IterableDataset
 from phalanx.errors import DataError
 
 FEISTEL, RANDPERM = "feistel", "randperm"
-ORDERS = (FEISTEL, RANDPERM)  # the order a run uses; checkpoints without one name used randperm
+# the order a run uses; checkpoints without one name used randperm
+ORDERS = (FEISTEL, RANDPERM)
 _ROUNDS = 6
 _MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
 _BLOCK = 1 << 16  # positions computed together
-_TABLE = 1 << 18  # domains up to this size are computed whole, once (2 MiB at most)
+# domains up to this size are computed whole, once (2 MiB at most)
+_TABLE = 1 << 18
 
 
 class Order(Sequence[int]):
@@ -65,7 +67,8 @@ class Order(Sequence[int]):
             if step != 1:
                 return self.at(np.arange(start, stop, step, dtype=np.int64)).tolist()
             out: list[int] = []
-            while start < stop:  # from the blocks of positions the slice spans
+            # from the blocks of positions the slice spans
+            while start < stop:
                 block = start // _BLOCK
                 values = self._block(block)
                 offset = block * _BLOCK
@@ -100,9 +103,8 @@ class Order(Sequence[int]):
             return self._walk(self._table(), positions)
         values = self._rounds(positions.astype(np.uint64))
         outside = np.flatnonzero(values >= self.n)
-        while len(
-            outside
-        ):  # cycle-walking: a value beyond n goes round again, until it lands inside
+        # cycle-walking: a value beyond n goes round again, until it lands inside
+        while len(outside):
             values[outside] = self._rounds(values[outside])
             outside = outside[values[outside] >= self.n]
         return values.astype(np.int64)
@@ -201,9 +203,8 @@ class Plan:
     ):
         self.order, self.batch_size, self.accumulation = order, batch_size, accumulation
         self.rank, self.world_size, self.weights = rank, world_size, weights
-        self._steps: dict[
-            int, list[Micro]
-        ] = {}  # the loader's sampler and the loop ask for each step
+        # the loader's sampler and the loop ask for each step
+        self._steps: dict[int, list[Micro]] = {}
 
     def __len__(self) -> int:
         return -(-len(self.order) // self.batch_size)
@@ -282,9 +283,8 @@ def get_stream(
             f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; "
             "give it __len__ (a map-style dataset), or make it an IterableDataset"
         )
-    if (
-        len(stream) == 0
-    ):  # training on it would take no step, and its metrics would be those of nothing
+    # training on it would take no step, and its metrics would be those of nothing
+    if len(stream) == 0:
         raise DataError(
             f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
             f"sample: check what streams() returns for {name!r} (its path, split or filter)"

@@ -40,9 +40,12 @@ class Weighed(NamedTuple):
     """One micro-batch's forward, weighed by the contract (see `Engine.forward`)."""
 
     loss: torch.Tensor  # what backward starts from
-    gradient: torch.Tensor | None  # its gradient (per sample), or None for a scalar
-    part: torch.Tensor  # the micro-batch's part of the global batch's mean loss (or weighted sums)
-    data: dict  # the batch with the model's outputs, detached, for the hooks
+    # its gradient (per sample), or None for a scalar
+    gradient: torch.Tensor | None
+    # the micro-batch's part of the global batch's mean loss (or weighted sums)
+    part: torch.Tensor
+    # the batch with the model's outputs, detached, for the hooks
+    data: dict
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,10 @@ class Replica:
     scale: float = 1.0
 
 
-WHOLE = Replica()  # the model the engine was built with, as it is
-_weighed = tuple.__new__  # a Weighed without the Python frame of its generated constructor
+# the model the engine was built with, as it is
+WHOLE = Replica()
+# a Weighed without the Python frame of its generated constructor
+_weighed = tuple.__new__
 
 
 class GradNorms:
@@ -118,7 +123,8 @@ class Engine:
         # a forward's random draws are keyed by its samples, the seed and the step (`draws`);
         # None: torch's own generators
         self.random_seed = random_seed
-        self.step = 0  # steps done before the one running: set by the trainer
+        # steps done before the one running: set by the trainer
+        self.step = 0
         self.precision = precision
         self.max_grad_norm = max_grad_norm
         self.norms = GradNorms()
@@ -132,7 +138,8 @@ class Engine:
 
     def begin(self) -> None:
         """A training step starts: the module in training mode, no gradients."""
-        if not self.module.training:  # walking the module tree every step costs more than the check
+        # walking the module tree every step costs more than the check
+        if not self.module.training:
             self.module.train()
         self.trained_optimizer.zero_grad(set_to_none=True)
 
@@ -145,7 +152,8 @@ class Engine:
         shard or stage it splits them into), the optimizer's and the step's schedulers' steps.
         Returns the global batch's mean loss."""
         optimizer = self.trained_optimizer
-        if loss.dim():  # weighted: (sum w_i l_i, sum w_i) / B over the global batch
+        # weighted: (sum w_i l_i, sum w_i) / B over the global batch
+        if loss.dim():
             loss = self._normalise(loss)
         if self.max_grad_norm is None or self._clip(
             self.max_grad_norm, total_norm if norm is None else norm
@@ -199,11 +207,12 @@ class Engine:
         weight = n / micro.global_size * scale
         weights = data.get(WEIGHT)
         if weights is not None:
-            return self._weighted(loss, weights, scale / micro.global_size, data, tokens)
+            return self._weigh(loss, weights, scale / micro.global_size, data, tokens)
         # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
         if not n:
             return Weighed(loss.sum() * 0.0, None, loss.detach().new_zeros(()), data)
-        if loss.dim():  # per-sample: weight / n flows back into each sample, no mean in the graph
+        # per-sample: weight / n flows back into each sample, no mean in the graph
+        if loss.dim():
             part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
         else:
             part, gradient = loss.detach(), None
@@ -213,7 +222,7 @@ class Engine:
             part = part * weight
         return _weighed(Weighed, (loss, gradient, part, data))  # the common case, every step
 
-    def _weighted(
+    def _weigh(
         self,
         loss: torch.Tensor,
         weights: torch.Tensor,
@@ -225,9 +234,8 @@ class Engine:
         (sum w_i l_i, sum w_i) * factor (factor: the strategy's scale over the global batch). A loss
         over tokens goes back token by token, each with the factor: the same gradient, without the
         per-sample means in the graph."""
-        dtype = (
-            loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
-        )  # counts need the digits
+        # counts need the digits
+        dtype = loss.dtype if loss.dtype in (torch.float32, torch.float64) else torch.float32
         weights = weights.to(dtype)
         if not len(weights):
             objective = tokens if tokens is not None else loss
@@ -265,12 +273,14 @@ class Engine:
         skips it, and is counted."""
         if self.precision.scaler is not None:
             self.precision.scaler.unscale_(self.trained_optimizer)
-        parameters = self._parameters()  # clip_grads_with_norm_ skips those without a gradient
+        # clip_grads_with_norm_ skips those without a gradient
+        parameters = self._parameters()
         norm = norm_of([p.grad for p in parameters if p.grad is not None])
         value = float(norm)
         self.norms.add(value)
         if not math.isfinite(value):
-            if self.precision.scaler is not None:  # the scaler skips the step and lowers its scale
+            # the scaler skips the step and lowers its scale
+            if self.precision.scaler is not None:
                 return True
             if self.norms.nonfinite == 1:
                 log.warning(
@@ -342,7 +352,8 @@ class Engine:
             with precision.autocast():
                 outputs = call(batch)
         loss = outputs["loss"]
-        if loss.dim() != 1 or loss.shape[0] != n:  # not one value per sample: check and reduce it
+        # not one value per sample: check and reduce it
+        if loss.dim() != 1 or loss.shape[0] != n:
             loss = check_loss(loss, n)
         weights = outputs.get(WEIGHT)
         if weights is not None:
@@ -366,7 +377,8 @@ class Engine:
 def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all the gradients together; of sharded ones (DTensors), over every shard."""
     norm = torch.nn.utils.get_total_norm(gradients, 2.0)
-    if hasattr(norm, "full_tensor"):  # sharded gradients: the local parts' norm, made global
+    # sharded gradients: the local parts' norm, made global
+    if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
 
@@ -375,11 +387,8 @@ def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply tensors in place by a 0-dim tensor, in one kernel where they allow it."""
     try:
         torch._foreach_mul_(tensors, factor)
-    except (
-        RuntimeError,
-        TypeError,
-        NotImplementedError,
-    ):  # sharded tensors of some versions: one by one
+    except (RuntimeError, TypeError, NotImplementedError):
+        # sharded tensors of some versions: one by one
         for t in tensors:
             t.mul_(factor)
 
@@ -393,7 +402,8 @@ def _first_dim(batch: Mapping) -> int:
 
 def concat(parts: Sequence[dict | None]) -> dict:
     """Batch data joined along the batch dimension, in order; None parts (empty shards) skipped."""
-    if len(parts) == 1:  # one micro-batch: the common case, every step
+    # one micro-batch: the common case, every step
+    if len(parts) == 1:
         return parts[0] or {}
     present = [p for p in parts if p]
     if not present:

@@ -22,8 +22,10 @@ from typing import Literal, overload
 from phalanx.errors import ConfigError
 
 # set by the launcher for a worker that is started again alone when it dies (param_server's):
-INCARNATION = "PHALANX_INCARNATION"  # how many processes of this rank died before this one
-REJOINS = "PHALANX_REJOINS"  # the ranks so started, comma-separated, and how often: "1,2:3"
+# how many processes of this rank died before this one
+INCARNATION = "PHALANX_INCARNATION"
+# the ranks so started, comma-separated, and how often: "1,2:3"
+REJOINS = "PHALANX_REJOINS"
 
 
 @dataclass(frozen=True)
@@ -32,15 +34,19 @@ class Place:
 
     launcher: Literal["alone", "agent", "slurm"]
     rank: int = 0
-    local_rank: int = 0  # among the processes of this machine: which device it takes
+    # among the processes of this machine: which device it takes
+    local_rank: int = 0
     node_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1  # processes on this machine
     master_addr: str | None = None
     master_port: int | None = None
-    attempt: int = 0  # the agent's restarts of this machine's workers so far
-    incarnation: int = 0  # a process started in place of one that died: how many died before it
-    agent_store: bool = False  # the agent serves the store the workers share (they are its clients)
+    # the agent's restarts of this machine's workers so far
+    attempt: int = 0
+    # a process started in place of one that died: how many died before it
+    incarnation: int = 0
+    # the agent serves the store the workers share (they are its clients)
+    agent_store: bool = False
 
     @property
     def in_group(self) -> bool:

@@ -30,7 +30,8 @@ def _open(
 ) -> tuple[Path, config.Config]:
     """A run and its config for one process on one device (checkpoints carry no device count); a
     run trained with objects needs them again."""
-    logs.setup(None)  # first: opening the run logs where its classes come from
+    # first: opening the run logs where its classes come from
+    logs.setup(None)
     objects = objects or Objects()
     run_dir = rundir.open_run(
         Path(run_path), announce=objects.model is None or objects.dataset is None
@@ -47,7 +48,7 @@ def _open(
     )
 
 
-def _restored(
+def _restore(
     run_dir: Path,
     cfg: config.Config,
     which: str | int,
@@ -81,7 +82,7 @@ def evaluate(
         for h in build_hooks(cfg, rundir.search_dirs(run_dir))
         if isinstance(h, (ComputeStats, ClassificationMetrics))
     ] or [ComputeStats()]
-    trainer, step = _restored(run_dir, cfg, which, metric_hooks, stream, objects)
+    trainer, step = _restore(run_dir, cfg, which, metric_hooks, stream, objects)
     trainer.epoch_data = {stream: {}}
     trainer.evaluate(stream)
     for hook in metric_hooks:
@@ -110,11 +111,13 @@ def print_metrics(run_dir: Path, result: dict[str, Any]) -> None:
 class _Collect(Hook):
     """Every batch's per-sample values (the batch's and the model's), in dataset order."""
 
-    CSV_VALUES = 32  # values per sample beyond which a tensor goes to an array file, not to CSV
+    # values per sample beyond which a tensor goes to an array file, not to CSV
+    CSV_VALUES = 32
 
     def __init__(self) -> None:
         self.columns: dict[str, list[torch.Tensor]] = {}
-        self.skipped: dict[str, str] = {}  # keys that are not per-sample tensors, and what they are
+        # keys that are not per-sample tensors, and what they are
+        self.skipped: dict[str, str] = {}
         self.count = 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -205,7 +208,7 @@ def predictions(
     order."""
     collect = _Collect()
     run_dir, cfg = _open(run_path, "predict", objects)
-    trainer, _ = _restored(run_dir, cfg, which, [collect], stream, objects)
+    trainer, _ = _restore(run_dir, cfg, which, [collect], stream, objects)
     trainer.evaluate(stream)
     return collect.arrays(), collect
 

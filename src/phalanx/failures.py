@@ -75,7 +75,7 @@ def explain(
     by a signal; a rank of this machine that ended without a word (no error file: killed from
     outside, or crashed in native code). A rank's lost connection to another is a consequence:
     named only where nothing of this machine failed (another machine, or its rank, ended first)."""
-    recorded, silent = _recorded(records, first_rank)
+    recorded, silent = _read_records(records, first_rank)
     errors = [info for info in recorded if not info.get("stopped")]
     causes = [
         info
@@ -164,7 +164,7 @@ def summary_line(error: BaseException) -> str:
     return f"{first} ... {' '.join(lines[-1].split())[:500]}"
 
 
-def _recorded(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:
+def _read_records(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:
     """What every worker of every attempt recorded under `records`, and the workers of the last
     attempt that recorded nothing (`rank R`, this machine's first worker being rank `first_rank`;
     where that is not known, in an elastic job, `local rank L of this machine`). The launcher

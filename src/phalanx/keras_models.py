@@ -9,7 +9,7 @@ the very parameters Keras reads under names taken from the model's structure (`d
 the layer's class and its place among its parent's layers), which every build of the same model
 gives alike; a Keras loss named in `model.loss` gives the per-sample loss (`per_sample`).
 
-A tower's replica is a copy of the Keras model made as Python copies objects (`_copied`). For
+A tower's replica is a copy of the Keras model made as Python copies objects (`_copy_model`). For
 `phalanx export`, training records Keras's description of the model (`record`), which export
 rebuilds it from with no code of the run's (`rebuilt`) before it writes Keras's own file atomically
 (`save`).
@@ -100,7 +100,7 @@ class KerasModule(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> KerasModule:
         """A copy whose module holds the parameters its Keras model reads: a tower's replica."""
-        return KerasModule(_copied(self.keras_model, memo)).train(self.training)
+        return KerasModule(_copy_model(self.keras_model, memo)).train(self.training)
 
     def check_dtype(self, dtype: str, asked: str) -> None:
         """One error where a layer of the model computes in another dtype than `dtype` (Keras
@@ -126,7 +126,7 @@ class KerasModule(nn.Module):
         return f"keras {type(self.keras_model).__name__} {self.keras_model.name!r}"
 
 
-def _copied(model: Any, memo: dict) -> Any:
+def _copy_model(model: Any, memo: dict) -> Any:
     """A deep copy of a Keras model, made as Python copies any object: attribute by attribute, the
     functions it calls (a `Lambda`'s, with their globals and closures) shared. Keras's own copy
     saves the model and loads it again, which rebuilds a lambda from its bytecode without the names

@@ -62,13 +62,17 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing import LogsSpecs
 
 log = logging.getLogger("phalanx")
-STOP_FILE = ".stop-requested"  # the workers finish their step, save and exit
-ABORT_FILE = ".stop-now"  # the workers exit at once; it holds their exit code
-OOM_FILE = ".out-of-memory"  # a worker ran out of device memory; it holds the worker's rank
+# the workers finish their step, save and exit
+STOP_FILE = ".stop-requested"
+# the workers exit at once; it holds their exit code
+ABORT_FILE = ".stop-now"
+# a worker ran out of device memory; it holds the worker's rank
+OOM_FILE = ".out-of-memory"
 SHUTDOWN_TIMEOUT_S = 5
 GUARD_INTERVAL_S = 0.1
 RENDEZVOUS = "phalanx-loopback"
-_listeners: dict[str, socket.socket] = {}  # run id -> the rendezvous store's listening socket
+# run id -> the rendezvous store's listening socket
+_listeners: dict[str, socket.socket] = {}
 
 
 class _Common(TypedDict):
@@ -113,9 +117,8 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     check_main_importable(devices)
-    records = Path(
-        tempfile.mkdtemp(prefix="phalanx-workers-")
-    )  # each worker's error.json, read on failure
+    # each worker's error.json, read on failure
+    records = Path(tempfile.mkdtemp(prefix="phalanx-workers-"))
     common = _Common(
         nproc_per_node=devices,
         max_restarts=restarts,
@@ -142,9 +145,8 @@ def launch(
         run_id = nodes.run_id
         stores[run_id] = store
         run_dirs[run_id] = run_dir
-        if (
-            nodes.elastic
-        ):  # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+        # rounds of torch's dynamic rendezvous: whoever is there, between least and count
+        if nodes.elastic:
             config = LaunchConfig(
                 min_nodes=nodes.fewest,
                 max_nodes=nodes.count,
@@ -165,12 +167,14 @@ def launch(
                 **common,
             )
     clear_requests(run_dir)
-    (run_dir / OOM_FILE).unlink(missing_ok=True)  # the launcher reads it after a failed launch
+    # the launcher reads it after a failed launch
+    (run_dir / OOM_FILE).unlink(missing_ok=True)
+    # the launcher reports failures itself, once
     for name in (
         "torch.distributed.elastic",
         "torch.distributed.elastic.multiprocessing.api",
         "torch.multiprocessing.spawn",
-    ):  # the launcher reports failures itself, once
+    ):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         settings = _workers_settings(run_dir, nodes)
@@ -224,13 +228,11 @@ class _Relay:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.requested = False
-        self._started = _count_started(
-            run_dir
-        )  # "started" events before this launch (a resumed run)
+        # "started" events before this launch (a resumed run)
+        self._started = _count_started(run_dir)
         self._previous: dict[int, signals.Handler] = {}
-        self._interrupt: int | None = (
-            None  # the signal the receiving thread passed on to the main thread
-        )
+        # the signal the receiving thread passed on to the main thread
+        self._interrupt: int | None = None
         self._closed = threading.Event()
         self._receiver: threading.Thread | None = None
 
@@ -302,7 +304,8 @@ def _write(path: Path, text: str) -> None:
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
-    except OSError:  # the run directory is gone: there is nothing left to stop
+    except OSError:
+        # the run directory is gone: there is nothing left to stop
         pass
 
 
@@ -339,7 +342,8 @@ def _rendezvous_handler(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     class Backend(C10dRendezvousBackend):
-        name = RENDEZVOUS  # the handler must answer to the name it was asked for
+        # the handler must answer to the name it was asked for
+        name = RENDEZVOUS
 
     store = _store_on(_listeners.pop(params.run_id))
     handler = create_handler(store, Backend(store, params.run_id), params)
@@ -423,7 +427,8 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
 
         dump_stacks(Path(run_dir))
         failures.record(e, progress.explain(e))
-        if _out_of_memory(e):  # the launcher may go on with more micro-batches a step
+        # the launcher may go on with more micro-batches a step
+        if _out_of_memory(e):
             _write(Path(run_dir) / OOM_FILE, str(environment.here().rank))
         # the other workers of this attempt need not wait for their timeout (the next attempt's
         # ignore it)
@@ -456,14 +461,16 @@ def _supervise(run_dir: str, run: Callable[..., int], args: tuple, rejoins: int)
         code = child.exitcode if child.exitcode is not None else 1
         if code == 0:
             return 0
-        if code > 0 or incarnation == rejoins:  # as the worker would have ended (see `worker`)
+        # as the worker would have ended (see `worker`)
+        if code > 0 or incarnation == rejoins:
             sys.stdout.flush()
             os._exit(code if code > 0 else 128 - code)
         _stderr(
             f"phalanx: worker rank {rank} ended by signal {-code}; a new one takes its place "
             f"while the others go on ({incarnation + 1} of {rejoins})"
         )
-    return 1  # not reached: the last incarnation returns above
+    # not reached: the last incarnation returns above
+    return 1
 
 
 def _incarnation(
@@ -526,7 +533,8 @@ class _Guard(threading.Thread):
             except OSError:
                 code = None
             if code is not None:
-                dump_stacks(self.run_dir)  # where this rank was (stuck, perhaps) when the job ended
+                # where this rank was (stuck, perhaps) when the job ended
+                dump_stacks(self.run_dir)
                 failures.record_stop()
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
@@ -543,7 +551,8 @@ def abort_code(text: str, attempt: str) -> int | None:
         return None
 
 
-STACKS = "stacks"  # in the run directory: each rank's Python stack when the job ended abnormally
+# in the run directory: each rank's Python stack when the job ended abnormally
+STACKS = "stacks"
 
 
 def dump_stacks(run_dir: Path) -> None:

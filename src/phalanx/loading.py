@@ -52,10 +52,10 @@ def collate(
     batch is named: one dict per batch, not per sample."""
     if not items:
         return None
-    return _stacked(items, name, keys)
+    return _stack(items, name, keys)
 
 
-def _stacked(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+def _stack(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
     """One or more items as a batch (see `collate`)."""
     if keys is not None and not isinstance(items[0], Mapping):
         return _named_batch(items, keys, name)
@@ -104,13 +104,14 @@ def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str
         try:
             batch = default_collate(items)
         except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
-            pass  # named one by one below, for the error that says which item or key
+            # named one by one below, for the error that says which item or key
+            pass
         else:
             if parts is None:
                 return {keys[0]: batch}
             if len(batch) == len(keys):
                 return dict(zip(keys, batch, strict=True))
-    return _stacked([name_item(item, keys, name) for item in items], name)
+    return _stack([name_item(item, keys, name) for item in items], name)
 
 
 def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
@@ -312,9 +313,8 @@ class _Reseeded(Dataset):
     def __init__(self, dataset: Any):
         self.dataset = dataset
         self._seed: tuple[int, int] | None = None
-        if callable(
-            getattr(dataset, "__getitems__", None)
-        ):  # its batched read (Hugging Face datasets have one)
+        # its batched read (Hugging Face datasets have one)
+        if callable(getattr(dataset, "__getitems__", None)):
             self.__getitems__ = self._getitems
 
     def __len__(self) -> int:
@@ -335,14 +335,14 @@ class _Reseeded(Dataset):
         if token != self._seed:
             self._seed = token
             worker = torch.utils.data.get_worker_info()
-            assert worker is not None  # persistent workers only: this runs in a worker process
+            # persistent workers only: this runs in a worker process
+            assert worker is not None
             _seed_worker(token[0], worker.id)
 
 
 def _seed_worker(seed: int, worker: int) -> None:
-    from torch.utils.data._utils.worker import (
-        _generate_state,  # the seeding torch's workers start with
-    )
+    # the seeding torch's workers start with
+    from torch.utils.data._utils.worker import _generate_state
 
     random.seed(seed + worker)
     torch.manual_seed(seed + worker)
@@ -434,7 +434,7 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
 
 
 def empty_like(item: Any, name: str) -> dict[str, Any]:
-    batch = _stacked([item], name)
+    batch = _stack([item], name)
     return {
         k: v[:0].clone() if isinstance(v, torch.Tensor) else v[:0] if isinstance(v, list) else v
         for k, v in batch.items()
@@ -492,14 +492,12 @@ class NamedStream(_Named, IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         return map(self._named, self.stream)
 
-    def __len__(
-        self,
-    ) -> int:  # a TypeError where the stream has no length, as len() of it would give
+    def __len__(self) -> int:
+        # a TypeError where the stream has no length, as len() of it would give
         return len(self.stream)
 
-    def __getattr__(
-        self, attribute: str
-    ) -> Any:  # set_epoch, state_dict, load_state_dict, __len__ ...
+    def __getattr__(self, attribute: str) -> Any:
+        # set_epoch, state_dict, load_state_dict, __len__ ...
         if attribute == "stream":
             raise AttributeError(attribute)
         return getattr(self.stream, attribute)
@@ -562,9 +560,8 @@ class StreamSteps:
         while True:
             taken = self._take(items, k)
             if not taken:
-                if (
-                    k == 0
-                ):  # training on it would take no step, and its metrics would be those of nothing
+                # training on it would take no step, and its metrics would be those of nothing
+                if k == 0:
                     raise DataError(
                         f"stream {self.name!r} yielded no item; a stream needs at least one "
                         "sample: check what it reads (its path, split or filter)"
@@ -582,9 +579,8 @@ class StreamSteps:
             fetched = []
             for micro in plan.step(0):
                 batch = collate([taken[p - first] for p in micro.shard], self.name)
-                if (
-                    batch is None and self.empty_batches
-                ):  # a batch of zero samples, shaped like the items
+                # a batch of zero samples, shaped like the items
+                if batch is None and self.empty_batches:
                     batch = empty_like(taken[0], self.name)
                 fetched.append((micro, batch))
             yield k, fetched
@@ -606,5 +602,6 @@ class StreamSteps:
         return list(itertools.takewhile(lambda item: item is not _END, read))
 
 
-_START = -1  # the position `iter` of an iterable stream is keyed by: before its first item
+# the position `iter` of an iterable stream is keyed by: before its first item
+_START = -1
 _END = object()

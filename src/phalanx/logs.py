@@ -12,9 +12,11 @@ from rich.logging import RichHandler
 from phalanx.files import storage_error
 
 console = Console(stderr=True)  # progress and logs
-out = Console()  # a command's results (eval tables, ls, info), on standard output
+# a command's results (eval tables, ls, info), on standard output
+out = Console()
 if not out.is_terminal:
-    out.width = 160  # a file or a pipe: no terminal width to fit, so do not squeeze tables
+    # a file or a pipe: no terminal width to fit, so do not squeeze tables
+    out.width = 160
 log = logging.getLogger("phalanx")
 
 
@@ -52,7 +54,8 @@ def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:
     log.propagate = False
     if console.is_terminal:
         log.addHandler(RichHandler(console=console, show_path=False, show_time=False, markup=False))
-    else:  # a file or a pipe: plain lines, never wrapped
+    else:
+        # a file or a pipe: plain lines, never wrapped
         plain = logging.StreamHandler(sys.stderr)
         plain.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
         log.addHandler(plain)

@@ -170,9 +170,8 @@ def _size(n: float) -> str:
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
-    local = (
-        tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    )  # a DTensor: this process's shard
+    # a DTensor: this process's shard
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
     return local.numel() * local.element_size()
 
 

@@ -58,22 +58,19 @@ class Forward:
         self.module = module
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
-        self._single = (
-            self.outputs[0] if len(self.outputs) == 1 else None
-        )  # the name of a lone tensor output
+        # the name of a lone tensor output
+        self._single = self.outputs[0] if len(self.outputs) == 1 else None
         self.named_loss = _NamedLoss(cfg.loss, search_dirs) if cfg.loss else None
         user = inner if inner is not None else module
         self.params, self.takes_all = _forward_params(user)
         # a Hugging Face model: "causal" (its labels are the inputs, predicted one token ahead) or
         # "other"
         self.hugging_face = _hugging_face_kind(user) if cfg.loss is None else None
-        if (
-            self.hugging_face
-        ):  # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+        # its own loss, the micro-batch's mean, is not computed: phalanx's replaces it
+        if self.hugging_face:
             self.params.pop("labels", None)
-            self.takes_all = (
-                False  # its **kwargs are options of attention kernels, not the batch's other keys
-            )
+            # its **kwargs are options of attention kernels, not the batch's other keys
+            self.takes_all = False
         self._no_cache = bool(self.hugging_face) and "use_cache" in self.params
         self.output_names: list[str] = []
 
@@ -84,7 +81,8 @@ class Forward:
         return other
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        try:  # the mapping is checked only when it fails: this runs every step
+        try:
+            # the mapping is checked only when it fails: this runs every step
             arguments = (
                 {arg: batch[key] for key, arg in self.inputs.items()}
                 if self.inputs is not None
@@ -92,9 +90,8 @@ class Forward:
             )
         except KeyError:
             arguments = self._arguments(batch)
-        if (
-            self._no_cache
-        ):  # a Hugging Face model keeps no attention cache it would hand back with its outputs
+        # a Hugging Face model keeps no attention cache it would hand back with its outputs
+        if self._no_cache:
             arguments["use_cache"] = False
         raw = self.module(**arguments)
         outputs = (
@@ -228,7 +225,8 @@ def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) 
     or the mean squared error where the labels are real numbers (regression heads)."""
     import torch.nn.functional as F
 
-    if labels.is_floating_point():  # one score per sample: regression; several: independent labels
+    # one score per sample: regression; several: independent labels
+    if labels.is_floating_point():
         if labels.dim() == 1:
             return per_sample_loss(F.mse_loss, logits.reshape(labels.shape), labels, None, {})
         return per_sample_loss(F.binary_cross_entropy_with_logits, logits, labels, None, {})

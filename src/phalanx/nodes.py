@@ -29,10 +29,13 @@ from phalanx.errors import ConfigError, PhalanxError
 
 log = logging.getLogger("phalanx")
 TIMEOUT_S = 600  # how long a node waits for the others
-SAY_AFTER_S = 5  # how long it waits before it says that it is waiting, and for what
+# how long it waits before it says that it is waiting, and for what
+SAY_AFTER_S = 5
 _POLL_S = 1.0
-REFORM_FILE = ".re-forming"  # in the run directory while an elastic job's machines re-form
-run_dirs: dict[str, Path] = {}  # run id -> its run directory, for the elastic handler
+# in the run directory while an elastic job's machines re-form
+REFORM_FILE = ".re-forming"
+# run id -> its run directory, for the elastic handler
+run_dirs: dict[str, Path] = {}
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,8 @@ class Nodes:
     rank: int
     host: str
     port: int
-    least: int | None = None  # elastic: the job goes on with as few machines as this
+    # elastic: the job goes on with as few machines as this
+    least: int | None = None
 
     @property
     def elastic(self) -> bool:
@@ -166,7 +170,8 @@ def wait_for(store: Any, key: str, what: str, timeout_s: float = TIMEOUT_S) -> b
     while True:
         try:
             store.wait([key], timedelta(seconds=_POLL_S))
-        except (RuntimeError, OSError) as e:  # timed out: not there yet (or the store is gone)
+        except (RuntimeError, OSError) as e:
+            # timed out: not there yet (or the store is gone)
             waited = time.monotonic() - started
             if "timeout" not in str(e).lower() and "timed out" not in str(e).lower():
                 raise PhalanxError(
@@ -185,7 +190,8 @@ RUN_DIR_KEY = "phalanx/run_dir"
 JOB_KEY = "phalanx/job/node-"  # + a node's rank: what it was started with
 VERDICT_KEY = "phalanx/job/verdict"
 HEARD_KEY = "phalanx/job/heard-"  # + a node's rank: it has read the verdict
-_LOCAL = ("name", "output_root")  # keys of a config that each node may set apart
+# keys of a config that each node may set apart
+_LOCAL = ("name", "output_root")
 
 
 def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
@@ -194,7 +200,7 @@ def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
     own as they arrive and gives the verdict; any difference fails every node, with one line that
     names the keys and each node's value. In an elastic job nodes come and go, so a joining node
     compares its own with node 0's, and only it is refused."""
-    mine = json.dumps({"nodes": nodes.count, "config": _compared(resolved)})
+    mine = json.dumps({"nodes": nodes.count, "config": _drop_local_keys(resolved)})
     if nodes.elastic:
         if nodes.rank == 0:
             store.set(f"{JOB_KEY}0", mine)
@@ -219,7 +225,8 @@ def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
         if problem:
             break
     store.set(VERDICT_KEY, problem or "same")
-    if problem:  # node 0 serves the store: it stays until the others have read why they stop
+    # node 0 serves the store: it stays until the others have read why they stop
+    if problem:
         with contextlib.suppress(PhalanxError):
             for rank in seen:
                 if rank:
@@ -227,7 +234,7 @@ def agree(store: Any, nodes: Nodes, resolved: dict) -> None:
         raise ConfigError(problem)
 
 
-def _compared(resolved: dict) -> dict:
+def _drop_local_keys(resolved: dict) -> dict:
     return {k: v for k, v in resolved.items() if k not in _LOCAL}
 
 
@@ -282,7 +289,8 @@ def registered(name: str, handler: Callable) -> str:
 
 
 NODES_RENDEZVOUS = "phalanx-nodes"
-stores: dict[str, Any] = {}  # run id -> the job's store (`join`), for the rendezvous handler
+# run id -> the job's store (`join`), for the rendezvous handler
+stores: dict[str, Any] = {}
 
 
 def nodes_rendezvous_handler(params):
@@ -333,10 +341,10 @@ def nodes_rendezvous_handler(params):
 
 
 ELASTIC_RENDEZVOUS = "phalanx-elastic"
-LAST_CALL_S = 3  # after the least count has joined a round, how long it waits for more machines
-ROUND_KEY = (
-    "phalanx/round-of-node/"  # + a machine's rank in the round: the round's token, for its workers
-)
+# after the least count has joined a round, how long it waits for more machines
+LAST_CALL_S = 3
+# + a machine's rank in the round: the round's token, for its workers
+ROUND_KEY = "phalanx/round-of-node/"
 
 
 def elastic_rendezvous_handler(params):
@@ -368,14 +376,14 @@ def elastic_rendezvous_handler(params):
 
         def next_rendezvous(self) -> RendezvousInfo:
             info = inner.next_rendezvous()
-            if params.run_id in run_dirs:  # every machine's workers of the last round are stopped
+            # every machine's workers of the last round are stopped
+            if params.run_id in run_dirs:
                 with contextlib.suppress(OSError):
                     (run_dirs[params.run_id] / REFORM_FILE).unlink(missing_ok=True)
             if info.rank == 0:
                 info.store.set("phalanx/round-token", uuid.uuid4().hex)
-            token = info.store.get(
-                "phalanx/round-token"
-            )  # in the round's own keys: waits for rank 0's
+            # in the round's own keys: waits for rank 0's
+            token = info.store.get("phalanx/round-token")
             store.set(f"{ROUND_KEY}{info.rank}", token)
             return RendezvousInfo(
                 info.store, info.rank, info.world_size, RendezvousStoreInfo(host, int(port))

@@ -30,9 +30,8 @@ from phalanx.errors import StorageError
 from phalanx.files import remove, write_atomic, writing
 
 log = logging.getLogger("phalanx")
-CLOSE_WAIT_S = (
-    5.0  # at the end of training, for the child's last drawing, before the trainer draws it itself
-)
+# at the end of training, for the child's last drawing, before the trainer draws it itself
+CLOSE_WAIT_S = 5.0
 # the plots are for people watching: a fresher picture than every 2 s is CPU taken from training
 INTERVAL_S = 2.0
 
@@ -52,9 +51,8 @@ def draw(folder: Path, history: dict[str, list[list[float]]], dpi: int = 80) -> 
     for var, names in by_variable.items():
         fig = Figure(figsize=(6, 4))
         FigureCanvasAgg(fig)
-        fig.subplots_adjust(
-            left=0.14, right=0.97, top=0.91, bottom=0.13
-        )  # tight_layout's cost is half the plot's
+        # tight_layout's cost is half the plot's
+        fig.subplots_adjust(left=0.14, right=0.97, top=0.91, bottom=0.13)
         ax = fig.add_subplot()
         for name in names:
             epochs, values = zip(*history[name], strict=True)
@@ -110,7 +108,8 @@ class Painter:
     def __init__(self) -> None:
         self._child: subprocess.Popen[bytes] | None = None
         self._link: _Link | None = None
-        self._sent: dict[str, int] = {}  # points of each curve the child has been given
+        # points of each curve the child has been given
+        self._sent: dict[str, int] = {}
         self._unsent = b""
         self._inline = False  # the child could not start: draw here
 
@@ -190,7 +189,8 @@ class Painter:
                 written = os.write(fd, self._unsent[: select.PIPE_BUF])
             except BlockingIOError:
                 continue
-            except OSError:  # the child ended: close says what it said, or how it ended
+            except OSError:
+                # the child ended: close says what it said, or how it ended
                 if deadline is None:
                     self.close()
                     raise StorageError(
@@ -261,7 +261,8 @@ def _serve() -> None:
     seconds while points come, and at once at the end; answer each drawing, and the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:  # training comes first: this process runs on cores that training leaves idle
+    try:
+        # training comes first: this process runs on cores that training leaves idle
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux
         try:
@@ -275,7 +276,8 @@ def _serve() -> None:
     while not ended:
         wait = None if undrawn is None else max(0.0, last + INTERVAL_S - time.monotonic())
         lines = requests.ready(wait)
-        if lines is None:  # the trainer is gone: what it sent is drawn, no one hears the answer
+        # the trainer is gone: what it sent is drawn, no one hears the answer
+        if lines is None:
             if undrawn is not None:
                 # an orphan's error has no one to tell: the next run's drawing reports it
                 with contextlib.suppress(Exception):

@@ -22,7 +22,8 @@ from phalanx import config, costs, environment
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.strategies import pricing
 
-SMALL = 1024  # bytes: the messages that measure a link's latency
+# bytes: the messages that measure a link's latency
+SMALL = 1024
 
 
 def synchronize(device: torch.device) -> None:
@@ -133,7 +134,8 @@ def links_worker(
         sub = dist.new_group(list(range(n)))  # every process makes every group
         if rank < n:
             found["all_reduce"][n] = [
-                _timed(lambda x, g=sub: dist.all_reduce(x, group=g), size, device) for size in sizes
+                _time_op(lambda x, g=sub: dist.all_reduce(x, group=g), size, device)
+                for size in sizes
             ]
         dist.barrier()
     if rank < 2:
@@ -147,7 +149,7 @@ def links_worker(
                 dist.recv(x, other)
                 dist.send(x, other)
 
-        found["p2p"] = [_timed(round_trip, size, device) / 2 for size in sizes]
+        found["p2p"] = [_time_op(round_trip, size, device) / 2 for size in sizes]
     found["sizes"] = list(sizes)
     dist.barrier()
     if rank == 0:
@@ -217,7 +219,7 @@ def _gathered_max(seconds: float, device: torch.device) -> float:
     return float(value)
 
 
-def _timed(op: Any, nbytes: int, device: torch.device, repeats: int = 10) -> float:
+def _time_op(op: Any, nbytes: int, device: torch.device, repeats: int = 10) -> float:
     """The median seconds of `op` on a float32 tensor of `nbytes`, after two to warm up."""
     x = torch.zeros(max(1, nbytes // 4), device=device)
     runs = []
@@ -261,7 +263,8 @@ def calibrated(
         crowding=crowding,
         sync_s=sync,
     )
-    one = replace(m, accumulation=1)  # the workers measured one micro-batch a step
+    # the workers measured one micro-batch a step
+    one = replace(m, accumulation=1)
     if isinstance(found.get("fsdp_step"), str):
         m = replace(m, refused={**m.refused, "fsdp": found["fsdp_step"]})
     elif found.get("fsdp_step") is not None:

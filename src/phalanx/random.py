@@ -32,11 +32,13 @@ from torch import nn
 from torch.nn import functional as F
 
 _M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9  # added before mixing a counter: 0 and 1 then differ in many bits
+# added before mixing a counter: 0 and 1 then differ in many bits
+_GOLDEN = 0x9E3779B9
 # the two multipliers of the mix are below 2**31: a 32-bit value times one stays below 2**63
 _MUL1, _MUL2 = 0x7FEB352D, 0x1B873593
 _SALT_SAMPLE, _SALT_SITE = 0x5A3F1C27, 0x2C1B3A95
-_BITS = 24  # of each element's 32 that a dropout compares with its rate
+# of each element's 32 that a dropout compares with its rate
+_BITS = 24
 
 _local = threading.local()
 

@@ -65,10 +65,11 @@ def check(changed: dict[str, tuple[Any, Any]], state: dict[str, Any], batch_size
 def affects_schedule(changed: dict[str, tuple[Any, Any]]) -> bool:
     """Whether the optimizer's settings or the learning-rate schedule change (the scaled rate
     depends on the global batch too)."""
+    # the epochs: the length a scheduler argument given as auto takes
     return any(
         k.startswith(("optimizer.", "scheduler")) or k in ("dataset.batch_size", "main_loop.epochs")
         for k in changed
-    )  # the epochs: the length a scheduler argument given as auto takes
+    )
 
 
 def replay_schedule(
@@ -82,7 +83,8 @@ def replay_schedule(
     if steps_per_epoch is None:
         steps_per_epoch = steps
     done = 0
-    with warnings.catch_warnings():  # stepping a scheduler before its optimizer has stepped warns
+    # stepping a scheduler before its optimizer has stepped warns
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(epochs):
             for _ in range(min(steps_per_epoch, steps - done)):

@@ -28,16 +28,16 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir, n = root / f"{cfg.name}-{stamp}", 1
     with writing(run_dir, where="set output_root to a folder you can write"):
-        while True:  # mkdir is the check: two commands started in the same second get a folder each
+        # mkdir is the check: two commands started in the same second get a folder each
+        while True:
             try:
                 run_dir.mkdir(parents=True)
                 break
             except FileExistsError:
                 n += 1
                 run_dir = root / f"{cfg.name}-{stamp}-{n}"
-    with writing(
-        run_dir, partial=run_dir, where="set output_root to a folder you can write"
-    ):  # none half-made
+    # none half-made
+    with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))
         config_dir = config_path.resolve().parent if config_path is not None else Path.cwd()
         meta = {
@@ -119,7 +119,8 @@ def objects(run_dir: Path) -> dict[str, Any]:
     try:
         meta = read_json(run_dir / META)
     except (OSError, ValueError):
-        return {}  # search_dirs says what is wrong with the file, where it is needed
+        # search_dirs says what is wrong with the file, where it is needed
+        return {}
     given = meta.get("objects") if isinstance(meta, dict) else None
     return given if isinstance(given, dict) else {}
 

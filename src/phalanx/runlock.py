@@ -39,9 +39,8 @@ class Lock:
     def release(self) -> None:
         if self.fd is None:
             return
-        with contextlib.suppress(
-            FileNotFoundError
-        ):  # removed while held: the run directory was discarded
+        # removed while held: the run directory was discarded
+        with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         os.close(self.fd)  # releases the lock
         self.fd = None
@@ -85,9 +84,8 @@ def acquire(run_dir: Path, command: str) -> Lock:
             raise
         if _same_file(fd, path):
             break
-        os.close(
-            fd
-        )  # the holder before removed the file between its opening and its locking: again
+        # the holder before removed the file between its opening and its locking: again
+        os.close(fd)
     info = {
         "pid": os.getpid(),
         "host": socket.gethostname(),

@@ -35,7 +35,8 @@ import torch
 from torch.utils.data import Dataset
 
 _MASK = (1 << 64) - 1
-_TRAINING, _EVALUATION = 0, 1  # what a key is for: no training key equals an evaluation's
+# what a key is for: no training key equals an evaluation's
+_TRAINING, _EVALUATION = 0, 1
 T = TypeVar("T")
 
 
@@ -171,8 +172,9 @@ class Keyed(Dataset):
             while True:
                 seeders = [GENERATORS[name].seed for name in self.drawn]
                 if seeders:
-                    items = [self._seeded(k, index, seeders) for k, index in keyed]
-                else:  # a stream that has drawn nothing yet: no seed to compute
+                    items = [self._read_seeded(k, index, seeders) for k, index in keyed]
+                else:
+                    # a stream that has drawn nothing yet: no seed to compute
                     read = self._one
                     items = [read(index) for _, index in keyed]
                 moved = {
@@ -190,7 +192,7 @@ class Keyed(Dataset):
         restore(saved, self.drawn)
         return items
 
-    def _seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
+    def _read_seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
         s = item_seed(k, index)
         for seeder in seeders:
             seeder(s)

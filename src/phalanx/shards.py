@@ -208,7 +208,7 @@ class _Damaged(ValueError):
     """A `.metadata` whose records are not what torch writes."""
 
 
-def _checked(metadata: Any, folder: Path) -> Any:
+def _check_metadata(metadata: Any, folder: Path) -> Any:
     """`metadata` if every record holds what torch writes, field by field, every file it names is a
     file of this step's manifest (inside the folder, covered by its hashes), and it claims no more
     than those files hold; else _Damaged."""
@@ -413,7 +413,7 @@ def _dcp() -> tuple[type, type]:
             path = Path(self.path) / ".metadata"
             try:
                 with open(path, "rb") as f:
-                    metadata = _checked(_Unpickler(f).load(), Path(self.path))
+                    metadata = _check_metadata(_Unpickler(f).load(), Path(self.path))
             except _Damaged as e:
                 raise CheckpointError(
                     f"{path} is not checkpoint metadata as torch writes it ({e}); the checkpoint "

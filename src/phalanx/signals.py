@@ -35,12 +35,10 @@ log = logging.getLogger("phalanx")
 Handler: TypeAlias = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 SIGNALS = (signal.SIGINT, signal.SIGTERM, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 _worker = False  # set in a worker of phalanx's launcher
-_at_once = (
-    False  # in such a worker, while it is not training: every signal ends the process at once
-)
-_pid = (
-    os.getpid()
-)  # the process whose half-written checkpoints a signal removes (not a forked child's)
+# in such a worker, while it is not training: every signal ends the process at once
+_at_once = False
+# the process whose half-written checkpoints a signal removes (not a forked child's)
+_pid = os.getpid()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -69,7 +67,8 @@ def install_startup_handlers() -> dict[int, Handler]:
 
 def restore(handlers: dict[int, Handler]) -> None:
     for sig, handler in handlers.items():
-        if handler is not None:  # None: a handler not set from Python, which cannot be put back
+        # None: a handler not set from Python, which cannot be put back
+        if handler is not None:
             signal.signal(sig, handler)
 
 
@@ -78,9 +77,8 @@ def exit_at_once(signum: int, frame: object = None) -> None:
     number."""
     from phalanx import checkpoint
 
-    if (
-        os.getpid() == _pid
-    ):  # a forked child (a data loader's worker) owns no checkpoint in progress
+    # a forked child (a data loader's worker) owns no checkpoint in progress
+    if os.getpid() == _pid:
         checkpoint.abort_in_progress()
     os._exit(128 + signum)
 
@@ -100,7 +98,8 @@ def end_at_once_on_signals() -> None:
 # has not ended `WAIT_GRACE_S` later, ends the process as `exit_at_once` would.
 WAIT_GRACE_S = 2.0
 _waits = 0  # the main thread's waits under way (nested)
-_wakeup: int | None = None  # the read end of the wakeup fd's pipe, once made
+# the read end of the wakeup fd's pipe, once made
+_wakeup: int | None = None
 
 
 @contextlib.contextmanager
@@ -138,7 +137,8 @@ def _signals_in_waits(read: int) -> None:
         except OSError:
             return
         if not got or not _waits:
-            continue  # the main thread runs Python: its own handler takes the signal
+            # the main thread runs Python: its own handler takes the signal
+            continue
         deadline = time.monotonic() + WAIT_GRACE_S
         while _waits and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -152,9 +152,11 @@ class GracefulStop:
         self._previous: dict[int, Handler] = {}
         self._request_file: Path | None = None
         self._reform_file: Path | None = None
-        self._starting = False  # the hooks start: a signal ends the run before its first step
+        # the hooks start: a signal ends the run before its first step
+        self._starting = False
         self._checked = 0.0
-        self._pid = os.getpid()  # the training process, whose handlers forked children inherit
+        # the training process, whose handlers forked children inherit
+        self._pid = os.getpid()
 
     @property
     def requested(self) -> bool:
@@ -164,7 +166,8 @@ class GracefulStop:
             and time.monotonic() - self._checked > 0.2
         ):
             self._checked = time.monotonic()
-            if self._request_file.exists():  # the launcher asks on behalf of a signal it received
+            # the launcher asks on behalf of a signal it received
+            if self._request_file.exists():
                 self.signum = int(self._request_file.read_text() or signal.SIGTERM)
         return self.signum is not None
 

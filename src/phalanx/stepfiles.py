@@ -83,9 +83,8 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
                 f"{path} says {key}={value!r}, not a whole number >= {least}; the checkpoint is "
                 "damaged"
             )
-    if (
-        state["step"] < state["epoch"] + state["step_in_epoch"]
-    ):  # every epoch takes one step at least
+    # every epoch takes one step at least
+    if state["step"] < state["epoch"] + state["step_in_epoch"]:
         raise CheckpointError(
             f"{path} says step {state['step']} after {state['epoch']} epochs and "
             f"{state['step_in_epoch']} steps into the next; the checkpoint is damaged"

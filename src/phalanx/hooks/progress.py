@@ -32,7 +32,8 @@ class ShowProgress(Hook):
     rate, the loss and the time left; one shorter than that logs none. Rates are measured from the
     end of the first batch, whose time includes starting up."""
 
-    gathers = False  # reads the trainer's global loss and batch size
+    # reads the trainer's global loss and batch size
+    gathers = False
 
     def __init__(
         self,
@@ -42,7 +43,8 @@ class ShowProgress(Hook):
     ):
         self.refresh_s, self.every_s, self.clock = refresh_s, every_s, clock
         self._progress: Progress | None = None
-        self._lines = False  # progress lines in the log, without a terminal
+        # progress lines in the log, without a terminal
+        self._lines = False
         self._tasks: dict[str, tuple[Any, dict[str, Any]]] = {}
 
     def before_training(self) -> None:
@@ -71,7 +73,8 @@ class ShowProgress(Hook):
             return
         now = self.clock()
         known = self._tasks.get(stream)
-        if known is None:  # the first batch: the rates start at its end
+        # the first batch: the rates start at its end
+        if known is None:
             self._new_task(stream, now)
             return
         task, state = known
@@ -82,12 +85,14 @@ class ShowProgress(Hook):
                 state["shown"] = now
                 log.info("%s", self._line(stream, state, now))
             return
-        fields: dict[str, Any] = {}  # the columns' fields, beside update's own keywords
+        # the columns' fields, beside update's own keywords
+        fields: dict[str, Any] = {}
         if now - state["shown"] >= self.refresh_s and now > state["start"]:
             state["shown"] = now
             fields = {"rate": f"{_rate(state, now):,.0f} samples/s"}
             loss = self.trainer.epoch_loss if self.trainer.training else None
-            if loss is not None:  # read when shown: a loss agreed behind the step is not waited for
+            # read when shown: a loss agreed behind the step is not waited for
+            if loss is not None:
                 fields["loss"] = f"{float(loss):.4f}"
         self._progress.update(task, advance=1, **fields)
 

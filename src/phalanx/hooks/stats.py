@@ -17,11 +17,8 @@ from phalanx.hooks.base import Hook
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
 WEIGHT = "loss_weight"
-_WEIGHTED = (
-    "weights",
-    "weighted",
-    "weighted_squares",
-)  # sums of w, w * x and w * x^2, where weighted
+# sums of w, w * x and w * x^2, where weighted
+_WEIGHTED = ("weights", "weighted", "weighted_squares")
 
 
 class ComputeStats(Hook):
@@ -29,8 +26,10 @@ class ComputeStats(Hook):
     loss of a model that weighs its samples (`loss_weight`, such as real tokens) has the weighted
     mean and std, sum(w_i l_i) / sum(w_i): the objective that training minimises."""
 
-    gathers = False  # sums are added over ranks at the end of the epoch instead
-    FLUSH_ELEMENTS = 1 << 16  # values held back before they are reduced together
+    # sums are added over ranks at the end of the epoch instead
+    gathers = False
+    # values held back before they are reduced together
+    FLUSH_ELEMENTS = 1 << 16
 
     def __init__(
         self, variables: Sequence[str] = ("loss",), aggregations: Sequence[str] = ("mean",)
@@ -47,9 +46,8 @@ class ComputeStats(Hook):
         # several small ones every step.
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._pending_elements = 0
-        self._weights: dict[
-            tuple[str, str], list[torch.Tensor]
-        ] = {}  # each pending value's weight, where weighted
+        # each pending value's weight, where weighted
+        self._weights: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._needs = _reductions(self.aggregations)
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
@@ -107,7 +105,8 @@ class ComputeStats(Hook):
                 continue
             values["mean"] = values["sum"] / count
             values["std"] = math.sqrt(max(values["squares"] / count - values["mean"] ** 2, 0.0))
-            if values["weights"] > 0:  # weighted: the mean and spread the objective has
+            # weighted: the mean and spread the objective has
+            if values["weights"] > 0:
                 values["mean"] = values["weighted"] / values["weights"]
                 values["std"] = math.sqrt(
                     max(values["weighted_squares"] / values["weights"] - values["mean"] ** 2, 0.0)
@@ -203,7 +202,8 @@ class ClassificationMetrics(Hook):
     indices; `gold` names the batch key holding the true class indices.
     """
 
-    gathers = False  # confusion matrices are added over ranks at the end of the epoch instead
+    # confusion matrices are added over ranks at the end of the epoch instead
+    gathers = False
 
     def __init__(
         self,
@@ -275,9 +275,8 @@ class ClassificationMetrics(Hook):
         return {"confusion": {s: c.tolist() for s, c in self._global().items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        first = (
-            self.strategy.rank == 0
-        )  # counts go to one rank, so adding over ranks counts them once
+        # counts go to one rank, so adding over ranks counts them once
+        first = self.strategy.rank == 0
         self._confusion = {
             s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()
         }
@@ -292,9 +291,8 @@ def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:
 def _scores(confusion: torch.Tensor, metrics: list[str]) -> dict[str, float]:
     """Metrics from a confusion matrix (rows: true class, columns: predicted)."""
     true_pos = confusion.diag()
-    present = (confusion.sum(1) > 0) | (
-        confusion.sum(0) > 0
-    )  # classes seen as truth or as prediction
+    # classes seen as truth or as prediction
+    present = (confusion.sum(1) > 0) | (confusion.sum(0) > 0)
     precision = torch.where(confusion.sum(0) > 0, true_pos / confusion.sum(0).clamp(min=1), 0.0)
     recall = true_pos / confusion.sum(1).clamp(min=1)
     f1 = torch.where(

@@ -78,7 +78,8 @@ class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
     steps), or a variable of the epoch's data is after an epoch."""
 
-    gathers = False  # reads the trainer's global loss, the same on every rank
+    # reads the trainer's global loss, the same on every rank
+    gathers = False
 
     def __init__(self, variables: Sequence[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)

@@ -28,7 +28,8 @@ class LogThroughput(Hook):
     are logged once and written there too (`state_bytes`).
     """
 
-    gathers = False  # reads the trainer's global batch size; times its own steps
+    # reads the trainer's global batch size; times its own steps
+    gathers = False
 
     def __init__(
         self,
@@ -143,7 +144,8 @@ class LogThroughput(Hook):
         parts.append(f"peak memory {figures['memory_peak_gib']:.2f} GiB")
         if utilization is not None:
             parts.append(f"GPU {utilization:.0f}%")
-        if not self._state_logged:  # once the optimizer has taken a step, and made its state
+        # once the optimizer has taken a step, and made its state
+        if not self._state_logged:
             self._state_logged = True
             state = self.trainer.state_bytes()
             log.info(
@@ -155,7 +157,8 @@ class LogThroughput(Hook):
         log.info("step %d | %s", self.trainer.step, ", ".join(parts))
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
-        self._last = None  # evaluation time between epochs is not training time
+        # evaluation time between epochs is not training time
+        self._last = None
         if self._epoch[0] > 0:
             epoch_data.setdefault("train", {}).update(self._figures(*self._epoch))
         self._epoch = [0.0, 0]
@@ -175,7 +178,8 @@ class LogThroughput(Hook):
         if strategy.device.type == "cpu":  # what the main process computed with
             out["cpu_threads"] = torch.get_num_threads()
         sampled = strategy.backward_communication()
-        if sampled is not None:  # inside forward_backward: the reduction that overlaps backward
+        # inside forward_backward: the reduction that overlaps backward
+        if sampled is not None:
             out["backward_communication_s"] = {"per_step": sampled[0], "hidden": sampled[1]}
         if seconds > 0:
             out.update(self._figures(seconds, samples))

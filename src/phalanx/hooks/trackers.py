@@ -76,7 +76,8 @@ class _Tracker(_Writer):
         due = self.every and step % self.every == 0
         if not (self._started and self.trainer.training and due):
             return
-        loss = self.trainer.last_loss  # a training step has set it; read only when logged
+        # a training step has set it; read only when logged
+        loss = self.trainer.last_loss
         if loss is not None:
             values = {"train.step_loss": float(loss)}
             if self.trainer.last_grad_norm is not None:
@@ -141,7 +142,8 @@ class _Tracker(_Writer):
         raise NotImplementedError
 
 
-FIRST_CONTACT_S = 10  # how long a tracking server has to answer at the start, before training
+# how long a tracking server has to answer at the start, before training
+FIRST_CONTACT_S = 10
 
 
 def _answers(uri: str) -> None:

@@ -79,11 +79,13 @@ class LogProfile(_Writer):
     one device's estimate where it is more than half."""
 
     gathers = False
-    WARM, JUDGED = 5, 20  # steps: the first ones (allocations, first calls) are not judged
+    # steps: the first ones (allocations, first calls) are not judged
+    WARM, JUDGED = 5, 20
 
     def __init__(self) -> None:
         self._reported: tuple[float, float] | None = None
-        self._judged = False  # whether the communication share was said (once a run)
+        # whether the communication share was said (once a run)
+        self._judged = False
         self._steps = 0  # training steps this run has seen
         self._warm: dict[str, float] | None = None  # the times after the WARM steps
 
@@ -99,7 +101,7 @@ class LogProfile(_Writer):
             if strategy.is_main and strategy.world_size > 1:
                 now, warm = self.trainer.profile, self._warm
                 times = {k: v - warm.get(k, 0.0) for k, v in now.items() if k in _STEP_TIMES}
-                self._judge(times, self._sampled(), self.JUDGED)
+                self._judge(times, self._sample_communication(), self.JUDGED)
 
     def after_epoch_profile(
         self, epoch: int, profile: dict[str, float], train_stream: str, extra_streams: list[str]
@@ -113,7 +115,7 @@ class LogProfile(_Writer):
         ]
         log.info("epoch %d time | %s", epoch, ", ".join(parts))
         strategy = self.trainer.strategy
-        sampled = self._sampled()
+        sampled = self._sample_communication()
         if not self._judged and strategy.world_size > 1:  # an epoch shorter than the first steps
             self._judged = True
             steps = max(self.trainer.step_in_epoch or self.trainer.steps_per_epoch, 1)
@@ -130,7 +132,7 @@ class LogProfile(_Writer):
                 1e3 * max(comm - overlap, 0.0),
             )
 
-    def _sampled(self) -> tuple[float, float] | None:
+    def _sample_communication(self) -> tuple[float, float] | None:
         return self.trainer.strategy.backward_communication()
 
     def _judge(
@@ -245,7 +247,8 @@ class WriteTensorBoard(_Writer):
             and step % self.every == 0
         ):
             return
-        loss = self.trainer.last_loss  # the loss of a training step; read only when written
+        # the loss of a training step; read only when written
+        loss = self.trainer.last_loss
         if loss is not None:
             with writing(self._run_dir / self.log_dir):
                 self._writer.add_scalar("train/step_loss", float(loss), step)
@@ -310,7 +313,8 @@ class PlotLines(_Writer):
         except StorageError as e:
             if success:
                 raise
-            log.error("%s", e)  # a failed run's own error is the one to raise
+            # a failed run's own error is the one to raise
+            log.error("%s", e)
 
     def state_dict(self) -> dict[str, Any]:
         return {"history": self.history}
