@@ -247,9 +247,8 @@ def calibrated(
     bare = reduce[devices].time(m.grad_bytes)
     crowding = max(found["compute_side_by_side"] / max(found["compute_alone"], 1e-9), 1.0)
     micro = math.ceil(m.batch / (m.accumulation * devices))
-    computing = (
-        pricing.compute_of(m, costs.Setup("ddp", devices)).time(micro) * crowding
-    )  # as priced
+    # as priced
+    computing = pricing.compute_of(m, costs.Setup("ddp", devices)).time(micro) * crowding
     exposed = max(found["ddp_step"] - computing, 0.0)
     backward = m.compute.backward_share * computing
     sync, overlap = max(exposed - bare, 0.0), 0.0
