@@ -106,7 +106,15 @@ def test_the_plan_says_what_it_measures_and_why_strategies_have_no_row(tmp_path)
     assert "plan: timing one device's training step" in result.stderr, result.stderr
     said = [line for line in result.stdout.splitlines() if line.startswith("not planned: ")]
     named = {name for line in said for name in line.split(": ")[1].split(", ")}
-    assert named == {"ddp", "fsdp", "towers", "pipeline", "placement", "param_server"}, said
+    assert named == {
+        "ddp",
+        "fsdp",
+        "mesh",
+        "towers",
+        "pipeline",
+        "placement",
+        "param_server",
+    }, said
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert set(plan["not_planned"]) == named
 

@@ -29,7 +29,16 @@ if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
 
 # the modules of phalanx's own strategies, in the order the config's choices list them
-BUILTIN = ("single", "ddp", "towers", "fsdp", "pipeline", "placement", "param_server")
+BUILTIN = (
+    "single",
+    "ddp",
+    "towers",
+    "fsdp",
+    "mesh",
+    "pipeline",
+    "placement",
+    "param_server",
+)
 
 
 def _no_check(cfg: Config, accelerator: str, processes: int) -> None:

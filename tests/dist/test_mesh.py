@@ -1,0 +1,107 @@
+"""`mesh` on real gloo processes: tensor parallelism (2) alone, and composed with FSDP (shard 2 x
+tensor 2), train as one process does (float64, to 1e-10) with clipping, accumulation and a short
+last batch; a bad tensor plan is one error; a run saved under mesh resumes on one process."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import toy  # noqa: E402
+import workers  # noqa: E402
+
+from phalanx import cli, config, rundir, worker  # noqa: E402
+from phalanx.checkpoint import Checkpoints  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+N_TRAIN, N_VALID = 37, 10  # batch 7: a last batch of 2 (shards of 1 and 0 at accumulation 2)
+PLAN = {"net.0": "colwise", "net.2": "rowwise"}
+
+
+def scenario(**parallel) -> dict:
+    """toy.Linear (3 -> 4 -> 1), clipped at a norm it reaches, two micro-batches a step."""
+    raw = toy.contract_config(7, 2, N_TRAIN, N_VALID, **parallel)
+    raw["optimizer"] = {**raw["optimizer"], "max_grad_norm": 0.05}
+    return raw
+
+
+def mesh(**degrees) -> dict:
+    processes = degrees.get("replicate", 1) * degrees.get("shard", 1) * degrees.get("tensor", 1)
+    return {"devices": processes, "strategy": "mesh", "mesh": {**degrees, "tensor_plan": PLAN}}
+
+
+def rel(a, b) -> float:
+    a, b = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def assert_same(got: dict, expected: dict, name: str) -> None:
+    assert got["params"].keys() == expected["params"].keys(), name
+    for key, value in expected["params"].items():  # the whole model, gathered to rank 0
+        assert rel(got["params"][key], value) < 1e-10, (name, key)
+    assert len(got["losses"]) == len(expected["losses"]) == 12, name
+    assert rel(got["losses"], expected["losses"]) < 1e-10, name
+    for mine, theirs in zip(got["epochs"], expected["epochs"], strict=True):
+        # each validation sample counted once, though two processes computed it
+        assert mine["valid"]["loss_count"] == theirs["valid"]["loss_count"] == N_VALID, name
+        assert abs(mine["valid"]["loss"] - theirs["valid"]["loss"]) <= 1e-10 * abs(
+            theirs["valid"]["loss"]
+        )
+    assert got["ids"] == expected["ids"], name  # hooks see every batch once, in dataset order
+
+
+@pytest.mark.parametrize(
+    "degrees", [{"tensor": 2}, {"shard": 2, "tensor": 2}], ids=["tensor2", "shard2-tensor2"]
+)
+def test_mesh_trains_as_one_process(degrees):
+    want = workers.train(scenario())
+    raw = scenario(**mesh(**degrees))
+    processes = raw["parallel"]["devices"]
+    ranks = workers.run_ranks(processes, workers.train_all, [raw], timeout=400)
+    assert_same(ranks[0][0], want, str(degrees))
+    for (got,) in ranks[1:]:  # every rank agrees on every step's loss
+        assert rel(got["losses"], want["losses"]) < 1e-10
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        ({"net.5": "colwise"}, r"names 'net.5', which the model does not have; its Linear "),
+        ({"net.1": "colwise"}, r"names 'net.1', a Tanh; only nn.Linear modules are split"),
+        ({"net.2": "colwise"}, r"'net.2' \(colwise\) splits its 1 outputs over .*tensor=2"),
+    ],
+    ids=["missing", "not-linear", "indivisible"],
+)
+def test_a_bad_tensor_plan_is_one_config_error_naming_the_module(plan, message):
+    raw = scenario(devices=2, strategy="mesh", mesh={"tensor": 2, "tensor_plan": plan})
+    with pytest.raises(AssertionError, match=message) as failure:
+        workers.run_ranks(2, workers.train_all, [raw], timeout=120)
+    last = str(failure.value).strip().splitlines()[-1]  # what the command line prints, alone
+    assert last.startswith("phalanx.errors.ConfigError: parallel.mesh.tensor_plan")
+
+
+def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process(tmp_path):
+    raw = scenario(**mesh(tensor=2))
+    raw["main_loop"] = {"epochs": 2, "extra_streams": []}
+    raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]  # 6 steps an epoch: mid-epoch 2
+    whole = workers.train({**scenario(), "main_loop": raw["main_loop"]})
+    path = toy.write_config(tmp_path / "mesh", raw)
+    cfg, _ = config.load(str(path), [])
+    run = rundir.create(cfg, path)
+    assert workers.run_ranks(2, workers.run_dir_worker, str(run), False, [], timeout=300) == [0, 0]
+    assert Checkpoints(run / "checkpoints").steps() == [6, 8]
+    more = ["hooks.1.StopAfter.steps=1000", "parallel.devices=1", "parallel.strategy=single"]
+    assert worker.run_worker(run, True, more) == 0
+    assert f"resuming {run} from step 8 " in (run / "log.txt").read_text()
+    checkpoints = Checkpoints(run / "checkpoints")
+    assert checkpoints.latest_valid() == 12
+    out = tmp_path / "latest.safetensors"  # the command a user runs, for any layout
+    assert cli.main(["export", str(run), "--checkpoint", "latest", "--output", str(out)]) == 0
+    got = load_file(str(out))
+    for key, value in whole["params"].items():
+        assert rel(got[key].tolist(), value) < 1e-10, key
