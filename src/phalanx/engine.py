@@ -290,7 +290,10 @@ class Engine:
                     self.norms.count + 1,
                 )
             return False
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+        # one call per device mesh: a foreach over DTensors needs them on one mesh, and a model
+        # parallelised over several dimensions holds parameters on several
+        for group in _by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return True
 
     def backward(
@@ -375,12 +378,25 @@ class Engine:
 
 
 def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all the gradients together; of sharded ones (DTensors), over every shard."""
+    """The 2-norm of all the gradients together; of sharded ones (DTensors), over every shard, and
+    over every device mesh they lie on."""
+    groups = _by_mesh(gradients)
+    if len(groups) > 1:  # a DTensor norm spans one mesh: the meshes' norms, then theirs
+        return torch.linalg.vector_norm(torch.stack([total_norm(g) for g in groups]))
     norm = torch.nn.utils.get_total_norm(gradients, 2.0)
     # sharded gradients: the local parts' norm, made global
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by the device mesh of those that are DTensors (plain tensors: one
+    group), in their order."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    return list(groups.values())
 
 
 def _scale(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -55,17 +55,33 @@ def assert_same(got: dict, expected: dict, name: str) -> None:
     assert got["ids"] == expected["ids"], name  # hooks see every batch once, in dataset order
 
 
-@pytest.mark.parametrize(
-    "degrees", [{"tensor": 2}, {"shard": 2, "tensor": 2}], ids=["tensor2", "shard2-tensor2"]
-)
-def test_mesh_trains_as_one_process(degrees):
-    want = workers.train(scenario())
-    raw = scenario(**mesh(**degrees))
-    processes = raw["parallel"]["devices"]
-    ranks = workers.run_ranks(processes, workers.train_all, [raw], timeout=400)
-    assert_same(ranks[0][0], want, str(degrees))
-    for (got,) in ranks[1:]:  # every rank agrees on every step's loss
-        assert rel(got["losses"], want["losses"]) < 1e-10
+def deep(**degrees) -> dict:
+    """toy.Deep (3 -> 4 -> 4 -> 1) with only its first two Linears split: the last one's
+    parameters stay whole on the tensor dimension, so the gradient norm spans two meshes."""
+    raw = scenario(**mesh(**degrees)) if degrees else scenario()
+    raw["model"] = {"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 2}
+    return raw
+
+
+LAYOUTS = {  # name -> (processes, the mesh runs' configs, in one launch)
+    "tensor2": (2, [scenario(**mesh(tensor=2))]),
+    "shard2-tensor2-and-replicate2-tensor2": (
+        4,
+        [scenario(**mesh(shard=2, tensor=2)), deep(replicate=2, tensor=2)],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mesh_trains_as_one_process(layout):
+    processes, raws = LAYOUTS[layout]
+    want = [workers.train(scenario()), workers.train(deep())][: len(raws)]
+    ranks = workers.run_ranks(processes, workers.train_all, raws, timeout=400)
+    for i, (got, expected) in enumerate(zip(ranks[0], want, strict=True)):
+        assert_same(got, expected, f"{layout}[{i}]")
+    for results in ranks[1:]:  # every rank agrees on every step's loss
+        for got, expected in zip(results, want, strict=True):
+            assert rel(got["losses"], expected["losses"]) < 1e-10
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ group (the same replicate and shard coordinates) train on the SAME shard of each
 data rank and world size come from the data dimensions alone. Only the tensor group's first
 process counts that shard's loss in the ranks' agreement and gives its outputs to the hooks (the
 others' hooks see them as an empty shard's), so nothing is counted twice. The gradient norm for
-clipping is over the whole model (DTensor norms, made global on their own mesh).
+clipping is over the whole model (the engine's: DTensor norms, made global mesh by mesh).
 
 Checkpoints are fsdp's: the logical, whole-model format (full state dicts gathered to the main
 process, or torch.distributed.checkpoint's shards), so a run saved on one mesh resumes on any
@@ -19,6 +19,7 @@ other strategy and process count.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Literal
 
@@ -27,7 +28,6 @@ import torch.distributed as dist
 from pydantic import Field, StrictInt
 from torch import nn
 
-from phalanx.engine import total_norm
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker
@@ -109,17 +109,6 @@ class Mesh(FSDP):
         outputs = super().evaluate(engine, batch)
         return outputs if self.tensor_rank == 0 else {}
 
-    def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        """The 2-norm of the whole model's gradients: those of one mesh together (a DTensor norm,
-        made global over that mesh), then the meshes' and the plain tensors' norms together."""
-        from torch.distributed.tensor import DTensor
-
-        groups: dict[object, list[torch.Tensor]] = {}
-        for g in gradients:
-            groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-        norms = [total_norm(group) for group in groups.values()]
-        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-
 
 def _device_mesh(device_type: str, layout: MeshSettings, processes: int) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
@@ -171,6 +160,8 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
         if isinstance(sharded, FSDPModule):
             sharded.set_gradient_divide_factor(1.0)
             sharded.set_force_sum_reduction_for_comms(True)
+    # as fsdp: phalanx changes no module's output in place (it detaches them for the hooks)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
 
 def check_plan(module: nn.Module, plan: Mapping[str, str], degree: int) -> None:
