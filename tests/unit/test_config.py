@@ -204,8 +204,11 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.device_memory_gb",
         "parallel.param_server.servers",
         "parallel.param_server.staleness",
+        "parallel.mesh.replicate",
+        "parallel.mesh.shard",
+        "parallel.mesh.tensor",
     } <= set(keys)
-    assert len(keys) == 28, keys
+    assert len(keys) == 31, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])

@@ -443,7 +443,7 @@ def test_the_registry_answers_what_the_config_asks_of_each_strategy(tmp_path):
     server's restartable workers, the planner's refusal of placement's accumulation."""
     from phalanx import planner
 
-    choices = "auto, plan, single, ddp, towers, fsdp, pipeline, placement, param_server"
+    choices = "auto, plan, single, ddp, towers, fsdp, mesh, pipeline, placement, param_server"
     with pytest.raises(ConfigError, match=f"did you mean .*choose one of {choices}$"):
         strategies.strategy_name(cfg(strategy="singel"))
     with pytest.raises(ConfigError, match="on 2 machines; use parallel.strategy=ddp or fsdp$"):
