@@ -169,10 +169,7 @@ def check_plan(module: nn.Module, plan: Mapping[str, str], degree: int) -> None:
     colwise, inputs for rowwise) the tensor degree divides: one ConfigError otherwise."""
     linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     if not plan:
-        raise ConfigError(
-            f"parallel.mesh.tensor is {degree} but parallel.mesh.tensor_plan is empty; name the "
-            f"Linear modules to split, such as {{{linears[0] if linears else 'net.0'}: colwise}}"
-        )
+        raise ConfigError(_no_plan(degree, linears[0] if linears else "net.0"))
     for name, style in plan.items():
         try:
             layer = module.get_submodule(name)
@@ -220,6 +217,13 @@ class MeshSettings(StrategySettings):
     )
 
 
+def _no_plan(degree: int, example: str) -> str:
+    return (
+        f"parallel.mesh.tensor is {degree} but parallel.mesh.tensor_plan is empty; name the "
+        f"Linear modules to split, such as {{{example}: colwise}}, or set parallel.mesh.tensor: 1"
+    )
+
+
 def _mismatch(layout: MeshSettings, processes: int) -> str:
     product = layout.replicate * layout.shard * layout.tensor
     return (
@@ -256,6 +260,8 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
     layout = cfg.parallel.section("mesh", MeshSettings)
     if layout.replicate * layout.shard * layout.tensor != processes:
         raise ConfigError(_mismatch(layout, processes))
+    if layout.tensor > 1 and not layout.tensor_plan:
+        raise ConfigError(_no_plan(layout.tensor, "net.0"))
 
 
 register(
