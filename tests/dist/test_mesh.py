@@ -1,9 +1,11 @@
 """`mesh` on real gloo processes: tensor parallelism (2) alone, and composed with FSDP (shard 2 x
-tensor 2), train as one process does (float64, to 1e-10) with clipping, accumulation and a short
-last batch; a bad tensor plan is one error; a run saved under mesh resumes on one process."""
+tensor 2, replicate 2 x tensor 2), trains as one process does (float64, to 1e-10) with clipping,
+accumulation and a short last batch; a bad tensor plan is one error; a run saved under mesh
+resumes on one process and on another mesh."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -95,7 +97,7 @@ def test_a_bad_tensor_plan_is_one_config_error_naming_the_module():
     assert last.startswith("phalanx.errors.ConfigError: parallel.mesh.tensor_plan")
 
 
-def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process(tmp_path):
+def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process_and_another_mesh(tmp_path):
     raw = scenario(**mesh(tensor=2))
     raw["main_loop"] = {"epochs": 2, "extra_streams": []}
     raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]  # 6 steps an epoch: mid-epoch 2
@@ -105,13 +107,25 @@ def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process(tmp_path)
     run = rundir.create(cfg, path)
     assert workers.run_ranks(2, workers.run_dir_worker, str(run), False, [], timeout=300) == [0, 0]
     assert Checkpoints(run / "checkpoints").steps() == [6, 8]
-    more = ["hooks.1.StopAfter.steps=1000", "parallel.devices=1", "parallel.strategy=single"]
-    assert worker.run_worker(run, True, more) == 0
-    assert f"resuming {run} from step 8 " in (run / "log.txt").read_text()
-    checkpoints = Checkpoints(run / "checkpoints")
-    assert checkpoints.latest_valid() == 12
-    out = tmp_path / "latest.safetensors"  # the command a user runs, for any layout
-    assert cli.main(["export", str(run), "--checkpoint", "latest", "--output", str(out)]) == 0
-    got = load_file(str(out))
-    for key, value in whole["params"].items():
-        assert rel(got[key].tolist(), value) < 1e-10, key
+    more = ["hooks.1.StopAfter.steps=1000"]
+    resumed = {  # name -> (processes, overrides)
+        "single": (1, ["parallel.devices=1", "parallel.strategy=single"]),
+        "mesh-shard2": (2, ["parallel.mesh.tensor=1", "parallel.mesh.shard=2"]),
+    }
+    for name, (processes, overrides) in resumed.items():
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        if processes == 1:
+            assert worker.run_worker(copy, True, [*more, *overrides]) == 0
+        else:
+            args = (str(copy), True, [*more, *overrides])
+            codes = workers.run_ranks(processes, workers.run_dir_worker, *args, timeout=300)
+            assert codes == [0] * processes
+        assert f"resuming {copy} from step 8 " in (copy / "log.txt").read_text(), name
+        checkpoints = Checkpoints(copy / "checkpoints")
+        assert checkpoints.latest_valid() == 12, name
+        out = tmp_path / f"{name}.safetensors"  # the command a user runs, for any layout
+        assert cli.main(["export", str(copy), "--checkpoint", "latest", "--output", str(out)]) == 0
+        got = load_file(str(out))
+        for key, value in whole["params"].items():
+            assert rel(got[key].tolist(), value) < 1e-10, (name, key)
