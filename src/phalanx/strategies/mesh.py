@@ -47,6 +47,8 @@ DIMS = ("replicate", "shard", "tensor")
 
 
 class Mesh(FSDP):
+    """fsdp's strategy on a replicate x shard x tensor mesh; `layout` holds its degrees and plan."""
+
     def __init__(
         self,
         accelerator: str,
