@@ -87,7 +87,7 @@ def test_mesh_trains_as_one_process(layout):
 
 
 def test_a_bad_tensor_plan_is_one_config_error_naming_the_module():
-    """Before training, on every process; each kind of bad plan: tests/unit/test_mesh.py."""
+    """Before training, on every process; each kind of bad plan: tests/unit/test_mesh_checks.py."""
     plan = {"net.1": "colwise"}
     message = r"names 'net.1', a Tanh; only nn.Linear modules are split"
     raw = scenario(devices=2, strategy="mesh", mesh={"tensor": 2, "tensor_plan": plan})

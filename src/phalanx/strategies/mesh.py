@@ -66,7 +66,14 @@ class Mesh(FSDP):
         self.data_world_size = options.replicate * options.shard
 
     def _shard(self, module: nn.Module) -> nn.Module:
-        return parallelize(module.to(self.device), self.mesh, self.layout)
+        from torch.distributed.fsdp import FSDPModule
+
+        self.progress.enter("the parallelising of the model")
+        module = parallelize(module.to(self.device), self.mesh, self.layout)
+        for name, unit in module.named_modules():
+            if isinstance(unit, FSDPModule):  # its all-gathers counted, as fsdp's are
+                self._count_unit(module.get_submodule(name), name)
+        return module
 
     def _micro(
         self,
