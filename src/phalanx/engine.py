@@ -381,7 +381,8 @@ def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all the gradients together; of sharded ones (DTensors), over every shard, and
     over every device mesh they lie on."""
     groups = _by_mesh(gradients)
-    if len(groups) > 1:  # a DTensor norm spans one mesh: the meshes' norms, then theirs
+    # a DTensor norm spans one mesh: the meshes' norms, then theirs
+    if len(groups) > 1:
         return torch.linalg.vector_norm(torch.stack([total_norm(g) for g in groups]))
     norm = torch.nn.utils.get_total_norm(gradients, 2.0)
     # sharded gradients: the local parts' norm, made global
