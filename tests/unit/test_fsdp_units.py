@@ -8,14 +8,14 @@ import toy
 from torch import nn
 
 from phalanx.errors import ConfigError
-from phalanx.strategies.fsdp import _units
+from phalanx.strategies.fsdp import find_shard_units
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def names(model: nn.Module, classes: list[str] | None = None) -> list[str]:
     where = {id(m): name for name, m in model.named_modules()}
-    return sorted(where[id(unit)] for unit in _units(model, classes))
+    return sorted(where[id(unit)] for unit in find_shard_units(model, classes))
 
 
 def test_each_block_of_a_module_list_or_sequential_is_a_unit_then_the_other_parts():
@@ -36,7 +36,7 @@ def test_named_classes_and_the_model_as_one_unit():
     with pytest.raises(
         ConfigError, match="names ModuleDict, ModuleList: a container that is never"
     ):
-        _units(blocks.TinyTransformer(), ["ModuleList", "ModuleDict"])
+        find_shard_units(blocks.TinyTransformer(), ["ModuleList", "ModuleDict"])
 
 
 def test_blocks_are_found_inside_a_wrapper_as_in_a_hugging_face_model():

@@ -153,7 +153,7 @@ class FSDP(ProcessGroup, DataParallel):
             if self.options.offload
             else OffloadPolicy()
         )
-        units = _units(module, self.options.shard)
+        units = find_shard_units(module, self.options.shard)
         for unit in units:  # innermost first: a unit's parameters are those no inner unit took
             fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
         fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
@@ -231,7 +231,7 @@ class FSDP(ProcessGroup, DataParallel):
     ) -> tuple[torch.Tensor, dict]:
         # an empty shard comes as a batch of zero samples; reduce once, after the last micro-batch
         self._sharded.set_requires_gradient_sync(final)
-        with _units_called_whole():
+        with explain_calls_past_units():
             loss, gradient, part, data = engine.forward(micro, batch, self.replica)
         total = part if total is None else total + part
         if final:
@@ -258,7 +258,8 @@ class FSDP(ProcessGroup, DataParallel):
         return values, dist.all_reduce(values, async_op=True)
 
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
-        with _units_called_whole():  # on every rank, zero samples too: its all-gathers need all
+        # on every rank, zero samples too: its all-gathers need all
+        with explain_calls_past_units():
             return engine.eval_forward(batch)
 
     # --- state: shards, or whole, gathered to the main process -----------------------------
@@ -345,7 +346,7 @@ class FSDP(ProcessGroup, DataParallel):
 _UNCALLED = (nn.ModuleList, nn.ModuleDict)
 
 
-def _units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
+def find_shard_units(module: nn.Module, classes: list[str] | None) -> list[nn.Module]:
     """The submodules sharded as units of their own, innermost first: those of the named classes, or
     by default the model's parts (see `_default_units`)."""
     if classes is None:
@@ -416,7 +417,7 @@ def _default_units(module: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def _units_called_whole() -> Iterator[None]:
+def explain_calls_past_units() -> Iterator[None]:
     """A forward that reaches a unit's parameters without calling the unit (a model that calls a
     block's parts directly, past the block's own forward) finds them still sharded: torch's error
     about mixed tensors, turned into one line that says which setting to change."""

@@ -32,7 +32,7 @@ from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker
 from phalanx.strategies.distributed import agreement
-from phalanx.strategies.fsdp import FSDP, FSDPSettings, _units, _units_called_whole
+from phalanx.strategies.fsdp import FSDP, FSDPSettings, explain_calls_past_units, find_shard_units
 from phalanx.strategies.registry import Family, refuse, register
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Mesh(FSDP):
         # where the data dimensions shard the model: reduce once, after the last micro-batch
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(final)
-        with _units_called_whole():
+        with explain_calls_past_units():
             loss, gradient, part, data = engine.forward(micro, batch, self.replica)
         total = part if total is None else total + part
         if final:
@@ -161,7 +161,8 @@ def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, st
 def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    for unit in _units(module, None):  # innermost first, the root last
+    # innermost first, the root last
+    for unit in find_shard_units(module, None):
         fully_shard(unit, mesh=mesh)
     fully_shard(module, mesh=mesh)
     for sharded in module.modules():
