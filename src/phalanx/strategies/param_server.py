@@ -438,8 +438,8 @@ class ParamServer(ProcessGroup, Replicated):
             return [value] * self.world_size if self.incarnation else super().gather(value)
         self.progress.enter("a gather")
         every = self._gather_bytes(pickle.dumps(value))
-        # safe: bytes this run's own workers pickled, over loopback links (as all_gather_object)
-        return [pickle.loads(data) for data in every]
+        # bytes this run's own workers pickled, over loopback links (as all_gather_object)
+        return [pickle.loads(data) for data in every]  # safe: the workers' own pickles
 
     def broadcast(self, value: Any) -> Any:
         if self._group is None:
