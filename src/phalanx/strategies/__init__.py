@@ -116,6 +116,16 @@ def in_worker() -> bool:
     return environment.here().in_group
 
 
+def refuse_outside_workers(name: str, devices: int) -> None:
+    """A strategy of one process per device, asked for several devices in one process: one error
+    saying how to start them."""
+    if not in_worker() and devices > 1:
+        raise ConfigError(
+            f"parallel.strategy={name} on {devices} devices runs one process per device; start it "
+            "with phalanx train (which starts them) or under torchrun"
+        )
+
+
 def strategy_name(cfg: Config) -> str:
     """The strategy the config names; `auto` is the registry's pick for several devices (or inside a
     worker), else its pick for one."""

@@ -43,7 +43,7 @@ from phalanx.costs import (
 )
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import in_worker
+from phalanx.strategies import refuse_outside_workers
 from phalanx.strategies.base import DataParallel, ModelOptions, prepare
 from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
@@ -220,6 +220,10 @@ class FSDP(ProcessGroup, DataParallel):
                     else:
                         t.copy_(whole)
 
+    def _sync_gradients(self, final: bool) -> None:
+        """Whether this micro-batch's backward reduces the gradients: the last one's alone."""
+        self._sharded.set_requires_gradient_sync(final)
+
     def _micro(
         self,
         engine: Engine,
@@ -230,7 +234,7 @@ class FSDP(ProcessGroup, DataParallel):
         final: bool,
     ) -> tuple[torch.Tensor, dict]:
         # an empty shard comes as a batch of zero samples; reduce once, after the last micro-batch
-        self._sharded.set_requires_gradient_sync(final)
+        self._sync_gradients(final)
         with explain_calls_past_units():
             loss, gradient, part, data = engine.forward(micro, batch, self.replica)
         total = part if total is None else total + part
@@ -509,11 +513,7 @@ class FSDPSettings(StrategySettings):
 def build(cfg: Config, accelerator: str, devices: int) -> FSDP:
     """Several processes (phalanx starts one per device), or this one alone on one device (a group
     of one: offload then trains a model larger than the device's memory)."""
-    if not in_worker() and devices > 1:
-        raise ConfigError(
-            f"parallel.strategy=fsdp on {devices} devices runs one process per device; start it "
-            "with phalanx train (which starts them) or under torchrun"
-        )
+    refuse_outside_workers("fsdp", devices)
     check(cfg, accelerator, devices)
     return FSDP(
         accelerator,

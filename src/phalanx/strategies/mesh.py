@@ -30,16 +30,15 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import in_worker
+from phalanx.strategies import refuse_outside_workers
 from phalanx.strategies.distributed import agreement
-from phalanx.strategies.fsdp import FSDP, FSDPSettings, explain_calls_past_units, find_shard_units
+from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
 from phalanx.strategies.registry import Family, refuse, register
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from phalanx.config import Config
-    from phalanx.data import Micro
     from phalanx.engine import Engine
     from phalanx.strategies.base import Micros, Outcome
 
@@ -75,27 +74,12 @@ class Mesh(FSDP):
                 self._count_unit(module.get_submodule(name), name)
         return module
 
-    def _micro(
-        self,
-        engine: Engine,
-        micro: Micro,
-        batch: Mapping,
-        total: torch.Tensor | None,
-        stop: bool,
-        final: bool,
-    ) -> tuple[torch.Tensor, dict]:
+    def _sync_gradients(self, final: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         # where the data dimensions shard the model: reduce once, after the last micro-batch
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(final)
-        with explain_calls_past_units():
-            loss, gradient, part, data = engine.forward(micro, batch, self.replica)
-        total = part if total is None else total + part
-        if final:
-            self._in_backward(total, stop)
-        engine.backward(loss, gradient)
-        return total, data
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
         """The all-reduce over every process of the loss and stop flag, where only each tensor
@@ -244,11 +228,7 @@ def _mismatch(layout: MeshSettings, processes: int) -> str:
 
 
 def build(cfg: Config, accelerator: str, devices: int) -> Mesh:
-    if not in_worker() and devices > 1:
-        raise ConfigError(
-            f"parallel.strategy=mesh on {devices} devices runs one process per device; start it "
-            "with phalanx train (which starts them) or under torchrun"
-        )
+    refuse_outside_workers("mesh", devices)
     check(cfg, accelerator, devices)
     return Mesh(
         accelerator,
