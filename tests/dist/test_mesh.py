@@ -65,20 +65,54 @@ def deep(**degrees) -> dict:
     return raw
 
 
-LAYOUTS = {  # name -> (processes, the mesh runs' configs, in one launch)
-    "tensor2": (2, [scenario(**mesh(tensor=2))]),
+def piped(**degrees) -> dict:
+    """toy.Deep (3 -> 4 -> 4 -> 4 -> 4 -> 1) in two stages (split at net.4), each with a colwise /
+    rowwise pair on the tensor dimension; the last Linear whole (a stage of split and whole
+    parameters); one process's run where `degrees` is empty."""
+    raw = scenario()
+    raw["model"] = {"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 4}
+    if degrees:
+        plan = {**PLAN, "net.4": "colwise", "net.6": "rowwise"}
+        processes = degrees.get("replicate", 1) * degrees["pipeline"] * degrees["tensor"]
+        raw["parallel"] = {
+            **raw["parallel"],
+            "devices": processes,
+            "strategy": "mesh",
+            "mesh": {**degrees, "tensor_plan": plan},
+            "pipeline": {"split": ["net.4"], "microbatches": 2, "schedule": "1f1b"},
+        }
+    return raw
+
+
+def stopped_run(folder: Path, raw: dict, processes: int) -> Path:
+    """A run of `raw` on `processes` processes in a new run folder, ended by its hooks."""
+    path = toy.write_config(folder, raw)
+    cfg, _ = config.load(str(path), [])
+    run = rundir.create(cfg, path)
+    codes = workers.run_ranks(processes, workers.run_dir_worker, str(run), False, [], timeout=300)
+    assert codes == [0] * processes
+    return run
+
+
+LAYOUTS = {  # name -> (processes, [(a mesh run's config, one process's)], in one launch)
+    # replicate alone: ddp's layout, as ddp runs it
+    "tensor2-and-replicate2": (
+        2,
+        [(scenario(**mesh(tensor=2)), scenario()), (scenario(**mesh(replicate=2)), scenario())],
+    ),
     "shard2-tensor2-and-replicate2-tensor2": (
         4,
-        [scenario(**mesh(shard=2, tensor=2)), deep(replicate=2, tensor=2)],
+        [(scenario(**mesh(shard=2, tensor=2)), scenario()), (deep(replicate=2, tensor=2), deep())],
     ),
+    "pipeline2-tensor2": (4, [(piped(pipeline=2, tensor=2), piped())]),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mesh_trains_as_one_process(layout):
-    processes, raws = LAYOUTS[layout]
-    want = [workers.train(scenario()), workers.train(deep())][: len(raws)]
-    ranks = workers.run_ranks(processes, workers.train_all, raws, timeout=400)
+    processes, pairs = LAYOUTS[layout]
+    want = [workers.train(alone) for _, alone in pairs]
+    ranks = workers.run_ranks(processes, workers.train_all, [r for r, _ in pairs], timeout=400)
     for i, (got, expected) in enumerate(zip(ranks[0], want, strict=True)):
         assert_same(got, expected, f"{layout}[{i}]")
     for results in ranks[1:]:  # every rank agrees on every step's loss
@@ -102,10 +136,7 @@ def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process_and_anoth
     raw["main_loop"] = {"epochs": 2, "extra_streams": []}
     raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]  # 6 steps an epoch: mid-epoch 2
     whole = workers.train({**scenario(), "main_loop": raw["main_loop"]})
-    path = toy.write_config(tmp_path / "mesh", raw)
-    cfg, _ = config.load(str(path), [])
-    run = rundir.create(cfg, path)
-    assert workers.run_ranks(2, workers.run_dir_worker, str(run), False, [], timeout=300) == [0, 0]
+    run = stopped_run(tmp_path / "mesh", raw, 2)
     assert Checkpoints(run / "checkpoints").steps() == [6, 8]
     more = ["hooks.1.StopAfter.steps=1000"]
     resumed = {  # name -> (processes, overrides)
@@ -125,6 +156,63 @@ def test_a_run_stopped_under_tensor_parallelism_resumes_on_one_process_and_anoth
         checkpoints = Checkpoints(copy / "checkpoints")
         assert checkpoints.latest_valid() == 12, name
         out = tmp_path / f"{name}.safetensors"  # the command a user runs, for any layout
+        assert cli.main(["export", str(copy), "--checkpoint", "latest", "--output", str(out)]) == 0
+        got = load_file(str(out))
+        for key, value in whole["params"].items():
+            assert rel(got[key].tolist(), value) < 1e-10, (name, key)
+
+
+def test_a_run_stopped_under_pipeline_and_tensor_parallelism_resumes_on_fsdp(tmp_path):
+    """Each process writes its stage's split layers into the sharded checkpoint; fsdp(2) reads
+    them back and ends as the run without a stop, and the final model gathers whole."""
+    raw = piped(pipeline=2, tensor=2)
+    raw["main_loop"] = {"epochs": 2, "extra_streams": []}
+    raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]  # 6 steps an epoch: mid-epoch 2
+    whole = workers.train({**piped(), "main_loop": raw["main_loop"]})
+    run = stopped_run(tmp_path / "piped", raw, 4)
+    assert Checkpoints(run / "checkpoints").steps() == [6, 8]
+    overrides = ["hooks.1.StopAfter.steps=1000", "parallel.strategy=fsdp", "parallel.devices=2"]
+    codes = workers.run_ranks(2, workers.run_dir_worker, str(run), True, overrides, timeout=300)
+    assert codes == [0, 0]
+    assert f"resuming {run} from step 8 " in (run / "log.txt").read_text()
+    assert Checkpoints(run / "checkpoints").latest_valid() == 12
+    out = tmp_path / "resumed.safetensors"
+    assert cli.main(["export", str(run), "--checkpoint", "latest", "--output", str(out)]) == 0
+    got = load_file(str(out))
+    for key, value in whole["params"].items():
+        assert rel(got[key].tolist(), value) < 1e-10, key
+
+
+def test_a_run_stopped_under_ddp_resumes_on_shard_and_tensor_and_on_pipeline_and_tensor(tmp_path):
+    """The whole-model checkpoint of ddp(2), split as each mesh holds it (each process slices its
+    part of every split layer and of its optimizer state)."""
+    raw = piped()
+    raw["parallel"] = {**raw["parallel"], "devices": 2, "strategy": "ddp"}
+    raw["main_loop"] = {"epochs": 2, "extra_streams": []}
+    raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]
+    whole = workers.train({**piped(), "main_loop": raw["main_loop"]})
+    run = stopped_run(tmp_path / "ddp", raw, 2)
+    plan = "{net.0: colwise, net.2: rowwise, net.4: colwise, net.6: rowwise}"
+    resumed = {
+        "shard2-tensor2": ["parallel.mesh={shard: 2, tensor: 2, tensor_plan: %s}" % plan],
+        "pipeline2-tensor2": [
+            "parallel.mesh={pipeline: 2, tensor: 2, tensor_plan: %s}" % plan,
+            "parallel.pipeline={split: [net.4], microbatches: 2, schedule: 1f1b}",
+        ],
+    }
+    for name, overrides in resumed.items():
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        args = [
+            "hooks.1.StopAfter.steps=1000",
+            "parallel.strategy=mesh",
+            "parallel.devices=4",
+            *overrides,
+        ]
+        codes = workers.run_ranks(4, workers.run_dir_worker, str(copy), True, args, timeout=300)
+        assert codes == [0] * 4, name
+        assert f"resuming {copy} from step 8 " in (copy / "log.txt").read_text(), name
+        out = tmp_path / f"{name}.safetensors"
         assert cli.main(["export", str(copy), "--checkpoint", "latest", "--output", str(out)]) == 0
         got = load_file(str(out))
         for key, value in whole["params"].items():

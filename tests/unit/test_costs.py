@@ -208,8 +208,8 @@ def test_auto_accumulation_is_the_fewest_micro_batches_whose_peak_fits():
 
 
 def test_schedules_of_two_stages_a_process_are_priced_on_twice_the_cuts():
-    from phalanx.strategies.pipeline import PipelineSettings
     from phalanx.strategies.schedules import SCHEDULES
+    from phalanx.strategies.staging import PipelineSettings
 
     m = measured(blocks=tuple(Block(f"net.{i}", 1 / 8, 1 << 20, 4096, True) for i in range(8)))
     setups = [s for s in pricing.candidates(m, 2) if s.strategy == "pipeline"]

@@ -425,7 +425,7 @@ def test_each_pipeline_schedule_is_torchs_by_its_name_and_the_settings_take_the_
     from torch.distributed.pipelining import schedules as torchs
 
     from phalanx.strategies import schedules
-    from phalanx.strategies.pipeline import PipelineSettings
+    from phalanx.strategies.staging import PipelineSettings
 
     for name, schedule in schedules.SCHEDULES.items():
         kind = schedules.torch_class(name)

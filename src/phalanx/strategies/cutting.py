@@ -384,16 +384,19 @@ def keep_stages(
     stages: int,
     active: Active,
     device: torch.device,
+    hooked: bool = False,
 ) -> None:
     """Remove every module that is not one of stages `mine`'s. The trunk's blocks run only in the
     running stage's range and pass through before it (`active` holds the range and the activation
-    received); the modules before the trunk give zeros of their outputs on later stages."""
+    received); the modules before the trunk give zeros of their outputs on later stages.
+    `hooked`: a stage's range is entered before the blocks' own hooks run (those of tensor
+    parallelism, which lay out a block's input), not in their forward."""
     bounds = [0, *split.cuts, split.size]
     trunk = model.get_submodule(split.trunk) if split.trunk else model
     kept = {i for k in mine for i in range(bounds[k], bounds[k + 1])}
     for i in range(split.size):
         child = trunk.get_submodule(str(i)) if i in kept else _Passing()
-        _run_in_range(child, i, active)
+        _run_in_range(child, i, active, hooked)
         if i not in kept:
             setattr(trunk, str(i), child)
     for name in split.before:
@@ -420,21 +423,30 @@ def _zeros_after_the_first(
     module.forward = first_only  # type: ignore[method-assign]  # on the instance: state names stay
 
 
-def _run_in_range(child: nn.Module, i: int, active: Active) -> None:
+def _run_in_range(child: nn.Module, i: int, active: Active, hooked: bool = False) -> None:
     """Child `i` of the trunk: before the stage it passes its input through, at the stage's first
     child the input becomes the activation received, and the next stage's first child ends the
-    stage's forward with its input."""
+    stage's forward with its input. `hooked`: the last two in a hook that runs before the
+    child's own (a forward wrapper runs after them); the plain path has no hook to call."""
     forward = child.forward
+
+    def entering(module: nn.Module, args: tuple) -> tuple | None:
+        if i == active.hi:
+            raise Cut(args[0])
+        if i == active.lo and active.received is not None:
+            return (active.received, *args[1:])
+        return None
 
     def ranged(*args: Any, **kwargs: Any) -> Any:
         if i < active.lo:
             return args[0]
-        if i == active.hi:
-            raise Cut(args[0])
-        if i == active.lo and active.received is not None:
-            args = (active.received, *args[1:])
+        if not hooked:
+            changed = entering(child, args)
+            args = args if changed is None else changed
         return forward(*args, **kwargs)
 
+    if hooked:
+        child.register_forward_pre_hook(entering, prepend=True)
     child.forward = ranged  # type: ignore[method-assign]  # on the instance: state names stay
 
 

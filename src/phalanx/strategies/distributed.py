@@ -180,20 +180,27 @@ RELEASE_S = 0.1
 
 def sum_gradients(params: list[nn.Parameter], group: Any = None, divide: float = 1.0) -> None:
     """The parameters' gradients summed over `group` (divided by `divide`) in place, in one
-    all-reduce; a parameter without a gradient takes part with zeros, and gets the sum."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    all-reduce; a parameter without a gradient takes part with zeros, and gets the sum. A split
+    parameter's (a DTensor's) local part is summed with the same part of the other processes."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(_local(p.grad))
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
     if divide != 1.0:
         flat /= divide
     offset = 0
-    for p in params:
-        summed = flat[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
-        if p.grad is None:
-            p.grad = summed.to(p.dtype, copy=True)
-        else:
-            p.grad.copy_(summed)
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (its storage), or the tensor itself."""
+    to_local = getattr(tensor, "to_local", None)
+    return tensor if to_local is None else to_local()
 
 
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:

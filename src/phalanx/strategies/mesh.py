@@ -12,6 +12,11 @@ process counts that shard's loss in the ranks' agreement and gives its outputs t
 others' hooks see them as an empty shard's), so nothing is counted twice. The gradient norm for
 clipping is over the whole model (the engine's: DTensor norms, made global mesh by mesh).
 
+A mesh of one shape is one of the named strategies, run as that strategy is (`build`): replicate
+alone is `ddp`; replicate x pipeline (x tensor) is the `pipeline` strategy, each stage's planned
+layers split over its tensor group (`pipeline.Tensor`), its settings in `parallel.pipeline`;
+shard alone is `fsdp`'s sharding.
+
 Checkpoints are fsdp's: the logical, whole-model format (full state dicts gathered to the main
 process, or torch.distributed.checkpoint's shards), so a run saved on one mesh resumes on any
 other strategy and process count.
@@ -30,13 +35,18 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import refuse_outside_workers
+from phalanx.strategies import ddp, refuse_outside_workers
+from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
+from phalanx.strategies.pipeline import Pipeline, Tensor
 from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.staging import checked_settings
+from phalanx.strategies.staging import layout as pipeline_layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
     from phalanx.config import Config
     from phalanx.engine import Engine
@@ -204,6 +214,12 @@ class MeshSettings(StrategySettings):
     tensor: StrictInt = Field(
         1, ge=1, description="tensor degree: processes each planned Linear's weight is split over"
     )
+    pipeline: StrictInt = Field(
+        1,
+        ge=1,
+        description="pipeline degree: processes a copy of the model is staged over, as "
+        "parallel.pipeline (split, microbatches, schedule) says",
+    )
     tensor_plan: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=dict,
         description="module name -> colwise (weight split by outputs) or rowwise (by inputs); "
@@ -218,24 +234,47 @@ def _no_plan(degree: int, example: str) -> str:
     )
 
 
+def _product(layout: MeshSettings) -> int:
+    return layout.replicate * layout.shard * layout.pipeline * layout.tensor
+
+
 def _mismatch(layout: MeshSettings, processes: int) -> str:
-    product = layout.replicate * layout.shard * layout.tensor
     return (
         f"parallel.mesh: replicate({layout.replicate}) * shard({layout.shard}) * "
-        f"tensor({layout.tensor}) = {product}, but the job has {processes} processes; set "
-        f"parallel.devices to {product}, or degrees whose product is {processes}"
+        f"pipeline({layout.pipeline}) * tensor({layout.tensor}) = {_product(layout)}, but the "
+        f"job has {processes} processes; set parallel.devices to {_product(layout)}, or degrees "
+        f"whose product is {processes}"
     )
 
 
-def build(cfg: Config, accelerator: str, devices: int) -> Mesh:
+def tensor_styles(plan: Mapping[str, str]) -> dict[str, ParallelStyle]:
+    """A checked plan as torch's tensor-parallel styles, module by module."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    return {name: styles[style]() for name, style in plan.items()}
+
+
+def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
+    """The strategy of the mesh's shape: `ddp`'s where it only replicates (its bucketed
+    all-reduce overlaps the backward), the pipeline's where it stages the model (with a tensor
+    dimension inside each stage), else fsdp's with a tensor dimension (`Mesh`)."""
     refuse_outside_workers("mesh", devices)
     check(cfg, accelerator, devices)
-    return Mesh(
-        accelerator,
-        cfg.parallel.section("mesh", MeshSettings),
-        cfg.parallel.timeout_s,
-        backend=cfg.parallel.backend,
-    )
+    layout = cfg.parallel.section("mesh", MeshSettings)
+    if layout.replicate == devices:
+        return ddp.build(cfg, accelerator, devices)
+    if layout.pipeline > 1:
+        # the pipeline's stages with the tensor dimension inside each
+        return Pipeline(
+            accelerator,
+            checked_settings(cfg, accelerator, "mesh"),
+            window=-(-cfg.dataset.batch_size // cfg.parallel.accumulation),
+            timeout_s=cfg.parallel.timeout_s,
+            backend=cfg.parallel.backend,
+            tensor=Tensor(layout.tensor, layout.tensor_plan),
+        )
+    return Mesh(accelerator, layout, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
 
 
 def check(cfg: Config, accelerator: str, processes: int) -> None:
@@ -248,10 +287,38 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         "parallel.strategy=fsdp or ddp",
     )
     layout = cfg.parallel.section("mesh", MeshSettings)
-    if layout.replicate * layout.shard * layout.tensor != processes:
+    if _product(layout) != processes:
         raise ConfigError(_mismatch(layout, processes))
     if layout.tensor > 1 and not layout.tensor_plan:
         raise ConfigError(_no_plan(layout.tensor, "net.0"))
+    if layout.pipeline > 1:
+        _check_pipeline(cfg, accelerator, layout)
+
+
+def _check_pipeline(cfg: Config, accelerator: str, layout: MeshSettings) -> None:
+    """A pipeline dimension: its stages (parallel.pipeline) make `pipeline` processes a copy, and
+    its copies replicate (sharding a pipeline's stages is not built)."""
+    if layout.shard > 1:
+        raise ConfigError(
+            f"parallel.mesh: pipeline({layout.pipeline}) with shard({layout.shard}) is not "
+            f"supported: a pipeline's stages are copied, not sharded; set parallel.mesh.replicate "
+            f"to {layout.replicate * layout.shard} and parallel.mesh.shard to 1"
+        )
+    settings = checked_settings(cfg, accelerator, "mesh")
+    per_process = settings.stages_per_process or 1
+    if settings.split == "auto":
+        stages = settings.stages or layout.pipeline * per_process
+    else:
+        stages = len(settings.split) + 1
+    if stages != layout.pipeline * per_process:
+        raise ConfigError(
+            f"parallel.mesh.pipeline is {layout.pipeline}, but parallel.pipeline makes {stages} "
+            f"stages, {per_process} a process; set parallel.mesh.pipeline to "
+            f"{max(stages // per_process, 1)}, or split the model into "
+            f"{layout.pipeline * per_process} stages"
+        )
+    # the stages share out over the processes, and the schedule can run its micro-batches
+    pipeline_layout(settings, processes=layout.replicate * layout.pipeline)
 
 
 register(

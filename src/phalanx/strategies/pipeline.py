@@ -20,22 +20,21 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, StrictInt, model_validator
+from pydantic import Field
 from torch import nn
 from torch.utils._pytree import tree_map
 
 from phalanx import keras_models, random
-from phalanx.costs import NO_CHAIN, ONE_DEVICE, Measured, Setup, balanced_split
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
-from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
@@ -47,68 +46,36 @@ from phalanx.strategies.cutting import (
     stage_parts,
 )
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
-from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
+from phalanx.strategies.staging import (
+    PipelineSettings,
+    accumulation_setup,
+    checked_settings,
+    count,
+    layout,
+    plan_settings,
+    unplanned,
+)
 from phalanx.strategies.syncbn import PerDeviceStatistics
 
 # the stages' module (torch's pipelining, a second to import) is imported where a step needs it:
 # every process registers this strategy, few run it
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from phalanx.config import Config
     from phalanx.engine import Engine
 
 
-def layout(settings: PipelineSettings, processes: int) -> tuple[int, int]:
-    """The stages of `settings` over `processes` processes, and the processes a copy of the pipeline
-    takes; a ConfigError where they do not share out, or where the schedule cannot run its
-    micro-batches through them. A config check: a run or a resume is refused before any process
-    starts."""
-    per_process = settings.stages_per_process or 1
-    if settings.split == "auto":  # cut in setup, by measured time
-        stages = settings.stages or processes * per_process
-        made = "parallel.pipeline.stages makes"
-    else:
-        stages = len(settings.split) + 1
-        made = "parallel.pipeline.split makes"
-    if stages % per_process:
-        raise ConfigError(
-            f"{made} {stages} stages, which cannot be shared out {per_process} to a process "
-            f"(parallel.pipeline.stages_per_process); name {per_process} x N - 1 split points"
-        )
-    depth = stages // per_process
-    if processes % depth:
-        raise ConfigError(
-            f"{made} {stages} stages, {per_process} per process, so {depth} processes a copy of "
-            f"the pipeline, but there are {processes} processes: set parallel.devices to a "
-            f"multiple of {depth}"
-        )
-    _check_schedule(settings, stages, depth)
-    return stages, depth
+@dataclass(frozen=True)
+class Tensor:
+    """The tensor dimension of a pipeline: each stage's planned Linear layers split over `degree`
+    processes, by `plan` (module name -> colwise or rowwise)."""
 
-
-def _check_schedule(settings: PipelineSettings, stages: int, depth: int) -> None:
-    """The conditions that torch's schedules set on the micro-batch count as they are built (at
-    the first step, when a resume has already rewritten the run's config), checked beforehand."""
-    m, schedule = settings.microbatches, settings.schedule
-    if SCHEDULES[schedule].fills and m < stages:
-        # a schedule of one stage a process has one that fills the pipeline as it goes
-        unfilled = [n for n, s in SCHEDULES.items() if s.per_process == 1 and not s.fills]
-        one = SCHEDULES[schedule].per_process == 1
-        other = "".join(f", or parallel.pipeline.schedule={n}" for n in unfilled) if one else ""
-        raise ConfigError(
-            f"parallel.pipeline.schedule={schedule} needs at least as many micro-batches as "
-            f"stages, but has {_count(m, 'micro-batch', 'es')} for {stages} stages; set "
-            f"parallel.pipeline.microbatches to {stages} or more{other}"
-        )
-    rounds = max(1, m // depth)
-    if SCHEDULES[schedule].in_rounds and m % rounds:
-        raise ConfigError(
-            f"parallel.pipeline.schedule={schedule} runs its micro-batches in rounds of one a "
-            f"process: {m} micro-batches do not share out evenly over {rounds} rounds of "
-            f"{depth} processes; set parallel.pipeline.microbatches to a multiple of {depth}, or "
-            f"to {depth} or fewer"
-        )
+    degree: int
+    plan: Mapping[str, str]
 
 
 class Pipeline(ProcessGroup):
@@ -121,16 +88,22 @@ class Pipeline(ProcessGroup):
         window: int,
         timeout_s: float | None = None,
         backend: str = "auto",
+        tensor: Tensor | None = None,
     ):
         """`window`: the most samples of an accumulation window (a global batch, without
         accumulation); its copy's shard of one, cut into `settings.microbatches`, fixes the
-        micro-batches' size for the whole run."""
+        micro-batches' size for the whole run. `tensor`: each stage's Linear layers split over
+        that many processes (the mesh strategy's pipeline x tensor)."""
         super().__init__(accelerator, timeout_s, backend)
         self.settings = settings
+        self.tensor = tensor or Tensor(1, {})
         per_process = settings.stages_per_process or 1
-        self.stages, self.depth = layout(settings, self.world_size)
-        self.copies = self.world_size // self.depth
-        self.position, copy = self.rank % self.depth, self.rank // self.depth
+        self.stages, self.depth = layout(settings, self.world_size // self.tensor.degree)
+        self.copies = self.world_size // (self.depth * self.tensor.degree)
+        # a tensor group's processes are neighbours in rank (the innermost dimension, where the
+        # fastest link is): rank = (copy x depth + position) x tensor + tensor rank
+        flat, self.tensor_rank = divmod(self.rank, self.tensor.degree)
+        self.position, copy = flat % self.depth, flat // self.depth
         if SCHEDULES[settings.schedule].in_v:  # in a V: process p holds stages p and 2P - 1 - p
             self.mine = [self.position, 2 * self.depth - 1 - self.position]
         else:  # looped: process p holds stages p, p + P, p + 2P ... (the interleaved schedules')
@@ -144,11 +117,14 @@ class Pipeline(ProcessGroup):
         # communication threads)
         self._pipe = dist.group.WORLD if self.copies == 1 else None
         self._dp = None
-        for c in range(self.copies if self.copies > 1 else 0):
+        self._tensor_mesh: DeviceMesh | None = None
+        if self.tensor.degree > 1:
+            self._pipe, self._dp, self._tensor_mesh = self._mesh_groups()
+        for c in range(self.copies if self.copies > 1 and self.tensor.degree == 1 else 0):
             group = dist.new_group([c * self.depth + p for p in range(self.depth)])
             if c == copy:
                 self._pipe = group
-        for p in range(self.depth):
+        for p in range(self.depth if self.tensor.degree == 1 else 0):
             group = dist.new_group([c * self.depth + p for c in range(self.copies)])
             if p == self.position:
                 self._dp = group
@@ -170,6 +146,19 @@ class Pipeline(ProcessGroup):
         self._in_flight: _Agreement | None = None  # the last step's agreement, behind it
         self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
+
+    def _mesh_groups(self) -> tuple[Any, Any, DeviceMesh]:
+        """The groups of a pipeline with a tensor dimension, from one device mesh of copies x
+        stages x tensor: a copy's stages (one tensor rank's), a stage's copies, and the stage's
+        tensor group (a mesh, as tensor parallelism takes it)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            self.device.type,
+            (self.copies, self.depth, self.tensor.degree),
+            mesh_dim_names=("replicate", "pipeline", "tensor"),
+        )
+        return mesh["pipeline"].get_group(), mesh["replicate"].get_group(), mesh["tensor"]
 
     # --- building --------------------------------------------------------------------------
 
@@ -223,6 +212,15 @@ class Pipeline(ProcessGroup):
                 "the pipeline has no synchronised BatchNorm: train such a model with ddp or "
                 "fsdp, or use LayerNorm or GroupNorm",
             )
+            planned: dict[str, nn.Module] = {}
+            if self._tensor_mesh is not None:
+                split = self._split
+                blocks = {
+                    f"{split.trunk}.{i}" if split.trunk else str(i) for i in range(split.size)
+                }
+                several = self.settings.schedule if len(self.mine) > 1 else None
+                check_tensor_plan(whole, self.tensor, names, blocks, several)
+                planned = {name: whole.get_submodule(name) for name in self.tensor.plan}
             trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
             first = {id(p): n for n, p in whole.named_parameters()}
             aliases = {
@@ -232,7 +230,15 @@ class Pipeline(ProcessGroup):
             }
             self._trainable = len(trainable)
             self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
-            keep_stages(whole, self._split, self.mine, self.stages, self._active, self.device)
+            keep_stages(
+                whole,
+                self._split,
+                self.mine,
+                self.stages,
+                self._active,
+                self.device,
+                hooked=self._tensor_mesh is not None,
+            )
             mine = [n for n, p in whole.named_parameters() if p.requires_grad]
             if not list(whole.parameters()):
                 raise ConfigError(
@@ -249,22 +255,37 @@ class Pipeline(ProcessGroup):
                     "fsdp"
                 )
             self._global_index = [index[n] for n in mine if n in index]
-            return whole.to(self.device)
+            whole = whole.to(self.device)
+            if self._tensor_mesh is not None:
+                # the planned layers this process's stages kept, split over its tensor group
+                kept = {id(m) for m in whole.modules()}
+                plan = {n: self.tensor.plan[n] for n, m in planned.items() if id(m) in kept}
+                if plan:
+                    from torch.distributed.tensor.parallel import parallelize_module
+
+                    from phalanx.strategies.mesh import tensor_styles
+
+                    parallelize_module(whole, self._tensor_mesh, tensor_styles(plan))
+            return whole
 
         tied: list[str] = []
         self.model = prepare(module, options, place)
         said = [t for t in self.gather(tied[0] if tied else None) if t]
         if said:
             raise ConfigError(said[0])
-        counts = self.gather(sum(p.numel() for p in self.model.parameters()))[: self.depth]
+        # the stages' sizes from the first copy's first tensor rank (a DTensor counts its whole)
+        counts = self.gather(sum(p.numel() for p in self.model.parameters()))
+        counts = counts[:: self.tensor.degree][: self.depth]
         each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
+        if self.tensor.degree > 1:
+            each += f", each stage's planned layers split over {self.tensor.degree} processes"
         m = self.settings.microbatches
         self.layout = (
-            f"the model in {self.stages} stages on {_count(self.depth, 'process', 'es')}{each} "
+            f"the model in {self.stages} stages on {count(self.depth, 'process', 'es')}{each} "
             "holding "
             + ", ".join(f"{n:,}" for n in counts)
             + f" parameters, {'1 copy' if self.copies == 1 else f'{self.copies} copies'} of the "
-            f"pipeline, {_count(m, 'micro-batch', 'es')} of {self.rows} samples through it "
+            f"pipeline, {count(m, 'micro-batch', 'es')} of {self.rows} samples through it "
             f"({self.settings.schedule}){self.chosen}"
         )
         return self.model, self.model
@@ -338,8 +359,8 @@ class Pipeline(ProcessGroup):
         except ValueError as e:  # the schedule's own conditions on the micro-batch count
             raise ConfigError(
                 f"parallel.pipeline.schedule={self.settings.schedule} with "
-                f"{_count(self.settings.microbatches, 'micro-batch', 'es')} on "
-                f"{_count(self.depth, 'process', 'es')}: {e}"
+                f"{count(self.settings.microbatches, 'micro-batch', 'es')} on "
+                f"{count(self.depth, 'process', 'es')}: {e}"
             ) from None
         self._engine = engine
         return self._schedule
@@ -362,7 +383,9 @@ class Pipeline(ProcessGroup):
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
                 schedule.step(target=real, **padded)
-            parts.append(concat(self._captured) if self.is_last and micro.shard else None)
+            # a tensor group's last stages give the same outputs: its first process's count
+            given = self.is_last and micro.shard and self.tensor_rank == 0
+            parts.append(concat(self._captured) if given else None)
         start = time.perf_counter()
         self._reduce_gradients()
         values, pending = self._agree(stop)
@@ -473,7 +496,7 @@ class Pipeline(ProcessGroup):
         stages see it); a plain one's agreement runs behind the step (`_Agreement`)."""
         values = torch.zeros(4, dtype=torch.float64, device=self.device)
         weighted = False
-        if self._parts:
+        if self._parts and self.tensor_rank == 0:  # a tensor group's loss, counted once
             total = torch.stack(self._parts).sum(0).to(torch.float64).reshape(-1)
             values[: len(total)] = total
             weighted = self._parts[0].dim() > 0  # a weighted loss's parts are pairs
@@ -524,7 +547,7 @@ class Pipeline(ProcessGroup):
                     with self._counted_evenly(self.settings.microbatches):
                         schedule.eval(target=real, **padded)
                 out.extend(self._captured)
-        return concat(out) if self.is_last else {}
+        return concat(out) if self.is_last and self.tensor_rank == 0 else {}
 
     def _evaluate_in_turn(self, padded: dict[str, torch.Tensor], n: int) -> None:
         """A round's forward without a schedule: each stage in turn on the whole round, its
@@ -574,11 +597,12 @@ class Pipeline(ProcessGroup):
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's state on the main process, each stage's part gathered from the first
         copy of the pipeline."""
-        mine = (
-            {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
-            if self.data_rank == 0
-            else None
-        )
+        mine = None
+        if self.data_rank == 0:
+            # a tensor group's processes put their split layers back together (a collective of
+            # the group); its first gives them
+            state = {k: _to_cpu(v) for k, v in self.model.state_dict().items()}
+            mine = state if self.tensor_rank == 0 else None
         self.progress.enter("the gathering of the stages' states")
         parts = self.gather(mine)
         if not self.is_main:
@@ -611,7 +635,8 @@ class Pipeline(ProcessGroup):
         """Each process keeps its stages' part; what is missing or unexpected is judged against
         the whole model."""
         mine = self.model.state_dict()
-        self.model.load_state_dict({k: v for k, v in state.items() if k in mine}, strict=False)
+        given = {k: _placed(v, mine[k]) for k, v in state.items() if k in mine}
+        self.model.load_state_dict(given, strict=False)
         missing = [k for k in self._whole if k not in state]
         return missing, [k for k in state if k not in self._whole]
 
@@ -636,6 +661,7 @@ class Pipeline(ProcessGroup):
                 },
                 "param_groups": state["param_groups"],
             }
+            mine = mine if self.tensor_rank == 0 else None
         self.progress.enter("the gathering of the stages' optimizer states")
         parts = self.gather(mine)
         if not self.is_main:
@@ -651,8 +677,13 @@ class Pipeline(ProcessGroup):
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         local = {g: i for i, g in enumerate(self._global_index)}
+        params = optimizer.param_groups[0]["params"]
         mine = {
-            "state": {local[int(g)]: s for g, s in state["state"].items() if int(g) in local},
+            "state": {
+                local[int(g)]: {k: _placed(v, params[local[int(g)]]) for k, v in s.items()}
+                for g, s in state["state"].items()
+                if int(g) in local
+            },
             "param_groups": [
                 dict(group, params=list(range(len(self._global_index))))
                 for group in state["param_groups"]
@@ -684,12 +715,59 @@ class _Agreement:
         return bool(self._values[3] > 0)
 
 
-def _count(n: int, noun: str, plural: str = "s") -> str:
-    return f"{n} {noun}{plural if n != 1 else ''}"
+def check_tensor_plan(
+    whole: nn.Module, tensor: Tensor, cuts: list[str], blocks: set[str], looped: str | None
+) -> None:
+    """A pipeline's tensor plan, checked against the whole model before the split: each module a
+    Linear whose split dimension the degree divides; no stage starting (at one of `cuts`) between
+    a colwise layer and the rowwise one after it, where the activation is split over the tensor
+    group; and, where a process holds several stages (`looped`: the schedule that loops them), no
+    split layer among the trunk's `blocks`, which pass an earlier stage's activation through (a
+    split layer's own input and output layouts would change it)."""
+    from phalanx.strategies.mesh import check_plan
+
+    plan = tensor.plan
+    check_plan(whole, plan, tensor.degree)
+    order = {name: i for i, (name, _) in enumerate(whole.named_modules())}
+    planned = sorted(plan, key=order.__getitem__)
+    for before, after in zip(planned, planned[1:], strict=False):
+        inside = [c for c in cuts if order[before] < order[c] <= order[after]]
+        if plan[before] == "colwise" and plan[after] == "rowwise" and inside:
+            raise ConfigError(
+                f"parallel.pipeline.split starts a stage at {inside[0]!r}, between {before!r} "
+                f"(colwise) and {after!r} (rowwise), where the activation is split over the "
+                f"tensor group; move the split point before {before!r} or after {after!r}"
+            )
+    passing = [name for name in planned if name in blocks]
+    if looped is not None and passing:
+        raise ConfigError(
+            f"parallel.mesh.tensor_plan splits {passing[0]!r}, a block the pipeline passes "
+            f"activations through when a process holds several stages "
+            f"(parallel.pipeline.schedule={looped}); plan the layers inside the blocks, or use a "
+            "schedule of one stage a process (1f1b, gpipe)"
+        )
 
 
 def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    """A tensor on the host; a split one (a DTensor) whole, from its group (a collective)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return value.detach().cpu()
+
+
+def _placed(value: Any, like: Any) -> Any:
+    """A whole tensor of `like`'s shape split as `like` (a DTensor) is, each process slicing its
+    part from its own copy (no communication); anything else as it is."""
+    if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor):
+        return value
+    if value.shape != like.shape:
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    value = value.to(like.device, like.dtype)
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
@@ -711,67 +789,8 @@ def _pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
 # --- the strategy as the config names it ---------------------------------------------------
 
 
-def _looping_schedules() -> list[str]:
-    """The schedules that loop several stages a process (p, p + P, ...)."""
-    return [n for n, s in SCHEDULES.items() if s.per_process > 1 and not s.in_v]
-
-
-class PipelineSettings(StrategySettings):
-    """`parallel.pipeline`: settings of the `pipeline` strategy."""
-
-    split: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = Field(
-        description="the modules where a new stage starts: blocks of one nn.Sequential or "
-        "nn.ModuleList of the model, such as [net.3]; one process per stage; or auto: the "
-        "model's largest such chain cut into stages of about equal measured time",
-    )
-    stages: StrictInt | None = Field(
-        None,
-        ge=2,
-        description="with split: auto, the stages to cut; default the processes times "
-        "stages_per_process (one copy of the pipeline)",
-    )
-    microbatches: StrictInt = Field(
-        4, ge=1, description="micro-batches per global batch (per accumulation window)"
-    )
-    # the choices are the schedule table's names (a Literal of them, as pydantic checks it)
-    schedule: Literal[tuple(SCHEDULES)] = Field(  # type: ignore[valid-type]
-        "1f1b", description=schedules.describe()
-    )
-    stages_per_process: StrictInt | None = Field(
-        None,
-        ge=1,
-        description="stages each process holds, looped (process p: stages p, p + P ...); "
-        f"default 1, and 2 for {' and '.join(_looping_schedules())} "
-        f"({' and '.join(n for n, s in SCHEDULES.items() if s.in_v)}: 2, in a V)",
-    )
-
-    @model_validator(mode="after")
-    def _per_process(self) -> PipelineSettings:
-        if self.stages is not None and self.split != "auto":
-            raise ValueError(
-                "stages goes with split: auto; a list of split points makes one stage more than "
-                "it names"
-            )
-        schedule = SCHEDULES[self.schedule]
-        if schedule.in_v:
-            if self.stages_per_process not in (None, 2):
-                raise ValueError(
-                    f"schedule {self.schedule} runs two stages per process, in a V; remove "
-                    "stages_per_process or set it to 2"
-                )
-            self.stages_per_process = 2
-        elif self.stages_per_process is None:
-            self.stages_per_process = schedule.per_process
-        elif self.stages_per_process > 1 and schedule.per_process == 1:
-            raise ValueError(
-                f"schedule {self.schedule} runs one stage per process; use "
-                f"{' or '.join(_looping_schedules())} for stages_per_process > 1"
-            )
-        return self
-
-
 def build(cfg: Config, accelerator: str, devices: int) -> Pipeline:
-    settings = _settings(cfg, accelerator)
+    settings = checked_settings(cfg, accelerator)
     if not in_worker():
         per_process = settings.stages_per_process or 1
         stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
@@ -792,78 +811,7 @@ def build(cfg: Config, accelerator: str, devices: int) -> Pipeline:
 
 
 def check(cfg: Config, accelerator: str, processes: int) -> None:
-    layout(_settings(cfg, accelerator), processes)
-
-
-def _settings(cfg: Config, accelerator: str) -> PipelineSettings:
-    """`parallel.pipeline`, checked against the rest of the config."""
-    settings = cfg.parallel.optional_section("pipeline", PipelineSettings)
-    if settings is None:
-        raise ConfigError(
-            "parallel.strategy=pipeline needs parallel.pipeline.split, the modules where a new "
-            "stage starts, such as parallel.pipeline.split=[net.3]"
-        )
-    if accelerator == "cuda" and cfg.parallel.backend == "gloo":
-        raise ConfigError(
-            "parallel.strategy=pipeline on GPUs sends activations between stages over NCCL, one "
-            "GPU a process; gloo cannot send GPU memory: set parallel.backend=auto (or nccl)"
-        )
-    per_process = settings.stages_per_process or 1
-    stages = len(settings.split) + 1 if settings.split != "auto" else settings.stages
-    if stages == per_process:
-        raise ConfigError(
-            f"parallel.pipeline puts its {stages} stages in one process ({per_process} per "
-            "process, parallel.pipeline.stages_per_process): a pipeline runs over two processes "
-            f"or more; split it at {2 * per_process - 1} points, or set parallel.strategy=single"
-        )
-    refuse(
-        "pipeline",
-        {
-            "parallel.shard_weights": cfg.parallel.shard_weights is not None,
-            "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
-            "compile": bool(cfg.compile),
-        },
-        "parallel.strategy=ddp or fsdp",
-    )
-    return settings
-
-
-def _unplanned(m: Measured, devices: int) -> str | None:
-    if devices < 2:
-        return ONE_DEVICE
-    return NO_CHAIN if balanced_split(m.blocks, 2) is None else None
-
-
-def _accumulation_setup(cfg: Config, devices: int) -> Callable[[Measured], Setup]:
-    """The pipeline the config names, its split cut from the measured blocks where auto."""
-    settings = cfg.parallel.section("pipeline", PipelineSettings)
-    named = settings.split
-    stages = (settings.stages or devices) if named == "auto" else len(named) + 1
-
-    def setup(m: Measured) -> Setup:
-        split = balanced_split(m.blocks, stages) if named == "auto" else named
-        return Setup(
-            "pipeline",
-            devices,
-            stages,
-            settings.microbatches,
-            settings.schedule,
-            tuple(split or ()),
-        )
-
-    return setup
-
-
-def _plan_settings(row: dict[str, Any]) -> dict[str, Any]:
-    """The section that trains a plan's pipeline row."""
-    return {
-        "pipeline": {
-            "split": row["split"],
-            "microbatches": row["microbatches"],
-            "schedule": row["schedule"],
-        }
-    }
+    layout(checked_settings(cfg, accelerator), processes)
 
 
 register(
@@ -877,10 +825,10 @@ register(
         field=Field(None, description="the pipeline strategy's (split is required)"),
         setups=schedules.setups,
         cost=schedules.price,
-        unplanned=_unplanned,
+        unplanned=unplanned,
         label=schedules.label,
         readers=lambda setup: setup.devices // setup.stages,
-        accumulation_setup=_accumulation_setup,
-        plan_settings=_plan_settings,
+        accumulation_setup=accumulation_setup,
+        plan_settings=plan_settings,
     )
 )
