@@ -8,7 +8,7 @@ import toy
 
 from phalanx import config
 from phalanx.errors import ConfigError
-from phalanx.strategies import mesh
+from phalanx.strategies import mesh, tensor
 
 
 @pytest.mark.parametrize(
@@ -33,11 +33,11 @@ from phalanx.strategies import mesh
 )
 def test_a_plan_the_model_cannot_take_is_one_error_naming_the_module(plan, message):
     with pytest.raises(ConfigError, match=message):
-        mesh.check_plan(toy.Linear(features=3, hidden=4), plan, 2)
+        tensor.check_plan(toy.Linear(features=3, hidden=4), plan, 2)
 
 
 def test_a_plan_the_model_takes_passes():
-    mesh.check_plan(toy.Linear(features=3, hidden=4), {"net.0": "colwise", "net.2": "rowwise"}, 2)
+    tensor.check_plan(toy.Linear(features=3, hidden=4), {"net.0": "colwise", "net.2": "rowwise"}, 2)
 
 
 def test_degrees_whose_product_is_not_the_processes_are_one_error_with_the_arithmetic():

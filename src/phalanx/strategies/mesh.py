@@ -34,6 +34,7 @@ from phalanx.strategies import refuse_outside_workers
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
 from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.tensor import apply_tensor_plan, no_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -130,18 +131,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, layout: MeshSettings) -> nn
     return module
 
 
-def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> None:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    check_plan(module, plan, mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(module, mesh, {name: styles[style]() for name, style in plan.items()})
-
-
 def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -156,36 +145,6 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
             sharded.set_force_sum_reduction_for_comms(True)
     # as fsdp: phalanx changes no module's output in place (it detaches them for the hooks)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-def check_plan(module: nn.Module, plan: Mapping[str, str], degree: int) -> None:
-    """Each module the plan names is a Linear of the model whose split dimension (outputs for
-    colwise, inputs for rowwise) the tensor degree divides: one ConfigError otherwise."""
-    linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    if not plan:
-        raise ConfigError(_no_plan(degree, linears[0] if linears else "net.0"))
-    for name, style in plan.items():
-        try:
-            layer = module.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan names {name!r}, which the model does not have; "
-                f"its Linear modules are {', '.join(linears) or 'none'}"
-            ) from None
-        if not isinstance(layer, nn.Linear):
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan names {name!r}, a {type(layer).__name__}; only "
-                f"nn.Linear modules are split; name one of {', '.join(linears) or 'none'}"
-            )
-        size, what = (
-            (layer.out_features, "outputs") if style == "colwise" else (layer.in_features, "inputs")
-        )
-        if size % degree:
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan: {name!r} ({style}) splits its {size} {what} over "
-                f"parallel.mesh.tensor={degree} processes, which does not divide them; choose a "
-                f"tensor degree that divides {size}, or leave {name!r} out of the plan"
-            )
 
 
 # --- the strategy as the config names it ---------------------------------------------------
@@ -208,13 +167,6 @@ class MeshSettings(StrategySettings):
         default_factory=dict,
         description="module name -> colwise (weight split by outputs) or rowwise (by inputs); "
         "used where tensor > 1",
-    )
-
-
-def _no_plan(degree: int, example: str) -> str:
-    return (
-        f"parallel.mesh.tensor is {degree} but parallel.mesh.tensor_plan is empty; name the "
-        f"Linear modules to split, such as {{{example}: colwise}}, or set parallel.mesh.tensor: 1"
     )
 
 
@@ -251,7 +203,7 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
     if layout.replicate * layout.shard * layout.tensor != processes:
         raise ConfigError(_mismatch(layout, processes))
     if layout.tensor > 1 and not layout.tensor_plan:
-        raise ConfigError(_no_plan(layout.tensor, "net.0"))
+        raise ConfigError(no_plan(layout.tensor, "net.0"))
 
 
 register(
