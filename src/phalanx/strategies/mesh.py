@@ -34,7 +34,7 @@ from phalanx.strategies import refuse_outside_workers
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
 from phalanx.strategies.registry import Family, refuse, register
-from phalanx.strategies.tensor import apply_tensor_plan, no_plan
+from phalanx.strategies.tensor import apply_tensor_plan, describe_plan, no_plan, resolve_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,16 +64,23 @@ class Mesh(FSDP):
         self.tensor_rank = self.mesh["tensor"].get_local_rank()
         self.data_rank = replicate.get_local_rank() * options.shard + shard.get_local_rank()
         self.data_world_size = options.replicate * options.shard
+        self.plan_line = ""  # the tensor plan as applied, for the run's first line
 
     def _shard(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
         self.progress.enter("the parallelising of the model")
-        module = parallelize(module.to(self.device), self.mesh, self.layout)
+        module = module.to(self.device)
+        if self.layout.tensor > 1:
+            self.plan_line = describe_plan(module, self.layout.tensor_plan, self.layout.tensor)
+        module = parallelize(module, self.mesh, self.layout)
         for name, unit in module.named_modules():
             if isinstance(unit, FSDPModule):  # its all-gathers counted, as fsdp's are
                 self._count_unit(module.get_submodule(name), name)
         return module
+
+    def describe(self) -> tuple[str, str]:
+        return "device", self.plan_line
 
     def _sync_gradients(self, final: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -116,15 +123,16 @@ def _device_mesh(device_type: str, layout: MeshSettings, processes: int) -> Devi
 def parallelize(module: nn.Module, mesh: DeviceMesh, layout: MeshSettings) -> nn.Module:
     """The model parallelised over the mesh, in torchtitan's order:
 
-    1. the tensor plan, on the tensor dimension: each named Linear's weight split by rows
-       (colwise: its outputs sharded) or by columns (rowwise: its inputs sharded, its outputs
-       summed), before anything shards the parameters further;
+    1. the tensor plan (`auto` resolved on the model), on the tensor dimension: each named
+       module split by its style (strategies/tensor.py), before anything shards the parameters
+       further;
     2. fully_shard over the data dimensions (a 2-D replicate x shard mesh: HSDP), the model's
        parts as units (fsdp's default) and then the root, each summing its gradients (the
        objective carries 1/B already), where the data dimensions hold more than one process.
     """
     if layout.tensor > 1:
-        apply_tensor_plan(module, mesh["tensor"], layout.tensor_plan)
+        plan = resolve_plan(module, layout.tensor_plan, layout.tensor)
+        apply_tensor_plan(module, mesh["tensor"], plan)
     if layout.replicate * layout.shard > 1:
         data = mesh["shard"] if layout.replicate == 1 else mesh["replicate", "shard"]
         apply_fully_shard(module, data)
@@ -163,10 +171,12 @@ class MeshSettings(StrategySettings):
     tensor: StrictInt = Field(
         1, ge=1, description="tensor degree: processes each planned Linear's weight is split over"
     )
-    tensor_plan: dict[str, Literal["colwise", "rowwise"]] = Field(
+    tensor_plan: Literal["auto"] | dict[str, Literal["colwise", "rowwise", "sequence"]] = Field(
         default_factory=dict,
-        description="module name -> colwise (weight split by outputs) or rowwise (by inputs); "
-        "used where tensor > 1",
+        description="module name -> colwise (a Linear's weight split by outputs, an Embedding's "
+        "by embedding dimensions), rowwise (a Linear's by inputs, an Embedding's by rows) or "
+        "sequence (a LayerNorm or RMSNorm run on a share of the positions); auto: the MLPs' "
+        "Linear pairs and the attention projections found on the model; used where tensor > 1",
     )
 
 
