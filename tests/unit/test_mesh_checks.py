@@ -189,3 +189,13 @@ def test_the_schema_takes_auto_and_the_sequence_style():
     for plan in ("auto", {"ln_1": "sequence", "embed": "rowwise"}):
         raw = toy.regression_config(parallel={"strategy": "mesh", "mesh": {"tensor_plan": plan}})
         assert config.validate(raw).parallel.section("mesh", mesh.MeshSettings).tensor_plan == plan
+
+
+def test_the_gpt_examples_mesh_config_is_shard_2_by_tensor_2_with_auto_on_4_processes():
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "gpt" / "mesh.yaml"
+    cfg, _ = config.load(str(path), [])
+    layout = cfg.parallel.section("mesh", mesh.MeshSettings)
+    assert (layout.shard, layout.tensor, layout.tensor_plan) == (2, 2, "auto")
+    mesh.check(cfg, "cpu", 4)  # the degrees' product is the processes
