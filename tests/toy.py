@@ -854,3 +854,72 @@ class LocalIds(Hook):
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         self.epochs.append([])
+
+
+class Tokens:
+    """Random token windows, as a language model's: items {"tokens", "targets", "id"} of `length`
+    tokens below `vocab`."""
+
+    def __init__(
+        self, n_train: int = 37, n_valid: int = 10, length: int = 6, vocab: int = 16, seed: int = 0
+    ):
+        g = torch.Generator().manual_seed(seed)
+        self._streams = {}
+        for name, n in (("train", n_train), ("valid", n_valid)):
+            tokens = torch.randint(vocab, (n, length + 1), generator=g)
+            self._streams[name] = _Windows(tokens[:, :-1], tokens[:, 1:])
+
+    def streams(self) -> dict[str, Dataset]:
+        return self._streams
+
+
+class _Windows(Dataset):
+    def __init__(self, tokens: torch.Tensor, targets: torch.Tensor):
+        self.tokens, self.targets = tokens, targets
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"tokens": self.tokens[i], "targets": self.targets[i], "id": i}
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q, k, v and output Linears, a head count and a head
+    size, reshaping as Llama's does (the head count, or -1, and head_dim)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.n_heads, self.head_dim = heads, width // heads
+        self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.v_proj, self.o_proj = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Attending(nn.Module):
+    """forward(tokens, targets) -> {"logits", "loss" (per sequence)}: an embedding, a pre-norm
+    attention block and MLP block (fc, GELU, proj), a head."""
+
+    def __init__(self, vocab: int = 16, width: int = 8, heads: int = 4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.ln_1, self.attn = nn.LayerNorm(width), Attention(width, heads)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(tokens)
+        x = x + self.attn(self.ln_1(x))
+        logits = self.head(x + self.mlp(self.ln_2(x)))
+        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
+        return {"logits": logits, "loss": loss}

@@ -120,10 +120,51 @@ def test_mesh_trains_as_one_process(layout):
             assert rel(got["losses"], expected["losses"]) < 1e-10
 
 
+GPT = {  # the GPT example's model, small: one block, 2 heads, an MLP 32 wide
+    "class": "examples.gpt.model.GPT",
+    **{"vocab_size": 16, "block_size": 6, "n_layer": 1, "n_head": 2, "n_embd": 8},
+}
+ATTENDING = {"class": "toy.Attending", "vocab": 16, "width": 8, "heads": 4}
+# every style: attention projections (their heads counted per process), a sequence norm whose
+# output the next colwise layer gathers, an embedding split by rows, an MLP
+EVERY_STYLE = {
+    "embed": "rowwise",
+    **{f"attn.{p}_proj": "colwise" for p in "qkv"},
+    "attn.o_proj": "rowwise",
+    "ln_2": "sequence",
+    "mlp.0": "colwise",
+    "mlp.2": "rowwise",
+}
+
+
+def language_model(model: dict, plan: dict | str | None = None) -> dict:
+    """A language model on random token windows (37 train, 10 valid) in the scenario's steps."""
+    parallel = {} if plan is None else mesh(tensor=2)
+    if plan is not None:
+        parallel["mesh"]["tensor_plan"] = plan
+    raw = scenario(**parallel)
+    raw["model"] = model
+    raw["dataset"] = {**raw["dataset"], "class": "toy.Tokens", "length": 6, "vocab": 16}
+    return raw
+
+
+def test_tensor_plans_auto_and_every_style_train_as_one_process():
+    """auto on the GPT example's model (its MLPs: its attention's qkv is fused), and a hand-written
+    plan of every style on a model with separate attention projections."""
+    runs = [(GPT, "auto"), (ATTENDING, EVERY_STYLE)]
+    want = [workers.train(language_model(model)) for model, _ in runs]
+    raws = [language_model(model, plan) for model, plan in runs]
+    ranks = workers.run_ranks(2, workers.train_all, raws, timeout=400)
+    for i, (got, expected) in enumerate(zip(ranks[0], want, strict=True)):
+        assert_same(got, expected, f"language model {i}")
+    for got, expected in zip(ranks[1], want, strict=True):
+        assert rel(got["losses"], expected["losses"]) < 1e-10
+
+
 def test_a_bad_tensor_plan_is_one_config_error_naming_the_module():
     """Before training, on every process; each kind of bad plan: tests/unit/test_mesh_checks.py."""
     plan = {"net.1": "colwise"}
-    message = r"names 'net.1', a Tanh; only nn.Linear modules are split"
+    message = r"names 'net.1' \(colwise\), a Tanh; colwise splits nn.Linear and nn.Embedding"
     raw = scenario(devices=2, strategy="mesh", mesh={"tensor": 2, "tensor_plan": plan})
     with pytest.raises(AssertionError, match=message) as failure:
         workers.run_ranks(2, workers.train_all, [raw], timeout=120)

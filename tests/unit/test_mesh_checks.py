@@ -8,8 +8,8 @@ import toy
 
 from phalanx import config
 from phalanx.errors import ConfigError
-from phalanx.strategies import mesh
-from phalanx.strategies.pipeline import Tensor, check_tensor_plan
+from phalanx.strategies import mesh, tensor
+from phalanx.strategies.tensor import Tensor, check_tensor_plan
 
 
 @pytest.mark.parametrize(
@@ -17,11 +17,13 @@ from phalanx.strategies.pipeline import Tensor, check_tensor_plan
     [
         (
             {"net.5": "colwise"},
-            r"names 'net.5', which the model does not have; its Linear modules are net.0, net.2$",
+            r"names 'net.5', which the model does not have; its modules a plan can split are "
+            r"net.0, net.2$",
         ),
         (
             {"net.1": "colwise"},
-            r"names 'net.1', a Tanh; only nn.Linear modules are split; name one of net.0, net.2$",
+            r"names 'net.1' \(colwise\), a Tanh; colwise splits nn.Linear and nn.Embedding "
+            r"modules; name one of net.0, net.2$",
         ),
         (
             {"net.0": "colwise", "net.2": "colwise"},
@@ -34,11 +36,11 @@ from phalanx.strategies.pipeline import Tensor, check_tensor_plan
 )
 def test_a_plan_the_model_cannot_take_is_one_error_naming_the_module(plan, message):
     with pytest.raises(ConfigError, match=message):
-        mesh.check_plan(toy.Linear(features=3, hidden=4), plan, 2)
+        tensor.check_plan(toy.Linear(features=3, hidden=4), plan, 2)
 
 
 def test_a_plan_the_model_takes_passes():
-    mesh.check_plan(toy.Linear(features=3, hidden=4), {"net.0": "colwise", "net.2": "rowwise"}, 2)
+    tensor.check_plan(toy.Linear(features=3, hidden=4), {"net.0": "colwise", "net.2": "rowwise"}, 2)
 
 
 def test_degrees_whose_product_is_not_the_processes_are_one_error_with_the_arithmetic():
@@ -137,3 +139,134 @@ def test_a_split_block_is_refused_where_a_process_passes_activations_through_its
     ):
         check_tensor_plan(deep(), Tensor(2, PLAN), ["net.4"], blocks, "zbv")
     check_tensor_plan(deep(), Tensor(2, PLAN), ["net.4"], blocks, None)
+
+
+# --- tensor_plan: auto, and the styles beyond Linear -----------------------------------------
+
+
+def tiny_gpt():
+    """The GPT example's tiny.yaml model."""
+    from examples.gpt.model import GPT
+
+    return GPT(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128)
+
+
+def test_auto_splits_the_gpt_examples_mlps_and_leaves_its_fused_attention_whole():
+    found = tensor.find_plan(tiny_gpt(), 2)
+    assert found.styles == {
+        "blocks.0.mlp.fc": "colwise",
+        "blocks.0.mlp.proj": "rowwise",
+        "blocks.1.mlp.fc": "colwise",
+        "blocks.1.mlp.proj": "rowwise",
+    }
+    assert list(found.whole) == ["blocks.0.attn", "blocks.1.attn"]
+    assert "its q, k and v are one Linear ('qkv')" in found.whole["blocks.0.attn"]
+    line = tensor.describe_plan(tiny_gpt(), "auto", 2)
+    assert line == (
+        "tensor plan (auto) over 2 processes: colwise blocks.*.mlp.fc (2); rowwise "
+        "blocks.*.mlp.proj (2); blocks.*.attn (2) left whole: " + found.whole["blocks.0.attn"]
+    )
+
+
+def test_auto_splits_separate_attention_projections_and_sequential_mlps():
+    assert tensor.resolve_plan(toy.Attending(width=8, heads=4), "auto", 2) == {
+        "attn.q_proj": "colwise",
+        "attn.k_proj": "colwise",
+        "attn.v_proj": "colwise",
+        "attn.o_proj": "rowwise",
+        "mlp.0": "colwise",
+        "mlp.2": "rowwise",
+    }
+    assert tensor.resolve_plan(toy.Deep(3, 4, 3), "auto", 2) == {
+        "net.0": "colwise",
+        "net.2": "rowwise",
+        "net.4": "colwise",
+        "net.6": "rowwise",
+    }
+
+
+def test_auto_leaves_attention_whole_where_its_heads_do_not_split_or_its_head_size_is_unknown():
+    three_heads = tensor.find_plan(toy.Attending(width=12, heads=3), 2)
+    assert "attn.q_proj" not in three_heads.styles
+    assert three_heads.whole == {"attn": "its 3 heads (n_heads) do not split over 2"}
+    model = toy.Attending(width=8, heads=4)
+    del model.attn.head_dim
+    assert tensor.find_plan(model, 2).whole["attn"].startswith("no head_dim attribute")
+
+
+@pytest.mark.parametrize(
+    ("model", "degree", "message"),
+    [
+        (toy.Linear(features=3, hidden=4), 3, r"net.0 and net.2 left whole: their 4 hidden "),
+        (toy.Tied(), 2, r"found nothing in Tied to split"),
+        (
+            toy.Linear(features=3),
+            2,
+            r"found nothing in Linear to split over parallel.mesh.tensor=2",
+        ),
+    ],
+    ids=["indivisible", "tied", "one-layer"],
+)
+def test_auto_finding_nothing_to_split_is_one_error_with_the_fix(model, degree, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        tensor.resolve_plan(model, "auto", degree)
+    assert str(error.value).endswith("or set parallel.mesh.tensor: 1")
+
+
+@pytest.mark.parametrize(
+    ("plan", "degree", "message"),
+    [
+        (
+            {"embed": "colwise"},
+            5,
+            r"'embed' \(colwise\) splits its 24 embedding dimensions over parallel.mesh.tensor=5 ",
+        ),
+        ({"embed": "rowwise"}, 4, r"'embed' \(rowwise\) splits its 18 rows over "),
+        (
+            {"mlp.0": "sequence"},
+            2,
+            r"names 'mlp.0' \(sequence\), a Linear; sequence splits nn.LayerNorm and nn.RMSNorm "
+            r"modules; name one of ln_1, ln_2$",
+        ),
+        (
+            {"ln_1": "colwise"},
+            2,
+            r"names 'ln_1' \(colwise\), a LayerNorm; colwise splits nn.Linear",
+        ),
+        (
+            {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise"},
+            4,
+            r"splits the q, k and v of 'attn', but its 6 heads \(n_heads\) do not split over 4 ",
+        ),
+        ({"ln_1": "diagonal"}, 2, r"gives 'ln_1' the style 'diagonal'; choose one of colwise, "),
+    ],
+    ids=["embedding-dims", "embedding-rows", "sequence-linear", "colwise-norm", "heads", "style"],
+)
+def test_each_plan_the_model_cannot_take_is_one_error_naming_the_module(plan, degree, message):
+    with pytest.raises(ConfigError, match=message):
+        tensor.check_plan(toy.Attending(vocab=18, width=24, heads=6), plan, degree)
+
+
+def test_a_plan_that_splits_a_tied_weight_is_one_error_naming_both_modules():
+    model = toy.Attending(vocab=18, width=24, heads=6)
+    model.head.weight = model.embed.weight  # as a language model ties its head to its embedding
+    with pytest.raises(
+        ConfigError, match=r"names 'head', whose weight another module shares \('embed'\)"
+    ):
+        tensor.check_plan(model, {"head": "rowwise"}, 2)
+
+
+def test_the_schema_takes_auto_and_the_sequence_style():
+    for plan in ("auto", {"ln_1": "sequence", "embed": "rowwise"}):
+        raw = toy.regression_config(parallel={"strategy": "mesh", "mesh": {"tensor_plan": plan}})
+        assert config.validate(raw).parallel.section("mesh", mesh.MeshSettings).tensor_plan == plan
+
+
+def test_the_gpt_examples_mesh_config_is_shard_2_by_tensor_2_with_auto_on_4_processes():
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "gpt" / "mesh.yaml"
+    cfg, _ = config.load(str(path), [])
+    layout = cfg.parallel.section("mesh", mesh.MeshSettings)
+    assert (layout.shard, layout.tensor, layout.tensor_plan) == (2, 2, "auto")
+    mesh.check(cfg, "cpu", 4)  # the degrees' product is the processes

@@ -39,14 +39,20 @@ from phalanx.strategies import ddp, refuse_outside_workers
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
-from phalanx.strategies.pipeline import Pipeline, Tensor
+from phalanx.strategies.pipeline import Pipeline
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.staging import checked_settings
 from phalanx.strategies.staging import layout as pipeline_layout
+from phalanx.strategies.tensor import (
+    Tensor,
+    apply_tensor_plan,
+    describe_plan,
+    no_plan,
+    resolve_plan,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ParallelStyle
 
     from phalanx.config import Config
     from phalanx.engine import Engine
@@ -73,16 +79,23 @@ class Mesh(FSDP):
         self.tensor_rank = self.mesh["tensor"].get_local_rank()
         self.data_rank = replicate.get_local_rank() * options.shard + shard.get_local_rank()
         self.data_world_size = options.replicate * options.shard
+        self.plan_line = ""  # the tensor plan as applied, for the run's first line
 
     def _shard(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FSDPModule
 
         self.progress.enter("the parallelising of the model")
-        module = parallelize(module.to(self.device), self.mesh, self.layout)
+        module = module.to(self.device)
+        if self.layout.tensor > 1:
+            self.plan_line = describe_plan(module, self.layout.tensor_plan, self.layout.tensor)
+        module = parallelize(module, self.mesh, self.layout)
         for name, unit in module.named_modules():
             if isinstance(unit, FSDPModule):  # its all-gathers counted, as fsdp's are
                 self._count_unit(module.get_submodule(name), name)
         return module
+
+    def describe(self) -> tuple[str, str]:
+        return "device", self.plan_line
 
     def _sync_gradients(self, final: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -125,31 +138,20 @@ def _device_mesh(device_type: str, layout: MeshSettings, processes: int) -> Devi
 def parallelize(module: nn.Module, mesh: DeviceMesh, layout: MeshSettings) -> nn.Module:
     """The model parallelised over the mesh, in torchtitan's order:
 
-    1. the tensor plan, on the tensor dimension: each named Linear's weight split by rows
-       (colwise: its outputs sharded) or by columns (rowwise: its inputs sharded, its outputs
-       summed), before anything shards the parameters further;
+    1. the tensor plan (`auto` resolved on the model), on the tensor dimension: each named
+       module split by its style (strategies/tensor.py), before anything shards the parameters
+       further;
     2. fully_shard over the data dimensions (a 2-D replicate x shard mesh: HSDP), the model's
        parts as units (fsdp's default) and then the root, each summing its gradients (the
        objective carries 1/B already), where the data dimensions hold more than one process.
     """
     if layout.tensor > 1:
-        apply_tensor_plan(module, mesh["tensor"], layout.tensor_plan)
+        plan = resolve_plan(module, layout.tensor_plan, layout.tensor)
+        apply_tensor_plan(module, mesh["tensor"], plan)
     if layout.replicate * layout.shard > 1:
         data = mesh["shard"] if layout.replicate == 1 else mesh["replicate", "shard"]
         apply_fully_shard(module, data)
     return module
-
-
-def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, str]) -> None:
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    check_plan(module, plan, mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(module, mesh, {name: styles[style]() for name, style in plan.items()})
 
 
 def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -166,36 +168,6 @@ def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
             sharded.set_force_sum_reduction_for_comms(True)
     # as fsdp: phalanx changes no module's output in place (it detaches them for the hooks)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
-
-def check_plan(module: nn.Module, plan: Mapping[str, str], degree: int) -> None:
-    """Each module the plan names is a Linear of the model whose split dimension (outputs for
-    colwise, inputs for rowwise) the tensor degree divides: one ConfigError otherwise."""
-    linears = [name for name, m in module.named_modules() if isinstance(m, nn.Linear)]
-    if not plan:
-        raise ConfigError(_no_plan(degree, linears[0] if linears else "net.0"))
-    for name, style in plan.items():
-        try:
-            layer = module.get_submodule(name)
-        except AttributeError:
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan names {name!r}, which the model does not have; "
-                f"its Linear modules are {', '.join(linears) or 'none'}"
-            ) from None
-        if not isinstance(layer, nn.Linear):
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan names {name!r}, a {type(layer).__name__}; only "
-                f"nn.Linear modules are split; name one of {', '.join(linears) or 'none'}"
-            )
-        size, what = (
-            (layer.out_features, "outputs") if style == "colwise" else (layer.in_features, "inputs")
-        )
-        if size % degree:
-            raise ConfigError(
-                f"parallel.mesh.tensor_plan: {name!r} ({style}) splits its {size} {what} over "
-                f"parallel.mesh.tensor={degree} processes, which does not divide them; choose a "
-                f"tensor degree that divides {size}, or leave {name!r} out of the plan"
-            )
 
 
 # --- the strategy as the config names it ---------------------------------------------------
@@ -220,17 +192,12 @@ class MeshSettings(StrategySettings):
         description="pipeline degree: processes a copy of the model is staged over, as "
         "parallel.pipeline (split, microbatches, schedule) says",
     )
-    tensor_plan: dict[str, Literal["colwise", "rowwise"]] = Field(
+    tensor_plan: Literal["auto"] | dict[str, Literal["colwise", "rowwise", "sequence"]] = Field(
         default_factory=dict,
-        description="module name -> colwise (weight split by outputs) or rowwise (by inputs); "
-        "used where tensor > 1",
-    )
-
-
-def _no_plan(degree: int, example: str) -> str:
-    return (
-        f"parallel.mesh.tensor is {degree} but parallel.mesh.tensor_plan is empty; name the "
-        f"Linear modules to split, such as {{{example}: colwise}}, or set parallel.mesh.tensor: 1"
+        description="module name -> colwise (a Linear's weight split by outputs, an Embedding's "
+        "by embedding dimensions), rowwise (a Linear's by inputs, an Embedding's by rows) or "
+        "sequence (a LayerNorm or RMSNorm run on a share of the positions); auto: the MLPs' "
+        "Linear pairs and the attention projections found on the model; used where tensor > 1",
     )
 
 
@@ -245,14 +212,6 @@ def _mismatch(layout: MeshSettings, processes: int) -> str:
         f"job has {processes} processes; set parallel.devices to {_product(layout)}, or degrees "
         f"whose product is {processes}"
     )
-
-
-def tensor_styles(plan: Mapping[str, str]) -> dict[str, ParallelStyle]:
-    """A checked plan as torch's tensor-parallel styles, module by module."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    return {name: styles[style]() for name, style in plan.items()}
 
 
 def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
@@ -290,7 +249,7 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
     if _product(layout) != processes:
         raise ConfigError(_mismatch(layout, processes))
     if layout.tensor > 1 and not layout.tensor_plan:
-        raise ConfigError(_no_plan(layout.tensor, "net.0"))
+        raise ConfigError(no_plan(layout.tensor, "net.0"))
     if layout.pipeline > 1:
         _check_pipeline(cfg, accelerator, layout)
 

@@ -21,7 +21,6 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +57,7 @@ from phalanx.strategies.staging import (
     unplanned,
 )
 from phalanx.strategies.syncbn import PerDeviceStatistics
+from phalanx.strategies.tensor import Tensor, apply_tensor_plan, check_tensor_plan, describe_plan
 
 # the stages' module (torch's pipelining, a second to import) is imported where a step needs it:
 # every process registers this strategy, few run it
@@ -67,15 +67,6 @@ if TYPE_CHECKING:
 
     from phalanx.config import Config
     from phalanx.engine import Engine
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """The tensor dimension of a pipeline: each stage's planned Linear layers split over `degree`
-    processes, by `plan` (module name -> colwise or rowwise)."""
-
-    degree: int
-    plan: Mapping[str, str]
 
 
 class Pipeline(ProcessGroup):
@@ -213,14 +204,16 @@ class Pipeline(ProcessGroup):
                 "fsdp, or use LayerNorm or GroupNorm",
             )
             planned: dict[str, nn.Module] = {}
+            plan: dict[str, str] = {}
             if self._tensor_mesh is not None:
                 split = self._split
                 blocks = {
                     f"{split.trunk}.{i}" if split.trunk else str(i) for i in range(split.size)
                 }
                 several = self.settings.schedule if len(self.mine) > 1 else None
-                check_tensor_plan(whole, self.tensor, names, blocks, several)
-                planned = {name: whole.get_submodule(name) for name in self.tensor.plan}
+                plan = check_tensor_plan(whole, self.tensor, names, blocks, several)
+                planned = {name: whole.get_submodule(name) for name in plan}
+                self.chosen += "; " + describe_plan(whole, plan, self.tensor.degree)
             trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
             first = {id(p): n for n, p in whole.named_parameters()}
             aliases = {
@@ -259,13 +252,9 @@ class Pipeline(ProcessGroup):
             if self._tensor_mesh is not None:
                 # the planned layers this process's stages kept, split over its tensor group
                 kept = {id(m) for m in whole.modules()}
-                plan = {n: self.tensor.plan[n] for n, m in planned.items() if id(m) in kept}
-                if plan:
-                    from torch.distributed.tensor.parallel import parallelize_module
-
-                    from phalanx.strategies.mesh import tensor_styles
-
-                    parallelize_module(whole, self._tensor_mesh, tensor_styles(plan))
+                ours = {n: plan[n] for n, m in planned.items() if id(m) in kept}
+                if ours:
+                    apply_tensor_plan(whole, self._tensor_mesh, ours)
             return whole
 
         tied: list[str] = []
@@ -713,39 +702,6 @@ class _Agreement:
                     "without weights; return loss_weight from every step, or from none"
                 )
         return bool(self._values[3] > 0)
-
-
-def check_tensor_plan(
-    whole: nn.Module, tensor: Tensor, cuts: list[str], blocks: set[str], looped: str | None
-) -> None:
-    """A pipeline's tensor plan, checked against the whole model before the split: each module a
-    Linear whose split dimension the degree divides; no stage starting (at one of `cuts`) between
-    a colwise layer and the rowwise one after it, where the activation is split over the tensor
-    group; and, where a process holds several stages (`looped`: the schedule that loops them), no
-    split layer among the trunk's `blocks`, which pass an earlier stage's activation through (a
-    split layer's own input and output layouts would change it)."""
-    from phalanx.strategies.mesh import check_plan
-
-    plan = tensor.plan
-    check_plan(whole, plan, tensor.degree)
-    order = {name: i for i, (name, _) in enumerate(whole.named_modules())}
-    planned = sorted(plan, key=order.__getitem__)
-    for before, after in zip(planned, planned[1:], strict=False):
-        inside = [c for c in cuts if order[before] < order[c] <= order[after]]
-        if plan[before] == "colwise" and plan[after] == "rowwise" and inside:
-            raise ConfigError(
-                f"parallel.pipeline.split starts a stage at {inside[0]!r}, between {before!r} "
-                f"(colwise) and {after!r} (rowwise), where the activation is split over the "
-                f"tensor group; move the split point before {before!r} or after {after!r}"
-            )
-    passing = [name for name in planned if name in blocks]
-    if looped is not None and passing:
-        raise ConfigError(
-            f"parallel.mesh.tensor_plan splits {passing[0]!r}, a block the pipeline passes "
-            f"activations through when a process holds several stages "
-            f"(parallel.pipeline.schedule={looped}); plan the layers inside the blocks, or use a "
-            "schedule of one stage a process (1f1b, gpipe)"
-        )
 
 
 def _to_cpu(value: Any) -> Any:
