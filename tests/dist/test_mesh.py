@@ -100,9 +100,13 @@ LAYOUTS = {  # name -> (processes, [(a mesh run's config, one process's)], in on
         2,
         [(scenario(**mesh(tensor=2)), scenario()), (scenario(**mesh(replicate=2)), scenario())],
     ),
+    # the second with its Sequential's activations recomputed in backward, around the split layers
     "shard2-tensor2-and-replicate2-tensor2": (
         4,
-        [(scenario(**mesh(shard=2, tensor=2)), scenario()), (deep(replicate=2, tensor=2), deep())],
+        [
+            (scenario(**mesh(shard=2, tensor=2)), scenario()),
+            ({**deep(replicate=2, tensor=2), "activation_checkpointing": ["Sequential"]}, deep()),
+        ],
     ),
     "pipeline2-tensor2": (4, [(piped(pipeline=2, tensor=2), piped())]),
 }
