@@ -184,6 +184,27 @@ def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
     assert f"node 1 of 2: run directory {run}" in done[0][1]
 
 
+def test_a_mesh_over_two_nodes_trains_as_one_process(tmp_path):
+    """shard 2 x tensor 2 on two machines of two processes: the tensor group is the innermost
+    dimension (neighbouring ranks), so each machine holds one and the shards span the machines."""
+    reference = toy.write_config(tmp_path / "ref", CFG)
+    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
+    want = weights(only_run(tmp_path / "ref" / "runs"))
+
+    path = toy.write_config(tmp_path / "mesh", CFG)
+    layout = "parallel.mesh={shard: 2, tensor: 2, tensor_plan: {net.0: colwise, net.2: rowwise}}"
+    on_two_nodes(
+        ["train", str(path), "parallel.devices=2", "parallel.strategy=mesh", layout],
+        tmp_path,
+        first=0,
+    )
+    run = only_run(tmp_path / "mesh" / "runs")
+    assert "strategy mesh: 4 processes" in (run / "log.txt").read_text()
+    out = tmp_path / "mesh.safetensors"  # its checkpoints are shards: the whole model, exported
+    assert phalanx("export", str(run), "--output", str(out), cwd=tmp_path).returncode == 0
+    assert relative(load_file(out), want) < 1e-10
+
+
 def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
     reference = toy.write_config(tmp_path / "ref", CFG)
     assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0

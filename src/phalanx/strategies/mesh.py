@@ -33,6 +33,7 @@ import torch.distributed as dist
 from pydantic import Field, StrictInt
 from torch import nn
 
+from phalanx import environment
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import ddp, refuse_outside_workers
@@ -219,9 +220,11 @@ def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
     all-reduce overlaps the backward), the pipeline's where it stages the model (with a tensor
     dimension inside each stage), else fsdp's with a tensor dimension (`Mesh`)."""
     refuse_outside_workers("mesh", devices)
-    check(cfg, accelerator, devices)
+    # the job's processes, on every machine (`devices` is this machine's)
+    processes = environment.here().world_size
+    check(cfg, accelerator, processes)
     layout = cfg.parallel.section("mesh", MeshSettings)
-    if layout.replicate == devices:
+    if layout.replicate == processes:
         return ddp.build(cfg, accelerator, devices)
     if layout.pipeline > 1:
         # the pipeline's stages with the tensor dimension inside each
