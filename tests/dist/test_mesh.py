@@ -262,3 +262,17 @@ def test_a_run_stopped_under_ddp_resumes_on_shard_and_tensor_and_on_pipeline_and
         got = load_file(str(out))
         for key, value in whole["params"].items():
             assert rel(got[key].tolist(), value) < 1e-10, (name, key)
+
+
+def test_the_fsdp_section_shards_the_data_dimensions_under_mesh_as_under_fsdp():
+    """parallel.fsdp's dtypes apply to mesh's fully_shard: shard 2 with parameters gathered in
+    float32 trains as fsdp(2) does with them, and not as the float64 run does."""
+    sharding = {"param_dtype": "fp32", "shard": ["Linear"]}
+    under_fsdp = scenario(devices=2, strategy="fsdp", fsdp=sharding)
+    under_mesh = scenario(**mesh(shard=2), fsdp=sharding)
+    fsdp_run, mesh_run = workers.run_ranks(2, workers.train_all, [under_fsdp, under_mesh])[0]
+    float64 = workers.train(scenario())
+    assert rel(mesh_run["losses"], fsdp_run["losses"]) < 1e-12
+    for key, value in fsdp_run["params"].items():
+        assert rel(mesh_run["params"][key], value) < 1e-12, key
+    assert rel(mesh_run["losses"], float64["losses"]) > 1e-9  # float32's rounding, not float64's

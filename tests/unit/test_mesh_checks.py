@@ -270,3 +270,30 @@ def test_the_gpt_examples_mesh_config_is_shard_2_by_tensor_2_with_auto_on_4_proc
     layout = cfg.parallel.section("mesh", mesh.MeshSettings)
     assert (layout.shard, layout.tensor, layout.tensor_plan) == (2, 2, "auto")
     mesh.check(cfg, "cpu", 4)  # the degrees' product is the processes
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "message"),
+    [
+        (
+            {"init": "meta"},
+            r"parallel.fsdp.init=meta is not supported under parallel.strategy=mesh",
+        ),
+        (
+            {"offload": True},
+            r"parallel.fsdp.offload with parallel.mesh.tensor > 1 is not supported",
+        ),
+    ],
+    ids=["meta", "offload"],
+)
+def test_fsdp_settings_mesh_cannot_honour_are_refused_not_ignored(fsdp, message):
+    raw = toy.regression_config(
+        parallel={
+            "strategy": "mesh",
+            "devices": 4,
+            "mesh": {"shard": 2, "tensor": 2, "tensor_plan": {"net.0": "colwise"}},
+            "fsdp": fsdp,
+        }
+    )
+    with pytest.raises(ConfigError, match=message):
+        mesh.check(config.validate(raw), "cpu", 4)

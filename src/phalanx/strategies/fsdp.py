@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,23 @@ _DTYPES = {
 def _dtype(name: str | None) -> torch.dtype | None:
     """The dtype a precision's name stands for; None (no name): the parameters' own."""
     return None if name is None else _DTYPES[name]
+
+
+def shard_policies(options: FSDPSettings, device: torch.device) -> dict[str, Any]:
+    """`fully_shard`'s policies from `parallel.fsdp`: the dtypes its parameters are gathered in and
+    its gradients reduced in, and whether the shards live in CPU memory."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    return {
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=_dtype(options.param_dtype), reduce_dtype=_dtype(options.reduce_dtype)
+        ),
+        "offload_policy": (
+            CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            if options.offload
+            else OffloadPolicy()
+        ),
+    }
 
 
 class FSDP(ProcessGroup, DataParallel):
@@ -131,32 +148,18 @@ class FSDP(ProcessGroup, DataParallel):
 
     def _shard(self, module: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            FSDPModule,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         meta = self.options.init == "meta"
         if not meta:
             module = module.to(self.device)
         self.progress.enter("the sharding of the model")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        precision = MixedPrecisionPolicy(
-            param_dtype=_dtype(self.options.param_dtype),
-            reduce_dtype=_dtype(self.options.reduce_dtype),
-        )
-        offload = (
-            CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-            if self.options.offload
-            else OffloadPolicy()
-        )
+        policies = shard_policies(self.options, self.device)
         units = find_shard_units(module, self.options.shard)
         for unit in units:  # innermost first: a unit's parameters are those no inner unit took
-            fully_shard(unit, mesh=mesh, mp_policy=precision, offload_policy=offload)
-        fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, **policies)
+        fully_shard(module, mesh=mesh, **policies)
         if meta:
             module.to_empty(device="cpu" if self.options.offload else self.device)
             self._initialise(module)

@@ -39,7 +39,7 @@ from phalanx.settings import StrategySettings
 from phalanx.strategies import ddp, refuse_outside_workers
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
-from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
+from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units, shard_policies
 from phalanx.strategies.pipeline import Pipeline
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.staging import checked_settings
@@ -71,8 +71,11 @@ class Mesh(FSDP):
         options: MeshSettings,
         timeout_s: float | None = None,
         backend: str = "auto",
+        sharding: FSDPSettings | None = None,
     ):
-        super().__init__(accelerator, FSDPSettings(), timeout_s, backend)
+        """`sharding`: `parallel.fsdp`, for the data dimensions' `fully_shard` (its units, dtypes
+        and offload)."""
+        super().__init__(accelerator, sharding or FSDPSettings(), timeout_s, backend)
         self.layout = options
         self.mesh = _device_mesh(self.device.type, options, self.world_size)
         replicate, shard = self.mesh["replicate"], self.mesh["shard"]
@@ -89,7 +92,7 @@ class Mesh(FSDP):
         module = module.to(self.device)
         if self.layout.tensor > 1:
             self.plan_line = describe_plan(module, self.layout.tensor_plan, self.layout.tensor)
-        module = parallelize(module, self.mesh, self.layout)
+        module = parallelize(module, self.mesh, self.layout, self.options)
         for name, unit in module.named_modules():
             if isinstance(unit, FSDPModule):  # its all-gathers counted, as fsdp's are
                 self._count_unit(module.get_submodule(name), name)
@@ -136,32 +139,37 @@ def _device_mesh(device_type: str, layout: MeshSettings, processes: int) -> Devi
     return init_device_mesh(device_type, degrees, mesh_dim_names=DIMS)
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, layout: MeshSettings) -> nn.Module:
+def parallelize(
+    module: nn.Module, mesh: DeviceMesh, layout: MeshSettings, sharding: FSDPSettings
+) -> nn.Module:
     """The model parallelised over the mesh, in torchtitan's order:
 
     1. the tensor plan (`auto` resolved on the model), on the tensor dimension: each named
        module split by its style (strategies/tensor.py), before anything shards the parameters
        further;
-    2. fully_shard over the data dimensions (a 2-D replicate x shard mesh: HSDP), the model's
-       parts as units (fsdp's default) and then the root, each summing its gradients (the
-       objective carries 1/B already), where the data dimensions hold more than one process.
+    2. fully_shard over the data dimensions (a 2-D replicate x shard mesh: HSDP), as `sharding`
+       (`parallel.fsdp`) says: its units (by default the model's parts) and then the root, in
+       its dtypes, each summing its gradients (the objective carries 1/B already), where the
+       data dimensions hold more than one process.
     """
     if layout.tensor > 1:
         plan = resolve_plan(module, layout.tensor_plan, layout.tensor)
         apply_tensor_plan(module, mesh["tensor"], plan)
     if layout.replicate * layout.shard > 1:
         data = mesh["shard"] if layout.replicate == 1 else mesh["replicate", "shard"]
-        apply_fully_shard(module, data)
+        apply_fully_shard(module, data, sharding)
     return module
 
 
-def apply_fully_shard(module: nn.Module, mesh: DeviceMesh) -> None:
+def apply_fully_shard(module: nn.Module, mesh: DeviceMesh, sharding: FSDPSettings) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    device = next(module.parameters(), torch.empty(0)).device
+    policies = shard_policies(sharding, device)
     # innermost first, the root last
-    for unit in find_shard_units(module, None):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    for unit in find_shard_units(module, sharding.shard):
+        fully_shard(unit, mesh=mesh, **policies)
+    fully_shard(module, mesh=mesh, **policies)
     for sharded in module.modules():
         # sums, not averages: the objective carries 1/B already
         if isinstance(sharded, FSDPModule):
@@ -236,7 +244,13 @@ def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
             backend=cfg.parallel.backend,
             tensor=Tensor(layout.tensor, layout.tensor_plan),
         )
-    return Mesh(accelerator, layout, cfg.parallel.timeout_s, backend=cfg.parallel.backend)
+    return Mesh(
+        accelerator,
+        layout,
+        cfg.parallel.timeout_s,
+        backend=cfg.parallel.backend,
+        sharding=cfg.parallel.section("fsdp", FSDPSettings),
+    )
 
 
 def check(cfg: Config, accelerator: str, processes: int) -> None:
@@ -255,6 +269,18 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         raise ConfigError(no_plan(layout.tensor, "net.0"))
     if layout.pipeline > 1:
         _check_pipeline(cfg, accelerator, layout)
+    sharding = cfg.parallel.section("fsdp", FSDPSettings)
+    if sharding.init == "meta":
+        raise ConfigError(
+            "parallel.fsdp.init=meta is not supported under parallel.strategy=mesh (the tensor "
+            "plan splits layers that hold values); remove it (init: full), or use "
+            "parallel.strategy=fsdp"
+        )
+    if sharding.offload and layout.tensor > 1:
+        raise ConfigError(
+            "parallel.fsdp.offload with parallel.mesh.tensor > 1 is not supported: a split "
+            "layer's parts stay on its devices; remove offload, or set parallel.mesh.tensor: 1"
+        )
 
 
 def _check_pipeline(cfg: Config, accelerator: str, layout: MeshSettings) -> None:
