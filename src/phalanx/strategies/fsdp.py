@@ -102,6 +102,7 @@ class FSDP(ProcessGroup, DataParallel):
         super().__init__(accelerator, timeout_s, backend)
         self.options = options
         self._model: nn.Module | None = None
+        self._whole: nn.Module | None = None  # the model before sharding, on the meta device
 
     @property
     def model(self) -> nn.Module:
@@ -153,6 +154,7 @@ class FSDP(ProcessGroup, DataParallel):
         meta = self.options.init == "meta"
         if not meta:
             module = module.to(self.device)
+        self.keep_whole(module)
         self.progress.enter("the sharding of the model")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policies = shard_policies(self.options, self.device)
@@ -174,6 +176,16 @@ class FSDP(ProcessGroup, DataParallel):
         # hooks)
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         return module
+
+    def keep_whole(self, module: nn.Module) -> None:
+        """The model's structure and shapes before anything splits it (a meta copy, no values):
+        what counting its FLOPs needs, which a sharded module cannot be copied for."""
+        from phalanx import metrics
+
+        self._whole = metrics.on_meta(module)
+
+    def whole_model(self) -> nn.Module | None:
+        return self._whole
 
     def _count_unit(self, unit: nn.Module, name: str) -> None:
         """Each unit's all-gather before its forward, counted as a collective entered (before

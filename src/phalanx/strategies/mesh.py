@@ -90,6 +90,7 @@ class Mesh(FSDP):
 
         self.progress.enter("the parallelising of the model")
         module = module.to(self.device)
+        self.keep_whole(module)
         if self.layout.tensor > 1:
             self.plan_line = describe_plan(module, self.layout.tensor_plan, self.layout.tensor)
         module = parallelize(module, self.mesh, self.layout, self.options)
