@@ -292,3 +292,13 @@ def test_the_flops_of_a_step_are_the_whole_models_where_the_model_is_sharded(pro
     for got in per_rank:
         assert got["flops"] == pytest.approx(alone["flops"], rel=1e-12)
         assert not [line for line in got["lines"] if "FLOPs" in line], got["lines"]
+
+
+def test_a_split_layers_gradients_are_summed_over_its_copies_part_by_part():
+    """A pipeline's copies sum a split layer's gradients as DTensors' local parts: every process
+    ends with the copies' sum (1 + 2 times the values) of its part; a part without a gradient
+    takes part with zeros."""
+    for got in workers.run_ranks(4, workers.summed_split_gradients, timeout=120):
+        assert got["weight"] == got["expected"]
+        assert got["bias"] == [0.0] * 4
+        assert got["local_is_shard"]

@@ -292,3 +292,35 @@ def counted_flops(rank: int, raw: dict) -> dict:
     trainer = Trainer(cfg, None, [TESTS], hooks=[hook], strategy=strategies.create(cfg))
     assert trainer.run() == 0
     return {"flops": hook.flops_per_sample, "lines": lines}
+
+
+def summed_split_gradients(rank: int) -> dict:
+    """A colwise-split Linear on a replicate 2 x tensor 2 mesh, its gradients set to rank-made
+    values and summed over the replicate dimension by `sum_gradients`: each process's local part
+    of the sum, and what it should be."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from phalanx.strategies.distributed import sum_gradients
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "tensor"))
+    layer = parallelize_module(torch.nn.Linear(3, 4), mesh["tensor"], ColwiseParallel())
+    copy = mesh["replicate"].get_local_rank()
+    for p in layer.parameters():
+        # each copy's gradient: its whole value times (copy + 1); the bias is left without one
+        if p.dim() > 1:
+            whole = torch.arange(p.numel(), dtype=p.dtype).reshape(p.shape) * (copy + 1)
+            p.grad = torch.distributed.tensor.distribute_tensor(
+                whole, p.device_mesh, p.placements, src_data_rank=None
+            )
+    sum_gradients(list(layer.parameters()), mesh["replicate"].get_group())
+    weight = layer.weight
+    expected = torch.arange(weight.numel(), dtype=weight.dtype).reshape(weight.shape) * 3
+    return {
+        "weight": weight.grad.full_tensor().tolist(),
+        "expected": expected.tolist(),
+        "bias": layer.bias.grad.full_tensor().tolist(),
+        "local_is_shard": tuple(weight.grad.to_local().shape) == (2, 3),
+    }
