@@ -30,7 +30,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import refuse_outside_workers
+from phalanx.strategies import mesh_pricing, refuse_outside_workers
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units
 from phalanx.strategies.registry import Family, refuse, register
@@ -265,9 +265,15 @@ register(
         settings=MeshSettings,
         field=Field(default_factory=MeshSettings, description="the mesh strategy's"),
         shards_state=True,
-        unplanned=lambda m, devices: (
-            "phalanx plan does not price tensor parallelism yet; set parallel.mesh's degrees "
-            "and tensor_plan by hand"
+        setups=mesh_pricing.setups,
+        cost=mesh_pricing.price,
+        unplanned=mesh_pricing.unplanned,
+        notes=mesh_pricing.notes,
+        label=mesh_pricing.label,
+        readers=mesh_pricing.readers,
+        accumulation_setup=lambda cfg, devices: mesh_pricing.accumulation_setup(
+            cfg.parallel.section("mesh", MeshSettings), devices
         ),
+        plan_settings=mesh_pricing.plan_settings,
     )
 )
