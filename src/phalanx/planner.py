@@ -148,7 +148,13 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
     # counts here)
     threads = {1: _threads(cfg, accelerator, devices, devices)[devices]}
     m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
-    m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
+    # one device measured, and no link: the peak memory decides here, which no link changes
+    unmeasured = costs.Link(0.0, math.inf, "not measured: memory alone decides")
+    m = replace(
+        m,
+        device_memory=_device_memory(cfg, accelerator, devices),
+        all_reduce=dict.fromkeys(range(2, devices + 1), unmeasured),
+    )
     setup = setup_of(m)
     p = pricing.fitting(m, setup)
     said = (

@@ -234,13 +234,37 @@ def test_the_planner_measures_each_linear_and_which_one_feeds_it(tmp_path):
 
 
 def test_auto_accumulation_under_a_mesh_prices_the_configs_shape_and_refuses_a_wrong_one():
-    layout = mesh.MeshSettings(shard=2, tensor=2)
-    setup = mesh_pricing.accumulation_setup(layout, 4)(measured())
-    assert setup.mesh == (1, 2, 2) and dict(setup.tensor_plan) == mesh_pricing.plan_for(
-        measured(), 2
+    plan = {"mlp.up": "colwise", "mlp.down": "rowwise"}
+    raw = toy.regression_config(
+        parallel={
+            "strategy": "mesh",
+            "devices": 4,
+            "mesh": {"shard": 2, "tensor": 2, "tensor_plan": plan},
+        }
     )
-    assert pricing.fitting(measured(), setup).fits
-    with pytest.raises(
-        ConfigError, match=r"replicate\(1\) \* shard\(2\) \* tensor\(2\) = 4, but the job has 2"
-    ):
-        mesh_pricing.accumulation_setup(layout, 2)
+    cfg = config.validate(raw)
+    m = measured(settings={"mesh": {"tensor_plan": plan}})
+    setup = mesh_pricing.accumulation_setup(cfg, 4)(m)
+    assert setup.mesh == (1, 2, 2) and dict(setup.tensor_plan) == plan
+    assert pricing.fitting(m, setup).fits
+    with pytest.raises(ConfigError, match=r"tensor\(2\) = 4, but the job has 2 processes"):
+        mesh_pricing.accumulation_setup(cfg, 2)
+
+
+@pytest.mark.parametrize("strategy", ["mesh", "fsdp"])
+def test_auto_accumulation_on_several_devices_is_chosen_from_one_device_without_links(
+    tmp_path, strategy
+):
+    """`gradient_accumulation: auto` measures one device, no link: the peak memory decides."""
+    raw = toy.regression_config(
+        model={"class": "toy.Deep", "features": 3, "hidden": 4, "layers": 2},
+        parallel={
+            "strategy": strategy,
+            "devices": 2,
+            "gradient_accumulation": "auto",
+            "mesh": {"tensor": 2, "tensor_plan": {"net.0": "colwise", "net.2": "rowwise"}},
+        },
+    )
+    count, said = planner.accumulation_for(str(toy.write_config(tmp_path, raw)), [])
+    assert count == 1
+    assert said.endswith(f"({'mesh tensor 2' if strategy == 'mesh' else 'fsdp x2'})")

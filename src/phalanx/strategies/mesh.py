@@ -271,9 +271,7 @@ register(
         notes=mesh_pricing.notes,
         label=mesh_pricing.label,
         readers=mesh_pricing.readers,
-        accumulation_setup=lambda cfg, devices: mesh_pricing.accumulation_setup(
-            cfg.parallel.section("mesh", MeshSettings), devices
-        ),
+        accumulation_setup=mesh_pricing.accumulation_setup,
         plan_settings=mesh_pricing.plan_settings,
     )
 )

@@ -17,7 +17,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from phalanx.costs import (
     ONE_DEVICE,
@@ -32,8 +32,10 @@ from phalanx.costs import (
     ms,
     whole_bytes,
 )
-from phalanx.errors import ConfigError
-from phalanx.strategies import ddp, fsdp, pricing, single
+from phalanx.strategies import ddp, fsdp, pricing, registry, single
+
+if TYPE_CHECKING:
+    from phalanx.config import Config
 
 DIMS = ("replicate", "shard", "tensor")
 # a bus bandwidth (bytes/s) beyond PCIe 5 x16's 64 GB/s a direction: a GPU link such as NVLink
@@ -283,29 +285,18 @@ def plan_settings(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class Degrees(Protocol):
-    replicate: int
-    shard: int
-    tensor: int
+def accumulation_setup(cfg: Config, devices: int) -> Callable[[Measured], Setup]:
+    """`gradient_accumulation: auto` under the config's mesh: its degrees and its plan, the config
+    checked first as its run will check it (degrees whose product is not `devices`: one error)."""
+    from phalanx import strategies
 
-
-def accumulation_setup(layout: Degrees, devices: int) -> Callable[[Measured], Setup]:
-    """`gradient_accumulation: auto` under the config's mesh (`parallel.mesh`): its degrees, its
-    plan."""
-    replicate, shard, tensor = layout.replicate, layout.shard, layout.tensor
-    if replicate * shard * tensor != devices:
-        raise ConfigError(
-            f"parallel.mesh: replicate({replicate}) * shard({shard}) * tensor({tensor}) = "
-            f"{replicate * shard * tensor}, but the job has {devices} processes; set "
-            f"parallel.devices to {replicate * shard * tensor}, or degrees whose product is "
-            f"{devices}"
-        )
+    strategies.check(cfg, devices)
+    layout = cfg.parallel.section("mesh", registry.get("mesh").settings)
+    shape = (layout.replicate, layout.shard, layout.tensor)
 
     def setup(m: Measured) -> Setup:
-        plan = plan_for(m, tensor) if tensor > 1 else {}
-        return Setup(
-            "mesh", devices, mesh=(replicate, shard, tensor), tensor_plan=tuple(plan.items())
-        )
+        plan = plan_for(m, layout.tensor) if layout.tensor > 1 else {}
+        return Setup("mesh", devices, mesh=shape, tensor_plan=tuple(plan.items()))
 
     return setup
 
