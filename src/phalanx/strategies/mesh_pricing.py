@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.costs import (
     ONE_DEVICE,
+    Block,
     Linear,
     Link,
     Measured,
@@ -185,22 +186,6 @@ def _held(m: Measured, setup: Setup, split: _Split) -> Measured:
             fixed_s=compute.fixed_s * m.crowding,
             per_sample_s=compute.per_sample_s * m.crowding,
         )
-    planned = dict(setup.tensor_plan)
-    blocks = tuple(
-        replace(
-            b,
-            param_bytes=int(
-                b.param_bytes
-                - cut
-                * sum(
-                    x.param_bytes
-                    for x in m.linears
-                    if x.name in planned and x.name.startswith(b.name + ".")
-                )
-            ),
-        )
-        for b in m.blocks
-    )
     return replace(
         m,
         compute=compute,
@@ -209,9 +194,20 @@ def _held(m: Measured, setup: Setup, split: _Split) -> Measured:
         grad_bytes=int(max(m.grad_bytes - cut * split.param_bytes, 0)),
         optimizer_bytes=int(m.optimizer_bytes * kept),
         optimizer_s=m.optimizer_s * kept,
-        blocks=blocks,
+        blocks=_held_blocks(m, dict(setup.tensor_plan), cut),
         all_reduce={data: _data_link(m, setup)} if data > 1 else {},
     )
+
+
+def _held_blocks(m: Measured, plan: dict[str, str], cut: float) -> tuple[Block, ...]:
+    """The chain's blocks as a tensor rank holds them: less the `cut` of their planned Linears'
+    parameters (fsdp's units are the blocks)."""
+    out = []
+    for block in m.blocks:
+        inside = [x for x in m.linears if x.name in plan and x.name.startswith(block.name + ".")]
+        split = cut * sum(x.param_bytes for x in inside)
+        out.append(replace(block, param_bytes=int(block.param_bytes - split)))
+    return tuple(out)
 
 
 def _data_link(m: Measured, setup: Setup) -> Link:
@@ -261,10 +257,11 @@ def price(m: Measured, setup: Setup) -> Prediction:
 
 
 def label(setup: Setup) -> str:
+    """The degrees above 1, as the plan's table names the row: "mesh shard 2 x tensor 2"."""
     if not setup.mesh:
         return f"mesh x{setup.devices}"
     shown = [f"{dim} {degree}" for dim, degree in zip(DIMS, setup.mesh, strict=True) if degree > 1]
-    return "mesh " + " x ".join(shown)
+    return " ".join(["mesh", " x ".join(shown)]) if shown else "mesh"
 
 
 def readers(setup: Setup) -> int:
