@@ -11,6 +11,7 @@ import math
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -192,7 +193,9 @@ def linears(trainer: Any, step: list) -> tuple[costs.Linear, ...]:
 
     handles = [m.register_forward_hook(called) for m in names]
     try:
-        with FlopCounterMode(display=False) as counter:
+        with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
+            # the counter's own module hooks, which a compiled model calls once more: harmless
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
             trainer.train_step(step)
     finally:
         for handle in handles:
