@@ -170,7 +170,7 @@ def test_where_no_link_would_make_a_mesh_row_the_fastest_the_plan_says_nothing()
     assert planner.notes(m, ranked) == []
 
 
-def test_a_mesh_row_is_labelled_by_its_degrees_and_becomes_a_config_that_trains(tmp_path):
+def test_a_mesh_row_is_labelled_by_its_degrees_and_becomes_a_config_the_mesh_accepts():
     """The row `strategy: plan` would pick: its label, its plan.json row and the settings from it,
     which the config's schema, the mesh's checks and the model's Linears accept."""
     m = measured(linears=_deep_linears())
@@ -200,7 +200,7 @@ def test_a_mesh_row_is_labelled_by_its_degrees_and_becomes_a_config_that_trains(
 
 
 def _deep_linears() -> tuple[costs.Linear, ...]:
-    """toy.Deep(3, 4, 2)'s Linears as the planner measures them (`test_the_planner_measures...`)."""
+    """toy.Deep(3, 4, 2)'s Linears as the planner measures them (the test below measures them)."""
     return (
         costs.Linear("net.0", 3, 4, 128, 24.0, 32.0, 0.3, "", False),
         costs.Linear("net.2", 4, 4, 160, 32.0, 32.0, 0.5, "net.0"),
