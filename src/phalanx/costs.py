@@ -55,6 +55,24 @@ class Block:
 
 
 @dataclass(frozen=True)
+class Linear:
+    """One nn.Linear of the model, in the order its forward first calls them: what a tensor plan
+    splits."""
+
+    name: str
+    in_features: int
+    out_features: int
+    param_bytes: int
+    input_bytes_per_sample: float
+    output_bytes_per_sample: float
+    share: float  # of the FLOPs of the step's forward and backward that torch counts
+    # the Linear whose output this one's input is, through operations of one input each (an
+    # activation, dropout), or "": a pair a tensor plan splits colwise then rowwise
+    fed_by: str = ""
+    input_grad: bool = True  # whether backward computes its input's gradient (not the data's)
+
+
+@dataclass(frozen=True)
 class Measured:
     batch: int  # samples an optimizer step (the global batch)
     accumulation: int  # micro-batches a step
@@ -86,6 +104,10 @@ class Measured:
     # one process's compute in a setup of several processes, by their count, where it differs from
     # `compute` (one process alone): on the CPU each has its share of the cores, not all of them
     computes: dict[int, Compute] = field(default_factory=dict)
+    linears: tuple[Linear, ...] = ()
+    # the config's own section of each strategy (`parallel.<name>`, as pydantic dumps it): what a
+    # strategy's setups start from (the mesh's tensor plan)
+    settings: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> Measured:
@@ -99,6 +121,7 @@ class Measured:
                 "all_reduce": {int(n): Link(**link) for n, link in raw["all_reduce"].items()},
                 "p2p": Link(**raw["p2p"]) if raw.get("p2p") else None,
                 "blocks": tuple(Block(**block) for block in raw.get("blocks", ())),
+                "linears": tuple(Linear(**linear) for linear in raw.get("linears", ())),
             }
         )
 
@@ -111,6 +134,8 @@ class Setup:
     microbatches: int = 1
     schedule: str = ""
     split: tuple[str, ...] = ()
+    mesh: tuple[int, ...] = ()  # the mesh strategy's degrees: replicate, shard, tensor
+    tensor_plan: tuple[tuple[str, str], ...] = ()  # (module name, style), in the model's order
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """`phalanx plan`: will more devices help? Measure the config's model on the machine at hand for a
 few seconds (one device's forward and backward at several micro-batch sizes, the optimizer's
-step, the bytes it holds, each block of its largest chain, and the links that the candidate
-setups would use), price every setup up to the devices asked for (`costs`), print them ranked with
-the reason for each verdict, and write plan.json.
+step, the bytes it holds, each block of its largest chain, each Linear layer, and the links that
+the candidate setups would use), price every setup up to the devices asked for (`costs`), print
+them ranked with the reason for each verdict, and write plan.json.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 from rich.table import Table
 
 from phalanx import config, costs, logs, strategies
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
-from phalanx.probes import calibrated, links, measured_steps, on_device, synchronize
+from phalanx.probes import calibrated, linears, links, measured_steps, on_device, synchronize
 from phalanx.strategies import pricing, registry
 
 log = logging.getLogger("phalanx")
@@ -84,6 +85,7 @@ def plan(
         "measured": _jsonable(asdict(measured)),
         "predictions": [_row(p) for p in predictions],
         "not_planned": unplanned(measured, here * nnodes),
+        "notes": notes(measured, predictions),
         "seconds": time.perf_counter() - started,
     }
     if show:
@@ -146,7 +148,13 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
     # counts here)
     threads = {1: _threads(cfg, accelerator, devices, devices)[devices]}
     m = measure(config_path, _one(cfg, overrides, accelerator), accelerator, 1, threads)
-    m = replace(m, device_memory=_device_memory(cfg, accelerator, devices))
+    # one device measured, and no link: the peak memory decides here, which no link changes
+    unmeasured = costs.Link(0.0, math.inf, "not measured: memory alone decides")
+    m = replace(
+        m,
+        device_memory=_device_memory(cfg, accelerator, devices),
+        all_reduce=dict.fromkeys(range(2, devices + 1), unmeasured),
+    )
     setup = setup_of(m)
     p = pricing.fitting(m, setup)
     said = (
@@ -271,12 +279,13 @@ def _measure(
         if isinstance(v, torch.Tensor) and v.dim()
     )
     log.info(
-        "plan: measuring the memory a step's backward keeps, the time to load a batch and each "
-        "block of the model's largest chain"
+        "plan: measuring the memory a step's backward keeps, the time to load a batch, each "
+        "block of the model's largest chain and each Linear layer (for tensor parallelism)"
     )
     activations = _activation_bytes(trainer, fetched(largest), params) / largest
     data = _data_time(stream, largest)
     blocks, chain = _blocks(trainer, Forward(model, cfg.model, search), fetched(largest), compute)
+    layers = linears(trainer, fetched(largest))
     cuda = accelerator == "cuda"
     measured = costs.Measured(
         batch=batch,
@@ -294,6 +303,8 @@ def _measure(
         blocks=blocks,
         chain=chain,
         gpus=torch.cuda.device_count() if cuda else 0,
+        linears=layers,
+        settings=_sections(cfg),
     )
     if devices < 2:
         return measured
@@ -305,6 +316,18 @@ def _measure(
     )
     found = links(one, config_path, devices, threads[devices], grad_bytes, split)
     return calibrated(measured, found, devices, split)
+
+
+def _sections(cfg: config.Config) -> dict[str, Any]:
+    """The config's own section of each strategy that has one, as the plan.json keeps it."""
+    out = {}
+    for name in registry.sections():
+        section = getattr(cfg.parallel, name, None)
+        if section is not None:
+            # a settings model, or a plain mapping (placement's)
+            plain = isinstance(section, BaseModel)
+            out[name] = section.model_dump(mode="json") if plain else section
+    return out
 
 
 def _compute(trainer: Any, steps: Mapping[int, list]) -> tuple[costs.Compute, float]:
@@ -453,6 +476,8 @@ def _row(p: costs.Prediction) -> dict[str, Any]:
         "microbatches": p.setup.microbatches,
         "schedule": p.setup.schedule,
         "split": list(p.setup.split),
+        "mesh": list(p.setup.mesh),
+        "tensor_plan": dict(p.setup.tensor_plan),
         "step_ms": 1e3 * p.step_s,
         "samples_per_s": p.samples_per_s,
         "speedup": p.speedup,
@@ -505,6 +530,8 @@ def _print(predictions: list[costs.Prediction], m: costs.Measured, report: dict)
         logs.out.print(
             f"not planned: {', '.join(n for n, said in left.items() if said == why)}: {why}"
         )
+    for note in report["notes"]:
+        logs.out.print(note)
     sources = {link.source for link in m.all_reduce.values()}
     if m.p2p is not None:
         sources.add(m.p2p.source)
@@ -529,6 +556,16 @@ def unplanned(m: costs.Measured, devices: int) -> dict[str, str]:
         if why:
             out.setdefault(name, why)
     return out
+
+
+def notes(m: costs.Measured, predictions: list[costs.Prediction]) -> list[str]:
+    """What each strategy says under the table about its rows (`Family.notes`)."""
+    return [
+        line
+        for family in registry.families().values()
+        if family.notes is not None
+        for line in family.notes(m, predictions)
+    ]
 
 
 def _shown(predictions: list[costs.Prediction]) -> list[costs.Prediction]:

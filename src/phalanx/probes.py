@@ -11,6 +11,7 @@ import math
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -156,6 +157,76 @@ def links_worker(
         (folder / "links.json").write_text(json.dumps(found))
     strategy.shutdown()
     return 0
+
+
+def linears(trainer: Any, step: list) -> tuple[costs.Linear, ...]:
+    """The model's Linear layers as one training step first calls them: each one's features and
+    parameter bytes, the bytes a sample's input and output take, its share of the step's FLOPs
+    (as torch's counter counts them: matrix products), and the Linear whose output it takes
+    through operations of one input each (`fed_by`): what the plan prices a tensor plan from."""
+    from torch import nn
+    from torch.utils.flop_counter import FlopCounterMode
+
+    samples = max(len(step[0][0].shard), 1)
+    layers = {n: m for n, m in trainer.model.named_modules() if isinstance(m, nn.Linear)}
+    names: dict[nn.Module, str] = {m: n for n, m in layers.items()}
+    found: dict[str, dict[str, Any]] = {}
+    made_by: dict[Any, str] = {}  # the autograd node of a Linear's output -> the Linear
+
+    def called(module: nn.Module, args: tuple, output: Any) -> None:
+        name = names[module]
+        if name in found or not args or not isinstance(output, torch.Tensor):
+            return
+        x, layer = args[0], layers[name]
+        rows = x.numel() // max(layer.in_features, 1)
+        # forward, and backward's products for the weight's and the input's gradients
+        products = 1 + int(layer.weight.requires_grad) + int(x.requires_grad)
+        found[name] = {
+            "input": x.numel() * x.element_size() / samples,
+            "output": output.numel() * output.element_size() / samples,
+            "flops": products * 2 * rows * layer.in_features * layer.out_features,
+            "fed_by": _fed_by(x, made_by),
+            "input_grad": x.requires_grad,
+        }
+        if output.grad_fn is not None:
+            made_by[output.grad_fn] = name
+
+    handles = [m.register_forward_hook(called) for m in names]
+    try:
+        with warnings.catch_warnings(), FlopCounterMode(display=False) as counter:
+            # the counter's own module hooks, which a compiled model calls once more: harmless
+            warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
+            trainer.train_step(step)
+    finally:
+        for handle in handles:
+            handle.remove()
+    total = max(counter.get_total_flops(), sum(f["flops"] for f in found.values()), 1)
+    return tuple(
+        costs.Linear(
+            name,
+            layers[name].in_features,
+            layers[name].out_features,
+            sum(p.numel() * p.element_size() for p in layers[name].parameters()),
+            f["input"],
+            f["output"],
+            f["flops"] / total,
+            f["fed_by"],
+            f["input_grad"],
+        )
+        for name, f in found.items()
+    )
+
+
+def _fed_by(x: torch.Tensor, made_by: Mapping[Any, str]) -> str:
+    """The Linear whose output `x` is, through operations of one input each (an activation,
+    dropout, a cast), or "" (the data, a sum of two, a norm with parameters)."""
+    node = x.grad_fn
+    while node is not None and node not in made_by:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            return ""
+        node = inputs[0]
+    return made_by.get(node, "") if node is not None else ""
 
 
 def _forward_backward(trainer: Any, batch: Mapping, device: torch.device, runs_here: bool) -> float:

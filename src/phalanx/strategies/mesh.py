@@ -36,7 +36,7 @@ from torch import nn
 from phalanx import environment
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import ddp, refuse_outside_workers
+from phalanx.strategies import ddp, mesh_pricing, refuse_outside_workers
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units, shard_policies
@@ -314,16 +314,20 @@ register(
     Family(
         "mesh",
         build,
-        "one process per device on a replicate x shard x tensor mesh: tensor parallelism "
-        "composed with FSDP",
+        "one process per device on a replicate x shard x pipeline x tensor mesh: tensor "
+        "parallelism composed with FSDP or the pipeline's stages",
         process_per_device=True,
         check=check,
         settings=MeshSettings,
         field=Field(default_factory=MeshSettings, description="the mesh strategy's"),
         shards_state=True,
-        unplanned=lambda m, devices: (
-            "phalanx plan does not price tensor parallelism yet; set parallel.mesh's degrees "
-            "and tensor_plan by hand"
-        ),
+        setups=mesh_pricing.setups,
+        cost=mesh_pricing.price,
+        unplanned=mesh_pricing.unplanned,
+        notes=mesh_pricing.notes,
+        label=mesh_pricing.label,
+        readers=mesh_pricing.readers,
+        accumulation_setup=mesh_pricing.accumulation_setup,
+        plan_settings=mesh_pricing.plan_settings,
     )
 )

@@ -100,6 +100,9 @@ class Family:
     cost: Callable[[Measured, Setup], Prediction] | None = None
     # why the plan has no row of it (None: it has), from the measurements and the devices
     unplanned: Callable[[Measured, int], str | None] | None = None
+    # lines the plan prints under its table about this strategy, from the measurements and every
+    # ranked prediction (where its setups would pay on another link, say)
+    notes: Callable[[Measured, list[Prediction]], list[str]] | None = None
     # a setup's label in the plan's table, and the processes that each fetch their samples
     label: Callable[[Setup], str] | None = None
     readers: Callable[[Setup], int] | None = None
