@@ -14,7 +14,7 @@ import toy
 from phalanx import config, costs, planner
 from phalanx.costs import Compute, Link, Measured, Setup
 from phalanx.errors import ConfigError
-from phalanx.strategies import mesh, mesh_pricing, pricing, registry
+from phalanx.strategies import mesh, mesh_pricing, pricing, registry, tensor
 
 GB = 1 << 30
 MB = 1 << 20
@@ -196,7 +196,7 @@ def test_a_mesh_row_is_labelled_by_its_degrees_and_becomes_a_config_the_mesh_acc
     )
     cfg = config.validate(raw)
     mesh.check(cfg, "cpu", row["devices"])
-    mesh.check_plan(toy.Deep(features=3, hidden=4, layers=2), settings["mesh"]["tensor_plan"], 2)
+    tensor.check_plan(toy.Deep(features=3, hidden=4, layers=2), settings["mesh"]["tensor_plan"], 2)
 
 
 def _deep_linears() -> tuple[costs.Linear, ...]:
