@@ -1,10 +1,13 @@
 """Per-step overhead of phalanx's `ddp` strategy against a hand-written DistributedDataParallel loop
-(or, with `--strategy fsdp`, of its `fsdp` strategy against a hand-written FSDP2 loop): two CPU
-processes joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and in-memory dataset of
-bench/common.py, both loops taking turns every 20 steps inside each process.
+(or, with `--strategy fsdp`, of its `fsdp` strategy against a hand-written FSDP2 loop; with
+`--strategy mesh`, of its `mesh` strategy on data shard 2 x tensor 2, four processes, against the
+loop one writes with `parallelize_module` and `fully_shard` on the same device mesh): two CPU
+processes (four for mesh) joined by gloo on 127.0.0.1, one torch thread each, the tiny MLP and
+in-memory dataset of bench/common.py, both loops taking turns every 20 steps inside each process.
 
     .venv/bin/python bench/ddp_overhead.py            # defaults: 60 epochs of 100 steps, ~1 min
     .venv/bin/python bench/ddp_overhead.py --strategy fsdp --out bench/results/fsdp_overhead.json
+    .venv/bin/python bench/ddp_overhead.py --strategy mesh --rounds 20   # 4 processes
     .venv/bin/python bench/ddp_overhead.py --steps 100 --rounds 10 --out /tmp/ddp.json
     .venv/bin/python bench/ddp_overhead.py --tokens 16 --clip 1.0  # token-weighted, clipped
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~3 min
@@ -13,7 +16,10 @@ bench/common.py, both loops taking turns every 20 steps inside each process.
 What is timed (see BENCHMARKS.md): in each of the two processes,
 
 1. *hand DDP*: `DistributedDataParallel(model)` with default settings (*hand FSDP2*: `fully_shard`
-   on each Linear, then on the model, default settings), AdamW, a DataLoader whose
+   on each Linear, then on the model, default settings; *hand TP + FSDP2*: `init_device_mesh` of
+   (shard 2, tensor 2), `parallelize_module` with the first Linear colwise and the second rowwise
+   on the tensor dimension, then `fully_shard` of each Linear and of the model on the shard
+   dimension, the sampler's rank the shard coordinate), AdamW, a DataLoader whose
    batch sampler takes each global batch (2 x 64 samples) of a per-epoch permutation and yields
    this rank's contiguous half (no DistributedSampler: the same data work as phalanx), forward,
    `F.cross_entropy`, backward, step; the loss summed as `loss.detach()` every step and all-reduced
@@ -89,9 +95,15 @@ from bench.common import (  # noqa: E402
 LR = 1e-3
 DATA_KEY = "ddp_overhead"
 FEATURES, CLASSES = 32, 10
-WORLD = 2
+WORLD = 2  # the data-parallel processes: each takes its half of a global batch
+PROCESSES = 2  # the processes started: WORLD, times the tensor degree under mesh
+TENSOR_PLAN = {"net.0": "colwise", "net.2": "rowwise"}  # MLP's first two Linears, under mesh
 HAND, PHALANX, PHALANX_END = "hand DDP", "phalanx ddp", "phalanx incl. epoch end"
-TARGETS = {"ddp": 1.05, "fsdp": 1.10}  # phalanx's allowed ratio to the hand loop, per strategy
+TARGETS = {
+    "ddp": 1.05,
+    "fsdp": 1.10,
+    "mesh": 1.05,
+}  # phalanx's allowed ratio to the hand loop, per strategy
 
 
 def make_dataset(args) -> Any:
@@ -106,10 +118,12 @@ def make_dataset(args) -> Any:
 def name_loops(strategy: str) -> None:
     """The loops' names for `strategy` (in the parent and in each rank: the figures are keyed by
     them)."""
-    global HAND, PHALANX
-    HAND, PHALANX = (
-        ("hand FSDP2", "phalanx fsdp") if strategy == "fsdp" else ("hand DDP", "phalanx ddp")
-    )
+    global HAND, PHALANX, PROCESSES
+    HAND, PHALANX = {
+        "fsdp": ("hand FSDP2", "phalanx fsdp"),
+        "mesh": ("hand TP + FSDP2", "phalanx mesh"),
+    }.get(strategy, ("hand DDP", "phalanx ddp"))
+    PROCESSES = 2 * WORLD if strategy == "mesh" else WORLD
 
 
 LOSS_SETUP, SETUP = (
@@ -174,6 +188,32 @@ class _WithCarrier(nn.Module):
         return self.module(x)
 
 
+def _tensor_and_shard(module: nn.Module) -> nn.Module:
+    """The loop one writes for a shard 2 x tensor 2 mesh: the plan on the tensor dimension, then
+    each Linear and the model sharded over the shard dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD, 2), mesh_dim_names=("shard", "tensor"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {name: styles[style]() for name, style in TENSOR_PLAN.items()}
+    parallelize_module(module, mesh["tensor"], plan)
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    return fully_shard(module, mesh=mesh["shard"])
+
+
+def _shard_rank() -> int:
+    """This process's data rank on the shard 2 x tensor 2 mesh (tensor innermost)."""
+    return dist.get_rank() // 2
+
+
 class HandDDP:
     """What one would write with torch's DistributedDataParallel and no framework, run a chunk of
     steps at a time.
@@ -199,7 +239,11 @@ class HandDDP:
         self.global_batch = WORLD * args.batch_size
         torch.manual_seed(0)
         module = MLP(FEATURES, args.hidden, CLASSES)
-        if args.strategy == "fsdp":  # the FSDP2 loop one writes: each layer a unit, then the model
+        if args.strategy == "mesh":
+            self.model, rank = _tensor_and_shard(module), _shard_rank()
+        elif (
+            args.strategy == "fsdp"
+        ):  # the FSDP2 loop one writes: each layer a unit, then the model
             from torch.distributed.fsdp import fully_shard
 
             for layer in module.modules():
@@ -240,7 +284,8 @@ class HandDDP:
         self._step += k
         if self._step == self.steps_per_epoch:
             dist.all_reduce(self._total)  # the epoch's mean loss over ranks, for the log
-            self.epoch_losses.append(self._total.item() / (self._step * WORLD))
+            # over every process (a tensor group's two hold one shard's loss alike)
+            self.epoch_losses.append(self._total.item() / (self._step * PROCESSES))
             self._step = 0
         return since(start)
 
@@ -296,9 +341,14 @@ def phalanx_config(args, output_root: str) -> dict[str, Any]:
         },
         "parallel": {
             "accelerator": "cpu",
-            "devices": WORLD,
+            "devices": PROCESSES,
             "strategy": args.strategy,
-            **({"fsdp": {"shard": ["Linear"]}} if args.strategy == "fsdp" else {}),
+            **({"fsdp": {"shard": ["Linear"]}} if args.strategy in ("fsdp", "mesh") else {}),
+            **(
+                {"mesh": {"shard": WORLD, "tensor": 2, "tensor_plan": TENSOR_PLAN}}
+                if args.strategy == "mesh"
+                else {}
+            ),
         },
         "seed": 0,
         "main_loop": {"epochs": args.warmup + args.rounds},
@@ -359,9 +409,8 @@ def build_phalanx(args, run_root: Path, driver):
     assert len(raw["hooks"]) == len(specs) - 1, specs
     cfg = config.validate(raw)
     strategy = strategies.create(cfg)
-    assert type(strategy).__name__ == args.strategy.upper() and strategy.world_size == WORLD, (
-        strategy
-    )
+    assert type(strategy).__name__.upper() == args.strategy.upper(), strategy
+    assert strategy.world_size == PROCESSES, strategy
     box = [str(rundir.create(cfg, run_root / "ddp_overhead.yaml")) if strategy.is_main else None]
     dist.broadcast_object_list(box, src=0)
     run_dir = Path(box[0])
@@ -403,18 +452,18 @@ def shared_tmp(rank: int):
 
 
 def rank_main(rank: int, port: int, args, queue) -> None:
+    name_loops(args.strategy)  # a spawned process starts from the module's defaults
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
+        WORLD_SIZE=str(PROCESSES),
+        LOCAL_WORLD_SIZE=str(PROCESSES),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
     try:
         torch.set_num_threads(1)
         warnings.filterwarnings("ignore")
-        name_loops(args.strategy)
         dist.init_process_group("gloo", timeout=timedelta(seconds=300))
         result = (
             profile_rank if args.profile else breakdown_rank if args.breakdown else measure_rank
@@ -478,7 +527,7 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         "epoch_ends": driver.epoch_ends,
         "losses": {HAND: hand.epoch_losses},
     }
-    every: list[Any] = [None] * WORLD
+    every: list[Any] = [None] * PROCESSES
     dist.all_gather_object(every, mine)
     if rank != 0:
         return None
@@ -529,11 +578,12 @@ def make_report(args, every: list[dict], hook_names, checkpoints, raw, wall_s) -
     )
     ratio = results[PHALANX]["wall"]["ratio_vs_hand"]["median"]
     return {
-        "benchmark": "ddp_overhead" if args.strategy == "ddp" else "ddp_overhead --strategy fsdp",
+        "benchmark": "ddp_overhead"
+        + ("" if args.strategy == "ddp" else f" --strategy {args.strategy}"),
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "settings": {
             "strategy": args.strategy,
-            "processes": WORLD,
+            "processes": PROCESSES,
             "backend": "gloo",
             "address": "127.0.0.1",
             "steps": args.steps,
@@ -796,13 +846,13 @@ def launch(args) -> int:
     port = free_port()
     procs = [
         ctx.Process(target=rank_main, args=(rank, port, args, queue), name=f"rank{rank}")
-        for rank in range(WORLD)
+        for rank in range(PROCESSES)
     ]
     for p in procs:
         p.start()
     failed = False
     try:
-        for _ in range(WORLD):
+        for _ in range(PROCESSES):
             rank, ok, value = queue.get(timeout=args.timeout)
             if not ok:
                 print(f"rank {rank} failed:\n{value}", file=sys.stderr, flush=True)
@@ -853,13 +903,15 @@ def main(argv: list[str] | None = None) -> int:
         "--strategy",
         choices=sorted(TARGETS),
         default="ddp",
-        help="phalanx's ddp against hand DDP (default), or its fsdp against hand FSDP2",
+        help="phalanx's ddp against hand DDP (default), its fsdp against hand FSDP2, or its mesh "
+        "(shard 2 x tensor 2, four processes) against hand TP + FSDP2",
     )
     parser.add_argument(
         "--target",
         type=float,
         default=None,
-        help="phalanx's allowed ratio to the hand loop (default: 1.05 for ddp, 1.10 for fsdp)",
+        help="phalanx's allowed ratio to the hand loop (default: 1.05 for ddp and mesh, 1.10 for "
+        "fsdp)",
     )
     parser.add_argument(
         "--out",
@@ -889,6 +941,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps, --rounds and --warmup must be at least 1")
     if args.chunk < 1 or args.steps % args.chunk:
         parser.error(f"--chunk must divide --steps ({args.steps}); got {args.chunk}")
+    if args.strategy == "mesh" and (args.clip or args.tokens):
+        parser.error(
+            "--strategy mesh times the plain step: leave out --clip and --tokens (the hand loop's "
+            "clip_grad_norm_ cannot take parameters on two device meshes)"
+        )
     if args.breakdown and args.strategy != "ddp":
         parser.error(
             "--breakdown splits ddp's extra time (its variants are DDP loops); leave out --strategy"
