@@ -199,7 +199,9 @@ def test_a_mesh_over_two_nodes_trains_as_one_process(tmp_path):
         first=0,
     )
     run = only_run(tmp_path / "mesh" / "runs")
-    assert "strategy mesh: 4 processes" in (run / "log.txt").read_text()
+    log = (run / "log.txt").read_text()
+    assert "strategy mesh: 4 processes" in log
+    assert "3 to 4 per tensor group" in log  # a batch of 7 over the two data shards
     out = tmp_path / "mesh.safetensors"  # its checkpoints are shards: the whole model, exported
     assert phalanx("export", str(run), "--output", str(out), cwd=tmp_path).returncode == 0
     assert relative(load_file(out), want) < 1e-10

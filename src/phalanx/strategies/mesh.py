@@ -100,7 +100,8 @@ class Mesh(FSDP):
         return module
 
     def describe(self) -> tuple[str, str]:
-        return "device", self.plan_line
+        # a tensor group's processes take one share of each micro-batch together
+        return ("tensor group" if self.layout.tensor > 1 else "device"), self.plan_line
 
     def _sync_gradients(self, final: bool) -> None:
         from torch.distributed.fsdp import FSDPModule
