@@ -55,6 +55,7 @@ bench: $(VENV)/.test-installed
 	$(PIP) -e ".[bench]"
 	$(PY) bench/overhead.py
 	$(PY) bench/ddp_overhead.py
+	$(PY) bench/mesh_overhead.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -116,6 +116,31 @@ def hand_steps(
         total += loss.detach()
 
 
+def tensor_and_shard(
+    module: nn.Module, shard: int, tensor: int, plan: dict[str, str]
+) -> tuple[nn.Module, int]:
+    """The loop one writes for a shard x tensor device mesh of this group's processes (tensor
+    innermost): `plan` (module name -> colwise or rowwise) on the tensor dimension with
+    `parallelize_module`, then `fully_shard` of each Linear and of the model over the shard
+    dimension, default settings (FSDP averages over the shard dimension). Returns the model and
+    this process's shard coordinate (its data rank: a tensor group reads one shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (shard, tensor), mesh_dim_names=("shard", "tensor"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(module, mesh["tensor"], {name: styles[s]() for name, s in plan.items()})
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh["shard"])
+    return fully_shard(module, mesh=mesh["shard"]), mesh["shard"].get_local_rank()
+
+
 # Datasets registered by the benchmark process, so that a phalanx config can name one by key and
 # phalanx trains on the same object as the hand-written loop (not on a copy built from the config).
 REGISTRY: dict[str, Dataset] = {}

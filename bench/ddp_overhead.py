@@ -88,6 +88,7 @@ from bench.common import (  # noqa: E402
     print_results,
     source_state,
     summary,
+    tensor_and_shard,
     with_epoch_end,
     write_report,
 )
@@ -188,32 +189,6 @@ class _WithCarrier(nn.Module):
         return self.module(x)
 
 
-def _tensor_and_shard(module: nn.Module) -> nn.Module:
-    """The loop one writes for a shard 2 x tensor 2 mesh: the plan on the tensor dimension, then
-    each Linear and the model sharded over the shard dimension."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    mesh = init_device_mesh("cpu", (WORLD, 2), mesh_dim_names=("shard", "tensor"))
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[style]() for name, style in TENSOR_PLAN.items()}
-    parallelize_module(module, mesh["tensor"], plan)
-    for layer in module.modules():
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh["shard"])
-    return fully_shard(module, mesh=mesh["shard"])
-
-
-def _shard_rank() -> int:
-    """This process's data rank on the shard 2 x tensor 2 mesh (tensor innermost)."""
-    return dist.get_rank() // 2
-
-
 class HandDDP:
     """What one would write with torch's DistributedDataParallel and no framework, run a chunk of
     steps at a time.
@@ -240,7 +215,7 @@ class HandDDP:
         torch.manual_seed(0)
         module = MLP(FEATURES, args.hidden, CLASSES)
         if args.strategy == "mesh":
-            self.model, rank = _tensor_and_shard(module), _shard_rank()
+            self.model, rank = tensor_and_shard(module, WORLD, 2, TENSOR_PLAN)
         elif (
             args.strategy == "fsdp"
         ):  # the FSDP2 loop one writes: each layer a unit, then the model
