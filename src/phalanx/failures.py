@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -42,8 +43,7 @@ def record(e: BaseException, explained: str | None = None) -> None:
             "rank": environment.here().rank,
         },
     }
-    with open(path, "w") as f:
-        json.dump(data, f)
+    _write(path, data)
 
 
 def record_stop() -> None:
@@ -53,18 +53,31 @@ def record_stop() -> None:
     if not path or os.path.exists(path):
         return
     rank = environment.here().rank
-    with contextlib.suppress(OSError):
-        Path(path).write_text(
-            json.dumps(
-                {
-                    "message": {  # in the form torch's launcher reads
-                        "message": f"rank {rank} was told to stop: another worker ended",
-                        "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
-                    },
-                    "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
-                }
-            )
-        )
+    _write(
+        path,
+        {
+            "message": {  # in the form torch's launcher reads
+                "message": f"rank {rank} was told to stop: another worker ended",
+                "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
+            },
+            "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
+        },
+    )
+
+
+def _write(path: str, data: dict) -> None:
+    """Whole or not at all: a worker's guard thread, told to stop, records that and ends the process
+    while its main thread may be recording its own error in the same file; a file cut short there
+    is one torch's launcher fails to parse (a JSONDecodeError traceback in place of the error).
+    Each thread writes its own temporary file and renames it."""
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def explain(

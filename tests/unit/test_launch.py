@@ -109,3 +109,34 @@ def test_a_writer_ended_before_its_rename_leaves_no_request_and_its_file_is_clea
     assert list(tmp_path.iterdir()) == []
     launch._write(tmp_path / launch.ABORT_FILE, "1 0")
     assert (tmp_path / launch.ABORT_FILE).read_text() == "1 0"
+
+
+def test_an_error_file_cut_short_by_the_process_ending_keeps_the_whole_record_before_it(
+    tmp_path, monkeypatch
+):
+    """A worker told to stop records that from its guard thread and ends the process, while its main
+    thread may be recording its own error in the same file: the process can end in the middle of
+    that write. The file must hold one whole record still, which torch's launcher reads (a file cut
+    short made it fail with a JSONDecodeError traceback in place of the run's error)."""
+    import json
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    failures.record_stop()
+
+    def cut_short(data, f, **kwargs):
+        f.write('{"message": ')
+        f.flush()
+        raise SystemExit(1)  # the guard's os._exit, as far as the file can tell
+
+    monkeypatch.setattr(json, "dump", cut_short)
+    with pytest.raises(SystemExit):
+        try:
+            raise RuntimeError("the gloo connection closed")
+        except RuntimeError as e:
+            failures.record(e)
+    monkeypatch.undo()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "rank 0 was told to stop: another worker ended"
