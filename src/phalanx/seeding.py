@@ -11,19 +11,19 @@ with the index (`item_seed`) by splitmix64's finaliser, in Python integers: a fe
 cheap enough for every item.
 
 Seeding is what costs: each of the three is a Mersenne Twister, whose seeding computes its 2.5 KB
-state (1 to 3.5 us each, 7 us an item for the three), and reading or setting a state costs up to
-30 us (NumPy's). So the states are saved and restored once per batch read, not per item, and a
-map-style stream's reader (`Keyed`) seeds before each item only the generators that the stream has
-been seen to draw from: the others are looked at before and after each batch, and a batch during
-which one of them moved is read again with that one seeded too (its draws came from the reader's
-state, not the item's). A stream that draws nothing then pays about 1.5 us an item, one that draws
-from torch alone (torchvision's transforms) about 2.5 us; the batch in which a process first sees a
-stream draw is read twice. A read that restores the state it drew from is not seen to draw.
+state (1 to 3.5 us each, 7 us an item for the three). So the states are saved and restored once
+per batch read, not per item, and a map-style stream's reader (`Keyed`) seeds before each item
+only the generators that the stream has been seen to draw from: the others are looked at before
+and after each batch, and a batch during which one of them moved is read again with that one
+seeded too (its draws came from the reader's state, not the item's). Looking is cheap for torch
+(its state's bytes) and NumPy (its twister's bytes, `_NumpyState`); `random`'s state takes about
+10 us to read. A batch in which a process first sees a stream draw is read twice. A read that
+restores the state it drew from is not seen to draw.
 """
 
 from __future__ import annotations
 
-import operator
+import ctypes
 import random
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -81,7 +81,8 @@ class _Generator(NamedTuple):
     get: Callable[[], Any]
     set: Callable[[Any], Any]
     seed: Callable[[int], Any]
-    same: Callable[[Any, Any], bool]
+    # whether the generator is where `get` found it then (it was not drawn from since)
+    unchanged: Callable[[Any], bool]
 
 
 def _same_numpy_state(a: tuple, b: tuple) -> bool:
@@ -89,17 +90,68 @@ def _same_numpy_state(a: tuple, b: tuple) -> bool:
     return a[2:] == b[2:] and np.array_equal(a[1], b[1])
 
 
+class _NumpyState:
+    """NumPy's legacy global generator, read cheaply. `np.random.get_state` takes about 30 us; the
+    Mersenne Twister's own state (624 words and a position, 2.5 KB) can be copied in a fraction of
+    a microsecond through the bit generator's public ctypes interface. A draw moves the twister,
+    except one legacy Gaussian served from the cache the previous one left (`has_gauss`). So the
+    last whole state read without a cached Gaussian is kept beside a copy of the twister: while
+    the twister is where it was, the state is that one (the cache, empty then, fills only by drawing
+    from the twister), and a read that leaves the twister where it was drew nothing. With a
+    Gaussian cached, or without the ctypes interface, the whole states are read and compared.
+    (Not seen: a `np.random.set_state` to a state of the same twister with a Gaussian cached.)"""
+
+    def __init__(self) -> None:
+        self._twister: Callable[[], bytes] | None = None
+        try:
+            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
+            length = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+            self._twister = lambda: ctypes.string_at(address, length)
+        except (AttributeError, ImportError, TypeError):  # another NumPy: read whole states
+            pass
+        # the twister's copy and the whole state (without a cached Gaussian) read with it
+        self._known: tuple[bytes, tuple] | None = None
+
+    def get(self) -> tuple:
+        twister, known = self._twister, self._known
+        if twister is None:
+            return _numpy_state()
+        now = twister()
+        if known is not None and known[0] == now:
+            return known[1]
+        state = _numpy_state()
+        self._known = None if state[3] else (now, state)
+        return state
+
+    def unchanged(self, saved: tuple) -> bool:
+        known = self._known
+        if known is not None and known[1] is saved and self._twister is not None:
+            return self._twister() == known[0]
+        return _same_numpy_state(saved, _numpy_state())
+
+
+def _numpy_state() -> tuple:
+    # the legacy form, a tuple (NumPy's stubs allow a dict)
+    state: Any = np.random.get_state()
+    return state
+
+
+def _same_torch_state(saved: torch.Tensor) -> bool:
+    # comparing the bytes costs a third of torch.equal's dispatch
+    return _TORCH.get_state().numpy().tobytes() == saved.numpy().tobytes()
+
+
 _TORCH = torch.default_generator
+_NUMPY = _NumpyState()
 # Not torch.manual_seed, which also seeds (and so initialises) CUDA: a DataLoader worker must not
 # touch it. NumPy's legacy seed takes 32 bits.
 GENERATORS = {
-    "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, torch.equal),
-    "random": _Generator(random.getstate, random.setstate, random.seed, operator.eq),
+    "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, _same_torch_state),
+    "random": _Generator(
+        random.getstate, random.setstate, random.seed, lambda saved: random.getstate() == saved
+    ),
     "numpy": _Generator(
-        np.random.get_state,
-        np.random.set_state,
-        lambda s: np.random.seed(s & 0xFFFFFFFF),
-        _same_numpy_state,
+        _NUMPY.get, np.random.set_state, lambda s: np.random.seed(s & 0xFFFFFFFF), _NUMPY.unchanged
     ),
 }
 
@@ -175,12 +227,12 @@ class Keyed(Dataset):
                     items = [self._read_seeded(k, index, seeders) for k, index in keyed]
                 else:
                     # a stream that has drawn nothing yet: no seed to compute
-                    read = self._one
+                    read = self._one if self._batched else self.dataset.__getitem__
                     items = [read(index) for _, index in keyed]
                 moved = {
                     name
                     for name, generator in GENERATORS.items()
-                    if name not in self.drawn and not generator.same(saved[name], generator.get())
+                    if name not in self.drawn and not generator.unchanged(saved[name])
                 }
                 if not moved:
                     break

@@ -262,3 +262,37 @@ def test_a_runs_augmentation_does_not_depend_on_what_the_trainer_draws(kind):
         off = trained(streams, False, [ComputeStats()])
         moved = trained(streams, False, [ComputeStats(), TrainerDraws()])
         assert not torch.equal(off["valid.loss"], moved["valid.loss"])
+
+
+class OneGaussian(Draws):
+    """Only item 5 draws, and only one legacy Gaussian from numpy: a draw that may move no state but
+    the Gaussian NumPy caches (the second of the pair its last Gaussian draw computed)."""
+
+    def __getitem__(self, i: int) -> dict:
+        more = float(np.random.standard_normal()) if i == 5 else 0.0
+        return {"i": i, "drawn": torch.tensor([0.0, more, 0.0], dtype=torch.float64)}
+
+
+class Nothing(Draws):
+    def __getitem__(self, i: int) -> dict:
+        return {"i": i, "drawn": torch.zeros(3, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-gaussian-cached", "gaussian-cached"])
+def test_one_numpy_gaussian_is_seen_whether_or_not_the_reader_left_one_cached(cached):
+    """NumPy's state is read cheaply through its twister where no Gaussian is cached: the reader's
+    cached Gaussian (an odd count of its own Gaussian draws) must not hide an item's draw of it, nor
+    be lost; and a state kept from a read before the reader drew again must not be restored."""
+    key = seeding.training_key(0, 1)
+    want = defined(OneGaussian(), key)
+    assert want[5][1] != 0
+    np.random.seed(3)
+    read(Nothing(), key, batch=4)  # the reader's state is known, then moves
+    np.random.rand()
+    if cached:
+        np.random.standard_normal()
+    state = np.random.get_state()
+    assert state[3] == int(cached)
+    assert_same(read(OneGaussian(), key, batch=4), want)
+    after = np.random.get_state()
+    assert after[2:] == state[2:] and np.array_equal(after[1], state[1])
