@@ -590,7 +590,8 @@ def breakdown(args) -> dict[str, Any]:
         result = trainer.train_step(micros)
         from phalanx.engine import concat
 
-        trainer.last_loss, payload = result.loss, result.parts
+        trainer.losses.add(result.loss, result.settle)
+        payload = result.parts
         out = concat(result.parts)
         per_sample = torch.full(
             (B,), 1 / B

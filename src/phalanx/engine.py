@@ -131,6 +131,10 @@ class Engine:
         self._schedulers = {
             interval: [s for s, i in schedulers if i == interval] for interval in ("step", "epoch")
         }
+        # back-propagate a micro-batch's loss, with its per-sample gradient, and a scalar of the
+        # strategy's own that must reach its reduction through autograd, unscaled: the precision's
+        # `backward`, called every micro-batch, without a frame of the engine's
+        self.backward = precision.backward
         self._gradients: dict[tuple, torch.Tensor] = {}
         # whether weights on an accelerator were negative: read at the epoch's end, not every
         # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
@@ -141,7 +145,8 @@ class Engine:
         # walking the module tree every step costs more than the check
         if not self.module.training:
             self.module.train()
-        self.trained_optimizer.zero_grad(set_to_none=True)
+        optimizer = self.optimizer
+        (optimizer or self.trained_optimizer).zero_grad(set_to_none=True)
 
     def finish(
         self, loss: torch.Tensor, norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
@@ -151,7 +156,7 @@ class Engine:
         clipped to `max_grad_norm` by their global norm (`norm`: the strategy's, over every rank,
         shard or stage it splits them into), the optimizer's and the step's schedulers' steps.
         Returns the global batch's mean loss."""
-        optimizer = self.trained_optimizer
+        optimizer = self.optimizer or self.trained_optimizer
         # weighted: (sum w_i l_i, sum w_i) / B over the global batch
         if loss.dim():
             loss = self._normalise(loss)
@@ -159,7 +164,8 @@ class Engine:
             self.max_grad_norm, total_norm if norm is None else norm
         ):
             self.precision.step(optimizer)
-        self.step_schedulers()
+        for scheduler in self._schedulers["step"]:
+            scheduler.step()
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
         return loss
@@ -173,7 +179,8 @@ class Engine:
 
     def forward(self, micro: Micro, batch: Mapping, replica: Replica = WHOLE) -> Weighed:
         """A micro-batch's forward through `replica`, weighed (`weigh`)."""
-        with random.drawing(self.draws(micro.shard)):
+        seed = self.random_seed
+        with random.drawing(None) if seed is None else random.Draws(seed, self.step, micro.shard):
             loss, data, tokens = self._forward(
                 batch, len(micro.shard), replica.call, replica.device
             )
@@ -211,15 +218,15 @@ class Engine:
         # an empty shard that the strategy runs anyway (its collectives need every rank): weight 0
         if not n:
             return Weighed(loss.sum() * 0.0, None, loss.detach().new_zeros(()), data)
-        # per-sample: weight / n flows back into each sample, no mean in the graph
+        # per-sample: weight / n flows back into each sample, no mean in the graph; the part is
+        # the losses' dot product with that gradient (a reduction cheaper than mean's, every step)
         if loss.dim():
-            part, gradient = data["loss"].mean(), self._gradient(n, weight / n, loss)
+            gradient = self._gradient(n, weight / n, loss)
+            part = torch.dot(data["loss"], gradient)
         else:
             part, gradient = loss.detach(), None
             if weight != 1:
-                loss = loss * weight
-        if weight != 1:
-            part = part * weight
+                loss, part = loss * weight, part * weight
         return _weighed(Weighed, (loss, gradient, part, data))  # the common case, every step
 
     def _weigh(
@@ -295,13 +302,6 @@ class Engine:
         for group in _by_mesh(parameters):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return True
-
-    def backward(
-        self, loss: torch.Tensor, gradient: torch.Tensor | None, also: torch.Tensor | None = None
-    ) -> None:
-        """Back-propagate a micro-batch's loss (with `also`, a scalar of the strategy's own that
-        must reach its reduction through autograd, unscaled)."""
-        self.precision.backward(loss, gradient, also)
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
         """A vector of `n` times `value`: the gradient of the objective with respect to each

@@ -288,6 +288,8 @@ class _NamedLoss:
         if keras_loss is not None:  # its keywords made it
             self.function, self.kwargs = keras_loss, {}
         self.ignore_index = _ignore_index(self.function, self.kwargs)
+        # keywords given as lists become tensors beside each prediction
+        self._lists = any(isinstance(v, list) for v in self.kwargs.values())
 
     def __call__(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Loss:
         """The configured loss per sample (see `per_sample_loss`)."""
@@ -303,9 +305,8 @@ class _NamedLoss:
             raise ModelError(
                 f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
             ) from None
-        return per_sample_loss(
-            self.function, prediction, target, self.ignore_index, self._kwargs(prediction)
-        )
+        kwargs = self._kwargs(prediction) if self._lists else self.kwargs
+        return per_sample_loss(self.function, prediction, target, self.ignore_index, kwargs)
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
         """The loss function's keywords; lists (pos_weight, weight) as tensors beside the

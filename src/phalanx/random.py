@@ -96,7 +96,7 @@ class Draws:
     """One forward's draws for the samples of a shard: their dataset indices (-1: padding), the
     seed and the step; each site's number of draws so far."""
 
-    __slots__ = ("seed", "step", "samples", "counts", "_keys")
+    __slots__ = ("seed", "step", "samples", "counts", "_keys", "_before")
 
     def __init__(self, seed: int, step: int, samples: Sequence[int] | torch.Tensor):
         self.seed, self.step, self.samples = seed, step, samples
@@ -119,6 +119,15 @@ class Draws:
         draw = self.counts.get(name, 0)
         self.counts[name] = draw + 1
         return _site(name, draw)
+
+    def __enter__(self) -> Draws:
+        """`drawing(self)` without its object: the engine enters one every forward."""
+        self._before = getattr(_local, "draws", None)
+        _local.draws = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.draws = self._before
 
     def snapshot(self) -> Draws:
         """The same samples, with the counts as they stand (a recomputed forward draws again)."""
