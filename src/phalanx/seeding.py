@@ -16,8 +16,8 @@ per batch read, not per item, and a map-style stream's reader (`Keyed`) seeds be
 only the generators that the stream has been seen to draw from: the others are looked at before
 and after each batch, and a batch during which one of them moved is read again with that one
 seeded too (its draws came from the reader's state, not the item's). Looking is cheap for torch
-(its state's bytes) and NumPy (its twister's bytes, `_NumpyState`); `random`'s state takes about
-10 us to read. A batch in which a process first sees a stream draw is read twice. A read that
+(its state's bytes), NumPy (its twister's bytes, `_NumpyState`) and `random` (its twister's bytes,
+`_PythonRandom`). A batch in which a process first sees a stream draw is read twice. A read that
 restores the state it drew from is not seen to draw.
 """
 
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import random
+import struct
+import sys
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -136,6 +138,55 @@ def _numpy_state() -> tuple:
     return state
 
 
+class _PythonRandom:
+    """Python's `random`, read cheaply. `random.getstate` builds a tuple of 625 integers (about
+    10 us, and as long again to compare two); the C object the module's functions draw from holds
+    its twister right after the object header, as its position and 624 words (2.5 KB), which a copy
+    reads in a fraction of a microsecond. That layout is CPython's own: it is checked against
+    `getstate` once, and where it does not match (another interpreter, a free-threaded build) the
+    states are `getstate`'s. A state read here is the twister's bytes and the Gaussian that
+    `random.gauss` keeps for its next call."""
+
+    def __init__(self) -> None:
+        self._address: int | None = None
+        try:
+            generator = random.random.__self__  # type: ignore[attr-defined]
+            gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+            address = id(generator) + object.__basicsize__
+            _, words, _ = generator.getstate()
+            if gil and ctypes.string_at(address, _TWISTER) == _packed(words):
+                self._generator, self._address = generator, address
+        except (AttributeError, TypeError, ValueError, struct.error):
+            pass
+
+    def get(self) -> Any:
+        address = self._address
+        if address is None:
+            return random.getstate()
+        return ctypes.string_at(address, _TWISTER), self._generator.gauss_next
+
+    def set(self, saved: Any) -> None:
+        if self._address is None:
+            random.setstate(saved)
+            return
+        twister, gauss = saved
+        position, *words = struct.unpack(_TWISTER_LAYOUT, twister)
+        random.setstate((random.Random.VERSION, (*words, position), gauss))
+
+    def unchanged(self, saved: Any) -> bool:
+        return self.get() == saved
+
+
+# CPython's twister, as its C object holds it: the position, then the words
+_TWISTER_LAYOUT = "=i624I"
+_TWISTER = struct.calcsize(_TWISTER_LAYOUT)
+
+
+def _packed(words: tuple[int, ...]) -> bytes:
+    """`getstate`'s 624 words and position as the C object holds them."""
+    return struct.pack(_TWISTER_LAYOUT, words[-1], *words[:-1])
+
+
 def _same_torch_state(saved: torch.Tensor) -> bool:
     # comparing the bytes costs a third of torch.equal's dispatch
     return _TORCH.get_state().numpy().tobytes() == saved.numpy().tobytes()
@@ -143,13 +194,12 @@ def _same_torch_state(saved: torch.Tensor) -> bool:
 
 _TORCH = torch.default_generator
 _NUMPY = _NumpyState()
+_RANDOM = _PythonRandom()
 # Not torch.manual_seed, which also seeds (and so initialises) CUDA: a DataLoader worker must not
 # touch it. NumPy's legacy seed takes 32 bits.
 GENERATORS = {
     "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, _same_torch_state),
-    "random": _Generator(
-        random.getstate, random.setstate, random.seed, lambda saved: random.getstate() == saved
-    ),
+    "random": _Generator(_RANDOM.get, _RANDOM.set, random.seed, _RANDOM.unchanged),
     "numpy": _Generator(
         _NUMPY.get, np.random.set_state, lambda s: np.random.seed(s & 0xFFFFFFFF), _NUMPY.unchanged
     ),

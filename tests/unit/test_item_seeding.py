@@ -265,11 +265,15 @@ def test_a_runs_augmentation_does_not_depend_on_what_the_trainer_draws(kind):
 
 
 class OneGaussian(Draws):
-    """Only item 5 draws, and only one legacy Gaussian from numpy: a draw that may move no state but
-    the Gaussian NumPy caches (the second of the pair its last Gaussian draw computed)."""
+    """Only item 5 draws, and only one Gaussian, from numpy's legacy generator or Python's `random`:
+    a draw that may move no twister, served from the Gaussian each library keeps from its last
+    pair."""
+
+    def __init__(self, library: str):
+        self.gauss = np.random.standard_normal if library == "numpy" else random.gauss
 
     def __getitem__(self, i: int) -> dict:
-        more = float(np.random.standard_normal()) if i == 5 else 0.0
+        more = float(self.gauss()) if i == 5 else 0.0
         return {"i": i, "drawn": torch.tensor([0.0, more, 0.0], dtype=torch.float64)}
 
 
@@ -279,20 +283,30 @@ class Nothing(Draws):
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["no-gaussian-cached", "gaussian-cached"])
-def test_one_numpy_gaussian_is_seen_whether_or_not_the_reader_left_one_cached(cached):
-    """NumPy's state is read cheaply through its twister where no Gaussian is cached: the reader's
-    cached Gaussian (an odd count of its own Gaussian draws) must not hide an item's draw of it, nor
-    be lost; and a state kept from a read before the reader drew again must not be restored."""
+@pytest.mark.parametrize("library", ["numpy", "random", "random-by-getstate"])
+def test_one_gaussian_is_seen_whether_or_not_the_reader_left_one_cached(
+    cached, library, monkeypatch
+):
+    """The states of numpy and random are read cheaply through their twisters' bytes (random's
+    through CPython's layout, and by `getstate` where that is not found): the reader's cached
+    Gaussian (an odd count of its own Gaussian draws) must not hide an item's draw of it, nor be
+    lost; and a state kept from a read before the reader drew again must not be restored."""
+    if library == "random-by-getstate":
+        monkeypatch.setattr(seeding._RANDOM, "_address", None)
+    elif library == "random":  # CPython's layout is found where the tests run
+        assert seeding._RANDOM._address is not None
+    library = library.split("-")[0]
     key = seeding.training_key(0, 1)
-    want = defined(OneGaussian(), key)
+    want = defined(OneGaussian(library), key)
     assert want[5][1] != 0
-    np.random.seed(3)
+    seeding.seed(3)
     read(Nothing(), key, batch=4)  # the reader's state is known, then moves
-    np.random.rand()
+    next_draws()
     if cached:
-        np.random.standard_normal()
-    state = np.random.get_state()
-    assert state[3] == int(cached)
-    assert_same(read(OneGaussian(), key, batch=4), want)
-    after = np.random.get_state()
-    assert after[2:] == state[2:] and np.array_equal(after[1], state[1])
+        np.random.standard_normal(), random.gauss()
+    state = generator_states()
+    assert (state[2][3] == 1, state[1][2] is not None) == (cached, cached)
+    assert_same(read(OneGaussian(library), key, batch=4), want)
+    after = generator_states()
+    assert after[1] == state[1]
+    assert after[2][2:] == state[2][2:] and np.array_equal(after[2][1], state[2][1])
