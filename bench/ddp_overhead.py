@@ -101,7 +101,7 @@ PROCESSES = 2  # the processes started: WORLD, times the tensor degree under mes
 TENSOR_PLAN = {"net.0": "colwise", "net.2": "rowwise"}  # MLP's first two Linears, under mesh
 HAND, PHALANX, PHALANX_END = "hand DDP", "phalanx ddp", "phalanx incl. epoch end"
 TARGETS = {
-    "ddp": 1.05,
+    "ddp": 1.03,
     "fsdp": 1.10,
     "mesh": 1.05,
 }  # phalanx's allowed ratio to the hand loop, per strategy

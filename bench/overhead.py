@@ -781,7 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument(
-        "--target", type=float, default=1.10, help="phalanx's allowed ratio to the hand loop"
+        "--target", type=float, default=1.05, help="phalanx's allowed ratio to the hand loop"
     )
     parser.add_argument(
         "--tokens",

@@ -127,6 +127,24 @@ def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(t
     assert report["settings"]["chunk"] == chunk
     loss = report["final_epoch_loss"]["hand loop"]
     assert math.isfinite(loss) and loss < math.log(10)
+    # make bench's table of targets reads the report: its ratio, target and verdict
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "overhead.json").write_text((tmp_path / "report.json").read_text())
+    table = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "targets.py"), "--results", str(results)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0, table.stderr
+    [row] = [line for line in table.stdout.splitlines() if line.startswith("overhead.json")]
+    target = report["target"]
+    verdict = "met" if target["met"] else "NOT met"
+    assert f"{target['phalanx_ratio']:.3f}x  <= 1.05x  {verdict}" in row, row
+    [missing] = [line for line in table.stdout.splitlines() if line.startswith("ddp_overhead")]
+    assert "no such file" in missing
 
 
 def test_instruction_counter_runs_every_variant(tmp_path):

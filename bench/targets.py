@@ -1,0 +1,58 @@
+"""The speed targets `make bench` checks, in one table: each benchmark's ratio of phalanx to the
+loop it is paired with (a hand-written loop timed in the same process, or the same processes, in
+turns), its target, and whether it was met, as the results files hold them (with the commit each
+was measured at: a file left from an older run says so).
+
+    .venv/bin/python bench/targets.py                  # the files make bench writes
+    .venv/bin/python bench/targets.py --results DIR    # another folder of results
+
+A missing or unreadable file is a row that says so; the exit status is 0 either way (a benchmark is
+read, not enforced: no test asserts a speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (results file, what the ratio pairs phalanx with)
+BENCHMARKS = [
+    ("overhead.json", "one process: hand loop (zero_grad, forward, CE, backward, AdamW step)"),
+    ("ddp_overhead.json", "ddp, 2 gloo processes: hand DDP loop"),
+    ("mesh_overhead.json", "mesh shard 2 x tensor 2, 4 processes: hand TP + FSDP2 loop"),
+    ("mesh_overhead_step.json", "the mesh step alone: the same hand loop"),
+]
+
+
+def row(path: Path, paired: str) -> tuple[str, str, str, str, str, str]:
+    """The table's row for one results file."""
+    try:
+        report = json.loads(path.read_text())
+        target = report["target"]
+        ratio, limit = target["phalanx_ratio"], target["phalanx_ratio_max"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        reason = "no such file" if isinstance(e, FileNotFoundError) else f"unreadable ({e})"
+        return path.name, paired, "-", "-", reason, "-"
+    commit = str(report.get("source", report.get("phalanx_source", {})).get("commit", "?"))[:7]
+    met = "met" if ratio <= limit else "NOT met"
+    return path.name, paired, f"{ratio:.3f}x", f"<= {limit:.2f}x", met, commit
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    rows = [("results", "phalanx paired with", "ratio", "target", "", "commit")]
+    rows += [row(args.results / name, paired) for name, paired in BENCHMARKS]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print("\nspeed targets (wall-clock ratios, phalanx over the loop it is paired with):")
+    for r in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
