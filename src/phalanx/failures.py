@@ -48,34 +48,39 @@ def record(e: BaseException, explained: str | None = None) -> None:
 
 def record_stop() -> None:
     """Say, in this worker's error file, that it was told to stop: a worker that ends with no file
-    at all ended without a word (a signal from outside, a crash in native code)."""
+    at all ended without a word (a signal from outside, a crash in native code). Where the worker
+    has recorded an error, that stays (even one recorded while this runs)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
     rank = environment.here().rank
-    _write(
-        path,
-        {
-            "message": {  # in the form torch's launcher reads
-                "message": f"rank {rank} was told to stop: another worker ended",
-                "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
-            },
-            "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
+    stop = {
+        "message": {  # in the form torch's launcher reads
+            "message": f"rank {rank} was told to stop: another worker ended",
+            "extraInfo": {"py_callstack": "", "timestamp": str(int(time.time()))},
         },
-    )
+        "phalanx": {"time": time.time(), "rank": rank, "stopped": True},
+    }
+    _write(path, stop, replace=False)
 
 
-def _write(path: str, data: dict) -> None:
+def _write(path: str, data: dict, replace: bool = True) -> None:
     """Whole or not at all: a worker's guard thread, told to stop, records that and ends the process
     while its main thread may be recording its own error in the same file; a file cut short there
     is one torch's launcher fails to parse (a JSONDecodeError traceback in place of the error).
-    Each thread writes its own temporary file and renames it."""
+    Each thread writes its own temporary file and renames it over the record (`replace`), or links
+    it where there is none yet (a stop must not replace an error)."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         with open(tmp, "w") as f:
             json.dump(data, f)
-        os.replace(tmp, path)
-    except OSError:
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    except OSError:  # FileExistsError: a record is there
+        pass
+    finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
 

@@ -140,3 +140,25 @@ def test_an_error_file_cut_short_by_the_process_ending_keeps_the_whole_record_be
     monkeypatch.undo()
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
     assert failure.message["message"] == "rank 0 was told to stop: another worker ended"
+
+
+def test_a_stop_recorded_as_the_error_is_being_recorded_leaves_the_error(tmp_path, monkeypatch):
+    """The guard thread looks for a record, finds none, and records its stop; the main thread's own
+    error may land in between. The error is the one to keep."""
+    import os
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        raise RuntimeError("the gloo connection closed")
+    except RuntimeError as e:
+        failures.record(e)
+    # as if the guard had looked before the error was recorded
+    monkeypatch.setattr(os.path, "exists", lambda p: False)
+    failures.record_stop()
+    monkeypatch.undo()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message["message"] == "RuntimeError: the gloo connection closed"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
