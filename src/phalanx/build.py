@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from phalanx import seeding
 from phalanx.config import Config, DatasetConfig, OptimizerConfig
 from phalanx.construct import build_value, import_object, instantiate
 from phalanx.errors import ConfigError
@@ -172,7 +173,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_tuples(state["python"]))
     torch.set_rng_state(_unb64(state["torch"]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    seeding.set_numpy_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     if (
         "cuda" in state
         and torch.cuda.is_available()

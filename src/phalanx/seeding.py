@@ -87,9 +87,17 @@ class _Generator(NamedTuple):
     unchanged: Callable[[Any], bool]
 
 
-def _same_numpy_state(a: tuple, b: tuple) -> bool:
-    # ('MT19937', key array, position, has_gauss, cached gaussian)
-    return a[2:] == b[2:] and np.array_equal(a[1], b[1])
+def _same_numpy_state(a: Any, b: Any) -> bool:
+    """Whether two of `_numpy_state`'s states are equal: the legacy tuple ('MT19937', key array,
+    position, has_gauss, cached gaussian), or another bit generator's dict (its arrays compared as
+    arrays)."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return a[2:] == b[2:] and np.array_equal(a[1], b[1])
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_numpy_state(a[k], b[k]) for k in a)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return bool(a == b)
 
 
 class _NumpyState:
@@ -100,42 +108,70 @@ class _NumpyState:
     last whole state read without a cached Gaussian is kept beside a copy of the twister: while
     the twister is where it was, the state is that one (the cache, empty then, fills only by drawing
     from the twister), and a read that leaves the twister where it was drew nothing. With a
-    Gaussian cached, or without the ctypes interface, the whole states are read and compared.
-    (Not seen: a `np.random.set_state` to a state of the same twister with a Gaussian cached.)"""
+    Gaussian cached, or a global generator that is not a Mersenne Twister (`set_bit_generator`),
+    the whole states are read and compared. States set here (`set`: phalanx's restores and
+    resumes) forget the kept one; not seen: the user's own `np.random.set_state` to a state of the
+    same twister with a Gaussian cached."""
 
     def __init__(self) -> None:
+        # the global generator's bit generator, and a copy of its twister (None: not one)
+        self._generator: Any = None
         self._twister: Callable[[], bytes] | None = None
-        try:
-            address = np.random.mtrand._rand._bit_generator.ctypes.state_address
-            length = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
-            self._twister = lambda: ctypes.string_at(address, length)
-        except (AttributeError, ImportError, TypeError):  # another NumPy: read whole states
-            pass
         # the twister's copy and the whole state (without a cached Gaussian) read with it
         self._known: tuple[bytes, tuple] | None = None
 
-    def get(self) -> tuple:
-        twister, known = self._twister, self._known
+    def _current(self) -> Callable[[], bytes] | None:
+        """The twister's reader for the global generator as it is now."""
+        generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
+        if generator is not self._generator:
+            self._generator, self._twister, self._known = generator, None, None
+            if isinstance(generator, np.random.MT19937):
+                address = generator.ctypes.state_address
+                length = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
+                self._twister = lambda: ctypes.string_at(address, length)
+        return self._twister
+
+    def get(self) -> Any:
+        twister = self._current()
         if twister is None:
             return _numpy_state()
-        now = twister()
+        now, known = twister(), self._known
         if known is not None and known[0] == now:
             return known[1]
         state = _numpy_state()
-        self._known = None if state[3] else (now, state)
+        # kept where nothing drew in between (another thread) and no Gaussian is cached; its key
+        # array read-only, since every caller is handed this one tuple
+        if not state[3] and twister() == now:
+            state[1].flags.writeable = False
+            self._known = (now, state)
+        else:
+            self._known = None
         return state
 
-    def unchanged(self, saved: tuple) -> bool:
+    def set(self, state: Any) -> None:
+        np.random.set_state(state)
         known = self._known
-        if known is not None and known[1] is saved and self._twister is not None:
-            return self._twister() == known[0]
+        if known is None or state is not known[1]:
+            self._known = None
+
+    def unchanged(self, saved: Any) -> bool:
+        twister, known = self._current(), self._known
+        if twister is not None and known is not None and known[1] is saved:
+            return twister() == known[0]
         return _same_numpy_state(saved, _numpy_state())
 
 
-def _numpy_state() -> tuple:
-    # the legacy form, a tuple (NumPy's stubs allow a dict)
-    state: Any = np.random.get_state()
-    return state
+def set_numpy_state(state: Any) -> None:
+    """`np.random.set_state` for phalanx's own code: the cheap reader forgets what it kept."""
+    _NUMPY.set(state)
+
+
+def _numpy_state() -> Any:
+    """NumPy's global state: the legacy tuple for its Mersenne Twister, a dict for another bit
+    generator (`np.random.set_bit_generator`), whose state the legacy form cannot hold."""
+    if isinstance(getattr(np.random.mtrand._rand, "_bit_generator", None), np.random.MT19937):
+        return np.random.get_state()
+    return np.random.get_state(legacy=False)
 
 
 class _PythonRandom:
@@ -151,11 +187,13 @@ class _PythonRandom:
         self._address: int | None = None
         try:
             generator = random.random.__self__  # type: ignore[attr-defined]
-            gil = getattr(sys, "_is_gil_enabled", lambda: True)()
-            address = id(generator) + object.__basicsize__
-            _, words, _ = generator.getstate()
-            if gil and ctypes.string_at(address, _TWISTER) == _packed(words):
-                self._generator, self._address = generator, address
+            # where id() is an address and no other thread draws while the bytes are copied
+            cpython = sys.implementation.name == "cpython"
+            if cpython and getattr(sys, "_is_gil_enabled", lambda: True)():
+                address = id(generator) + object.__basicsize__
+                _, words, _ = generator.getstate()
+                if ctypes.string_at(address, _TWISTER) == _packed(words):
+                    self._generator, self._address = generator, address
         except (AttributeError, TypeError, ValueError, struct.error):
             pass
 
@@ -201,7 +239,7 @@ GENERATORS = {
     "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, _same_torch_state),
     "random": _Generator(_RANDOM.get, _RANDOM.set, random.seed, _RANDOM.unchanged),
     "numpy": _Generator(
-        _NUMPY.get, np.random.set_state, lambda s: np.random.seed(s & 0xFFFFFFFF), _NUMPY.unchanged
+        _NUMPY.get, _NUMPY.set, lambda s: np.random.seed(s & 0xFFFFFFFF), _NUMPY.unchanged
     ),
 }
 

@@ -310,3 +310,40 @@ def test_one_gaussian_is_seen_whether_or_not_the_reader_left_one_cached(
     after = generator_states()
     assert after[1] == state[1]
     assert after[2][2:] == state[2][2:] and np.array_equal(after[2][1], state[2][1])
+
+
+def test_a_restored_state_with_a_cached_gaussian_is_not_taken_for_the_kept_one():
+    """phalanx's own restores (and resumes) set NumPy's state: one with a Gaussian cached, over the
+    same twister as the state kept without one, must be read whole, or an item's one Gaussian comes
+    from the reader's cache unseen."""
+    key = seeding.training_key(0, 1)
+    want = defined(OneGaussian("numpy"), key)
+    np.random.seed(0)
+    np.random.standard_normal()  # a Gaussian cached
+    saved = seeding.states()
+    np.random.standard_normal()  # the cache spent: the same twister, kept without one
+    seeding.states()
+    seeding.restore(saved)
+    assert np.random.get_state()[3] == 1
+    assert_same(read(OneGaussian("numpy"), key, batch=N), want)
+    assert np.random.get_state()[3] == 1
+
+
+@pytest.mark.parametrize("kind", [np.random.MT19937, np.random.PCG64])
+def test_a_new_global_bit_generator_is_read_as_itself(kind):
+    """`np.random.set_bit_generator` gives the global functions another generator: its draws are
+    seen, and its state restored (not the first one's, whose memory may be gone), a Mersenne
+    Twister's or another kind's, which the legacy state cannot hold."""
+    original = np.random.get_bit_generator()
+    key = seeding.training_key(0, 1)
+    try:
+        read(Nothing(), key)  # the first generator's twister kept
+        np.random.set_bit_generator(kind(7))
+        want = defined(Draws(), key)
+        state = np.random.get_state(legacy=False)
+        drawn = np.random.random()
+        np.random.set_state(state)
+        assert_same(read(Draws(), key), want)
+        assert np.random.random() == drawn
+    finally:
+        np.random.set_bit_generator(original)
