@@ -62,6 +62,7 @@ class Replica:
 
 # the model the engine was built with, as it is
 WHOLE = Replica()
+_FULL_PRECISION = (torch.float32, torch.float64)
 # a Weighed without the Python frame of its generated constructor
 _weighed = tuple.__new__
 
@@ -145,8 +146,8 @@ class Engine:
         # walking the module tree every step costs more than the check
         if not self.module.training:
             self.module.train()
-        optimizer = self.optimizer
-        (optimizer or self.trained_optimizer).zero_grad(set_to_none=True)
+        optimizer = self.optimizer if self.optimizer is not None else self.trained_optimizer
+        optimizer.zero_grad(set_to_none=True)
 
     def finish(
         self, loss: torch.Tensor, norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
@@ -156,7 +157,7 @@ class Engine:
         clipped to `max_grad_norm` by their global norm (`norm`: the strategy's, over every rank,
         shard or stage it splits them into), the optimizer's and the step's schedulers' steps.
         Returns the global batch's mean loss."""
-        optimizer = self.optimizer or self.trained_optimizer
+        optimizer = self.optimizer if self.optimizer is not None else self.trained_optimizer
         # weighted: (sum w_i l_i, sum w_i) / B over the global batch
         if loss.dim():
             loss = self._normalise(loss)
@@ -164,8 +165,7 @@ class Engine:
             self.max_grad_norm, total_norm if norm is None else norm
         ):
             self.precision.step(optimizer)
-        for scheduler in self._schedulers["step"]:
-            scheduler.step()
+        self.step_schedulers()
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
         return loss
@@ -219,10 +219,14 @@ class Engine:
         if not n:
             return Weighed(loss.sum() * 0.0, None, loss.detach().new_zeros(()), data)
         # per-sample: weight / n flows back into each sample, no mean in the graph; the part is
-        # the losses' dot product with that gradient (a reduction cheaper than mean's, every step)
+        # the losses' dot product with that gradient (a reduction cheaper than mean's, every
+        # step), or in half precision their mean (weight / n may be subnormal there)
         if loss.dim():
-            gradient = self._gradient(n, weight / n, loss)
-            part = torch.dot(data["loss"], gradient)
+            gradient, losses = self._gradient(n, weight / n, loss), data["loss"]
+            if losses.dtype in _FULL_PRECISION:
+                part = torch.dot(losses, gradient)
+            else:
+                part = losses.mean() * weight
         else:
             part, gradient = loss.detach(), None
             if weight != 1:

@@ -308,3 +308,16 @@ def test_a_rank_with_only_empty_shards_joins_the_step_with_zero_weight():
     assert strategy.carried_values == [[0.0, 0.0, 0.0, 4.0]]
     assert float(result.loss) == 0.0 and result.stop is True
     assert _rel_diff(_params(trainer.module), before) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_shards_part_of_the_loss_keeps_its_digits_in_half_precision(dtype):
+    """The part of the global batch's mean loss a shard gives: 1000 samples of a global batch of a
+    million, where each sample's gradient (1e-6) is subnormal in float16 and the part taken through
+    it lost a percent."""
+    trainer = _trainer()
+    engine = Engine(trainer.module, trainer.forward, trainer.optimizer, [], trainer.precision)
+    losses = torch.full((1000,), 2.5, dtype=dtype)
+    weighed = engine.weigh(losses, {"loss": losses}, Micro(list(range(1000)), 1_000_000))
+    assert weighed.gradient is not None and weighed.gradient.dtype == dtype
+    assert abs(float(weighed.part) - 2.5e-3) <= 2.5e-3 * 4e-3
