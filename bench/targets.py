@@ -32,11 +32,12 @@ def row(path: Path, paired: str) -> tuple[str, str, str, str, str, str]:
     try:
         report = json.loads(path.read_text())
         target = report["target"]
-        ratio, limit = target["phalanx_ratio"], target["phalanx_ratio_max"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        reason = "no such file" if isinstance(e, FileNotFoundError) else f"unreadable ({e})"
+        ratio, limit = float(target["phalanx_ratio"]), float(target["phalanx_ratio_max"])
+        source = report.get("source") or report.get("phalanx_source") or {}
+        commit = str(source.get("commit") or "?")[:7]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        reason = "no such file" if isinstance(e, FileNotFoundError) else f"unreadable ({e!r})"
         return path.name, paired, "-", "-", reason, "-"
-    commit = str(report.get("source", report.get("phalanx_source", {})).get("commit", "?"))[:7]
     met = "met" if ratio <= limit else "NOT met"
     return path.name, paired, f"{ratio:.3f}x", f"<= {limit:.2f}x", met, commit
 

@@ -296,3 +296,27 @@ def test_pipeline_overhead_benchmark_runs_both_loops(tmp_path):
     assert set(report["times"]) == {"hand", "phalanx"}
     assert all(len(t) == 2 and min(t) > 0 for t in report["times"].values())
     assert len(report["ratios"]) == 2 and "target: <= 1.05x" in said
+
+
+def test_the_targets_table_says_what_it_cannot_read_and_goes_on(tmp_path):
+    """A results file that holds no figure, or no commit, is a row that says so; the table is
+    printed whatever the files hold."""
+    (tmp_path / "overhead.json").write_text(
+        json.dumps({"target": {"phalanx_ratio": None, "phalanx_ratio_max": 1.05}})
+    )
+    (tmp_path / "ddp_overhead.json").write_text(
+        json.dumps({"target": {"phalanx_ratio": 1.2, "phalanx_ratio_max": 1.03}, "source": None})
+    )
+    table = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "targets.py"), "--results", str(tmp_path)],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0, table.stderr
+    rows = {line.split()[0]: line for line in table.stdout.splitlines() if ".json" in line}
+    assert "unreadable" in rows["overhead.json"]
+    assert "1.200x" in rows["ddp_overhead.json"] and "NOT met" in rows["ddp_overhead.json"]
+    assert rows["ddp_overhead.json"].rstrip().endswith("?")
+    assert "no such file" in rows["mesh_overhead.json"]
