@@ -4,19 +4,23 @@
 # `tier` (the GPU test tier on five pytest workers, about 2 minutes), `lease` (what a short lease
 # must see first, in one call of about 4 minutes: the tier, `phalanx plan` on the GPU, the
 # launch-bound benchmark),
-# and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload` (bench/largest_model.py's
-# search, one mode each; LARGEST_ARGS such as "--start 16" start it nearer the answer).
+# `bisect` (the launch-bound benchmark at each older source carried in .old/COMMIT, then at this
+# tree, in one call: each with its own bench/gpu.py, its ratios against its own hand loop; make
+# them with `mkdir -p .old/C && git archive C src bench examples | tar -x -C .old/C` and carry
+# `.old`), and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload`
+# (bench/largest_model.py's search, one mode each; LARGEST_ARGS such as "--start 16" start it
+# nearer the answer).
 # Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
 # The machines lack pydantic: carry its wheels in .whl (see BENCHMARKS.md).
 set -uo pipefail
 OUT=${OUT:-bench/results/gpu-session}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+SITE=
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site:$PWD/src:$PWD
-else
-    export PYTHONPATH=$PWD/src:$PWD
+    SITE=/tmp/site:
 fi
+export PYTHONPATH=$SITE$PWD/src:$PWD
 export PYTHONUNBUFFERED=1
 for stage in "$@"; do
     case $stage in
@@ -42,9 +46,15 @@ for stage in "$@"; do
         w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
         timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
         ;;
+    bisect)
+        for dir in .old/*/ ./; do
+            name=$(basename "$dir"); [ "$dir" = ./ ] && name=head
+            (cd "$dir" && PYTHONPATH=$SITE$PWD/src:$PWD timeout -k 5 170 python3 bench/gpu.py --workload launch-bound ${BENCH_ARGS:-} --out "$OUT/gpu-launch-bound-$name.json") 2>&1 | tee "$OUT/launch-bound-$name.log" | tail -n 8
+        done
+        ;;
     largest-plain|largest-checkpointed|largest-fsdp-offload)
         timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
+    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound bisect largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done
