@@ -87,9 +87,29 @@ def _site(name: str, draw: int) -> int:
 def bits(samples: torch.Tensor, site: int, per_sample: int) -> torch.Tensor:
     """Random 32-bit values (int64) of shape (samples, per_sample): sample s's row is a function of
     its key `samples[s]`, the drawing `site` and the column alone."""
-    element = torch.arange(per_sample, dtype=torch.int64, device=samples.device)
-    element = _mix(_mix(element) ^ site)
-    return _mix(samples[:, None] ^ element[None, :])
+    return _mix(samples[:, None] ^ _elements(site, per_sample, samples.device)[None, :])
+
+
+# each element's key at a site, the same every step: kept, up to this many bytes a device (a
+# draw's own tensor operations then halve; on small tensors each costs its launch alone)
+_KEPT_BYTES = 64 << 20
+_kept: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_kept_bytes: dict[torch.device, int] = {}
+
+
+def _elements(site: int, per_sample: int, device: torch.device) -> torch.Tensor:
+    """The keys of a sample's `per_sample` elements at `site` (int64, below 2**32; not to be
+    changed: they may be kept)."""
+    key = (site, per_sample, device)
+    element = _kept.get(key)
+    if element is not None:
+        return element
+    element = _mix(_mix(torch.arange(per_sample, dtype=torch.int64, device=device)) ^ site)
+    size = per_sample * element.element_size()
+    used = _kept_bytes.get(device, 0)
+    if used + size <= _KEPT_BYTES:
+        _kept[key], _kept_bytes[device] = element, used + size
+    return element
 
 
 class Draws:

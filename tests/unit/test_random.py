@@ -60,6 +60,28 @@ def test_the_bits_are_the_mix_of_their_counters_on_any_device():
     assert keys.min() >= 0 and keys.max() < 2**32 and len(set(keys.tolist())) == 4
 
 
+def test_an_elements_keys_are_kept_unchanged_and_give_the_bits_they_gave_computed(monkeypatch):
+    """A site's element keys are kept between steps (a draw's operations halve): the bits from kept
+    keys are those computed afresh, a draw does not change the kept keys, and what is kept stays
+    within its budget (beyond it the keys are computed each time)."""
+    monkeypatch.setattr(random, "_kept", {})
+    monkeypatch.setattr(random, "_kept_bytes", {})
+    monkeypatch.setattr(random, "_KEPT_BYTES", 8 * 30)
+    samples = random.sample_keys(5, 9, torch.tensor([3, 40, 12]))
+    site = random._site("net.1", 0)
+    element = random._mix(random._mix(torch.arange(30, dtype=torch.int64)) ^ site)
+    want = random._mix(samples[:, None] ^ element[None, :])
+    first = random.bits(samples, site, 30)
+    kept = random._kept[(site, 30, samples.device)].clone()
+    assert torch.equal(first, want) and torch.equal(random.bits(samples, site, 30), want)
+    assert torch.equal(random._kept[(site, 30, samples.device)], kept)
+    # over the budget: computed, not kept, the same bits
+    other = random._site("net.2", 0)
+    assert torch.equal(random.bits(samples, other, 30), random.bits(samples, other, 30))
+    assert list(random._kept) == [(site, 30, samples.device)]
+    assert random._kept_bytes[samples.device] == 8 * 30
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
