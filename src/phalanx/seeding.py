@@ -184,6 +184,9 @@ class _PythonRandom:
     `random.gauss` keeps for its next call."""
 
     def __init__(self) -> None:
+        # the generator the module's functions draw from, and its twister's address (None: read
+        # by getstate)
+        self._generator: Any = None
         self._address: int | None = None
         try:
             generator = random.random.__self__  # type: ignore[attr-defined]
