@@ -462,13 +462,21 @@ def first_result(ctx: Any, target: Callable, args_of: list[tuple]) -> Any:
 def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
     """A Trainer of the config dict `raw` (no run directory, no hooks), and a function that runs
     one optimizer step (`Trainer.train_step`) on the first global batch, fetched once: the step
-    alone, without the data loader."""
+    alone, without the data loader. Each process fetches its data shard of each micro-batch, as the
+    loop's loader does (a tensor group's processes the same one)."""
     from phalanx import config, data, loading
     from phalanx.trainer import Trainer
 
-    trainer = Trainer(config.validate(raw), None, [root], hooks=[])
-    batch = raw["dataset"]["batch_size"]
-    plan = data.Plan(range(batch), batch)
+    cfg = config.validate(raw)
+    trainer = Trainer(cfg, None, [root], hooks=[])
+    batch, strategy = cfg.dataset.batch_size, trainer.strategy
+    plan = data.Plan(
+        range(batch),
+        batch,
+        cfg.parallel.accumulation,
+        strategy.data_rank,
+        strategy.data_world_size,
+    )
     stream = data.get_stream(trainer.dataset, "train")
     fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
     return lambda: trainer.train_step(fetched)
