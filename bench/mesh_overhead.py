@@ -20,7 +20,8 @@ four processes' together. The loops:
    (`get_total_norm`, `full_tensor`), their norm, `clip_grads_with_norm_` per mesh.
 2. *hand + agreement*: the same, plus what phalanx's step adds that a user's does not: the
    all-reduce over the four processes of the step's loss and stop flag (float64, started after
-   the forward, waited for after backward, the flag read on the host).
+   the forward; with `--agrees now` waited for after backward, with `--agrees late`, the
+   default and what phalanx's step does, at the next step's end; the flag read on the host).
 3. *phalanx mesh*: `Trainer.train_step` of a Trainer built from a config (`parallel.strategy:
    mesh`, `parallel.mesh: {shard: 2, tensor: 2, tensor_plan: ...}`, `parallel.fsdp.shard:
    [Linear]`, the same units), on the same batch.
@@ -103,15 +104,18 @@ def hand_step(args: argparse.Namespace, items: Any, agrees: bool) -> Callable[[]
     per = args.batch // SHARD
     x, y = items.x[shard * per : (shard + 1) * per], items.y[shard * per : (shard + 1) * per]
     no_stop = torch.zeros(1, dtype=torch.float64)
+    in_flight: list[tuple[torch.Tensor, Any]] = []  # the agreements not waited for
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), y)
         if agrees:
             values = torch.cat((loss.detach().to(torch.float64).reshape(1), no_stop))
-            work = dist.all_reduce(values, async_op=True)
+            in_flight.append((values, dist.all_reduce(values, async_op=True)))
         loss.backward()
-        if agrees:
+        # now: this step's agreement; late: the step before's
+        while len(in_flight) > (args.agrees == "late"):
+            values, work = in_flight.pop(0)
             work.wait()
             bool(values[-1] > 0)
         if args.clip:
@@ -236,6 +240,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="uncounted steps of each loop")
     parser.add_argument("--clip", type=float, default=None, help="both loops clip to this norm")
+    parser.add_argument(
+        "--agrees",
+        choices=("now", "late"),
+        default="late",
+        help="when the hand + agreement loop waits for its agreement: at the step's end (now), or "
+        "at the next step's end (late, as phalanx's step)",
+    )
     parser.add_argument(
         "--profile",
         choices=("phalanx", "hand"),

@@ -69,6 +69,29 @@ def test_fsdp_trains_as_one_process(world_size):
             assert rel(got["losses"], expected["losses"]) < 1e-10
 
 
+def test_a_stop_asked_on_one_rank_is_taken_a_step_late_on_every_rank():
+    """fsdp agrees on a plain loss behind the step: a stop asked on rank 1 alone after step 3 rides
+    on step 4's agreement, read at step 5's end on every rank alike, which then save and exit with
+    SIGTERM's code; each rank's losses up to there are one process's."""
+    want = workers.train(scenario(7, 1))["losses"]
+    raw = scenario(7, 1, devices=2, strategy="fsdp")
+    ends = workers.run_ranks(2, workers.stop_on_one_rank, raw, 1, 3, timeout=120)
+    assert [end["code"] for end in ends] == [143, 143]
+    assert [end["step"] for end in ends] == [5, 5]
+    for end in ends:
+        assert rel(end["losses"], want[:5]) < 1e-10
+
+
+def test_the_epoch_loss_that_no_step_waited_for_is_the_mean_of_the_steps():
+    """No hook reads a step's loss, so each step's agreement runs behind it unread; each epoch's
+    mean, read at its end, is the mean of one process's step losses, on every rank."""
+    want = torch.tensor(workers.train(scenario(10, 1))["losses"], dtype=torch.float64)
+    per_epoch = want.reshape(-1, 4).mean(1)  # 37 samples: 4 steps an epoch
+    raw = scenario(10, 1, devices=2, strategy="fsdp")
+    for means in workers.run_ranks(2, workers.epoch_losses, raw, timeout=120):
+        assert rel(means, per_epoch.tolist()) < 1e-10
+
+
 def test_a_meta_build_refuses_a_module_that_cannot_draw_its_values_again():
     raw = scenario(7, 1, devices=2, strategy="fsdp", fsdp={"init": "meta"})
     raw["model"] = {"class": "toy.Scaled", "features": 3}

@@ -262,6 +262,11 @@ class Outcome:
     settle: Callable[[], object] | None = None
 
 
+# what `DataParallel._agree` gives: the global loss, whether any rank asked to stop, the seconds
+# spent communicating, and the loss's `Outcome.settle` (None: there already)
+Agreed = tuple[torch.Tensor, bool, float, Callable[[], object] | None]
+
+
 @runtime_checkable
 class SavesShards(Protocol):
     """A strategy whose checkpoints hold the model and optimizer as each process's shards, written
@@ -327,7 +332,8 @@ class DataParallel:
       part and this rank's stop flag given to a reduction that runs during backward (what it
       returns must reach that reduction through backward);
     - `_agree(total, stop)`: after the last backward: the global loss, whether any rank asked to
-      stop, and the seconds spent communicating."""
+      stop, the seconds spent communicating, and where the loss is agreed behind the step, what
+      waits for it (`Outcome.settle`)."""
 
     replica: Replica = WHOLE  # how the engine runs this process's copy
     # where BatchNorm's statistics are the devices' own: warned of at the first step (setup)
@@ -346,10 +352,10 @@ class DataParallel:
                 continue
             total, data = self._micro(engine, micro, batch, total, stop, i == last)
             parts.append(data if micro.shard else None)
-        loss, stop, communication = self._agree(total, stop)
+        loss, stop, communication, settle = self._agree(total, stop)
         start = time.perf_counter()
         loss = engine.finish(loss, self.gradient_norm)
-        return Outcome(loss, parts, stop, communication, time.perf_counter() - start)
+        return Outcome(loss, parts, stop, communication, time.perf_counter() - start, settle)
 
     def _micro(
         self,
@@ -368,9 +374,9 @@ class DataParallel:
     def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
         return None
 
-    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> Agreed:
         assert total is not None  # one process: a step has one micro-batch or more
-        return total, stop, 0.0
+        return total, stop, 0.0, None
 
     def gradient_norm(self, gradients: list[torch.Tensor]) -> torch.Tensor:
         """The global 2-norm of this process's gradients: whole copies hold them all."""

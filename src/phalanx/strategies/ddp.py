@@ -49,7 +49,15 @@ from phalanx.engine import Replica
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker
-from phalanx.strategies.base import DataParallel, Micros, ModelOptions, Outcome, Replicated, prepare
+from phalanx.strategies.base import (
+    Agreed,
+    DataParallel,
+    Micros,
+    ModelOptions,
+    Outcome,
+    Replicated,
+    prepare,
+)
 from phalanx.strategies.distributed import ProcessGroup, sum_gradients
 from phalanx.strategies.pricing import compute_of
 from phalanx.strategies.registry import Family, get, register
@@ -186,7 +194,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
     def _in_backward(self, total: torch.Tensor, stop: bool) -> torch.Tensor | None:
         return None if self._by_hand else self._carry(self._values(total, stop))
 
-    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> Agreed:
         communication = 0.0
         if self._by_hand:
             start = time.perf_counter()
@@ -198,7 +206,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         # step
         weighted = bool(carried[2] > 0) if self._by_hand or total is None else total.dim() > 0
         loss = carried[:2] if weighted else carried[0]
-        return loss, self._agreed_stop(carried[3]), communication
+        return loss, self._agreed_stop(carried[3]), communication, None
 
     def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
         """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the

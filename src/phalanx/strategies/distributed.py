@@ -220,6 +220,26 @@ def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return values[0] if len(values) == 2 else values[:-1], bool(values[-1] > 0)
 
 
+class Behind:
+    """An agreement (an all-reduce of values ending in the stop flag) running behind the step that
+    started it: waited for when the step's loss is read (`Outcome.settle`), or by the next step,
+    which takes its stop flag, a step late on every process alike."""
+
+    def __init__(self, values: torch.Tensor, work: Any):
+        self._values, self._work = values, work
+
+    def settled(self) -> bool:
+        """Wait for the agreement (once); whether any process asked to stop."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            self._check(self._values)
+        return bool(self._values[-1] > 0)
+
+    def _check(self, values: torch.Tensor) -> None:
+        """What the summed values must hold, checked once they are there."""
+
+
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
     """The agent's store, under a prefix of this attempt (or of this round, in an elastic job): the
     agent keeps one store for every attempt after a worker failed, and the previous attempt's keys

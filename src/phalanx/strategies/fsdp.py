@@ -44,9 +44,9 @@ from phalanx.costs import (
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import refuse_outside_workers
-from phalanx.strategies.base import DataParallel, ModelOptions, prepare
+from phalanx.strategies.base import Agreed, DataParallel, ModelOptions, prepare
 from phalanx.strategies.ddp import INSTEAD
-from phalanx.strategies.distributed import ProcessGroup, agreed, agreement
+from phalanx.strategies.distributed import Behind, ProcessGroup, agreed, agreement
 from phalanx.strategies.pricing import compute_of
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
@@ -103,6 +103,8 @@ class FSDP(ProcessGroup, DataParallel):
         self.options = options
         self._model: nn.Module | None = None
         self._whole: nn.Module | None = None  # the model before sharding, on the meta device
+        # the last step's agreement on its loss and stop flag, while it runs behind the step
+        self._behind: Behind | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -263,11 +265,23 @@ class FSDP(ProcessGroup, DataParallel):
         self._pending = self._agree_started(total, stop)
         self.progress.enter("the gradient reduce-scatter")
 
-    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
-        values, pending = self._pending
-        pending.wait()
-        loss, stop = agreed(values)
-        return loss, stop, 0.0
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> Agreed:
+        """A weighted loss's agreement is waited for: the optimizer's step divides by the weights'
+        global sum. A plain loss's runs on behind the step (nothing in the step needs it): the
+        trainer waits for it when the loss is read, and the next step for its stop flag. So no
+        process waits after backward for the slowest one's agreement, and the stop flag is a
+        step late, on every process alike (ddp's on a GPU is too)."""
+        values, work = self._pending
+        before, self._behind = self._behind, None
+        # the step before's agreement, waited for on every process at the same step
+        stopped = before is not None and before.settled()
+        assert total is not None  # every process runs each micro-batch, with no sample too
+        if total.dim():
+            work.wait()
+            loss, stop = agreed(values)
+            return loss, stop or stopped, 0.0, None
+        self._behind = Behind(values, work)
+        return values[0], stopped, 0.0, self._behind.settled
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
         """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once

@@ -44,7 +44,7 @@ from phalanx.strategies.cutting import (
     probe,
     stage_parts,
 )
-from phalanx.strategies.distributed import ProcessGroup, sum_gradients
+from phalanx.strategies.distributed import Behind, ProcessGroup, sum_gradients
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.staging import (
@@ -685,23 +685,16 @@ class Pipeline(ProcessGroup):
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
 
 
-class _Agreement:
-    """A step's agreement on its loss and stop flag, running behind the step."""
+class _Agreement(Behind):
+    """A step's agreement on its loss and stop flag, running behind the step: (loss part, weight
+    sum, weighted, stop)."""
 
-    def __init__(self, values: torch.Tensor, work: Any):
-        self._values, self._work = values, work
-
-    def settled(self) -> bool:
-        """Wait for the agreement (once); whether any process asked to stop."""
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
-            if self._values[2] > 0:
-                raise ModelError(
-                    "the model's loss became weighted (it returned loss_weight) after steps "
-                    "without weights; return loss_weight from every step, or from none"
-                )
-        return bool(self._values[3] > 0)
+    def _check(self, values: torch.Tensor) -> None:
+        if values[2] > 0:
+            raise ModelError(
+                "the model's loss became weighted (it returned loss_weight) after steps "
+                "without weights; return loss_weight from every step, or from none"
+            )
 
 
 def _to_cpu(value: Any) -> Any:

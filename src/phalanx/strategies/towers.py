@@ -38,6 +38,7 @@ from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
 from phalanx.strategies import in_worker
 from phalanx.strategies.base import (
+    Agreed,
     DataParallel,
     Micros,
     ModelOptions,
@@ -122,10 +123,10 @@ class Towers(OneProcess, Replicated, DataParallel):
         assert total is not None  # a micro-batch has a sample or more
         return total, self._join_outputs([data for _, data in done])
 
-    def _agree(self, total: torch.Tensor | None, stop: bool) -> tuple[torch.Tensor, bool, float]:
+    def _agree(self, total: torch.Tensor | None, stop: bool) -> Agreed:
         self._reduce_gradients()
         assert total is not None  # a step has one micro-batch or more
-        return total, stop, 0.0
+        return total, stop, 0.0, None
 
     @staticmethod
     def _tower_step(
