@@ -492,7 +492,9 @@ class Trainer:
 
     def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
         """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish
-        to stop, agreed among ranks), as the strategy runs it; no hook is called."""
+        to stop, agreed among ranks), as the strategy runs it; no hook is called. Where the
+        outcome's `settle` is set (fsdp, mesh, pipeline), its `loss` holds the global loss only
+        once `settle()` has returned, and its `stop` comes from the step before's agreement."""
         self.engine.step = self.state.step
         return self.strategy.train_step(self.engine, micros, stop)
 
