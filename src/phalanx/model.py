@@ -290,6 +290,7 @@ class _NamedLoss:
         self.ignore_index = _ignore_index(self.function, self.kwargs)
         # keywords given as lists become tensors beside each prediction
         self._lists = any(isinstance(v, list) for v in self.kwargs.values())
+        self._placed: tuple[tuple, dict[str, Any]] | None = None  # see _kwargs
 
     def __call__(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Loss:
         """The configured loss per sample (see `per_sample_loss`)."""
@@ -310,13 +311,17 @@ class _NamedLoss:
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
         """The loss function's keywords; lists (pos_weight, weight) as tensors beside the
-        prediction."""
-        return {
-            k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
-            if isinstance(v, list)
-            else v
-            for k, v in self.kwargs.items()
-        }
+        prediction, made once for its device and dtype (a copy to a GPU waits for it)."""
+        place = (prediction.device, prediction.dtype)
+        if self._placed is None or self._placed[0] != place:
+            kwargs = {
+                k: torch.tensor(v, dtype=prediction.dtype, device=prediction.device)
+                if isinstance(v, list)
+                else v
+                for k, v in self.kwargs.items()
+            }
+            self._placed = place, kwargs
+        return self._placed[1]
 
 
 def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:

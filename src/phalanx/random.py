@@ -130,7 +130,8 @@ class Draws:
         """The samples' keys, on `device` (made at the first draw, then kept)."""
         keys = self._keys
         if keys is None or keys.device != device:
-            indices = torch.as_tensor(self.samples, dtype=torch.int64).to(device)
+            # not waited for: the host's copy is staged before the call returns
+            indices = torch.as_tensor(self.samples, dtype=torch.int64).to(device, non_blocking=True)
             keys = self._keys = sample_keys(self.seed, self.step, indices)
         return keys
 

@@ -303,3 +303,53 @@ def test_a_model_built_on_the_gpu_trains_alike_on_one_rank_and_two():
         2, workers.train_all, [raw], timeout=300, env={"LOCAL_RANK": "0"}
     ):
         assert_same_run(got, one)
+
+
+_ENDS: list = []  # each forward's event, recorded after its long kernel (see _LongKernels)
+
+
+class _LongKernels(torch.nn.Module):
+    """toy.Linear's shape, whose forward first queues a kernel that keeps the GPU busy for about
+    half a second, then records an event: done once the GPU is past that kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        torch.cuda._sleep(1_000_000_000)  # clock cycles: about 0.5-0.7 s on a current GPU
+        end = torch.cuda.Event()
+        end.record()
+        _ENDS.append(end)
+        return {"loss": (self.layer(x).squeeze(-1) - y) ** 2}
+
+
+@pytest.mark.parametrize("strategy", ["single", "fsdp"])
+def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(tmp_path, monkeypatch, strategy):
+    """A step queues its kernels and returns: nothing it reads back waits for them. `single` reads
+    nothing at all from the device; fsdp reads the step before's stop flag (its agreement runs
+    behind the step), so it waits for that step, never for its own. The first steps are left out
+    (the first step's gradient check reads the gradients)."""
+    import phalanx
+    from phalanx.hooks import Hook
+
+    asked: list[tuple[bool, bool]] = []
+
+    class Asks(Hook):
+        def after_batch(self, stream: str, batch: dict) -> None:
+            if self.trainer.training:  # (this step's forward done, the step before's)
+                asked.append((_ENDS[-1].query(), _ENDS[-2].query() if len(_ENDS) > 1 else True))
+
+    monkeypatch.chdir(tmp_path)
+    _ENDS.clear()
+    raw = scenario("cuda", strategy=strategy)
+    raw["parallel"]["gradient_accumulation"] = 1
+    raw["main_loop"] = {"epochs": 1, "extra_streams": []}
+    raw["dataset"]["n_train"] = 60  # 6 steps of 10
+    streams = toy.Regression(n_train=60).streams()
+    phalanx.fit(raw, model=_LongKernels(), dataset=streams, hooks=[Asks()])
+    assert len(asked) == 6
+    later = asked[2:]
+    assert not any(mine for mine, _ in later), asked
+    if strategy == "single":
+        assert not any(before for _, before in later), asked

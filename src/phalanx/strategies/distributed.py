@@ -205,13 +205,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def agreement(loss: torch.Tensor, stop: bool) -> torch.Tensor:
     """What `agree` sums over ranks: this rank's loss share (a scalar, or a weighted loss's pair of
-    sums) and its stop flag, in float64."""
-    return torch.cat(
-        (
-            loss.detach().to(torch.float64).reshape(-1),
-            torch.tensor([float(stop)], dtype=torch.float64, device=loss.device),
-        )
-    )
+    sums) and its stop flag, in float64. Made on the loss's device by a kernel: a tensor from
+    Python values would be copied there, and such a copy waits for the device."""
+    loss = loss.detach().to(torch.float64).reshape(-1)
+    return torch.cat((loss, loss.new_full((1,), float(stop))))
 
 
 def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -222,22 +219,68 @@ def agreed(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 class Behind:
     """An agreement (an all-reduce of values ending in the stop flag) running behind the step that
-    started it: waited for when the step's loss is read (`Outcome.settle`), or by the next step,
-    which takes its stop flag, a step late on every process alike."""
+    started it: waited for when the step's loss is read (`settled`, as `Outcome.settle`), and by
+    the next step, which takes its stop flag (`stopped`), a step late on every process alike."""
 
     def __init__(self, values: torch.Tensor, work: Any):
         self._values, self._work = values, work
+        self._waited = False
+        self._host: torch.Tensor | None = None  # the summed values, checked, on the host
 
-    def settled(self) -> bool:
-        """Wait for the agreement (once); whether any process asked to stop."""
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
+    def settled(self) -> None:
+        """The loss is read: the agreement waited for (on a GPU, by the stream that reads it)."""
+        if self._waited:
+            return
+        self._waited = True
+        self._work.wait()
+        if self._values.device.type != "cuda":
+            self._host = self._values
             self._check(self._values)
-        return bool(self._values[-1] > 0)
+
+    def stopped(self) -> bool:
+        """Whether any process asked to stop. On a GPU the values come to the host on a stream of
+        their own, which waits for the agreement alone: the kernels queued since (the next step's)
+        are not waited for."""
+        if self._host is None:
+            values = self._values
+            if values.device.type != "cuda":
+                self.settled()
+            else:
+                side = _side_stream(values.device)
+                with torch.cuda.stream(side):
+                    self._work.wait()
+                    self._host = values.to("cpu")
+                values.record_stream(side)
+                self._check(self._host)
+        assert self._host is not None
+        return bool(self._host[-1] > 0)
 
     def _check(self, values: torch.Tensor) -> None:
-        """What the summed values must hold, checked once they are there."""
+        """What the summed values must hold, checked once they are on the host."""
+
+
+class LastAgreement:
+    """The step before's agreement, if it ran behind its step: the next step takes its stop flag."""
+
+    def __init__(self) -> None:
+        self._last: Behind | None = None
+
+    def swap(self, behind: Behind | None) -> bool:
+        """This step's agreement in (None: it was waited for); whether the step before's asked to
+        stop."""
+        before, self._last = self._last, behind
+        return before is not None and before.stopped()
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The stream that brings agreements to the host, one a device."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
 
 
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:

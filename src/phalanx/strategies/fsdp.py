@@ -46,7 +46,13 @@ from phalanx.settings import StrategySettings
 from phalanx.strategies import refuse_outside_workers
 from phalanx.strategies.base import Agreed, DataParallel, ModelOptions, prepare
 from phalanx.strategies.ddp import INSTEAD
-from phalanx.strategies.distributed import Behind, ProcessGroup, agreed, agreement
+from phalanx.strategies.distributed import (
+    Behind,
+    LastAgreement,
+    ProcessGroup,
+    agreed,
+    agreement,
+)
 from phalanx.strategies.pricing import compute_of
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
@@ -104,7 +110,7 @@ class FSDP(ProcessGroup, DataParallel):
         self._model: nn.Module | None = None
         self._whole: nn.Module | None = None  # the model before sharding, on the meta device
         # the last step's agreement on its loss and stop flag, while it runs behind the step
-        self._behind: Behind | None = None
+        self._behind = LastAgreement()
 
     @property
     def model(self) -> nn.Module:
@@ -272,16 +278,15 @@ class FSDP(ProcessGroup, DataParallel):
         process waits after backward for the slowest one's agreement, and the stop flag is a
         step late, on every process alike (ddp's on a GPU is too)."""
         values, work = self._pending
-        before, self._behind = self._behind, None
-        # the step before's agreement, waited for on every process at the same step
-        stopped = before is not None and before.settled()
         assert total is not None  # every process runs each micro-batch, with no sample too
         if total.dim():
+            stopped = self._behind.swap(None)
             work.wait()
             loss, stop = agreed(values)
             return loss, stop or stopped, 0.0, None
-        self._behind = Behind(values, work)
-        return values[0], stopped, 0.0, self._behind.settled
+        # the step before's agreement gives the stop flag, on every process at the same step
+        behind = Behind(values, work)
+        return values[0], self._behind.swap(behind), 0.0, behind.settled
 
     def _agree_started(self, loss: torch.Tensor, stop: bool) -> tuple[torch.Tensor, dist.Work]:
         """`agree`'s all-reduce, started and not waited for: the tensor that holds its result once

@@ -44,7 +44,7 @@ from phalanx.strategies.cutting import (
     probe,
     stage_parts,
 )
-from phalanx.strategies.distributed import Behind, ProcessGroup, sum_gradients
+from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.staging import (
@@ -134,7 +134,7 @@ class Pipeline(ProcessGroup):
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
-        self._in_flight: _Agreement | None = None  # the last step's agreement, behind it
+        self._behind = LastAgreement()  # the last step's agreement, behind it
         self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
 
@@ -389,12 +389,9 @@ class Pipeline(ProcessGroup):
         # the agreement runs on behind the step; the step before's has ended by now (every stage's
         # part of this step needed the others'), and gives the stop flag, a step late on every
         # process alike
-        before, self._in_flight = self._in_flight, pending
-        stopped = False
-        if before is not None:
-            start = time.perf_counter()
-            stopped = before.settled()
-            communication += time.perf_counter() - start
+        start = time.perf_counter()
+        stopped = self._behind.swap(pending)
+        communication += time.perf_counter() - start
         return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
 
     def _chunk_draws(self, chunk: int) -> random.Draws | None:

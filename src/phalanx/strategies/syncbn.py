@@ -40,7 +40,7 @@ class SyncBatchNorm(_BatchNorm):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         channels = x.shape[1]
-        count = torch.tensor([x.numel() // channels], dtype=x.dtype, device=x.device)
+        count = x.new_full((1,), x.numel() // channels)  # a kernel: a copy would wait for the GPU
         totals = dist_fn.all_reduce(torch.cat([x.sum(dims), count]))
         n = totals[-1]
         mean = totals[:channels] / n
