@@ -247,6 +247,9 @@ GENERATORS = {
 }
 
 
+_IN_ORDER = tuple(GENERATORS.items())
+
+
 def seed(s: int) -> None:
     """Seed torch's global CPU generator, `random` and NumPy's legacy global generator with `s`."""
     for generator in GENERATORS.values():
@@ -310,25 +313,33 @@ class Keyed(Dataset):
         return self.__getitems__([keyed])[0]
 
     def __getitems__(self, keyed: list[tuple[int, int]]) -> list[Any]:
+        return self.read([index for _, index in keyed], [k for k, _ in keyed])
+
+    def read(self, indices: list[int], key: int | list[int]) -> list[Any]:
+        """The items `indices`, each read under `key` (one key, or one an item)."""
         saved = states()
         try:
             while True:
-                seeders = [GENERATORS[name].seed for name in self.drawn]
-                if seeders:
-                    items = [self._read_seeded(k, index, seeders) for k, index in keyed]
-                else:
+                drawn = self.drawn
+                seeders = [GENERATORS[name].seed for name in drawn]
+                if not seeders:
                     # a stream that has drawn nothing yet: no seed to compute
                     read = self._one if self._batched else self.dataset.__getitem__
-                    items = [read(index) for _, index in keyed]
-                moved = {
+                    items = [read(index) for index in indices]
+                elif isinstance(key, int):
+                    items = [self._read_seeded(key, index, seeders) for index in indices]
+                else:
+                    pairs = zip(key, indices, strict=True)
+                    items = [self._read_seeded(k, i, seeders) for k, i in pairs]
+                moved = [
                     name
-                    for name, generator in GENERATORS.items()
-                    if name not in self.drawn and not generator.unchanged(saved[name])
-                }
+                    for name, generator in _IN_ORDER
+                    if name not in drawn and not generator.unchanged(saved[name])
+                ]
                 if not moved:
                     break
                 # drawn from the reader's state: read again, those seeded too
-                self.drawn |= moved
+                self.drawn = drawn | set(moved)
         except BaseException:
             restore(saved)
             raise
