@@ -56,6 +56,7 @@ bench: $(VENV)/.test-installed
 	$(PY) bench/overhead.py
 	$(PY) bench/ddp_overhead.py
 	$(PY) bench/mesh_overhead.py
+	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/targets.py
 
 clean:

@@ -43,11 +43,14 @@ from bench.common import (  # noqa: E402
     machine,
     make_items,
     mlp_model,
+    source_state,
     step_on_first_batch,
     write_report,
 )
 
 FEATURES, CLASSES = 32, 10
+# issue 34's: phalanx's step against the hand loop as users write it (no agreement)
+TARGET = 1.10
 
 
 def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -171,6 +174,7 @@ def main() -> None:
     port = free_port()
     times = first_result(ctx, _worker, [(r, port, args) for r in range(2)])
     ratios = [p / h for p, h in zip(times["phalanx"], times["hand"], strict=True)]
+    ratio = statistics.median(ratios)
     hand, mine = statistics.median(times["hand"]), statistics.median(times["phalanx"])
     q = statistics.quantiles(ratios, n=4)
     agrees = f"; the hand loop agrees on the loss ({args.hand_agrees})" if args.hand_agrees else ""
@@ -179,14 +183,29 @@ def main() -> None:
         f"{args.microbatches} micro-batches, {args.schedule}; {args.rounds} rounds of "
         f"{args.steps} steps{agrees}\n"
         f"hand pipelining loop  {1e3 * hand:.3f} ms/step\n"
-        f"phalanx pipeline      {1e3 * mine:.3f} ms/step   ratio {statistics.median(ratios):.3f}x "
+        f"phalanx pipeline      {1e3 * mine:.3f} ms/step   ratio {ratio:.3f}x "
         f"(IQR {q[0]:.3f}-{q[2]:.3f})\n"
-        f"target: <= 1.05x: {'met' if statistics.median(ratios) <= 1.05 else 'NOT met'}"
+        f"target: <= {TARGET:.2f}x the hand loop as users write it: "
+        + (
+            ("met" if ratio <= TARGET else "NOT met")
+            if args.hand_agrees is None
+            else "not this run (its hand loop agrees)"
+        )
     )
-    write_report(
-        {"args": vars(args), "machine": machine(), "times": times, "ratios": ratios},
-        args.output,
-    )
+    report: dict[str, Any] = {
+        "args": vars(args),
+        "machine": machine(),
+        "phalanx_source": source_state(ROOT),
+        "times": times,
+        "ratios": ratios,
+    }
+    if args.hand_agrees is None:  # the target's pairing
+        report["target"] = {
+            "phalanx_ratio_max": TARGET,
+            "phalanx_ratio": ratio,
+            "met": ratio <= TARGET,
+        }
+    write_report(report, args.output)
 
 
 if __name__ == "__main__":

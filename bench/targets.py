@@ -1,7 +1,7 @@
 """The speed targets `make bench` checks, in one table: each benchmark's ratio of phalanx to the
 loop it is paired with (a hand-written loop timed in the same process, or the same processes, in
 turns), its target, and whether it was met, as the results files hold them (with the commit each
-was measured at: a file left from an older run says so).
+was measured at, + where src/ held changes beyond it: a file left from an older run says so).
 
     .venv/bin/python bench/targets.py                  # the files make bench writes
     .venv/bin/python bench/targets.py --results DIR    # another folder of results
@@ -24,6 +24,7 @@ BENCHMARKS = [
     ("ddp_overhead.json", "ddp, 2 gloo processes: hand DDP loop"),
     ("mesh_overhead.json", "mesh shard 2 x tensor 2, 4 processes: hand TP + FSDP2 loop"),
     ("mesh_overhead_step.json", "the mesh step alone: the same hand loop"),
+    ("pipeline_overhead.json", "pipeline, 2 gloo processes: hand pipelining loop, no agreement"),
 ]
 
 
@@ -35,6 +36,8 @@ def row(path: Path, paired: str) -> tuple[str, str, str, str, str, str]:
         ratio, limit = float(target["phalanx_ratio"]), float(target["phalanx_ratio_max"])
         source = report.get("source") or report.get("phalanx_source") or {}
         commit = str(source.get("commit") or "?")[:7]
+        if source.get("src_modified"):  # measured on changes not committed yet: + marks them
+            commit += "+"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         reason = "no such file" if isinstance(e, FileNotFoundError) else f"unreadable ({e!r})"
         return path.name, paired, "-", "-", reason, "-"
