@@ -411,9 +411,9 @@ class Pipeline(ProcessGroup):
         # a stage k's transfers of one micro-batch count k and k + 1 (activations in and out),
         # S - 1 - k and S - k (gradients): 2 S at most
         most = 2 * self.stages * microbatches * len(self.mine)
-        what = self.progress.what
-        for _ in range(before + 1 + most - self.progress.entered):
-            self.progress.enter(what)
+        missing = before + 1 + most - self.progress.entered
+        if missing > 0:
+            self.progress.enter(self.progress.what, missing)
 
     def _pad_step(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
         """The shard padded to the schedule's micro-batches, and each row's weight (1 real, 0

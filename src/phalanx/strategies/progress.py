@@ -50,9 +50,9 @@ class Progress:
             )
             self._thread.start()
 
-    def enter(self, what: str) -> None:
-        """This rank enters a collective."""
-        self.entered += 1
+    def enter(self, what: str, times: int = 1) -> None:
+        """This rank enters a collective (`times` of them)."""
+        self.entered += times
         self.what = what
         self.entered_at = self.where() if self.where is not None else None
 
