@@ -353,3 +353,20 @@ def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(tmp_path, monkeyp
     assert not any(mine for mine, _ in later), asked
     if strategy == "single":
         assert not any(before for _, before in later), asked
+
+
+def test_a_loader_without_workers_pins_its_batches_as_a_dataloader_would():
+    """Without workers the process reads its batches itself; with pinned memory asked for (a GPU
+    run's default), they come pinned, and hold what a DataLoader gives."""
+    from torch.utils.data import DataLoader
+
+    from phalanx import data, loading
+
+    items = [{"x": torch.full((3,), float(i)), "y": i} for i in range(10)]
+    order = [3, 1, 4, 0, 5, 9, 2, 6, 8, 7]
+    made = loading.loader(items, data.Plan(order, 4), pin_memory=True)
+    assert not isinstance(made, DataLoader)
+    batches = list(made)
+    assert [len(b["y"]) for b in batches] == [4, 4, 2]
+    assert all(b["x"].is_pinned() and b["y"].is_pinned() for b in batches)
+    assert torch.equal(torch.cat([b["y"] for b in batches]), torch.tensor(order))
