@@ -51,6 +51,8 @@ class Calls:
     ) -> TrainingTerminated | None:
         """Call after_batch with this rank's data, or the gathered global batch for hooks that need
         it."""
+        if not listeners:
+            return None
         local = concat(parts)
         merged = (
             self.strategy.gather_outputs(list(parts), self._gather_keys)

@@ -225,7 +225,7 @@ class Behind:
     def __init__(self, values: torch.Tensor, work: Any):
         self._values, self._work = values, work
         self._waited = False
-        self._host: torch.Tensor | None = None  # the summed values, checked, on the host
+        self._host: list[float] | None = None  # the summed values, checked, on the host
 
     def settled(self) -> None:
         """The loss is read: the agreement waited for (on a GPU, by the stream that reads it)."""
@@ -234,8 +234,7 @@ class Behind:
         self._waited = True
         self._work.wait()
         if self._values.device.type != "cuda":
-            self._host = self._values
-            self._check(self._values)
+            self._to_host(self._values)
 
     def stopped(self) -> bool:
         """Whether any process asked to stop. On a GPU the values come to the host on a stream of
@@ -249,13 +248,17 @@ class Behind:
                 side = _side_stream(values.device)
                 with torch.cuda.stream(side):
                     self._work.wait()
-                    self._host = values.to("cpu")
+                    self._to_host(values.to("cpu"))
                 values.record_stream(side)
-                self._check(self._host)
         assert self._host is not None
-        return bool(self._host[-1] > 0)
+        return self._host[-1] > 0
 
-    def _check(self, values: torch.Tensor) -> None:
+    def _to_host(self, values: torch.Tensor) -> None:
+        """The summed values read once, as numbers, and checked."""
+        self._host = values.tolist()
+        self._check(self._host)
+
+    def _check(self, values: list[float]) -> None:
         """What the summed values must hold, checked once they are on the host."""
 
 

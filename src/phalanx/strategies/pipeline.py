@@ -137,6 +137,8 @@ class Pipeline(ProcessGroup):
         self._behind = LastAgreement()  # the last step's agreement, behind it
         self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
+        # the schedule's target by a step's real samples: each row's weight (1 real, 0 padding)
+        self._weights: dict[int, torch.Tensor] = {}
 
     def _mesh_groups(self) -> tuple[Any, Any, DeviceMesh]:
         """The groups of a pipeline with a tensor dimension, from one device mesh of copies x
@@ -431,8 +433,10 @@ class Pipeline(ProcessGroup):
                 )
         from phalanx.strategies.stages import KEY
 
-        real = torch.zeros(total, dtype=torch.float64)  # on the host: read without a device sync
-        real[:n] = 1.0
+        real = self._weights.get(n)
+        if real is None:  # on the host: read without a device sync
+            real = self._weights[n] = torch.zeros(total, dtype=torch.float64)
+            real[:n] = 1.0
         # each micro-batch's real samples, for the last stage's loss (it runs them in order)
         self._counts = [
             min(max(n - i * self.rows, 0), self.rows) for i in range(total // self.rows)
@@ -686,7 +690,7 @@ class _Agreement(Behind):
     """A step's agreement on its loss and stop flag, running behind the step: (loss part, weight
     sum, weighted, stop)."""
 
-    def _check(self, values: torch.Tensor) -> None:
+    def _check(self, values: list[float]) -> None:
         if values[2] > 0:
             raise ModelError(
                 "the model's loss became weighted (it returned loss_weight) after steps "
