@@ -464,7 +464,7 @@ def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
     one optimizer step (`Trainer.train_step`) on the first global batch, fetched once: the step
     alone, without the data loader. Each process fetches its data shard of each micro-batch, as the
     loop's loader does (a tensor group's processes the same one)."""
-    from phalanx import config, data, loading
+    from phalanx import batching, config, data
     from phalanx.trainer import Trainer
 
     cfg = config.validate(raw)
@@ -478,5 +478,5 @@ def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
         strategy.data_world_size,
     )
     stream = data.get_stream(trainer.dataset, "train")
-    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
+    fetched = [(m, batching.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
     return lambda: trainer.train_step(fetched)

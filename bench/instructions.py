@@ -111,11 +111,13 @@ def _phalanx(ddp: bool, tmp: Path):
 
 def _phalanx_step(trainer) -> Callable[[], None]:
     """Trainer.train_step on a fixed batch: what one optimizer step costs, data and hooks aside."""
-    from phalanx import data, loading
+    from phalanx import batching, data
 
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(range(len(stream)), BATCH)
-    fetched = [(micro, loading.collate([stream[i] for i in micro.shard])) for micro in plan.step(0)]
+    fetched = [
+        (micro, batching.collate([stream[i] for i in micro.shard])) for micro in plan.step(0)
+    ]
     return lambda: trainer.train_step(fetched)
 
 

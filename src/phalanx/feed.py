@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from phalanx import data, loading, seeding
+from phalanx import batching, data, loading, seeding
 from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError
@@ -59,7 +59,7 @@ class Feed:
         """Stream `name` of the dataset, asked of `streams()` once."""
         stream = self._streams.get(name)
         if stream is None:
-            stream = self._streams[name] = loading.named(
+            stream = self._streams[name] = batching.named(
                 data.get_stream(self.dataset, name), self.cfg.dataset.keys, name
             )
         return stream
@@ -223,7 +223,7 @@ class Feed:
         if not items:
             raise ConfigError("the training stream is empty: there is nothing to train on")
         keys = tuple(self.cfg.dataset.keys) if self.cfg.dataset.keys else None
-        batch = loading.collate(items, TRAIN, keys)
+        batch = batching.collate(items, TRAIN, keys)
         assert batch is not None  # items is not empty
         return batch
 

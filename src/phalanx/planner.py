@@ -229,7 +229,7 @@ def _measure(
     devices: int,
     threads: Mapping[int, int],
 ) -> costs.Measured:
-    from phalanx import loading
+    from phalanx import batching
     from phalanx.data import Micro, get_stream
     from phalanx.model import Forward
     from phalanx.trainer import Trainer
@@ -251,7 +251,7 @@ def _measure(
     largest = min(math.ceil(batch / accumulation), len(stream))
 
     def fetched(b: int) -> list:
-        return [(Micro(list(range(b)), b), loading.collate([stream[i] for i in range(b)]))]
+        return [(Micro(list(range(b)), b), batching.collate([stream[i] for i in range(b)]))]
 
     sizes = sorted({largest, max(1, math.ceil(largest / devices)), max(1, math.ceil(largest / 16))})
     log.info(
@@ -382,12 +382,12 @@ def _fit(times: Mapping[int, float]) -> costs.Compute:
 
 def _data_time(stream: Any, samples: int) -> float:
     """Seconds a sample costs the loop to fetch and collate (the fastest of 3 batches)."""
-    from phalanx import loading
+    from phalanx import batching
 
     best = math.inf
     for _ in range(3):
         start = time.perf_counter()
-        loading.collate([stream[i] for i in range(samples)])
+        batching.collate([stream[i] for i in range(samples)])
         best = min(best, time.perf_counter() - start)
     return best / samples
 

@@ -87,7 +87,7 @@ def links_worker(
     """One process of `links`: rank 0 writes links.json."""
     import torch.distributed as dist
 
-    from phalanx import loading
+    from phalanx import batching
     from phalanx.data import Micro, get_stream
     from phalanx.trainer import Trainer
 
@@ -102,7 +102,7 @@ def links_worker(
     micro = math.ceil(cfg.dataset.batch_size / cfg.parallel.accumulation)
     shard = [i for i in range(micro) if i % world == rank]
     stream = get_stream(trainer.dataset, "train")
-    batch = loading.collate([stream[i] for i in shard])
+    batch = batching.collate([stream[i] for i in shard])
     if batch is None:
         raise ConfigError(
             f"a micro-batch of {micro} samples leaves process {rank} of {world} none to measure; "
@@ -123,7 +123,7 @@ def links_worker(
         whole = [
             (
                 Micro(list(range(micro)), micro),
-                loading.collate(list(map(stream.__getitem__, range(micro)))),
+                batching.collate(list(map(stream.__getitem__, range(micro)))),
             )
         ]
         pipeline = f"parallel.pipeline={{split: [{', '.join(split)}], microbatches: 4}}"

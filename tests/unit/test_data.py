@@ -10,7 +10,7 @@ import pytest
 import torch
 import toy
 
-from phalanx import data, loading
+from phalanx import batching, data, loading
 from phalanx.errors import DataError
 
 pytestmark = pytest.mark.timeout(60)
@@ -234,16 +234,16 @@ def test_loader_from_a_start_yields_exactly_the_remaining_shards(world_size, acc
 
 def test_collate_stacks_dict_items_and_empty_is_none():
     items = [{"x": torch.tensor([1.0, 2.0]), "y": 3}, {"x": torch.tensor([4.0, 5.0]), "y": 6}]
-    batch = loading.collate(items)
+    batch = batching.collate(items)
     assert torch.equal(batch["x"], torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
     assert batch["y"].tolist() == [3, 6]
-    assert loading.collate([]) is None
+    assert batching.collate([]) is None
 
 
 @pytest.mark.parametrize("item", [(torch.zeros(2), 1), torch.zeros(2), 5])
 def test_collate_rejects_non_dict_items(item):
     with pytest.raises(DataError, match="must be dicts"):
-        loading.collate([item, item])
+        batching.collate([item, item])
 
 
 class Ragged(torch.utils.data.Dataset):
@@ -285,19 +285,19 @@ def test_items_with_different_keys_or_types_are_named():
     with pytest.raises(
         DataError, match=r"stream 'test': items hold different keys \(\['x', 'y'\] and \['x'\]\)"
     ):
-        loading.collate(items, "test")
+        batching.collate(items, "test")
     items = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2), "y": "one"}]
     with pytest.raises(
         DataError,
         match=r"stream 'test', key 'y': items hold values of different types \(int, str\)",
     ):
-        loading.collate(items, "test")
+        batching.collate(items, "test")
 
 
 def test_batch_size_of():
-    assert loading.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
+    assert batching.batch_size_of({"id": [1, 2], "x": torch.zeros(5, 3)}) == 5
     with pytest.raises(DataError, match="no tensor"):
-        loading.batch_size_of({"name": ["a", "b"], "scalar": torch.tensor(1.0)})
+        batching.batch_size_of({"name": ["a", "b"], "scalar": torch.tensor(1.0)})
 
 
 # --- get_stream --------------------------------------------------------------------------------
@@ -359,15 +359,15 @@ def test_get_stream_rejects_non_map_style_streams():
 def test_tuple_list_and_tensor_items_are_named_by_dataset_keys():
     x, y = torch.randn(5, 3), torch.randn(5)
     pairs = torch.utils.data.TensorDataset(x, y)
-    named = loading.named(pairs, ["x", "y"], "train")
+    named = batching.named(pairs, ["x", "y"], "train")
     assert len(named) == 5 and torch.equal(named[2]["x"], x[2]) and torch.equal(named[2]["y"], y[2])
-    assert torch.equal(loading.named([x[0], x[1]], ["image"], "train")[1]["image"], x[1])
-    assert loading.named(pairs, None, "train") is pairs
+    assert torch.equal(batching.named([x[0], x[1]], ["image"], "train")[1]["image"], x[1])
+    assert batching.named(pairs, None, "train") is pairs
     with pytest.raises(DataError, match="an item has 2 parts but dataset.keys names 3"):
-        loading.named(pairs, ["x", "y", "z"], "train")[0]
+        batching.named(pairs, ["x", "y", "z"], "train")[0]
     with pytest.raises(DataError, match="name their parts with dataset.keys"):
-        loading.collate([pairs[0], pairs[1]])
-    stream = loading.named(
+        batching.collate([pairs[0], pairs[1]])
+    stream = batching.named(
         toy.StreamItems(toy.Regression().streams()["valid"]), ["ignored"], "valid"
     )
     assert data.is_iterable(stream) and data.stream_length(stream) is None
@@ -384,17 +384,17 @@ def test_a_loader_names_whole_batches_not_each_item(workers):
     pairs = torch.utils.data.TensorDataset(x, y)
     order = [3, 1, 4, 0, 5, 9, 2, 6, 8, 7]
     made = loading.loader(
-        loading.named(pairs, ["x", "y"], "train"), data.Plan(order, 4), num_workers=workers
+        batching.named(pairs, ["x", "y"], "train"), data.Plan(order, 4), num_workers=workers
     )
     assert made.dataset is pairs
     batches = list(made)
     assert [list(b) for b in batches] == [["x", "y"]] * 3
     assert torch.equal(torch.cat([b["y"] for b in batches]), torch.tensor(order))
     assert torch.equal(torch.cat([b["x"] for b in batches]), x[order])
-    lone = loading.loader(loading.named(list(x), ["image"], "train"), data.Plan(order, 4))
+    lone = loading.loader(batching.named(list(x), ["image"], "train"), data.Plan(order, 4))
     assert torch.equal(next(iter(lone))["image"], x[order[:4]])
     wrong = loading.loader(
-        loading.named(pairs, ["x", "y", "z"], "train"),
+        batching.named(pairs, ["x", "y", "z"], "train"),
         data.Plan(order, 4),
         num_workers=workers,
         name="train",

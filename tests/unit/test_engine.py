@@ -15,7 +15,7 @@ import pytest
 import torch
 import toy
 
-from phalanx import config, data, loading
+from phalanx import batching, config, data
 from phalanx.data import Micro
 from phalanx.engine import Engine, concat
 from phalanx.hooks import Hook
@@ -106,7 +106,7 @@ def _reference_run(
 
 
 def _fetch(stream, micros: list[Micro]) -> list[tuple[Micro, dict | None]]:
-    return [(m, loading.collate([stream[i] for i in m.shard])) for m in micros]
+    return [(m, batching.collate([stream[i] for i in m.shard])) for m in micros]
 
 
 @pytest.mark.parametrize("accumulation", [1, 3])
@@ -235,7 +235,7 @@ def test_eval_step_gives_per_sample_outputs_without_changing_the_model():
     trainer = _trainer()
     stream = data.get_stream(trainer.dataset, "valid")
     before = _params(trainer.module)
-    batch = loading.collate([stream[i] for i in range(len(stream))])
+    batch = batching.collate([stream[i] for i in range(len(stream))])
     out = trainer.eval_step(batch)
     assert _rel_diff(_params(trainer.module), before) == 0
     assert not out["loss"].requires_grad

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import toy
 from torch import nn
 
-from phalanx import loading
+from phalanx import batching
 from phalanx.config import ModelConfig
 from phalanx.errors import ConfigError, ModelError
 from phalanx.model import Forward, build_model, check_loss, shard_loss_mean
@@ -76,7 +76,7 @@ def test_forward_missing_key_names_it():
 def test_forward_returns_outputs_and_records_their_names():
     forward = Forward(toy.Linear(3), _cfg())
     stream = toy.Regression().streams()["train"]
-    batch = loading.collate([stream[i] for i in range(5)])
+    batch = batching.collate([stream[i] for i in range(5)])
     outputs = forward(batch)
     assert set(outputs) == {"prediction", "loss"}
     assert forward.output_names == ["prediction", "loss"]
@@ -112,7 +112,7 @@ def test_loss_spec_with_cross_entropy_gives_per_sample_loss(function):
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     stream = toy.Classes().streams()["train"]
-    batch = loading.collate([stream[i] for i in range(7)])
+    batch = batching.collate([stream[i] for i in range(7)])
     cfg = _cfg(
         inputs={"x": "input"},
         outputs="logits",

@@ -10,7 +10,7 @@ import pytest
 import torch
 import toy
 
-from phalanx import config, data, loading
+from phalanx import batching, config, data
 from phalanx.hooks import Hook, TrainingTerminated
 from phalanx.trainer import Trainer
 
@@ -107,7 +107,7 @@ def test_a_step_handed_to_the_hooks_reaches_them_as_the_loops_do():
     trainer = _trainer([seen])
     stream = data.get_stream(trainer.dataset, "train")
     plan = data.Plan(range(len(stream)), 8)
-    fetched = [(m, loading.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
+    fetched = [(m, batching.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
     outcome = trainer.train_step(fetched)
     trainer.call_after_batch("train", outcome.parts, training=True)
     outputs = trainer.eval_step(fetched[0][1])
@@ -123,7 +123,7 @@ def test_a_step_handed_to_the_hooks_reaches_them_as_the_loops_do():
 def test_a_hook_that_stops_training_stops_the_caller_after_the_later_hooks():
     seen = Record()
     trainer = _trainer([Stop(), seen])
-    outputs = trainer.eval_step(loading.collate([data.get_stream(trainer.dataset, "valid")[0]]))
+    outputs = trainer.eval_step(batching.collate([data.get_stream(trainer.dataset, "valid")[0]]))
     with pytest.raises(TrainingTerminated, match="enough"):
         trainer.call_after_batch("valid", [outputs], training=False)
     assert len(seen.events) == 1
