@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from phalanx.costs import (
 )
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import refuse_outside_workers
+from phalanx.strategies import refuse_outside_workers, sharded_state
 from phalanx.strategies.base import Agreed, DataParallel, ModelOptions, prepare
 from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import (
@@ -58,7 +58,6 @@ from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.state_dict import ValueType
     from torch.distributed.fsdp import FSDPModule
 
     from phalanx.config import Config
@@ -303,46 +302,19 @@ class FSDP(ProcessGroup, DataParallel):
     # --- state: shards, or whole, gathered to the main process -----------------------------
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         self.progress.enter("the gathering of the model's state")
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        # a full state dict holds whole tensors (gathered and moved to the CPU), no DTensor
-        return cast(dict[str, torch.Tensor], state) if self.is_main else {}
+        return sharded_state.model_state(self.model, self.is_main)
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        from safetensors.torch import load_file
-
         from phalanx.checkpoint import SHARDS
-        from phalanx.errors import CheckpointMismatch
-        from phalanx.shards import load_shards
 
         if path.name == SHARDS:  # each rank reads the parts of the files its shards need
             self.progress.enter("the loading of the checkpoint's shards")
-            load_shards(path, self.model, optimizer, collective=True)
-            return
-        try:
-            missing, unexpected = self.load_state(load_file(str(path)))
-            if missing or unexpected:
-                raise KeyError(f"missing {missing[:5]}, unexpected {unexpected[:5]}")
-        except (RuntimeError, KeyError, ValueError) as e:
-            lines = " ".join(str(e).split())
-            raise CheckpointMismatch(
-                f"{path} does not fit this model ({lines[:300]}); was it saved from another "
-                "model config?"
-            ) from None
+        sharded_state.load_model_state(self.model, path, optimizer)
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         """Every rank keeps its shards of the whole state."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        whole: dict[str, ValueType] = dict(state)
-        result = set_model_state_dict(
-            self.model, whole, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
-        return list(result.missing_keys), list(result.unexpected_keys)
+        return sharded_state.load_state(self.model, state)
 
     def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
         from phalanx.shards import save_shards
@@ -351,33 +323,11 @@ class FSDP(ProcessGroup, DataParallel):
         save_shards(folder, self.model, optimizer)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-        )
-
         self.progress.enter("the gathering of the optimizer's state")
-        named = get_optimizer_state_dict(
-            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        return _by_index(named, self._names()) if self.is_main else {}
+        return sharded_state.optimizer_state(self.model, optimizer, self.is_main)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        set_optimizer_state_dict(
-            self.model,
-            optimizer,
-            _by_name(state, self._names()),
-            options=StateDictOptions(full_state_dict=True),
-        )
-
-    def _names(self) -> list[str]:
-        """The trainable parameters' names, in the order the optimizer holds them."""
-        return [name for name, p in self.model.named_parameters() if p.requires_grad]
+        sharded_state.load_optimizer_state(self.model, optimizer, state)
 
 
 # Containers never called themselves, while FSDP gathers a unit's parameters when its forward runs
@@ -488,29 +438,6 @@ def _check_resettable(module: nn.Module) -> None:
                 f"parallel.fsdp.init: meta draws each module's values with its reset_parameters(), "
                 f"which {where} does not define; define it, or use parallel.fsdp.init: full"
             )
-
-
-def _by_index(state: dict, names: list[str]) -> dict:
-    """An optimizer state keyed by parameter names, as torch's own optimizers key theirs: by
-    index."""
-    index = {name: i for i, name in enumerate(names)}
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [index[name] for name in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
-
-
-def _by_name(state: dict, names: list[str]) -> dict:
-    return {
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[i] for i in group["params"]]}
-            for group in state["param_groups"]
-        ],
-    }
 
 
 # --- the strategy as the config names it ---------------------------------------------------
