@@ -233,6 +233,28 @@ class Engine:
                 loss, part = loss * weight, part * weight
         return _weighed(Weighed, (loss, gradient, part, data))  # the common case, every step
 
+    def weigh_scalar(
+        self,
+        loss: torch.Tensor,
+        data: dict,
+        micro: Micro,
+        scale: float = 1.0,
+        tokens: torch.Tensor | None = None,
+    ) -> Weighed:
+        """`weigh`, with the loss to back-propagate made one scalar (no gradient): for a schedule
+        that calls backward() on the loss itself. Per sample, it is the losses' dot product with
+        their gradient, which in full precision is also the part (the same numbers, once)."""
+        n = len(micro.shard)
+        if n and loss.dim() and loss.dtype in _FULL_PRECISION and WEIGHT not in data:
+            weight = n / micro.global_size * scale  # as `weigh` has it, to the bit
+            objective = torch.dot(loss, self._gradient(n, weight / n, loss))
+            return _weighed(Weighed, (objective, None, objective.detach(), data))
+        weighed = self.weigh(loss, data, micro, scale, tokens)
+        if weighed.gradient is None:
+            return weighed
+        objective = torch.dot(weighed.loss.reshape(-1), weighed.gradient.reshape(-1))
+        return Weighed(objective, None, weighed.part, weighed.data)
+
     def _weigh(
         self,
         loss: torch.Tensor,

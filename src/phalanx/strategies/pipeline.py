@@ -465,11 +465,9 @@ class Pipeline(ProcessGroup):
             self._captured[-1] = data
             output = output[:n]
         micro = Micro(list(range(n)), self._global_size)
-        weighed = self._engine.weigh(output, data, micro, 1.0, tokens)
+        weighed = self._engine.weigh_scalar(output, data, micro, 1.0, tokens)
         self._parts.append(weighed.part)
-        if weighed.gradient is None:
-            return weighed.loss
-        return torch.dot(weighed.loss.reshape(-1), weighed.gradient.reshape(-1))
+        return weighed.loss
 
     def _reduce_gradients(self) -> None:
         """Each stage's copies add their gradients (the parts of their shards)."""
