@@ -9,10 +9,10 @@ stage goes; the last stage goes on to the model's loss.
 The contract, exactly. Each data-parallel shard of an accumulation window is padded to the
 schedule's `microbatches` micro-batches of one size with rows of weight zero (the schedules fix
 their buffers' shapes at the first step); the last stage's loss of a micro-batch is the contract's
-sum over its real samples of w_i l_i / B (`Engine.weigh`), with the schedule's own scaling of the
-gradients off, so that the gradients add up to the global batch's. The copies of each stage add
-their gradients over the data-parallel group; the step's loss and stop flag are summed over every
-process; the clipping norm spans every stage.
+sum over its real samples of w_i l_i / B (`Engine.weigh_scalar`), with the schedule's own scaling
+of the gradients off, so that the gradients add up to the global batch's. The copies of each stage
+add their gradients over the data-parallel group; the step's loss and stop flag are summed over
+every process; the clipping norm spans every stage. The stages' state is `stage_state`'s.
 """
 
 from __future__ import annotations
@@ -21,19 +21,17 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from pydantic import Field
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from phalanx import keras_models, random
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
-from phalanx.errors import CheckpointMismatch, ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
@@ -47,6 +45,7 @@ from phalanx.strategies.cutting import (
 from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
+from phalanx.strategies.stage_state import StageState
 from phalanx.strategies.staging import (
     PipelineSettings,
     accumulation_setup,
@@ -69,7 +68,7 @@ if TYPE_CHECKING:
     from phalanx.engine import Engine
 
 
-class Pipeline(ProcessGroup):
+class Pipeline(StageState, ProcessGroup):
     runs_empty_shards = True  # every stage runs every micro-batch, padded, in step with the others
 
     def __init__(
@@ -580,105 +579,6 @@ class Pipeline(ProcessGroup):
         assert self._pipe is not None  # every process is in a copy of the pipeline
         return dist.get_global_rank(self._pipe, self._position_of(stage))
 
-    # --- state ---------------------------------------------------------------------------
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's state on the main process, each stage's part gathered from the first
-        copy of the pipeline."""
-        mine = None
-        if self.data_rank == 0:
-            # a tensor group's processes put their split layers back together (a collective of
-            # the group); its first gives them
-            state = {k: _to_cpu(v) for k, v in self.model.state_dict().items()}
-            mine = state if self.tensor_rank == 0 else None
-        self.progress.enter("the gathering of the stages' states")
-        parts = self.gather(mine)
-        if not self.is_main:
-            return {}
-        whole: dict[str, torch.Tensor] = {}
-        for part in parts:
-            whole.update(part or {})
-        return whole
-
-    def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        from safetensors.torch import load_file
-
-        from phalanx.checkpoint import SHARDS
-        from phalanx.shards import load_shards
-
-        if path.name == SHARDS:  # each process reads its stages' part
-            load_shards(path, self.model, optimizer, whole=self._whole)
-            return
-        try:
-            missing, unexpected = self.load_state(load_file(str(path)))
-        except RuntimeError as e:
-            raise CheckpointMismatch(f"{path} does not fit stages {self.mine}: {e}") from None
-        if missing or unexpected:
-            raise CheckpointMismatch(
-                f"{path} holds another model (it lacks {missing[:3]}, the model lacks "
-                f"{unexpected[:3]})"
-            )
-
-    def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        """Each process keeps its stages' part; what is missing or unexpected is judged against
-        the whole model."""
-        mine = self.model.state_dict()
-        given = {k: _placed(v, mine[k]) for k, v in state.items() if k in mine}
-        self.model.load_state_dict(given, strict=False)
-        missing = [k for k in self._whole if k not in state]
-        return missing, [k for k in state if k not in self._whole]
-
-    def save_shards(self, folder: Path, optimizer: torch.optim.Optimizer) -> None:
-        """Each process writes its stages' part of the model and optimizer state, in the model's
-        own names (a stage's copies hold the same: it is written once); no process gathers the
-        whole model."""
-        from phalanx.shards import save_shards
-
-        self.progress.enter("the saving of the checkpoint's shards")
-        save_shards(folder, self.model, optimizer)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The whole optimizer's state, parameters numbered as in the whole model, on the main
-        process."""
-        state = optimizer.state_dict()
-        mine = None
-        if self.data_rank == 0:
-            mine = {
-                "state": {
-                    self._global_index[i]: tree_map(_to_cpu, s) for i, s in state["state"].items()
-                },
-                "param_groups": state["param_groups"],
-            }
-            mine = mine if self.tensor_rank == 0 else None
-        self.progress.enter("the gathering of the stages' optimizer states")
-        parts = self.gather(mine)
-        if not self.is_main:
-            return {}
-        merged: dict[int, Any] = {}
-        for part in parts:
-            if part:
-                merged.update(part["state"])
-        groups = [dict(g, params=list(range(self._trainable))) for g in state["param_groups"]]
-        if len(groups) != 1:
-            raise ConfigError("the pipeline strategy saves optimizers of one parameter group")
-        return {"state": merged, "param_groups": groups}
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        local = {g: i for i, g in enumerate(self._global_index)}
-        params = optimizer.param_groups[0]["params"]
-        mine = {
-            "state": {
-                local[int(g)]: {k: _placed(v, params[local[int(g)]]) for k, v in s.items()}
-                for g, s in state["state"].items()
-                if int(g) in local
-            },
-            "param_groups": [
-                dict(group, params=list(range(len(self._global_index))))
-                for group in state["param_groups"]
-            ],
-        }
-        optimizer.load_state_dict(mine)
-
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
@@ -694,28 +594,6 @@ class _Agreement(Behind):
                 "the model's loss became weighted (it returned loss_weight) after steps "
                 "without weights; return loss_weight from every step, or from none"
             )
-
-
-def _to_cpu(value: Any) -> Any:
-    """A tensor on the host; a split one (a DTensor) whole, from its group (a collective)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return value.detach().cpu()
-
-
-def _placed(value: Any, like: Any) -> Any:
-    """A whole tensor of `like`'s shape split as `like` (a DTensor) is, each process slicing its
-    part from its own copy (no communication); anything else as it is."""
-    if not hasattr(like, "device_mesh") or not isinstance(value, torch.Tensor):
-        return value
-    if value.shape != like.shape:
-        return value
-    from torch.distributed.tensor import distribute_tensor
-
-    value = value.to(like.device, like.dtype)
-    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
