@@ -14,6 +14,7 @@ since theirs is the mean over the micro-batch.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -197,26 +198,38 @@ def _check_broadcast(function: Callable, prediction: torch.Tensor, target: torch
     loss is checked on the shapes it compares, after its own matching of ranks."""
     if isinstance(function, keras_models.KerasLoss):
         prediction, target = function.aligned(prediction, target)
-    p, t = tuple(prediction.shape), tuple(target.shape)
+    wrong = _broadcast_error(
+        getattr(function, "__name__", "the loss"), prediction.shape, target.shape
+    )
+    if wrong is not None:
+        raise ModelError(wrong)
+
+
+@functools.lru_cache(maxsize=256)
+def _broadcast_error(name: str, prediction: torch.Size, target: torch.Size) -> str | None:
+    """What is wrong with a loss `name` of these shapes (see `_check_broadcast`), or None: once per
+    pair of shapes, which come back every step (a class-index loss's shapes differ, and finding
+    that they do not broadcast costs torch an exception)."""
+    p, t = tuple(prediction), tuple(target)
     try:
         both = tuple(torch.broadcast_shapes(p, t))
     except RuntimeError:
-        return  # the function says what is wrong itself
-    if both != p and both != t:
-        name = getattr(function, "__name__", "the loss")
-        squeeze = (
-            (
-                " (for a single output, `.squeeze(-1)` it in forward, or give the model a final "
-                "layer of that many outputs)"
-            )
-            if p[-1:] == (1,)
-            else ""
+        return None  # the function says what is wrong itself
+    if both == p or both == t:
+        return None
+    squeeze = (
+        (
+            " (for a single output, `.squeeze(-1)` it in forward, or give the model a final "
+            "layer of that many outputs)"
         )
-        raise ModelError(
-            f"model.loss: {name} compares an output of shape {list(p)} with a target of shape "
-            f"{list(t)}, which broadcast to {list(both)}: every output against every target. Give "
-            f"the output the target's shape{squeeze}"
-        )
+        if p[-1:] == (1,)
+        else ""
+    )
+    return (
+        f"model.loss: {name} compares an output of shape {list(p)} with a target of shape "
+        f"{list(t)}, which broadcast to {list(both)}: every output against every target. Give "
+        f"the output the target's shape{squeeze}"
+    )
 
 
 def hugging_face_loss(logits: torch.Tensor, labels: torch.Tensor, causal: bool) -> Loss:
