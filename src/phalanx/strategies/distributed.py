@@ -231,8 +231,8 @@ class Behind:
         """The loss is read: the agreement waited for (on a GPU, by the stream that reads it)."""
         if self._waited:
             return
+        self._work.wait()  # a timeout raises here, and again at the next reader
         self._waited = True
-        self._work.wait()
         if self._values.device.type != "cuda":
             self._to_host(self._values)
 

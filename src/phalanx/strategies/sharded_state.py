@@ -121,6 +121,3 @@ def _by_name(state: dict, names: list[str]) -> dict:
             for group in state["param_groups"]
         ],
     }
-
-
-# --- the strategy as the config names it ---------------------------------------------------
