@@ -370,3 +370,31 @@ def test_a_loader_without_workers_pins_its_batches_as_a_dataloader_would():
     assert [len(b["y"]) for b in batches] == [4, 4, 2]
     assert all(b["x"].is_pinned() and b["y"].is_pinned() for b in batches)
     assert torch.equal(torch.cat([b["y"] for b in batches]), torch.tensor(order))
+
+
+def test_classification_metrics_count_on_the_gpu_without_reading_it_back():
+    """The confusion matrix of GPU outputs is counted on the GPU (torch's sync debug mode raises on
+    any read back during the batches) and scores as the same batches counted on the host."""
+    from phalanx.hooks import ClassificationMetrics
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [
+        {"logits": torch.randn(32, 5, generator=generator), "label": torch.randint(0, 5, (32,))}
+        for _ in range(3)
+    ]
+    names = ["accuracy", "precision", "recall", "f1"]
+    on_host, on_gpu = (ClassificationMetrics("logits", "label", metrics=names) for _ in range(2))
+    moved = [{k: v.cuda() for k, v in batch.items()} for batch in batches]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for batch in moved:
+            on_gpu.after_batch("valid", batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for batch in batches:
+        on_host.after_batch("valid", batch)
+    want, got = {}, {}
+    on_host.after_epoch(1, want)
+    on_gpu.after_epoch(1, got)
+    assert got == want and set(got["valid"]) == set(names)

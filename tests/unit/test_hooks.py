@@ -312,6 +312,21 @@ def test_classification_metrics_take_predicted_class_indices(tmp_path):
         assert out["test"][key] == pytest.approx(expected, abs=1e-12), key
 
 
+def test_classification_metrics_refuse_classes_outside_the_matrix():
+    """A label the scores have no column for, or a negative one (an ignored -100), is counted apart
+    (on the outputs' device, nothing read back) and refused at the epoch's end, naming the stream
+    and the keys; the epoch's counts start afresh after it."""
+    hook = ClassificationMetrics(predicted="scores", gold="label")
+    hook.after_batch("valid", {"scores": torch.eye(3, 2), "label": torch.tensor([0, 1, 1])})
+    hook.after_batch("valid", {"scores": torch.eye(2), "label": torch.tensor([-100, 2])})
+    with pytest.raises(ModelError, match=r"2 samples of stream 'valid'.*outside 0-1 in 'label'"):
+        hook.after_epoch(1, {})
+    hook.after_batch("valid", {"scores": torch.eye(2), "label": torch.tensor([0, 0])})
+    out: dict = {}
+    hook.after_epoch(2, out)
+    assert out["valid"]["accuracy"] == 0.5
+
+
 # --- LogVariables, LogProfile ------------------------------------------------------------------
 
 

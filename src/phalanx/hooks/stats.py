@@ -199,7 +199,9 @@ class ClassificationMetrics(Hook):
     """Accuracy and macro-averaged precision, recall and F1 of a classifier, per stream.
 
     `predicted` names the output holding class scores (argmax over the last dimension) or class
-    indices; `gold` names the batch key holding the true class indices.
+    indices; `gold` names the batch key holding the true class indices. The counts stay where the
+    outputs are (a GPU's memory) until the epoch's end; where `predicted` holds class indices, give
+    `num_classes`, or each batch's largest class is read back to size the matrix.
     """
 
     # confusion matrices are added over ranks at the end of the epoch instead
@@ -225,6 +227,8 @@ class ClassificationMetrics(Hook):
             list(metrics),
         )
         self._confusion: dict[str, torch.Tensor] = {}
+        # samples of a class (true or predicted) outside the matrix, refused at the epoch's end
+        self._outside: dict[str, torch.Tensor] = {}
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not batch:  # this rank had no samples in the batch
@@ -244,21 +248,42 @@ class ClassificationMetrics(Hook):
             if scores.is_floating_point()
             else int(max(gold.max(), predicted.max())) + 1
         )
-        counts = torch.bincount(gold.cpu() * k + predicted.cpu(), minlength=k * k).reshape(k, k)
+        # counted where the outputs are: on a GPU, nothing is read back until the epoch's end
+        # (bincount would read the classes' range); a pair outside k classes in a bucket of its own
+        gold = gold.to(predicted.device)
+        inside = (gold >= 0) & (gold < k) & (predicted >= 0) & (predicted < k)
+        pairs = torch.where(inside, gold * k + predicted, k * k)
+        counts = torch.zeros(k * k + 1, dtype=torch.long, device=pairs.device)
+        counts.scatter_add_(0, pairs, torch.ones_like(pairs))
+        outside = self._outside.get(stream)
+        self._outside[stream] = counts[-1] if outside is None else outside + counts[-1]
+        counts = counts[:-1].reshape(k, k)
         previous = self._confusion.get(stream)
-        if previous is not None and previous.shape != counts.shape:
-            size = max(previous.shape[0], k)
-            previous, counts = _pad(previous, size), _pad(counts, size)
+        if previous is not None:
+            previous = previous.to(counts.device)  # a resumed count comes from the host
+            if previous.shape != counts.shape:
+                size = max(previous.shape[0], k)
+                previous, counts = _pad(previous, size), _pad(counts, size)
         self._confusion[stream] = counts if previous is None else previous + counts
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
-        for stream, confusion in self._global().items():
+        counted = self._global()
+        self._confusion.clear()
+        self._outside.clear()
+        for stream, (confusion, outside) in counted.items():
+            if outside:
+                raise ModelError(
+                    f"ClassificationMetrics: {outside} samples of stream {stream!r} have a class "
+                    f"outside 0-{confusion.shape[0] - 1} in {self.gold!r} or {self.predicted!r} "
+                    "(a negative label, such as an ignored -100, or one the scores have no "
+                    "column for); give labels of the model's classes, or set num_classes"
+                )
             if confusion.sum() > 0:
                 epoch_data.setdefault(stream, {}).update(_scores(confusion.double(), self.metrics))
-        self._confusion.clear()
 
-    def _global(self) -> dict[str, torch.Tensor]:
-        """Confusion matrices added over ranks (padded to the largest class count any rank saw)."""
+    def _global(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Confusion matrices added over ranks (padded to the largest class count any rank saw),
+        and the samples outside them."""
         strategy = self.strategy
         seen = strategy.gather({s: c.shape[0] for s, c in self._confusion.items()})
         sizes: dict[str, int] = {}
@@ -268,22 +293,34 @@ class ClassificationMetrics(Hook):
         out = {}
         for stream in sorted(sizes):
             local = self._confusion.get(stream, torch.zeros(0, 0, dtype=torch.long))
-            out[stream] = strategy.reduce(_pad(local, sizes[stream]).to(strategy.device)).cpu()
+            outside = self._outside.get(stream, torch.zeros((), dtype=torch.long))
+            local = _pad(local.to(strategy.device), sizes[stream]).reshape(-1)
+            both = strategy.reduce(torch.cat((local, outside.to(strategy.device).reshape(1))))
+            both = both.cpu()
+            out[stream] = both[:-1].reshape(sizes[stream], -1), int(both[-1])
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"confusion": {s: c.tolist() for s, c in self._global().items()}}
+        counted = self._global()
+        return {
+            "confusion": {s: c.tolist() for s, (c, _) in counted.items()},
+            "outside": {s: n for s, (_, n) in counted.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # counts go to one rank, so adding over ranks counts them once
-        first = self.strategy.rank == 0
+        first = int(self.strategy.rank == 0)
         self._confusion = {
-            s: torch.tensor(c, dtype=torch.long) * int(first) for s, c in state["confusion"].items()
+            s: torch.tensor(c, dtype=torch.long) * first for s, c in state["confusion"].items()
+        }
+        self._outside = {
+            s: torch.tensor(n * first, dtype=torch.long)
+            for s, n in state.get("outside", {}).items()
         }
 
 
 def _pad(matrix: torch.Tensor, size: int) -> torch.Tensor:
-    out = torch.zeros(size, size, dtype=matrix.dtype)
+    out = matrix.new_zeros(size, size)
     out[: matrix.shape[0], : matrix.shape[1]] = matrix
     return out
 
