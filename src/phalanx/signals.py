@@ -166,10 +166,13 @@ class GracefulStop:
             and time.monotonic() - self._checked > 0.2
         ):
             self._checked = time.monotonic()
-            # the launcher asks on behalf of a signal it received
-            if self._request_file.exists():
-                self.signum = int(self._request_file.read_text() or signal.SIGTERM)
+            self._read_request()
         return self.signum is not None
+
+    def _read_request(self) -> None:
+        """The signal the launcher asks on behalf of (it received it), where it has asked."""
+        if self._request_file is not None and self._request_file.exists():
+            self.signum = int(self._request_file.read_text() or signal.SIGTERM)
 
     def watch(self, request_file: Path, reform_file: Path | None = None) -> None:
         """Also count a stop as requested once `request_file` exists (written by the launcher). A
@@ -184,7 +187,11 @@ class GracefulStop:
         return self._reform_file is not None and self._reform_file.exists()
 
     def exit_code(self) -> int:
-        """128 + the signal's number; SIGTERM's where another rank received it."""
+        """128 + the signal's number; SIGTERM's where another rank received it. A stop the launcher
+        asked for (it received the signal) is read once more first: another rank may have read the
+        request and stopped every rank before this one looked (it looks every 0.2 s)."""
+        if self.signum is None:
+            self._read_request()
         return 128 + (self.signum or signal.SIGTERM)
 
     def install(self) -> None:

@@ -3,6 +3,8 @@ elastic agent happened to notice first."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -162,3 +164,23 @@ def test_a_stop_recorded_as_the_error_is_being_recorded_leaves_the_error(tmp_pat
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
     assert failure.message["message"] == "RuntimeError: the gloo connection closed"
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]
+
+
+def test_a_rank_another_stopped_exits_with_the_signal_the_launcher_received(tmp_path):
+    """The launcher passes a signal on as a request file, which each rank looks for every 0.2 s;
+    the rank that reads it first stops every rank through the step's agreement. A rank stopped so
+    before it looked still exits with the launcher's signal (138 for SIGUSR1), not SIGTERM's: the
+    launcher's exit code is its first worker's. Without a request, another rank's own signal gives
+    SIGTERM's code."""
+    from phalanx.signals import GracefulStop
+
+    request = tmp_path / "stop-requested"
+    late = GracefulStop()
+    late.watch(request)
+    assert not late.requested  # it looked: nothing asked yet
+    request.write_text(str(int(signal.SIGUSR1)))  # then the launcher asks, and another rank reads
+    assert late.exit_code() == 128 + signal.SIGUSR1
+
+    other = GracefulStop()
+    other.watch(tmp_path / "never-written")
+    assert other.exit_code() == 128 + signal.SIGTERM
