@@ -166,111 +166,139 @@ class Pipeline(StageState, ProcessGroup):
         )
         if options.sample is None or options.adapter is None:
             raise RuntimeError("the pipeline strategy needs a sample batch and the model's adapter")
-        sample, adapter = options.sample, options.adapter
-
-        def place(whole: nn.Module) -> nn.Module:
-            from phalanx import metrics
-
-            # the whole model's shapes, before the split below removes other stages' modules and
-            # makes the kept ones run one stage: what counting its FLOPs needs
-            self._meta_model = metrics.on_meta(whole)
-            # the probe runs where the model was built (the host): only this process's stages
-            # go to its device, so that a model too large for one device splits at all
-            here = next(whole.parameters(), torch.empty(0)).device
-            batch = {k: v.to(here) for k, v in _pad(sample(self.rows), self.rows).items()}
-            if not options.precision.passes_through:
-                batch = dict(options.precision.convert_batch(batch, here))
-            self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
-            names = self.settings.split
-            if names == "auto":
-                names, times = balance(
-                    whole, adapter(whole), batch, self.stages, self._mean, self.device
-                )
-                self.chosen = (
-                    f"; split auto at {', '.join(names)} (blocks' forward and backward: "
-                    + ", ".join(f"{t:.2f}" for t in times)
-                    + " ms)"
-                )
-            self._split = probe(whole, adapter(whole), batch, names, self.stages)
-            self.whole_summary = metrics.summary(whole)
-            self._statistics = PerDeviceStatistics(
-                whole,
-                self.world_size,
-                self.is_main,
-                "",
-                said="BatchNorm under the pipeline: the model's BatchNorm layers ({layers}) "
-                f"normalise each micro-batch of {self.rows} samples with its own statistics (a "
-                "short batch's padding rows included), so training differs from one device's; "
-                "the pipeline has no synchronised BatchNorm: train such a model with ddp or "
-                "fsdp, or use LayerNorm or GroupNorm",
-            )
-            planned: dict[str, nn.Module] = {}
-            plan: dict[str, str] = {}
-            if self._tensor_mesh is not None:
-                split = self._split
-                blocks = {
-                    f"{split.trunk}.{i}" if split.trunk else str(i) for i in range(split.size)
-                }
-                several = self.settings.schedule if len(self.mine) > 1 else None
-                plan = check_tensor_plan(whole, self.tensor, names, blocks, several)
-                planned = {name: whole.get_submodule(name) for name in plan}
-                self.chosen += "; " + describe_plan(whole, plan, self.tensor.degree)
-            trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
-            first = {id(p): n for n, p in whole.named_parameters()}
-            aliases = {
-                n: first[id(p)]
-                for n, p in whole.named_parameters(remove_duplicate=False)
-                if first[id(p)] != n
-            }
-            self._trainable = len(trainable)
-            self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
-            keep_stages(
-                whole,
-                self._split,
-                self.mine,
-                self.stages,
-                self._active,
-                self.device,
-                hooked=self._tensor_mesh is not None,
-            )
-            mine = [n for n, p in whole.named_parameters() if p.requires_grad]
-            if not list(whole.parameters()):
-                raise ConfigError(
-                    f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
-                    f"in parallel.pipeline.split ({names})"
-                )
-            index = {name: i for i, name in enumerate(trainable)}
-            apart = [n for n in mine if n not in index and n in aliases]
-            if apart:  # said by every process, after they compare (see below)
-                tied.append(
-                    f"the pipeline strategy cannot split the model at {', '.join(names)}: "
-                    f"{apart[0]} is {aliases[apart[0]]} (a tied weight), which another stage "
-                    "holds; untie them, split where one stage holds both, or train with ddp or "
-                    "fsdp"
-                )
-            self._global_index = [index[n] for n in mine if n in index]
-            whole = whole.to(self.device)
-            if self._tensor_mesh is not None:
-                # the planned layers this process's stages kept, split over its tensor group
-                kept = {id(m) for m in whole.modules()}
-                ours = {n: plan[n] for n, m in planned.items() if id(m) in kept}
-                if ours:
-                    apply_tensor_plan(whole, self._tensor_mesh, ours)
-            return whole
-
         tied: list[str] = []
-        self.model = prepare(module, options, place)
+        self.model = prepare(module, options, lambda whole: self._place(whole, options, tied))
         said = [t for t in self.gather(tied[0] if tied else None) if t]
         if said:
             raise ConfigError(said[0])
-        # the stages' sizes from the first copy's first tensor rank (a DTensor counts its whole)
+        self.layout = self._layout()
+        return self.model, self.model
+
+    def _place(self, whole: nn.Module, options: ModelOptions, tied: list[str]) -> nn.Module:
+        """The whole model as it was built (on the host): split where the settings say (or where
+        `balance` finds the stages even), this process's stages kept and moved to its device, their
+        planned layers split over its tensor group. A tied weight that the split parts goes into
+        `tied` (every process says it, after they compare)."""
+        from phalanx import metrics
+
+        assert options.adapter is not None  # setup checked
+        # the whole model's shapes, before the split below removes other stages' modules and
+        # makes the kept ones run one stage: what counting its FLOPs needs
+        self._meta_model = metrics.on_meta(whole)
+        batch = self._sample_batch(whole, options)
+        names = self._split_names(whole, options.adapter, batch)
+        self._split = probe(whole, options.adapter(whole), batch, names, self.stages)
+        self.whole_summary = metrics.summary(whole)
+        self._statistics = PerDeviceStatistics(
+            whole,
+            self.world_size,
+            self.is_main,
+            "",
+            said="BatchNorm under the pipeline: the model's BatchNorm layers ({layers}) "
+            f"normalise each micro-batch of {self.rows} samples with its own statistics (a "
+            "short batch's padding rows included), so training differs from one device's; "
+            "the pipeline has no synchronised BatchNorm: train such a model with ddp or "
+            "fsdp, or use LayerNorm or GroupNorm",
+        )
+        plan = self._tensor_plan(whole, names)
+        planned = {name: whole.get_submodule(name) for name in plan}
+        self._keep_mine(whole, names, tied)
+        whole = whole.to(self.device)
+        if self._tensor_mesh is not None:
+            # the planned layers this process's stages kept, split over its tensor group
+            kept = {id(m) for m in whole.modules()}
+            ours = {n: plan[n] for n, m in planned.items() if id(m) in kept}
+            if ours:
+                apply_tensor_plan(whole, self._tensor_mesh, ours)
+        return whole
+
+    def _sample_batch(self, whole: nn.Module, options: ModelOptions) -> dict[str, torch.Tensor]:
+        """A sample batch of one micro-batch's rows where the model was built: the probe runs there
+        (the host), and only this process's stages go to its device, so that a model too large for
+        one device splits at all."""
+        assert options.sample is not None  # setup checked
+        here = next(whole.parameters(), torch.empty(0)).device
+        batch = {k: v.to(here) for k, v in _pad(options.sample(self.rows), self.rows).items()}
+        if not options.precision.passes_through:
+            batch = dict(options.precision.convert_batch(batch, here))
+        self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
+        return batch
+
+    def _split_names(self, whole: nn.Module, adapter: Any, batch: dict) -> list[str]:
+        """Where the model splits: the settings' names, or those `balance` finds."""
+        names = self.settings.split
+        if names != "auto":
+            return names
+        names, times = balance(whole, adapter(whole), batch, self.stages, self._mean, self.device)
+        self.chosen = (
+            f"; split auto at {', '.join(names)} (blocks' forward and backward: "
+            + ", ".join(f"{t:.2f}" for t in times)
+            + " ms)"
+        )
+        return names
+
+    def _tensor_plan(self, whole: nn.Module, names: list[str]) -> dict[str, str]:
+        """The layers a tensor dimension splits, and how (none without one)."""
+        if self._tensor_mesh is None:
+            return {}
+        split = self._split
+        assert split is not None  # probed
+        blocks = {f"{split.trunk}.{i}" if split.trunk else str(i) for i in range(split.size)}
+        several = self.settings.schedule if len(self.mine) > 1 else None
+        plan = check_tensor_plan(whole, self.tensor, names, blocks, several)
+        self.chosen += "; " + describe_plan(whole, plan, self.tensor.degree)
+        return plan
+
+    def _keep_mine(self, whole: nn.Module, names: list[str], tied: list[str]) -> None:
+        """This process's stages kept (the others' modules removed), and what the state needs: the
+        whole model's state names and shapes, its trainable parameters' count, and each kept
+        trainable parameter's index among them."""
+        assert self._split is not None  # probed
+        trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
+        first = {id(p): n for n, p in whole.named_parameters()}
+        aliases = {
+            n: first[id(p)]
+            for n, p in whole.named_parameters(remove_duplicate=False)
+            if first[id(p)] != n
+        }
+        self._trainable = len(trainable)
+        self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
+        keep_stages(
+            whole,
+            self._split,
+            self.mine,
+            self.stages,
+            self._active,
+            self.device,
+            hooked=self._tensor_mesh is not None,
+        )
+        mine = [n for n, p in whole.named_parameters() if p.requires_grad]
+        if not list(whole.parameters()):
+            raise ConfigError(
+                f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
+                f"in parallel.pipeline.split ({names})"
+            )
+        index = {name: i for i, name in enumerate(trainable)}
+        apart = [n for n in mine if n not in index and n in aliases]
+        if apart:
+            tied.append(
+                f"the pipeline strategy cannot split the model at {', '.join(names)}: "
+                f"{apart[0]} is {aliases[apart[0]]} (a tied weight), which another stage "
+                "holds; untie them, split where one stage holds both, or train with ddp or "
+                "fsdp"
+            )
+        self._global_index = [index[n] for n in mine if n in index]
+
+    def _layout(self) -> str:
+        """The run's first line's account of the pipeline: its stages' sizes (from the first copy's
+        first tensor rank; a DTensor counts its whole), copies and micro-batches."""
         counts = self.gather(sum(p.numel() for p in self.model.parameters()))
         counts = counts[:: self.tensor.degree][: self.depth]
         each = "" if len(self.mine) == 1 else f" ({len(self.mine)} stages each)"
         if self.tensor.degree > 1:
             each += f", each stage's planned layers split over {self.tensor.degree} processes"
         m = self.settings.microbatches
-        self.layout = (
+        return (
             f"the model in {self.stages} stages on {count(self.depth, 'process', 'es')}{each} "
             "holding "
             + ", ".join(f"{n:,}" for n in counts)
@@ -278,7 +306,6 @@ class Pipeline(StageState, ProcessGroup):
             f"pipeline, {count(m, 'micro-batch', 'es')} of {self.rows} samples through it "
             f"({self.settings.schedule}){self.chosen}"
         )
-        return self.model, self.model
 
     def describe(self) -> tuple[str, str]:
         return ("copy of the pipeline", self.layout) if self.layout else ("device", "")
