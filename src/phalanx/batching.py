@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 
 from phalanx.data import is_iterable
-from phalanx.errors import DataError
+from phalanx.errors import DataError, first_line
 
 
 def collate(
@@ -103,7 +103,7 @@ def _why_not_batched(items: list[Any], name: str, error: Exception) -> str:
             default_collate(values)
         except Exception as e:  # noqa: BLE001 - any failure of this key is the one to report
             return f"{where}, key {key!r}: {_how_values_differ(values, key, e)}"
-    return f"{where}: the items cannot be batched ({_first_line(error)})"
+    return f"{where}: the items cannot be batched ({first_line(error)})"
 
 
 def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
@@ -124,13 +124,9 @@ def _how_values_differ(values: list[Any], key: str, error: Exception) -> str:
             f"{key!r} one type"
         )
     return (
-        f"{_first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
+        f"{first_line(error)}; an item's values must be tensors of one shape, numbers or strings, "
         "or dicts and lists of them"
     )
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:

@@ -42,6 +42,20 @@ class StorageError(PhalanxError):
     """A file could not be written: the disk is full, the folder is read-only or not writable."""
 
 
+def count(n: int, noun: str, plural: str = "s") -> str:
+    """'1 worker', '2 workers' ('2 processes' with `plural` "es")."""
+    return f"{n} {noun}{plural if n != 1 else ''}"
+
+
+def first_line(error: BaseException, limit: int = 500, os_reason: bool = False) -> str:
+    """What an error says, in one line: its first line of text, its spaces collapsed (its type's
+    name where it says nothing), at most `limit` characters. With `os_reason`, an OSError's reason
+    alone where it gives one ("No space left on device", without the number and the path)."""
+    text = (getattr(error, "strerror", None) if os_reason else None) or str(error)
+    line = next((" ".join(part.split()) for part in text.splitlines() if part.strip()), "")
+    return (line or type(error).__name__)[:limit]
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import environment, rundir
-from phalanx.errors import PhalanxError, lost_a_peer
+from phalanx.errors import PhalanxError, first_line, lost_a_peer
 from phalanx.nodes import Nodes
 
 
@@ -166,10 +166,6 @@ def in_the_run(run_dir: Path, failure: PhalanxError, nodes: Nodes | None) -> Pha
         with open(run_dir / "log.txt", "a", encoding="utf-8") as f:
             f.write(f"{stamp} ERROR {who}: {str(failure).rstrip() or type(failure).__name__}\n")
     return failure
-
-
-def first_line(error: BaseException) -> str:
-    return (" ".join(str(error).split("\n")[0].split()) or type(error).__name__)[:500]
 
 
 def summary_line(error: BaseException) -> str:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from phalanx import environment, failures, rundir, signals
-from phalanx.errors import PhalanxError
+from phalanx.errors import PhalanxError, first_line
 from phalanx.failures import RankFailure
 from phalanx.nodes import (
     ELASTIC_RENDEZVOUS,
@@ -194,7 +194,7 @@ def launch(
         # the launcher's own rendezvous failed: the store node 0 serves is gone
         failure = RankFailure(
             f"node {nodes.rank} lost the job's rendezvous at {nodes.host}:{nodes.port} "
-            f"({failures.first_line(e)}): node 0, which serves it, has ended or cannot be "
+            f"({first_line(e)}): node 0, which serves it, has ended or cannot be "
             "reached; once it is back, resume the run on the machines there are: phalanx resume "
             f"{run_dir} --nnodes ... --node-rank ... --rdzv ..."
         )

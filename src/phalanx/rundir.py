@@ -13,7 +13,7 @@ from typing import Any
 
 from phalanx import __version__
 from phalanx.config import Config, dump, read_yaml
-from phalanx.errors import RunDirError
+from phalanx.errors import RunDirError, first_line
 from phalanx.files import parse_json, read_json, writing
 from phalanx.overrides import default_hooks
 
@@ -105,7 +105,9 @@ def search_dirs(run_dir: Path) -> list[Path]:
     try:
         meta = read_json(path)
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise RunDirError(f"{path} is not readable JSON ({_first_line(e)}); {fix}") from None
+        raise RunDirError(
+            f"{path} is not readable JSON ({first_line(e, os_reason=True)}); {fix}"
+        ) from None
     folders = [meta.get(key) for key in ("config_dir", "cwd")] if isinstance(meta, dict) else [None]
     named = [folder for folder in folders if isinstance(folder, str) and folder]
     if len(named) != len(folders):
@@ -123,10 +125,6 @@ def objects(run_dir: Path) -> dict[str, Any]:
         return {}
     given = meta.get("objects") if isinstance(meta, dict) else None
     return given if isinstance(given, dict) else {}
-
-
-def _first_line(error: BaseException) -> str:
-    return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
 
 
 def trace(run_dir: Path, event: str, **fields: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from phalanx.errors import CheckpointError
+from phalanx.errors import CheckpointError, first_line
 from phalanx.files import read_json
 
 FORMAT = 1
@@ -26,8 +26,8 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
         manifest = read_json(path)
     except (OSError, ValueError) as e:
         raise CheckpointError(
-            f"{path} is missing or unreadable ({_first_line(e)}); the checkpoint is incomplete or "
-            "damaged"
+            f"{path} is missing or unreadable ({first_line(e, os_reason=True)}); the checkpoint is "
+            "incomplete or damaged"
         ) from None
     if not isinstance(manifest, dict):
         raise CheckpointError(
@@ -50,10 +50,6 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
             "damaged"
         )
     return files
-
-
-def _first_line(error: BaseException) -> str:
-    return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
 
 
 # The trainer state's counters: each a whole number, at least this much.

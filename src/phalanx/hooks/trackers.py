@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from phalanx.config import flat_keys
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, first_line
 from phalanx.hooks.variables import flat_variables
 from phalanx.hooks.writers import _Writer
 
@@ -34,10 +34,6 @@ def _require(module: str, install: str, hook: str) -> None:
             f"{hook} needs the {module} package, which is not installed: pip install {install} "
             f"(or remove {hook} from hooks)"
         )
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:300]
 
 
 class _Tracker(_Writer):
@@ -67,7 +63,8 @@ class _Tracker(_Writer):
         except Exception as e:  # noqa: BLE001 - a tracker's errors (network, database, login) vary
             raise ConfigError(
                 f"{type(self).__name__}: the tracker could not start a run "
-                f"({type(e).__name__}: {_first_line(e)}); check its settings, or remove the hook"
+                f"({type(e).__name__}: {first_line(e, 300)}); check its settings, or remove the "
+                "hook"
             ) from e
         self._started = True
 
@@ -116,7 +113,7 @@ class _Tracker(_Writer):
                 "%s: the tracker failed (%s: %s); training goes on without it",
                 type(self).__name__,
                 type(e).__name__,
-                _first_line(e),
+                first_line(e, 300),
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -351,7 +348,7 @@ class WriteWandb(_Tracker):
             )
         except Exception as e:  # noqa: BLE001 - W&B's errors (no API key, no network) vary by version
             raise ConfigError(
-                f"WriteWandb: W&B could not start a run ({_first_line(e)}); "
+                f"WriteWandb: W&B could not start a run ({first_line(e, 300)}); "
                 "log in with `wandb login`, "
                 "or write the run's files only with mode: offline (`wandb sync` uploads them later)"
             ) from e

@@ -31,7 +31,7 @@ from torch import nn
 from phalanx import keras_models, random
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
-from phalanx.errors import ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError, count
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import (
@@ -50,7 +50,6 @@ from phalanx.strategies.staging import (
     PipelineSettings,
     accumulation_setup,
     checked_settings,
-    count,
     layout,
     plan_settings,
     unplanned,

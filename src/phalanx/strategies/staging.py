@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import Field, StrictInt, model_validator
 
 from phalanx.costs import NO_CHAIN, ONE_DEVICE, Measured, Setup, balanced_split
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, count
 from phalanx.settings import StrategySettings
 from phalanx.strategies import schedules
 from phalanx.strategies.registry import refuse
@@ -201,7 +201,3 @@ def plan_settings(row: dict[str, Any]) -> dict[str, Any]:
             "schedule": row["schedule"],
         }
     }
-
-
-def count(n: int, noun: str, plural: str = "s") -> str:
-    return f"{n} {noun}{plural if n != 1 else ''}"

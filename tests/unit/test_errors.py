@@ -1,0 +1,34 @@
+"""The one-line form of an error that phalanx's messages quote."""
+
+from __future__ import annotations
+
+import errno
+
+from phalanx.errors import count, first_line
+
+
+def test_first_line_is_the_first_line_with_text_its_spaces_collapsed():
+    error = RuntimeError("\n  shapes   differ:\t(2, 3)\nTraceback follows\n")
+    assert first_line(error) == "shapes differ: (2, 3)"
+
+
+def test_an_error_without_text_is_named_by_its_type():
+    assert first_line(KeyError()) == "KeyError"
+    assert first_line(ValueError("  \n ")) == "ValueError"
+
+
+def test_first_line_is_cut_to_its_limit():
+    assert first_line(RuntimeError("x" * 1000), 300) == "x" * 300
+
+
+def test_an_os_error_gives_its_reason_without_its_number_and_path():
+    error = OSError(errno.ENOSPC, "No space left on device", "/runs/a/model.safetensors")
+    assert first_line(error, os_reason=True) == "No space left on device"
+    assert "/runs/a/model.safetensors" in first_line(error)
+    # an OSError raised with a message alone has no reason of its own: the message
+    assert first_line(OSError("read-only file system"), os_reason=True) == "read-only file system"
+
+
+def test_count_names_one_and_many():
+    assert count(1, "worker") == "1 worker"
+    assert [count(0, "worker"), count(2, "process", "es")] == ["0 workers", "2 processes"]
