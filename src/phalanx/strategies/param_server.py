@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import time
 import warnings
 from collections import Counter
@@ -51,12 +50,12 @@ from torch import nn
 from phalanx import environment
 from phalanx.data import Micro
 from phalanx.engine import concat
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, count
 from phalanx.settings import StrategySettings
-from phalanx.strategies import in_worker, progress, serving
+from phalanx.strategies import crew, in_worker, progress, serving
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.ddp import INSTEAD
-from phalanx.strategies.distributed import _OPS, ProcessGroup, _attempt_store, _default_store
+from phalanx.strategies.distributed import ProcessGroup, _attempt_store, _default_store
 from phalanx.strategies.registry import Family, refuse, register
 from phalanx.strategies.serving import CLAIM, DONE, LOSSES, PULL, PUSH, STATE
 
@@ -117,13 +116,16 @@ class ParamServer(ProcessGroup, Replicated):
                 )
                 for server in self._server_ranks()
             }
-        self._peers = (
-            self._make_group("peers", self.rank - self.workers, self.servers)
-            if self.serving and self.servers > 1
-            else None
+        self._peers = None  # the servers' group
+        if self.serving and self.servers > 1:
+            index, run = self.rank - self.workers, self._run
+            self._peers = crew.named_group(
+                self._store, run, "peers", index, self.servers, self.timeout_s
+            )
+        # the workers' own group, where the collectives run once the run has started
+        self._crew = crew.Crew(
+            self._store, self._run, self.rank, self.workers, self.timeout_s, self._enter
         )
-        self._crew: Any = None  # the workers' group, of generation `_generation`
-        self._generation = -1
         self._group: Any = None  # the group the collectives run over: all, then the workers
         self._params: list[nn.Parameter] = []  # the optimizer's, in its order
         self._shares: list[list[int]] = []  # each server's parameters, by index
@@ -135,30 +137,14 @@ class ParamServer(ProcessGroup, Replicated):
         self._chunks = 0  # this epoch's chunks computed here
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
 
-    def _make_group(self, name: str, rank: int, size: int) -> Any:
-        named = dist.PrefixStore(f"phalanx/param_server/{self._run}/{name}", self._store)
-        return dist.ProcessGroupGloo(named, rank, size, timedelta(seconds=self.timeout_s))
-
-    def _generation_key(self) -> str:
-        return f"phalanx/param_server/{self._run}/generation"
-
-    def _workers_group(self) -> Any:
-        """The workers' group of this generation: made again, each worker waiting for every
-        other, when a worker has died since (its successor among them)."""
-        generation = int(self._store.add(self._generation_key(), 0))
-        if generation != self._generation:
-            self._crew = self._make_group(f"crew/{generation}", self.rank, self.workers)
-            self._generation = generation
-        return self._crew
-
-    def _new_generation(self) -> None:
-        self._store.add(self._generation_key(), 1)
+    def _enter(self, collective: str) -> None:
+        self.progress.enter(collective)
 
     def describe(self) -> tuple[str, str]:
         # a worker's part of a micro-batch is a chunk
         bound = "synchronous" if not self.staleness else f"up to {self.staleness} updates stale"
         return "chunk", (
-            f"{_count(self.servers, 'server')} and {_count(self.workers, 'worker')}, which take "
+            f"{count(self.servers, 'server')} and {count(self.workers, 'worker')}, which take "
             f"the chunks as they become free ({bound})"
         )
 
@@ -402,7 +388,7 @@ class ParamServer(ProcessGroup, Replicated):
             lambda worker, incarnation: serving.link(
                 self._store, self._run, self.rank, worker, incarnation, True
             ),
-            self._new_generation,
+            self._crew.new_generation,
         )
         server.run(self._links)
 
@@ -426,45 +412,22 @@ class ParamServer(ProcessGroup, Replicated):
     def reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self._group is None:  # before the run: every process (one that rejoins: only itself)
             return tensor.detach().clone() if self.incarnation else super().reduce(tensor, op)
-        out = tensor.detach().cpu().clone()
-        self.progress.enter("an all-reduce")
-        options = dist.AllreduceOptions()
-        options.reduceOp = _OPS[op]  # type: ignore[assignment]  # the stub: a RedOpType is one
-        self._workers_group().allreduce([out], options).wait()
-        return out.to(tensor.device)
+        return self._crew.reduce(tensor, op)
 
     def gather(self, value: Any) -> list[Any]:
         if self._group is None:
             return [value] * self.world_size if self.incarnation else super().gather(value)
-        self.progress.enter("a gather")
-        every = self._gather_bytes(pickle.dumps(value))
-        # bytes this run's own workers pickled, over loopback links (as all_gather_object)
-        return [pickle.loads(data) for data in every]  # safe: the workers' own pickles
+        return self._crew.gather(value)
 
     def broadcast(self, value: Any) -> Any:
         if self._group is None:
             return value if self.incarnation else super().broadcast(value)
-        self.progress.enter("a broadcast")
-        main = self._gather_bytes(pickle.dumps(value) if self.is_main else b"")[0]
-        return pickle.loads(main)  # safe: the main worker's own pickle, as broadcast_object_list
+        return self._crew.broadcast(value, self.is_main)
 
     def barrier(self) -> None:
         if self._group is None:
             return None if self.incarnation else super().barrier()
-        self.progress.enter("a barrier")
-        self._workers_group().barrier().wait()
-
-    def _gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every worker's `data`, over the workers' group."""
-        group = self._workers_group()
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.workers)]
-        group.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]).wait()
-        longest = max(int(n) for n in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        every = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.workers)]
-        group.allgather([every], [mine]).wait()
-        return [e[: int(n)].numpy().tobytes() for e, n in zip(every, sizes, strict=True)]
+        self._crew.barrier()
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         assert self.progress.where is not None
@@ -530,12 +493,13 @@ class ParamServer(ProcessGroup, Replicated):
         not while the interpreter finalizes), then the group. Where a worker died, the group of
         every process has lost it: the workers meet in theirs, the servers are done already."""
         self._group = None
-        rejoined = int(self._store.add(self._generation_key(), 0)) > 0
+        rejoined = self._crew.rejoined
         if not self.serving and rejoined:
-            self._workers_group().barrier().wait()
+            self._crew.group().barrier().wait()
         elif dist.is_initialized() and not rejoined:
             self.barrier()
-        self._links, self._crew, self._peers = {}, None, None
+        self._links, self._peers = {}, None
+        self._crew.close()
         if rejoined:
             progress.stop()
             dist.destroy_process_group()
@@ -548,10 +512,6 @@ class ParamServer(ProcessGroup, Replicated):
 
 def _cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 # --- the strategy as the config names it ---------------------------------------------------
