@@ -25,8 +25,8 @@ from torch import nn
 
 from phalanx import config, evaluation, launch, logs, relaunch, rundir, signals, strategies
 from phalanx import nodes as machines
-from phalanx.checkpoint import CheckpointMismatch, Checkpoints, initial_weights
-from phalanx.errors import CheckpointError, ConfigError, PhalanxError
+from phalanx.checkpoint import Checkpoints, initial_weights
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, PhalanxError
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given

@@ -28,11 +28,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Protocol
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_model, save_file, save_model
+from safetensors.torch import save_file, save_model
 from torch import nn
 
-from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, StorageError
+from phalanx.errors import CheckpointError, ConfigError, StorageError
 from phalanx.files import (
     fsync_dir,
     fsync_file,
@@ -41,14 +40,19 @@ from phalanx.files import (
     write_text_atomic,
     writing,
 )
-from phalanx.shards import checkpoint_exception, load_shards, read_shards_model, shard_error
+from phalanx.shards import checkpoint_exception, shard_error
 from phalanx.stepfiles import FORMAT, read_manifest, read_optimizer_state, read_trainer_state
+from phalanx.weights import (
+    SHARDS,
+    WEIGHTS,
+    Weights,
+    load_into,
+    untie_weights,
+    weights_path,
+    whole_state,
+)
 
 log = logging.getLogger("phalanx")
-
-# where a checkpoint's weights go: a module, or a function that loads them from the weights file or
-# the shards folder (a strategy's, which may also load the optimizer's state from the shards)
-Weights = nn.Module | Callable[[Path], None]
 
 
 class Group(Protocol):
@@ -67,14 +71,7 @@ def saves_shards(strategy: Any) -> bool:
     return callable(getattr(strategy, "save_shards", None))
 
 
-WEIGHTS, OPTIMIZER, TRAINER, MANIFEST = (
-    "model.safetensors",
-    "optimizer.pt",
-    "trainer.json",
-    "manifest.json",
-)
-# a sharded model's and optimizer's state, as torch.distributed.checkpoint writes it
-SHARDS = "shards"
+OPTIMIZER, TRAINER, MANIFEST = "optimizer.pt", "trainer.json", "manifest.json"
 _in_progress: set[Path] = set()
 
 
@@ -472,12 +469,12 @@ class Checkpoints:
             )
         optimizer_state = read_optimizer_state(folder / OPTIMIZER)
         if weights is not None:
-            _load_into(weights, _weights_path(folder))
+            load_into(weights, weights_path(folder))
         return optimizer_state, trainer_state
 
     def load_weights(self, step: int, weights: Weights) -> None:
         """Only the weights of step `step`, verified, into `weights` (evaluation needs no more)."""
-        _load_into(weights, _weights_path(self.verify(step)))
+        load_into(weights, weights_path(self.verify(step)))
 
     def export(self, step: int, output: Path) -> int:
         """The whole model of step `step` as one safetensors file at `output`, every name of its
@@ -485,66 +482,11 @@ class Checkpoints:
         written atomically. Returns the number of tensors."""
         from safetensors.torch import save
 
-        path = _weights_path(self.verify(step))
-        state = _untie_weights(whole_state(path), path)
+        path = weights_path(self.verify(step))
+        state = untie_weights(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
         return len(state)
-
-
-def _weights_path(folder: Path) -> Path:
-    return folder / SHARDS if (folder / SHARDS).is_dir() else folder / WEIGHTS
-
-
-def _load_into(weights: Weights, path: Path) -> None:
-    if not isinstance(weights, nn.Module):
-        weights(path)
-    elif path.name == SHARDS:
-        load_shards(path, weights)
-    else:
-        load_weights(weights, path)
-
-
-def whole_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every name of a model's state dict from a safetensors file or a shards folder, as CPU
-    tensors. A tied weight, which saving kept under one of its names, is put back under the others
-    as the same tensor: however many names a file's metadata ties, they cost no memory."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    if path.name == SHARDS:
-        return read_shards_model(path)
-    try:
-        state = load_file(str(path))
-        # names save_model dropped as duplicates: dropped -> kept
-        with safe_open(str(path), "pt") as f:
-            for dropped, kept in (f.metadata() or {}).items():
-                if kept in state and dropped not in state:
-                    state[dropped] = state[kept]
-    except SafetensorError as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
-    return state
-
-
-def _untie_weights(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """`state` with a copy of a tied weight under each of its names but the first (a safetensors
-    file holds no shared tensors). A model ties a few weights (an embedding and its head), so the
-    copies may hold at most as many bytes as `path` holds: more is a damaged or crafted file, whose
-    metadata would make a small file a huge one."""
-    # each tensor of the file (by identity): its bytes
-    held: dict[int, int] = {}
-    tied = set()
-    for name, tensor in state.items():
-        if id(tensor) in held:
-            tied.add(name)
-        held[id(tensor)] = tensor.nbytes
-    extra, stored = sum(state[name].nbytes for name in tied), sum(held.values())
-    if extra > stored:
-        raise CheckpointError(
-            f"{path} ties {len(tied)} more names to its tensors, whose copies would hold "
-            f"{extra:,} bytes, more than the {stored:,} it holds; the checkpoint is damaged"
-        )
-    return {name: t.clone() if name in tied else t for name, t in state.items()}
 
 
 def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[str, torch.Tensor]]:
@@ -558,29 +500,12 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
                 "checkpoints/); name a run directory or a .safetensors file"
             )
         checkpoints = Checkpoints(path / "checkpoints")
-        path = _weights_path(checkpoints.verify(checkpoints.select(which)))
+        path = weights_path(checkpoints.verify(checkpoints.select(which)))
     elif not path.is_file():
         raise ConfigError(
             f"model.init_from: {path} does not exist; name a run directory or a .safetensors file"
         )
     return path, whole_state(path)
-
-
-def load_weights(module: nn.Module, path: Path) -> None:
-    """Weights from a safetensors file: a file that does not parse is a CheckpointError, weights
-    of another model a CheckpointMismatch."""
-    try:
-        load_model(module, str(path), strict=True, device="cpu")
-    except SafetensorError as e:
-        raise CheckpointError(
-            f"{path} is not a readable safetensors file ({e}); the checkpoint is damaged"
-        ) from None
-    except RuntimeError as e:
-        lines = " ".join(str(e).split())
-        raise CheckpointMismatch(
-            f"{path} does not fit this model ({lines[:300]}); was it saved from "
-            "another model config?"
-        ) from None
 
 
 # threads that hash and sync a checkpoint's files

@@ -27,8 +27,8 @@ from phalanx import (
     strategies,
 )
 from phalanx import nodes as machines
-from phalanx.checkpoint import CheckpointMismatch, Checkpoints
-from phalanx.errors import CheckpointError
+from phalanx.checkpoint import Checkpoints
+from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.files import write_text_atomic
 from phalanx.objects import Objects
 from phalanx.runstate import RunState

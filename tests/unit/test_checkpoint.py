@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from phalanx.checkpoint import MANIFEST, OPTIMIZER, TRAINER, WEIGHTS, Checkpoints, load_weights
+from phalanx.checkpoint import MANIFEST, OPTIMIZER, TRAINER, WEIGHTS, Checkpoints
 from phalanx.errors import CheckpointError, StorageError
+from phalanx.weights import load_weights
 
 pytestmark = pytest.mark.timeout(60)
 # a value nested far deeper than json's parser recurses: it raises RecursionError

@@ -17,16 +17,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from phalanx.checkpoint import (
-    MANIFEST,
-    OPTIMIZER,
-    SHARDS,
-    TRAINER,
-    CheckpointMismatch,
-    Checkpoints,
-    load_shards,
-)
-from phalanx.errors import CheckpointError, StorageError
+from phalanx.checkpoint import MANIFEST, OPTIMIZER, SHARDS, TRAINER, Checkpoints
+from phalanx.errors import CheckpointError, CheckpointMismatch, StorageError
+from phalanx.shards import load_shards
 
 pytestmark = pytest.mark.timeout(60)
 MARKER = Path(os.environ.get("TMPDIR", "/tmp")) / "phalanx-unpickled-marker"
@@ -238,7 +231,7 @@ def test_export_refuses_a_file_whose_metadata_ties_more_copies_than_it_holds(ckp
     gets the tied names as the same tensor, whatever their number."""
     from safetensors.torch import save_file
 
-    from phalanx.checkpoint import WEIGHTS, whole_state
+    from phalanx.weights import WEIGHTS, whole_state
 
     tied = Tied()
     ckpts.save(3, tied, {"optimizer": {}, "schedulers": [], "scaler": {}}, _state(3))

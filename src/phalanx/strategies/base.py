@@ -218,7 +218,7 @@ class Strategy(Abilities, Protocol):
         optimizer's state: loaded into `optimizer` where it is given."""
 
     def load_state(self, state: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str]]:
-        """A whole model's state dict (every name, as `checkpoint.whole_state` reads a file) into
+        """A whole model's state dict (every name, as `weights.whole_state` reads a file) into
         the model, each process keeping its part (its replica, shards or stages): the names the
         state lacks and the names the model lacks, left as they were. A value of another shape
         raises (RuntimeError, ValueError or KeyError)."""
@@ -294,8 +294,8 @@ class Replicated:
         return self.model
 
     def load_model_state(self, path: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-        from phalanx.checkpoint import SHARDS, load_weights
         from phalanx.shards import load_shards
+        from phalanx.weights import SHARDS, load_weights
 
         # the whole state, read by each process on its own
         if path.name == SHARDS:
