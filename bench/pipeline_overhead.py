@@ -3,6 +3,7 @@ same split and schedule: two CPU processes (gloo), the benchmarks' MLP split at 
 
     .venv/bin/python bench/pipeline_overhead.py                       # 1f1b, 4 micro-batches
     .venv/bin/python bench/pipeline_overhead.py --schedule gpipe --microbatches 8
+    .venv/bin/python bench/pipeline_overhead.py --agreement-cost      # the hand loops alone
 
 Each process runs both loops on a fixed batch, in chunks of `--steps` optimizer steps that
 alternate (hand, phalanx, hand, ...) for `--rounds` rounds; a chunk's time is the slower process's.
@@ -13,6 +14,11 @@ all-reduce by which every process learns the step's loss and stop flag, as phala
 phalanx's step is `Trainer.train_step` on the same batch, fetched once: its padding, the contract's
 weights, the loss and stop agreement over the processes. The ratio is the median of the rounds'
 phalanx/hand ratios.
+
+`--agreement-cost` times no phalanx: the hand loop as users write it against the same loop agreeing
+behind the step (late) and at its end (now), in the same alternation, and prints each one's ratio
+to the first: what the processes' transport charges any loop that agrees on its loss every step.
+It writes no JSON.
 """
 
 from __future__ import annotations
@@ -132,7 +138,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     join_group(rank, 2, port)
     items = make_items(args.batch, FEATURES, CLASSES)
     x, y = items.x, items.y
-    loops = {"hand": _hand(rank, args, x, y), "phalanx": _phalanx(args, items)}
+    if args.agreement_cost:
+        loops = {
+            f"hand, {mode or 'no'} agreement": _hand(
+                rank, argparse.Namespace(**{**vars(args), "hand_agrees": mode}), x, y
+            )
+            for mode in (None, "late", "now")
+        }
+    else:
+        loops = {"hand": _hand(rank, args, x, y), "phalanx": _phalanx(args, items)}
     for step in loops.values():  # warm-up: the schedules' first step sets their buffers up
         for _ in range(3):
             step()
@@ -167,12 +181,20 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
+        "--agreement-cost",
+        action="store_true",
+        help="instead: the hand loop against itself agreeing late and now (no phalanx, no JSON)",
+    )
+    parser.add_argument(
         "--output", default=str(ROOT / "bench" / "results" / "pipeline_overhead.json")
     )
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     port = free_port()
     times = first_result(ctx, _worker, [(r, port, args) for r in range(2)])
+    if args.agreement_cost:
+        print_agreement_cost(times, args)
+        return
     ratios = [p / h for p, h in zip(times["phalanx"], times["hand"], strict=True)]
     ratio = statistics.median(ratios)
     hand, mine = statistics.median(times["hand"]), statistics.median(times["phalanx"])
@@ -206,6 +228,19 @@ def main() -> None:
             "met": ratio <= TARGET,
         }
     write_report(report, args.output)
+
+
+def print_agreement_cost(times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    names = list(times)
+    base = times[names[0]]
+    print(
+        f"2 processes (gloo), MLP hidden {args.hidden} split at net.2, batch {args.batch}, "
+        f"{args.microbatches} micro-batches, {args.schedule}; {args.rounds} rounds of "
+        f"{args.steps} steps; the hand loop against itself"
+    )
+    for name in names:
+        ratio = statistics.median(a / b for a, b in zip(times[name], base, strict=True))
+        print(f"{name:<24}{1e3 * statistics.median(times[name]):.3f} ms/step   ratio {ratio:.3f}x")
 
 
 if __name__ == "__main__":

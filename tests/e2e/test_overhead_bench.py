@@ -319,6 +319,30 @@ def test_a_pipeline_benchmark_whose_hand_loop_agrees_claims_no_target(tmp_path):
     assert "target" not in report and "not this run (its hand loop agrees)" in said
 
 
+def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_path):
+    """--agreement-cost: the hand loop without an agreement, then agreeing late and now, each a
+    ratio to the first; no phalanx step, and no report written."""
+    out = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "pipeline_overhead.py"), "--agreement-cost"]
+        + ["--steps", "2", "--rounds", "2", "--output", str(out)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("hand, ")]
+    assert [row.split("  ")[0] for row in rows] == [
+        "hand, no agreement",
+        "hand, late agreement",
+        "hand, now agreement",
+    ]
+    assert "ratio 1.000x" in rows[0] and "phalanx" not in result.stdout
+    assert not out.exists()
+
+
 def test_the_targets_table_says_what_it_cannot_read_and_goes_on(tmp_path):
     """A results file that holds no figure, or no commit, is a row that says so; the table is
     printed whatever the files hold."""
