@@ -43,6 +43,7 @@ from phalanx.strategies.cutting import (
     stage_parts,
 )
 from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
+from phalanx.strategies.padding import Padding, pad, rows_of
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.stage_state import StageState
@@ -125,7 +126,6 @@ class Pipeline(StageState, ProcessGroup):
         self._trainable = 0  # trainable parameters of the whole model
         self._whole: dict[str, tuple[int, ...]] = {}  # the whole model's state: names and shapes
         self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
-        self._sample_shapes: dict[str, torch.Size] = {}
         # the whole model's, before it is split (see setup)
         self.whole_summary = ""
         self._meta_model: nn.Module | None = None  # the whole model on the meta device (setup)
@@ -133,10 +133,8 @@ class Pipeline(StageState, ProcessGroup):
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
         self._behind = LastAgreement()  # the last step's agreement, behind it
-        self._counts: list[int] = []  # the real samples of each micro-batch of the schedule's step
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
-        # the schedule's target by a step's real samples: each row's weight (1 real, 0 padding)
-        self._weights: dict[int, torch.Tensor] = {}
+        self._padding = Padding(self.rows, settings.microbatches)  # a step's shard, padded
 
     def _mesh_groups(self) -> tuple[Any, Any, DeviceMesh]:
         """The groups of a pipeline with a tensor dimension, from one device mesh of copies x
@@ -217,10 +215,10 @@ class Pipeline(StageState, ProcessGroup):
         one device splits at all."""
         assert options.sample is not None  # setup checked
         here = next(whole.parameters(), torch.empty(0)).device
-        batch = {k: v.to(here) for k, v in _pad(options.sample(self.rows), self.rows).items()}
+        batch = {k: v.to(here) for k, v in pad(options.sample(self.rows), self.rows).items()}
         if not options.precision.passes_through:
             batch = dict(options.precision.convert_batch(batch, here))
-        self._sample_shapes = {k: v.shape[1:] for k, v in batch.items()}
+        self._padding.shapes = {k: v.shape[1:] for k, v in batch.items()}
         return batch
 
     def _split_names(self, whole: nn.Module, adapter: Any, batch: dict) -> list[str]:
@@ -394,7 +392,7 @@ class Pipeline(StageState, ProcessGroup):
             assert batch is not None  # an empty shard comes as a batch of zero samples
             self._global_size = micro.global_size
             self._captured.clear()
-            padded, real = self._pad_step(self._convert(engine, batch), len(micro.shard))
+            padded, real = self._padding.pad(self._convert(engine, batch), len(micro.shard))
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
@@ -442,32 +440,6 @@ class Pipeline(StageState, ProcessGroup):
         if missing > 0:
             self.progress.enter(self.progress.what, missing)
 
-    def _pad_step(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
-        """The shard padded to the schedule's micro-batches, and each row's weight (1 real, 0
-        padding)."""
-        total = self.rows * self.settings.microbatches
-        if n > total:
-            raise RuntimeError(f"a shard of {n} samples does not fit {total} pipeline rows")
-        padded = _pad(batch, total)
-        for key, value in padded.items():
-            if value.shape[1:] != self._sample_shapes.get(key, value.shape[1:]):
-                raise ConfigError(
-                    f"the pipeline strategy needs every batch's {key!r} in one shape beyond the "
-                    f"batch dimension: the first was {tuple(self._sample_shapes[key])}, this one "
-                    f"{tuple(value.shape[1:])}; pad the dataset's samples to one length"
-                )
-        from phalanx.strategies.stages import KEY
-
-        real = self._weights.get(n)
-        if real is None:  # on the host: read without a device sync
-            real = self._weights[n] = torch.zeros(total, dtype=torch.float64)
-            real[:n] = 1.0
-        # each micro-batch's real samples, for the last stage's loss (it runs them in order)
-        self._counts = [
-            min(max(n - i * self.rows, 0), self.rows) for i in range(total // self.rows)
-        ]
-        return {KEY + k: v for k, v in padded.items()}, real
-
     @staticmethod
     def _convert(engine: Engine, batch: Mapping) -> Mapping:
         """The batch as the engine gives it to the model (on the device, in the precision's
@@ -478,7 +450,7 @@ class Pipeline(StageState, ProcessGroup):
     def _loss(self, output: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """The last stage's objective for one micro-batch: the contract's weights on its real rows
         (the first `n`), the padding out of the graph."""
-        n = self._counts[len(self._captured) - 1]  # `real`'s sum, known on the host
+        n = self._padding.counts[len(self._captured) - 1]  # `real`'s sum, known on the host
         data = self._captured[-1]
         tokens = data.pop(TOKENS, None)
         if n < self.rows:  # padding rows out
@@ -538,8 +510,6 @@ class Pipeline(StageState, ProcessGroup):
     def evaluate(self, engine: Engine, batch: Mapping) -> dict:
         """The shard's outputs, from the last stage (the others return none), in rounds of the
         schedule's micro-batches."""
-        from phalanx.strategies.stages import rows_of
-
         schedule = self._built(engine)
         if self.model.training:
             self.model.eval()
@@ -551,7 +521,7 @@ class Pipeline(StageState, ProcessGroup):
         with torch.no_grad():
             for start in range(0, max(n, 1), per_round):
                 part = {k: v[start : start + per_round] for k, v in batch.items()}
-                padded, real = self._pad_step(part, min(per_round, n - start))
+                padded, real = self._padding.pad(part, min(per_round, n - start))
                 self._captured.clear()
                 if SCHEDULES[self.settings.schedule].in_v:
                     with self._counted_evenly(1):
@@ -620,22 +590,6 @@ class _Agreement(Behind):
                 "the model's loss became weighted (it returned loss_weight) after steps "
                 "without weights; return loss_weight from every step, or from none"
             )
-
-
-def _pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
-    """Each of the batch's tensors with rows of zeros added up to `rows`."""
-    out = {}
-    for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or not value.dim():
-            raise ConfigError(
-                f"the pipeline strategy sends tensors through its stages, but the batch's {key!r} "
-                f"is a {type(value).__name__}; give the model tensors only"
-            )
-        n = value.shape[0]
-        if n < rows:
-            value = torch.cat((value, value.new_zeros((rows - n, *value.shape[1:]))))
-        out[key] = value
-    return out
 
 
 # --- the strategy as the config names it ---------------------------------------------------

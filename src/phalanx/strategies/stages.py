@@ -5,7 +5,7 @@ that micro-batch's samples' random numbers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,12 +16,10 @@ from phalanx import random
 from phalanx.engine import TOKENS
 from phalanx.errors import ModelError
 from phalanx.strategies.cutting import Active, Cut
+from phalanx.strategies.padding import KEY, rows_of
 
 if TYPE_CHECKING:
     from phalanx.precision import Precision
-
-# before each batch key passed to the schedule: none may be its own argument
-KEY = "batch_"
 
 
 class CountedStage(pipelining.PipelineStage):
@@ -136,10 +134,3 @@ class Stage(nn.Module):
                 data[key] = value.detach() if isinstance(value, torch.Tensor) else value
         active.captured.append(data)
         return loss
-
-
-def rows_of(batch: Mapping) -> int:
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim():
-            return value.shape[0]
-    return 0
