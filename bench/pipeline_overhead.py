@@ -189,6 +189,10 @@ def main() -> None:
         "--output", default=str(ROOT / "bench" / "results" / "pipeline_overhead.json")
     )
     args = parser.parse_args()
+    if args.agreement_cost and args.hand_agrees:
+        parser.error(
+            "--agreement-cost times the hand loop in every way it agrees; drop --hand-agrees"
+        )
     ctx = mp.get_context("spawn")
     port = free_port()
     times = first_result(ctx, _worker, [(r, port, args) for r in range(2)])
