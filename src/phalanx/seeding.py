@@ -126,9 +126,7 @@ class _NumpyState:
         if generator is not self._generator:
             self._generator, self._twister, self._known = generator, None, None
             if isinstance(generator, np.random.MT19937):
-                address = generator.ctypes.state_address
-                length = 624 * 4 + 4  # mt19937_state: uint32_t key[624]; int pos
-                self._twister = lambda: ctypes.string_at(address, length)
+                self._twister = _reader(generator.ctypes.state_address, 624 * 4 + 4)
         return self._twister
 
     def get(self) -> Any:
@@ -188,6 +186,7 @@ class _PythonRandom:
         # by getstate)
         self._generator: Any = None
         self._address: int | None = None
+        self._twister: Callable[[], bytes] = bytes  # its bytes, where the address is known
         try:
             generator = random.random.__self__  # type: ignore[attr-defined]
             # where id() is an address and no other thread draws while the bytes are copied
@@ -197,6 +196,7 @@ class _PythonRandom:
                 _, words, _ = generator.getstate()
                 if ctypes.string_at(address, _TWISTER) == _packed(words):
                     self._generator, self._address = generator, address
+                    self._twister = _reader(address, _TWISTER)
         except (AttributeError, TypeError, ValueError, struct.error):
             pass
 
@@ -204,7 +204,7 @@ class _PythonRandom:
         address = self._address
         if address is None:
             return random.getstate()
-        return ctypes.string_at(address, _TWISTER), self._generator.gauss_next
+        return self._twister(), self._generator.gauss_next
 
     def set(self, saved: Any) -> None:
         if self._address is None:
@@ -226,6 +226,14 @@ _TWISTER = struct.calcsize(_TWISTER_LAYOUT)
 def _packed(words: tuple[int, ...]) -> bytes:
     """`getstate`'s 624 words and position as the C object holds them."""
     return struct.pack(_TWISTER_LAYOUT, words[-1], *words[:-1])
+
+
+def _reader(address: int, length: int) -> Callable[[], bytes]:
+    """A function that copies `length` bytes from `address`: a view made once, its bytes read
+    on each call (a seventh of `ctypes.string_at`'s cost, which converts its arguments each
+    time). The memory must outlive the view: a generator's, which its reader keeps."""
+    view = (ctypes.c_char * length).from_address(address)
+    return lambda: view.raw
 
 
 def _same_torch_state(saved: torch.Tensor) -> bool:
