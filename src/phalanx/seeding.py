@@ -236,9 +236,28 @@ def _reader(address: int, length: int) -> Callable[[], bytes]:
     return lambda: view.raw
 
 
+def _memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's memcmp (None where it cannot be found, as on Windows)."""
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return memcmp
+
+
+_MEMCMP = _memcmp()
+
+
 def _same_torch_state(saved: torch.Tensor) -> bool:
-    # comparing the bytes costs a third of torch.equal's dispatch
-    return _TORCH.get_state().numpy().tobytes() == saved.numpy().tobytes()
+    # the two states' memory compared where they lie: half the cost of copying both into bytes,
+    # a third of torch.equal's dispatch
+    now = _TORCH.get_state()
+    size = now.numel()
+    if _MEMCMP is not None and saved.numel() == size:
+        return _MEMCMP(now.data_ptr(), saved.data_ptr(), size) == 0
+    return now.numpy().tobytes() == saved.numpy().tobytes()
 
 
 _TORCH = torch.default_generator

@@ -148,6 +148,23 @@ def test_an_item_draws_the_same_however_and_wherever_it_is_read(stream):
     assert len(set(values[:, 0].tolist())) == N  # each item its own
 
 
+@pytest.mark.parametrize("memcmp", [True, False], ids=["memcmp", "bytes"])
+def test_a_draw_from_torch_is_seen_by_comparing_its_state_in_place_or_as_bytes(memcmp, monkeypatch):
+    """torch's state is compared where it lies (the C library's memcmp) or, where that is not
+    found, as bytes: either way a stream that draws from torch alone is seen to, and read as
+    defined."""
+    if not memcmp:
+        monkeypatch.setattr(seeding, "_MEMCMP", None)
+    else:
+        assert seeding._MEMCMP is not None  # the C library is found where the tests run
+    saved = torch.default_generator.get_state()
+    assert seeding._same_torch_state(saved)
+    torch.rand(1)
+    assert not seeding._same_torch_state(saved)
+    key = seeding.training_key(0, 1)
+    assert_same(read(BatchedDraws(), key, batch=4), defined(BatchedDraws(), key))
+
+
 def test_a_generator_drawn_from_only_once_another_is_seeded_is_seeded_too():
     key = seeding.training_key(0, 1)
     want = defined(DrawsOnceSeeded(), key)
