@@ -22,13 +22,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 pytestmark = pytest.mark.timeout(300)
 
 
-def run_script(
-    tmp_path: Path, script: str, *args: str, out_flag: str = "--output"
-) -> tuple[str, dict]:
-    """Run a benchmark at a tiny size; what it printed and the report it wrote."""
-    out = tmp_path / "report.json"
+def run_bench(tmp_path: Path, script: str, *args: str) -> str:
+    """Run a benchmark at a tiny size; what it printed (it must succeed)."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args, out_flag, str(out)],
+        [sys.executable, str(REPO / "bench" / script), *args],
         cwd=tmp_path,
         env=ENV,
         capture_output=True,
@@ -36,7 +33,16 @@ def run_script(
         timeout=240,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout, json.loads(out.read_text())
+    return result.stdout
+
+
+def run_script(
+    tmp_path: Path, script: str, *args: str, out_flag: str = "--output"
+) -> tuple[str, dict]:
+    """Run a benchmark at a tiny size; what it printed and the report it wrote."""
+    out = tmp_path / "report.json"
+    said = run_bench(tmp_path, script, *args, out_flag, str(out))
+    return said, json.loads(out.read_text())
 
 
 def run(tmp_path: Path, script: str, *args: str) -> dict:
@@ -156,31 +162,23 @@ def test_instruction_counter_runs_every_variant(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from instructions import VARIANTS
 
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "instructions.py"),
-            "--native",
-            "--steps",
-            "2",
-            "--epochs",
-            "1",
-            "--warmup",
-            "1",
-            "--epoch-steps",
-            "3",
-            "--variants",
-            ",".join(VARIANTS),
-        ],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    said = run_bench(
+        tmp_path,
+        "instructions.py",
+        "--native",
+        "--steps",
+        "2",
+        "--epochs",
+        "1",
+        "--warmup",
+        "1",
+        "--epoch-steps",
+        "3",
+        "--variants",
+        ",".join(VARIANTS),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [
-        line.split(":")[0] for line in result.stdout.splitlines() if "calls, not counted" in line
+        line.split(":")[0] for line in said.splitlines() if "calls, not counted" in line
     ] == VARIANTS
 
 
@@ -207,25 +205,17 @@ def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
     """The GPU benchmark's machinery at tiny sizes on the CPU: fsdp on one process with offload and
     a meta-device build trains the example decoder (tied weights) at each size the search tries."""
     out = tmp_path / "largest.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "largest_model.py"),
-            "--smoke",
-            "--mode",
-            "fsdp-offload",
-            "--max-layers",
-            "3",
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run_bench(
+        tmp_path,
+        "largest_model.py",
+        "--smoke",
+        "--mode",
+        "fsdp-offload",
+        "--max-layers",
+        "3",
+        "--out",
+        str(out),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = json.loads(out.read_text())["modes"]["fsdp-offload"]
     assert [t["layers"] for t in found["trials"]] == [1, 2, 3] and all(
         t["fits"] for t in found["trials"]
@@ -240,28 +230,20 @@ def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
 
 def test_async_checkpoint_benchmark_times_the_three_runs(tmp_path):
     out = tmp_path / "async.json"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "async_checkpoints.py"),
-            "--hidden",
-            "1000",
-            "--steps",
-            "10",
-            "--every",
-            "2",
-            "--rounds",
-            "1",
-            "--out",
-            str(out),
-        ],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    run_bench(
+        tmp_path,
+        "async_checkpoints.py",
+        "--hidden",
+        "1000",
+        "--steps",
+        "10",
+        "--every",
+        "2",
+        "--rounds",
+        "1",
+        "--out",
+        str(out),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert list(results) == [
         "no checkpoints",
@@ -323,23 +305,24 @@ def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_pat
     """--agreement-cost: the hand loop without an agreement, then agreeing late and now, each a
     ratio to the first; no phalanx step, and no report written."""
     out = tmp_path / "report.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "pipeline_overhead.py"), "--agreement-cost"]
-        + ["--steps", "2", "--rounds", "2", "--output", str(out)],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
+    said = run_bench(
+        tmp_path,
+        "pipeline_overhead.py",
+        "--agreement-cost",
+        "--steps",
+        "2",
+        "--rounds",
+        "2",
+        "--output",
+        str(out),
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("hand, ")]
+    rows = [line for line in said.splitlines() if line.startswith("hand, ")]
     assert [row.split("  ")[0] for row in rows] == [
         "hand, no agreement",
         "hand, late agreement",
         "hand, now agreement",
     ]
-    assert "ratio 1.000x" in rows[0] and "phalanx" not in result.stdout
+    assert "ratio 1.000x" in rows[0] and "phalanx" not in said
     assert not out.exists()
 
 
