@@ -56,6 +56,14 @@ def first_line(error: BaseException, limit: int = 500, os_reason: bool = False) 
     return (line or type(error).__name__)[:limit]
 
 
+def named(error: BaseException, limit: int = 500) -> str:
+    """An error with its type, in one line: "TypeName: first line", the name alone where the error
+    says nothing (`first_line`'s `limit` on the text)."""
+    name = type(error).__name__
+    line = first_line(error, limit)
+    return name if line == name else f"{name}: {line}"
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from phalanx.errors import count, first_line
+from phalanx.errors import count, first_line, named
 
 
 def test_first_line_is_the_first_line_with_text_its_spaces_collapsed():
@@ -32,3 +32,10 @@ def test_an_os_error_gives_its_reason_without_its_number_and_path():
 def test_count_names_one_and_many():
     assert count(1, "worker") == "1 worker"
     assert [count(0, "worker"), count(2, "process", "es")] == ["0 workers", "2 processes"]
+
+
+def test_named_gives_the_type_and_the_text_once():
+    assert named(ConnectionError("the server\n went away")) == "ConnectionError: the server"
+    # an error without text is its type, not the type twice
+    assert named(RuntimeError()) == "RuntimeError"
+    assert named(TimeoutError("x" * 900), 10) == "TimeoutError: " + "x" * 10

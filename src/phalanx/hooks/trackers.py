@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from phalanx.config import flat_keys
-from phalanx.errors import ConfigError, first_line
+from phalanx.errors import ConfigError, first_line, named
 from phalanx.hooks.variables import flat_variables
 from phalanx.hooks.writers import _Writer
 
@@ -63,7 +63,7 @@ class _Tracker(_Writer):
         except Exception as e:  # noqa: BLE001 - a tracker's errors (network, database, login) vary
             raise ConfigError(
                 f"{type(self).__name__}: the tracker could not start a run "
-                f"({type(e).__name__}: {first_line(e, 300)}); check its settings, or remove the "
+                f"({named(e, 300)}); check its settings, or remove the "
                 "hook"
             ) from e
         self._started = True
@@ -110,10 +110,9 @@ class _Tracker(_Writer):
         except Exception as e:  # noqa: BLE001 - the tracker's own errors, whatever they are
             self._started = False
             log.error(
-                "%s: the tracker failed (%s: %s); training goes on without it",
+                "%s: the tracker failed (%s); training goes on without it",
                 type(self).__name__,
-                type(e).__name__,
-                first_line(e, 300),
+                named(e, 300),
             )
 
     def state_dict(self) -> dict[str, Any]:
