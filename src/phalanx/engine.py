@@ -69,21 +69,51 @@ _weighed = tuple.__new__
 
 class GradNorms:
     """The global gradient norm of each step of an epoch, before clipping: mean, max, and how many
-    were not finite (those steps are skipped). The same on every rank."""
+    were not finite (those steps are skipped). The same on every rank. A norm left on its device
+    (`add_later`) is read with the others still there, once, when any of these is read."""
 
     def __init__(self) -> None:
         self.sum, self.max, self.count, self.nonfinite = 0.0, 0.0, 0, 0
-        self.last: float | None = None
+        self._last: float | None = None
+        self._pending: list[torch.Tensor] = []  # norms on their device, one element each
 
-    def add(self, norm: float) -> None:
-        self.last = norm
+    def add(self, norm: float, warn: bool = True) -> None:
+        """A step's norm, read. The first that is not finite in an epoch is logged (`warn`)."""
+        self._last = norm
         if not math.isfinite(norm):
             self.nonfinite += 1
+            if warn and self.nonfinite == 1:
+                log.warning(
+                    "the gradient norm is not finite (%s) at step %d of the epoch: the step is "
+                    "skipped; such steps are counted in the epoch's grad_norm_nonfinite",
+                    norm,
+                    self.count + self.nonfinite,
+                )
             return
         self.sum, self.max, self.count = self.sum + norm, max(self.max, norm), self.count + 1
 
+    def add_later(self, norm: torch.Tensor) -> None:
+        """A step's norm, left where it is: read with the others when one is read."""
+        pending = self._pending
+        pending.append(norm.detach().reshape(1))
+        if len(pending) >= 64:  # a few tensors held, however long the epoch
+            self._pending = [torch.cat(pending)]
+
+    def _settle(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for norm in torch.cat(pending).tolist():
+                self.add(norm)
+
+    @property
+    def last(self) -> float | None:
+        """The last step's norm (None before the first, and where nothing is clipped)."""
+        self._settle()
+        return self._last
+
     def variables(self) -> dict[str, float]:
         """What the epoch's `train` row holds."""
+        self._settle()
         out: dict[str, float] = {"grad_norm_nonfinite": self.nonfinite}
         if self.count:
             out.update(grad_norm=self.sum / self.count, grad_norm_max=self.max)
@@ -91,12 +121,15 @@ class GradNorms:
 
     def reset(self) -> None:
         """A new epoch's norms."""
+        self._settle()  # the last epoch's warning, if it has one to give
         self.__init__()  # type: ignore[misc]
 
     def state_dict(self) -> dict:
+        self._settle()
         return {"sum": self.sum, "max": self.max, "count": self.count, "nonfinite": self.nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
+        self._pending = []
         self.sum, self.max, self.count, self.nonfinite = (
             state["sum"],
             state["max"],
@@ -140,6 +173,8 @@ class Engine:
         # whether weights on an accelerator were negative: read at the epoch's end, not every
         # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
         self._negative: list[torch.Tensor] = []
+        # a clipped step's "not finite" flag, for an optimizer that skips on its device (`_clip`)
+        self._found_inf: torch.Tensor | None = None
 
     def begin(self) -> None:
         """A training step starts: the module in training mode, no gradients."""
@@ -164,7 +199,7 @@ class Engine:
         if self.max_grad_norm is None or self._clip(
             self.max_grad_norm, total_norm if norm is None else norm
         ):
-            self.precision.step(optimizer)
+            self._step(optimizer)
         self.step_schedulers()
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
@@ -303,31 +338,42 @@ class Engine:
     def _clip(self, max_norm: float, norm_of: Callable[[list[torch.Tensor]], torch.Tensor]) -> bool:
         """Scale the gradients so that their global norm (`norm_of` them: over every rank, shard
         or stage) is at most `max_norm`; whether the step may go on: a norm that is not finite
-        skips it, and is counted."""
-        if self.precision.scaler is not None:
-            self.precision.scaler.unscale_(self.trained_optimizer)
+        skips it, and is counted. An optimizer that takes the skip on its device (a fused one)
+        is handed it there, and the norm stays on the device: nothing is read back."""
+        scaler = self.precision.scaler
+        if scaler is not None:
+            scaler.unscale_(self.trained_optimizer)
         # clip_grads_with_norm_ skips those without a gradient
         parameters = self._parameters()
         norm = norm_of([p.grad for p in parameters if p.grad is not None])
-        value = float(norm)
-        self.norms.add(value)
-        if not math.isfinite(value):
-            # the scaler skips the step and lowers its scale
-            if self.precision.scaler is not None:
-                return True
-            if self.norms.nonfinite == 1:
-                log.warning(
-                    "the gradient norm is not finite (%s) at step %d: the step is skipped; such "
-                    "steps are counted in the epoch's grad_norm_nonfinite",
-                    value,
-                    self.norms.count + 1,
-                )
-            return False
+        skips_on_device = scaler is None and _skips_on_device(self.trained_optimizer)
+        if skips_on_device:
+            self.norms.add_later(norm)
+            self._found_inf = torch.logical_not(torch.isfinite(norm)).to(torch.float32)
+        else:
+            value = float(norm)
+            # the scaler skips the step and lowers its scale: routine under fp16, not warned of
+            self.norms.add(value, warn=scaler is None)
+            if not math.isfinite(value):
+                return scaler is not None
         # one call per device mesh: a foreach over DTensors needs them on one mesh, and a model
         # parallelised over several dimensions holds parameters on several
         for group in _by_mesh(parameters):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return True
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step; where `_clip` left it a non-finite flag on the device, the
+        optimizer skips itself by it (as under a gradient scaler)."""
+        found_inf, self._found_inf = self._found_inf, None
+        if found_inf is None:
+            self.precision.step(optimizer)
+            return
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
         """A vector of `n` times `value`: the gradient of the objective with respect to each
@@ -401,6 +447,13 @@ class Engine:
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.trained_optimizer.param_groups]
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` skips its own step where a device flag (`found_inf`) says so: torch's
+    fused optimizers, as a gradient scaler drives them."""
+    fused = getattr(optimizer, "defaults", {}).get("fused")
+    return bool(fused) and getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
 def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:

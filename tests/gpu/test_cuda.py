@@ -324,12 +324,17 @@ class _LongKernels(torch.nn.Module):
         return {"loss": (self.layer(x).squeeze(-1) - y) ** 2}
 
 
-@pytest.mark.parametrize("strategy", ["single", "fsdp"])
-def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(tmp_path, monkeypatch, strategy):
+@pytest.mark.parametrize(
+    "strategy, clipped", [("single", False), ("fsdp", False), ("single", True)]
+)
+def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(
+    tmp_path, monkeypatch, strategy, clipped
+):
     """A step queues its kernels and returns: nothing it reads back waits for them. `single` reads
-    nothing at all from the device; fsdp reads the step before's stop flag (its agreement runs
-    behind the step), so it waits for that step, never for its own. The first steps are left out
-    (the first step's gradient check reads the gradients)."""
+    nothing at all from the device, also where it clips the gradients for a fused optimizer (which
+    skips a non-finite step on the device); fsdp reads the step before's stop flag (its agreement
+    runs behind the step), so it waits for that step, never for its own. The first steps are left
+    out (the first step's gradient check reads the gradients)."""
     import phalanx
     from phalanx.hooks import Hook
 
@@ -346,6 +351,8 @@ def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(tmp_path, monkeyp
     raw["parallel"]["gradient_accumulation"] = 1
     raw["main_loop"] = {"epochs": 1, "extra_streams": []}
     raw["dataset"]["n_train"] = 60  # 6 steps of 10
+    if clipped:
+        raw["optimizer"] = {"class": "AdamW", "lr": 0.01, "fused": True, "max_grad_norm": 1.0}
     streams = toy.Regression(n_train=60).streams()
     phalanx.fit(raw, model=_LongKernels(), dataset=streams, hooks=[Asks()])
     assert len(asked) == 6
