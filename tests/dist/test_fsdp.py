@@ -69,6 +69,28 @@ def test_fsdp_trains_as_one_process(world_size):
             assert rel(got["losses"], expected["losses"]) < 1e-10
 
 
+def test_a_fused_optimizer_clips_sharded_gradients_and_skips_a_non_finite_step_as_one_process():
+    """Clipping for a fused AdamW hands it the non-finite flag on the device, beside sharded
+    (DTensor) parameters: step 3's infinite loss is skipped on every rank, and the run is one
+    process's."""
+    raw = toy.regression_config(
+        model={"class": "toy.InfAt", "features": 3, "step": 3},
+        optimizer={"class": "AdamW", "lr": 0.05, "fused": True, "max_grad_norm": 1.0},
+        main_loop={"epochs": 2, "extra_streams": []},
+        hooks=[],
+    )
+    want = workers.train(raw)
+    sharded = {**raw, "parallel": {"accelerator": "cpu", "devices": 2, "strategy": "fsdp"}}
+    got, _ = workers.run_ranks(2, workers.train_all, [sharded], timeout=120)
+    got = got[0]
+    for key, value in want["params"].items():
+        assert rel(got["params"][key], value) < 1e-10, key
+    assert [e["train"]["grad_norm_nonfinite"] for e in got["epochs"]] == [1, 0]
+    assert [e["train"]["grad_norm"] for e in got["epochs"]] == pytest.approx(
+        [e["train"]["grad_norm"] for e in want["epochs"]], rel=1e-10
+    )
+
+
 def test_a_stop_asked_on_one_rank_is_taken_a_step_late_on_every_rank():
     """fsdp agrees on a plain loss behind the step: a stop asked on rank 1 alone after step 3 rides
     on step 4's agreement, read at step 5's end on every rank alike, which then save and exit with
