@@ -35,15 +35,25 @@ def build_optimizer(
     search_dirs: Sequence[Path],
     batch_size: int,
     fused: bool = False,
+    scaled: bool = False,
 ) -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters; on CUDA, the fused kernel where the class has
-    one and the config does not choose."""
+    """The optimizer over the trainable parameters; with `fused` (on CUDA), the fused kernel where
+    the class has one and the config does not choose, but for SGD with momentum under a gradient
+    scaler (`scaled`): torch's fused SGD makes its momentum buffers, uninitialised, before it reads
+    the scaler's "skip" flag, and keeps them from a skipped first step (an fp16 run's first steps
+    are often skipped)."""
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters; check model.class")
     kwargs = scaled_lr(cfg, batch_size)
-    if fused and "fused" not in kwargs and "foreach" not in kwargs and _takes(factory, "fused"):
+    chosen = "fused" in kwargs or "foreach" in kwargs
+    if (
+        fused
+        and not chosen
+        and _takes(factory, "fused")
+        and not (scaled and kwargs.get("momentum"))
+    ):
         kwargs["fused"] = True
     return instantiate("optimizer", factory, params, **kwargs)
 

@@ -75,7 +75,9 @@ class GradNorms:
     def __init__(self) -> None:
         self.sum, self.max, self.count, self.nonfinite = 0.0, 0.0, 0, 0
         self._last: float | None = None
-        self._pending: list[torch.Tensor] = []  # norms on their device, one element each
+        # norms on their device: the latest, one element each; before them, 64 a tensor
+        self._pending: list[torch.Tensor] = []
+        self._chunks: list[torch.Tensor] = []
 
     def add(self, norm: float, warn: bool = True) -> None:
         """A step's norm, read. The first that is not finite in an epoch is logged (`warn`)."""
@@ -96,13 +98,15 @@ class GradNorms:
         """A step's norm, left where it is: read with the others when one is read."""
         pending = self._pending
         pending.append(norm.detach().reshape(1))
-        if len(pending) >= 64:  # a few tensors held, however long the epoch
-            self._pending = [torch.cat(pending)]
+        if len(pending) >= 64:  # one tensor for 64 steps' norms, however long the epoch
+            self._chunks.append(torch.cat(pending))
+            pending.clear()
 
     def _settle(self) -> None:
-        if self._pending:
-            pending, self._pending = self._pending, []
-            for norm in torch.cat(pending).tolist():
+        if self._pending or self._chunks:
+            waiting = [*self._chunks, *self._pending]
+            self._chunks, self._pending = [], []
+            for norm in torch.cat(waiting).tolist():
                 self.add(norm)
 
     @property
@@ -129,7 +133,7 @@ class GradNorms:
         return {"sum": self.sum, "max": self.max, "count": self.count, "nonfinite": self.nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
-        self._pending = []
+        self._pending, self._chunks = [], []
         self.sum, self.max, self.count, self.nonfinite = (
             state["sum"],
             state["max"],
@@ -173,8 +177,8 @@ class Engine:
         # whether weights on an accelerator were negative: read at the epoch's end, not every
         # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
         self._negative: list[torch.Tensor] = []
-        # a clipped step's "not finite" flag, for an optimizer that skips on its device (`_clip`)
-        self._found_inf: torch.Tensor | None = None
+        # whether the optimizer skips a clipped step on its device (`_clipped_step`)
+        self._skips_on_device = False
 
     def begin(self) -> None:
         """A training step starts: the module in training mode, no gradients."""
@@ -196,10 +200,10 @@ class Engine:
         # weighted: (sum w_i l_i, sum w_i) / B over the global batch
         if loss.dim():
             loss = self._normalise(loss)
-        if self.max_grad_norm is None or self._clip(
-            self.max_grad_norm, total_norm if norm is None else norm
-        ):
-            self._step(optimizer)
+        if self.max_grad_norm is None:
+            self.precision.step(optimizer)
+        else:
+            self._clipped_step(optimizer, self.max_grad_norm, total_norm if norm is None else norm)
         self.step_schedulers()
         if len(self._negative) > 1:
             self._negative = [torch.stack(self._negative).any()]
@@ -335,37 +339,39 @@ class Engine:
             _scale(grads, inverse)
         return sums[0] * inverse
 
-    def _clip(self, max_norm: float, norm_of: Callable[[list[torch.Tensor]], torch.Tensor]) -> bool:
-        """Scale the gradients so that their global norm (`norm_of` them: over every rank, shard
-        or stage) is at most `max_norm`; whether the step may go on: a norm that is not finite
-        skips it, and is counted. An optimizer that takes the skip on its device (a fused one)
-        is handed it there, and the norm stays on the device: nothing is read back."""
+    def _clipped_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_of: Callable[[list[torch.Tensor]], torch.Tensor],
+    ) -> None:
+        """The optimizer's step, the gradients scaled first so that their global norm (`norm_of`
+        them: over every rank, shard or stage) is at most `max_norm`. A norm that is not finite
+        skips the step, and is counted. An optimizer that skips itself by a flag on its device
+        (`_skips_on_device`) is handed the flag there, as a gradient scaler hands it its own, and
+        the norm stays on the device: nothing is read back."""
         scaler = self.precision.scaler
         if scaler is not None:
-            scaler.unscale_(self.trained_optimizer)
+            scaler.unscale_(optimizer)
         # clip_grads_with_norm_ skips those without a gradient
         parameters = self._parameters()
         norm = norm_of([p.grad for p in parameters if p.grad is not None])
-        skips_on_device = scaler is None and _skips_on_device(self.trained_optimizer)
-        if skips_on_device:
+        found_inf = None
+        if scaler is None and self._on_device(optimizer):
             self.norms.add_later(norm)
-            self._found_inf = torch.logical_not(torch.isfinite(norm)).to(torch.float32)
+            found_inf = torch.logical_not(torch.isfinite(norm)).to(torch.float32).reshape(())
         else:
             value = float(norm)
             # the scaler skips the step and lowers its scale: routine under fp16, not warned of
             self.norms.add(value, warn=scaler is None)
             if not math.isfinite(value):
-                return scaler is not None
+                if scaler is not None:
+                    self.precision.step(optimizer)
+                return
         # one call per device mesh: a foreach over DTensors needs them on one mesh, and a model
         # parallelised over several dimensions holds parameters on several
         for group in _by_mesh(parameters):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-        return True
-
-    def _step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer's step; where `_clip` left it a non-finite flag on the device, the
-        optimizer skips itself by it (as under a gradient scaler)."""
-        found_inf, self._found_inf = self._found_inf, None
         if found_inf is None:
             self.precision.step(optimizer)
             return
@@ -374,6 +380,12 @@ class Engine:
             optimizer.step()
         finally:
             del optimizer.found_inf  # type: ignore[attr-defined]
+
+    def _on_device(self, optimizer: torch.optim.Optimizer) -> bool:
+        """`_skips_on_device`, kept once true (what makes it true stays: fused groups, state)."""
+        if not self._skips_on_device:
+            self._skips_on_device = _skips_on_device(optimizer)
+        return self._skips_on_device
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
         """A vector of `n` times `value`: the gradient of the objective with respect to each
@@ -450,10 +462,16 @@ class Engine:
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether `optimizer` skips its own step where a device flag (`found_inf`) says so: torch's
-    fused optimizers, as a gradient scaler drives them."""
-    fused = getattr(optimizer, "defaults", {}).get("fused")
-    return bool(fused) and getattr(optimizer, "_step_supports_amp_scaling", False)
+    """Whether `optimizer` skips its own step where a flag on the device (`found_inf`) says so:
+    torch's fused optimizers, as a gradient scaler drives them, every group fused. Not yet for a
+    fused SGD with momentum that holds no momentum buffers: it makes them, uninitialised, before its
+    kernel reads the flag, and would keep them from a skipped first step."""
+    groups = optimizer.param_groups
+    if not getattr(optimizer, "_step_supports_amp_scaling", False) or not all(
+        group.get("fused") for group in groups
+    ):
+        return False
+    return bool(optimizer.state) or not any(group.get("momentum") for group in groups)
 
 
 def total_norm(gradients: list[torch.Tensor]) -> torch.Tensor:

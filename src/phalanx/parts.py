@@ -111,6 +111,7 @@ def build_parts(
             search_dirs,
             cfg.dataset.batch_size,
             fused=strategy.device.type == "cuda",
+            scaled=cfg.precision == "fp16",
         )
     )
     schedulers = (

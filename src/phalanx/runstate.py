@@ -336,6 +336,7 @@ class RunState:
             self.search_dirs,
             self.cfg.dataset.batch_size,
             fused=self.strategy.device.type == "cuda",
+            scaled=self.cfg.precision == "fp16",
         )
         per_epoch = self.steps_per_epoch
         schedulers = build_schedulers(self.cfg, optimizer, self.search_dirs, per_epoch)

@@ -17,10 +17,10 @@ from phalanx.trainer import Trainer
 TESTS = Path(toy.__file__).parent
 
 
-def _trained(optimizer: str, fused: bool, caplog) -> tuple[Trainer, list[str]]:
+def _trained(optimizer: dict, inf_at: int, caplog) -> tuple[Trainer, list[str]]:
     raw = toy.regression_config(
-        model={"class": "toy.InfAt", "features": 3, "step": 3},
-        optimizer={"class": optimizer, "lr": 0.05, "fused": fused, "max_grad_norm": 1.0},
+        model={"class": "toy.InfAt", "features": 3, "step": inf_at},
+        optimizer={**optimizer, "lr": 0.05, "fused": True, "max_grad_norm": 1.0},
         main_loop={"epochs": 2, "extra_streams": []},
         hooks=[],
     )
@@ -31,20 +31,32 @@ def _trained(optimizer: str, fused: bool, caplog) -> tuple[Trainer, list[str]]:
     return trainer, [r.getMessage() for r in caplog.records]
 
 
-@pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
+@pytest.mark.parametrize(
+    "optimizer, inf_at",
+    [
+        ({"class": "AdamW"}, 3),
+        ({"class": "AdamW"}, 1),  # the first step skipped: Adam's state stays empty
+        ({"class": "SGD"}, 3),
+        # fused SGD makes its momentum buffers before it reads the flag: the host decides until
+        # they exist, so a skipped first step leaves none
+        ({"class": "SGD", "momentum": 0.9}, 1),
+        ({"class": "SGD", "momentum": 0.9}, 3),
+    ],
+)
 def test_a_fused_optimizer_skips_a_non_finite_step_on_its_device_as_the_host_would(
-    optimizer, caplog, monkeypatch
+    optimizer, inf_at, caplog, monkeypatch
 ):
-    on_device, said = _trained(optimizer, True, caplog)
+    on_device, said = _trained(optimizer, inf_at, caplog)
     assert engine._skips_on_device(on_device.optimizer)
     monkeypatch.setattr(engine, "_skips_on_device", lambda optimizer: False)
-    on_host, said_on_host = _trained(optimizer, True, caplog)
-    # the same weights and optimizer state, to the bit: step 3 skipped in both (its step count
+    on_host, said_on_host = _trained(optimizer, inf_at, caplog)
+    # the same weights and optimizer state, to the bit: the step skipped in both (its step count
     # too), every other step taken
     weights, want = on_device.model.state_dict(), on_host.model.state_dict()
     assert all(torch.equal(weights[k], want[k]) for k in want)
     assert all(bool(torch.isfinite(w).all()) for w in weights.values())
     state, want_state = on_device.optimizer.state_dict(), on_host.optimizer.state_dict()
+    assert state["state"].keys() == want_state["state"].keys()
     for p, values in want_state["state"].items():
         for name, value in values.items():
             assert torch.equal(state["state"][p][name], value), (p, name)
@@ -52,7 +64,7 @@ def test_a_fused_optimizer_skips_a_non_finite_step_on_its_device_as_the_host_wou
     # the epoch's norms, and the warning of its first non-finite one
     assert on_device.engine.norms.state_dict() == on_host.engine.norms.state_dict()
     assert said == said_on_host
-    assert any("is not finite (nan) at step 3 of the epoch" in line for line in said)
+    assert any(f"is not finite (nan) at step {inf_at} of the epoch" in line for line in said)
 
 
 def test_norms_left_on_the_device_are_read_once_when_one_is_read():
@@ -71,3 +83,26 @@ def test_norms_left_on_the_device_are_read_once_when_one_is_read():
     assert norms.last == 5.0
     norms.reset()
     assert norms.last is None and norms.variables() == {"grad_norm_nonfinite": 0}
+
+
+def test_which_optimizers_skip_on_their_device():
+    def made(kind, fused=True, **kwargs):
+        return kind(torch.nn.Linear(3, 1).parameters(), lr=0.1, fused=fused, **kwargs)
+
+    assert engine._skips_on_device(made(torch.optim.AdamW))
+    assert engine._skips_on_device(made(torch.optim.SGD))
+    assert not engine._skips_on_device(made(torch.optim.AdamW, fused=False))
+    rmsprop = torch.optim.RMSprop(torch.nn.Linear(3, 1).parameters())  # no fused kernel
+    assert not engine._skips_on_device(rmsprop)
+    # fused SGD with momentum: not before it holds its momentum buffers (a skipped first step
+    # would keep the uninitialised ones it makes), then yes
+    sgd = made(torch.optim.SGD, momentum=0.9)
+    assert not engine._skips_on_device(sgd)
+    sgd.param_groups[0]["params"][0].grad = torch.ones(1, 3)
+    sgd.param_groups[0]["params"][1].grad = torch.ones(1)
+    sgd.step()
+    assert engine._skips_on_device(sgd)
+    # every group must be fused: an unfused one refuses the flag
+    mixed = made(torch.optim.AdamW)
+    mixed.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], "fused": False})
+    assert not engine._skips_on_device(mixed)

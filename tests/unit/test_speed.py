@@ -205,6 +205,14 @@ def test_fused_optimizer_where_the_class_has_one():
     assert not build_optimizer(sgd, model, [], 8, fused=True).defaults.get(
         "fused"
     )  # the config chose
+    # SGD with momentum under fp16's scaler: not fused (its fused kernel would keep uninitialised
+    # momentum from a skipped first step); without momentum, or without the scaler, fused
+    momentum = config.validate(
+        toy.regression_config(optimizer={"class": "SGD", "lr": 0.1, "momentum": 0.9})
+    ).optimizer
+    assert build_optimizer(momentum, model, [], 8, fused=True).defaults["fused"] is True
+    assert not build_optimizer(momentum, model, [], 8, fused=True, scaled=True).defaults["fused"]
+    assert build_optimizer(opt, model, [], 8, fused=True, scaled=True).defaults["fused"] is True
 
 
 def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
