@@ -55,6 +55,12 @@ def build_optimizer(
         and not (scaled and kwargs.get("momentum"))
     ):
         kwargs["fused"] = True
+    elif scaled and kwargs.get("fused") and kwargs.get("momentum"):
+        log.warning(
+            "optimizer: fused: true with momentum under fp16: torch's fused kernel keeps "
+            "uninitialised momentum from a first step that the gradient scaler skips (fp16's first "
+            "steps often are); drop fused, or train in bf16"
+        )
     return instantiate("optimizer", factory, params, **kwargs)
 
 

@@ -215,6 +215,20 @@ def test_fused_optimizer_where_the_class_has_one():
     assert build_optimizer(opt, model, [], 8, fused=True, scaled=True).defaults["fused"] is True
 
 
+def test_a_fused_sgd_with_momentum_under_fp16_is_warned_of(caplog):
+    import logging
+
+    model = torch.nn.Linear(3, 1)
+    chosen = config.validate(
+        toy.regression_config(optimizer={"class": "SGD", "lr": 0.1, "momentum": 0.9, "fused": True})
+    ).optimizer
+    with caplog.at_level(logging.WARNING, logger="phalanx"):
+        build_optimizer(chosen, model, [], 8, fused=True, scaled=False)
+        assert not caplog.records
+        assert build_optimizer(chosen, model, [], 8, fused=True, scaled=True).defaults["fused"]
+    assert "fused: true with momentum under fp16" in caplog.text
+
+
 def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
     import logging
 
