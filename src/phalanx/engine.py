@@ -177,8 +177,8 @@ class Engine:
         # whether weights on an accelerator were negative: read at the epoch's end, not every
         # micro-batch (reading a device's value waits for it; on the CPU they are checked at once)
         self._negative: list[torch.Tensor] = []
-        # whether the optimizer skips a clipped step on its device (`_clipped_step`)
-        self._skips_on_device = False
+        # whether the optimizer skips a clipped step on its device (`_clipped_step`), once known
+        self._device_skips = False
 
     def begin(self) -> None:
         """A training step starts: the module in training mode, no gradients."""
@@ -383,9 +383,9 @@ class Engine:
 
     def _on_device(self, optimizer: torch.optim.Optimizer) -> bool:
         """`_skips_on_device`, kept once true (what makes it true stays: fused groups, state)."""
-        if not self._skips_on_device:
-            self._skips_on_device = _skips_on_device(optimizer)
-        return self._skips_on_device
+        if not self._device_skips:
+            self._device_skips = _skips_on_device(optimizer)
+        return self._device_skips
 
     def _gradient(self, n: int, value: float, like: torch.Tensor) -> torch.Tensor:
         """A vector of `n` times `value`: the gradient of the objective with respect to each
