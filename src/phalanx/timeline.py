@@ -24,12 +24,20 @@ _FOLD_EVERY = 32
 
 
 class DeviceTimeline:
-    """The GPU's seconds in training steps and between them, from events recorded on the current
-    stream around each step. `new_event` makes an event with `record()`, `query()`,
-    `synchronize()` and `elapsed_time(other)` in milliseconds (torch.cuda.Event's)."""
+    """The GPU's seconds in training steps and between them, from events recorded around each step
+    on the stream the steps run on. `new_event` makes an event with `record(stream)`, `query()`,
+    `synchronize()` and `elapsed_time(other)` in milliseconds (torch.cuda.Event's);
+    `current_stream` gives the stream, looked up once per `take` (None: the event's own default).
 
-    def __init__(self, new_event: Callable[[], Any]):
-        self._new_event = new_event
+    A step costs two records and, once folded, one `elapsed_time`: events on one stream complete in
+    order, so one query of the newest tells whether all have, and the time between the steps is
+    the span they cover less the time in them."""
+
+    def __init__(
+        self, new_event: Callable[[], Any], current_stream: Callable[[], Any] | None = None
+    ):
+        self._new_event, self._current_stream = new_event, current_stream
+        self._stream: Any = None
         self._free: list[Any] = []
         # (start, end) of each step not yet read, oldest first
         self._pending: deque[tuple[Any, Any]] = deque()
@@ -43,10 +51,12 @@ class DeviceTimeline:
     def for_cuda(cls) -> DeviceTimeline:
         import torch
 
-        return cls(lambda: torch.cuda.Event(enable_timing=True))
+        return cls(lambda: torch.cuda.Event(enable_timing=True), torch.cuda.current_stream)
 
     def begin(self) -> None:
         """A step is about to be queued."""
+        if self._stream is None and self._current_stream is not None:
+            self._stream = self._current_stream()
         self._start = self._event()
 
     def end(self) -> None:
@@ -59,32 +69,60 @@ class DeviceTimeline:
     def take(self) -> tuple[float, float]:
         """Seconds the GPU spent in the steps, and between them, since the last take (waits for
         the last step queued). The next step's gap is counted from its own start: what comes
-        between (an evaluation, an epoch's end) is timed by the host."""
+        between (an evaluation, an epoch's end) is timed by the host, and the stream is looked up
+        again."""
         self._fold(wait=True)
         times = self.in_steps, self.between_steps
         self.in_steps = self.between_steps = 0.0
         if self._last_end is not None:
             self._free.append(self._last_end)
             self._last_end = None
+        self._stream = None
         return times
 
     def _event(self) -> Any:
         event = self._free.pop() if self._free else self._new_event()
-        event.record()
+        event.record(self._stream)
         return event
 
     def _fold(self, wait: bool) -> None:
+        """The completed steps' times added up, their events freed."""
         self._unfolded = 0
-        if wait and self._pending:
-            self._pending[-1][1].synchronize()
-        while self._pending and self._pending[0][1].query():
-            start, end = self._pending.popleft()
-            self.in_steps += start.elapsed_time(end) / 1e3
-            if self._last_end is not None:
-                self.between_steps += self._last_end.elapsed_time(start) / 1e3
-                self._free.append(self._last_end)
+        pending = self._pending
+        if not pending:
+            return
+        if wait:
+            pending[-1][1].synchronize()
+            done = len(pending)
+        else:
+            # the newest step, or the one before it (the newest is often still running): one
+            # completed means every one before it has
+            done = next((k for k in (len(pending), len(pending) - 1) if k and _done(pending, k)), 0)
+            if not done:
+                while done < len(pending) - 2 and _done(pending, done + 1):
+                    done += 1
+            if not done:
+                return
+        first, last_end = pending[0][0], pending[done - 1][1]
+        inside = 0.0
+        for _ in range(done):
+            start, end = pending.popleft()
+            inside += start.elapsed_time(end)
             self._free.append(start)
-            self._last_end = end
+            if end is not last_end:
+                self._free.append(end)
+        anchor = first if self._last_end is None else self._last_end
+        span = anchor.elapsed_time(last_end)
+        self.in_steps += inside / 1e3
+        self.between_steps += max(0.0, span - inside) / 1e3
+        if self._last_end is not None:
+            self._free.append(self._last_end)
+        self._last_end = last_end
+
+
+def _done(pending: deque[tuple[Any, Any]], k: int) -> bool:
+    """Whether the `k`-th pending step (from 1) has completed on the device."""
+    return pending[k - 1][1].query()
 
 
 def split(live: list[float], in_steps: float, between_steps: float) -> None:

@@ -34,11 +34,15 @@ class Device:
 class Event:
     def __init__(self, device: Device):
         self.device, self.at = device, None
+        self.streams: list = []  # the stream of each record
+        self.queries = 0
 
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
+        self.streams.append(stream)
         self.at = self.device.free = max(self.device.free, self.device.host)
 
     def query(self) -> bool:
+        self.queries += 1
         return self.device.host >= self.at
 
     def synchronize(self) -> None:
@@ -123,3 +127,53 @@ def test_the_split_keeps_communication_and_the_optimizer_within_the_steps():
     live = [0.0, 0.1, 2.0, 2.0, 0.0]  # the host's waits inside the step exceed the GPU's time
     timeline.split(live, in_steps=1.0, between_steps=0.0)
     assert live == pytest.approx([0.0, 0.0, 0.5, 0.5, 0.0])
+
+
+def test_a_step_costs_two_records_on_a_stream_looked_up_once_and_one_query_a_fold():
+    """The per-step cost on a GPU that keeps up with the host: the stream is looked up once
+    between takes, not at every record, and one query of the newest event folds every step
+    before it."""
+    device = Device()
+    made: list[Event] = []
+    lookups = []
+
+    def new_event() -> Event:
+        made.append(Event(device))
+        return made[-1]
+
+    def current_stream() -> str:
+        lookups.append(len(lookups))
+        return f"stream {len(lookups)}"
+
+    clocked = DeviceTimeline(new_event, current_stream)
+    for _ in range(320):
+        clocked.begin()
+        device.launch(0.003, host_s=0.002)  # 2 ms to queue what runs 3 ms on the device
+        clocked.end()
+        device.work(0.002)  # the next batch: the device keeps up
+    assert len(lookups) == 1
+    assert {s for e in made for s in e.streams} == {"stream 1"}
+    assert sum(len(e.streams) for e in made) == 640
+    # the newest step is still running when the fold looks; the one before it is done
+    assert sum(e.queries for e in made) == 2 * (320 // 32)
+    in_steps, between = clocked.take()
+    assert in_steps == pytest.approx(320 * 0.003)
+    assert between == pytest.approx(319 * 0.001)
+    clocked.begin()
+    clocked.end()
+    assert len(lookups) == 2 and made[-1].streams[-1] == "stream 2"  # looked up again after a take
+
+
+def test_steps_still_in_flight_are_folded_once_they_complete():
+    """A GPU behind the host: the fold stops at the first step not done, and reads it later."""
+    device = Device()
+    clocked = DeviceTimeline(device.event)
+    for k in range(64):
+        clocked.begin()
+        device.launch(0.010 if k < 40 else 0.001, host_s=0.002)
+        clocked.end()
+        if k == 40:
+            device.work(0.2)  # the host waits on something else: the first steps complete
+    in_steps, between = clocked.take()
+    assert in_steps == pytest.approx(40 * 0.010 + 24 * 0.001)
+    assert between >= 0.0
