@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -36,7 +37,22 @@ def run_ranks(
     """`target(rank, *args)` on `world_size` processes; their results in rank order. A hang or an
     error on any rank fails the caller within `timeout` seconds, and no process is left behind.
     `env` is set in every process over the launcher's variables (LOCAL_RANK=0: ranks share device
-    0)."""
+    0). A rank that finds the rendezvous port taken starts the run again on another, twice at
+    most."""
+    for _ in range(2):
+        with contextlib.suppress(_PortTaken):
+            return _run_ranks_once(world_size, target, args, timeout, env)
+    return _run_ranks_once(world_size, target, args, timeout, env)
+
+
+class _PortTaken(AssertionError):
+    """The rendezvous port was taken between its pick and the store's bind (tests run in parallel
+    processes each pick ports): the run is started again on another."""
+
+
+def _run_ranks_once(
+    world_size: int, target: Callable, args: tuple, timeout: float, env: dict[str, str] | None
+) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -51,7 +67,8 @@ def run_ranks(
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
+                failure = _PortTaken if "EADDRINUSE" in value else AssertionError
+                raise failure(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
         for p in procs:
