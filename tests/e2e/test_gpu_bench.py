@@ -174,3 +174,24 @@ def test_resnet50_smoke_is_skipped_with_the_reason_where_torchvision_is_missing(
             == report["results"]["phalanx"]["throughput_ratio_vs_hand"]["median"]
         )
     assert "phalanx_mfu" not in checks
+
+
+def test_the_trace_of_a_launch_bound_step_shows_both_loops_and_phalanx_python(tmp_path):
+    """bench/gpu_trace.py --smoke on the CPU: both loops are timed and profiled per step (the
+    same forward's operators in each), and phalanx's Python functions under cProfile include its
+    training step."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_trace.py"), "--device", "cpu", "--smoke"],
+        cwd=REPO,
+        env={**ENV, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    hand, phalanx = result.stdout.split("=== [")[1:]
+    for section in hand, phalanx:
+        assert "us/step unprofiled" in section
+        assert "aten::addmm" in section  # the MLP's layers, counted per step
+    assert "Python functions under cProfile" in phalanx and "train_step" in phalanx
+    assert "cProfile" not in hand
