@@ -274,6 +274,11 @@ class LastAgreement:
         before, self._last = self._last, behind
         return before is not None and before.stopped()
 
+    def check(self) -> None:
+        """The last agreement read on the host and checked, where no next step will take it."""
+        if self._last is not None:
+            self._last.stopped()
+
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}
 

@@ -419,6 +419,11 @@ class Pipeline(StageState, ProcessGroup):
         communication += time.perf_counter() - start
         return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
 
+    def end_epoch(self) -> None:
+        """The epoch's last agreement checked on the host: on a GPU each other step's is checked
+        when the next step takes its stop flag."""
+        self._behind.check()
+
     def _chunk_draws(self, chunk: int) -> random.Draws | None:
         """The random draws of the schedule's micro-batch `chunk` of the step: its rows' samples,
         whichever stage runs it (a padding row draws under a key of its own)."""
