@@ -7,7 +7,8 @@
 # `bisect` (the launch-bound benchmark at each older source carried in .old/COMMIT, then at this
 # tree, in one call: each with its own bench/gpu.py, its ratios against its own hand loop; make
 # them with `mkdir -p .old/C && git archive C src bench examples | tar -x -C .old/C` and carry
-# `.old`), and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload`
+# `.old`), `trace` (bench/gpu_trace.py at each of those sources and at this tree, about 30 s each:
+# what a launch-bound step asks of the GPU and of the host), and `largest-plain`, `largest-checkpointed`, `largest-fsdp-offload`
 # (bench/largest_model.py's search, one mode each; LARGEST_ARGS such as "--start 16" start it
 # nearer the answer).
 # Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
@@ -20,6 +21,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     SITE=/tmp/site:
 fi
+ROOT=$PWD
 export PYTHONPATH=$SITE$PWD/src:$PWD
 export PYTHONUNBUFFERED=1
 for stage in "$@"; do
@@ -52,9 +54,16 @@ for stage in "$@"; do
             (cd "$dir" && PYTHONPATH=$SITE$PWD/src:$PWD timeout -k 5 170 python3 bench/gpu.py --workload launch-bound ${BENCH_ARGS:-} --out "$OUT/gpu-launch-bound-$name.json") 2>&1 | tee "$OUT/launch-bound-$name.log" | tail -n 8
         done
         ;;
+    trace)
+        for dir in .old/*/ ./; do
+            name=$(basename "$dir"); [ "$dir" = ./ ] && name=head
+            (cd "$dir" && PYTHONPATH=$SITE$PWD/src:$PWD timeout -k 5 80 python3 "$ROOT/bench/gpu_trace.py" --label "$name") 2>&1 | grep -v Warning > "$OUT/trace-$name.log"
+            grep -A12 "phalanx:" "$OUT/trace-$name.log" | head -n 13
+        done
+        ;;
     largest-plain|largest-checkpointed|largest-fsdp-offload)
         timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound bisect largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
+    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound bisect trace largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done
