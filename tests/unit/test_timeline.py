@@ -3,6 +3,8 @@ launched in order, and events that complete when the queue reaches them."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from phalanx import timeline
@@ -177,3 +179,39 @@ def test_steps_still_in_flight_are_folded_once_they_complete():
     in_steps, between = clocked.take()
     assert in_steps == pytest.approx(40 * 0.010 + 24 * 0.001)
     assert between >= 0.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_folded_times_are_each_steps_own(seed):
+    """Random host and device times, hooks that wait for the device now and then, takes at random:
+    each take gives the sum of its steps' times on the device and of the gaps between them, as
+    read from each step's own start and end."""
+    rng = random.Random(seed)
+    device = Device()
+    clocked = DeviceTimeline(device.event)
+    expected, got = [], []
+    in_steps = between = 0.0
+    last_end = None
+    for _ in range(rng.randint(1, 300)):
+        device.work(rng.uniform(0.0, 0.003))
+        start = max(device.free, device.host)  # where the step's start event lands
+        clocked.begin()
+        device.launch(
+            rng.choice([0.0005, 0.002, 0.01]) * rng.random(), host_s=rng.uniform(0, 0.002)
+        )
+        end = max(device.free, device.host)
+        clocked.end()
+        in_steps += end - start
+        between += 0.0 if last_end is None else start - last_end
+        last_end = end
+        if rng.random() < 0.05:
+            device.sync()
+        if rng.random() < 0.02:
+            got.append(clocked.take())
+            expected.append((in_steps, between))
+            in_steps = between = 0.0
+            last_end = None
+    got.append(clocked.take())
+    expected.append((in_steps, between))
+    flat = [seconds for pair in got for seconds in pair]
+    assert flat == pytest.approx([seconds for pair in expected for seconds in pair], abs=1e-9)
