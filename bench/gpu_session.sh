@@ -57,8 +57,11 @@ for stage in "$@"; do
     trace)
         for dir in .old/*/ ./; do
             name=$(basename "$dir"); [ "$dir" = ./ ] && name=head
-            (cd "$dir" && PYTHONPATH=$SITE$PWD/src:$PWD timeout -k 5 80 python3 "$ROOT/bench/gpu_trace.py" --label "$name") 2>&1 | grep -v Warning > "$OUT/trace-$name.log"
-            grep -A12 "phalanx:" "$OUT/trace-$name.log" | head -n 13
+            if (cd "$dir" && PYTHONPATH=$SITE$PWD/src:$PWD timeout -k 5 90 python3 "$ROOT/bench/gpu_trace.py" --label "$name") > "$OUT/trace-$name.log" 2>&1; then
+                grep -A12 "phalanx:" "$OUT/trace-$name.log" | head -n 13
+            else
+                echo "trace at $name failed:"; tail -n 30 "$OUT/trace-$name.log"
+            fi
         done
         ;;
     largest-plain|largest-checkpointed|largest-fsdp-offload)

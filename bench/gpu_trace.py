@@ -1,8 +1,14 @@
 """What one launch-bound step asks of the GPU and of the host: bench/gpu.py's launch-bound MLP
 trained by the hand loop and by phalanx, each watched over windows of steps: one timed, one under
-torch.profiler (the CUDA runtime calls and operators per step: kernel launches, copies,
-synchronisations, event records and queries), one under torch's sync debug mode (the Python stack
-of every synchronising call), and for phalanx one under cProfile (the Python functions by own time).
+torch.profiler (the CUDA runtime calls and operators per step: kernel launches, copies, explicit
+synchronisations, event records and queries), one under torch's sync debug mode (the Python stack of
+each read that waits for the device: `.item()`, `.tolist()`, a blocking copy; an explicit
+`torch.cuda.synchronize()` or event wait is not reported there, only counted in the profiled
+window), and for phalanx one under cProfile (the Python functions by own time).
+
+phalanx's timed window is its second epoch's steps (the epoch's ends left out; LogThroughput's log
+lines, every 50 steps, inside); the others are `--steps` steps each of its third. The hand loop's
+windows follow one another in an epoch after its first step.
 
     python bench/gpu_trace.py                       # on a GPU, from the root of the source to trace
     python bench/gpu_trace.py --device cpu --smoke  # a check that the script runs (no CUDA counts)
@@ -25,7 +31,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path.cwd()
@@ -80,12 +86,14 @@ def profiled(found: dict, steps: int, device: torch.device) -> Iterator[None]:
     with torch.profiler.profile(activities=activities) as prof:
         yield
         wait(device)
+    on_device = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     found["ops"] = {
-        e.key: (e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()
+        e.key: (e.count / steps, e.self_cpu_time_total / steps)
+        for e in prof.key_averages()
+        if e.key not in set(on_device)
     }
-    found["kernels"] = (
-        sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / steps
-    )
+    moves = sum(1 for name in on_device if name.startswith(("Memcpy", "Memset")))
+    found["kernels"], found["moves"] = (len(on_device) - moves) / steps, moves / steps
 
 
 @contextlib.contextmanager
@@ -142,7 +150,8 @@ def window(kind: str, found: dict, steps: int, device: torch.device):
 
 def show(name: str, found: dict, steps: int, top: int) -> None:
     print(
-        f"\n=== {name}: {found['us']:.1f} us/step unprofiled; {found['kernels']:.1f} kernels/step"
+        f"\n=== {name}: {found['us']:.1f} us/step unprofiled; {found['kernels']:.1f} kernels and "
+        f"{found['moves']:.1f} copies or sets on the device a step"
     )
     ops = found["ops"]
     for key in RUNTIME:
@@ -155,7 +164,7 @@ def show(name: str, found: dict, steps: int, top: int) -> None:
     )
     for key, (n, us) in called[:top]:
         print(f"    {key[:60]:60s} {n:7.2f}/step {us:8.1f} us")
-    print(f"  synchronising calls over {steps} steps (sync debug mode):")
+    print(f"  reads that waited for the device, over {steps} steps (sync debug mode):")
     for stack, n in found["syncs"].most_common(8):
         print(f"    x{n}: {stack}")
     if "python" in found:
@@ -163,8 +172,18 @@ def show(name: str, found: dict, steps: int, top: int) -> None:
         print("\n".join(f"    {row}" for row in found["python"]))
 
 
-def traced_hook(steps_per_epoch: int, n: int, device: torch.device, found: dict):
-    """A hook that opens each window in turn over `n` steps of the second epoch."""
+def schedule(steps_per_epoch: int, n: int) -> list[tuple[int, int, str]]:
+    """phalanx's windows as (step it opens after, step it closes after, kind): the timed one over
+    the second epoch's steps, the others `n` steps each in the third."""
+    third = 2 * steps_per_epoch + 1
+    return [
+        (steps_per_epoch + 1, 2 * steps_per_epoch, "timed"),
+        *((third + k * n, third + (k + 1) * n, kind) for k, kind in enumerate(WINDOWS[1:])),
+    ]
+
+
+def traced_hook(plan: list[tuple[int, int, str]], device: torch.device, found: dict):
+    """A hook that opens and closes the windows of `plan` after the training steps it names."""
     from phalanx.hooks import Hook
 
     class Tracer(Hook):
@@ -177,12 +196,11 @@ def traced_hook(steps_per_epoch: int, n: int, device: torch.device, found: dict)
             if not self.trainer.training:
                 return
             self.seen += 1
-            k, at = divmod(self.seen - steps_per_epoch - 1, n)
-            if at or not 0 <= k <= len(WINDOWS):
-                return
-            self.open.close()
-            if k < len(WINDOWS):
-                self.open.enter_context(window(WINDOWS[k], found, n, device))
+            if any(self.seen == closes for _, closes, _ in plan):
+                self.open.close()
+            for opens, closes, kind in plan:
+                if self.seen == opens:
+                    self.open.enter_context(window(kind, found, closes - opens, device))
 
     return Tracer()
 
@@ -200,21 +218,27 @@ def main() -> int:
     device = torch.device(opts.device)
     work = gpu.mlp_workload(args)
     REGISTRY[gpu.DATA_KEY] = work.dataset
-    n = min(opts.steps, args.steps // (len(WINDOWS) + 1))  # every window closes in the epoch
+    if opts.steps < 1 or args.steps < 5:
+        parser.error("--steps must be at least 1, and an epoch at least 5 steps")
+    # phalanx's three in its third epoch, and the hand loop's timed window at least n steps
+    n = min(opts.steps, (args.steps - 1) // (len(WINDOWS) - 1))
 
     hand = gpu.HandLoop(work, args, device, gpu.Meter(device))
     hand.chunk(args.steps)  # an epoch of warm-up
     hand_found: dict = {}
-    for kind in WINDOWS[:3]:
-        run_steps: Callable = lambda: hand.chunk(n)  # noqa: E731
+    hand.chunk(1)  # the epoch's start (its loader's iterator) outside the windows
+    timed_steps = args.steps - 1 - 2 * n
+    with window("timed", hand_found, timed_steps, device):
+        hand.chunk(timed_steps)
+    for kind in WINDOWS[1:3]:  # the last ends the epoch, with its one read of the loss
         with window(kind, hand_found, n, device):
-            run_steps()
+            hand.chunk(n)
 
     found: dict = {}
-    tracer = traced_hook(args.steps, n, device, found)
+    tracer = traced_hook(schedule(args.steps, n), device, found)
     with tempfile.TemporaryDirectory(prefix="phalanx-gpu-trace-") as tmp:
         raw = gpu.phalanx_config(work, args, device, str(Path(tmp) / "runs"))
-        raw["main_loop"] = {"epochs": 2}
+        raw["main_loop"] = {"epochs": 3}
         trainer, _, raw = phalanx_trainer(raw, Path(tmp), [tracer], [ROOT])
         print(f"[{opts.label}] phalanx hooks: {', '.join(type(h).__name__ for h in trainer.hooks)}")
         try:

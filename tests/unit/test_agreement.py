@@ -9,7 +9,7 @@ import torch
 
 from phalanx.errors import ModelError
 from phalanx.strategies.distributed import LastAgreement
-from phalanx.strategies.pipeline import _Agreement
+from phalanx.strategies.pipeline import Pipeline, _Agreement
 
 
 class Finished:
@@ -45,8 +45,17 @@ def test_the_epochs_last_agreement_is_checked_at_its_end():
         behind.check()
 
 
-def test_an_agreement_is_read_once():
-    """Checked at the epoch's end after the loss was read (which read it), it is not read again."""
+def test_the_pipeline_checks_its_last_agreement_at_the_epochs_end():
+    behind = LastAgreement()
+    behind.swap(agreement(1.0, 0.0))
+    holder = type("Holder", (), {"_behind": behind})()  # the one attribute end_epoch reads
+    with pytest.raises(ModelError, match="became weighted"):
+        Pipeline.end_epoch(holder)  # type: ignore[arg-type]
+
+
+def test_on_the_cpu_an_agreement_is_read_once():
+    """Checked at the epoch's end after the loss was read (which read it on the CPU), it is not
+    read again."""
     work, behind = Finished(), LastAgreement()
     last = _Agreement(torch.tensor([0.5, 0.0, 0.0, 0.0]), work)
     behind.swap(last)

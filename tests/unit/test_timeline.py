@@ -40,6 +40,7 @@ class Event:
         self.queries = 0
 
     def record(self, stream=None) -> None:
+        assert self.at is None or self.device.host >= self.at, "recorded again while in flight"
         self.streams.append(stream)
         self.at = self.device.free = max(self.device.free, self.device.host)
 
@@ -51,6 +52,8 @@ class Event:
         self.device.host = max(self.device.host, self.at)
 
     def elapsed_time(self, other: Event) -> float:
+        # as torch's: both events must have completed
+        assert self.device.host >= max(self.at, other.at), "read before it completed"
         return 1e3 * (other.at - self.at)
 
 
@@ -131,7 +134,7 @@ def test_the_split_keeps_communication_and_the_optimizer_within_the_steps():
     assert live == pytest.approx([0.0, 0.0, 0.5, 0.5, 0.0])
 
 
-def test_a_step_costs_two_records_on_a_stream_looked_up_once_and_one_query_a_fold():
+def test_a_step_costs_two_records_on_a_stream_looked_up_once_and_two_queries_a_fold():
     """The per-step cost on a GPU that keeps up with the host: the stream is looked up once
     between takes, not at every record, and one query of the newest event folds every step
     before it."""
@@ -167,18 +170,26 @@ def test_a_step_costs_two_records_on_a_stream_looked_up_once_and_one_query_a_fol
 
 
 def test_steps_still_in_flight_are_folded_once_they_complete():
-    """A GPU behind the host: the fold stops at the first step not done, and reads it later."""
+    """A GPU behind the host: a fold reads the steps that have completed, oldest first, and
+    leaves the rest for a later one."""
     device = Device()
     clocked = DeviceTimeline(device.event)
-    for k in range(64):
+    for k in range(32):
         clocked.begin()
-        device.launch(0.010 if k < 40 else 0.001, host_s=0.002)
+        device.launch(0.010, host_s=0.002)
         clocked.end()
-        if k == 40:
-            device.work(0.2)  # the host waits on something else: the first steps complete
+        if k == 29:
+            device.work(0.05)  # the host waits on something else: some steps complete meanwhile
+    # the 32nd step's fold: the host is at 0.114 s, the device has run 11 of the 10 ms steps
+    assert clocked.in_steps == pytest.approx(11 * 0.010)
+    assert clocked.between_steps == pytest.approx(0.0)
+    for _ in range(32):
+        clocked.begin()
+        device.launch(0.001, host_s=0.002)
+        clocked.end()
     in_steps, between = clocked.take()
-    assert in_steps == pytest.approx(40 * 0.010 + 24 * 0.001)
-    assert between >= 0.0
+    assert in_steps == pytest.approx(32 * 0.010 + 32 * 0.001)
+    assert between == pytest.approx(0.0)
 
 
 @pytest.mark.parametrize("seed", range(20))
