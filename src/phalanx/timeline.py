@@ -30,8 +30,8 @@ class DeviceTimeline:
     `current_stream` gives the stream, looked up once per `take` (None: the event's own default).
 
     A step costs two records and, once folded, one `elapsed_time`: events on one stream complete in
-    order, so one query of the newest tells whether all have, and the time between the steps is
-    the span they cover less the time in them."""
+    order, so a query of the newest (or of the one before it) tells whether all before it have,
+    and the time between the steps is the span they cover less the time in them."""
 
     def __init__(
         self, new_event: Callable[[], Any], current_stream: Callable[[], Any] | None = None
@@ -95,15 +95,18 @@ class DeviceTimeline:
             pending[-1][1].synchronize()
             done = len(pending)
         else:
-            # the newest step, or the one before it (the newest is often still running): one
-            # completed means every one before it has
-            done = next((k for k in (len(pending), len(pending) - 1) if k and _done(pending, k)), 0)
+            # one step completed means every one before it has: the newest, or the one before it
+            # (the newest is often still running), else as many of the oldest as have
+            n = len(pending)
+            done = n if _done(pending, n) else n - 1 if n > 1 and _done(pending, n - 1) else 0
             if not done:
-                while done < len(pending) - 2 and _done(pending, done + 1):
+                while done < n - 2 and _done(pending, done + 1):
                     done += 1
             if not done:
                 return
-        first, last_end = pending[0][0], pending[done - 1][1]
+        last_end = pending[done - 1][1]
+        anchor = pending[0][0] if self._last_end is None else self._last_end
+        span = anchor.elapsed_time(last_end)
         inside = 0.0
         for _ in range(done):
             start, end = pending.popleft()
@@ -111,8 +114,6 @@ class DeviceTimeline:
             self._free.append(start)
             if end is not last_end:
                 self._free.append(end)
-        anchor = first if self._last_end is None else self._last_end
-        span = anchor.elapsed_time(last_end)
         self.in_steps += inside / 1e3
         self.between_steps += max(0.0, span - inside) / 1e3
         if self._last_end is not None:
