@@ -1,0 +1,136 @@
+"""The steps' losses tallied: the epoch's mean is the same numbers added in the same order however
+often it is read and whether the losses were agreed behind the step, and a step adds no work of
+its own to the device (the losses are added up a group at a time)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from phalanx import losses as losses_module
+from phalanx.losses import GROUP, UNSUMMED, StepLosses
+
+
+class Operators(TorchDispatchMode):
+    """Counts the tensor operators run inside it: on a GPU, each would be a kernel launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_losses(steps: int, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    # values of many magnitudes: an order of addition that differed would show in the bits
+    return list(torch.rand(steps, generator=generator) * 10.0 ** torch.randint(-3, 4, (steps,)))
+
+
+class Pending:
+    """A loss agreed behind the step: its value is written when it settles, as an all-reduce
+    that completes writes its result."""
+
+    def __init__(self, value: torch.Tensor, order: list[int], step: int):
+        self.loss, self._value, self._order, self._step = (
+            torch.full((), float("nan")),
+            value,
+            order,
+            step,
+        )
+
+    def settle(self) -> None:
+        if self.loss.isnan():
+            self.loss.copy_(self._value)
+            self._order.append(self._step)
+
+
+@pytest.mark.parametrize("steps", [1, GROUP - 1, GROUP, GROUP + 1, 5 * GROUP + 7])
+def test_the_epoch_mean_is_the_steps_mean_however_often_it_is_read(steps):
+    values = _step_losses(steps)
+    read_at_end, read_every_step = StepLosses(), StepLosses()
+    for tally in (read_at_end, read_every_step):
+        tally.begin_epoch()
+    means = []
+    for value in values:
+        read_at_end.add(value, None)
+        read_every_step.add(value, None)
+        means.append(read_every_step.epoch_mean())
+        assert read_every_step.last is value
+    final = read_at_end.epoch_mean()
+    assert torch.equal(final, read_every_step.epoch_mean())
+    assert torch.allclose(final, torch.stack(values).double().mean().float(), rtol=1e-6)
+    # each mean read on the way is the mean of the steps so far
+    for k in (0, steps // 2, steps - 1):
+        assert torch.allclose(
+            means[k], torch.stack(values[: k + 1]).double().mean().float(), rtol=1e-6
+        )
+    assert read_at_end.steps == steps
+
+
+def test_losses_agreed_behind_the_step_add_up_to_the_same_bits():
+    steps = 3 * UNSUMMED + 5
+    values = _step_losses(steps, seed=1)
+    at_once, behind = StepLosses(), StepLosses()
+    at_once.begin_epoch()
+    behind.begin_epoch()
+    order: list[int] = []
+    pending = []
+    for step, value in enumerate(values):
+        at_once.add(value, None)
+        loss = Pending(value, order, step)
+        pending.append(loss)
+        behind.add(loss.loss, loss.settle)
+        if step == UNSUMMED // 3:  # a hook reads the last loss: it alone is waited for
+            assert torch.equal(behind.last, value)
+    assert torch.equal(behind.epoch_mean(), at_once.epoch_mean())
+    # each settled once, and each holds its own step's value
+    assert sorted(order) == list(range(steps))
+    assert all(torch.equal(p.loss, v) for p, v in zip(pending, values, strict=True))
+
+
+def test_a_new_epoch_starts_from_nothing():
+    tally = StepLosses()
+    tally.begin_epoch()
+    for value in _step_losses(GROUP + 3):
+        tally.add(value, None)
+    tally.begin_epoch()
+    assert tally.epoch_mean() is None
+    tally.add(torch.tensor(2.0), None)
+    tally.add(torch.tensor(4.0), None)
+    assert tally.epoch_mean().item() == 3.0
+
+
+def test_a_step_adds_no_operator_of_its_own():
+    """On a GPU each tensor operator is a kernel launch: a running sum would add one to every step.
+    Adding up a group takes a stack and a sum (and one addition to the sum after the first)."""
+    tally = StepLosses()
+    tally.begin_epoch()
+    values = _step_losses(4 * GROUP)
+    with Operators() as operators:
+        for value in values:
+            tally.add(value, None)
+    groups = len(values) // GROUP
+    assert operators.counts == {"stack": groups, "sum": groups, "add": groups - 1}
+    assert sum(operators.counts.values()) < len(values) / 8
+
+
+def test_reading_the_mean_leaves_the_groups_as_they_were():
+    """A read adds up the group being filled for itself: the group goes on filling, so a read in
+    the middle of a group does not move where the next groups begin."""
+    tally = StepLosses()
+    tally.begin_epoch()
+    values = _step_losses(GROUP + GROUP // 2)
+    for value in values[: GROUP // 2]:
+        tally.add(value, None)
+    tally.epoch_mean()
+    with Operators() as operators:
+        for value in values[GROUP // 2 :]:
+            tally.add(value, None)
+    assert operators.counts == {"stack": 1, "sum": 1}  # the first group, whole at step GROUP
+    assert losses_module.GROUP == GROUP
