@@ -325,18 +325,21 @@ class _LongKernels(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    "strategy, clipped", [("single", False), ("fsdp", False), ("single", True)]
+    "strategy, clipped, nan_check",
+    [("single", False, False), ("fsdp", False, False), ("single", True, False)]
+    + [("single", False, True)],
 )
 def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(
-    tmp_path, monkeypatch, strategy, clipped
+    tmp_path, monkeypatch, strategy, clipped, nan_check
 ):
     """A step queues its kernels and returns: nothing it reads back waits for them. `single` reads
     nothing at all from the device, also where it clips the gradients for a fused optimizer (which
     skips a non-finite step on the device); fsdp reads the step before's stop flag (its agreement
-    runs behind the step), so it waits for that step, never for its own. The first steps are left
-    out (the first step's gradient check reads the gradients)."""
+    runs behind the step), so it waits for that step, never for its own; so does StopOnNaN, which
+    reads the step before's loss. The first steps are left out (the first step's gradient check
+    reads the gradients)."""
     import phalanx
-    from phalanx.hooks import Hook
+    from phalanx.hooks import Hook, StopOnNaN
 
     asked: list[tuple[bool, bool]] = []
 
@@ -354,12 +357,36 @@ def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(
     if clipped:
         raw["optimizer"] = {"class": "AdamW", "lr": 0.01, "fused": True, "max_grad_norm": 1.0}
     streams = toy.Regression(n_train=60).streams()
-    phalanx.fit(raw, model=_LongKernels(), dataset=streams, hooks=[Asks()])
+    hooks = [StopOnNaN(), Asks()] if nan_check else [Asks()]
+    phalanx.fit(raw, model=_LongKernels(), dataset=streams, hooks=hooks)
     assert len(asked) == 6
     later = asked[2:]
     assert not any(mine for mine, _ in later), asked
-    if strategy == "single":
+    if strategy == "single" and not nan_check:
         assert not any(before for _, before in later), asked
+
+
+@pytest.mark.parametrize("bad_step, failed_at", [(3, 4), (6, 6)])
+def test_stop_on_nan_on_the_gpu_names_the_step_a_check_later(tmp_path, bad_step, failed_at):
+    """On a GPU StopOnNaN reads each step's loss at the next step's check (or the epoch's end, for
+    the epoch's last step): the run fails there, naming the step whose loss was infinite."""
+    from phalanx import config, logs
+    from phalanx.hooks import StopOnNaN
+    from phalanx.trainer import Trainer
+
+    raw = scenario("cuda")
+    raw["model"] = {"class": "toy.InfAt", "features": 3, "step": bad_step}
+    raw["parallel"]["gradient_accumulation"] = 1
+    raw["dataset"]["n_train"] = 60  # 6 steps of 10 an epoch
+    logs.setup(tmp_path)
+    try:
+        trainer = Trainer(config.validate(raw), tmp_path, [str(REPO / "tests")], [StopOnNaN()])
+        assert trainer.run() == 1
+    finally:
+        logs.setup(None)
+    assert trainer.step == failed_at
+    log = (tmp_path / "log.txt").read_text()
+    assert f"the training loss is not finite (inf) at step {bad_step} (StopOnNaN)" in log
 
 
 def test_a_loader_without_workers_pins_its_batches_as_a_dataloader_would():

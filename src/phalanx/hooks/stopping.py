@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.variables import check_mode, improved, lookup, saved, split_name
 from phalanx.overrides import name_of
+
+log = logging.getLogger("phalanx")
 
 
 class StopAfter(Hook):
@@ -76,26 +79,39 @@ class StopAfter(Hook):
 
 class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
-    steps), or a variable of the epoch's data is after an epoch."""
+    steps), or a variable of the epoch's data is after an epoch.
+
+    On a GPU the check does not wait for the step: the loss comes to the host behind it and is read
+    at the next check, when the step before has run (the kernels queued since are not waited for),
+    or at the epoch's end. The run then fails one check later than on the CPU, naming the step whose
+    loss it was."""
 
     # reads the trainer's global loss, the same on every rank
     gathers = False
 
     def __init__(self, variables: Sequence[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)
+        # the loss of the last check on a GPU, on its way to the host
+        self._pending: _OnItsWay | None = None
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         if not self.trainer.training or self.trainer.step % self.every:
             return
         loss = self.trainer.last_loss  # set by the step this batch came from
-        if loss is not None and not bool(torch.isfinite(loss).all()):
-            raise TrainingTerminated(
-                f"the training loss is not finite ({float(loss)}) at step "
-                f"{self.trainer.step} (StopOnNaN)",
-                success=False,
-            )
+        if loss is None:
+            return
+        step = self.trainer.step
+        if loss.device.type != "cuda":
+            _fail_unless_finite(loss, step)
+            return
+        pending, self._pending = self._pending, _OnItsWay(loss, step)
+        if pending is not None:
+            pending.check()
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.check()
         for stream, values in epoch_data.items():
             for var in self.variables:
                 value = values.get(var)
@@ -103,6 +119,40 @@ class StopOnNaN(Hook):
                     raise TrainingTerminated(
                         f"{stream}.{var} is {value} after epoch {epoch} (StopOnNaN)", success=False
                     )
+
+    def after_training(self, success: bool) -> None:
+        """A run that another hook stopped within an epoch: its last check is still read, and said
+        (the run has ended: it can no longer fail it)."""
+        pending, self._pending = self._pending, None
+        if pending is None or not success:
+            return
+        try:
+            pending.check()
+        except TrainingTerminated as nan:
+            log.error("%s, after the run had stopped", nan.reason)
+
+
+def _fail_unless_finite(loss: torch.Tensor, step: int) -> None:
+    if not bool(torch.isfinite(loss).all()):
+        raise TrainingTerminated(
+            f"the training loss is not finite ({float(loss)}) at step {step} (StopOnNaN)",
+            success=False,
+        )
+
+
+class _OnItsWay:
+    """A loss on a GPU copied to the host behind the step, and the event that says it is there."""
+
+    def __init__(self, loss: torch.Tensor, step: int):
+        self.step = step
+        self.host = loss.detach().to("cpu", non_blocking=True)  # pinned: the copy does not wait
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+    def check(self) -> None:
+        """Fail the run if the loss was not finite (its copy waited for, if not there yet)."""
+        self.done.synchronize()
+        _fail_unless_finite(self.host, self.step)
 
 
 class StopOnPlateau(Hook):
