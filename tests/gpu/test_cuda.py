@@ -368,8 +368,9 @@ def test_a_step_on_the_gpu_returns_before_its_kernels_have_run(
 
 @pytest.mark.parametrize("bad_step, failed_at", [(3, 4), (6, 6)])
 def test_stop_on_nan_on_the_gpu_names_the_step_a_check_later(tmp_path, bad_step, failed_at):
-    """On a GPU StopOnNaN reads each step's loss at the next step's check (or the epoch's end, for
-    the epoch's last step): the run fails there, naming the step whose loss was infinite."""
+    """On a GPU StopOnNaN reads each step's loss at the next step's check, and the epoch's last
+    step's at once (the epoch's end evaluates and saves): the run fails there, naming the step
+    whose loss was infinite."""
     from phalanx import config, logs
     from phalanx.hooks import StopOnNaN
     from phalanx.trainer import Trainer

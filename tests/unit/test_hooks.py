@@ -923,6 +923,67 @@ def test_stop_on_nan_sees_a_diverging_loss(tmp_path):
     assert trainer.epoch < 50
 
 
+class _Event:
+    """A CUDA event's stand-in for a loss read behind its step on the CPU: the copy is there."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def read_behind(monkeypatch):
+    """StopOnNaN reading each loss behind its step, as on a GPU, on the CPU."""
+    from phalanx.hooks import stopping
+
+    monkeypatch.setattr(stopping, "_read_behind", lambda loss: True)
+    monkeypatch.setattr(stopping.torch.cuda, "Event", _Event)
+    monkeypatch.setattr(stopping.torch.cuda, "current_stream", lambda device=None: None)
+
+
+@pytest.mark.parametrize("bad_step, failed_at", [(2, 3), (5, 5), (6, 7)])
+def test_stop_on_nan_read_behind_the_step_fails_a_check_later(
+    tmp_path, read_behind, bad_step, failed_at
+):
+    """Read behind the step (on a GPU), a loss that is not finite fails the run at the next
+    check, naming its step; at an epoch's last step (5 of 5) the check waits, so no evaluation or
+    checkpoint comes after it (the epoch does not end)."""
+    ended = Record()
+    trainer = make_trainer(
+        tmp_path,
+        [StopOnNaN(), SaveLatest(), ended],
+        model={"class": "toy.InfAt", "features": 3, "step": bad_step},
+        main_loop={"epochs": 3},
+    )
+    assert trainer.run() == 1
+    assert trainer.step == failed_at
+    assert len(ended.epochs) == (1 if bad_step > 5 else 0)
+    assert trainer.checkpoints.steps() == ([5] if bad_step > 5 else [])
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert f"the training loss is not finite (inf) at step {bad_step} (StopOnNaN)" in log
+
+
+def test_stop_on_nan_read_behind_says_what_it_read_after_another_hook_stopped(
+    tmp_path, read_behind
+):
+    """StopAfter ends the run at the step whose loss StopOnNaN has not read yet: the run ends as
+    StopAfter says, and the loss is read as it ends and logged as an error."""
+    trainer = make_trainer(
+        tmp_path,
+        [StopOnNaN(), StopAfter(steps=2)],
+        model={"class": "toy.InfAt", "features": 3, "step": 2},
+    )
+    assert trainer.run() == 0
+    assert trainer.step == 2
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert (
+        "the training loss is not finite (inf) at step 2 (StopOnNaN), read after the run had "
+        "stopped" in log
+    )
+
+
 def test_stop_on_plateau_after_patience_epochs_without_improvement(tmp_path):
     rec = Record()
     # lr 0: nothing learns, valid.loss is the same every epoch

@@ -134,3 +134,19 @@ def test_reading_the_mean_leaves_the_groups_as_they_were():
             tally.add(value, None)
     assert operators.counts == {"stack": 1, "sum": 1}  # the first group, whole at step GROUP
     assert losses_module.GROUP == GROUP
+
+
+@pytest.mark.parametrize(
+    "dtype, value, steps", [(torch.bfloat16, 2.0, 20_000), (torch.float16, 100.0, 700)]
+)
+def test_half_precision_losses_are_added_up_in_single_precision(dtype, value, steps):
+    """An epoch of half-precision losses summed in their own precision loses them (bf16: 2.0 a
+    step comes to 0.8 over 20,000 steps) or overflows (fp16: 700 steps of 100)."""
+    tally = StepLosses()
+    tally.begin_epoch()
+    loss = torch.tensor(value, dtype=dtype)
+    for _ in range(steps):
+        tally.add(loss, None)
+    mean = tally.epoch_mean()
+    assert mean.dtype == torch.float32
+    assert mean.item() == value

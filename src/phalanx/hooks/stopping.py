@@ -81,10 +81,13 @@ class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
     steps), or a variable of the epoch's data is after an epoch.
 
-    On a GPU the check does not wait for the step: the loss comes to the host behind it and is read
-    at the next check, when the step before has run (the kernels queued since are not waited for),
-    or at the epoch's end. The run then fails one check later than on the CPU, naming the step whose
-    loss it was."""
+    On a GPU a check does not wait for its step: the loss comes to the host behind the step and is
+    read at the next check, when the step before has run (the kernels queued since are not waited
+    for). The run then fails one check later than on the CPU, naming the step whose loss it was.
+    Where the run would go on to evaluate or save (an epoch's last step, the step before an
+    evaluation round) or stops for a signal, the check waits for its step, as on the CPU. A run
+    that another hook stops has its last loss read as it ends, and a loss that was not finite is
+    logged as an error (the hook that stopped it says how it ended)."""
 
     # reads the trainer's global loss, the same on every rank
     gathers = False
@@ -95,22 +98,33 @@ class StopOnNaN(Hook):
         self._pending: _OnItsWay | None = None
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
-        if not self.trainer.training or self.trainer.step % self.every:
+        run = self.trainer
+        if not run.training or run.step % self.every:
             return
-        loss = self.trainer.last_loss  # set by the step this batch came from
+        loss = run.last_loss  # set by the step this batch came from
         if loss is None:
             return
-        step = self.trainer.step
-        if loss.device.type != "cuda":
-            _fail_unless_finite(loss, step)
-            return
-        pending, self._pending = self._pending, _OnItsWay(loss, step)
+        pending, self._pending = self._pending, None
         if pending is not None:
             pending.check()
+        if not _read_behind(loss) or self._waits_here():
+            _fail_unless_finite(loss, run.step)
+        else:
+            self._pending = _OnItsWay(loss, run.step)
+
+    def _waits_here(self) -> bool:
+        """Whether the run evaluates, saves or stops after this step: there the check waits."""
+        run = self.trainer
+        rounds = run.cfg.main_loop.eval_every_n_steps
+        return (
+            run.step_in_epoch == run.steps_per_epoch
+            or (rounds is not None and run.step % rounds == 0)
+            or run.stop_requested
+        )
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None:  # an epoch of a stream that does not say its length
             pending.check()
         for stream, values in epoch_data.items():
             for var in self.variables:
@@ -121,15 +135,20 @@ class StopOnNaN(Hook):
                     )
 
     def after_training(self, success: bool) -> None:
-        """A run that another hook stopped within an epoch: its last check is still read, and said
-        (the run has ended: it can no longer fail it)."""
+        """A run that another hook stopped within an epoch: its last check is still read, and a loss
+        that was not finite said (the run has ended: it can no longer fail it)."""
         pending, self._pending = self._pending, None
-        if pending is None or not success:
+        if pending is None:
             return
         try:
             pending.check()
         except TrainingTerminated as nan:
-            log.error("%s, after the run had stopped", nan.reason)
+            log.error("%s, read after the run had stopped", nan.reason)
+
+
+def _read_behind(loss: torch.Tensor) -> bool:
+    """Whether a loss is read behind its step: on a GPU (reading it there waits for the step)."""
+    return loss.device.type == "cuda"
 
 
 def _fail_unless_finite(loss: torch.Tensor, step: int) -> None:
@@ -147,7 +166,7 @@ class _OnItsWay:
         self.step = step
         self.host = loss.detach().to("cpu", non_blocking=True)  # pinned: the copy does not wait
         self.done = torch.cuda.Event()
-        self.done.record()
+        self.done.record(torch.cuda.current_stream(loss.device))  # where the copy was queued
 
     def check(self) -> None:
         """Fail the run if the loss was not finite (its copy waited for, if not there yet)."""
