@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import Dataset
 
 
@@ -923,3 +925,26 @@ class Attending(nn.Module):
         logits = self.head(x + self.mlp(self.ln_2(x)))
         loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
         return {"logits": logits, "loss": loss}
+
+
+class Operators(TorchDispatchMode):
+    """Counts the aten operators run inside it, views left out (they launch nothing): kernels (what
+    a GPU would launch) and reads of a tensor's value on the host (`item()`, `bool()`, `float()`:
+    on a GPU, each waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and not func.is_view:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def reads(self) -> int:
+        return self.counts["_local_scalar_dense"]
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.counts.values()) - self.reads

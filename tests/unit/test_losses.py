@@ -4,26 +4,12 @@ its own to the device (the losses are added up a group at a time)."""
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+import toy
 
 from phalanx import losses as losses_module
 from phalanx.losses import GROUP, UNSUMMED, StepLosses
-
-
-class Operators(TorchDispatchMode):
-    """Counts the tensor operators run inside it: on a GPU, each would be a kernel launch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _step_losses(steps: int, seed: int = 0) -> list[torch.Tensor]:
@@ -112,7 +98,7 @@ def test_a_step_adds_no_operator_of_its_own():
     tally = StepLosses()
     tally.begin_epoch()
     values = _step_losses(4 * GROUP)
-    with Operators() as operators:
+    with toy.Operators() as operators:
         for value in values:
             tally.add(value, None)
     groups = len(values) // GROUP
@@ -129,7 +115,7 @@ def test_reading_the_mean_leaves_the_groups_as_they_were():
     for value in values[: GROUP // 2]:
         tally.add(value, None)
     tally.epoch_mean()
-    with Operators() as operators:
+    with toy.Operators() as operators:
         for value in values[GROUP // 2 :]:
             tally.add(value, None)
     assert operators.counts == {"stack": 1, "sum": 1}  # the first group, whole at step GROUP

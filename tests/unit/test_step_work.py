@@ -12,7 +12,6 @@ from collections import Counter
 import pytest
 import torch
 import toy
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, default_collate
 
 from phalanx import config, overrides
@@ -21,29 +20,6 @@ from phalanx.trainer import Trainer
 pytestmark = pytest.mark.timeout(240)
 TESTS = toy.__file__.rsplit("/", 1)[0]
 STEPS, BATCH, EVERY = 120, 8, 50
-
-
-class Operators(TorchDispatchMode):
-    """Counts the tensor operators run inside it: kernels (what a GPU would launch), views (which
-    launch nothing), and reads of a tensor's value on the host (`item()`, `bool()`, `float()`: on
-    a GPU, each waits for it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "aten" and not func.is_view:
-            self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def reads(self) -> int:
-        return self.counts["_local_scalar_dense"]
-
-    @property
-    def kernels(self) -> int:
-        return sum(self.counts.values()) - self.reads
 
 
 def _phalanx(tmp_path) -> Trainer:
@@ -89,7 +65,7 @@ def test_the_loop_asks_no_more_of_the_device_than_a_hand_written_one(tmp_path):
     trainer = _phalanx(tmp_path)
     trainer.begin_training()
     trainer.train_epoch()  # the optimizer's state made, the hooks' first epoch
-    with Operators() as phalanx:
+    with toy.Operators() as phalanx:
         trainer.train_epoch(end=False)  # the step loop: its steps and their hooks
     trainer.end_training()
     assert trainer.step == 2 * STEPS
@@ -99,10 +75,10 @@ def test_the_loop_asks_no_more_of_the_device_than_a_hand_written_one(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     loader = DataLoader(toy.Classes(n_train=STEPS * BATCH).streams()["train"], BATCH, shuffle=True)
     _hand_epoch(model, optimizer, loader)
-    with Operators() as hand:
+    with toy.Operators() as hand:
         float(_hand_epoch(model, optimizer, loader))  # the epoch's loss, read once
     items = [loader.dataset[i] for i in range(BATCH)]
-    with Operators() as bare:
+    with toy.Operators() as bare:
         _bare_step(model, optimizer, items)
 
     # against the hand loop: no more kernels, and no reads but the optimizer's own (AdamW reads
