@@ -53,6 +53,12 @@ def test_compile_trains_the_same_and_saves_the_plain_module(tmp_path):
     )  # no "_orig_mod." prefix: the checkpoint fits the plain model
 
 
+def test_a_compile_backend_or_mode_torch_does_not_know_is_one_config_error(tmp_path):
+    for compiled, named in [({"mode": "fastest"}, "'fastest'"), ({"backend": "nope"}, "'nope'")]:
+        with pytest.raises(ConfigError, match=rf"compile \(backend .*{named}.*compile: false"):
+            train(tmp_path / named.strip("'"), compile=compiled)
+
+
 def test_channels_last_trains_the_same(tmp_path):
     sections = dict(
         model={"class": "toy.ConvNet"}, dataset={"class": "toy.ImageRegression", "batch_size": 8}

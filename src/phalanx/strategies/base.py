@@ -437,10 +437,28 @@ def prepare(
         from phalanx import random
 
         random.run_eagerly(module)
-        module = torch.compile(  # type: ignore[assignment]  # stub: a callable; it is a Module
-            module, backend=options.compile.backend, mode=options.compile.mode
-        )
+        module = compile_module(module, options.compile)
     return module
+
+
+def compile_module(module: nn.Module, compiled: Any) -> nn.Module:
+    """`module` through torch.compile as `compiled` (the config's `compile`) says. torch checks
+    the backend's and the mode's names here, and compiles at the first call: a name it does not know
+    is the config's error."""
+    try:
+        out = torch.compile(module, backend=compiled.backend, mode=compiled.mode)
+    except RuntimeError as e:  # torch's own: an unknown backend (a RuntimeError too) or mode
+        from phalanx.errors import ConfigError
+
+        said = str(e).rstrip(".")
+        raise ConfigError(
+            f"compile (backend {compiled.backend!r}, mode {compiled.mode!r}): {said}; correct "
+            "compile.backend or compile.mode, or set compile: false"
+        ) from None
+    # its stub says a callable; a module compiled is a module (an OptimizedModule)
+    if not isinstance(out, nn.Module):
+        raise TypeError(f"torch.compile returned a {type(out).__name__}, not a module")
+    return out
 
 
 def checkpoint_modules(module: nn.Module, class_names: tuple[str, ...]) -> int:

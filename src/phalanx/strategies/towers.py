@@ -45,6 +45,7 @@ from phalanx.strategies.base import (
     OneProcess,
     Outcome,
     Replicated,
+    compile_module,
     prepare,
 )
 from phalanx.strategies.ddp import INSTEAD
@@ -326,11 +327,7 @@ def _without_compile(options: ModelOptions) -> ModelOptions:
 def _compile(tower: nn.Module, options: ModelOptions) -> nn.Module:
     if options.compile is None:
         return tower
-    compiled = torch.compile(tower, backend=options.compile.backend, mode=options.compile.mode)
-    # its stub says a callable; a module compiled is a module (an OptimizedModule)
-    if not isinstance(compiled, nn.Module):
-        raise TypeError(f"torch.compile returned a {type(compiled).__name__}, not a module")
-    return compiled
+    return compile_module(tower, options.compile)
 
 
 def _on(device: torch.device, work: Callable[..., Any], *args: Any) -> Any:
