@@ -718,6 +718,27 @@ class InfAt(Linear):
         return out
 
 
+class Overwritten(Linear):
+    """Linear whose every call writes NaN over the outputs it gave at the call before, as a model
+    replayed as CUDA graphs writes each replay's outputs where the last one's were."""
+
+    def __init__(self, features: int = 3):
+        super().__init__(features)
+        self._given: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self._overwrite()
+        out = super().forward(x, y)
+        self._given = list(out.values())
+        return out
+
+    @torch.compiler.disable
+    def _overwrite(self) -> None:
+        with torch.no_grad():
+            for given in self._given:
+                given.fill_(float("nan"))
+
+
 class StreamItems(torch.utils.data.IterableDataset):
     """A stream of Regression items in an order of its own (shuffled by `set_epoch`), with no
     length. `stateful`: it says where it stands (`state_dict`) and starts there again

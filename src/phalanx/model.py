@@ -53,10 +53,13 @@ class Forward:
         cfg: ModelConfig,
         search_dirs: Sequence[Path] = (),
         inner: nn.Module | None = None,
+        copies: bool = False,
     ):
         """`module` is called; `inner` (the user's module inside any wrapper) says what forward
-        takes."""
-        self.module = module
+        takes; `copies`: the module's tensor outputs are copied before anything reads them (a
+        module replayed as CUDA graphs overwrites them at its next call, and the hooks keep some
+        for the epoch)."""
+        self.module, self.copies = module, copies
         self.inputs = cfg.inputs
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
         # the name of a lone tensor output
@@ -100,6 +103,10 @@ class Forward:
             if self._single is not None and isinstance(raw, torch.Tensor)
             else self._as_dict(raw)
         )
+        if self.copies:
+            outputs = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()
+            }
         if self.named_loss is not None:
             _put(outputs, self.named_loss(outputs, batch))
         elif self.hugging_face and "labels" in batch and "logits" in outputs:

@@ -100,7 +100,14 @@ def build_parts(
     # tower's, as ddp's ranks'.
     seed_everything(derived_seed(cfg.seed, 0, strategy.rank))
     strategy.seed_streams(cfg.seed, 0)
-    forward = Forward(module, cfg.model, search_dirs, inner=model)
+    compiled = _compile_options(cfg)
+    forward = Forward(
+        module,
+        cfg.model,
+        search_dirs,
+        inner=model,
+        copies=compiled is not None and replays_graphs(compiled, strategy.device),
+    )
     # building an optimizer imports torch's compiler stack: seconds that evaluation does not need
     optimizer = (
         None
@@ -129,6 +136,22 @@ def build_parts(
         random_seed=cfg.seed if cfg.per_sample_random else None,
     )
     return ModelParts(precision, module, model, forward, optimizer, schedulers, engine, keyed)
+
+
+def replays_graphs(compiled: CompileConfig, device: torch.device) -> bool:
+    """Whether a model compiled as `compiled` runs as CUDA graphs on `device`: torch's
+    `reduce-overhead` and `max-autotune` modes, and its `cudagraphs` backend. Each replay of a
+    graph writes its outputs where the one before wrote its own, and torch refuses to read a tensor
+    that a later replay overwrote."""
+    if device.type != "cuda":
+        return False
+    if compiled.backend == "cudagraphs":
+        return True
+    if compiled.backend != "inductor" or compiled.mode is None:
+        return False
+    from torch._inductor import list_mode_options
+
+    return bool(list_mode_options(compiled.mode).get("triton.cudagraphs"))
 
 
 def _compile_options(cfg: Config) -> Any:

@@ -103,6 +103,20 @@ def test_two_ranks_sharing_the_gpu_train_as_one_process(one_gpu, through_autogra
         )  # the same samples in the same order, gathered
 
 
+def test_a_model_compiled_to_replay_as_cuda_graphs_trains_as_the_plain_one(one_gpu):
+    """compile mode reduce-overhead replays the model as CUDA graphs, each replay writing its
+    outputs over the last one's: the statistics, which keep each batch's losses until the epoch's
+    end, and the evaluation read copies, and the run is the plain one's (inductor's kernels)."""
+    got = workers.train({**scenario("cuda"), "compile": {"mode": "reduce-overhead"}})
+    want = one_gpu["toy.Linear"]
+    assert len(got["losses"]) == len(want["losses"]) > 0
+    assert rel(got["losses"], want["losses"]) < 1e-9
+    for mine, theirs in zip(got["epochs"], want["epochs"], strict=True):
+        for stream in ("train", "valid"):
+            assert mine[stream]["loss"] == pytest.approx(theirs[stream]["loss"], rel=1e-9)
+            assert mine[stream]["loss_count"] == theirs[stream]["loss_count"]
+
+
 def test_sync_batchnorm_on_the_gpu_trains_as_one_process(one_gpu):
     raw = scenario("cuda", "toy.BatchNormNet", sync_batchnorm=True)
     raw["dataset"] = {

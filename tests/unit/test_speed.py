@@ -3,6 +3,8 @@ workers, fused optimizers; and the profiler's trace."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import toy
@@ -53,10 +55,51 @@ def test_compile_trains_the_same_and_saves_the_plain_module(tmp_path):
     )  # no "_orig_mod." prefix: the checkpoint fits the plain model
 
 
+def test_outputs_of_a_model_replayed_as_cuda_graphs_are_copied_before_the_hooks_keep_them(
+    tmp_path, monkeypatch
+):
+    """Compiled to replay as CUDA graphs, a model's outputs are overwritten by its next call; the
+    statistics of the epoch, which keep each batch's losses until its end, read copies. (On the
+    CPU torch replays no graphs: `toy.Overwritten` overwrites its outputs as a replay would, and the
+    run is told it replays them; the GPU tier runs the real thing.)"""
+    from phalanx import parts
+
+    linear = {"class": "toy.Linear", "features": 3}
+    overwritten = {"class": "toy.Overwritten", "features": 3}
+    eager = {"backend": "eager"}
+    runs = {}
+    for name, model, copies in [
+        ("plain", linear, False),
+        ("not copied", overwritten, False),
+        ("copied", overwritten, True),
+    ]:
+        monkeypatch.setattr(parts, "replays_graphs", lambda compiled, device, c=copies: c)
+        stats = toy.Record()
+        train(tmp_path / name, hooks=[ComputeStats(), stats], model=model, compile=eager)
+        runs[name] = [epoch["train"]["loss"] for epoch in stats.epochs]
+    assert len(runs["plain"]) == 2 and all(math.isfinite(v) for v in runs["plain"])
+    assert all(math.isnan(v) for v in runs["not copied"])  # what a replay would do to them
+    assert runs["copied"] == runs["plain"]
+
+
 def test_a_compile_backend_or_mode_torch_does_not_know_is_one_config_error(tmp_path):
     for compiled, named in [({"mode": "fastest"}, "'fastest'"), ({"backend": "nope"}, "'nope'")]:
         with pytest.raises(ConfigError, match=rf"compile \(backend .*{named}.*compile: false"):
             train(tmp_path / named.strip("'"), compile=compiled)
+
+
+def test_which_compiled_models_replay_as_cuda_graphs():
+    from phalanx.parts import replays_graphs
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    compiled = config.CompileConfig
+    assert replays_graphs(compiled(mode="reduce-overhead"), gpu)
+    assert replays_graphs(compiled(mode="max-autotune"), gpu)
+    assert replays_graphs(compiled(backend="cudagraphs"), gpu)
+    assert not replays_graphs(compiled(mode="max-autotune-no-cudagraphs"), gpu)
+    assert not replays_graphs(compiled(), gpu)
+    assert not replays_graphs(compiled(backend="eager", mode="reduce-overhead"), gpu)
+    assert not replays_graphs(compiled(mode="reduce-overhead"), cpu)
 
 
 def test_channels_last_trains_the_same(tmp_path):
