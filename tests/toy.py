@@ -732,7 +732,6 @@ class Overwritten(Linear):
         self._given = list(out.values())
         return out
 
-    @torch.compiler.disable
     def _overwrite(self) -> None:
         with torch.no_grad():
             for given in self._given:

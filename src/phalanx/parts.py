@@ -100,13 +100,12 @@ def build_parts(
     # tower's, as ddp's ranks'.
     seed_everything(derived_seed(cfg.seed, 0, strategy.rank))
     strategy.seed_streams(cfg.seed, 0)
-    compiled = _compile_options(cfg)
     forward = Forward(
         module,
         cfg.model,
         search_dirs,
         inner=model,
-        copies=compiled is not None and replays_graphs(compiled, strategy.device),
+        copies=replays_graphs(_compile_options(cfg), strategy.device),
     )
     # building an optimizer imports torch's compiler stack: seconds that evaluation does not need
     optimizer = (
@@ -138,12 +137,12 @@ def build_parts(
     return ModelParts(precision, module, model, forward, optimizer, schedulers, engine, keyed)
 
 
-def replays_graphs(compiled: CompileConfig, device: torch.device) -> bool:
-    """Whether a model compiled as `compiled` runs as CUDA graphs on `device`: torch's
-    `reduce-overhead` and `max-autotune` modes, and its `cudagraphs` backend. Each replay of a
-    graph writes its outputs where the one before wrote its own, and torch refuses to read a tensor
-    that a later replay overwrote."""
-    if device.type != "cuda":
+def replays_graphs(compiled: CompileConfig | None, device: torch.device) -> bool:
+    """Whether a model compiled as `compiled` (None: not compiled) runs as CUDA graphs on
+    `device`: torch's `reduce-overhead` and `max-autotune` modes, and its `cudagraphs` backend. Each
+    replay of a graph writes its outputs where the one before wrote its own, and torch refuses to
+    read a tensor that a later replay overwrote."""
+    if compiled is None or device.type != "cuda":
         return False
     if compiled.backend == "cudagraphs":
         return True

@@ -60,13 +60,13 @@ def test_outputs_of_a_model_replayed_as_cuda_graphs_are_copied_before_the_hooks_
 ):
     """Compiled to replay as CUDA graphs, a model's outputs are overwritten by its next call; the
     statistics of the epoch, which keep each batch's losses until its end, read copies. (On the
-    CPU torch replays no graphs: `toy.Overwritten` overwrites its outputs as a replay would, and the
-    run is told it replays them; the GPU tier runs the real thing.)"""
+    CPU torch replays no graphs: `toy.Overwritten`, not compiled, overwrites its outputs as a
+    replay would, and the run is told that its model replays them; the GPU tier runs the real
+    thing.)"""
     from phalanx import parts
 
     linear = {"class": "toy.Linear", "features": 3}
     overwritten = {"class": "toy.Overwritten", "features": 3}
-    eager = {"backend": "eager"}
     runs = {}
     for name, model, copies in [
         ("plain", linear, False),
@@ -75,7 +75,7 @@ def test_outputs_of_a_model_replayed_as_cuda_graphs_are_copied_before_the_hooks_
     ]:
         monkeypatch.setattr(parts, "replays_graphs", lambda compiled, device, c=copies: c)
         stats = toy.Record()
-        train(tmp_path / name, hooks=[ComputeStats(), stats], model=model, compile=eager)
+        train(tmp_path / name, hooks=[ComputeStats(), stats], model=model)
         runs[name] = [epoch["train"]["loss"] for epoch in stats.epochs]
     assert len(runs["plain"]) == 2 and all(math.isfinite(v) for v in runs["plain"])
     assert all(math.isnan(v) for v in runs["not copied"])  # what a replay would do to them
@@ -100,6 +100,7 @@ def test_which_compiled_models_replay_as_cuda_graphs():
     assert not replays_graphs(compiled(), gpu)
     assert not replays_graphs(compiled(backend="eager", mode="reduce-overhead"), gpu)
     assert not replays_graphs(compiled(mode="reduce-overhead"), cpu)
+    assert not replays_graphs(None, gpu)
 
 
 def test_channels_last_trains_the_same(tmp_path):
