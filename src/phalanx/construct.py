@@ -114,8 +114,9 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
                 f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
             ) from None
         raise _describe_failure(section, factory, kwargs, e) from e
-    except ValueError as e:
-        # the constructor rejected a value: name the section (--debug: traceback)
+    except (ValueError, RuntimeError) as e:
+        # the constructor rejected a value (torch's checks raise RuntimeError: a negative size):
+        # name the section (--debug: traceback)
         raise _describe_failure(section, factory, kwargs, e) from e
 
 

@@ -393,6 +393,53 @@ def test_instantiate_builds_with_good_arguments():
     assert isinstance(layer, nn.Linear) and layer.weight.shape == (2, 3) and layer.bias is None
 
 
+def test_instantiate_names_the_section_when_a_constructor_refuses_a_value_with_torchs_error():
+    """torch's own checks raise RuntimeError (a negative size): the section and values are named."""
+    with pytest.raises(
+        ConfigError, match=r"model: .*Linear\(in_features=3, out_features=-5\) failed"
+    ):
+        construct.instantiate("model", nn.Linear, in_features=3, out_features=-5)
+
+
+@pytest.mark.parametrize(
+    "scheduler, says",
+    [
+        ({"class": "CosineAnnealingLR", "T_max": 0}, "ZeroDivisionError"),
+        ({"class": "CosineAnnealingLR", "T_max": "ten"}, "TypeError"),
+        ({"class": "ReduceLROnPlateau"}, "steps on a measured value"),
+        (
+            {"class": "OneCycleLR", "max_lr": 0.1, "total_steps": 5},
+            "OneCycleLR steps 5 times, but the run steps it 10 times",
+        ),
+    ],
+)
+def test_a_scheduler_that_its_first_steps_or_the_runs_length_refuse_is_refused_before_the_run(
+    tmp_path, scheduler, says
+):
+    """Found by its own steps, these would end a run after its first epoch (or, OneCycleLR,
+    mid-run) with torch's traceback; they are refused at the start, before the run directory."""
+    from phalanx.trainer import Trainer
+
+    raw = toy.regression_config(
+        scheduler={"interval": "step", **scheduler}, optimizer={"warmup_steps": 2}
+    )
+    cfg = config.validate(raw)
+    with pytest.raises(ConfigError, match=f"scheduler: .*{says}"):
+        Trainer(cfg, tmp_path, [str(Path(toy.__file__).parent)])
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_scheduler_as_long_as_the_run_is_not_refused(tmp_path):
+    from phalanx.trainer import Trainer
+
+    for total in ("auto", 10):
+        scheduler = {"class": "OneCycleLR", "max_lr": 0.1, "total_steps": total, "interval": "step"}
+        cfg = config.validate(toy.regression_config(scheduler=scheduler))
+        (tmp_path / str(total)).mkdir()
+        trainer = Trainer(cfg, tmp_path / str(total), [str(Path(toy.__file__).parent)])
+        assert trainer.run() == 0 and trainer.step == 10
+
+
 def test_build_value_builds_nested_class_mappings():
     spec = {
         "class": "torch.nn.Sequential",
