@@ -27,7 +27,14 @@ from torch import nn
 from phalanx import random
 from phalanx.data import Micro
 from phalanx.errors import ModelError
-from phalanx.model import NEGATIVE_WEIGHTS, TOKENS, Forward, check_loss, check_weights
+from phalanx.model import (
+    NEGATIVE_WEIGHTS,
+    TOKENS,
+    Forward,
+    check_loss,
+    check_weights,
+    loss_not_a_tensor,
+)
 from phalanx.precision import Precision
 
 log = logging.getLogger("phalanx")
@@ -439,8 +446,12 @@ class Engine:
             with precision.autocast():
                 outputs = call(batch)
         loss = outputs["loss"]
+        try:
+            per_sample = loss.dim() == 1 and loss.shape[0] == n
+        except AttributeError:  # not a tensor
+            raise loss_not_a_tensor(loss) from None
         # not one value per sample: check and reduce it
-        if loss.dim() != 1 or loss.shape[0] != n:
+        if not per_sample:
             loss = check_loss(loss, n)
         weights = outputs.get(WEIGHT)
         if weights is not None:

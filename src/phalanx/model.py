@@ -27,7 +27,7 @@ from torch import nn
 from phalanx import keras_models
 from phalanx.config import LossConfig, ModelConfig
 from phalanx.construct import build_value, import_object, instantiate
-from phalanx.errors import ModelError
+from phalanx.errors import ConfigError, ModelError
 
 
 def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
@@ -76,6 +76,14 @@ class Forward:
             # its **kwargs are options of attention kernels, not the batch's other keys
             self.takes_all = False
         self._no_cache = bool(self.hugging_face) and "use_cache" in self.params
+        if self.inputs is not None and not self.takes_all and not self.hugging_face:
+            unknown = [arg for arg in self.inputs.values() if arg not in self.params]
+            if unknown:
+                raise ConfigError(
+                    f"model.inputs gives {type(user).__name__}.forward "
+                    f"{', '.join(map(repr, unknown))}, which it does not take; it takes "
+                    f"{', '.join(self.params) or 'nothing by name'}"
+                )
         self.output_names: list[str] = []
 
     def bound_to(self, module: nn.Module) -> Forward:
@@ -366,6 +374,13 @@ def _forward_params(module: nn.Module) -> tuple[dict[str, bool], bool]:
         if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
     return named, takes_all
+
+
+def loss_not_a_tensor(loss: Any) -> ModelError:
+    return ModelError(
+        f"the model's 'loss' is a {type(loss).__name__}, not a tensor; return the loss as a "
+        "tensor (one value per sample, or their mean)"
+    )
 
 
 def check_loss(loss: torch.Tensor, n: int) -> torch.Tensor:

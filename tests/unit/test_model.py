@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,6 +64,22 @@ def test_forward_with_var_keyword_gets_the_whole_batch():
     module = TakesAll()
     Forward(module, _cfg())(_batch())
     assert module.keys == ["id", "x", "y"]
+
+
+def test_model_inputs_naming_an_argument_forward_does_not_take_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"model.inputs gives Spy.forward 'nope'.*takes x, y"):
+        Forward(Spy(), _cfg(inputs={"x": "x", "y": "nope"}))
+    Forward(Spy(), _cfg(inputs={"x": "x", "y": "y"}))  # the arguments it takes
+
+
+def test_a_loss_that_is_not_a_tensor_is_named(tmp_path):
+    from phalanx import config
+    from phalanx.trainer import Trainer
+
+    raw = toy.regression_config(model={"class": "toy.TextLoss", "features": 3})
+    trainer = Trainer(config.validate(raw), tmp_path, [str(Path(toy.__file__).parent)])
+    with pytest.raises(ModelError, match="the model's 'loss' is a str, not a tensor"):
+        trainer.run()
 
 
 def test_forward_missing_key_names_it():

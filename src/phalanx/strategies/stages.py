@@ -15,6 +15,7 @@ from torch.distributed import pipelining
 from phalanx import random
 from phalanx.engine import TOKENS
 from phalanx.errors import ModelError
+from phalanx.model import loss_not_a_tensor
 from phalanx.strategies.cutting import Active, Cut
 from phalanx.strategies.padding import KEY, rows_of
 
@@ -120,6 +121,8 @@ class Stage(nn.Module):
             active.received = None
         loss = outputs["loss"]
         rows = rows_of(batch)
+        if not isinstance(loss, torch.Tensor):
+            raise loss_not_a_tensor(loss)
         if loss.dim() != 1 or loss.shape[0] != rows:
             raise ModelError(
                 "the pipeline strategy needs the model's loss per sample (a vector of the batch's "
