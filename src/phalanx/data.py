@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, overload
 
@@ -258,6 +258,11 @@ def get_stream(
             "streams as {'train': ..., 'valid': ...} from streams()"
         )
     available = streams()
+    if not isinstance(available, Mapping):
+        raise DataError(
+            f"{type(dataset).__name__}.streams() returned a {type(available).__name__}; return "
+            "the streams by name, as {'train': ..., 'valid': ...}"
+        )
     if name not in available:
         raise DataError(
             f"dataset {type(dataset).__name__} has no stream {name!r}; it has "

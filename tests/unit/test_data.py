@@ -317,6 +317,15 @@ def test_get_stream_missing_stream_lists_the_available_ones():
         assert name in message
 
 
+def test_get_stream_of_streams_that_are_not_by_name():
+    class Listed:
+        def streams(self):
+            return [[1, 2], [3]]
+
+    with pytest.raises(DataError, match=r"Listed.streams\(\) returned a list; return the streams"):
+        data.get_stream(Listed(), "train")
+
+
 def test_get_stream_without_streams_method():
     class NoStreams:
         pass
