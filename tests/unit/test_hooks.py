@@ -235,6 +235,17 @@ def test_compute_stats_state_survives_a_json_round_trip_mid_epoch(tmp_path):
         assert resumed["train"][key] == pytest.approx(value, rel=1e-12)
 
 
+def test_stop_after_refuses_limits_that_are_not_positive_numbers():
+    for given, says in [
+        ({"steps": -1}, "steps must be a positive number, got -1"),
+        ({"minutes": 0}, "minutes must be a positive number, got 0"),
+        ({"epochs": True}, "epochs must be a positive number, got True"),
+        ({"steps": 5, "clock": "banana"}, "clock is a function giving seconds"),
+    ]:
+        with pytest.raises(ConfigError, match=f"StopAfter: {says}"):
+            StopAfter(**given)
+
+
 def test_compute_stats_name_a_variable_that_is_not_there(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(["accuracy"])], main_loop={"epochs": 1})
     with pytest.raises(ModelError, match="'accuracy'"):
@@ -325,6 +336,12 @@ def test_classification_metrics_refuse_classes_outside_the_matrix():
     out: dict = {}
     hook.after_epoch(2, out)
     assert out["valid"]["accuracy"] == 0.5
+
+
+def test_classification_metrics_refuse_gold_that_is_not_one_class_per_prediction():
+    hook = ClassificationMetrics(predicted="scores", gold="image")
+    with pytest.raises(ModelError, match=r"'scores' gives 3 predicted .* but 'image' 12 gold"):
+        hook.after_batch("valid", {"scores": torch.eye(3, 2), "image": torch.zeros(3, 2, 2)})
 
 
 # --- LogVariables, LogProfile ------------------------------------------------------------------

@@ -243,6 +243,13 @@ class ClassificationMetrics(Hook):
         predicted = (
             scores.argmax(dim=-1) if scores.is_floating_point() else scores.reshape(-1).long()
         )
+        if predicted.numel() != gold.numel():
+            raise ModelError(
+                f"ClassificationMetrics: {self.predicted!r} gives {predicted.numel()} predicted "
+                f"classes (shape {tuple(scores.shape)}) but {self.gold!r} {gold.numel()} gold ones "
+                f"(shape {tuple(batch[self.gold].shape)}); set predicted to the class scores (or "
+                "classes) and gold to the true classes, one per sample or token"
+            )
         k = self.num_classes or (
             scores.shape[-1]
             if scores.is_floating_point()

@@ -37,6 +37,15 @@ class StopAfter(Hook):
     ):
         if epochs is None and steps is None and minutes is None:
             raise ConfigError("StopAfter: give at least one of epochs, steps, minutes")
+        for key, limit in (("epochs", epochs), ("steps", steps), ("minutes", minutes)):
+            if limit is not None and not (
+                isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0
+            ):
+                raise ConfigError(f"StopAfter: {key} must be a positive number, got {limit!r}")
+        if not callable(clock):
+            raise ConfigError(
+                f"StopAfter: clock is a function giving seconds (time.monotonic), got {clock!r}"
+            )
         self.epochs, self.steps, self.minutes, self.clock = epochs, steps, minutes, clock
         self._start = None
 
