@@ -444,7 +444,8 @@ def read(path: str | os.PathLike, overrides: str | Sequence[str] = ()) -> dict:
             f"got {type(raw).__name__}"
         )
     raw = apply_overrides(raw, overrides)
-    raw.setdefault("name", _default_name(path))
+    if raw.get("name") is None:  # not given, or given empty (`name=`)
+        raw["name"] = _default_name(path)
     return raw
 
 

@@ -26,7 +26,8 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
     folder (the working directory for a config given as a dict), and the parts given as objects."""
     root = Path(cfg.output_root)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    run_dir, n = root / f"{cfg.name}-{stamp}", 1
+    name = cfg.name or "run"  # a config given as a mapping without one
+    run_dir, n = root / f"{name}-{stamp}", 1
     with writing(run_dir, where="set output_root to a folder you can write"):
         # mkdir is the check: two commands started in the same second get a folder each
         while True:
@@ -35,7 +36,7 @@ def create(cfg: Config, config_path: Path | None, objects: dict[str, Any] | None
                 break
             except FileExistsError:
                 n += 1
-                run_dir = root / f"{cfg.name}-{stamp}-{n}"
+                run_dir = root / f"{name}-{stamp}-{n}"
     # none half-made
     with writing(run_dir, partial=run_dir, where="set output_root to a folder you can write"):
         (run_dir / CONFIG).write_text(dump(resolved(cfg)))

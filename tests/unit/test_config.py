@@ -41,6 +41,9 @@ def test_load_reads_yaml_and_names_the_run_after_the_file(tmp_path):
     assert cfg.name == loaded["name"] == "exp1"
     path.write_text(yaml.safe_dump({**raw, "name": "given"}))
     assert config.load(path)[0].name == "given"
+    assert config.load(path, ["name="])[0].name == "exp1"  # given empty: the file's name again
+    path.write_text(yaml.safe_dump({**raw, "name": None}))
+    assert config.load(path)[0].name == "exp1"
 
 
 def test_load_names_a_config_yaml_run_after_its_folder(tmp_path):
