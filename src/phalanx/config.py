@@ -434,7 +434,8 @@ def read(path: str | os.PathLike, overrides: str | Sequence[str] = ()) -> dict:
     """A config file's raw mapping, overridden, with its default name; not yet validated."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of a YAML file")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {what}; pass the path of a YAML file")
     raw = read_yaml(
         path, "save the config as UTF-8 YAML, or check that this is the config file you meant"
     )

@@ -66,6 +66,8 @@ def test_load_uses_safe_load_and_never_builds_python_objects(tmp_path):
 def test_load_rejects_a_missing_file_and_a_non_mapping(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="is not a file; pass the path of a YAML file"):
+        config.load(tmp_path)
     path = tmp_path / "list.yaml"
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="mapping of sections"):

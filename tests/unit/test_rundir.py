@@ -145,3 +145,10 @@ def test_ls_lists_a_run_whose_files_are_crafted_beside_the_others(run, tmp_path)
         (other.name, "finished", 2, "", rows[1]["updated"]),
     ]
     assert rows[1]["updated"]
+
+
+def test_ls_of_a_folder_that_is_not_there_says_so(tmp_path, capsys):
+    assert commands.list_runs(str(tmp_path / "nope")) == []
+    assert "(there is no such folder)" in capsys.readouterr().out
+    assert commands.list_runs(str(tmp_path)) == []
+    assert "no such folder" not in capsys.readouterr().out
