@@ -413,8 +413,8 @@ class Checkpoints:
     def select(self, which: str | int) -> int:
         """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number,
         verified."""
-        if which == "auto":
-            which = "best" if self.best() is not None else "latest"
+        if which == "auto":  # a best.json that names no step is said, not passed over
+            which = "best" if self._best() is not None else "latest"
         if which == "latest":
             step = self.latest_valid()
         elif which == "best":

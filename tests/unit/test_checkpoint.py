@@ -343,10 +343,11 @@ def test_a_best_json_that_names_no_step_is_an_error_saying_so(ckpts, content):
     (ckpts.root / "best.json").write_text(content)
     assert ckpts.best() is None  # retention and ls go on without it
     ckpts.prune()
-    with pytest.raises(
-        CheckpointError, match="best.json does not name a step; choose one with --checkpoint"
-    ):
-        ckpts.select("best")
+    for which in ("best", "auto"):  # auto: eval's default, which would pass over it unsaid
+        with pytest.raises(
+            CheckpointError, match="best.json does not name a step; choose one with --checkpoint"
+        ):
+            ckpts.select(which)
 
 
 def test_loading_weights_into_another_model_is_an_error(ckpts):
