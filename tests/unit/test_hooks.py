@@ -246,6 +246,19 @@ def test_stop_after_refuses_limits_that_are_not_positive_numbers():
             StopAfter(**given)
 
 
+@pytest.mark.parametrize("hook", [SaveBest, StopOnPlateau])
+def test_a_best_or_plateau_of_a_stream_the_run_does_not_evaluate_is_refused_before_training(
+    tmp_path, hook
+):
+    ended = Record()
+    trainer = make_trainer(tmp_path, [hook("test.loss"), ended], main_loop={"epochs": 1})
+    with pytest.raises(
+        ConfigError, match=r"stream 'test' of test.loss is not evaluated \(streams: train, valid\)"
+    ):
+        trainer.run()
+    assert trainer.step == 0 and not ended.epochs
+
+
 def test_compute_stats_name_a_variable_that_is_not_there(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(["accuracy"])], main_loop={"epochs": 1})
     with pytest.raises(ModelError, match="'accuracy'"):

@@ -7,7 +7,14 @@ from typing import Any
 
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook
-from phalanx.hooks.variables import check_mode, improved, lookup, saved, split_name
+from phalanx.hooks.variables import (
+    check_evaluated,
+    check_mode,
+    improved,
+    lookup,
+    saved,
+    split_name,
+)
 
 
 class SaveEvery(Hook):
@@ -52,6 +59,9 @@ class SaveBest(Hook):
         split_name(variable, "SaveBest")
         self.variable, self.mode = variable, check_mode(mode, "SaveBest")
         self.best: float | None = None
+
+    def before_training(self) -> None:
+        check_evaluated(self.variable, "SaveBest", self.trainer.cfg.main_loop.extra_streams)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         value = lookup(epoch_data, self.variable, "SaveBest")

@@ -12,7 +12,14 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook, TrainingTerminated
-from phalanx.hooks.variables import check_mode, improved, lookup, saved, split_name
+from phalanx.hooks.variables import (
+    check_evaluated,
+    check_mode,
+    improved,
+    lookup,
+    saved,
+    split_name,
+)
 from phalanx.overrides import name_of
 
 log = logging.getLogger("phalanx")
@@ -200,6 +207,9 @@ class StopOnPlateau(Hook):
         self.patience, self.min_delta = patience, min_delta
         self.best: float | None = None
         self.waited = 0
+
+    def before_training(self) -> None:
+        check_evaluated(self.variable, "StopOnPlateau", self.trainer.cfg.main_loop.extra_streams)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         value = lookup(epoch_data, self.variable, "StopOnPlateau")

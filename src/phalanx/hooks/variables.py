@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phalanx.data import TRAIN
 from phalanx.errors import ConfigError
 
 
@@ -12,6 +13,18 @@ def split_name(name: str, hook: str) -> tuple[str, str]:
     if not sep or not stream or not var:
         raise ConfigError(f"{hook}: variable {name!r} must be STREAM.VARIABLE, e.g. valid.loss")
     return stream, var
+
+
+def check_evaluated(name: str, hook: str, extra_streams: list[str]) -> None:
+    """`name`'s stream is one the run evaluates (the training stream or one of `extra_streams`):
+    checked before training, not after its first epoch."""
+    stream, _ = split_name(name, hook)
+    streams = [TRAIN, *extra_streams]
+    if stream not in streams:
+        raise ConfigError(
+            f"{hook}: stream {stream!r} of {name} is not evaluated (streams: "
+            f"{', '.join(streams)}); add it to main_loop.extra_streams, or name another"
+        )
 
 
 def lookup(epoch_data: dict[str, dict[str, Any]], name: str, hook: str) -> float:
