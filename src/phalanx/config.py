@@ -326,6 +326,16 @@ class MainLoopConfig(_Section):
         "epoch",
     )
 
+    @field_validator("extra_streams")
+    @classmethod
+    def _each_stream_once(cls, streams: list[str]) -> list[str]:
+        twice = sorted({s for s in streams if streams.count(s) > 1})
+        if twice:
+            raise ValueError(
+                f"{', '.join(twice)} listed more than once; each stream is evaluated once a round"
+            )
+        return streams
+
 
 class CheckpointsConfig(_Section):
     keep_last: StrictInt = Field(3, ge=1, description="checkpoints kept besides the best")

@@ -63,6 +63,13 @@ def test_load_uses_safe_load_and_never_builds_python_objects(tmp_path):
     assert not marker.exists()
 
 
+def test_a_stream_listed_twice_in_extra_streams_is_refused():
+    with pytest.raises(ConfigError, match="valid listed more than once"):
+        config.validate(
+            toy.regression_config(main_loop={"extra_streams": ["valid", "test", "valid"]})
+        )
+
+
 def test_load_rejects_a_missing_file_and_a_non_mapping(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         config.load(tmp_path / "nope.yaml")
