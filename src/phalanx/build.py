@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 import inspect
 import logging
@@ -20,7 +21,7 @@ from torch import nn
 from phalanx import seeding
 from phalanx.config import Config, DatasetConfig, OptimizerConfig
 from phalanx.construct import build_value, import_object, instantiate
-from phalanx.errors import ConfigError, count
+from phalanx.errors import ConfigError
 
 log = logging.getLogger("phalanx")
 
@@ -153,46 +154,33 @@ def build_schedulers(
                 "optimizer steps" if cfg.scheduler.interval == "step" else "epochs",
             )
         scheduler = instantiate("scheduler", factory, optimizer, **kwargs)
-        _try_schedule(cfg, factory, optimizer, kwargs, scheduler, steps_per_epoch)
+        _try_schedule(cfg, factory, optimizer, kwargs)
         schedulers.append((scheduler, cfg.scheduler.interval))
     return schedulers
 
 
 def _try_schedule(
-    cfg: Config,
-    factory: Any,
-    optimizer: torch.optim.Optimizer,
-    kwargs: dict[str, Any],
-    scheduler: Any,
-    steps_per_epoch: int | None,
+    cfg: Config, factory: Any, optimizer: torch.optim.Optimizer, kwargs: dict
 ) -> None:
-    """A scheduler's arguments that only its steps would refuse (a T_max of 0 or of text, a
-    scheduler that needs a measured value, a cycle shorter than the run) refused before the run
-    starts: its first steps taken on a stand-in optimizer of the same class and groups, and
-    OneCycleLR's length compared with the run's."""
+    """Arguments of one of torch's schedulers that only its steps would refuse (a T_max of 0 or of
+    text, a scheduler that needs a measured value), refused before the run starts: its first step
+    taken on a stand-in optimizer of the same class and groups, with copies of the arguments (a
+    scheduler of the user's own, whose steps may act on more than the optimizer, is not tried)."""
     assert cfg.scheduler is not None
-    name = cfg.scheduler.class_
-    interval = cfg.scheduler.interval
-    if steps_per_epoch is not None:
-        length = cfg.main_loop.epochs * (steps_per_epoch if interval == "step" else 1)
-        total = getattr(scheduler, "total_steps", None)
-        if isinstance(total, int) and total < length:
-            raise ConfigError(
-                f"scheduler: {name} steps {total} times, but the run steps it {length} times "
-                f"(the {'optimizer steps' if interval == 'step' else 'epochs'} of "
-                f"{count(cfg.main_loop.epochs, 'epoch')}); give total_steps: auto, or at least "
-                f"{length}"
-            )
+    if not getattr(factory, "__module__", "").startswith("torch.optim.lr_scheduler"):
+        return
     stand_in = _stand_in(optimizer)
     if stand_in is None:
+        return
+    name = cfg.scheduler.class_
+    try:
+        copied = copy.deepcopy(kwargs)
+    except Exception:  # noqa: BLE001 - an argument that will not copy: not tried
         return
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trial = factory(stand_in, **kwargs)
-            for _ in range(2):
-                stand_in.step()
-                trial.step()
+            factory(stand_in, **copied).step()
     except TypeError as e:
         if "metrics" in str(e):
             raise ConfigError(
@@ -201,22 +189,23 @@ def _try_schedule(
                 "(StepLR, CosineAnnealingLR ...), or stop on a plateau with the StopOnPlateau hook"
             ) from None
         raise _refused_step(name, kwargs, e) from e
-    except (ValueError, ArithmeticError, RuntimeError) as e:
+    except (ValueError, ArithmeticError) as e:
         raise _refused_step(name, kwargs, e) from e
 
 
 def _stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
-    """An optimizer of `optimizer`'s class and groups over one parameter each (None where the
-    class will not build so)."""
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [nn.Parameter(torch.zeros(1))],
-        }
-        for group in optimizer.param_groups
-    ]
-    kind: Any = type(optimizer)  # its subclasses take the groups alone
+    """An optimizer of `optimizer`'s class over one parameter a group, with copies of its groups'
+    settings (a tensor learning rate that a step writes in place, too); None where the class will
+    not build so."""
     try:
+        groups = [
+            {
+                **copy.deepcopy({k: v for k, v in group.items() if k != "params"}),
+                "params": [nn.Parameter(torch.zeros(1))],
+            }
+            for group in optimizer.param_groups
+        ]
+        kind: Any = type(optimizer)  # its subclasses take the groups alone
         return kind(groups)
     except Exception:  # noqa: BLE001 - a class of the user's with a constructor of its own
         return None
@@ -225,7 +214,7 @@ def _stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
 def _refused_step(name: str, kwargs: dict[str, Any], error: Exception) -> ConfigError:
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return ConfigError(
-        f"scheduler: {name}({given}) fails at its first steps: {type(error).__name__}: {error}; "
+        f"scheduler: {name}({given}) fails at its first step: {type(error).__name__}: {error}; "
         "fix the values in the scheduler section"
     )
 

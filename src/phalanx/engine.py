@@ -26,7 +26,7 @@ from torch import nn
 
 from phalanx import random
 from phalanx.data import Micro
-from phalanx.errors import ModelError
+from phalanx.errors import ConfigError, ModelError
 from phalanx.model import (
     NEGATIVE_WEIGHTS,
     TOKENS,
@@ -220,8 +220,11 @@ class Engine:
         """The schedulers that step every optimizer step: `finish` steps them; a strategy whose
         optimizer steps elsewhere (a parameter server's) steps them to keep this process's
         learning rates, and their saved state, in line with it."""
-        for scheduler in self._schedulers["step"]:
-            scheduler.step()
+        try:
+            for scheduler in self._schedulers["step"]:
+                scheduler.step()
+        except ValueError as e:  # a schedule shorter than the run (OneCycleLR's total_steps)
+            raise _schedule_refused(scheduler, e) from e
 
     def forward(self, micro: Micro, batch: Mapping, replica: Replica = WHOLE) -> Weighed:
         """A micro-batch's forward through `replica`, weighed (`weigh`)."""
@@ -417,8 +420,11 @@ class Engine:
 
     def end_epoch(self) -> None:
         self.refuse_negative_weights()
-        for scheduler in self._schedulers["epoch"]:
-            scheduler.step()
+        try:
+            for scheduler in self._schedulers["epoch"]:
+                scheduler.step()
+        except ValueError as e:
+            raise _schedule_refused(scheduler, e) from e
 
     def refuse_negative_weights(self) -> None:
         """One error where a weight on an accelerator since the last check was negative. It reads
@@ -470,6 +476,14 @@ class Engine:
 
     def learning_rates(self) -> list[float]:
         return [group["lr"] for group in self.trained_optimizer.param_groups]
+
+
+def _schedule_refused(scheduler: Any, error: ValueError) -> ConfigError:
+    return ConfigError(
+        f"scheduler: {type(scheduler).__name__} refused its step ({error}); a schedule of a fixed "
+        "length must be as long as the run: give its length as auto (the run's), or a larger one, "
+        "and resume"
+    )
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
