@@ -160,7 +160,14 @@ def list_runs(root: str) -> list[dict[str, Any]]:
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(v) for v in row.values()))
-    missing = "" if Path(root).is_dir() else " (there is no such folder)"
+    folder = Path(root)
+    missing = (
+        ""
+        if folder.is_dir()
+        else " (it is a file)"
+        if folder.exists()
+        else " (there is no such folder)"
+    )
     logs.out.print(table if rows else f"no runs in {root}{missing}")
     return rows
 

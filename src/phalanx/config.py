@@ -329,12 +329,9 @@ class MainLoopConfig(_Section):
     @field_validator("extra_streams")
     @classmethod
     def _each_stream_once(cls, streams: list[str]) -> list[str]:
-        twice = sorted({s for s in streams if streams.count(s) > 1})
-        if twice:
-            raise ValueError(
-                f"{', '.join(twice)} listed more than once; each stream is evaluated once a round"
-            )
-        return streams
+        """A stream listed twice (`+main_loop.extra_streams=valid` where it is listed) is evaluated
+        once a round, where it is first listed."""
+        return list(dict.fromkeys(streams))
 
 
 class CheckpointsConfig(_Section):

@@ -115,6 +115,9 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
             ) from None
         raise _describe_failure(section, factory, kwargs, e) from e
     except (ValueError, RuntimeError) as e:
+        # not a value of the config's (torch.OutOfMemoryError is a RuntimeError): said as it is
+        if isinstance(e, NotImplementedError | RecursionError) or "OutOfMemory" in type(e).__name__:
+            raise
         # the constructor rejected a value (torch's checks raise RuntimeError: a negative size):
         # name the section (--debug: traceback)
         raise _describe_failure(section, factory, kwargs, e) from e

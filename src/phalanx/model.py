@@ -112,9 +112,7 @@ class Forward:
             else self._as_dict(raw)
         )
         if self.copies:
-            outputs = {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()
-            }
+            outputs = {k: _copied(v) for k, v in outputs.items()}
         if self.named_loss is not None:
             _put(outputs, self.named_loss(outputs, batch))
         elif self.hugging_face and "labels" in batch and "logits" in outputs:
@@ -362,6 +360,19 @@ def _keras_loss(function: Any, kwargs: dict[str, Any]) -> Callable | None:
     if keras is None or not (isinstance(function, type) and issubclass(function, keras.Loss)):
         return None
     return keras_models.per_sample(function, kwargs)
+
+
+def _copied(value: Any) -> Any:
+    """`value`'s tensors copied, in the tuples, lists and dicts that hold them."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_copied(v) for v in value))
+    if isinstance(value, tuple | list):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def _forward_params(module: nn.Module) -> tuple[dict[str, bool], bool]:

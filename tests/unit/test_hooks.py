@@ -244,6 +244,7 @@ def test_stop_after_refuses_limits_that_are_not_positive_numbers():
     ]:
         with pytest.raises(ConfigError, match=f"StopAfter: {says}"):
             StopAfter(**given)
+    StopAfter(steps=np.int64(3), epochs=2.5)  # numbers of any kind
 
 
 @pytest.mark.parametrize("hook", [SaveBest, StopOnPlateau])
@@ -348,6 +349,18 @@ def test_classification_metrics_refuse_classes_outside_the_matrix():
     hook.after_batch("valid", {"scores": torch.eye(2), "label": torch.tensor([0, 0])})
     out: dict = {}
     hook.after_epoch(2, out)
+    assert out["valid"]["accuracy"] == 0.5
+
+
+def test_classification_metrics_count_tokens_of_sequences():
+    """Scores of shape (batch, tokens, classes) against gold of shape (batch, tokens)."""
+    hook = ClassificationMetrics(predicted="scores", gold="label", metrics=["accuracy"])
+    scores = torch.zeros(2, 3, 4)
+    gold = torch.tensor([[0, 1, 2], [3, 3, 0]])
+    scores[0, :, 0] = scores[1, :, 3] = 1  # predicts 0, 0, 0 and 3, 3, 3: 3 right of 6
+    hook.after_batch("valid", {"scores": scores, "label": gold})
+    out: dict = {}
+    hook.after_epoch(1, out)
     assert out["valid"]["accuracy"] == 0.5
 
 

@@ -152,3 +152,6 @@ def test_ls_of_a_folder_that_is_not_there_says_so(tmp_path, capsys):
     assert "(there is no such folder)" in capsys.readouterr().out
     assert commands.list_runs(str(tmp_path)) == []
     assert "no such folder" not in capsys.readouterr().out
+    (tmp_path / "a-file").write_text("")
+    assert commands.list_runs(str(tmp_path / "a-file")) == []
+    assert "(it is a file)" in capsys.readouterr().out

@@ -241,7 +241,9 @@ class ClassificationMetrics(Hook):
                 )
         scores, gold = batch[self.predicted].detach(), batch[self.gold].detach().reshape(-1).long()
         predicted = (
-            scores.argmax(dim=-1) if scores.is_floating_point() else scores.reshape(-1).long()
+            scores.argmax(dim=-1).reshape(-1)
+            if scores.is_floating_point()
+            else scores.reshape(-1).long()
         )
         if predicted.numel() != gold.numel():
             raise ModelError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,7 +47,7 @@ class StopAfter(Hook):
             raise ConfigError("StopAfter: give at least one of epochs, steps, minutes")
         for key, limit in (("epochs", epochs), ("steps", steps), ("minutes", minutes)):
             if limit is not None and not (
-                isinstance(limit, int | float) and not isinstance(limit, bool) and limit > 0
+                isinstance(limit, numbers.Real) and not isinstance(limit, bool) and limit > 0
             ):
                 raise ConfigError(f"StopAfter: {key} must be a positive number, got {limit!r}")
         if not callable(clock):
