@@ -53,6 +53,26 @@ def test_a_process_alone_keeps_its_threads_and_several_share_the_cores(monkeypat
     assert strategies.cpu_threads(2, 1, devices=3) == 6
 
 
+def test_more_threads_than_cores_asked_for_are_said(tmp_path, monkeypatch, threads_kept):
+    monkeypatch.setattr(strategies, "cpu_cores", lambda: 8)
+    assert strategies.too_many_threads(8, 1) is None and strategies.too_many_threads(4, 2) is None
+    assert strategies.too_many_threads(3, 3) == (
+        "parallel.cpu_threads asks for 3 processes of 3 threads, more than this machine's 8 cores: "
+        "the threads will wait for each other; set parallel.cpu_threads: auto, or at most 2"
+    )
+    raw = toy.regression_config(
+        parallel={"accelerator": "cpu", "cpu_threads": 9},
+        main_loop={"epochs": 1},
+        output_root=str(tmp_path),
+    )
+    run = phalanx.fit(raw)
+    assert run.code == 0
+    assert (
+        "asks for 9 threads, more than this machine's 8 cores"
+        in (run.run_dir / "log.txt").read_text()
+    )
+
+
 def test_the_plan_prices_each_setup_with_its_processes_threads(monkeypatch, threads_kept):
     monkeypatch.setattr(strategies, "cpu_cores", lambda: 8)
     cfg = config.validate(toy.regression_config())

@@ -9,7 +9,7 @@ import torch
 
 from phalanx import environment
 from phalanx.environment import cpu_cores
-from phalanx.errors import ConfigError, did_you_mean
+from phalanx.errors import ConfigError, count, did_you_mean
 from phalanx.strategies.registry import auto, families, get
 
 if TYPE_CHECKING:
@@ -48,6 +48,20 @@ def cpu_threads(setting: int | str, processes: int, devices: int = 1) -> int | N
     if processes <= 1:
         return None
     return max(1, cpu_cores() // processes)
+
+
+def too_many_threads(threads: int, processes: int) -> str | None:
+    """What to say where `processes` processes of `threads` threads each are more threads than this
+    machine's cores (their threads then wait for each other); None where they fit."""
+    cores = cpu_cores()
+    if threads * processes <= cores:
+        return None
+    each = f"{count(processes, 'process', 'es')} of {threads} threads" if processes > 1 else ""
+    return (
+        f"parallel.cpu_threads asks for {each or count(threads, 'thread')}, more than this "
+        f"machine's {count(cores, 'core')}: the threads will wait for each other; set "
+        f"parallel.cpu_threads: auto, or at most {max(1, cores // processes)}"
+    )
 
 
 def resolve_device(cfg: Config) -> tuple[str, int]:
