@@ -635,6 +635,16 @@ def test_plot_lines_write_png_files_that_matplotlib_reads(tmp_path):
     assert [e for e, _ in plot.history["valid.loss"]] == [1, 2]
 
 
+def test_plot_lines_say_once_a_variable_no_stream_has(tmp_path):
+    plot = PlotLines(variables=["loss", "valid.loss", "los"])
+    trainer = make_trainer(tmp_path, [ComputeStats(), plot], main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    log = (trainer.run_dir / "log.txt").read_text()
+    said = "PlotLines: no stream has 'los'; the epoch's variables are train.loss, valid.loss"
+    assert log.count(said) == 1
+    assert sorted(plot.history) == ["train.loss", "valid.loss"]
+
+
 def test_plot_lines_draw_in_a_process_of_their_own(tmp_path):
     """While it trains, the training process never imports matplotlib: the curves are drawn by
     another process, and are complete when training ends (the last picture is that of the whole

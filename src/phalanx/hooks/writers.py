@@ -295,7 +295,21 @@ class PlotLines(_Writer):
             from phalanx.plots import Painter
 
             self._painter = Painter()
+            self._say_unknown(epoch_data)
         self._painter.submit(self._run_dir / self.path, self.history)
+
+    def _say_unknown(self, epoch_data: dict) -> None:
+        """The variables asked for that the first epoch's data does not hold (a typo draws
+        nothing), said once."""
+        names = flat_variables(epoch_data)
+        known = set(names) | {name.partition(".")[2] for name in names}
+        unknown = [v for v in self.variables or [] if v not in known]
+        if unknown:
+            log.warning(
+                "PlotLines: no stream has %s; the epoch's variables are %s",
+                ", ".join(map(repr, unknown)),
+                ", ".join(names) or "none",
+            )
 
     def after_training(self, success: bool) -> None:
         painter, self._painter = self._painter, None
