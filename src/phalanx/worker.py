@@ -344,10 +344,10 @@ def prepare_process(cfg: config.Config, run_dir: Path, strategy: Strategy) -> No
         threads = strategies.cpu_threads(cfg.parallel.cpu_threads, local, len(strategy.devices))
         if threads is not None:
             torch.set_num_threads(threads)
-            # a number given (auto gives one thread a process at least, where processes outnumber
-            # the cores, which is the processes' count to change)
-            crowded = strategies.too_many_threads(threads, local)
-            if crowded and strategy.is_main and isinstance(cfg.parallel.cpu_threads, int):
+        # a number given: auto shares the cores, one thread a process at least
+        if isinstance(cfg.parallel.cpu_threads, int) and strategy.is_main:
+            crowded = strategies.too_many_threads(threads or 1, local)
+            if crowded:
                 log.warning("%s", crowded)
     if strategy.world_size > 1:
         from phalanx.strategies.distributed import check_same_config
