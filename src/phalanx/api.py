@@ -27,6 +27,7 @@ from phalanx import config, evaluation, launch, logs, relaunch, rundir, signals,
 from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, PhalanxError
+from phalanx.files import check_output
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given
@@ -249,7 +250,7 @@ def predict(
     output, and `<output>.class` for class scores, each a CPU tensor whose first dimension is the
     sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors)."""
     if output is not None:
-        evaluation.check_output(output, "predictions.csv")
+        check_output(output, "predictions.csv")
     arrays, collect = evaluation.predictions(
         run_path, stream, checkpoint, Objects.given(model, dataset)
     )

@@ -29,7 +29,7 @@ from phalanx import (
 from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import PhalanxError
-from phalanx.files import read_json, write_atomic, write_text_atomic
+from phalanx.files import check_output, read_json, write_atomic, write_text_atomic
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 
@@ -56,7 +56,7 @@ def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
 def predict(run_path: str, stream: str, output: str, which: str) -> int:
     """`predictions` written as CSV, or whole as arrays where `output` is a .safetensors file;
     returns the sample count."""
-    evaluation.check_output(output, "predictions.csv")
+    check_output(output, "predictions.csv")
     arrays, collect = evaluation.predictions(run_path, stream, which)
     return evaluation.write_predictions(arrays, collect, stream, output)
 
@@ -65,7 +65,7 @@ def export(run_path: str, output: str, which: str, model: str | None = None) -> 
     """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
     returns the number of tensors. The model's code is not needed: the checkpoint holds every
     name. A Keras model may go to Keras's own files instead (see `_export_keras`)."""
-    evaluation.check_output(output, "model.safetensors")
+    check_output(output, "model.safetensors")
     if output.endswith(keras_models.KERAS_FILES):
         return _export_keras(run_path, Path(output), which, model)
     if model is not None:
@@ -142,9 +142,7 @@ def cluster_job(args: Any) -> str:
             args.memory,
         )
     if args.output:
-        evaluation.check_output(
-            args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml")
-        )
+        check_output(args.output, "job" + (".sbatch" if args.command == "slurm" else ".yaml"))
         write_text_atomic(Path(args.output), text)
         logs.out.print(f"wrote {args.output}")
     else:

@@ -16,8 +16,7 @@ import torch
 from rich.table import Table
 
 from phalanx import config, data, logs, rundir
-from phalanx.errors import PhalanxError
-from phalanx.files import storage_error, write_atomic, write_text_atomic
+from phalanx.files import write_atomic, write_text_atomic
 from phalanx.hooks import ClassificationMetrics, ComputeStats, Hook, build_hooks
 from phalanx.objects import Objects, check_given
 from phalanx.trainer import Trainer
@@ -179,25 +178,6 @@ class _Collect(Hook):
                 left.append(f"{key} ({values.shape[1]} values each)")
         rows = [{name: column[i] for name, column in flat.items()} for i in range(self.count)]
         return rows, left
-
-
-def check_output(output: str, example: str) -> None:
-    """One error where `output` cannot be the file to write: a directory, a missing folder, a path
-    the system refuses to look at (a name too long)."""
-    try:
-        is_dir, parent = Path(output).is_dir(), Path(output).resolve().parent.is_dir()
-    except OSError as e:
-        raise storage_error(Path(output), e, "--output") from None
-    if is_dir:
-        raise PhalanxError(
-            f"--output {output!r} is a directory; give the file to write, such as "
-            f"{Path(output) / example}"
-        )
-    if not parent:
-        raise PhalanxError(
-            f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it "
-            "first"
-        )
 
 
 def predictions(

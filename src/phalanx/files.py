@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from phalanx.errors import StorageError
+from phalanx.errors import PhalanxError, StorageError
 
 _FULL = {errno.ENOSPC, errno.EDQUOT}
 _REFUSED = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -50,6 +50,25 @@ def storage_error(path: Path, error: OSError, where: str = WHERE) -> StorageErro
             f"cannot write {path}: {reason}; make it writable, or choose another folder ({where})"
         )
     return StorageError(f"cannot write {path}: {reason}; choose another path ({where})")
+
+
+def check_output(output: str, example: str) -> None:
+    """One error where `output` cannot be the file to write: a directory, a missing folder, a path
+    the system refuses to look at (a name too long)."""
+    try:
+        is_dir, parent = Path(output).is_dir(), Path(output).resolve().parent.is_dir()
+    except OSError as e:
+        raise storage_error(Path(output), e, "--output") from None
+    if is_dir:
+        raise PhalanxError(
+            f"--output {output!r} is a directory; give the file to write, such as "
+            f"{Path(output) / example}"
+        )
+    if not parent:
+        raise PhalanxError(
+            f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it "
+            "first"
+        )
 
 
 @contextmanager

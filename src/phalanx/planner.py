@@ -24,7 +24,7 @@ from rich.table import Table
 
 from phalanx import config, costs, logs, strategies
 from phalanx.errors import ConfigError, PhalanxError
-from phalanx.files import write_text_atomic
+from phalanx.files import check_output, write_text_atomic
 from phalanx.probes import calibrated, linears, links, measured_steps, on_device, synchronize
 from phalanx.strategies import pricing, registry
 
@@ -70,6 +70,8 @@ def plan(
         )
     if nnodes > 1 and link not in KNOWN_LINKS:
         raise ConfigError(f"--link {link!r} is not a known link; use one of {list(KNOWN_LINKS)}")
+    if output:  # before minutes of measuring
+        check_output(output, "plan.json")
     threads = _threads(cfg, accelerator, here, here * nnodes)
     auto = _auto(cfg)
     measured = measure(config_path, _one(cfg, overrides, accelerator), accelerator, here, threads)

@@ -88,8 +88,15 @@ def test_plan_and_bench_measure_this_machine_and_the_plan_prices_what_it_measure
         ([], {"model": {"class": "toy.NoSuchModel"}}, "has no 'NoSuchModel'"),
         (["--devices", "64"], {}, "--devices 64: this machine has"),
         (["--nnodes", "1000000000"], {}, "plans for 1,024 at most; give --nnodes"),
+        # said before the minutes of measuring, not after them
+        (["--output", "missing/plan.json"], {}, "folder 'missing' does not exist"),
     ],
-    ids=["model-that-does-not-build", "devices-the-machine-lacks", "machines-past-the-bound"],
+    ids=[
+        "model-that-does-not-build",
+        "devices-the-machine-lacks",
+        "machines-past-the-bound",
+        "output-into-a-missing-folder",
+    ],
 )
 def test_bad_input_is_one_line(tmp_path, extra, change, message):
     path = toy.write_config(tmp_path, {**SMALL, **change})
