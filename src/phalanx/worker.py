@@ -226,7 +226,7 @@ def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> in
         removed = checkpoints.clean_stale()
         if removed:
             log.info("removed what an interrupted checkpoint write left: %s", ", ".join(removed))
-    # (step, why): said once a step is restored, or where none is and no mismatch says it all
+    # (step, why): warned of once a step is restored; where none is, the error says them
     passed: list[tuple[int, str]] = []
     mismatch = None
     for step in reversed(strategy.broadcast(checkpoints.steps() if strategy.is_main else None)):
@@ -249,8 +249,12 @@ def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> in
             "without the overrides that change the model, or with the model settings the run was "
             "trained with"
         )
-    _warn_passed_over(passed, strategy.is_main)
-    why = f" (the newest one: {passed[0][1]})" if passed else ""
+    # said in the error alone: a resume that fails on its checkpoints leaves the run's log as it was
+    why = f" (the newest one: {passed[0][1]}" if passed else ""
+    if len(passed) > 1:
+        older = ", ".join(f"step-{step}" for step, _ in passed[1:])
+        why += f"; the older {older} could not be restored either"
+    why += ")" if passed else ""
     raise CheckpointError(
         f"{run_dir} has no valid checkpoint to resume from{why}; start again with phalanx train"
     )

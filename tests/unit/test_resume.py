@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from phalanx import commands, rundir
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
-from phalanx.errors import CheckpointMismatch, ConfigError
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError
 from phalanx.hooks import SaveBest, StopOnPlateau
 
 pytestmark = pytest.mark.timeout(120)
@@ -146,6 +146,24 @@ def test_resume_falls_back_to_the_previous_valid_checkpoint(tmp_path):
     assert end == 15
     _assert_equal(resumed, whole)
 
+
+
+def test_a_resume_with_no_checkpoint_to_restore_leaves_the_run_as_it_was(tmp_path):
+    """Every checkpoint damaged: one error names the newest one's fault and the older steps, and
+    the run's config, trace and log are as they were (no warning appended)."""
+    run_dir = _stopped(tmp_path, _config(), stop=7)
+    ckpts = Checkpoints(run_dir / "checkpoints")
+    assert ckpts.steps() == [5, 7]
+    for step in (5, 7):
+        weights = ckpts.path(step) / WEIGHTS
+        weights.write_bytes(weights.read_bytes()[:-8])
+    files = ("config.yaml", "trace.jsonl", "log.txt")
+    before = {name: (run_dir / name).read_bytes() for name in files}
+    with pytest.raises(CheckpointError, match="no valid checkpoint") as refused:
+        commands.resume(str(run_dir), [])
+    assert str(ckpts.path(7) / WEIGHTS) in str(refused.value)
+    assert "the older step-5 could not be restored either" in str(refused.value)
+    assert {name: (run_dir / name).read_bytes() for name in files} == before
 
 def test_resume_mid_epoch_with_another_batch_size_is_a_config_error(tmp_path):
     run_dir = _stopped(tmp_path, _config(), stop=7)
