@@ -147,7 +147,6 @@ def test_resume_falls_back_to_the_previous_valid_checkpoint(tmp_path):
     _assert_equal(resumed, whole)
 
 
-
 def test_a_resume_with_no_checkpoint_to_restore_leaves_the_run_as_it_was(tmp_path):
     """Every checkpoint damaged: one error names the newest one's fault and the older steps, and
     the run's config, trace and log are as they were (no warning appended)."""
@@ -164,6 +163,7 @@ def test_a_resume_with_no_checkpoint_to_restore_leaves_the_run_as_it_was(tmp_pat
     assert str(ckpts.path(7) / WEIGHTS) in str(refused.value)
     assert "the older step-5 could not be restored either" in str(refused.value)
     assert {name: (run_dir / name).read_bytes() for name in files} == before
+
 
 def test_resume_mid_epoch_with_another_batch_size_is_a_config_error(tmp_path):
     run_dir = _stopped(tmp_path, _config(), stop=7)
