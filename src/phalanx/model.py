@@ -85,6 +85,19 @@ class Forward:
                     f"{', '.join(self.params) or 'nothing by name'}"
                 )
         self.output_names: list[str] = []
+        # the common case, told once: inputs by name, one tensor out, the configured loss of it
+        # (per sample where its shapes are plain: `_NamedLoss.plain`); the call then builds no
+        # other dict nor Loss. Each layer of Python on the step costs a small model several
+        # times its own time (BENCHMARKS.md, the step layer by layer).
+        named = self.named_loss
+        self._plain = (
+            named is not None
+            and self.inputs is not None
+            and self._single is not None
+            and named.cfg.output == self._single
+            and not copies
+        )
+        self._plain_names = list(dict.fromkeys([self._single, "loss"]))
 
     def bound_to(self, module: nn.Module) -> Forward:
         """The same adapter calling another module of its class (a replica on another device)."""
@@ -106,6 +119,11 @@ class Forward:
         if self._no_cache:
             arguments["use_cache"] = False
         raw = self.module(**arguments)
+        if self._plain and isinstance(raw, torch.Tensor):
+            loss = self.named_loss.plain(raw, batch)  # type: ignore[union-attr]  # _plain: set
+            if loss is not None:
+                self.output_names = self._plain_names
+                return {self._single: raw, "loss": loss}
         outputs = (
             {self._single: raw}
             if self._single is not None and isinstance(raw, torch.Tensor)
@@ -334,6 +352,25 @@ class _NamedLoss:
             ) from None
         kwargs = self._kwargs(prediction) if self._lists else self.kwargs
         return per_sample_loss(self.function, prediction, target, self.ignore_index, kwargs)
+
+    def plain(self, prediction: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The loss per sample where `per_sample_loss` would take its plainest branch: a target
+        tensor of one class index per sample (a class-index loss), or of the prediction's shape (an
+        element-wise loss); None, with nothing computed, for any other case, which `__call__`
+        takes (and where the target is missing, says so)."""
+        try:
+            target = batch[self.cfg.target]
+        except KeyError:
+            return None
+        if self._lists or not isinstance(target, torch.Tensor):
+            return None
+        if self.ignore_index is not None:
+            if target.dim() != 1:
+                return None
+        elif prediction.shape != target.shape:
+            return None
+        loss = self.function(prediction, target, reduction="none", **self.kwargs)
+        return loss if loss.dim() <= 1 else loss.flatten(1).mean(dim=1)
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
         """The loss function's keywords; lists (pos_weight, weight) as tensors beside the

@@ -14,7 +14,7 @@ from torch import nn
 from phalanx import batching
 from phalanx.config import ModelConfig
 from phalanx.errors import ConfigError, ModelError
-from phalanx.model import Forward, build_model, check_loss, shard_loss_mean
+from phalanx.model import Forward, build_model, check_loss, per_sample_loss, shard_loss_mean
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -189,6 +189,81 @@ def test_tuple_outputs_must_match_the_names():
         Forward(Two(), _cfg(outputs="a", loss={"function": "l1_loss", "target": "x"}))(
             {"x": torch.ones(3)}
         )
+
+
+def _classes(n: int = 6) -> dict:
+    return {"x": torch.randn(n, 3), "y": torch.arange(n) % 2}
+
+
+@pytest.mark.parametrize(
+    ("loss", "net", "batch", "plain"),
+    [
+        ({"function": "cross_entropy"}, nn.Linear(3, 2), _classes, True),
+        (
+            {"function": "mse_loss"},
+            nn.Linear(3, 2),
+            lambda: {"x": torch.randn(6, 3), "y": torch.randn(6, 2)},
+            True,
+        ),
+        (
+            {"function": "mse_loss"},
+            nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)),
+            lambda: {"x": torch.randn(6, 3), "y": torch.randn(6)},
+            True,
+        ),
+        ({"function": "cross_entropy", "label_smoothing": 0.1}, nn.Linear(3, 2), _classes, True),
+        ({"function": "cross_entropy", "weight": [1.0, 3.0]}, nn.Linear(3, 2), _classes, False),
+        (
+            {"function": "cross_entropy"},
+            nn.Linear(3, 4),
+            lambda: {"x": torch.randn(5, 6, 3), "y": torch.randint(4, (5, 6))},
+            False,
+        ),
+        (
+            {"function": "mse_loss"},
+            nn.Linear(3, 2),
+            lambda: {"x": torch.randn(6, 3), "y": torch.randn(2)},
+            False,
+        ),
+    ],
+    ids=[
+        "class-index",
+        "element-wise",
+        "one-value",
+        "keywords",
+        "list-keyword",
+        "tokens",
+        "broadcast",
+    ],
+)
+def test_the_plain_loss_path_gives_what_the_general_one_gives(monkeypatch, loss, net, batch, plain):
+    """A named loss of one tensor output, with plain shapes, is computed without the general path
+    (`per_sample_loss`): the outputs, their names and the gradients are the general path's to the
+    bit; any other case takes the general path."""
+    from phalanx import model
+
+    general = []
+    monkeypatch.setattr(
+        model, "per_sample_loss", lambda *a: general.append(1) or per_sample_loss(*a)
+    )
+    torch.manual_seed(0)
+    batch = batch()
+    cfg = _cfg(inputs={"x": "input"}, outputs="out", loss={**loss, "output": "out", "target": "y"})
+    results = []
+    for take_plain in (True, False):
+        forward = Forward(net, cfg)
+        forward._plain = forward._plain and take_plain
+        general.clear()
+        net.zero_grad()
+        outputs = forward(batch)
+        outputs.get(model.TOKENS, outputs["loss"]).sum().backward()
+        results.append((outputs, forward.output_names, [p.grad.clone() for p in net.parameters()]))
+        assert bool(general) is not (plain and take_plain)
+    (fast, fast_names, fast_grads), (slow, slow_names, slow_grads) = results
+    assert list(fast) == list(slow) == fast_names == slow_names
+    assert list(fast)[:2] == ["out", "loss"]
+    assert all(torch.equal(fast[k], slow[k]) for k in fast)
+    assert all(torch.equal(a, b) for a, b in zip(fast_grads, slow_grads, strict=True))
 
 
 def test_loss_shapes_per_sample_scalar_and_wrong():
