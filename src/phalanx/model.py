@@ -89,15 +89,18 @@ class Forward:
         # (per sample where its shapes are plain: `_NamedLoss.plain`); the call then builds no
         # other dict nor Loss. Each layer of Python on the step costs a small model several
         # times its own time (BENCHMARKS.md, the step layer by layer).
-        named = self.named_loss
-        self._plain = (
-            named is not None
+        named, single = self.named_loss, self._single
+        # the output's name where the plain path applies, else None
+        self._plain: str | None = (
+            single
+            if named is not None
             and self.inputs is not None
-            and self._single is not None
-            and named.cfg.output == self._single
+            and single is not None
+            and named.cfg.output == single
             and not copies
+            else None
         )
-        self._plain_names = list(dict.fromkeys([self._single, "loss"]))
+        self._plain_names = list(dict.fromkeys([single or "", "loss"]))
 
     def bound_to(self, module: nn.Module) -> Forward:
         """The same adapter calling another module of its class (a replica on another device)."""
@@ -119,11 +122,12 @@ class Forward:
         if self._no_cache:
             arguments["use_cache"] = False
         raw = self.module(**arguments)
-        if self._plain and isinstance(raw, torch.Tensor):
-            loss = self.named_loss.plain(raw, batch)  # type: ignore[union-attr]  # _plain: set
+        plain = self._plain
+        if plain is not None and isinstance(raw, torch.Tensor):
+            loss = self.named_loss.plain(raw, batch)  # type: ignore[union-attr]  # plain: it is set
             if loss is not None:
                 self.output_names = self._plain_names
-                return {self._single: raw, "loss": loss}
+                return {plain: raw, "loss": loss}
         outputs = (
             {self._single: raw}
             if self._single is not None and isinstance(raw, torch.Tensor)

@@ -318,7 +318,8 @@ class Trainer:
     def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self.calls.listeners["after_batch"]
         clock, stop, state = time.perf_counter, self.stop, self.state
-        train_step, losses = self.train_step, self.losses
+        # `train_step`'s two lines, without its frame on every step
+        engine, strategy_step, losses = self.engine, self.strategy.train_step, self.losses
         every = self.cfg.main_loop.eval_every_n_steps
         device = self.times.device
         # seconds fetching, computing, communicating, optimizing and in hooks, since they were last
@@ -331,7 +332,8 @@ class Trainer:
                 t1 = clock()
                 if device is not None:
                     device.begin()
-                result = train_step(fetched, stop.requested)
+                engine.step = state.step
+                result = strategy_step(engine, fetched, stop.requested)
                 if device is not None:
                     device.end()
                 if self._unchecked:

@@ -252,7 +252,7 @@ def test_the_plain_loss_path_gives_what_the_general_one_gives(monkeypatch, loss,
     results = []
     for take_plain in (True, False):
         forward = Forward(net, cfg)
-        forward._plain = forward._plain and take_plain
+        forward._plain = forward._plain if take_plain else None
         general.clear()
         net.zero_grad()
         outputs = forward(batch)

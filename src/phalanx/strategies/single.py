@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,11 +12,20 @@ from torch import nn
 from phalanx.costs import Measured, Prediction, Setup, made, ms, whole_bytes
 from phalanx.errors import ConfigError
 from phalanx.strategies import in_worker
-from phalanx.strategies.base import DataParallel, ModelOptions, OneProcess, Replicated, prepare
+from phalanx.strategies.base import (
+    DataParallel,
+    Micros,
+    ModelOptions,
+    OneProcess,
+    Outcome,
+    Replicated,
+    prepare,
+)
 from phalanx.strategies.registry import Family, register
 
 if TYPE_CHECKING:
     from phalanx.config import Config
+    from phalanx.engine import Engine
 
 
 class Single(OneProcess, Replicated, DataParallel):
@@ -26,6 +36,28 @@ class Single(OneProcess, Replicated, DataParallel):
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module  # preparing it keeps the same object: its methods change it in place
         return prepare(module, options, lambda m: m.to(self.device)), self.model
+
+    def train_step(self, engine: Engine, micros: Micros, stop: bool) -> Outcome:
+        """`DataParallel.train_step` with nothing to agree on and no process to carry anything to:
+        the micro-batches' forwards and backwards in one loop, without the protocol's calls
+        around each (on a small model each layer of Python costs the step several times its own
+        time: BENCHMARKS.md, the step layer by layer)."""
+        engine.begin()
+        forward, backward, replica = engine.forward, engine.backward, self.replica
+        parts: list[dict | None] = []
+        total: torch.Tensor | None = None
+        for micro, batch in micros:
+            if batch is None:
+                parts.append(None)
+                continue
+            loss, gradient, part, data = forward(micro, batch, replica)
+            total = part if total is None else total + part
+            backward(loss, gradient)
+            parts.append(data if micro.shard else None)
+        assert total is not None  # one process: a step has one micro-batch or more
+        start = time.perf_counter()
+        loss = engine.finish(total, self.gradient_norm)
+        return Outcome(loss, parts, stop, 0.0, time.perf_counter() - start)
 
     def shutdown(self) -> None:
         pass
