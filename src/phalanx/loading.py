@@ -89,11 +89,12 @@ class _WorkersLoader(DataLoader):
 
 
 def _collect_before_fork(context: Any) -> None:
-    """A forked worker must not touch CUDA, yet its garbage collector frees whatever garbage it
-    inherited: an earlier loader's pinned batches, a resumed optimizer's CUDA state, whose freeing
-    calls CUDA and aborts the worker. Collected here, before the fork, there is none to inherit."""
-    method = (context or torch.multiprocessing).get_start_method()
-    if method == "fork" and torch.cuda.is_initialized():
+    """A forked worker's garbage collector frees whatever garbage it inherited, in a process that
+    has none of its parent's threads: an earlier loader's pinned batches or a resumed optimizer's
+    CUDA state (freeing them calls CUDA, which aborts the worker), a process group that was
+    destroyed (freeing it waits for its communication threads, which hangs the worker). Collected
+    here, before the fork, there is none to inherit; it costs one collection a loader start."""
+    if (context or torch.multiprocessing).get_start_method() == "fork":
         gc.collect()
 
 

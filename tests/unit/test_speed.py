@@ -124,6 +124,57 @@ def test_loader_workers_give_the_same_batches(tmp_path):
     assert_close(params(two), params(zero))
 
 
+_INHERITED_GROUP = """
+import gc, os, sys
+import torch, torch.distributed as dist
+from phalanx import data, loading
+
+class Collecting(torch.utils.data.Dataset):  # a worker whose reads run its garbage collector
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        gc.collect()
+        return {"x": torch.tensor([float(i)])}
+
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+group = dist.new_group([0])
+dist.all_reduce(torch.ones(1), group=group)
+
+class Holder:
+    pass
+
+holder = Holder()
+holder.group, holder.me = group, holder  # garbage in a cycle, once dropped
+del group, holder
+dist.destroy_process_group()
+gc.disable()  # as a busy process may not have collected it yet
+batches = loading.loader(Collecting(), data.Plan(range(8), 4), num_workers=1)
+print(sum(float(b["x"].sum()) for b in batches))
+"""
+
+
+def test_a_forked_worker_inherits_no_garbage_that_hangs_it(tmp_path):
+    """A loader worker forked from a process that holds an unreachable, destroyed process group
+    would free it with its first collection, and wait for threads it does not have: the loader
+    collects before it forks."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "inherited.py"
+    script.write_text(_INHERITED_GROUP)
+    done = subprocess.run(
+        [sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "28.0"
+
+
 class Pids(Hook):
     """The processes that read each epoch's training batches."""
 
