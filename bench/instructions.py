@@ -89,6 +89,10 @@ def _hand(ddp: bool, epoch: bool) -> Callable[[], None]:
     return lambda: hand_steps(model, optimizer, iter((batch,)), 1, total)
 
 
+# the trainers begun, ended before their run directories go (their writers' threads write there)
+_STARTED: list = []
+
+
 def _phalanx(ddp: bool, tmp: Path):
     from bench.common import mlp_model, phalanx_trainer
     from phalanx.strategies.ddp import DDP
@@ -106,6 +110,7 @@ def _phalanx(ddp: bool, tmp: Path):
     tmp.mkdir(parents=True, exist_ok=True)
     trainer, _, _ = phalanx_trainer(raw, tmp, [], [ROOT], strategy=DDP("cpu") if ddp else None)
     trainer.begin_training()
+    _STARTED.append(trainer)
     return trainer
 
 
@@ -156,6 +161,8 @@ def worker(args) -> int:
                     variant()
             for name, variant in zip(names, variants, strict=True):
                 run(variant, args.epochs if is_epoch(name) else args.steps, name)
+            while _STARTED:
+                _STARTED.pop().end_training()
     finally:
         from phalanx import logs
 
