@@ -97,10 +97,11 @@ class Forward:
             and self.inputs is not None
             and single is not None
             and named.cfg.output == single
+            and not named.lists
             and not copies
             else None
         )
-        self._plain_names = list(dict.fromkeys([single or "", "loss"]))
+        self._plain_names = list(dict.fromkeys([self._plain or "", "loss"]))
 
     def bound_to(self, module: nn.Module) -> Forward:
         """The same adapter calling another module of its class (a replica on another device)."""
@@ -337,7 +338,7 @@ class _NamedLoss:
             self.function, self.kwargs = keras_loss, {}
         self.ignore_index = _ignore_index(self.function, self.kwargs)
         # keywords given as lists become tensors beside each prediction
-        self._lists = any(isinstance(v, list) for v in self.kwargs.values())
+        self.lists = any(isinstance(v, list) for v in self.kwargs.values())
         self._placed: tuple[tuple, dict[str, Any]] | None = None  # see _kwargs
 
     def __call__(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> Loss:
@@ -354,19 +355,19 @@ class _NamedLoss:
             raise ModelError(
                 f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
             ) from None
-        kwargs = self._kwargs(prediction) if self._lists else self.kwargs
+        kwargs = self._kwargs(prediction) if self.lists else self.kwargs
         return per_sample_loss(self.function, prediction, target, self.ignore_index, kwargs)
 
     def plain(self, prediction: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor | None:
         """The loss per sample where `per_sample_loss` would take its plainest branch: a target
         tensor of one class index per sample (a class-index loss), or of the prediction's shape (an
         element-wise loss); None, with nothing computed, for any other case, which `__call__`
-        takes (and where the target is missing, says so)."""
+        takes (and where the target is missing, says so). Not for keywords given as `lists`."""
         try:
             target = batch[self.cfg.target]
         except KeyError:
             return None
-        if self._lists or not isinstance(target, torch.Tensor):
+        if not isinstance(target, torch.Tensor):
             return None
         if self.ignore_index is not None:
             if target.dim() != 1:
