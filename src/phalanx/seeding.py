@@ -15,10 +15,18 @@ state (1 to 3.5 us each, 7 us an item for the three). So the states are saved an
 per batch read, not per item, and a map-style stream's reader (`Keyed`) seeds before each item
 only the generators that the stream has been seen to draw from: the others are looked at before
 and after each batch, and a batch during which one of them moved is read again with that one
-seeded too (its draws came from the reader's state, not the item's). Looking is cheap for torch
-(its state's bytes), NumPy (its twister's bytes, `_NumpyState`) and `random` (its twister's bytes,
-`_PythonRandom`). A batch in which a process first sees a stream draw is read twice. A read that
-restores the state it drew from is not seen to draw.
+seeded too (its draws came from the reader's state, not the item's). A batch in which a process
+first sees a stream draw is read twice. A read that restores the state it drew from is not seen to
+draw.
+
+Looking costs a few words, not a state (`_Marked`): each generator is looked at through a mark
+read in place (its twister's position, first and last words, and the Gaussian or normal it keeps
+for its next draw), and its whole state is read only where the mark moved since the last time it
+was. Reading and comparing the whole states (2.5 to 5 KB each) around every batch cost a small
+model's training step about 4% in the measurements (BENCHMARKS.md): more than their own
+microseconds, in what they evict from the caches. A draw moves the position; draws that bring it
+back (a multiple of 624) have made all 624 words anew, so that a mark alike after a draw is as
+likely as two random 64-bit numbers alike.
 """
 
 from __future__ import annotations
@@ -100,63 +108,108 @@ def _same_numpy_state(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-class _NumpyState:
-    """NumPy's legacy global generator, read cheaply. `np.random.get_state` takes about 30 us; the
-    Mersenne Twister's own state (624 words and a position, 2.5 KB) can be copied in a fraction of
-    a microsecond through the bit generator's public ctypes interface. A draw moves the twister,
-    except one legacy Gaussian served from the cache the previous one left (`has_gauss`). So the
-    last whole state read without a cached Gaussian is kept beside a copy of the twister: while
-    the twister is where it was, the state is that one (the cache, empty then, fills only by drawing
-    from the twister), and a read that leaves the twister where it was drew nothing. With a
-    Gaussian cached, or a global generator that is not a Mersenne Twister (`set_bit_generator`),
-    the whole states are read and compared. States set here (`set`: phalanx's restores and
-    resumes) forget the kept one; not seen: the user's own `np.random.set_state` to a state of the
-    same twister with a Gaussian cached."""
+def _words(address: int, count: int) -> memoryview:
+    """`count` 32-bit words at `address`, read in place through a view made once: each item read is
+    the word as it is then. The memory must outlive the view: a generator's, which its reader
+    keeps."""
+    return memoryview((ctypes.c_char * (4 * count)).from_address(address)).cast("B").cast("I")
+
+
+class _Marked:
+    """A global generator read cheaply. Its whole state (`_read`) is kept with the mark it was read
+    at (`_mark`: a few of its words, read in place; None where none can be read now), and handed
+    out again while the mark stays; whether the generator moved since a state was handed out is
+    then told by the mark alone. A state phalanx sets (`set`: restores, resumes) other than the
+    kept one forgets it."""
 
     def __init__(self) -> None:
-        # the global generator's bit generator, and a copy of its twister (None: not one)
-        self._generator: Any = None
-        self._twister: Callable[[], bytes] | None = None
-        # the twister's copy and the whole state (without a cached Gaussian) read with it
-        self._known: tuple[bytes, tuple] | None = None
+        self._known: tuple[Any, Any] | None = None  # (mark, state)
 
-    def _current(self) -> Callable[[], bytes] | None:
-        """The twister's reader for the global generator as it is now."""
-        generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
-        if generator is not self._generator:
-            self._generator, self._twister, self._known = generator, None, None
-            if isinstance(generator, np.random.MT19937):
-                self._twister = _reader(generator.ctypes.state_address, 624 * 4 + 4)
-        return self._twister
+    def _mark(self) -> Any:
+        return None
+
+    def _read(self) -> Any:
+        raise NotImplementedError
+
+    def _write(self, state: Any) -> None:
+        raise NotImplementedError
+
+    def _same(self, saved: Any) -> bool:
+        """Whether the generator's state is `saved`, compared whole."""
+        raise NotImplementedError
+
+    def _keeps(self, state: Any) -> bool:
+        """Whether `state`, read at a mark, is the generator's state whenever that mark is read."""
+        return True
 
     def get(self) -> Any:
-        twister = self._current()
-        if twister is None:
-            return _numpy_state()
-        now, known = twister(), self._known
-        if known is not None and known[0] == now:
+        mark = self._mark()
+        if mark is None:
+            return self._read()
+        known = self._known
+        if known is not None and known[0] == mark:
             return known[1]
-        state = _numpy_state()
-        # kept where nothing drew in between (another thread) and no Gaussian is cached; its key
-        # array read-only, since every caller is handed this one tuple
-        if not state[3] and twister() == now:
-            state[1].flags.writeable = False
-            self._known = (now, state)
-        else:
-            self._known = None
+        state = self._read()
+        # kept where nothing drew in between (another thread)
+        keep = self._keeps(state) and self._mark() == mark
+        self._known = (mark, state) if keep else None
         return state
 
     def set(self, state: Any) -> None:
-        np.random.set_state(state)
+        self._write(state)
         known = self._known
         if known is None or state is not known[1]:
             self._known = None
 
     def unchanged(self, saved: Any) -> bool:
-        twister, known = self._current(), self._known
-        if twister is not None and known is not None and known[1] is saved:
-            return twister() == known[0]
+        known = self._known
+        if known is not None and saved is known[1]:
+            mark = self._mark()
+            if mark is not None:
+                return mark == known[0]
+        return self._same(saved)
+
+
+class _NumpyState(_Marked):
+    """NumPy's legacy global generator, read cheaply. `np.random.get_state` takes about 30 us; its
+    Mersenne Twister (624 words and a position) lies behind the bit generator's public ctypes
+    interface, whose first and last words and position are the mark. A draw moves the twister,
+    except one legacy Gaussian served from the cache the previous one left (`has_gauss`), which
+    the twister's words do not show. So only a state without a cached Gaussian is kept: while the
+    twister is where it was, the state is that one (the cache, empty then, fills only by drawing
+    from the twister). With a Gaussian cached, or a global generator that is not a Mersenne Twister
+    (`set_bit_generator`), the whole states are read and compared. Not seen: the user's own
+    `np.random.set_state` to a state of the same twister with a Gaussian cached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # the global generator's bit generator, and its twister's words (None: not a twister)
+        self._generator: Any = None
+        self._twister: memoryview | None = None
+
+    def _mark(self) -> Any:
+        generator = getattr(np.random.mtrand._rand, "_bit_generator", None)
+        if generator is not self._generator:
+            self._generator, self._twister, self._known = generator, None, None
+            if isinstance(generator, np.random.MT19937):
+                self._twister = _words(generator.ctypes.state_address, 625)
+        words = self._twister
+        return None if words is None else (words[0], words[623], words[624])
+
+    def _read(self) -> Any:
+        return _numpy_state()
+
+    def _write(self, state: Any) -> None:
+        np.random.set_state(state)
+
+    def _same(self, saved: Any) -> bool:
         return _same_numpy_state(saved, _numpy_state())
+
+    def _keeps(self, state: Any) -> bool:
+        if state[3]:  # a Gaussian cached
+            return False
+        state[1].flags.writeable = False  # every caller is handed this one tuple
+        return True
 
 
 def set_numpy_state(state: Any) -> None:
@@ -172,21 +225,24 @@ def _numpy_state() -> Any:
     return np.random.get_state(legacy=False)
 
 
-class _PythonRandom:
+class _PythonRandom(_Marked):
     """Python's `random`, read cheaply. `random.getstate` builds a tuple of 625 integers (about
     10 us, and as long again to compare two); the C object the module's functions draw from holds
     its twister right after the object header, as its position and 624 words (2.5 KB), which a copy
     reads in a fraction of a microsecond. That layout is CPython's own: it is checked against
     `getstate` once, and where it does not match (another interpreter, a free-threaded build) the
     states are `getstate`'s. A state read here is the twister's bytes and the Gaussian that
-    `random.gauss` keeps for its next call."""
+    `random.gauss` keeps for its next call; its mark, the position, the first and last words and
+    that Gaussian."""
 
     def __init__(self) -> None:
+        super().__init__()
         # the generator the module's functions draw from, and its twister's address (None: read
         # by getstate)
         self._generator: Any = None
         self._address: int | None = None
         self._twister: Callable[[], bytes] = bytes  # its bytes, where the address is known
+        self._words: memoryview | None = None
         try:
             generator = random.random.__self__  # type: ignore[attr-defined]
             # where id() is an address and no other thread draws while the bytes are copied
@@ -197,16 +253,22 @@ class _PythonRandom:
                 if ctypes.string_at(address, _TWISTER) == _packed(words):
                     self._generator, self._address = generator, address
                     self._twister = _reader(address, _TWISTER)
+                    self._words = _words(address, _TWISTER // 4)
         except (AttributeError, TypeError, ValueError, struct.error):
             pass
 
-    def get(self) -> Any:
-        address = self._address
-        if address is None:
+    def _mark(self) -> Any:
+        words = self._words
+        if words is None or self._address is None:
+            return None
+        return words[0], words[1], words[624], self._generator.gauss_next
+
+    def _read(self) -> Any:
+        if self._address is None:
             return random.getstate()
         return self._twister(), self._generator.gauss_next
 
-    def set(self, saved: Any) -> None:
+    def _write(self, saved: Any) -> None:
         if self._address is None:
             random.setstate(saved)
             return
@@ -214,8 +276,8 @@ class _PythonRandom:
         position, *words = struct.unpack(_TWISTER_LAYOUT, twister)
         random.setstate((random.Random.VERSION, (*words, position), gauss))
 
-    def unchanged(self, saved: Any) -> bool:
-        return self.get() == saved
+    def _same(self, saved: Any) -> bool:
+        return self._read() == saved
 
 
 # CPython's twister, as its C object holds it: the position, then the words
@@ -260,13 +322,99 @@ def _same_torch_state(saved: torch.Tensor) -> bool:
     return now.numpy().tobytes() == saved.numpy().tobytes()
 
 
+# torch's CPU generator as `get_state` serialises it: seed, position (left, seeded, next), the 624
+# words (each in 8 bytes), the cached double normal (x, y, rho, valid), then the cached float one
+_TORCH_STATE = struct.Struct("=QiiQ624Qdddi4xf?3x")
+# ... and as its C++ object holds them, from the seed on: the position's fields in 12 bytes, the
+# words in 4 each (the twister padded to 8 bytes), then the two cached normals (`std::optional`s
+# of a float and of a double)
+_TORCH_OBJECT = struct.Struct("=QiB3xI624I4xf?3xd?7x")
+
+
+def _torch_words(generator: torch.Generator) -> memoryview | None:
+    """The words of `generator`'s C++ object from its seed on, in place, as `_TORCH_OBJECT` lays
+    them out; None where its layout is not that one: found on a generator of its own with a
+    normal cached, and checked on `generator` at the same offset."""
+    try:
+        probe = torch.Generator()
+        probe.manual_seed(0x5EED)
+        torch.randn(1, generator=probe, dtype=torch.float64)  # a double normal cached
+        offset = next((o for o in range(0, 256, 8) if _torch_layout(probe, o)), None)
+        if offset is None or not _torch_layout(generator, offset):
+            return None
+        return _words(generator._cdata + offset, _TORCH_OBJECT.size // 4)
+    except (AttributeError, TypeError, ValueError, RuntimeError, struct.error):
+        return None
+
+
+def _torch_layout(generator: torch.Generator, offset: int) -> bool:
+    """Whether `generator`'s object holds its state, as `get_state` gives it, at `offset` as
+    `_TORCH_OBJECT` lays it out (its seed, position and first words are compared before the rest
+    is read, so that no read goes past an object whose layout is another)."""
+    state = _TORCH_STATE.unpack(generator.get_state().numpy().tobytes())
+    (seed, left, seeded, position), words = state[:4], [w & 0xFFFFFFFF for w in state[4:628]]
+    _, normal, _, normal_valid, float_normal, float_valid = state[628:]
+    head = struct.Struct("=QiB3xI8I")  # the padding after `seeded` holds anything
+    address = generator._cdata + offset
+    if head.unpack(ctypes.string_at(address, head.size)) != (
+        seed,
+        left,
+        seeded,
+        position,
+        *words[:8],
+    ):
+        return False
+    held = _TORCH_OBJECT.unpack(ctypes.string_at(address, _TORCH_OBJECT.size))
+    float_held, float_held_valid, normal_held, normal_held_valid = held[628:]
+    return (
+        list(held[4:628]) == words
+        and float_held_valid == float_valid
+        and (not float_valid or float_held == float_normal)
+        and normal_held_valid == bool(normal_valid)
+        and (not normal_valid or normal_held == normal)
+    )
+
+
+class _TorchState(_Marked):
+    """torch's default CPU generator, read cheaply. `get_state` copies its 5 KB state into a new
+    tensor, and a comparison reads both: on every batch, several percent of a small model's step.
+    Its C++ object holds the twister's seed and position, its 624 words and the two cached normals
+    at an offset found once (`_torch_words`): the position, the first and last words and the
+    cached normals are the mark. Where that layout is not found (another torch), every state is
+    `get_state`'s, compared where it lies."""
+
+    def __init__(self, generator: torch.Generator):
+        super().__init__()
+        self.generator = generator
+        self._words = _torch_words(generator)
+
+    def _mark(self) -> Any:
+        w = self._words
+        if w is None:
+            return None
+        # seed, left, seeded, next, the first and last words, the float and double normals
+        return w[0], w[1], w[2], w[3], w[4], w[5], w[628], w[630], w[631], w[632], w[633], w[634]
+
+    def _read(self) -> Any:
+        return self.generator.get_state()
+
+    def _write(self, state: Any) -> None:
+        self.generator.set_state(state)
+
+    def _same(self, saved: Any) -> bool:
+        return _same_torch_state(saved)
+
+
 _TORCH = torch.default_generator
+_TORCH_READER = _TorchState(_TORCH)
 _NUMPY = _NumpyState()
 _RANDOM = _PythonRandom()
 # Not torch.manual_seed, which also seeds (and so initialises) CUDA: a DataLoader worker must not
 # touch it. NumPy's legacy seed takes 32 bits.
 GENERATORS = {
-    "torch": _Generator(_TORCH.get_state, _TORCH.set_state, _TORCH.manual_seed, _same_torch_state),
+    "torch": _Generator(
+        _TORCH_READER.get, _TORCH_READER.set, _TORCH.manual_seed, _TORCH_READER.unchanged
+    ),
     "random": _Generator(_RANDOM.get, _RANDOM.set, random.seed, _RANDOM.unchanged),
     "numpy": _Generator(
         _NUMPY.get, _NUMPY.set, lambda s: np.random.seed(s & 0xFFFFFFFF), _NUMPY.unchanged

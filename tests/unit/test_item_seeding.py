@@ -329,6 +329,51 @@ def test_one_gaussian_is_seen_whether_or_not_the_reader_left_one_cached(
     assert after[2][2:] == state[2][2:] and np.array_equal(after[2][1], state[2][1])
 
 
+class OneNormal(Draws):
+    """Only item 5 draws, and only one double normal from torch: served from the normal torch keeps
+    from its last pair where the reader left one cached, a draw that moves no twister."""
+
+    def __getitem__(self, i: int) -> dict:
+        more = torch.randn((), dtype=torch.float64).item() if i == 5 else 0.0
+        return {"i": i, "drawn": torch.tensor([0.0, more, 0.0], dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-normal-cached", "normal-cached"])
+@pytest.mark.parametrize("look", ["mark", "whole"])
+def test_a_draw_from_torch_is_seen_by_its_mark_or_its_whole_state(cached, look, monkeypatch):
+    """torch's state is kept with a mark read in its generator's object (its twister's position
+    and ends, its cached normals), where that layout is found, and else read whole: either way an
+    item's one normal is seen, a cached one served without moving the twister too, and the
+    reader's state is restored with its cache."""
+    reader = seeding._TORCH_READER
+    if look == "whole":
+        monkeypatch.setattr(reader, "_words", None)
+        monkeypatch.setattr(reader, "_known", None)
+    else:  # the layout is found where the tests run
+        assert reader._words is not None
+    key = seeding.training_key(0, 1)
+    want = defined(OneNormal(), key)
+    assert want[5][1] != 0
+    seeding.seed(3)
+    read(Nothing(), key, batch=4)  # the reader's state is known, then moves
+    next_draws()
+    if cached:
+        torch.randn((), dtype=torch.float64)  # the other of a pair, kept for the next draw
+    before = torch.default_generator.get_state()
+    assert_same(read(OneNormal(), key, batch=4), want)
+    assert torch.equal(torch.default_generator.get_state(), before)
+
+
+def test_torchs_layout_is_not_taken_where_it_does_not_match(monkeypatch):
+    """Where torch's generator holds its state otherwise (another torch), no offset is taken and
+    every state is read whole."""
+    assert seeding._torch_words(torch.default_generator) is not None
+    monkeypatch.setattr(seeding, "_TORCH_OBJECT", seeding.struct.Struct("=QiB3xI624If?3x4xd?7x"))
+    assert seeding._torch_words(torch.default_generator) is None
+    monkeypatch.setattr(seeding, "_TORCH_STATE", seeding.struct.Struct("=QiiQ"))
+    assert seeding._torch_words(torch.default_generator) is None
+
+
 def test_a_restored_state_with_a_cached_gaussian_is_not_taken_for_the_kept_one():
     """phalanx's own restores (and resumes) set NumPy's state: one with a Gaussian cached, over the
     same twister as the state kept without one, must be read whole, or an item's one Gaussian comes
