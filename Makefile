@@ -54,6 +54,7 @@ test: $(VENV)/.test-installed
 bench: $(VENV)/.test-installed
 	$(PIP) -e ".[bench]"
 	$(PY) bench/overhead.py
+	$(PY) bench/overhead.py --public
 	$(PY) bench/ddp_overhead.py
 	$(PY) bench/mesh_overhead.py
 	$(PY) bench/pipeline_overhead.py

@@ -7,6 +7,7 @@ by chunk in one process so that the machine's changes of speed affect each of th
     .venv/bin/python bench/overhead.py --breakdown     # where phalanx's extra time goes (A/B)
     .venv/bin/python bench/overhead.py --profile       # cProfile of phalanx's steps alone
     .venv/bin/python bench/overhead.py --tokens 16 --clip 1.0   # token-weighted and clipped
+    .venv/bin/python bench/overhead.py --public        # phalanx.fit, every default hook
 
 What is timed (see BENCHMARKS.md): every loop trains its own copy of the same MLP (same init), with
 AdamW, on the same dataset object (a map-style dataset of dict items) batched by a torch DataLoader
@@ -19,6 +20,11 @@ iterator) lands in the first chunk of its epoch. phalanx's epoch end (after_epoc
 statistics, log, metrics.csv, TensorBoard flush, the SaveLatest checkpoint) is outside the windows
 and reported on its own. Nobody saves a checkpoint inside a window. The first `--warmup` epochs are
 not counted.
+
+phalanx runs as `phalanx train` builds it, with the default hooks less ShowProgress (its target:
+1.05x); with `--public`, as a user's script runs it: `phalanx.fit` on the config without a `hooks`
+key, so every default hook, ShowProgress and the console log included, then the benchmark's
+driver (its target: 1.10x).
 """
 
 from __future__ import annotations
@@ -160,6 +166,24 @@ def build_phalanx(args, tmp: Path, driver):
     """A Trainer as `phalanx train` builds one (a validated config, a real run directory, the log
     file), its hooks the defaults minus ShowProgress, then `driver`."""
     return phalanx_trainer(phalanx_config(args, str(tmp / "runs")), tmp, [driver], [ROOT])
+
+
+def fit_phalanx(args, tmp: Path, driver) -> tuple[Path, dict[str, Any], list[str], float]:
+    """phalanx as a user's script runs it: `phalanx.fit` on the config (no `hooks` key: the
+    defaults, ShowProgress and the console log included), with `driver` after them. Returns the
+    run directory, the config, the hooks' names and the run's seconds."""
+    import phalanx
+    from phalanx import config
+    from phalanx.hooks import default_hooks
+
+    raw = phalanx_config(args, str(tmp / "runs"))
+    started = clock()
+    run = phalanx.fit(raw, hooks=[driver])
+    wall_s = clock() - started
+    if run.code != 0:
+        raise RuntimeError(f"the phalanx run ended with exit code {run.code}")
+    hook_names = [*default_hooks(config.validate(raw)), "Driver"]
+    return Path(run.run_dir), raw, hook_names, wall_s
 
 
 def make_driver_hook(chunk: int, on_chunk):
@@ -395,18 +419,21 @@ def run(args) -> dict[str, Any]:
 
     driver = make_driver_hook(args.chunk, chunk_of_others)
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
-        trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
-        hook_names = [type(h).__name__ for h in trainer.hooks]
-        print(
-            f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory "
-            f"{run_dir}",
-            flush=True,
-        )
-        started = clock()
-        code = trainer.run()
-        wall_s = clock() - started
-        if code != 0:
-            raise RuntimeError(f"the phalanx run ended with exit code {code}")
+        if args.public:
+            run_dir, raw, hook_names, wall_s = fit_phalanx(args, Path(tmp), driver)
+        else:
+            trainer, run_dir, raw = build_phalanx(args, Path(tmp), driver)
+            hook_names = [type(h).__name__ for h in trainer.hooks]
+            print(
+                f"phalanx hooks: {', '.join(hook_names)} (Driver: the benchmark's); run directory "
+                f"{run_dir}",
+                flush=True,
+            )
+            started = clock()
+            code = trainer.run()
+            wall_s = clock() - started
+            if code != 0:
+                raise RuntimeError(f"the phalanx run ended with exit code {code}")
         checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
         from phalanx import logs
 
@@ -437,7 +464,7 @@ def run(args) -> dict[str, Any]:
     )
     ratio = results["phalanx"]["wall"]["ratio_vs_hand"]["median"]
     return {
-        "benchmark": "overhead",
+        "benchmark": "overhead_public" if args.public else "overhead",
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "settings": {
             "steps": args.steps,
@@ -448,6 +475,7 @@ def run(args) -> dict[str, Any]:
             "tokens": args.tokens,
             "tuples": args.tuples,
             "clip": args.clip,
+            "public": args.public,
             "hidden": args.hidden,
             "features": FEATURES,
             "classes": CLASSES,
@@ -781,7 +809,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=128, help="hidden width of the MLP")
     parser.add_argument(
-        "--target", type=float, default=1.05, help="phalanx's allowed ratio to the hand loop"
+        "--target",
+        type=float,
+        default=None,
+        help="phalanx's allowed ratio to the hand loop (1.05; with --public 1.10)",
+    )
+    parser.add_argument(
+        "--public",
+        action="store_true",
+        help="phalanx through phalanx.fit with every default hook (ShowProgress too)",
     )
     parser.add_argument(
         "--tokens",
@@ -797,7 +833,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="items are (x, y) tuples of a TensorDataset, named by dataset.keys (both loops)",
     )
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "overhead.json"))
+    parser.add_argument(
+        "--out", default=None, help="the JSON (bench/results/overhead.json, overhead_public.json)"
+    )
     parser.add_argument(
         "--profile", action="store_true", help="instead: cProfile phalanx alone (no JSON)"
     )
@@ -809,6 +847,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--blocks", type=int, default=40, help="A/B pairs per --breakdown row")
     args = parser.parse_args(argv)
+    if args.target is None:
+        args.target = 1.10 if args.public else 1.05
+    if args.out is None:
+        name = "overhead_public.json" if args.public else "overhead.json"
+        args.out = str(ROOT / "bench" / "results" / name)
+    if args.public and (args.profile or args.breakdown):
+        parser.error(
+            "--public times phalanx.fit; --profile and --breakdown time the trainer's parts"
+        )
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
         parser.error("--steps, --rounds and --warmup must be at least 1")
     if args.chunk < 1 or args.steps % args.chunk:

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # (results file, what the ratio pairs phalanx with)
 BENCHMARKS = [
     ("overhead.json", "one process: hand loop (zero_grad, forward, CE, backward, AdamW step)"),
+    ("overhead_public.json", "one process, phalanx.fit and every default hook: the same hand loop"),
     ("ddp_overhead.json", "ddp, 2 gloo processes: hand DDP loop"),
     ("mesh_overhead.json", "mesh shard 2 x tensor 2, 4 processes: hand TP + FSDP2 loop"),
     ("mesh_overhead_step.json", "the mesh step alone: the same hand loop"),

@@ -158,6 +158,40 @@ def test_single_process_overhead_runs_the_hand_loop_and_phalanx_chunk_by_chunk(t
     assert "no such file" in rows["ddp_overhead.json"]
 
 
+def test_the_public_overhead_runs_phalanx_fit_with_every_default_hook(tmp_path):
+    """`--public`: phalanx as a user's script runs it, `phalanx.fit` with the default hooks
+    (ShowProgress and the console log too) and the benchmark's driver after them; its own target
+    (1.10x) and its own row in make bench's table."""
+    steps, chunk, rounds = 20, 10, 2
+    said, report = run_script(
+        tmp_path,
+        "overhead.py",
+        "--public",
+        "--steps",
+        str(steps),
+        "--chunk",
+        str(chunk),
+        "--rounds",
+        str(rounds),
+        out_flag="--out",
+    )
+    assert "target: phalanx <= 1.10x" in said
+    assert report["benchmark"] == "overhead_public" and report["settings"]["public"]
+    assert "ShowProgress" in report["phalanx_hooks"] and report["phalanx_hooks"][-1] == "Driver"
+    assert "hooks" not in report["phalanx_config"]  # the defaults, as the config leaves them
+    for name in ("hand loop", "phalanx"):
+        check_figures(report["results"][name], rounds * steps // chunk)
+    assert report["phalanx_checkpoints"], "phalanx's SaveLatest wrote no checkpoint"
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "overhead_public.json").write_text((tmp_path / "report.json").read_text())
+    target = report["target"]
+    assert target["phalanx_ratio_max"] == 1.10
+    verdict = "met" if target["met"] else "NOT met"
+    row = targets_table(results)["overhead_public.json"]
+    assert f"{target['phalanx_ratio']:.3f}x  <= 1.10x  {verdict}" in row
+
+
 def test_instruction_counter_runs_every_variant(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from instructions import VARIANTS
