@@ -342,9 +342,14 @@ def _torch_words(generator: torch.Generator) -> memoryview | None:
         offset = next((o for o in range(0, 256, 8) if _torch_layout(probe, o)), None)
         if offset is None or not _torch_layout(generator, offset):
             return None
-        return _words(generator._cdata + offset, _TORCH_OBJECT.size // 4)
+        return _words(_address(generator) + offset, _TORCH_OBJECT.size // 4)
     except (AttributeError, TypeError, ValueError, RuntimeError, struct.error):
         return None
+
+
+def _address(generator: torch.Generator) -> int:
+    """The address of `generator`'s C++ object (torch's Python binding gives it, untyped)."""
+    return int(generator._cdata)  # type: ignore[attr-defined]
 
 
 def _torch_layout(generator: torch.Generator, offset: int) -> bool:
@@ -355,7 +360,7 @@ def _torch_layout(generator: torch.Generator, offset: int) -> bool:
     (seed, left, seeded, position), words = state[:4], [w & 0xFFFFFFFF for w in state[4:628]]
     _, normal, _, normal_valid, float_normal, float_valid = state[628:]
     head = struct.Struct("=QiB3xI8I")  # the padding after `seeded` holds anything
-    address = generator._cdata + offset
+    address = _address(generator) + offset
     if head.unpack(ctypes.string_at(address, head.size)) != (
         seed,
         left,
