@@ -210,6 +210,7 @@ def _resume_from_latest(
     )
     log.info("%s", what_runs(cfg, strategy))
     _warn_ignored(cfg, strategy)
+    _warn_capped(cfg, strategy)
     if state.epoch >= cfg.main_loop.epochs:
         log.info(
             "the run has finished its %d epochs; raise main_loop.epochs to train more",
@@ -271,6 +272,7 @@ def log_start(cfg: config.Config, strategy: Strategy, trainer: Trainer) -> None:
 
     log.info("%s", what_runs(cfg, strategy))
     _warn_ignored(cfg, strategy)
+    _warn_capped(cfg, strategy)
     # a strategy that keeps part of the model in each process describes the whole one
     log.info("%s", strategy.model_summary() or metrics.summary(trainer.model))
 
@@ -281,6 +283,22 @@ def _warn_ignored(cfg: config.Config, strategy) -> None:
     if strategy.is_main:
         for said in strategies.ignored_settings(cfg):
             log.warning("%s", said)
+
+
+def _warn_capped(cfg: config.Config, strategy) -> None:
+    """Gradient accumulation over more micro-batches than the batch has samples: the step splits
+    its batch into one micro-batch a sample, said once."""
+    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.accumulation
+    if strategy.is_main and accumulation > batch:
+        log.warning(
+            "parallel.gradient_accumulation is %d but dataset.batch_size is %d: a step splits its "
+            "batch into %d micro-batches of one sample; set gradient_accumulation to %d or less "
+            "(dataset.batch_size is the global batch of a step, not a micro-batch's)",
+            accumulation,
+            batch,
+            batch,
+            batch,
+        )
 
 
 def what_runs(cfg: config.Config, strategy: Strategy) -> str:
@@ -296,8 +314,10 @@ def what_runs(cfg: config.Config, strategy: Strategy) -> str:
         threads = torch.get_num_threads()
         drives += f" with {threads} thread{'s' if threads > 1 else ''}"
     who = f"{processes} processes, each {drives}" if processes > 1 else f"1 process {drives}"
-    batch, accumulation = cfg.dataset.batch_size, cfg.parallel.accumulation
-    micro = split_sizes(batch, min(accumulation, batch))[0]
+    # a step splits its batch into at most one micro-batch a sample (`data.Plan`)
+    batch = cfg.dataset.batch_size
+    accumulation = min(cfg.parallel.accumulation, batch)
+    micro = split_sizes(batch, accumulation)[0]
     weights = cfg.parallel.shard_weights
     # a pipeline's stages share their copy's shard
     shards = strategy.data_world_size * each

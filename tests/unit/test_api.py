@@ -420,6 +420,21 @@ def test_workers_of_a_script_read_from_standard_input_are_refused_before_they_st
     assert list((tmp_path / "runs").iterdir()) == []  # no run directory is left
 
 
+def test_accumulation_over_more_micro_batches_than_samples_is_said(tmp_path, monkeypatch):
+    """gradient_accumulation above the batch size: the step takes one sample a micro-batch (no
+    empty ones), and the start of the log says so, with the setting to change."""
+    monkeypatch.chdir(tmp_path)
+    parallel = {"accelerator": "cpu", "gradient_accumulation": 16}
+    run = phalanx.fit(_raw(hooks=[], parallel=parallel))
+    assert run.code == 0
+    said = (run.run_dir / "log.txt").read_text()
+    assert "global batch 8 per optimizer step, 8 micro-batches of up to 1, 1 per device" in said
+    assert (
+        "WARNING parallel.gradient_accumulation is 16 but dataset.batch_size is 8: a step splits "
+        "its batch into 8 micro-batches of one sample; set gradient_accumulation to 8 or less"
+    ) in said
+
+
 def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     towers = {"accelerator": "cpu", "devices": 3, "strategy": "towers", "gradient_accumulation": 2}
