@@ -151,7 +151,7 @@ class _Marked:
             return known[1]
         state = self._read()
         # kept where nothing drew in between (another thread)
-        keep = self._keeps(state) and self._mark() == mark
+        keep = self._mark() == mark and self._keeps(state)
         self._known = (mark, state) if keep else None
         return state
 
