@@ -241,8 +241,7 @@ class _PythonRandom(_Marked):
         # by getstate)
         self._generator: Any = None
         self._address: int | None = None
-        self._twister: Callable[[], bytes] = bytes  # its bytes, where the address is known
-        self._words: memoryview | None = None
+        self._words: memoryview | None = None  # its position and words, where the address is known
         try:
             generator = random.random.__self__  # type: ignore[attr-defined]
             # where id() is an address and no other thread draws while the bytes are copied
@@ -252,7 +251,6 @@ class _PythonRandom(_Marked):
                 _, words, _ = generator.getstate()
                 if ctypes.string_at(address, _TWISTER) == _packed(words):
                     self._generator, self._address = generator, address
-                    self._twister = _reader(address, _TWISTER)
                     self._words = _words(address, _TWISTER // 4)
         except (AttributeError, TypeError, ValueError, struct.error):
             pass
@@ -264,9 +262,10 @@ class _PythonRandom(_Marked):
         return words[0], words[1], words[624], self._generator.gauss_next
 
     def _read(self) -> Any:
-        if self._address is None:
+        words = self._words
+        if words is None or self._address is None:
             return random.getstate()
-        return self._twister(), self._generator.gauss_next
+        return words.tobytes(), self._generator.gauss_next
 
     def _write(self, saved: Any) -> None:
         if self._address is None:
@@ -288,14 +287,6 @@ _TWISTER = struct.calcsize(_TWISTER_LAYOUT)
 def _packed(words: tuple[int, ...]) -> bytes:
     """`getstate`'s 624 words and position as the C object holds them."""
     return struct.pack(_TWISTER_LAYOUT, words[-1], *words[:-1])
-
-
-def _reader(address: int, length: int) -> Callable[[], bytes]:
-    """A function that copies `length` bytes from `address`: a view made once, its bytes read
-    on each call (a seventh of `ctypes.string_at`'s cost, which converts its arguments each
-    time). The memory must outlive the view: a generator's, which its reader keeps."""
-    view = (ctypes.c_char * length).from_address(address)
-    return lambda: view.raw
 
 
 def _memcmp() -> Callable[[int, int, int], int] | None:
