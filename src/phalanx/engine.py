@@ -79,6 +79,9 @@ class GradNorms:
     were not finite (those steps are skipped). The same on every rank. A norm left on its device
     (`add_later`) is read with the others still there, once, when any of these is read."""
 
+    # what `variables` may hold, the epoch's `train` row of a run that clips
+    NAMES = ("grad_norm", "grad_norm_max", "grad_norm_nonfinite")
+
     def __init__(self) -> None:
         self.sum, self.max, self.count, self.nonfinite = 0.0, 0.0, 0, 0
         self._last: float | None = None

@@ -16,6 +16,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from phalanx.config import Config
+    from phalanx.hooks.base import Hook
     from phalanx.strategies.base import Strategy
 
 
@@ -148,6 +149,24 @@ class RunView:
         from phalanx import metrics
 
         return metrics.state_bytes(self._run.model, self._run.optimizer)
+
+    def computed_before(self, hook: Hook, stream: str) -> set[str] | None:
+        """The variables `epoch_data[stream]` holds when `hook`'s after_epoch reads it: the run's
+        own (the gradient norms, where it clips them) and those the hooks listed before it compute
+        (`Hook.computes`); None where one of those cannot say."""
+        from phalanx.engine import GradNorms
+
+        run = self._run
+        clips = stream == "train" and run.engine.max_grad_norm is not None
+        known = set(GradNorms.NAMES if clips else ())
+        for other in run.calls.hooks:
+            if other is hook:
+                break
+            names = other.computes(stream)
+            if names is None:
+                return None
+            known.update(names)
+        return known
 
     # --- what a hook may ask
     def save_checkpoint(self, best: dict | None = None) -> Path | None:

@@ -32,6 +32,7 @@ from phalanx.hooks import (
     ComputeStats,
     Hook,
     LogProfile,
+    LogThroughput,
     LogVariables,
     PlotLines,
     SaveBest,
@@ -912,12 +913,65 @@ def test_save_best_in_min_mode_follows_the_improvements(tmp_path):
     assert trainer.checkpoints.best() == 15 and trainer.checkpoints.steps() == [15]
 
 
-def test_save_best_names_a_variable_nobody_computed(tmp_path):
-    trainer = make_trainer(
-        tmp_path, [ComputeStats(), SaveBest("valid.accuracy", mode="max")], main_loop={"epochs": 1}
-    )
-    with pytest.raises(ConfigError, match="valid.accuracy"):
+@pytest.mark.parametrize("hook", [SaveBest, StopOnPlateau])
+def test_a_best_or_plateau_of_a_variable_nothing_computes_is_refused_before_training(
+    tmp_path, hook
+):
+    ended = Record()
+    listed = [ComputeStats(["loss"], ["mean", "std"]), LogThroughput(), hook("valid.los"), ended]
+    trainer = make_trainer(tmp_path, listed, main_loop={"epochs": 1})
+    with pytest.raises(ConfigError) as refused:
         trainer.run()
+    said = str(refused.value)
+    assert said.startswith(f"{hook.__name__}: no hook listed before it computes 'valid.los'")
+    assert 'will be loss, loss_std (did you mean "valid.loss"?).' in said
+    assert trainer.step == 0 and not ended.epochs
+    # a variable computed only after it is read is not there either
+    late = make_trainer(tmp_path, [hook("train.loss"), ComputeStats()], main_loop={"epochs": 1})
+    with pytest.raises(ConfigError, match="the train stream's variables will be none"):
+        late.run()
+
+
+class Holdout(Hook):
+    """A user's hook that puts a stream of its own into the epoch's data: `holdout.score`, the
+    epoch's number, so that its best is the last epoch."""
+
+    def after_epoch(self, epoch, epoch_data):
+        epoch_data["holdout"] = {"score": float(epoch)}
+
+
+class SaidHoldout(Holdout):
+    """The same, saying what it computes."""
+
+    def computes(self, stream):
+        return ["score"] if stream == "holdout" else []
+
+
+def test_what_a_best_reads_is_checked_against_what_the_hooks_before_it_say_they_compute(
+    tmp_path,
+):
+    # the run's own gradient norms, where it clips, and LogThroughput's figures
+    clips = make_trainer(
+        tmp_path,
+        [LogThroughput(), SaveBest("train.samples_per_s", "max"), SaveBest("train.grad_norm")],
+        main_loop={"epochs": 1},
+        optimizer={"max_grad_norm": 1.0},
+    )
+    assert clips.run() == 0
+    # a hook that does not say what it computes may put anything: a stream of its own too
+    (tmp_path / "run").rename(tmp_path / "first")
+    mute = make_trainer(
+        tmp_path, [Holdout(), SaveBest("holdout.score", "max")], main_loop={"epochs": 2}
+    )
+    assert mute.run() == 0 and mute.checkpoints.best() == mute.step
+    # one that says is held to it, streams included
+    (tmp_path / "run").rename(tmp_path / "second")
+    said = make_trainer(
+        tmp_path, [SaidHoldout(), SaveBest("holdout.scores")], main_loop={"epochs": 1}
+    )
+    with pytest.raises(ConfigError, match="stream 'holdout' of holdout.scores is not evaluated"):
+        said.run()
+    assert said.step == 0
 
 
 # --- StopAfter, StopOnNaN, StopOnPlateau -------------------------------------------------------

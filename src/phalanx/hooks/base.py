@@ -8,6 +8,7 @@ A hook stops training by raising `TrainingTerminated`.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -39,6 +40,9 @@ class Hook:
     #: A hook that reduces its own sums across ranks sets it False and receives this rank's shard.
     gathers: bool = True
     gather_keys: tuple[str, ...] | None = None
+    #: Whether its `after_epoch` only reads the epoch's data (writers, savers, stoppers): it puts
+    # : no variable there (see `computes`).
+    reads_epoch_only: bool = False
 
     @property
     def strategy(self) -> Strategy:
@@ -67,6 +71,15 @@ class Hook:
 
     def after_training(self, success: bool) -> None:
         pass
+
+    def computes(self, stream: str) -> Collection[str] | None:
+        """The variables this hook puts into `epoch_data[stream]` in `after_epoch`, so that a hook
+        listed after it can check the name it reads before training, not after the first epoch;
+        None where it cannot say (the default for a hook with an after_epoch of its own: override
+        this to have such names checked)."""
+        if self.reads_epoch_only or not self.overrides("after_epoch"):
+            return ()
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state saved in checkpoints (best value so far, running sums ...)."""

@@ -32,6 +32,8 @@ class ShowProgress(Hook):
     rate, the loss and the time left; one shorter than that logs none. Rates are measured from the
     end of the first batch, whose time includes starting up."""
 
+    reads_epoch_only = True
+
     # reads the trainer's global loss and batch size
     gathers = False
 

@@ -8,7 +8,7 @@ from typing import Any
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook
 from phalanx.hooks.variables import (
-    check_evaluated,
+    check_computed,
     check_mode,
     improved,
     lookup,
@@ -21,6 +21,7 @@ class SaveEvery(Hook):
     """Save every `epochs` epochs, or every `steps` optimizer steps."""
 
     gathers = False
+    reads_epoch_only = True
 
     def __init__(self, epochs: int | None = 1, steps: int | None = None):
         if steps is not None:
@@ -43,6 +44,8 @@ class SaveEvery(Hook):
 class SaveLatest(Hook):
     """Save after every epoch and when training ends, so that the latest state can resume."""
 
+    reads_epoch_only = True
+
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if epoch:
             self.trainer.save_checkpoint()
@@ -55,13 +58,15 @@ class SaveLatest(Hook):
 class SaveBest(Hook):
     """Save when `variable` (STREAM.VARIABLE) reaches its best value so far."""
 
+    reads_epoch_only = True
+
     def __init__(self, variable: str = "valid.loss", mode: str = "min"):
         split_name(variable, "SaveBest")
         self.variable, self.mode = variable, check_mode(mode, "SaveBest")
         self.best: float | None = None
 
     def before_training(self) -> None:
-        check_evaluated(self.variable, "SaveBest", self.trainer.cfg.main_loop.extra_streams)
+        check_computed(self.variable, "SaveBest", self)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         value = lookup(epoch_data, self.variable, "SaveBest")

@@ -98,6 +98,9 @@ class ComputeStats(Hook):
         self._weights.clear()
         self._pending_elements = 0
 
+    def computes(self, stream: str) -> list[str]:
+        return [v if a == "mean" else f"{v}_{a}" for v in self.variables for a in self.aggregations]
+
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
         for (stream, var), values in self._global().items():
             count = values["count"]
@@ -274,6 +277,9 @@ class ClassificationMetrics(Hook):
                 size = max(previous.shape[0], k)
                 previous, counts = _pad(previous, size), _pad(counts, size)
         self._confusion[stream] = counts if previous is None else previous + counts
+
+    def computes(self, stream: str) -> list[str]:
+        return list(self.metrics)
 
     def after_epoch(self, epoch: int, epoch_data: dict[str, dict[str, Any]]) -> None:
         counted = self._global()

@@ -14,7 +14,7 @@ import torch
 from phalanx.errors import ConfigError
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.variables import (
-    check_evaluated,
+    check_computed,
     check_mode,
     improved,
     lookup,
@@ -34,6 +34,7 @@ class StopAfter(Hook):
     a collective of its own): the first whose clock has run out stops them all at the same step."""
 
     gathers = False
+    reads_epoch_only = True
     AGREE_EVERY = 10
 
     def __init__(
@@ -105,6 +106,8 @@ class StopOnNaN(Hook):
     evaluation round) or stops for a signal, the check waits for its step, as on the CPU. A run
     that another hook stops has its last loss read as it ends, and a loss that was not finite is
     logged as an error (the hook that stopped it says how it ended)."""
+
+    reads_epoch_only = True
 
     # reads the trainer's global loss, the same on every rank
     gathers = False
@@ -194,6 +197,8 @@ class _OnItsWay:
 class StopOnPlateau(Hook):
     """Stop when `variable` has not improved by `min_delta` for `patience` epochs."""
 
+    reads_epoch_only = True
+
     def __init__(
         self,
         variable: str = "valid.loss",
@@ -210,7 +215,7 @@ class StopOnPlateau(Hook):
         self.waited = 0
 
     def before_training(self) -> None:
-        check_evaluated(self.variable, "StopOnPlateau", self.trainer.cfg.main_loop.extra_streams)
+        check_computed(self.variable, "StopOnPlateau", self)
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         value = lookup(epoch_data, self.variable, "StopOnPlateau")

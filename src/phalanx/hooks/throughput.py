@@ -16,6 +16,8 @@ from phalanx.hooks.base import Hook
 from phalanx.model import Forward, shard_loss_mean
 
 log = logging.getLogger("phalanx")
+# what an epoch's figures may hold
+_FIGURES = ("samples_per_s", "tokens_per_s", "mfu", "memory_gib", "memory_peak_gib")
 
 
 class LogThroughput(Hook):
@@ -155,6 +157,10 @@ class LogThroughput(Hook):
                 *(_mib(state[k]) for k in ("parameters", "gradients", "optimizer")),
             )
         log.info("step %d | %s", self.trainer.step, ", ".join(parts))
+
+    def computes(self, stream: str) -> tuple[str, ...]:
+        # those it can give: tokens and MFU where known, memory as the devices report it
+        return _FIGURES if stream == "train" else ()
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         # evaluation time between epochs is not training time

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx.data import TRAIN
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from phalanx.hooks.base import Hook
 
 
 def split_name(name: str, hook: str) -> tuple[str, str]:
@@ -15,15 +18,29 @@ def split_name(name: str, hook: str) -> tuple[str, str]:
     return stream, var
 
 
-def check_evaluated(name: str, hook: str, extra_streams: list[str]) -> None:
-    """`name`'s stream is one the run evaluates (the training stream or one of `extra_streams`):
-    checked before training, not after its first epoch."""
-    stream, _ = split_name(name, hook)
-    streams = [TRAIN, *extra_streams]
+def check_computed(name: str, hook_name: str, hook: Hook) -> None:
+    """`name` (STREAM.VARIABLE) is in the epoch's data when `hook` reads it: its stream is one the
+    run evaluates (the training stream or one of main_loop.extra_streams) and the run or a hook
+    listed before it computes the variable. Checked before training, not after the first epoch;
+    where a hook listed before it cannot say what it computes (`Hook.computes`), it may put
+    anything there, and nothing is checked."""
+    stream, var = split_name(name, hook_name)
+    known = hook.trainer.computed_before(hook, stream)
+    if known is None:
+        return
+    streams = [TRAIN, *hook.trainer.cfg.main_loop.extra_streams]
     if stream not in streams:
         raise ConfigError(
-            f"{hook}: stream {stream!r} of {name} is not evaluated (streams: "
+            f"{hook_name}: stream {stream!r} of {name} is not evaluated (streams: "
             f"{', '.join(streams)}); add it to main_loop.extra_streams, or name another"
+        )
+    if var not in known:
+        close = did_you_mean(name, [f"{stream}.{v}" for v in known])
+        raise ConfigError(
+            f"{hook_name}: no hook listed before it computes {name!r}; the {stream} stream's "
+            f"variables will be {', '.join(sorted(known)) or 'none'}{close}. Name one of those, "
+            f"or list ComputeStats or ClassificationMetrics computing it before {hook_name} in "
+            "hooks"
         )
 
 

@@ -27,6 +27,8 @@ log = logging.getLogger("phalanx")
 class _Writer(Hook):
     """A hook that writes only on the main process, into the run directory."""
 
+    reads_epoch_only = True
+
     @property
     def active(self) -> bool:
         return self.trainer.strategy.is_main and self.trainer.run_dir is not None
