@@ -127,11 +127,23 @@ def pytorchjob(
         raise PhalanxError(
             "--image names the container image that holds phalanx, torch and your code"
         )
+    if not _IMAGE.fullmatch(image):
+        raise PhalanxError(
+            f"--image {image!r} is not a container image reference: give "
+            "[REGISTRY[:PORT]/]PATH[:TAG][@sha256:DIGEST], the path in lowercase, such as "
+            "registry.example.com/team/train:1"
+        )
     if not volume_claim:
         raise PhalanxError(
             "--volume-claim is needed: without a volume that every pod mounts, each pod writes "
             "the run to its own disk, so a job applied again cannot resume it and fsdp on several "
             "pods cannot commit a checkpoint; name a PersistentVolumeClaim (ReadWriteMany)"
+        )
+    if len(volume_claim) > 253 or not _OBJECT_NAME.fullmatch(volume_claim):
+        raise PhalanxError(
+            f"--volume-claim {volume_claim!r} is not a PersistentVolumeClaim's name: lowercase "
+            "letters, digits, '-' and '.', starting and ending with a letter or digit, at most "
+            "253 characters"
         )
     cpus = cpus if cpus is not None else cpus_for(cfg) * gpus_per_node
     memory = memory or f"{16 * gpus_per_node}Gi"
@@ -233,6 +245,17 @@ def check_job(cfg: Config, nodes: int, gpus_per_node: int) -> None:
     )
 
 
+# a container image reference, as registries and Kubernetes read one: an optional registry host
+# (a dot, a port or localhost tells it from the path), a lowercase path, an optional tag and digest
+_IMAGE = re.compile(
+    r"(?:(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
+    r"|\[[0-9A-Fa-f:]+\])(?::[0-9]+)?/)?"
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+)
+# a Kubernetes object's name (a DNS subdomain)
+_OBJECT_NAME = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?")
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 

@@ -281,6 +281,37 @@ def test_slurm_time_limits_in_every_form_slurm_takes(cfg_path, time):
             ["k8s", "--nodes", "2", "--gpus-per-node", "8", "--image", "i"],
             "--volume-claim is needed: without a volume that every pod mounts",
         ),
+        *(
+            (
+                [
+                    "k8s",
+                    "--nodes",
+                    "1",
+                    "--gpus-per-node",
+                    "1",
+                    "--image",
+                    image,
+                    "--volume-claim",
+                    "v",
+                ],
+                f"--image {image!r} is not a container image reference",
+            )
+            for image in ("me/Train:1", "train:", "train:a tag", "http://registry/train", "a//b")
+        ),
+        (
+            [
+                "k8s",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "1",
+                "--image",
+                "i",
+                "--volume-claim",
+                "My_Runs",
+            ],
+            "--volume-claim 'My_Runs' is not a PersistentVolumeClaim's name",
+        ),
         (
             [
                 "k8s",
