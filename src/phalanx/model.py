@@ -64,6 +64,9 @@ class Forward:
         self.outputs = [cfg.outputs] if isinstance(cfg.outputs, str) else list(cfg.outputs)
         # the name of a lone tensor output
         self._single = self.outputs[0] if len(self.outputs) == 1 else None
+        # names the config gave (not the default's, which a resolved config repeats), checked once
+        # against a model that returns a dict
+        self._named = self.outputs != [type(cfg).model_fields["outputs"].default]
         self.named_loss = _NamedLoss(cfg.loss, search_dirs) if cfg.loss else None
         user = inner if inner is not None else module
         self.params, self.takes_all = _forward_params(user)
@@ -177,6 +180,9 @@ class Forward:
         if isinstance(raw, torch.Tensor) and len(self.outputs) == 1:
             return {self.outputs[0]: raw}
         if isinstance(raw, Mapping):
+            if self._named:
+                self._named = False
+                _check_named(self.outputs, raw)
             return dict(raw)
         values = raw if isinstance(raw, (tuple, list)) else (raw,)
         if len(values) != len(self.outputs):
@@ -185,6 +191,17 @@ class Forward:
                 f"{len(self.outputs)}: {self.outputs}"
             )
         return dict(zip(self.outputs, values, strict=True))
+
+
+def _check_named(names: list[str], returned: Mapping) -> None:
+    """The outputs model.outputs names are among those a model returns by name."""
+    missing = [n for n in names if n not in returned]
+    if missing:
+        raise ModelError(
+            f"model.outputs names {', '.join(map(repr, missing))}, which the model does not "
+            f"return: its forward returns a dict of {', '.join(map(str, returned)) or 'nothing'}, "
+            "named by the model itself; name those, or drop model.outputs"
+        )
 
 
 class Loss(NamedTuple):

@@ -191,6 +191,18 @@ def test_tuple_outputs_must_match_the_names():
         )
 
 
+def test_outputs_named_for_a_model_that_returns_a_dict_must_be_among_its_names():
+    forward = Forward(Spy(), _cfg(outputs=["prediction", "logits"]))
+    with pytest.raises(ModelError) as info:
+        forward(_batch())
+    said = str(info.value)
+    assert "model.outputs names 'logits', which the model does not return" in said
+    assert "a dict of prediction, loss" in said
+    # the names it returns, or the default name (which a resolved config repeats): no error
+    for cfg in (_cfg(outputs=["prediction", "loss"]), _cfg(outputs="output"), _cfg()):
+        assert set(Forward(Spy(), cfg)(_batch())) == {"prediction", "loss"}
+
+
 def _classes(n: int = 6) -> dict:
     return {"x": torch.randn(n, 3), "y": torch.arange(n) % 2}
 
