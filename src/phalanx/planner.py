@@ -141,6 +141,11 @@ def accumulation_for(config_path: str, overrides: list[str]) -> tuple[int, str]:
     family = registry.get(name)
     # the setup to price, from the measurements (a strategy that cannot be priced refuses here,
     # before anything is measured)
+    if family.cost is None:
+        raise ConfigError(
+            f"parallel.gradient_accumulation=auto prices the step's peak memory under the run's "
+            f"strategy, and the plan does not price {name}; give a number"
+        )
     setup_of = (
         family.accumulation_setup(cfg, devices)
         if family.accumulation_setup is not None

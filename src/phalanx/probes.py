@@ -66,6 +66,15 @@ def links(
     return found
 
 
+def pipelined(split: list[str]) -> list[str]:
+    """The overrides of the pipeline the links worker times: `split` at those blocks, 4
+    micro-batches. The names are quoted (JSON is YAML's flow style): a Sequential's are numbers."""
+    return [
+        "parallel.strategy=pipeline",
+        "parallel.pipeline=" + json.dumps({"split": split, "microbatches": 4}),
+    ]
+
+
 def measured_steps(split: list[str] | None) -> str:
     """The steps `links` measures, in words."""
     return f"a step of ddp, fsdp{' and a pipeline' if split else ''}"
@@ -126,10 +135,7 @@ def links_worker(
                 batching.collate(list(map(stream.__getitem__, range(micro)))),
             )
         ]
-        pipeline = f"parallel.pipeline={{split: [{', '.join(split)}], microbatches: 4}}"
-        found["pipeline_step"] = _strategy_step(
-            config_path, [*others, "parallel.strategy=pipeline", pipeline], whole
-        )
+        found["pipeline_step"] = _strategy_step(config_path, [*others, *pipelined(split)], whole)
     sizes = (SMALL, large)
     for n in range(2, world + 1):
         sub = dist.new_group(list(range(n)))  # every process makes every group

@@ -327,3 +327,17 @@ def test_a_plan_written_to_json_is_priced_again_the_same():
     assert [p.step_s for p in pricing.rank(again, pricing.candidates(again, 4))] == [
         p.step_s for p in pricing.rank(m, pricing.candidates(m, 4))
     ]
+
+
+def test_the_pipeline_a_plan_times_splits_a_sequential_at_its_numbered_blocks(tmp_path):
+    """A Sequential's blocks are named by number; the plan's timed pipeline names them as strings,
+    which is what the config's split takes."""
+    import toy
+
+    from phalanx import config, probes
+
+    path = toy.write_config(tmp_path, toy.regression_config())
+    cfg, _ = config.load(path, probes.pipelined(["2", "net.4"]))
+    assert cfg.parallel.strategy == "pipeline"
+    settings = cfg.parallel.pipeline
+    assert settings.split == ["2", "net.4"] and settings.microbatches == 4

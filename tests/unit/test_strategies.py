@@ -456,3 +456,8 @@ def test_the_registry_answers_what_the_config_asks_of_each_strategy(tmp_path):
         placed = {"strategy": "placement", "gradient_accumulation": "auto"}
         path = toy.write_config(tmp_path, toy.regression_config(parallel=placed))
         planner.accumulation_for(str(path), [])
+    # and of a strategy the plan does not price at all
+    served = {"strategy": "param_server", "devices": 2, "gradient_accumulation": "auto"}
+    path = toy.write_config(tmp_path, toy.regression_config(parallel=served))
+    with pytest.raises(ConfigError, match="the plan does not price param_server; give a number$"):
+        planner.accumulation_for(str(path), [])
