@@ -28,8 +28,10 @@ from phalanx.build import (
 )
 from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.config import Config
+from phalanx.config import dump as config_dump
 from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.feed import Feed
+from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
 from phalanx.parts import ModelParts
 from phalanx.strategies.base import Strategy
@@ -87,6 +89,9 @@ class RunState:
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         # evaluation rounds begun, with main_loop.eval_every_n_steps
         self.rounds = 0
+        # a resume's config with its overrides, written once the resume is sure to go on
+        # (`keep_config`)
+        self._config_to_keep: tuple[Config, list[str]] | None = None
         self.checkpoints = (
             Checkpoints(run_dir / "checkpoints", cfg.checkpoints.keep_last) if run_dir else None
         )
@@ -109,6 +114,29 @@ class RunState:
         """An event of the run, in its trace (on the main process)."""
         if self.run_dir is not None and self.strategy.is_main:
             rundir.trace(self.run_dir, event, **fields)
+
+    def keep_config_later(self, cfg: Config, overrides: list[str]) -> None:
+        """Write `cfg`, a resume's config with its `overrides`, into the run directory once the
+        resume is sure to go on (`keep_config`), not before: a resume refused for its overrides
+        (a hook's check before the first step, a name the first batch lacks) leaves the run's
+        config as it was, so the next resume starts from it."""
+        self._config_to_keep = (cfg, overrides)
+
+    @property
+    def config_pending(self) -> bool:
+        """Whether a resume's config waits to be written (`keep_config_later`)."""
+        return self._config_to_keep is not None
+
+    def keep_config(self) -> None:
+        """The config `keep_config_later` holds, written (on the main process): after the resume's
+        first step, before its first checkpoint, or when it ends without a step."""
+        if self._config_to_keep is None:
+            return
+        cfg, overrides = self._config_to_keep
+        self._config_to_keep = None
+        if self.run_dir is not None and self.strategy.is_main:
+            write_text_atomic(self.run_dir / rundir.CONFIG, config_dump(rundir.resolved(cfg)))
+            rundir.trace(self.run_dir, "overrides", values=overrides)
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank: decisions that end the loop are taken by all alike."""
@@ -157,6 +185,8 @@ class RunState:
         checkpoints = self.checkpoints
         if checkpoints is None:
             return None
+        # the step is this config's
+        self.keep_config()
         optimizer = self.engine.trained_optimizer
         # a diverged run's weights: a resume would only diverge again, and retention would drop the
         # last sound steps for them

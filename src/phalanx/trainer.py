@@ -219,6 +219,8 @@ class Trainer:
                 state.trace("failed", step=state.step, error=error)
             self._finish(False)
             raise
+        # a resume that ended without a step (a hook stopped it at once): its overrides were taken
+        state.keep_config()
         committed = self._finish(success)
         if interrupted and self.strategy.is_main:
             self._say_interrupted(committed)
@@ -325,6 +327,8 @@ class Trainer:
         # seconds fetching, computing, communicating, optimizing and in hooks, since they were last
         # added to the epoch's `profile`
         live = self.times.begin_steps()
+        # a resume's config, written once its first step and that step's hooks have gone through
+        pending = state.config_pending
         try:
             t0 = clock()
             # planning and fetching the step count as data time
@@ -350,6 +354,9 @@ class Trainer:
                 live[2] += communication
                 live[3] += optimizer
                 live[4] += t3 - t2
+                if pending:
+                    pending = False
+                    state.keep_config()
                 if terminated is not None:
                     raise terminated
                 if result.stop:

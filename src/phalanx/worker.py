@@ -29,7 +29,6 @@ from phalanx import (
 from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointError, CheckpointMismatch
-from phalanx.files import write_text_atomic
 from phalanx.objects import Objects
 from phalanx.runstate import RunState
 from phalanx.strategies.base import Strategy
@@ -197,9 +196,8 @@ def _resume_from_latest(
     if overrides:
         resuming.check_epochs_left(cfg.main_loop.epochs, state.epoch, overrides)
     # the run's config changes only once the resume is sure to go on
-    if overrides and strategy.is_main:
-        write_text_atomic(run_dir / rundir.CONFIG, config.dump(rundir.resolved(cfg)))
-        rundir.trace(run_dir, "overrides", values=list(overrides))
+    if overrides:
+        state.keep_config_later(cfg, list(overrides))
     log.info(
         "resuming %s from step %d (epoch %d, %d steps into it) on %d process(es)",
         run_dir,

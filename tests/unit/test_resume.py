@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save
 
 from phalanx import commands, rundir
 from phalanx.checkpoint import TRAINER, WEIGHTS, Checkpoints
-from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError
+from phalanx.errors import CheckpointError, CheckpointMismatch, ConfigError, ModelError
 from phalanx.hooks import SaveBest, StopOnPlateau
 
 pytestmark = pytest.mark.timeout(120)
@@ -324,6 +324,34 @@ def test_resume_refuses_an_override_the_checkpoint_cannot_take(tmp_path, overrid
         commands.resume(str(run_dir), [override, f"hooks.{STOP}.StopAfter.steps=1000"])
     assert (run_dir / "config.yaml").read_text() == before
     assert Checkpoints(run_dir / "checkpoints").latest_valid() == 7
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        # refused by a hook's check before the first step
+        (
+            "+hooks={SaveBest: {variable: test.loss}}",
+            "stream 'test' of test.loss is not evaluated",
+        ),
+        # refused at the first batch
+        ("hooks.0.ComputeStats.variables=[nosuch]", "variable 'nosuch' is not in the batch"),
+    ],
+)
+def test_a_resume_refused_before_its_first_step_keeps_the_runs_config(tmp_path, bad, words):
+    """A resume's overrides are written into the run's config once its first step has gone
+    through: one refused before that leaves the config as it was, and the next resume goes on."""
+    run_dir = _stopped(tmp_path, _config(), stop=7)
+    before = (run_dir / "config.yaml").read_text()
+    go_on = f"hooks.{STOP}.StopAfter.steps=1000"
+    with pytest.raises((ConfigError, ModelError), match=words):
+        commands.resume(str(run_dir), [go_on, bad])
+    assert (run_dir / "config.yaml").read_text() == before
+    assert Checkpoints(run_dir / "checkpoints").latest_valid() == 7
+    assert commands.resume(str(run_dir), [go_on]) == 0
+    assert _latest(run_dir)[0] == 15
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["hooks"][STOP] == {"StopAfter": {"steps": 1000}}
 
 
 def test_a_refused_pipeline_resume_leaves_the_run_as_it_was(tmp_path):
