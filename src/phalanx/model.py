@@ -27,7 +27,7 @@ from torch import nn
 from phalanx import keras_models
 from phalanx.config import LossConfig, ModelConfig
 from phalanx.construct import build_value, import_object, instantiate
-from phalanx.errors import ConfigError, ModelError
+from phalanx.errors import ConfigError, ModelError, did_you_mean
 
 
 def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
@@ -353,6 +353,8 @@ class _NamedLoss:
         keras_loss = _keras_loss(self.function, self.kwargs)
         if keras_loss is not None:  # its keywords made it
             self.function, self.kwargs = keras_loss, {}
+        else:
+            _check_keywords(cfg.function, self.function, self.kwargs)
         self.ignore_index = _ignore_index(self.function, self.kwargs)
         # keywords given as lists become tensors beside each prediction
         self.lists = any(isinstance(v, list) for v in self.kwargs.values())
@@ -407,6 +409,34 @@ class _NamedLoss:
             }
             self._placed = place, kwargs
         return self._placed[1]
+
+
+def _check_keywords(name: str, function: Callable, kwargs: dict[str, Any]) -> None:
+    """The keywords `model.loss` gives beside function, output and target are the function's
+    own: one it does not take is refused before the first batch (where the signature says)."""
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without one: the call decides
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    # the prediction and the target are given by position; the reduction is phalanx's
+    takes = [
+        n
+        for n, p in list(params.items())[2:]
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != "reduction"
+    ]
+    if "reduction" in kwargs:
+        raise ConfigError(
+            "model.loss: phalanx computes the loss per sample and takes the global batch's mean "
+            "itself (the same on any device count); drop model.loss.reduction"
+        )
+    for key in kwargs:
+        if key not in takes:
+            raise ConfigError(
+                f"model.loss: {name} takes no argument {key!r}{did_you_mean(key, takes)}; it "
+                f"takes {', '.join(takes) or 'none'} beside the output and the target"
+            )
 
 
 def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:

@@ -337,7 +337,13 @@ class Trainer:
                 if device is not None:
                     device.begin()
                 engine.step = state.step
-                result = strategy_step(engine, fetched, stop.requested)
+                try:
+                    result = strategy_step(engine, fetched, stop.requested)
+                except RuntimeError as e:
+                    refused = _not_differentiable(e)
+                    if refused is None:
+                        raise
+                    raise refused from e
                 if device is not None:
                     device.end()
                 if self._unchecked:
@@ -511,3 +517,15 @@ class Trainer:
         """The model's outputs on an evaluation batch (this process's shard), as the strategy runs
         it."""
         return self.strategy.evaluate(self.engine, batch)
+
+
+def _not_differentiable(error: RuntimeError) -> ModelError | None:
+    """The error to give where backward found a loss that autograd does not track (a loss
+    detached, or computed under no_grad, or of no parameter's): else None."""
+    if "does not require grad" not in str(error):
+        return None
+    return ModelError(
+        "the loss does not depend on anything autograd tracks, so backward has nothing to "
+        "differentiate: compute it from the model's outputs in forward, not from tensors detached "
+        "from them (.detach(), .item(), numpy) nor under torch.no_grad()"
+    )

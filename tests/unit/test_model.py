@@ -203,6 +203,26 @@ def test_outputs_named_for_a_model_that_returns_a_dict_must_be_among_its_names()
         assert set(Forward(Spy(), cfg)(_batch())) == {"prediction", "loss"}
 
 
+def test_a_loss_keyword_the_function_does_not_take_is_refused_when_the_model_is_built():
+    def loss(**extra):
+        return _cfg(
+            outputs="p", loss={"function": "mse_loss", "output": "p", "target": "y", **extra}
+        )
+
+    with pytest.raises(ConfigError) as info:
+        Forward(nn.Linear(3, 1), loss(label_smoothing=0.1))
+    said = str(info.value)
+    assert said.startswith("model.loss: mse_loss takes no argument 'label_smoothing'; it takes")
+    assert "size_average, reduce" in said and said.endswith("beside the output and the target")
+    with pytest.raises(ConfigError, match="drop model.loss.reduction"):
+        Forward(nn.Linear(3, 1), loss(reduction="sum"))
+    with pytest.raises(ConfigError, match='did you mean "label_smoothing"'):
+        Forward(
+            nn.Linear(3, 2),
+            _cfg(loss={"function": "cross_entropy", "target": "y", "label_smothing": 0.1}),
+        )
+
+
 def _classes(n: int = 6) -> dict:
     return {"x": torch.randn(n, 3), "y": torch.arange(n) % 2}
 

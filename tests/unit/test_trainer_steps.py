@@ -150,3 +150,25 @@ def test_a_loss_that_reaches_no_trained_parameter_is_one_error_at_the_first_step
     streams = toy.Regression().streams()
     with pytest.raises(ModelError, match="no parameter that the optimizer trains got a gradient"):
         phalanx.fit(raw, model=_Copies(), dataset=streams)
+
+
+class _Detached(torch.nn.Module):
+    """Returns its loss detached from the graph: backward has nothing to differentiate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": ((x @ self.weight - y) ** 2).detach()}
+
+
+def test_a_loss_that_autograd_does_not_track_is_one_error_naming_the_cause(tmp_path):
+    import phalanx
+    from phalanx.errors import ModelError
+
+    raw = toy.regression_config(output_root=str(tmp_path), hooks=[])
+    streams = toy.Regression().streams()
+    with pytest.raises(ModelError, match="the loss does not depend on anything autograd tracks"):
+        phalanx.fit(raw, model=_Detached(), dataset=streams)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
