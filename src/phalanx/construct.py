@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import ConfigError, did_you_mean
+from phalanx.errors import ConfigError, did_you_mean, named
 
 KERAS_INSTALL = 'pip install -e ".[keras]" (or pip install keras)'
 
@@ -128,7 +128,7 @@ def _describe_failure(
 ) -> ConfigError:
     given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
     return ConfigError(
-        f"{section}: {_name(factory)}({given}) failed: {type(error).__name__}: {error}; "
+        f"{section}: {_name(factory)}({given}) failed: {named(error)}; "
         f"fix the values in the {section} section"
     )
 

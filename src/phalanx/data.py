@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from phalanx.errors import DataError
+from phalanx.errors import DataError, named
 
 FEISTEL, RANDPERM = "feistel", "randperm"
 # the order a run uses; checkpoints without one name used randperm
@@ -257,7 +257,16 @@ def get_stream(
             f"{type(dataset).__name__} has no streams() method; a dataset class returns its "
             "streams as {'train': ..., 'valid': ...} from streams()"
         )
-    available = streams()
+    try:
+        available = streams()
+    # what reading data raises (a missing file, a bad split): said as the constructor's are
+    except (OSError, ValueError, RuntimeError, LookupError) as e:
+        if isinstance(e, NotImplementedError | RecursionError) or "OutOfMemory" in type(e).__name__:
+            raise
+        raise DataError(
+            f"dataset: {type(dataset).__name__}.streams() failed: {named(e)}; fix the values in "
+            "the dataset section (the files, paths or splits it reads)"
+        ) from e
     if not isinstance(available, Mapping):
         raise DataError(
             f"{type(dataset).__name__}.streams() returned a {type(available).__name__}; return "

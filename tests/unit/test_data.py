@@ -326,6 +326,30 @@ def test_get_stream_of_streams_that_are_not_by_name():
         data.get_stream(Listed(), "train")
 
 
+def test_get_stream_of_streams_that_fail_to_open_says_so_in_one_line():
+    class Missing:
+        def streams(self):
+            raise FileNotFoundError("data/train.bin: no such file\n  (searched in /data)")
+
+    with pytest.raises(DataError) as info:
+        data.get_stream(Missing(), "train")
+    said = str(info.value)
+    assert said.startswith("dataset: Missing.streams() failed: FileNotFoundError: data/train.bin")
+    assert "\n" not in said and said.endswith("(the files, paths or splits it reads)")
+
+
+def test_a_constructor_failure_is_quoted_in_one_line():
+    from phalanx.construct import instantiate
+    from phalanx.errors import ConfigError
+
+    def native(size):
+        raise RuntimeError(f"size {size} overflows\nframe #0: c10::Error\nframe #1: at::empty")
+
+    with pytest.raises(ConfigError) as info:
+        instantiate("dataset", native, size=10**30)
+    assert "failed: RuntimeError: size " in str(info.value) and "frame" not in str(info.value)
+
+
 def test_get_stream_without_streams_method():
     class NoStreams:
         pass
