@@ -89,6 +89,8 @@ class RunState:
         self.epoch, self.step, self.step_in_epoch = 0, 0, 0
         # evaluation rounds begun, with main_loop.eval_every_n_steps
         self.rounds = 0
+        # the step whose weights were not finite, and so not saved, last (None: none was refused)
+        self.unsaved_step: int | None = None
         # a resume's config with its overrides, written once the resume is sure to go on
         # (`keep_config`)
         self._config_to_keep: tuple[Config, list[str]] | None = None
@@ -191,13 +193,15 @@ class RunState:
         # a diverged run's weights: a resume would only diverge again, and retention would drop the
         # last sound steps for them
         if self.any_rank(not finite_weights(optimizer)):
-            if self.strategy.is_main:
+            # said once a step, however many hooks save it
+            if self.strategy.is_main and self.unsaved_step != self.step:
                 kept = checkpoints.steps()
                 log.error(
                     "the weights are not finite at step %d: it is not saved; %s",
                     self.step,
                     f"a resume goes on from step {kept[-1]}" if kept else "no step is saved yet",
                 )
+            self.unsaved_step = self.step
             return None
         # on every rank: hooks combine their running values across ranks
         state = self.state_dict()

@@ -224,12 +224,30 @@ class Trainer:
         committed = self._finish(success)
         if interrupted and self.strategy.is_main:
             self._say_interrupted(committed)
+        diverged = success and state.unsaved_step == state.step
+        if diverged:
+            self._say_diverged()
+            success, code = False, 1
         state.trace(
             "interrupted" if code > 128 else "finished" if success else "failed",
             epoch=state.epoch,
             step=state.step,
+            **({"error": "the weights are not finite"} if diverged else {}),
         )
         return code
+
+    def _say_diverged(self) -> None:
+        """A run that trained to its end with weights that are not finite: its end was not saved,
+        so it did not finish."""
+        kept = self.state.stored_checkpoints.steps() if self.state.checkpoints else []
+        log.error(
+            "training diverged: the weights are not finite at the last step, %d, so the run's end "
+            "is not saved (%s); lower the learning rate, clip the gradients "
+            "(optimizer.max_grad_norm), or list StopOnNaN to stop at the first loss that is not "
+            "finite",
+            self.state.step,
+            f"the last sound step saved is {kept[-1]}" if kept else "no step is saved",
+        )
 
     def _say_interrupted(self, committed: bool) -> None:
         """Said once the step is committed, not before."""

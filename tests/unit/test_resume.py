@@ -446,6 +446,26 @@ def test_a_step_whose_weights_are_not_finite_is_not_saved(tmp_path):
     ) in (run_dir / "log.txt").read_text()
 
 
+def test_a_run_that_diverges_without_stop_on_nan_fails_at_its_end_and_says_so_once(tmp_path):
+    """Without StopOnNaN a diverged run trains to its end; that end is not saved (its weights are
+    not finite), so the run did not finish: it fails, naming the last sound step, and the refused
+    save is said once a step however many hooks ask for it."""
+    raw = _config(epochs=2, optimizer={"class": "SGD", "lr": 1e150})
+    raw["hooks"] = [{"SaveEvery": {"steps": 1}}, "SaveLatest"]
+    assert commands.train(str(toy.write_config(tmp_path / "run", raw)), []) == 1
+    run_dir = _run_dir(tmp_path / "run")
+    log = (run_dir / "log.txt").read_text()
+    saved = Checkpoints(run_dir / "checkpoints").steps()
+    assert saved and saved[-1] < 10
+    assert log.count("the weights are not finite at step 10: it is not saved") == 1
+    assert (
+        "training diverged: the weights are not finite at the last step, 10, so the run's end is "
+        f"not saved (the last sound step saved is {saved[-1]})"
+    ) in log
+    end = rundir.read_trace(run_dir)[-1]
+    assert end["event"] == "failed" and end["error"] == "the weights are not finite"
+
+
 def test_resume_falls_back_past_a_step_whose_weights_are_not_finite(tmp_path):
     """A step saved with weights that are not finite (by an older version): a resume would only
     diverge again, so it goes on from the step before, as the run trained whole did."""
