@@ -49,6 +49,13 @@ def build_optimizer(
     if not params:
         raise ConfigError("the model has no trainable parameters; check model.class")
     kwargs = scaled_lr(cfg, batch_size)
+    # a NaN or an infinity makes every weight NaN at the first step, silently
+    for key, value in kwargs.items():
+        values = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(
+                f"optimizer.{key} is {value!r}, which is not a finite number; give a finite one"
+            )
     chosen = "fused" in kwargs or "foreach" in kwargs
     if (
         fused

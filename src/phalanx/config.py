@@ -296,8 +296,8 @@ class ParallelConfig(_Section):
     @field_validator("cpu_threads")
     @classmethod
     def _at_least_one(cls, n: int | str) -> int | str:
-        if isinstance(n, int) and n < 1:
-            raise ValueError(f"cpu_threads must be 1 or more, or auto; got {n}")
+        if isinstance(n, int) and not 1 <= n <= 4096:
+            raise ValueError(f"cpu_threads must be 1 to 4,096, or auto; got {n}")
         return n
 
     @field_validator("shard_weights")
@@ -366,7 +366,9 @@ class Config(_Section):
     dataset: DatasetConfig
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     precision: Literal["fp32", "fp64", "bf16", "fp16"] = "fp32"
-    seed: StrictInt = 0
+    seed: StrictInt = Field(
+        0, ge=-(2**63), le=2**63 - 1, description="the run's seed, a 64-bit signed integer"
+    )
     per_sample_random: bool = Field(
         True,
         description="each sample's random numbers (dropout masks, the augmentation its dataset "

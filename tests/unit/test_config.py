@@ -341,6 +341,35 @@ def test_override_with_invalid_yaml_value():
         config.apply_overrides(toy.regression_config(), ["main_loop.extra_streams=[valid"])
 
 
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("seed=18446744073709551616", "seed: Input should be less than or equal to"),
+        ("seed=-9223372036854775809", "seed: Input should be greater than or equal to"),
+        ("parallel.cpu_threads=100000000000000000000", "cpu_threads must be 1 to 4,096"),
+    ],
+)
+def test_numbers_torch_cannot_hold_are_refused_with_the_config(override, words):
+    with pytest.raises(ConfigError, match=words):
+        config.validate(config.apply_overrides(toy.regression_config(), [override]))
+    bounds = ["seed=9223372036854775807", "seed=-9223372036854775808", "parallel.cpu_threads=4096"]
+    for fine in bounds:
+        config.validate(config.apply_overrides(toy.regression_config(), [fine]))
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "[0.9, .nan]"])
+def test_an_optimizer_keyword_that_is_not_a_finite_number_is_refused(value):
+    from phalanx.build import build_optimizer
+
+    key = "betas" if value.startswith("[") else "lr"
+    raw = config.apply_overrides(
+        toy.regression_config(optimizer={"class": "Adam", "lr": 0.01}), [f"optimizer.{key}={value}"]
+    )
+    cfg = config.validate(raw)
+    with pytest.raises(ConfigError, match=f"optimizer.{key} is .* not a finite number"):
+        build_optimizer(cfg.optimizer, nn.Linear(2, 1), [], batch_size=8)
+
+
 # --- import_object, instantiate, build_value ---------------------------------------------------
 
 
