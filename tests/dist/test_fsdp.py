@@ -211,6 +211,26 @@ def test_a_checkpoint_saved_by_fsdp_on_three_resumes_with_fsdp_on_two_ddp_and_on
         model.load_state_dict(got)  # plain PyTorch, strict
 
 
+def test_a_run_whose_optimizer_keeps_no_state_resumes_with_fsdp(tmp_path):
+    """Plain SGD keeps no tensor of its own: its saved state is its groups' settings alone, which
+    a sharded optimizer takes as well (torch's loader wants a tensor to place the state by)."""
+    raw = scenario(7, 1)
+    raw["optimizer"] = {"class": "SGD", "lr": 0.05}
+    raw["main_loop"] = {"epochs": 2, "extra_streams": []}
+    raw["hooks"] = ["SaveLatest", {"StopAfter": {"steps": 8}}]
+    whole = workers.train({**raw, "hooks": []})
+    run = _new_run(tmp_path / "single", raw)
+    assert worker.run_worker(run, False, []) == 0
+    go_on = ["hooks.1.StopAfter.steps=1000", "parallel.strategy=fsdp", "parallel.devices=2"]
+    assert workers.run_ranks(2, workers.run_dir_worker, str(run), True, go_on) == [0, 0]
+    assert f"resuming {run} from step 8 " in (run / "log.txt").read_text()
+    out = tmp_path / "resumed.safetensors"
+    assert cli.main(["export", str(run), "--checkpoint", "latest", "--output", str(out)]) == 0
+    got = load_file(str(out))
+    for key, value in whole["params"].items():
+        assert rel(got[key].tolist(), value) < 1e-10, key
+
+
 def transformer(**model) -> dict:
     """A transformer-like language model (tests/blocks.py) on toy.Sequences: 37 samples, batch 7,
     a last batch of 2; float64, one epoch and a validation stream."""

@@ -87,6 +87,12 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
         set_optimizer_state_dict,
     )
 
+    if not state["state"]:
+        # an optimizer that keeps no tensors (SGD without momentum): torch's loader places the
+        # state where its first tensor is, and refuses one without; its groups' settings are all
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        return
     set_optimizer_state_dict(
         model,
         optimizer,
