@@ -165,8 +165,16 @@ def _check_number(
             f"{section}: {_name(factory)}'s {key} takes an integer, got {value!r}; "
             f"write a whole number for {key} in the {section} section"
         )
+    # a string where a list is meant would be taken letter by letter
+    if isinstance(value, str) and _takes_lists_not_strings(param):
+        raise ConfigError(
+            f"{section}: {_name(factory)}'s {key} takes a list, got the string {value!r}; "
+            f"write [{value}] for {key} in the {section} section"
+        )
 
 
+# annotation names of a list of values
+_LISTS = {"list", "List", "Sequence", "tuple", "Tuple", "Iterable", "Collection"}
 # annotation names beside `int` under which a float may be meant
 _NOT_ONLY_INTEGERS = {
     "float",
@@ -178,6 +186,16 @@ _NOT_ONLY_INTEGERS = {
     "Tensor",
     "SupportsFloat",
 }
+
+
+def _takes_lists_not_strings(param: inspect.Parameter) -> bool:
+    """Whether a parameter is annotated as a list (a sequence ...) and not as a string, at its top
+    level: `list[str] | None` is, `str | list[str]` is not."""
+    top = str(param.annotation)
+    while "[" in top:  # what the brackets hold is the items'
+        top = re.sub(r"\[[^\[\]]*\]", "", top)
+    names = set(re.findall(r"[A-Za-z_]+", top))
+    return bool(names & _LISTS) and not names & {"str", "Any", "object"}
 
 
 def _takes_numbers_not_bools(param: inspect.Parameter) -> bool:

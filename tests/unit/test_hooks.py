@@ -510,6 +510,37 @@ def test_log_variables_shows_only_the_variables_asked_for(tmp_path):
     assert not re.search(r"\bloss \d", line)
 
 
+def test_log_variables_take_stream_names_and_say_once_a_variable_no_stream_has(tmp_path):
+    shown = LogVariables(["valid.loss", "loss_max", "los"])
+    listed = [ComputeStats(aggregations=["mean", "max"]), shown]
+    trainer = make_trainer(tmp_path, listed, main_loop={"epochs": 2})
+    assert trainer.run() == 0
+    log = (trainer.run_dir / "log.txt").read_text()
+    line = next(row for row in log.splitlines() if "epoch 1 (step 5)" in row)
+    assert "valid: loss " in line and "loss_max" in line and "train: loss " not in line
+    said = "LogVariables: no stream has 'los'; the epoch's variables are train.loss, train.loss_max"
+    assert log.count(said) == 1
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"ComputeStats": {"variables": "loss"}}, "variables takes a list, got the string 'loss'"),
+        ({"LogVariables": {"variables": "loss"}}, "write [loss] for variables in the hooks.0."),
+        ({"ClassificationMetrics": {"metrics": "f1"}}, "metrics takes a list, got the string"),
+        ({"ClassificationMetrics": {"num_classes": 0}}, "num_classes must be a number above 1"),
+        ({"LogThroughput": {"every_n_steps": 0}}, "every_n_steps must be a positive number"),
+        ({"LogThroughput": {"peak_flops": -1}}, "peak_flops must be a positive number, got -1"),
+        ({"ShowProgress": {"refresh_s": -1}}, "refresh_s must be a number of 0 or more"),
+    ],
+)
+def test_hook_keywords_of_the_wrong_kind_are_refused_when_the_hooks_are_built(spec, words):
+    raw = toy.regression_config(hooks=[spec])
+    with pytest.raises(ConfigError) as info:
+        build_hooks(config.validate(raw), [TESTS])
+    assert words in str(info.value)
+
+
 # --- WriteCSV ----------------------------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@ from rich.progress import (
 )
 
 from phalanx.hooks.base import Hook
+from phalanx.hooks.variables import check_positive
 from phalanx.logs import console
 
 log = logging.getLogger("phalanx")
@@ -43,6 +44,7 @@ class ShowProgress(Hook):
         every_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ):
+        check_positive("ShowProgress", zero=True, refresh_s=refresh_s, every_s=every_s)
         self.refresh_s, self.every_s, self.clock = refresh_s, every_s, clock
         self._progress: Progress | None = None
         # progress lines in the log, without a terminal

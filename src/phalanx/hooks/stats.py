@@ -14,6 +14,7 @@ import torch
 
 from phalanx.errors import ConfigError, ModelError
 from phalanx.hooks.base import Hook
+from phalanx.hooks.variables import check_positive
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
 WEIGHT = "loss_weight"
@@ -217,6 +218,7 @@ class ClassificationMetrics(Hook):
         num_classes: int | None = None,
         metrics: Sequence[str] = ("accuracy", "f1"),
     ):
+        check_positive("ClassificationMetrics", least=1, num_classes=num_classes)
         valid = ("accuracy", "precision", "recall", "f1")
         for m in metrics:
             if m not in valid:

@@ -13,6 +13,7 @@ import torch
 from phalanx import metrics
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
+from phalanx.hooks.variables import check_positive
 from phalanx.model import Forward, shard_loss_mean
 
 log = logging.getLogger("phalanx")
@@ -41,7 +42,8 @@ class LogThroughput(Hook):
         warmup_steps: int = 5,
         clock=time.perf_counter,
     ):
-        self.every, self.tokens_key, self.warmup = max(1, every_n_steps), tokens_key, warmup_steps
+        check_positive("LogThroughput", every_n_steps=every_n_steps, peak_flops=peak_flops)
+        self.every, self.tokens_key, self.warmup = every_n_steps, tokens_key, warmup_steps
         self.peak_override, self.clock = peak_flops, clock
         self.flops_per_sample: float | None = None
         self.tokens_per_sample = 0

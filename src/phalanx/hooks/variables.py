@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any
 
 from phalanx.data import TRAIN
@@ -76,6 +77,21 @@ def saved(state: Any, key: str, hook: str, kinds: tuple[type, ...]) -> Any:
         kind = " or ".join(k.__name__ for k in kinds)
         raise ValueError(f"{hook}'s saved {key} is {value!r:.60}, not {kind}")
     return value
+
+
+def check_positive(hook: str, least: float = 0.0, zero: bool = False, **values: Any) -> None:
+    """Each of `values` is None or a number above `least` (0: positive; with `zero`, 0 too; a
+    bool is no number)."""
+    for key, value in values.items():
+        if value is None:
+            continue
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not number or not (value > least or (zero and value == 0)):
+            if least:
+                wanted = f"a number above {least:g}"
+            else:
+                wanted = "a number of 0 or more" if zero else "a positive number"
+            raise ConfigError(f"{hook}: {key} must be {wanted}, got {value!r}")
 
 
 def check_mode(mode: str, hook: str) -> str:

@@ -41,23 +41,46 @@ class _Writer(Hook):
             raise RuntimeError(f"{type(self).__name__}: this run has no directory to write into")
         return run_dir
 
+    def _say_unknown(self, epoch_data: dict, variables: list[str] | None) -> None:
+        """The `variables` asked for (`var` or `stream.var`) that the first epoch's data does not
+        hold (a typo shows nothing), said once."""
+        names = flat_variables(epoch_data)
+        known = set(names) | {name.partition(".")[2] for name in names}
+        unknown = [v for v in variables or [] if v not in known]
+        if unknown:
+            log.warning(
+                "%s: no stream has %s; the epoch's variables are %s",
+                type(self).__name__,
+                ", ".join(map(repr, unknown)),
+                ", ".join(names) or "none",
+            )
+
 
 class LogVariables(_Writer):
-    """One line per epoch on the console and in `log.txt`: every variable of every stream."""
+    """One line per epoch on the console and in `log.txt`: every variable of every stream, or those
+    `variables` names (`var`, in every stream, or `stream.var`)."""
 
     def __init__(self, variables: list[str] | None = None):
         self.variables = variables
+        self._checked = False
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         if not self.trainer.strategy.is_main:
             return
+        if not self._checked:
+            self._checked = True
+            self._say_unknown(epoch_data, self.variables)
         parts = []
         for stream, values in epoch_data.items():
             shown = [
                 f"{var} {value:.6g}"
                 for var, value in values.items()
                 if isinstance(value, (int, float))
-                and (self.variables is None or var in self.variables)
+                and (
+                    self.variables is None
+                    or var in self.variables
+                    or f"{stream}.{var}" in self.variables
+                )
             ]
             if shown:
                 parts.append(f"{stream}: {', '.join(shown)}")
@@ -297,21 +320,8 @@ class PlotLines(_Writer):
             from phalanx.plots import Painter
 
             self._painter = Painter()
-            self._say_unknown(epoch_data)
+            self._say_unknown(epoch_data, self.variables)
         self._painter.submit(self._run_dir / self.path, self.history)
-
-    def _say_unknown(self, epoch_data: dict) -> None:
-        """The variables asked for that the first epoch's data does not hold (a typo draws
-        nothing), said once."""
-        names = flat_variables(epoch_data)
-        known = set(names) | {name.partition(".")[2] for name in names}
-        unknown = [v for v in self.variables or [] if v not in known]
-        if unknown:
-            log.warning(
-                "PlotLines: no stream has %s; the epoch's variables are %s",
-                ", ".join(map(repr, unknown)),
-                ", ".join(names) or "none",
-            )
 
     def after_training(self, success: bool) -> None:
         painter, self._painter = self._painter, None
