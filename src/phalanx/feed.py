@@ -65,9 +65,14 @@ class Feed:
         return stream
 
     @property
+    def samples_per_epoch(self) -> int | None:
+        """Samples in the training stream; None for an iterable stream that does not say."""
+        return data.stream_length(self.stream(TRAIN))
+
+    @property
     def steps_per_epoch(self) -> int | None:
         """Optimizer steps in an epoch; None for an iterable stream that does not say its length."""
-        n = data.stream_length(self.stream(TRAIN))
+        n = self.samples_per_epoch
         return None if n is None else -(-n // self.cfg.dataset.batch_size)
 
     def close(self) -> None:

@@ -271,6 +271,7 @@ def log_start(cfg: config.Config, strategy: Strategy, trainer: Trainer) -> None:
     log.info("%s", what_runs(cfg, strategy))
     _warn_ignored(cfg, strategy)
     _warn_capped(cfg, strategy)
+    _warn_whole_stream(cfg, strategy, trainer.feed.samples_per_epoch)
     # a strategy that keeps part of the model in each process describes the whole one
     log.info("%s", strategy.model_summary() or metrics.summary(trainer.model))
 
@@ -296,6 +297,24 @@ def _warn_capped(cfg: config.Config, strategy) -> None:
             batch,
             batch,
             batch,
+        )
+
+
+def _warn_whole_stream(cfg: config.Config, strategy, samples: int | None) -> None:
+    """A batch larger than the training stream: each step takes the whole stream, and what reads
+    the batch size (lr_scaling) reads the configured one; said once."""
+    batch = cfg.dataset.batch_size
+    if strategy.is_main and samples is not None and batch > samples:
+        scaling = cfg.optimizer.lr_scaling
+        scaled = scaling is not None and scaling.rule != "none"
+        log.warning(
+            "dataset.batch_size is %d but the training stream has %d samples: each step takes all "
+            "%d%s; set batch_size to %d or less",
+            batch,
+            samples,
+            samples,
+            f", while optimizer.lr_scaling scales the learning rate by {batch}" if scaled else "",
+            samples,
         )
 
 

@@ -435,6 +435,21 @@ def test_accumulation_over_more_micro_batches_than_samples_is_said(tmp_path, mon
     ) in said
 
 
+def test_a_batch_larger_than_the_training_stream_is_said(tmp_path, monkeypatch):
+    """A batch of 64 over 37 samples: each step takes the 37, and lr_scaling reads the 64."""
+    monkeypatch.chdir(tmp_path)
+    raw = _raw(hooks=[])
+    raw["dataset"] = {**raw["dataset"], "batch_size": 64}
+    raw["optimizer"] = {**raw["optimizer"], "lr_scaling": {"rule": "linear", "base_batch_size": 8}}
+    run = phalanx.fit(raw)
+    assert run.code == 0
+    assert (
+        "WARNING dataset.batch_size is 64 but the training stream has 37 samples: each step takes "
+        "all 37, while optimizer.lr_scaling scales the learning rate by 64; set batch_size to 37 "
+        "or less"
+    ) in (run.run_dir / "log.txt").read_text()
+
+
 def test_the_log_says_first_what_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     towers = {"accelerator": "cpu", "devices": 3, "strategy": "towers", "gradient_accumulation": 2}
