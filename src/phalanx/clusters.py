@@ -55,10 +55,16 @@ def slurm_script(
     """An sbatch script for `config_path` on `nodes` machines of `gpus_per_node` GPUs each. Paths
     are the job's: relative ones are taken from the folder sbatch is run in, as given here."""
     check_job(cfg, nodes, gpus_per_node)
-    if time is not None:
-        check_time(time)
-    if warning_s < 0:
-        raise PhalanxError(f"--warning-s must be 0 or more seconds, got {warning_s}")
+    limit = check_time(time) if time is not None else None
+    # sbatch takes 0 to 65535 seconds for a signal's time
+    if not 0 <= warning_s <= 65535:
+        raise PhalanxError(f"--warning-s must be 0 to 65,535 seconds, got {warning_s}")
+    if limit is not None and warning_s >= limit:
+        raise PhalanxError(
+            f"--warning-s {warning_s} is not shorter than the job's time limit, --time {time} "
+            f"({limit} s): the job would be told to save before it starts; give a --warning-s "
+            "well under the limit (the default, 120, for a limit of an hour or more)"
+        )
     cpus = cpus_per_task if cpus_per_task is not None else cpus_for(cfg)
     if not 1 <= cpus <= 1024:
         raise PhalanxError(f"--cpus-per-task must be between 1 and 1024, got {cpus}")
@@ -259,20 +265,26 @@ _OBJECT_NAME = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?")
 _SLURM_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
-def check_time(time: str) -> None:
+def check_time(time: str) -> int:
     """A Slurm time limit: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-    days-hours:minutes or days-hours:minutes:seconds, minutes and seconds below 60."""
+    days-hours:minutes or days-hours:minutes:seconds, minutes and seconds below 60. Its seconds."""
     found = _SLURM_TIME.fullmatch(time)
     if found and len(time) <= 16:
         days, first, second, third = found.groups()
         if days is None:
             later = [second, third] if third is not None else [second]  # h:m:s, or m:s
+            # m, m:s, h:m:s
+            units = (60, 1, 0) if third is None else (3600, 60, 1)
         else:
             later = [second, third]  # d-h, d-h:m, d-h:m:s
             if int(first) >= 24:
                 later = ["60"]
+            units = (3600, 60, 1)
         if all(part is None or int(part) < 60 for part in later):
-            return
+            seconds = 86400 * int(days or 0)
+            for part, unit in zip((first, second, third), units, strict=True):
+                seconds += int(part or 0) * unit
+            return seconds
     raise PhalanxError(
         f"--time {time!r} is not a Slurm time limit: minutes (90), HH:MM:SS (04:00:00) or "
         "D-HH:MM:SS (2-00:00:00), minutes and seconds below 60"

@@ -270,6 +270,14 @@ def test_slurm_time_limits_in_every_form_slurm_takes(cfg_path, time):
             for time in ("soon", "99:99:99", "1:60", "2-24:00", "1-2-3")
         ),
         (
+            ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--warning-s", "100000"],
+            "--warning-s must be 0 to 65,535 seconds, got 100000",
+        ),
+        (
+            ["slurm", "--nodes", "1", "--gpus-per-node", "1", "--time", "10", "--warning-s", "600"],
+            "--warning-s 600 is not shorter than the job's time limit, --time 10 (600 s)",
+        ),
+        (
             ["slurm", "--nodes", "2", "--gpus-per-node", "1", "parallel.strategy=towers"],
             "parallel.strategy=towers runs in one process",
         ),
