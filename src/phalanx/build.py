@@ -45,6 +45,11 @@ def build_optimizer(
     the scaler's "skip" flag, and keeps them from a skipped first step (an fp16 run's first steps
     are often skipped)."""
     factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
+    if isinstance(factory, type) and not issubclass(factory, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer.class {cfg.class_} is a {factory.__name__}, not a torch.optim.Optimizer; "
+            "name an optimizer, such as AdamW or SGD"
+        )
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters; check model.class")

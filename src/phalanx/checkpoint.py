@@ -495,6 +495,11 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "checkpoints").is_dir():
+            if (path / "config.yaml").is_file():  # a run that saved nothing yet
+                raise ConfigError(
+                    f"model.init_from: the run {path} has saved no checkpoint yet; name a run "
+                    "that has, or a .safetensors file"
+                )
             raise ConfigError(
                 f"model.init_from: {path} is a folder but not a run directory (it has no "
                 "checkpoints/); name a run directory or a .safetensors file"

@@ -178,6 +178,17 @@ class DatasetConfig(_ClassSection):
         "there are workers",
     )
 
+    @field_validator("keys")
+    @classmethod
+    def _each_key_once(cls, keys: list[str] | None) -> list[str] | None:
+        twice = sorted({k for k in keys or [] if keys.count(k) > 1})  # type: ignore[union-attr]
+        if twice:
+            raise ValueError(
+                f"keys names {', '.join(map(repr, twice))} twice; each part of an item needs a "
+                "name of its own"
+            )
+        return keys
+
     @field_validator("num_workers")
     @classmethod
     def _workers_this_machine_runs(cls, n: int | str) -> int | str:

@@ -370,6 +370,20 @@ def test_an_optimizer_keyword_that_is_not_a_finite_number_is_refused(value):
         build_optimizer(cfg.optimizer, nn.Linear(2, 1), [], batch_size=8)
 
 
+def test_dataset_keys_name_each_part_once():
+    raw = config.apply_overrides(toy.regression_config(), ["dataset.keys=[x, y, x]"])
+    with pytest.raises(ConfigError, match="keys names 'x' twice; each part of an item needs"):
+        config.validate(raw)
+
+
+def test_an_optimizer_class_that_is_no_optimizer_is_refused():
+    from phalanx.build import build_optimizer
+
+    cfg = config.validate(toy.regression_config(optimizer={"class": "torch.nn.Linear", "lr": 1}))
+    with pytest.raises(ConfigError, match="torch.nn.Linear is a Linear, not a torch.optim"):
+        build_optimizer(cfg.optimizer, nn.Linear(2, 1), [], batch_size=8)
+
+
 # --- import_object, instantiate, build_value ---------------------------------------------------
 
 

@@ -123,3 +123,8 @@ def test_a_path_that_is_no_run_or_file_is_a_config_error(tmp_path):
         _started(_raw(init_from=str(tmp_path / "nothing")))
     with pytest.raises(ConfigError, match="not a run directory"):
         _started(_raw(init_from=str(tmp_path)))
+    unsaved = tmp_path / "unsaved"
+    unsaved.mkdir()
+    (unsaved / "config.yaml").write_text("name: unsaved\n")
+    with pytest.raises(ConfigError, match=f"the run {unsaved} has saved no checkpoint yet"):
+        _started(_raw(init_from=str(unsaved)))

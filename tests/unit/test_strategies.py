@@ -362,6 +362,15 @@ def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(mo
         strategies.create(cfg(accelerator="cpu", devices=2, strategy="fsdp"))
 
 
+def test_a_mesh_of_one_process_says_what_a_mesh_needs(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError) as info:
+        strategies.create(cfg(accelerator="cpu", devices=1, strategy="mesh"))
+    said = str(info.value)
+    assert said.startswith("parallel.strategy=mesh lays several processes out on a mesh")
+    assert "ddp" not in said
+
+
 class _RecordsWhereBuilt(torch.nn.Module):
     """toy.Linear's shape; records the device its parameters were made on, and a tensor it draws
     while it is built."""

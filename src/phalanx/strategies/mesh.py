@@ -36,7 +36,7 @@ from torch import nn
 from phalanx import environment
 from phalanx.errors import ConfigError
 from phalanx.settings import StrategySettings
-from phalanx.strategies import ddp, mesh_pricing, refuse_outside_workers
+from phalanx.strategies import ddp, in_worker, mesh_pricing, refuse_outside_workers
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units, shard_policies
@@ -230,6 +230,12 @@ def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
     all-reduce overlaps the backward), the pipeline's where it stages the model (with a tensor
     dimension inside each stage), else fsdp's with a tensor dimension (`Mesh`)."""
     refuse_outside_workers("mesh", devices)
+    if not in_worker():
+        raise ConfigError(
+            "parallel.strategy=mesh lays several processes out on a mesh; set parallel.devices to "
+            "2 or more (phalanx starts them; parallel.mesh's degrees multiply to it), or start "
+            "phalanx under torchrun"
+        )
     # the job's processes, on every machine (`devices` is this machine's)
     processes = environment.here().world_size
     check(cfg, accelerator, processes)
