@@ -147,8 +147,12 @@ def parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         made[name].set_defaults(subparser=made[name])
+    # a default: without one argparse lists the overrides among the arguments a call lacks
     overrides: dict[str, Any] = dict(
-        nargs="*", metavar="KEY=VALUE", help="override config keys, e.g. optimizer.lr=1e-3"
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override config keys, e.g. optimizer.lr=1e-3",
     )
     made["train"].add_argument("config", help="the YAML config file")
     made["train"].add_argument("overrides", **overrides)

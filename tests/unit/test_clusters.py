@@ -348,3 +348,12 @@ def test_job_settings_that_make_no_job_are_one_line_errors(cfg_path, args, messa
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not Path("job").exists()
+
+
+@pytest.mark.parametrize(("command", "lacks"), [("train", "config"), ("resume", "run_dir")])
+def test_a_command_without_its_argument_names_that_alone(command, lacks, capsys):
+    with pytest.raises(SystemExit) as ended:
+        cli.main([command])
+    assert ended.value.code == 2
+    said = capsys.readouterr().err.strip()
+    assert said.endswith(f"the following arguments are required: {lacks}")
