@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -63,6 +64,16 @@ def setup(run_dir: Path | None = None, level: int = logging.INFO) -> None:
         file = RunLog(run_dir / "log.txt")
         file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(file)
+
+
+def in_run_log_only(level: int, message: str, exc_info: Any = None) -> None:
+    """A record for `log.txt` alone, not the console (where the command says it its own way)."""
+    if exc_info is True:
+        exc_info = sys.exc_info()
+    record = log.makeRecord(log.name, level, __file__, 0, message, (), exc_info)
+    for handler in log.handlers:
+        if isinstance(handler, RunLog):
+            handler.handle(record)
 
 
 def close_run_log() -> None:

@@ -10,6 +10,7 @@ iterable stream, and the random streams (the process's, and the strategy's own w
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +30,7 @@ from phalanx.build import (
 from phalanx.checkpoint import Checkpoints, initial_weights
 from phalanx.config import Config
 from phalanx.config import dump as config_dump
-from phalanx.errors import CheckpointError, CheckpointMismatch
+from phalanx.errors import CheckpointError, CheckpointMismatch, ModelError
 from phalanx.feed import Feed
 from phalanx.files import write_text_atomic
 from phalanx.hooks.base import Hook
@@ -47,6 +48,19 @@ class Part(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
+def _check_json(hook: str, state: Any) -> None:
+    """A hook's state is what JSON holds (a checkpoint keeps it as JSON): else one error naming the
+    hook and the value, before anything of the step is written."""
+    try:
+        json.dumps(state, allow_nan=True)
+    except (TypeError, ValueError) as e:
+        raise ModelError(
+            f"hook {hook}'s state_dict() holds what JSON cannot: {e}; a hook's state is saved as "
+            "JSON: numbers, strings, lists and dicts with string keys (a tensor's .item() or "
+            ".tolist())"
+        ) from None
+
+
 class HookStates:
     """The hooks' state, each under its place and class; a hook that the checkpoint lacks starts
     afresh, with a warning."""
@@ -55,7 +69,11 @@ class HookStates:
         self.hooks = hooks
 
     def state_dict(self) -> dict[str, Any]:
-        return {_hook_key(i, h): h.state_dict() for i, h in enumerate(self.hooks)}
+        states = {}
+        for i, hook in enumerate(self.hooks):
+            state = states[_hook_key(i, hook)] = hook.state_dict()
+            _check_json(type(hook).__name__, state)
+        return states
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         for i, hook in enumerate(self.hooks):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from phalanx import strategies, timeline
+from phalanx import logs, strategies, timeline
 from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
@@ -190,6 +190,8 @@ class Trainer:
                 stop = self.calls.emit("before_training")
             if stop is not None:
                 raise stop
+            # a hook's state that a checkpoint cannot hold is said now, not at the epoch's end
+            HookStates(self.hooks).state_dict()
             if not self.cfg.main_loop.skip_zeroth_epoch and state.step == 0:
                 self._evaluation_epoch(0, self.streams)
             every = self.cfg.main_loop.eval_every_n_steps
@@ -212,6 +214,10 @@ class Trainer:
             raise
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
+            # a worker's guard logs its traceback; in the command's own process, the command
+            # prints it, and the run's log keeps it too
+            if not strategies.in_worker():
+                logs.in_run_log_only(logging.ERROR, f"training failed at step {state.step}", True)
             # a consequence: another rank or machine ended first
             if lost_a_peer(error):
                 state.trace("failed", step=state.step, error=error, cause="lost another rank")

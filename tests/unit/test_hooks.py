@@ -1290,3 +1290,35 @@ def test_no_import_circle():
     for path in sorted((src / "hooks").glob("*.py")):
         assert "phalanx.trainer" not in _imports(path), path.name
     assert not {"phalanx.commands", "phalanx.trainer"} & _imports(src / "launch.py")
+
+
+class _TensorState(Hook):
+    """Keeps a tensor in its state: a checkpoint holds a hook's state as JSON."""
+
+    def state_dict(self):
+        return {"best": torch.tensor(1.0)}
+
+
+class _Raises(Hook):
+    def after_batch(self, stream, batch):
+        if self.trainer.step == 2:
+            raise ValueError("a hook's own mistake at step 2")
+
+
+def test_a_hook_state_json_cannot_hold_is_refused_before_the_first_step(tmp_path):
+    ended = Record()
+    trainer = make_trainer(tmp_path, [_TensorState(), SaveLatest(), ended])
+    with pytest.raises(ModelError) as info:
+        trainer.run()
+    said = str(info.value)
+    assert said.startswith("hook _TensorState's state_dict() holds what JSON cannot")
+    assert "Tensor" in said and trainer.step == 0 and not ended.epochs
+
+
+def test_a_run_that_fails_in_this_process_keeps_why_in_its_log(tmp_path):
+    trainer = make_trainer(tmp_path, [_Raises()])
+    with pytest.raises(ValueError, match="a hook's own mistake"):
+        trainer.run()
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert "ERROR training failed at step 2" in log
+    assert "ValueError: a hook's own mistake at step 2" in log  # the traceback's last line
