@@ -89,6 +89,7 @@ def fit(
     a job on several, as `--nnodes/--node-rank/--rdzv` give it.
     """
     objects = Objects.given(model, dataset, hooks)
+    _check_nodes(nodes)
     raw, path = _read(config_source, _list_overrides(overrides))
     raw, plan = relaunch.settle_planned(raw, path, _list_overrides(overrides), nodes, objects)
     cfg = config.validate(objects.into(raw))
@@ -171,7 +172,8 @@ def resume(
     again."""
     # first: opening the run logs where its classes come from
     logs.setup(None)
-    run_dir = rundir.open_run(Path(run_path), announce=False)
+    _check_nodes(nodes)
+    run_dir = rundir.open_run(_run_path(run_path), announce=False)
     objects = Objects.given(model, dataset, hooks)
     overrides = _list_overrides(overrides)
     check_given(run_dir, objects, "resume")
@@ -197,7 +199,7 @@ def load(
     is `model`, given."""
     logs.setup(None)
     # a model given imports nothing
-    run_dir = rundir.open_run(Path(run_path), announce=model is None)
+    run_dir = rundir.open_run(_run_path(run_path), announce=model is None)
     if model is None:
         check_given(run_dir, Objects(), "load", parts=("model",))
         cfg = config.validate(rundir.load_config_text(run_dir))
@@ -233,7 +235,9 @@ def evaluate(
     """A checkpoint's metrics on a stream (`phalanx eval`, which also prints them): the run's
     ComputeStats and ClassificationMetrics hooks, on one process; also saved as
     `eval-<stream>-step-<N>.json`."""
-    found = evaluation.evaluate(run_path, stream, checkpoint, Objects.given(model, dataset))
+    found = evaluation.evaluate(
+        _run_path(run_path), stream, checkpoint, Objects.given(model, dataset)
+    )
     return found["metrics"]
 
 
@@ -252,7 +256,7 @@ def predict(
     if output is not None:
         check_output(output, "predictions.csv")
     arrays, collect = evaluation.predictions(
-        run_path, stream, checkpoint, Objects.given(model, dataset)
+        _run_path(run_path), stream, checkpoint, Objects.given(model, dataset)
     )
     if output is not None:
         evaluation.write_predictions(arrays, collect, stream, output)
@@ -261,7 +265,32 @@ def predict(
 
 def _list_overrides(overrides: str | Sequence[str]) -> list[str]:
     """Overrides as a list: one string is one override, not a sequence of one-letter ones."""
-    return [overrides] if isinstance(overrides, str) else list(overrides)
+    if isinstance(overrides, str):
+        return [overrides]
+    if isinstance(overrides, Sequence) and not isinstance(overrides, bytes | bytearray):
+        return list(overrides)
+    raise ConfigError(
+        f"overrides= is a {type(overrides).__name__}; give a KEY=VALUE string or a list of them, "
+        "such as ['optimizer.lr=1e-3', 'main_loop.epochs=5']"
+    )
+
+
+def _run_path(run_path: Any) -> Path:
+    """A run directory's path as given to resume, load, evaluate and predict."""
+    if not isinstance(run_path, str | os.PathLike):
+        raise ConfigError(
+            f"the run directory is a {type(run_path).__name__}; give its path, such as "
+            "run.run_dir or 'runs/digits-20261122-030200'"
+        )
+    return Path(run_path)
+
+
+def _check_nodes(nodes: Any) -> None:
+    if nodes is not None and not isinstance(nodes, Nodes):
+        raise ConfigError(
+            f"nodes= is a {type(nodes).__name__}; give a phalanx.nodes.Nodes(count, rank, host, "
+            "port), as --nnodes, --node-rank and --rdzv describe this machine's part, or None"
+        )
 
 
 def _read(
@@ -269,7 +298,7 @@ def _read(
 ) -> tuple[dict, Path | None]:
     """The raw config and the file it came from (None for a dict)."""
     if isinstance(source, Mapping):
-        raw = config.apply_overrides(dict(source), overrides)
+        raw = config.apply_overrides(_plain(dict(source)), overrides)
         raw.setdefault("name", "run")
         return raw, None
     if not isinstance(source, (str, os.PathLike)):
@@ -277,6 +306,21 @@ def _read(
             f"the config is a {type(source).__name__}; give the path of a YAML file or a dict"
         )
     return config.read(source, overrides), Path(source)
+
+
+def _plain(value: Any) -> Any:
+    """A config dict's NumPy scalars and one-value tensors as the Python numbers they hold (what a
+    YAML file would give): a run's config is written back as YAML."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
+        return value.item()
+    item = getattr(value, "item", None)
+    if type(value).__module__ == "numpy" and callable(item):
+        return item()
+    return value
 
 
 def _in_this_process(cfg: config.Config) -> str:

@@ -68,8 +68,18 @@ class Objects:
                 "{'train': ..., 'valid': ...} (a Dataset per stream), or an object whose streams() "
                 "returns that"
             )
+        if isinstance(hooks, Hook) or (hooks is not None and not isinstance(hooks, Sequence)):
+            raise ConfigError(
+                f"hooks= is a {type(hooks).__name__}; give a list of hooks, such as "
+                "[phalanx.hooks.StopAfter(epochs=5)]"
+            )
         hooks = list(hooks or [])
         for i, hook in enumerate(hooks):
+            if isinstance(hook, type) and issubclass(hook, Hook):
+                raise ConfigError(
+                    f"hooks[{i}] is the class {hook.__name__}, not a hook; make one: "
+                    f"{hook.__name__}(...)"
+                )
             if not isinstance(hook, Hook):
                 raise ConfigError(
                     f"hooks[{i}] is a {type(hook).__name__}, not a phalanx.hooks.Hook; give hook "

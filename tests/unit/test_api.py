@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy
+import yaml
 from procs import run as phalanx_cli
 from safetensors.torch import load_file
 
@@ -502,3 +503,44 @@ def test_a_run_name_that_is_not_one_folder_name_is_refused_and_nothing_is_made(
         phalanx.fit(_raw(name=name, output_root=str(tmp_path / "runs" / "deep")))
     assert sorted(p.name for p in tmp_path.parent.iterdir()) == before
     assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            lambda raw: phalanx.fit(raw, hooks=StopAfter(epochs=1)),
+            "hooks= is a StopAfter; give a list",
+        ),
+        (lambda raw: phalanx.fit(raw, hooks=[StopAfter]), "hooks[0] is the class StopAfter"),
+        (lambda raw: phalanx.fit(raw, overrides=3), "overrides= is a int; give a KEY=VALUE string"),
+        (lambda raw: phalanx.fit(raw, overrides=None), "overrides= is a NoneType"),
+        (lambda raw: phalanx.fit(raw, overrides=b"seed=1"), "overrides= is a bytes"),
+        (lambda raw: phalanx.fit(raw, nodes=2), "nodes= is a int; give a phalanx.nodes.Nodes"),
+        (lambda raw: phalanx.load(5), "the run directory is a int; give its path"),
+        (lambda raw: phalanx.evaluate(None), "the run directory is a NoneType"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_one_config_error(tmp_path, monkeypatch, call, words):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        call(_raw(hooks=[]))
+    assert words in str(info.value)
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def test_numpy_and_tensor_numbers_in_a_config_dict_are_taken_as_numbers(tmp_path, monkeypatch):
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    raw = _raw(hooks=[])
+    raw["optimizer"] = {
+        **raw["optimizer"],
+        "lr": np.float32(0.01),
+        "weight_decay": torch.tensor(0.0),
+    }
+    raw["main_loop"] = {"epochs": np.int64(1)}
+    run = phalanx.fit(raw)
+    assert run.code == 0
+    saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+    assert saved["optimizer"]["lr"] == pytest.approx(0.01) and saved["main_loop"]["epochs"] == 1
