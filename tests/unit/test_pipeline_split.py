@@ -160,3 +160,25 @@ def test_auto_without_a_chain_long_enough_says_to_name_the_points():
         from phalanx.strategies.cutting import balance
 
         balance(model, call(model), BATCH, 5, lambda t: t)
+
+
+def test_the_models_own_error_is_taken_from_the_stages_wrapper():
+    """torch's stage wraps a module's error in one whose message is the stage's arguments: the
+    step raises the module's own instead; any other error is left as it is."""
+    from phalanx.strategies.stages import stage_error
+
+    own = ValueError("the block's own mistake")
+    try:
+        try:
+            raise own
+        except ValueError as e:
+            raise RuntimeError(
+                "\n            [Stage 1] failed to run forward:\n            args: ('Tensor',)"
+            ) from e
+    except RuntimeError as wrapped:
+        assert stage_error(wrapped) is own
+    other = RuntimeError("[Stage 1] something else")
+    assert stage_error(other) is other
+    plain = RuntimeError("a shape mismatch")
+    plain.__cause__ = own
+    assert stage_error(plain) is plain

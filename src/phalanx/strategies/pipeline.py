@@ -396,7 +396,15 @@ class Pipeline(StageState, ProcessGroup):
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
-                schedule.step(target=real, **padded)
+                try:
+                    schedule.step(target=real, **padded)
+                except RuntimeError as e:
+                    from phalanx.strategies.stages import stage_error
+
+                    inner = stage_error(e)
+                    if inner is e:
+                        raise
+                    raise inner from None
             # a tensor group's last stages give the same outputs: its first process's count
             given = self.is_last and micro.shard and self.tensor_rank == 0
             parts.append(concat(self._captured) if given else None)

@@ -5,6 +5,7 @@ that micro-batch's samples' random numbers."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,15 @@ from phalanx.strategies.padding import KEY, rows_of
 
 if TYPE_CHECKING:
     from phalanx.precision import Precision
+
+
+def stage_error(error: RuntimeError) -> BaseException:
+    """The error of the model's own code where torch's stage wrapped it in one whose message is
+    the stage's arguments ("[Stage 1] failed to run forward: args ..."); else `error`."""
+    cause = error.__cause__
+    if cause is not None and re.match(r"\s*\[Stage \d+\] failed to run", str(error)):
+        return cause
+    return error
 
 
 class CountedStage(pipelining.PipelineStage):
