@@ -107,9 +107,11 @@ def explain(
     ]
     if signalled:
         rank, failure = min(signalled, key=lambda item: item[1].timestamp)
+        # gloo aborts a process whose ranks call different collectives
+        why = _ABORTED if failure.signal_name() == "SIGABRT" else _FROM_OUTSIDE
         return RankFailure(
             f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode}) and "
-            f"recorded no error: {_FROM_OUTSIDE}"
+            f"recorded no error: {why}"
         )
     if silent:
         return RankFailure(
@@ -131,6 +133,11 @@ def explain(
     )
 
 
+_ABORTED = (
+    "the ranks may have called different collectives (a hook that calls save_checkpoint or "
+    "any_rank on some ranks only: every rank calls them at the same step), or native code aborted "
+    "it; every other rank was stopped"
+)
 _FROM_OUTSIDE = (
     "something outside it ended it (the operating system out of memory, a scheduler, kill -9); "
     "every other rank was stopped"

@@ -72,6 +72,13 @@ def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     )
     message = str(failures.explain(ChildFailedError("worker", {0: noticed}), tmp_path))
     assert message.startswith("rank 0 was killed by SIGKILL (exit code -9) and recorded no error")
+    assert "out of memory" in message
+    aborted = ProcessFailure(
+        local_rank=0, pid=4242, exitcode=-6, error_file=str(tmp_path / "absent.json")
+    )
+    message = str(failures.explain(ChildFailedError("worker", {0: aborted}), tmp_path))
+    assert message.startswith("rank 0 was killed by SIGABRT (exit code -6) and recorded no error")
+    assert "called different collectives (a hook that calls save_checkpoint" in message
 
 
 @pytest.mark.parametrize(
