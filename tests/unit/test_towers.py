@@ -78,10 +78,12 @@ def test_towers_need_no_launcher_and_refuse_what_they_cannot_do(monkeypatch):
         (dict(shard_weights=[1, 1, 2]), "parallel.shard_weights"),
         (dict(sync_batchnorm=True), "parallel.sync_batchnorm"),
     ):
-        with pytest.raises(ConfigError, match=f"towers does not support {words}"):
+        with pytest.raises(ConfigError, match=f"towers does not support {words}") as info:
             strategies.create(
                 config.validate(scenario(8, 1, devices=3, strategy="towers", **extra))
             )
+        # the hint for fp16 only where fp16 is what is refused
+        assert str(info.value).endswith("or use parallel.strategy=ddp")
     with pytest.raises(ConfigError, match='did you mean "variables_on"'):
         config.validate(scenario(8, 1, towers={"variables": "cpu"}))
 

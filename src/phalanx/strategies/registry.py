@@ -17,6 +17,7 @@ the config is loaded.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -160,6 +161,9 @@ def refuse(name: str, unsupported: dict[str, bool], instead: str) -> None:
     """One error naming the settings strategy `name` does not support that the config uses."""
     named = [setting for setting, used in unsupported.items() if used]
     if named:
+        # a hint about precision ("bf16 instead of fp16") is said only where fp16 is refused
+        if "fp16" not in " ".join(named):
+            instead = re.sub(r"\s*\([^)]*fp16[^)]*\)", "", instead)
         raise ConfigError(
             f"parallel.strategy={name} does not support {', '.join(named)}; remove it, or use "
             f"{instead}"
