@@ -190,8 +190,9 @@ class Trainer:
                 stop = self.calls.emit("before_training")
             if stop is not None:
                 raise stop
-            # a hook's state that a checkpoint cannot hold is said now, not at the epoch's end
-            HookStates(self.hooks).state_dict()
+            # a user's hook's state that a checkpoint cannot hold is said now, not at the epoch's
+            # end (the built-in hooks' are JSON; some combine theirs over the ranks to give it)
+            HookStates([h for h in self.hooks if not _built_in(h)]).state_dict()
             if not self.cfg.main_loop.skip_zeroth_epoch and state.step == 0:
                 self._evaluation_epoch(0, self.streams)
             every = self.cfg.main_loop.eval_every_n_steps
@@ -541,6 +542,10 @@ class Trainer:
         """The model's outputs on an evaluation batch (this process's shard), as the strategy runs
         it."""
         return self.strategy.evaluate(self.engine, batch)
+
+
+def _built_in(hook: Hook) -> bool:
+    return type(hook).__module__.startswith("phalanx.")
 
 
 def _not_differentiable(error: RuntimeError) -> ModelError | None:
