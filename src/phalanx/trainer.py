@@ -233,7 +233,8 @@ class Trainer:
             self._say_interrupted(committed)
         diverged = success and state.unsaved_step == state.step
         if diverged:
-            self._say_diverged()
+            if self.strategy.is_main:
+                self._say_diverged()
             success, code = False, 1
         state.trace(
             "interrupted" if code > 128 else "finished" if success else "failed",
