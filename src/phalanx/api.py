@@ -313,8 +313,8 @@ def _plain(value: Any) -> Any:
     YAML file would give): a run's config is written back as YAML."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_plain(v) for v in value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.requires_grad:
         return value.item()
     item = getattr(value, "item", None)
