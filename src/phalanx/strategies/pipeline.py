@@ -34,14 +34,7 @@ from phalanx.engine import TOKENS, concat, total_norm
 from phalanx.errors import ConfigError, ModelError, count
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
-from phalanx.strategies.cutting import (
-    Active,
-    Split,
-    balance,
-    keep_stages,
-    probe,
-    stage_parts,
-)
+from phalanx.strategies.cutting import Active, Split, balance, keep_stages, probe
 from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
 from phalanx.strategies.padding import Padding, pad, rows_of
 from phalanx.strategies.registry import Family, register
@@ -320,49 +313,22 @@ class Pipeline(StageState, ProcessGroup):
         """The stage and its schedule, made at the first step (the adapter is the engine's)."""
         if self._schedule is not None:
             return self._schedule
-        from phalanx.strategies.stages import CountedStage, Stage
+        from phalanx.strategies.stages import make_stages
 
-        split = self._split
-        assert split is not None  # setup has run
-        bounds = [0, *split.cuts, split.size]
-        loss_dtype = next(p.dtype for p in self.model.parameters())
-
-        def meta(k: int) -> torch.Tensor:
-            shape, dtype = split.shapes[k]
-            return torch.empty(
-                shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point
-            )
-
-        stages = []
-        self._stage_modules: dict[int, Stage] = {}
-        for k in self.mine:
-            last = k == self.stages - 1
-            module = self._stage_modules[k] = Stage(
-                stage_parts(self.model, split, k, self.stages),
-                (bounds[k], bounds[k + 1], k),
-                engine.forward_fn,
-                self._active,
-                engine.precision,
-            )
-            stages.append(
-                CountedStage(
-                    self.progress.enter,
-                    self._chunk_draws,
-                    module,
-                    k,
-                    self.stages,
-                    self.device,
-                    input_args=() if k == 0 else meta(k - 1),
-                    output_args=(
-                        torch.empty(
-                            self.rows, dtype=loss_dtype, device=self.device, requires_grad=True
-                        )
-                        if last
-                        else meta(k)
-                    ),
-                    group=self._pipe,
-                )
-            )
+        assert self._split is not None  # setup has run
+        self._stage_modules, stages = make_stages(
+            self.model,
+            self._split,
+            self.mine,
+            self.stages,
+            engine,
+            self._active,
+            self.progress.enter,
+            self._chunk_draws,
+            self.rows,
+            self.device,
+            self._pipe,
+        )
         name = self.settings.schedule
         kind = schedules.torch_class(name)
         given = stages if schedules.takes_stages(name) else stages[0]
@@ -546,47 +512,28 @@ class Pipeline(StageState, ProcessGroup):
         return concat(out) if self.is_last and self.tensor_rank == 0 else {}
 
     def _evaluate_in_turn(self, padded: dict[str, torch.Tensor], n: int) -> None:
-        """A round's forward without a schedule: each stage in turn on the whole round, its
-        activation sent on to the next stage's process (torch 2.13's V schedules fail in `eval`,
-        taking the activation passed within a process for a backward's). The last stage's outputs,
-        less the padding, go to `_captured`."""
-        from phalanx.strategies.stages import count_transfer
+        """A V schedule's round, forward, each stage in turn (see `forward_in_turn`); the last
+        stage's outputs, less the padding, go to `_captured`."""
+        from phalanx.strategies.stages import forward_in_turn
 
-        received: tuple[torch.Tensor, ...] = ()
-        split = self._split
-        assert split is not None
-        for k in range(self.stages):
-            here = self._position_of(k)
-            if k and here != self._position_of(k - 1):  # the activation crosses between processes
-                if here == self.position:
-                    shape, dtype = split.shapes[k - 1]
-                    rows = next(iter(padded.values())).shape[0]
-                    activation = torch.empty((rows, *shape[1:]), dtype=dtype, device=self.device)
-                    count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
-                    dist.recv(activation, self._global_rank(k - 1), group=self._pipe)
-                    received = (activation,)
-                elif self._position_of(k - 1) == self.position:
-                    count_transfer(self.progress.enter, self.stages, False, None, k - 1, k)
-                    dist.send(received[0], self._global_rank(k), group=self._pipe)
-            if here == self.position:
-                output = self._stage_modules[k](*received, **padded)
-                received = (output,) if k < self.stages - 1 else ()
+        assert self._split is not None and self._pipe is not None  # set up; in a copy
+        down = range(self.depth)  # a V's stages go down the copy's processes and back up
+        ranks = [dist.get_global_rank(self._pipe, p) for p in (*down, *reversed(down))]
+        forward_in_turn(
+            self._stage_modules,
+            ranks,
+            self._split.shapes,
+            padded,
+            self._pipe,
+            self.device,
+            self.progress.enter,
+        )
         if self.is_last:
             data = self._captured[-1]
             data.pop(TOKENS, None)
             self._captured[-1] = {
                 k: v[:n] if isinstance(v, torch.Tensor) and v.dim() else v for k, v in data.items()
             }
-
-    def _position_of(self, stage: int) -> int:
-        """The position in a copy of the pipeline of the process that holds `stage`."""
-        if SCHEDULES[self.settings.schedule].in_v:
-            return stage if stage < self.depth else 2 * self.depth - 1 - stage
-        return stage % self.depth
-
-    def _global_rank(self, stage: int) -> int:
-        assert self._pipe is not None  # every process is in a copy of the pipeline
-        return dist.get_global_rank(self._pipe, self._position_of(stage))
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""

@@ -6,10 +6,11 @@ that micro-batch's samples' random numbers."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
@@ -17,10 +18,11 @@ from phalanx import random
 from phalanx.engine import TOKENS
 from phalanx.errors import ModelError
 from phalanx.model import loss_not_a_tensor
-from phalanx.strategies.cutting import Active, Cut
+from phalanx.strategies.cutting import Active, Cut, Split, stage_parts
 from phalanx.strategies.padding import KEY, rows_of
 
 if TYPE_CHECKING:
+    from phalanx.engine import Engine
     from phalanx.precision import Precision
 
 
@@ -99,6 +101,89 @@ def count_transfer(
     name = f"the transfer of {of} {what} from stage {source} to stage {target}"
     for _ in range(stages - 1 - target if gradient else target):
         enter(name)
+
+
+def make_stages(
+    model: nn.Module,
+    split: Split,
+    mine: list[int],
+    stages: int,
+    engine: Engine,
+    active: Active,
+    enter: Callable[[str], None],
+    draws: Callable[[int], random.Draws | None],
+    rows: int,
+    device: torch.device,
+    group: Any,
+) -> tuple[dict[int, Stage], list[CountedStage]]:
+    """This process's stages (`mine`, of `stages`) of `model`, split at `split`, on its device:
+    each stage's module, by index, and the `CountedStage` that runs it for a schedule, with
+    micro-batches of `rows` rows, talking over `group`."""
+    bounds = [0, *split.cuts, split.size]
+    loss_dtype = next(p.dtype for p in model.parameters())
+
+    def meta(k: int) -> torch.Tensor:  # stage k's activation, as the schedule allocates it
+        shape, dtype = split.shapes[k]
+        return torch.empty(shape, dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
+
+    modules: dict[int, Stage] = {}
+    counted: list[CountedStage] = []
+    for k in mine:
+        module = modules[k] = Stage(
+            stage_parts(model, split, k, stages),
+            (bounds[k], bounds[k + 1], k),
+            engine.forward_fn,
+            active,
+            engine.precision,
+        )
+        last = k == stages - 1
+        loss = torch.empty(rows, dtype=loss_dtype, device=device, requires_grad=True)
+        counted.append(
+            CountedStage(
+                enter,
+                draws,
+                module,
+                k,
+                stages,
+                device,
+                input_args=() if k == 0 else meta(k - 1),
+                output_args=loss if last else meta(k),
+                group=group,
+            )
+        )
+    return modules, counted
+
+
+def forward_in_turn(
+    modules: Mapping[int, nn.Module],
+    ranks: list[int],
+    shapes: list[tuple[torch.Size, torch.dtype]],
+    batch: dict[str, torch.Tensor],
+    group: Any,
+    device: torch.device,
+    enter: Callable[[str], None],
+) -> None:
+    """One forward of `batch` through every stage in turn, without a schedule: this process runs
+    its stages (`modules`, by stage index) and sends each activation on where the next stage is
+    held elsewhere (`ranks[k]`, the global rank of the process that holds stage k; `shapes[k]`,
+    the activation after it). The last stage's module keeps its outputs, as in a schedule. A V
+    schedule evaluates this way: torch 2.13's fail in `eval`, taking the activation passed within a
+    process for a backward's."""
+    received: tuple[torch.Tensor, ...] = ()
+    for k in range(len(ranks)):
+        if k and ranks[k] != ranks[k - 1]:  # the activation crosses between processes
+            if k in modules:
+                shape, dtype = shapes[k - 1]
+                activation = torch.empty((rows_of(batch), *shape[1:]), dtype=dtype, device=device)
+                count_transfer(enter, len(ranks), False, None, k - 1, k)
+                dist.recv(activation, ranks[k - 1], group=group)
+                received = (activation,)
+            elif k - 1 in modules:
+                count_transfer(enter, len(ranks), False, None, k - 1, k)
+                dist.send(received[0], ranks[k], group=group)
+        if k in modules:
+            output = modules[k](*received, **batch)
+            received = (output,) if k < len(ranks) - 1 else ()
 
 
 class Stage(nn.Module):
