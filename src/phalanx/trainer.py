@@ -9,6 +9,7 @@ step losses (`losses.StepLosses`), the loop's times (`timeline.LoopTimes`) and t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -399,9 +400,17 @@ class Trainer:
                     self._evaluation_round(every)
                     t3 = clock()
                 t0 = t3
-        finally:
-            # no agreement in flight outlives the steps
+        except (TrainingTerminated, _Interrupted):
+            losses.settle()  # no agreement in flight outlives the steps
+            raise
+        except BaseException:
+            # a failure's own error stands: what is in flight may never come (a link it closed)
+            with contextlib.suppress(Exception):
+                losses.settle()
+            raise
+        else:
             losses.settle()
+        finally:
             self.times.add(profile)
 
     def times_so_far(self) -> dict[str, float]:

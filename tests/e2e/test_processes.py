@@ -249,6 +249,8 @@ HUNG = {
         {"hidden": 4, "calls": 2},
         {"pipeline": {"split": ["net.2"], "microbatches": 2}},
     ),
+    # worker 1 hangs in its chunk of step 3: worker 0 waits for the servers' parameters after it
+    "param_server": ({}, {"devices": 3, "param_server": {"servers": 1}}),
 }
 
 
@@ -257,8 +259,9 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     tmp_path, strategy
 ):
     """Under fsdp the others wait in the parameters' all-gather of the forward, not in phalanx's
-    all-reduce, and under the pipeline in a receive from the hung stage: the hung rank is named
-    all the same, not the rank whose wait timed out."""
+    all-reduce, under the pipeline in a receive from the hung stage, and under param_server for
+    the servers' answer, which waits for the hung worker's part: the hung rank is named all the
+    same, not the rank whose wait timed out (nor a server)."""
     timeout = 3
     model, parallel = HUNG[strategy]
     path = experiment(
@@ -283,13 +286,21 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
         proc.kill()
     assert result.returncode == 1, result.stderr
     error = result.stderr[result.stderr.index("phalanx: error:") :]
-    assert re.search(r"rank 1 did not reach the .+ of step 3 within", error), error
+    if strategy == "param_server":  # no collective: a wait for the servers' answer
+        assert re.search(r"rank 1 did not finish its part of step 3 within the timeout", error)
+        assert "rank 0 waited for the servers' parameters after that step" in error
+    else:
+        assert re.search(r"rank 1 did not reach the .+ of step 3 within", error), error
     assert f"parallel.timeout_s={timeout}" in error
     assert "rank 1: last seen in step 3" in error
+    assert "rank 0:" not in error and "rank 2:" not in error  # neither behind: not named
     assert "Traceback" not in result.stderr
     stacks = the_run(tmp_path / "runs") / "stacks"
     assert f"every rank's stack when the job ended: {stacks}" in error
-    assert sorted(p.name for p in stacks.glob("rank-*.txt")) == ["rank-0.txt", "rank-1.txt"]
+    processes = parallel.get("devices", 2)
+    assert sorted(p.name for p in stacks.glob("rank-*.txt")) == [
+        f"rank-{r}.txt" for r in range(processes)
+    ]
     stuck = (stacks / "rank-1.txt").read_text()  # where rank 1 was: asleep in the model's forward
     assert "Current thread" in stuck or "Thread" in stuck
     assert re.search(r'parts\.py", line \d+ in forward', stuck), stuck

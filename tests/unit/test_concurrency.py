@@ -18,7 +18,7 @@ import toy
 
 from phalanx import config, rundir, runlock
 from phalanx.errors import RunDirError
-from phalanx.strategies.progress import Progress
+from phalanx.strategies.progress import Late, Progress
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -112,6 +112,30 @@ def test_a_timed_out_collective_names_the_ranks_that_did_not_arrive_and_their_st
         assert "rank 1: last seen in step 3" in message and "rank 2:" not in message
         assert "the last collective it entered: the gradient all-reduce of step 3" in message
         assert ranks[0].explain(RuntimeError("Connection closed by peer")) is None  # not a timeout
+    finally:
+        for progress in ranks:
+            progress.close()
+
+
+def test_ranks_outside_the_collectives_are_never_named_and_a_late_wait_says_its_own_words():
+    """A param_server run: ranks 0 and 1 (the workers) enter the collectives, rank 2 (a server)
+    never does. A worker's timed-out collective names the other worker alone; a wait that explains
+    itself (`Late`) keeps its message."""
+    store = dist.HashStore()
+    ranks = [Progress(r, 3, 4.0, store, interval_s=0.02) for r in range(3)]
+    try:
+        for progress in ranks:
+            progress.peers = range(2)
+            progress.where = lambda: (2, True)
+        ranks[0].enter("an all-reduce")
+        _published(ranks[0], store, 1)
+        _published(ranks[2], store, 0)
+        message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 4000ms for recv"))
+        assert message.startswith("rank 1 did not reach an all-reduce of step 3"), message
+        assert "rank 2" not in message
+        assert ranks[0].explain(Late("rank 1 did not finish its part")) == (
+            "rank 1 did not finish its part"
+        )
     finally:
         for progress in ranks:
             progress.close()

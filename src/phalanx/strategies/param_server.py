@@ -104,6 +104,9 @@ class ParamServer(ProcessGroup, Replicated):
         if self._store is None:
             raise RuntimeError("param_server needs the process group's store, which torch hides")
         self._run = serving.next_run()
+        # the ranks in the collectives: the workers (a worker started again alone reports to a
+        # store of its own, and sees no other's reports: it names none when a wait times out)
+        self.progress.peers = () if self.incarnation else range(self.workers)
         if self.serving:
             self._links = {
                 worker: serving.link(self._store, self._run, self.rank, worker, 0, True)
@@ -116,6 +119,8 @@ class ParamServer(ProcessGroup, Replicated):
                 )
                 for server in self._server_ranks()
             }
+        # what a worker asks of the servers (servers ask nothing)
+        self._client = serving.Client(self._links, self.timeout_s, self.progress.late)
         self._peers = None  # the servers' group
         if self.serving and self.servers > 1:
             index, run = self.rank - self.workers, self._run
@@ -260,22 +265,24 @@ class ParamServer(ProcessGroup, Replicated):
     def _claim(self, step: int, chunks: int, stop: bool) -> tuple[int, int]:
         """The next chunk of `step` no worker has claimed (-1: none left), from server 0, and the
         step at which every worker stops (-1: none asked to). Chunks are handed out in order."""
-        reply = self._ask(self.workers, [CLAIM, step, chunks, int(stop), 0], 2)
+        reply = self._client.ask(self.workers, [CLAIM, step, chunks, int(stop), 0], 2)
         return int(reply[0]), int(reply[1])
 
     def _pull(self, version: int) -> None:
         """The parameters from every server, once each has applied `version` updates or more
         (only what changed since this worker's copy)."""
         sent = [
-            self._send(server, [PULL, version, self._version, 0, 0])
+            self._client.send(server, [PULL, version, self._version, 0, 0])
             for server in self._server_ranks()
         ]
         versions = []
         for server, share in zip(self._server_ranks(), self._shares, strict=True):
-            reply = self._receive(server, 2, torch.int64)
+            reply = self._client.receive(
+                server, 2, torch.int64, (version, "the servers' parameters")
+            )
             versions.append(int(reply[0]))
             if reply[1]:
-                flat = self._receive(
+                flat = self._client.receive(
                     server,
                     serving.numel_of(self._params, share),
                     serving.dtype_of(self._params, share),
@@ -300,7 +307,7 @@ class ParamServer(ProcessGroup, Replicated):
             link = self._links[server]
             serving.wait(
                 [
-                    self._send(server, [PUSH, step, chunk, self._version, chunks]),
+                    self._client.send(server, [PUSH, step, chunk, self._version, chunks]),
                     serving.send(link, grads, serving.PAYLOAD, serving=False),
                     serving.send(link, loss, serving.PAYLOAD, serving=False),
                 ]
@@ -314,9 +321,8 @@ class ParamServer(ProcessGroup, Replicated):
             return
         self._unsettled = [(k, loss) for k, loss in self._unsettled if k > step]
         first, last = due[0][0], due[-1][0]
-        values = self._ask(
-            self.workers, [LOSSES, first, last, 0, 0], last - first + 1, torch.float64
-        )
+        header, awaits = [LOSSES, first, last, 0, 0], (last + 1, "its loss, from server 0")
+        values = self._client.ask(self.workers, header, last - first + 1, torch.float64, awaits)
         for k, loss in due:
             loss.fill_(float(values[k - first]))
 
@@ -337,22 +343,6 @@ class ParamServer(ProcessGroup, Replicated):
     def _server_ranks(self) -> range:
         return range(self.workers, self.world_size)
 
-    def _send(self, server: int, header: list[int]) -> Any:
-        message = torch.tensor(header, dtype=torch.int64)
-        return serving.send(self._links[server], message, serving.HEADER, serving=False)
-
-    def _receive(self, server: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(n, dtype=dtype)
-        return serving.receive(self._links[server], out, serving.REPLY, serving=False)
-
-    def _ask(
-        self, server: int, header: list[int], n: int, dtype: torch.dtype = torch.int64
-    ) -> torch.Tensor:
-        sent = self._send(server, header)
-        reply = self._receive(server, n, dtype)
-        serving.wait([sent])
-        return reply
-
     # --- roles
 
     def working(self) -> contextlib.AbstractContextManager:
@@ -364,7 +354,7 @@ class ParamServer(ProcessGroup, Replicated):
         yield
         self._catch_up()
         for server in self._server_ranks():
-            serving.wait([self._send(server, [DONE, 0, 0, 0, 0])])
+            serving.wait([self._client.send(server, [DONE, 0, 0, 0, 0])])
         self._group = None
 
     def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
@@ -465,8 +455,8 @@ class ParamServer(ProcessGroup, Replicated):
         elif self.is_main:
             merged = {"state": {}, "param_groups": None}
             for server in self._server_ranks():
-                [size] = self._ask(server, [STATE, 0, 0, 0, 0], 1).tolist()
-                share = serving.unpack(self._receive(server, size, torch.uint8))
+                [size] = self._client.ask(server, [STATE, 0, 0, 0, 0], 1).tolist()
+                share = serving.unpack(self._client.receive(server, size, torch.uint8))
                 merged["state"].update(share["state"])
                 merged["param_groups"] = merged["param_groups"] or share["param_groups"]
         if self._group is not None:
@@ -485,7 +475,8 @@ class ParamServer(ProcessGroup, Replicated):
         """Where the servers are, for a process in a dead worker's place: the steps applied, and
         whether that is the end of an epoch whose evaluation and hooks the workers have still to
         run (no chunk of a later step has been claimed)."""
-        applied, last_claimed = self._ask(self.workers, [serving.WHERE, 0, 0, 0, 0], 2).tolist()
+        reply = self._client.ask(self.workers, [serving.WHERE, 0, 0, 0, 0], 2)
+        applied, last_claimed = reply.tolist()
         return applied, last_claimed < applied
 
     def shutdown(self) -> None:
@@ -498,7 +489,8 @@ class ParamServer(ProcessGroup, Replicated):
             self._crew.group().barrier().wait()
         elif dist.is_initialized() and not rejoined:
             self.barrier()
-        self._links, self._peers = {}, None
+        self._links.clear()  # the client's too
+        self._peers = None
         self._crew.close()
         if rejoined:
             progress.stop()

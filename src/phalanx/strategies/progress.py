@@ -7,7 +7,8 @@ and where the run is now to the process group's store whenever they change, at m
 second and off the training thread, so that no step pays for it. A rank whose collective times out
 compares its own count with the others' last reports: a rank with a smaller count never arrived.
 The collective it waited in is named with the step it was entered in, not the step the run reads
-once the error has unwound it.
+once the error has unwound it. A wait that is not a collective (a param_server worker's for the
+servers' answer) explains itself when it times out (`Late`), from the same reports.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ import atexit
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 KEY = "phalanx/progress/{rank}"
 PUBLISH_INTERVAL_S = 0.1
 _current: Progress | None = None
+
+
+class Late(TimeoutError):
+    """A wait that timed out, its message the explanation: who did not come, and where they were."""
 
 
 class Progress:
@@ -40,6 +45,8 @@ class Progress:
         self.entered_at: tuple[int, bool] | None = None
         # (steps done, training) of the run, now
         self.where: Callable[[], tuple[int, bool]] | None = None
+        # the ranks that enter the counted collectives (all; a param_server run's workers alone)
+        self.peers: Sequence[int] = range(world_size)
         self._store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -67,6 +74,7 @@ class Progress:
             "what": self.what,
             "entered_in": _position(self.entered_at),
             "position": self.position(),
+            "at": list(self.where()) if self.where is not None else None,
             "time": time.time(),
         }
 
@@ -85,9 +93,9 @@ class Progress:
                 return
 
     def reports(self) -> dict[int, dict | None]:
-        """Every other rank's last report (None where it never reported)."""
+        """Every other peer's last report (None where it never reported)."""
         out: dict[int, dict | None] = {}
-        for rank in range(self.world_size):
+        for rank in self.peers:
             if rank == self.rank:
                 continue
             key = KEY.format(rank=rank)
@@ -100,7 +108,9 @@ class Progress:
     def explain(self, error: BaseException) -> str | None:
         """A message naming the ranks that did not reach the collective this rank timed out in,
         and where they were; None if `error` is not a collective's timeout or no rank is found
-        behind."""
+        behind. A `Late` wait's own message."""
+        if isinstance(error, Late):
+            return str(error)
         if not is_timeout(error) or self._store is None:
             return None
         me = self.report()
@@ -119,21 +129,52 @@ class Progress:
             "waited for it there. Every rank was stopped."
         ]
         for rank, info in behind.items():
-            if info is None:
-                lines.append(f"  rank {rank}: no report (it had not finished starting)")
-            else:
-                ago = max(0.0, me["time"] - info["time"])
-                lines.append(
-                    f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier); "
-                    f"the last collective it entered: {info['what']} of {info['entered_in']}"
-                )
+            line = seen(rank, info, me["time"])
+            if info is not None:
+                line += f"; the last collective it entered: {info['what']} of {info['entered_in']}"
+            lines.append(line)
         lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
         return "\n".join(lines)
+
+    def late(self, steps: int, what: str) -> Late:
+        """A wait of this rank for `what`, which needs every peer's part of the first `steps`
+        steps, timed out: the error names the peers whose last report shows fewer steps done, and
+        where they were."""
+        me = self.report()
+        reports = self.reports()
+        behind = {
+            rank: info
+            for rank, info in reports.items()
+            if info is None or info["at"] is None or info["at"][0] < steps
+        }
+        waited = (
+            f"rank {self.rank} waited for {what} after that step "
+            f"(parallel.timeout_s={self.timeout_s:g})"
+        )
+        if behind:
+            names = ", ".join(str(r) for r in behind)
+            ranks, parts = ("ranks", "their parts") if len(behind) > 1 else ("rank", "its part")
+            head = f"{ranks} {names} did not finish {parts} of step {steps} within the timeout"
+            head += f": {waited}."
+        else:  # each reported its part done, or none could be read
+            head = f"no rank was seen behind step {steps}, yet {waited} in vain."
+            behind = reports
+        lines = [head + " Every rank was stopped."]
+        lines += [seen(rank, info, me["time"]) for rank, info in behind.items()]
+        return Late("\n".join(lines))
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=1.0)
+
+
+def seen(rank: int, info: dict | None, now: float) -> str:
+    """Where `rank` was last seen, from its report `info`; `now`: when the wait ended."""
+    if info is None:
+        return f"  rank {rank}: no report (it had not finished starting)"
+    ago = max(0.0, now - info["time"])
+    return f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier)"
 
 
 def _position(where: tuple[int, bool] | None) -> str:

@@ -1,4 +1,5 @@
-"""The servers' side of `param_server`, and the links between servers and workers.
+"""The servers' side of `param_server`, the links between servers and workers, and a worker's
+side of them (`Client`).
 
 Each server and each worker talk over a gloo group of the two of them alone (a link), made from
 the run's store under a name of its own: a worker that dies breaks only its links, which its
@@ -29,6 +30,7 @@ from torch import nn
 
 from phalanx import signals
 from phalanx.engine import total_norm
+from phalanx.strategies.progress import is_timeout
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -68,9 +70,17 @@ def send(group: Any, tensor: torch.Tensor, tag: int, serving: bool) -> tuple[Any
     return group.send([tensor], 1 if serving else 0, tag), tensor
 
 
-def receive(group: Any, out: torch.Tensor, tag: int, serving: bool) -> torch.Tensor:
+def receive(
+    group: Any, out: torch.Tensor, tag: int, serving: bool, timeout: timedelta | None = None
+) -> torch.Tensor:
+    """Receive into `out`; a RuntimeError past `timeout` (the link's own: a day), after which the
+    link is closed."""
     with signals.waiting():  # a peer that died never answers: a signal still ends this
-        group.recv([out], 1 if serving else 0, tag).wait()
+        work = group.recv([out], 1 if serving else 0, tag)
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
     return out
 
 
@@ -79,6 +89,54 @@ def wait(works: list[tuple[Any, torch.Tensor]]) -> None:
     with signals.waiting():
         for work, _ in works:
             work.wait()
+
+
+class Client:
+    """A worker's side of its links (`links`, by server rank): the headers it sends, the replies it
+    waits for. A reply that waits for every worker's part of some steps comes once they have all
+    pushed theirs: it is waited for `timeout_s` at most, as a collective would be, and then raises
+    `late(steps, what)`, which names the workers behind."""
+
+    def __init__(
+        self,
+        links: dict[int, Any],
+        timeout_s: float,
+        late: Callable[[int, str], BaseException],
+    ):
+        self.links, self._timeout, self._late = links, timedelta(seconds=timeout_s), late
+
+    def send(self, server: int, header: list[int]) -> tuple[Any, torch.Tensor]:
+        message = torch.tensor(header, dtype=torch.int64)
+        return send(self.links[server], message, HEADER, serving=False)
+
+    def receive(
+        self, server: int, n: int, dtype: torch.dtype, awaits: tuple[int, str] | None = None
+    ) -> torch.Tensor:
+        """A reply of `n` values from `server`; `awaits`: the steps done it needs, and what it is
+        (the servers' parameters, a loss), where it waits for the other workers."""
+        out = torch.empty(n, dtype=dtype)
+        link = self.links[server]
+        if awaits is None:
+            return receive(link, out, REPLY, serving=False)
+        try:
+            return receive(link, out, REPLY, serving=False, timeout=self._timeout)
+        except RuntimeError as e:
+            if not is_timeout(e):
+                raise
+            raise self._late(*awaits) from None
+
+    def ask(
+        self,
+        server: int,
+        header: list[int],
+        n: int,
+        dtype: torch.dtype = torch.int64,
+        awaits: tuple[int, str] | None = None,
+    ) -> torch.Tensor:
+        sent = self.send(server, header)
+        reply = self.receive(server, n, dtype, awaits)
+        wait([sent])
+        return reply
 
 
 def pack(value: Any) -> torch.Tensor:
