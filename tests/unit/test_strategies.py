@@ -114,6 +114,20 @@ def test_pipelines_whose_schedules_can_run_pass_the_check():
         strategies.check(piped, processes)
 
 
+def test_param_server_says_that_dataloader_workers_serve_evaluation_alone(caplog):
+    """Its workers read the training samples they take themselves: a DataLoader's workers would
+    only start for the evaluated streams, and the user who asked for them is told."""
+    served = {"accelerator": "cpu", "devices": 3, "strategy": "param_server"}
+    for readers, said in ((2, True), (0, False), ("auto", False)):
+        caplog.clear()
+        dataset = {"class": "toy.Regression", "batch_size": 8, "num_workers": readers}
+        strategies.check(
+            config.validate(toy.regression_config(parallel=served, dataset=dataset)), 3
+        )
+        warned = "dataset.num_workers=2 serves the evaluated streams only" in caplog.text
+        assert warned == said, caplog.text
+
+
 def test_param_server_workers_but_the_main_one_rejoin_where_restarts_are_allowed():
     served = {"strategy": "param_server", "param_server": {"servers": 1}}
     assert strategies.rejoining(cfg(devices=4, max_restarts=2, **served), 4) == (1, 2)

@@ -556,6 +556,13 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         },
         INSTEAD,
     )
+    readers = cfg.dataset.num_workers
+    if isinstance(readers, int) and readers > 0:
+        log.warning(
+            "param_server: each worker reads the training samples it takes in its own process, "
+            "without DataLoader workers; dataset.num_workers=%d serves the evaluated streams only",
+            readers,
+        )
 
 
 def _servers(cfg: Config) -> int:
