@@ -205,6 +205,7 @@ class RunState:
         checkpoints = self.checkpoints
         if checkpoints is None:
             return None
+        self.strategy.meet("save_checkpoint", self.step)
         # the step is this config's
         self.keep_config()
         optimizer = self.engine.trained_optimizer

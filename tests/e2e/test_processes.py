@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import toy
+from phalanx.hooks import Hook
 
 
 class HangAt(toy.Linear):
@@ -65,6 +66,18 @@ class StuckAt(toy.Linear):
                 Path("stuck").write_text(str(time.time()))
                 time.sleep(3600)
         return super().forward(x, y)
+
+
+class SaveOnOneRank(Hook):
+    """Saves a checkpoint after training step `step` on rank `rank` alone (a hook's mistake)."""
+
+    def __init__(self, rank=1, step=3):
+        self.rank, self.at = rank, step
+
+    def after_batch(self, stream, batch):
+        here = int(os.environ.get("RANK", 0))
+        if stream == "train" and self.trainer.step == self.at and here == self.rank:
+            self.trainer.save_checkpoint()
 '''
 
 
@@ -304,6 +317,36 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     stuck = (stacks / "rank-1.txt").read_text()  # where rank 1 was: asleep in the model's forward
     assert "Current thread" in stuck or "Thread" in stuck
     assert re.search(r'parts\.py", line \d+ in forward', stuck), stuck
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_saved_on_one_rank_only_is_named_not_an_abort_or_a_raw_timeout(
+    tmp_path, strategy
+):
+    """Every rank calls save_checkpoint at the same step: where a hook calls it on rank 1 alone,
+    the ranks meet through the store first, so the job fails saying so, after the timeout, where
+    ddp's gloo aborted rank 1 (its all-reduce against the other's gradients) and fsdp's ended in
+    gloo's own timeout traceback."""
+    path = experiment(
+        tmp_path,
+        dataset={"class": "toy.Regression", "batch_size": 8},
+        hooks=[{"parts.SaveOnOneRank": {"rank": 1, "step": 3}}],
+        parallel={"accelerator": "cpu", "devices": 2, "timeout_s": 3, "strategy": strategy},
+    )
+    result = finish(start("train", str(path), cwd=tmp_path), timeout=200)
+    assert result.returncode == 1, result.stderr
+    error = result.stderr[result.stderr.index("phalanx: error:") :]
+    # rank 1's meeting gives up first, as a rule; should rank 0's collective time out before it on
+    # a loaded machine, rank 0 names rank 1 in save_checkpoint
+    said = (
+        "phalanx: error: rank 0 did not call save_checkpoint at step 3 within the timeout "
+        "(parallel.timeout_s=3), where rank 1 did: every rank calls save_checkpoint",
+        "rank 1: last seen in step 4",
+    )
+    if not error.startswith(said[0]):
+        assert "while the others were in other collectives: every rank calls" in error, error
+        assert f"{said[1]} (" in error and "in save_checkpoint of step 4" in error, error
+    assert "Traceback" not in result.stderr and "SIGABRT" not in result.stderr
 
 
 def test_sigterm_during_start_up_of_one_process_leaves_nothing(tmp_path):

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,60 @@ def test_ranks_outside_the_collectives_are_never_named_and_a_late_wait_says_its_
         assert "rank 2" not in message
         assert ranks[0].explain(Late("rank 1 did not finish its part")) == (
             "rank 1 did not finish its part"
+        )
+    finally:
+        for progress in ranks:
+            progress.close()
+
+
+def test_ranks_meet_to_save_at_one_step_and_one_that_does_not_come_is_named():
+    """`meet` before a checkpoint's save: both ranks at step 3 go on; then rank 1 saves at step 5
+    and rank 0 never does (a hook that saves on one rank), which fails after the timeout naming
+    rank 0; two ranks that save at different steps are named with both."""
+    store = dist.HashStore()
+    ranks = [Progress(r, 2, 0.3, store, interval_s=0.02) for r in range(2)]
+    try:
+        for progress in ranks:
+            progress.where = lambda: (4, True)
+        both = [threading.Thread(target=p.meet, args=("save_checkpoint", 3)) for p in ranks]
+        for thread in both:
+            thread.start()
+        for thread in both:
+            thread.join(timeout=30)
+        assert ranks[0].entered == ranks[1].entered == 1  # a meeting counts as a collective
+        with pytest.raises(Late) as alone:
+            ranks[1].meet("save_checkpoint", 5)
+        message = str(alone.value)
+        assert message.startswith(
+            "rank 0 did not call save_checkpoint at step 5 within the timeout "
+            "(parallel.timeout_s=0.3), where rank 1 did: every rank calls save_checkpoint"
+        ), message
+        assert "rank 0: last seen in step 5" in message
+        with pytest.raises(Late, match="rank 1 called save_checkpoint at step 5 where rank 0"):
+            ranks[0].meet("save_checkpoint", 6)  # rank 1's second meeting is there, at step 5
+    finally:
+        for progress in ranks:
+            progress.close()
+
+
+def test_a_timeout_where_no_rank_is_behind_names_the_ranks_in_another_collective():
+    """Rank 1 entered an all-reduce in a hook on its own (any_rank on one rank), rank 0 the next
+    step's all-gather: both have entered as many collectives, and rank 0's timeout names rank 1
+    with the collective it is in."""
+    store = dist.HashStore()
+    ranks = [Progress(r, 2, 4.0, store, interval_s=0.02) for r in range(2)]
+    try:
+        ranks[0].where, ranks[1].where = (lambda: (3, True)), (lambda: (2, True))
+        ranks[0].enter("the all-gather of net's parameters")
+        ranks[1].enter("an all-reduce")
+        _published(ranks[1], store, 1)
+        message = ranks[0].explain(RuntimeError("[gloo] Timed out waiting 4000ms for send"))
+        assert message.startswith(
+            "rank 0 timed out in the all-gather of net's parameters of step 4 "
+            "(parallel.timeout_s=4) while the others were in other collectives"
+        ), message
+        assert (
+            "rank 1: last seen in step 3 (" in message and "in an all-reduce of step 3" in message
         )
     finally:
         for progress in ranks:

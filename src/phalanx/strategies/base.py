@@ -243,6 +243,10 @@ class Strategy(Abilities, Protocol):
     def barrier(self) -> None:
         """Wait until every rank gets here."""
 
+    def meet(self, what: str, step: int) -> None:
+        """Every rank at its next `what` (a checkpoint's save) at the same step, before that makes
+        any collective: a rank that does not come fails the job, saying so, after the timeout."""
+
     def shutdown(self) -> None:
         """Release process groups and devices."""
 
@@ -404,6 +408,9 @@ class OneProcess(Abilities):
         return value
 
     def barrier(self) -> None:
+        pass
+
+    def meet(self, what: str, step: int) -> None:
         pass
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:

@@ -136,6 +136,9 @@ class ProcessGroup(Abilities):
         self.progress.enter("a barrier")
         dist.barrier()
 
+    def meet(self, what: str, step: int) -> None:
+        self.progress.meet(what, step)
+
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """Every rank's data for each micro-batch, concatenated in dataset order (rank order within
         a micro-batch, micro-batches in order). Only `keys` move, through the CPU."""

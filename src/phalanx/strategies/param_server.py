@@ -419,6 +419,10 @@ class ParamServer(ProcessGroup, Replicated):
             return None if self.incarnation else super().barrier()
         self._crew.barrier()
 
+    def meet(self, what: str, step: int) -> None:
+        """Nothing: the workers meet in `model_state`'s barrier (one that rejoined reports to a
+        store of its own)."""
+
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         assert self.progress.where is not None
         if not self.progress.where()[1]:  # evaluating: shards, as every data-parallel strategy

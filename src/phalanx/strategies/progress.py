@@ -21,6 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 KEY = "phalanx/progress/{rank}"
+# why ranks meet in different places, most often
+_DIFFERENT = (
+    "every rank calls save_checkpoint and any_rank at the same step (a hook that calls them on "
+    "some ranks only, or a rank held in a hook, ends this way)"
+)
 PUBLISH_INTERVAL_S = 0.1
 _current: Progress | None = None
 
@@ -47,6 +52,7 @@ class Progress:
         self.where: Callable[[], tuple[int, bool]] | None = None
         # the ranks that enter the counted collectives (all; a param_server run's workers alone)
         self.peers: Sequence[int] = range(world_size)
+        self._met: dict[str, int] = {}  # the meetings (`meet`) of each name so far
         self._store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,7 +126,7 @@ class Progress:
             if info is None or info["entered"] < me["entered"]
         }
         if not behind:
-            return None
+            return self._elsewhere(me, error)
         names = ", ".join(str(r) for r in behind)
         lines = [
             f"rank{'s' if len(behind) > 1 else ''} {names} did not reach {me['what']} "
@@ -135,6 +141,73 @@ class Progress:
             lines.append(line)
         lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
         return "\n".join(lines)
+
+    def _elsewhere(self, me: dict, error: BaseException) -> str | None:
+        """Where no rank is behind this one's count: the ranks whose last collective is another
+        one (a rank in a save that this one skipped), else None."""
+        elsewhere = {
+            rank: info
+            for rank, info in self.reports().items()
+            if info is not None
+            and (info["what"], info["entered_in"]) != (me["what"], me["entered_in"])
+        }
+        if not elsewhere:
+            return None
+        lines = [
+            f"rank {self.rank} timed out in {me['what']} of {me['entered_in']} "
+            f"(parallel.timeout_s={self.timeout_s:g}) while the others were in other "
+            f"collectives: {_DIFFERENT}. Every rank was stopped."
+        ]
+        for rank, info in elsewhere.items():
+            line = seen(rank, info, me["time"])
+            lines.append(f"{line}; in {info['what']} of {info['entered_in']}")
+        lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
+        return "\n".join(lines)
+
+    def meet(self, what: str, step: int) -> None:
+        """Every peer at its next `what` (save_checkpoint), at the same step, met through the store
+        before any collective of it: a rank that does not come (a hook that saves on some ranks
+        only) is then a `Late` that says so after the timeout, not a collective of another kind
+        that gloo aborts or a timeout in torch's words. Counted as a collective entered."""
+        self.enter(what)
+        if self._store is None or len(self.peers) < 2:
+            return
+        n = self._met[what] = self._met.get(what, 0) + 1
+        key = f"phalanx/meet/{what}/{{}}/{{}}"
+        self._store.set(key.format(n, self.rank), str(step))
+        others = {r: key.format(n, r) for r in self.peers if r != self.rank}
+        # polled: the store's own wait logs its timeout in C++ words on the way out. It gives up
+        # a little before the others' collectives time out: this rank knows why, and says it first
+        deadline, pause = time.monotonic() + 0.9 * self.timeout_s, 0.001
+        while not self._store.check(list(others.values())):
+            if time.monotonic() > deadline:
+                missing = [r for r, k in others.items() if not self._store.check([k])]
+                if missing:  # else they came as the time ran out
+                    raise self._not_met(what, step, missing)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        steps = {r: int(self._store.get(k)) for r, k in others.items()}
+        if n > 1:
+            self._store.delete_key(key.format(n - 1, self.rank))
+        differ = [r for r, s in steps.items() if s != step]
+        if differ:
+            r = differ[0]
+            raise Late(
+                f"rank {r} called {what} at step {steps[r]} where rank {self.rank} called it at "
+                f"step {step}: {_DIFFERENT}. Every rank was stopped."
+            )
+
+    def _not_met(self, what: str, step: int, missing: list[int]) -> Late:
+        me = self.report()
+        reports = self.reports()
+        names = ", ".join(str(r) for r in missing)
+        lines = [
+            f"rank{'s' if len(missing) > 1 else ''} {names} did not call {what} at step {step} "
+            f"within the timeout (parallel.timeout_s={self.timeout_s:g}), where rank "
+            f"{self.rank} did: {_DIFFERENT}. Every rank was stopped."
+        ]
+        lines += [seen(r, reports.get(r), me["time"]) for r in missing]
+        return Late("\n".join(lines))
 
     def late(self, steps: int, what: str) -> Late:
         """A wait of this rank for `what`, which needs every peer's part of the first `steps`
@@ -211,3 +284,9 @@ def stop() -> None:
 def explain(error: BaseException) -> str | None:
     """See `Progress.explain`; None where this process runs no collectives."""
     return _current.explain(error) if _current is not None else None
+
+
+def meet(what: str, step: int) -> None:
+    """See `Progress.meet`; nothing where this process runs no collectives."""
+    if _current is not None:
+        _current.meet(what, step)
