@@ -6,6 +6,7 @@ into the run's log.txt and trace.jsonl, where a machine that died has no word of
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import threading
@@ -21,6 +22,24 @@ from phalanx.nodes import Nodes
 
 class RankFailure(PhalanxError):
     """A worker process failed; the message holds its rank and traceback."""
+
+
+FATAL = "fatal.txt"  # beside a worker's record: its threads' stacks, where a fatal signal ended it
+_fatal: Any = None  # the open file faulthandler writes them to
+
+
+def keep_fatal_stacks() -> None:
+    """Where a fatal signal ends this worker (gloo's abort on collectives that do not match, a
+    crash in native code), its threads' stacks go to a file beside its record, which the launcher
+    moves into the run's stacks/ (`explain`), not into the terminal, where torch's launcher sends
+    them."""
+    global _fatal
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):
+        _fatal = open(Path(path).with_name(FATAL), "w")  # noqa: SIM115 - open for the process's life
+        faulthandler.enable(file=_fatal, all_threads=True)
 
 
 def record(e: BaseException, explained: str | None = None) -> None:
@@ -93,7 +112,7 @@ def explain(
     by a signal; a rank of this machine that ended without a word (no error file: killed from
     outside, or crashed in native code). A rank's lost connection to another is a consequence:
     named only where nothing of this machine failed (another machine, or its rank, ended first)."""
-    recorded, silent = _read_records(records, first_rank)
+    recorded, silent, fatal = _read_records(records, first_rank)
     errors = [info for info in recorded if not info.get("stopped")]
     causes = [
         info
@@ -111,8 +130,18 @@ def explain(
         why = _ABORTED if failure.signal_name() == "SIGABRT" else _FROM_OUTSIDE
         return RankFailure(
             f"rank {rank} was killed by {failure.signal_name()} (exit code {failure.exitcode}) and "
-            f"recorded no error: {why}"
+            f"recorded no error: {why}{_moved(f'rank {rank}', fatal, stacks)}"
         )
+    if silent and silent[0] in fatal:  # a fatal signal of its own, which faulthandler saw
+        crashed = silent[0]
+        with contextlib.suppress(OSError):
+            lines = [line.strip() for line in fatal[crashed].read_text().splitlines()]
+            said = next((line for line in lines if line), "a fatal signal")
+            why = _ABORTED if "Aborted" in said else "native code crashed it"
+            return RankFailure(
+                f"{crashed} ended by a fatal error and recorded no other ({said}): "
+                f"{why}{_moved(crashed, fatal, stacks)}"
+            )
     if silent:
         return RankFailure(
             f"{silent[0]} ended without recording an error (killed by a signal, or crashed "
@@ -185,16 +214,42 @@ def summary_line(error: BaseException) -> str:
     return f"{first} ... {' '.join(lines[-1].split())[:500]}"
 
 
-def _read_records(records: Path, first_rank: int | None = 0) -> tuple[list[dict], list[str]]:
-    """What every worker of every attempt recorded under `records`, and the workers of the last
+def _moved(label: str, fatal: dict[str, Path], stacks: Path | None) -> str:
+    """The stacks the fatal signal that ended worker `label` made it write, moved into `stacks`
+    (`rank-1-fatal.txt`), said as a clause; nothing where it wrote none."""
+    source = fatal.get(label)
+    if source is None or stacks is None:
+        return ""
+    target = stacks / f"{label.replace(' ', '-')}-fatal.txt"
+    with contextlib.suppress(OSError):
+        stacks.mkdir(parents=True, exist_ok=True)
+        target.write_text(source.read_text())
+        return f"; its stacks as it ended: {target}"
+    return ""
+
+
+def _read_records(
+    records: Path, first_rank: int | None = 0
+) -> tuple[list[dict], list[str], dict[str, Path]]:
+    """What every worker of every attempt recorded under `records`, the workers of the last
     attempt that recorded nothing (`rank R`, this machine's first worker being rank `first_rank`;
-    where that is not known, in an elastic job, `local rank L of this machine`). The launcher
+    where that is not known, in an elastic job, `local rank L of this machine`), and the stacks
+    those a fatal signal ended wrote (`keep_fatal_stacks`), by the same names. The launcher
     reports the first exit it notices, which need not be the first failure (a worker that ended at
     once because another failed may be noticed first), so every rank's error file is read."""
     attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
-    out, silent = [], []
+    out, silent, fatal = [], [], {}
     for attempt in attempts:
         for folder in sorted(p for p in attempt.iterdir() if p.is_dir() and p.name.isdigit()):
+            local = int(folder.name)
+            label = (
+                f"rank {first_rank + local}"
+                if first_rank is not None
+                else f"local rank {local} of this machine"
+            )
+            with contextlib.suppress(OSError):
+                if attempt == attempts[-1] and (folder / FATAL).stat().st_size:
+                    fatal[label] = folder / FATAL
             try:
                 data = json.loads((folder / "error.json").read_text())
                 info = data["phalanx"]
@@ -202,14 +257,9 @@ def _read_records(records: Path, first_rank: int | None = 0) -> tuple[list[dict]
                     info["callstack"] = data["message"]["extraInfo"]["py_callstack"]
             except OSError:
                 if attempt == attempts[-1]:
-                    local = int(folder.name)
-                    silent.append(
-                        f"rank {first_rank + local}"
-                        if first_rank is not None
-                        else f"local rank {local} of this machine"
-                    )
+                    silent.append(label)
                 continue
             except (ValueError, KeyError, TypeError):
                 continue
             out.append(info)
-    return out, silent
+    return out, silent, fatal

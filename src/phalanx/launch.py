@@ -416,6 +416,7 @@ def check_main_importable(devices: int) -> None:
 def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple) -> int:
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
+    failures.keep_fatal_stacks()
     _Guard(Path(run_dir), launcher_pid).start()
     rejoins = _rejoins(environment.here().rank)
     if rejoins and environment.INCARNATION not in os.environ:

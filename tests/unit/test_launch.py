@@ -3,7 +3,10 @@ elastic agent happened to notice first."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -79,6 +82,45 @@ def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     message = str(failures.explain(ChildFailedError("worker", {0: aborted}), tmp_path))
     assert message.startswith("rank 0 was killed by SIGABRT (exit code -6) and recorded no error")
     assert "called different collectives (a hook that calls save_checkpoint" in message
+
+
+def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_path):
+    """A worker that a fatal signal ends (gloo aborts a rank whose collectives do not match the
+    others') writes its threads' stacks beside its record, where torch's launcher would have
+    printed them to the terminal; the launcher moves them into the run's stacks/ and says where."""
+    record = tmp_path / "records" / "run" / "attempt_0" / "1"
+    record.mkdir(parents=True)
+    aborting = (  # faulthandler on, as torch's launcher leaves it for the worker
+        "import faulthandler, os\nfrom phalanx import failures\nfaulthandler.enable()\n"
+        "failures.keep_fatal_stacks()\nos.abort()"
+    )
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(record / "error.json")}
+    done = subprocess.run(
+        [sys.executable, "-c", aborting], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGABRT
+    assert "Fatal Python error" not in done.stderr, done.stderr
+    aborted = ProcessFailure(
+        local_rank=1, pid=4242, exitcode=-6, error_file=str(record / "error.json")
+    )
+    stacks = tmp_path / "run" / "stacks"
+    failure = ChildFailedError("worker", {1: aborted})
+    message = str(failures.explain(failure, tmp_path / "records", stacks))
+    assert message.startswith("rank 1 was killed by SIGABRT (exit code -6) and recorded no error")
+    assert message.endswith(f"; its stacks as it ended: {stacks / 'rank-1-fatal.txt'}")
+    assert "Fatal Python error: Aborted" in (stacks / "rank-1-fatal.txt").read_text()
+    # noticed as a worker that ended without a record (the launcher saw another exit first)
+    noticed = ProcessFailure(
+        local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "absent.json")
+    )
+    message = str(
+        failures.explain(ChildFailedError("worker", {0: noticed}), tmp_path / "records", stacks)
+    )
+    assert message.startswith(
+        "rank 1 ended by a fatal error and recorded no other (Fatal Python error: Aborted): the "
+        "ranks may have called different collectives"
+    ), message
+    assert "outside" not in message
 
 
 @pytest.mark.parametrize(
