@@ -172,6 +172,40 @@ def test_ranks_meet_to_save_at_one_step_and_one_that_does_not_come_is_named():
             progress.close()
 
 
+def test_a_later_run_on_the_same_store_does_not_take_an_earlier_runs_meetings():
+    """A store that outlives a run (a group a script keeps): run 1's ranks met once at step 5,
+    then rank 1 alone at step 7 (its key of meeting 1 is never cleared); run 2's first meeting, at
+    step 10, waits for run 2's rank 1 instead of reading run 1's step 5."""
+    store = dist.HashStore()
+    first = [Progress(r, 2, 0.3, store, interval_s=0.02, run=1) for r in range(2)]
+    second = [Progress(r, 2, 5.0, store, interval_s=0.02, run=2) for r in range(2)]
+    try:
+        met = [threading.Thread(target=p.meet, args=("save_checkpoint", 5)) for p in first]
+        for thread in met:
+            thread.start()
+        for thread in met:
+            thread.join(timeout=30)
+        with pytest.raises(Late):
+            first[1].meet("save_checkpoint", 7)
+        errors = []
+
+        def meet(progress: Progress) -> None:
+            try:
+                progress.meet("save_checkpoint", 10)
+            except Late as e:
+                errors.append(str(e))
+
+        met = [threading.Thread(target=meet, args=(p,)) for p in second]
+        for thread in met:
+            thread.start()
+        for thread in met:
+            thread.join(timeout=30)
+        assert errors == []
+    finally:
+        for progress in first + second:
+            progress.close()
+
+
 def test_a_timeout_where_no_rank_is_behind_names_the_ranks_in_another_collective():
     """Rank 1 entered an all-reduce in a hook on its own (any_rank on one rank), rank 0 the next
     step's all-gather: both have entered as many collectives, and rank 0's timeout names rank 1

@@ -106,6 +106,12 @@ class Abilities(Protocol):
         end."""
         raise RuntimeError(f"{type(self).__name__} has no process that rejoins")
 
+    def meet(self, what: str, step: int) -> None:
+        """Every rank at its next `what` (a checkpoint's save) at the same step, before that makes
+        any collective: a rank that does not come fails the job, saying so, after the timeout.
+        Nothing to meet in one process."""
+        return None
+
     def end_epoch(self) -> None:
         """At each epoch's end, on every training process (a parameter server logs how the epoch's
         work was shared)."""
@@ -242,10 +248,6 @@ class Strategy(Abilities, Protocol):
 
     def barrier(self) -> None:
         """Wait until every rank gets here."""
-
-    def meet(self, what: str, step: int) -> None:
-        """Every rank at its next `what` (a checkpoint's save) at the same step, before that makes
-        any collective: a rank that does not come fails the job, saying so, after the timeout."""
 
     def shutdown(self) -> None:
         """Release process groups and devices."""
@@ -408,9 +410,6 @@ class OneProcess(Abilities):
         return value
 
     def barrier(self) -> None:
-        pass
-
-    def meet(self, what: str, step: int) -> None:
         pass
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:

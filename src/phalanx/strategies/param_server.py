@@ -104,9 +104,8 @@ class ParamServer(ProcessGroup, Replicated):
         if self._store is None:
             raise RuntimeError("param_server needs the process group's store, which torch hides")
         self._run = serving.next_run()
-        # the ranks in the collectives: the workers (a worker started again alone reports to a
-        # store of its own, and sees no other's reports: it names none when a wait times out)
-        self.progress.peers = () if self.incarnation else range(self.workers)
+        if self.incarnation:  # it reports to a store of its own, and sees no other's reports
+            self.progress.peers = ()
         if self.serving:
             self._links = {
                 worker: serving.link(self._store, self._run, self.rank, worker, 0, True)
@@ -129,7 +128,7 @@ class ParamServer(ProcessGroup, Replicated):
             )
         # the workers' own group, where the collectives run once the run has started
         self._crew = crew.Crew(
-            self._store, self._run, self.rank, self.workers, self.timeout_s, self._enter
+            self._store, self._run, self.rank, self.workers, self.timeout_s, self.progress.enter
         )
         self._group: Any = None  # the group the collectives run over: all, then the workers
         self._params: list[nn.Parameter] = []  # the optimizer's, in its order
@@ -141,9 +140,6 @@ class ParamServer(ProcessGroup, Replicated):
         self._staleness: Counter[int] = Counter()  # this epoch's gradients, by staleness
         self._chunks = 0  # this epoch's chunks computed here
         self._fetch: Callable[[list[int]], Mapping | None] | None = None  # reads training samples
-
-    def _enter(self, collective: str) -> None:
-        self.progress.enter(collective)
 
     def describe(self) -> tuple[str, str]:
         # a worker's part of a micro-batch is a chunk
@@ -351,11 +347,15 @@ class ParamServer(ProcessGroup, Replicated):
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
         self._group = "workers"
+        if not self.incarnation:  # the servers serve, and take no part in the collectives
+            self.progress.peers = range(self.workers)
         yield
         self._catch_up()
         for server in self._server_ranks():
             serving.wait([self._client.send(server, [DONE, 0, 0, 0, 0])])
         self._group = None
+        if not self.incarnation:
+            self.progress.peers = range(self.world_size)
 
     def serve(self, engine: Engine, steps_per_epoch: int | None) -> None:
         if steps_per_epoch is None:
@@ -420,8 +420,7 @@ class ParamServer(ProcessGroup, Replicated):
         self._crew.barrier()
 
     def meet(self, what: str, step: int) -> None:
-        """Nothing: the workers meet in `model_state`'s barrier (one that rejoined reports to a
-        store of its own)."""
+        """Nothing: the workers meet in `model_state`'s barrier (one rejoined reports elsewhere)."""
 
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         assert self.progress.where is not None

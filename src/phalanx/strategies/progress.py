@@ -28,6 +28,7 @@ _DIFFERENT = (
 )
 PUBLISH_INTERVAL_S = 0.1
 _current: Progress | None = None
+_runs = 0  # the runs this process has started (`start`)
 
 
 class Late(TimeoutError):
@@ -42,8 +43,12 @@ class Progress:
         timeout_s: float,
         store: Any = None,
         interval_s: float = PUBLISH_INTERVAL_S,
+        run: int = 0,
     ):
+        """`run`: this process's count of runs so far, the same in each of its group (its
+        meetings' names are the run's: the group and its store may outlive a run)."""
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.run = run
         # collectives this rank has entered, the last of them, and where the run was then
         self.entered = 0
         self.what = "start-up"
@@ -53,6 +58,7 @@ class Progress:
         # the ranks that enter the counted collectives (all; a param_server run's workers alone)
         self.peers: Sequence[int] = range(world_size)
         self._met: dict[str, int] = {}  # the meetings (`meet`) of each name so far
+        self._met_at: dict[str, int] = {}  # and the step of the last of them
         self._store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -143,12 +149,14 @@ class Progress:
         return "\n".join(lines)
 
     def _elsewhere(self, me: dict, error: BaseException) -> str | None:
-        """Where no rank is behind this one's count: the ranks whose last collective is another
-        one (a rank in a save that this one skipped), else None."""
+        """Where no rank is behind this one's count: the ranks as far as this one in another
+        collective (an any_rank that this one skipped), else None (a rank ahead went on past a
+        wait that timed out for another cause)."""
         elsewhere = {
             rank: info
             for rank, info in self.reports().items()
             if info is not None
+            and info["entered"] == me["entered"]
             and (info["what"], info["entered_in"]) != (me["what"], me["entered_in"])
         }
         if not elsewhere:
@@ -173,31 +181,42 @@ class Progress:
         if self._store is None or len(self.peers) < 2:
             return
         n = self._met[what] = self._met.get(what, 0) + 1
-        key = f"phalanx/meet/{what}/{{}}/{{}}"
-        self._store.set(key.format(n, self.rank), str(step))
-        others = {r: key.format(n, r) for r in self.peers if r != self.rank}
+        base = f"phalanx/meet/{self.run}/{what}/{n}"
+        # each rank its step (read where the meeting fails), and two counts: who came, and who
+        # came at this step (every rank polls one key, not each other's)
+        self._store.set(f"{base}/rank/{self.rank}", str(step))
+        self._store.add(f"{base}/at/{step}", 1)
+        came = self._store.add(base, 1)
         # polled: the store's own wait logs its timeout in C++ words on the way out. It gives up
         # a little before the others' collectives time out: this rank knows why, and says it first
         deadline, pause = time.monotonic() + 0.9 * self.timeout_s, 0.001
-        while not self._store.check(list(others.values())):
+        while came < len(self.peers):
             if time.monotonic() > deadline:
-                missing = [r for r, k in others.items() if not self._store.check([k])]
-                if missing:  # else they came as the time ran out
-                    raise self._not_met(what, step, missing)
+                raise self._not_met(what, step, base)
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
-        steps = {r: int(self._store.get(k)) for r, k in others.items()}
-        if n > 1:
-            self._store.delete_key(key.format(n - 1, self.rank))
-        differ = [r for r, s in steps.items() if s != step]
-        if differ:
-            r = differ[0]
+            came = self._store.add(base, 0)
+        if self._store.add(f"{base}/at/{step}", 0) < came:
+            steps = {r: int(self._store.get(f"{base}/rank/{r}")) for r in self.peers}
+            r = next(r for r, at in steps.items() if at != step)
             raise Late(
                 f"rank {r} called {what} at step {steps[r]} where rank {self.rank} called it at "
                 f"step {step}: {_DIFFERENT}. Every rank was stopped."
             )
+        # every rank is past the last meeting's reads (each came to this one after them): its keys
+        # go, each rank's by itself, the counts by the first
+        last = self._met_at.get(what)
+        if last is not None:
+            done = f"phalanx/meet/{self.run}/{what}/{n - 1}"
+            self._store.delete_key(f"{done}/rank/{self.rank}")
+            if self.rank == self.peers[0]:
+                self._store.delete_key(done)
+                self._store.delete_key(f"{done}/at/{last}")
+        self._met_at[what] = step
 
-    def _not_met(self, what: str, step: int, missing: list[int]) -> Late:
+    def _not_met(self, what: str, step: int, base: str) -> Late:
+        keys = {r: f"{base}/rank/{r}" for r in self.peers if r != self.rank}
+        missing = [r for r, key in keys.items() if not self._store.check([key])]
         me = self.report()
         reports = self.reports()
         names = ", ".join(str(r) for r in missing)
@@ -267,9 +286,10 @@ def is_timeout(error: BaseException) -> bool:
 
 def start(rank: int, world_size: int, timeout_s: float, store: Any) -> Progress:
     """This process's progress, published to `store`; `explain` reads it."""
-    global _current
+    global _current, _runs
     stop()
-    _current = Progress(rank, world_size, timeout_s, store)
+    _runs += 1  # every process of the group starts its runs in the same order
+    _current = Progress(rank, world_size, timeout_s, store, run=_runs)
     return _current
 
 
