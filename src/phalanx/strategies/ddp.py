@@ -288,7 +288,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
 
 
 # what a strategy that does not support a setting suggests instead
-INSTEAD = "parallel.strategy=ddp (bf16 instead of fp16)"
+INSTEAD = "parallel.strategy=ddp"
 
 
 class DDPSettings(StrategySettings):

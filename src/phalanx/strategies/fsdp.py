@@ -54,7 +54,7 @@ from phalanx.strategies.distributed import (
     agreement,
 )
 from phalanx.strategies.pricing import compute_of
-from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.registry import PRECISION, Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
@@ -489,7 +489,7 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         "fsdp",
         {
             "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
+            PRECISION: cfg.precision == "fp16",
         },
         INSTEAD,
     )

@@ -41,7 +41,7 @@ from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import agreement
 from phalanx.strategies.fsdp import FSDP, FSDPSettings, find_shard_units, shard_policies
 from phalanx.strategies.pipeline import Pipeline
-from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.registry import PRECISION, Family, refuse, register
 from phalanx.strategies.staging import checked_settings
 from phalanx.strategies.staging import layout as pipeline_layout
 from phalanx.strategies.tensor import (
@@ -266,7 +266,7 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         "mesh",
         {
             "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
+            PRECISION: cfg.precision == "fp16",
         },
         "parallel.strategy=fsdp or ddp",
     )

@@ -56,7 +56,7 @@ from phalanx.strategies import crew, in_worker, progress, serving
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, Replicated, prepare
 from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.distributed import ProcessGroup, _attempt_store, _default_store
-from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.registry import PRECISION, Family, refuse, register
 from phalanx.strategies.serving import CLAIM, DONE, LOSSES, PULL, PUSH, STATE
 
 if TYPE_CHECKING:
@@ -555,7 +555,7 @@ def check(cfg: Config, accelerator: str, processes: int) -> None:
         {
             "parallel.shard_weights": cfg.parallel.shard_weights is not None,
             "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
+            PRECISION: cfg.precision == "fp16",
         },
         INSTEAD,
     )

@@ -57,8 +57,7 @@ class Progress:
         self.where: Callable[[], tuple[int, bool]] | None = None
         # the ranks that enter the counted collectives (all; a param_server run's workers alone)
         self.peers: Sequence[int] = range(world_size)
-        self._met: dict[str, int] = {}  # the meetings (`meet`) of each name so far
-        self._met_at: dict[str, int] = {}  # and the step of the last of them
+        self._met: dict[str, tuple[int, int]] = {}  # each name's meetings, and the last one's step
         self._store = store
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -145,7 +144,7 @@ class Progress:
             if info is not None:
                 line += f"; the last collective it entered: {info['what']} of {info['entered_in']}"
             lines.append(line)
-        lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
+        lines.append(_cause(error))
         return "\n".join(lines)
 
     def _elsewhere(self, me: dict, error: BaseException) -> str | None:
@@ -169,7 +168,7 @@ class Progress:
         for rank, info in elsewhere.items():
             line = seen(rank, info, me["time"])
             lines.append(f"{line}; in {info['what']} of {info['entered_in']}")
-        lines.append(f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})")
+        lines.append(_cause(error))
         return "\n".join(lines)
 
     def meet(self, what: str, step: int) -> None:
@@ -180,7 +179,9 @@ class Progress:
         self.enter(what)
         if self._store is None or len(self.peers) < 2:
             return
-        n = self._met[what] = self._met.get(what, 0) + 1
+        n, last = self._met.get(what, (0, -1))
+        n += 1
+        self._met[what] = n, step
         base = f"phalanx/meet/{self.run}/{what}/{n}"
         # each rank its step (read where the meeting fails), and two counts: who came, and who
         # came at this step (every rank polls one key, not each other's)
@@ -205,14 +206,12 @@ class Progress:
             )
         # every rank is past the last meeting's reads (each came to this one after them): its keys
         # go, each rank's by itself, the counts by the first
-        last = self._met_at.get(what)
-        if last is not None:
+        if n > 1:
             done = f"phalanx/meet/{self.run}/{what}/{n - 1}"
             self._store.delete_key(f"{done}/rank/{self.rank}")
             if self.rank == self.peers[0]:
                 self._store.delete_key(done)
                 self._store.delete_key(f"{done}/at/{last}")
-        self._met_at[what] = step
 
     def _not_met(self, what: str, step: int, base: str) -> Late:
         keys = {r: f"{base}/rank/{r}" for r in self.peers if r != self.rank}
@@ -269,6 +268,11 @@ def seen(rank: int, info: dict | None, now: float) -> str:
     return f"  rank {rank}: last seen in {info['position']} ({ago:.0f} s earlier)"
 
 
+def _cause(error: BaseException) -> str:
+    """The timed-out wait's own error, its last line, under an explanation."""
+    return f"  ({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]})"
+
+
 def _position(where: tuple[int, bool] | None) -> str:
     """'step N' (the step being trained), 'evaluation after step N' or 'start-up'."""
     if where is None:
@@ -304,9 +308,3 @@ def stop() -> None:
 def explain(error: BaseException) -> str | None:
     """See `Progress.explain`; None where this process runs no collectives."""
     return _current.explain(error) if _current is not None else None
-
-
-def meet(what: str, step: int) -> None:
-    """See `Progress.meet`; nothing where this process runs no collectives."""
-    if _current is not None:
-        _current.meet(what, step)

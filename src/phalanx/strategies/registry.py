@@ -17,7 +17,6 @@ the config is loaded.
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -157,13 +156,16 @@ def sections() -> dict[str, tuple[Any, Any]]:
     return {n: (f.settings, f.field) for n, f in families().items() if f.settings is not None}
 
 
+PRECISION = "precision=fp16"  # the setting `refuse` names where a strategy cannot train in fp16
+
+
 def refuse(name: str, unsupported: dict[str, bool], instead: str) -> None:
-    """One error naming the settings strategy `name` does not support that the config uses."""
+    """One error naming the settings strategy `name` does not support that the config uses; where
+    fp16 is one, the hint of bf16 with it."""
     named = [setting for setting, used in unsupported.items() if used]
     if named:
-        # a hint about precision ("bf16 instead of fp16") is said only where fp16 is refused
-        if "fp16" not in " ".join(named):
-            instead = re.sub(r"\s*\([^)]*fp16[^)]*\)", "", instead)
+        if PRECISION in named:
+            instead += " (bf16 instead of fp16)"
         raise ConfigError(
             f"parallel.strategy={name} does not support {', '.join(named)}; remove it, or use "
             f"{instead}"

@@ -137,7 +137,9 @@ def make_stages(
             engine.precision,
         )
         last = k == stages - 1
-        loss = torch.empty(rows, dtype=loss_dtype, device=device, requires_grad=True)
+        loss = (
+            torch.empty(rows, dtype=loss_dtype, device=device, requires_grad=True) if last else None
+        )
         counted.append(
             CountedStage(
                 enter,
@@ -147,7 +149,7 @@ def make_stages(
                 stages,
                 device,
                 input_args=() if k == 0 else meta(k - 1),
-                output_args=loss if last else meta(k),
+                output_args=loss if loss is not None else meta(k),
                 group=group,
             )
         )

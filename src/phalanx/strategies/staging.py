@@ -13,7 +13,7 @@ from phalanx.costs import NO_CHAIN, ONE_DEVICE, Measured, Setup, balanced_split
 from phalanx.errors import ConfigError, count
 from phalanx.settings import StrategySettings
 from phalanx.strategies import schedules
-from phalanx.strategies.registry import refuse
+from phalanx.strategies.registry import PRECISION, refuse
 from phalanx.strategies.schedules import SCHEDULES
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def checked_settings(cfg: Config, accelerator: str, strategy: str = "pipeline") 
         {
             "parallel.shard_weights": cfg.parallel.shard_weights is not None,
             "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
+            PRECISION: cfg.precision == "fp16",
             "compile": bool(cfg.compile),
         },
         "parallel.strategy=ddp or fsdp",

@@ -50,7 +50,7 @@ from phalanx.strategies.base import (
 )
 from phalanx.strategies.ddp import INSTEAD
 from phalanx.strategies.ddp import price as ddp_price
-from phalanx.strategies.registry import Family, refuse, register
+from phalanx.strategies.registry import PRECISION, Family, refuse, register
 from phalanx.strategies.syncbn import WITH_DDP, PerDeviceStatistics
 
 if TYPE_CHECKING:
@@ -396,7 +396,7 @@ def build(cfg: Config, accelerator: str, devices: int) -> Towers:
         {
             "parallel.shard_weights": cfg.parallel.shard_weights is not None,
             "parallel.sync_batchnorm": cfg.parallel.sync_batchnorm,
-            "precision=fp16": cfg.precision == "fp16",
+            PRECISION: cfg.precision == "fp16",
         },
         INSTEAD,
     )
