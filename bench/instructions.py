@@ -4,6 +4,7 @@ whose wall-clock timings cannot resolve differences under a few percent.
     .venv/bin/python bench/instructions.py                      # the ddp pairs, about 5 min
     .venv/bin/python bench/instructions.py --variants hand-step,phalanx-step --steps 50
     .venv/bin/python bench/instructions.py --native --steps 3   # without valgrind: no counts
+    .venv/bin/python bench/instructions.py --opcodes 40 --variants hand-epoch,phalanx-epoch
 
 Each variant is a function that runs one optimizer step on a fixed batch (`*-step`) or one epoch of
 `--epoch-steps` steps with its data loading and hooks (`*-epoch`), on the tiny MLP of
@@ -20,6 +21,16 @@ and valgrind's headers) starts instrumentation, zeroes the counters, calls a var
 figures are the main thread's instructions per step; gloo's threads are counted apart and left out.
 Instructions are not time: the same count can take longer where it misses caches more, and at world
 size 2 phalanx's extra instructions cost about twice their share of the step (BENCHMARKS.md).
+
+`--cache` adds callgrind's cache simulation (32 KB first-level caches, a 512 KB last level, a
+core's own L2 here) and prints each variant's last-level misses a step beside its instructions:
+memory that a step touches beyond what the caches hold, which instruction counts do not see.
+
+Callgrind counts the interpreter, not the Python functions it runs. `--opcodes N` runs without
+valgrind and counts instead the Python bytecode instructions each variant executes (a trace of every
+opcode, in seconds), per step and by function: each variant's total, phalanx's over its hand loop's,
+and the N phalanx functions that execute the most. These counts repeat exactly too, and name the
+Python that a step adds.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import hashlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
@@ -38,6 +50,7 @@ import sysconfig  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -149,7 +162,8 @@ def worker(args) -> int:
         MASTER_PORT=str(args.port),
     )
     dist.init_process_group("gloo")
-    run = _runner(args.native)
+    run = _runner(args.native, args.opcodes)
+    _EPOCH_STEPS[0] = args.epoch_steps
     try:
         with tempfile.TemporaryDirectory(prefix="phalanx-instructions-") as tmp:
             names = args.variants.split(",")
@@ -171,7 +185,9 @@ def worker(args) -> int:
     return 0
 
 
-def _runner(native: bool) -> Callable[[Callable, int, str], None]:
+def _runner(native: bool, opcodes: int | None = None) -> Callable[[Callable, int, str], None]:
+    if opcodes is not None:
+        return _opcode_runner(opcodes)
     if native:
 
         def run(f: Callable, n: int, name: str) -> None:
@@ -184,6 +200,52 @@ def _runner(native: bool) -> Callable[[Callable, int, str], None]:
     import cgmark
 
     return cgmark.run
+
+
+def opcode_census(f: Callable[[], None], n: int) -> collections.Counter:
+    """The Python opcodes that `n` calls of `f` execute in this thread, by function (file, first
+    line, name)."""
+    census: collections.Counter = collections.Counter()
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call":
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        elif event == "opcode":
+            code = frame.f_code
+            census[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for _ in range(n):
+            f()
+    finally:
+        sys.settrace(None)
+    return census
+
+
+def _opcode_runner(top: int) -> Callable[[Callable, int, str], None]:
+    totals: dict[str, float] = {}
+
+    def run(f: Callable, n: int, name: str) -> None:
+        census = opcode_census(f, n)
+        steps = n * _EPOCH_STEPS[0] if is_epoch(name) else n
+        totals[name] = sum(census.values()) / steps
+        print(f"{name}: {totals[name]:,.0f} Python opcodes a step", flush=True)
+        for hand, phalanx in PAIRS:
+            if phalanx == name and hand in totals:
+                print(f"{name} - {hand}: {totals[name] - totals[hand]:+,.0f} a step", flush=True)
+        if name.startswith("phalanx"):
+            own = [(k, c) for k, c in census.most_common() if _PHALANX in k[0]][:top]
+            for (file, line, function), count in own:
+                where = f"{file.rsplit(_PHALANX, 1)[1]}:{line} {function}"
+                print(f"  {count / steps:10,.1f}  {where}", flush=True)
+
+    return run
+
+
+_PHALANX = f"{os.sep}phalanx{os.sep}"
+_EPOCH_STEPS = [0]  # steps in an epoch variant's epoch, set by the worker
 
 
 # --- the parent -----------------------------------------------------------------------------------
@@ -236,30 +298,52 @@ def is_epoch(variant: str) -> bool:
 
 def counts(folder: Path) -> dict[str, int]:
     """Main-thread instructions, by variant, from callgrind's dumps (thread 01 of each)."""
+    return {name: found["Ir"] for name, found in events(folder).items()}
+
+
+def events(folder: Path) -> dict[str, dict[str, int]]:
+    """Each variant's main-thread events (instructions `Ir`; with the cache simulation its misses
+    too), from callgrind's dumps (thread 01 of each)."""
     found = {}
     for dump in sorted(folder.glob("out.*-01")):
         text = dump.read_text(errors="replace")
         name = re.search(r"^desc: Trigger: Client Request: (.+)$", text, re.MULTILINE)
-        total = re.search(r"^(?:summary|totals): (\d+)", text, re.MULTILINE)
+        names = re.search(r"^events: (.+)$", text, re.MULTILINE)
+        total = re.search(r"^(?:summary|totals): ([\d ]+)$", text, re.MULTILINE)
         if name and total:
-            found[name.group(1).strip()] = int(total.group(1))
+            kinds = names.group(1).split() if names else ["Ir"]
+            found[name.group(1).strip()] = dict(
+                zip(kinds, map(int, total.group(1).split()), strict=True)
+            )
     return found
 
 
-def report(totals: dict[str, int], args) -> None:
-    per_step = {
-        n: c / (args.epochs * args.epoch_steps if is_epoch(n) else args.steps)
-        for n, c in totals.items()
-    }
-    print(f"\n{'variant':<20}{'instructions/step':>18}")
-    for name, count in per_step.items():
-        print(f"{name:<20}{count:>18,.0f}")
-    print(f"\n{'phalanx over hand':<40}{'instructions/step':>18}{'ratio':>8}")
+# what `--cache` simulates: 32 KB first-level caches and a 512 KB last level, a core's own L2 on
+# the 2-core machines here (their L3 is shared with other tenants)
+CACHES = ["--I1=32768,8,64", "--D1=32768,8,64", "--LL=524288,8,64"]
+MISSES = ("ILmr", "DLmr", "DLmw")  # the last level's: instruction reads, data reads, data writes
+
+
+def report(found: dict[str, dict[str, int]], args) -> None:
+    def per_step(name: str, kinds: tuple[str, ...]) -> float:
+        steps = args.epochs * args.epoch_steps if is_epoch(name) else args.steps
+        return sum(found[name].get(kind, 0) for kind in kinds) / steps
+
+    columns: list[tuple[str, tuple[str, ...]]] = [("instructions/step", ("Ir",))]
+    if args.cache:
+        columns.append(("LL misses/step", MISSES))
+    head = "".join(f"{title:>18}" for title, _ in columns)
+    print(f"\n{'variant':<20}{head}")
+    for name in found:
+        print(f"{name:<20}" + "".join(f"{per_step(name, k):>18,.0f}" for _, k in columns))
+    print(f"\n{'phalanx over hand':<40}" + "".join(f"{t:>18}{'ratio':>8}" for t, _ in columns))
     for hand, phalanx in PAIRS:
-        if hand in per_step and phalanx in per_step:
-            extra = per_step[phalanx] - per_step[hand]
-            ratio = per_step[phalanx] / per_step[hand]
-            print(f"{phalanx + ' - ' + hand:<40}{extra:>+18,.0f}{ratio:>8.3f}")
+        if hand in found and phalanx in found:
+            row = f"{phalanx + ' - ' + hand:<40}"
+            for _, kinds in columns:
+                mine, theirs = per_step(phalanx, kinds), per_step(hand, kinds)
+                row += f"{mine - theirs:>+18,.0f}{mine / theirs:>8.3f}"
+            print(row)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +371,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--native", action="store_true", help="run the variants without valgrind; count nothing"
     )
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="also simulate the caches (32 KB L1s, a 512 KB last level): its misses a step; slower",
+    )
+    parser.add_argument(
+        "--opcodes",
+        type=int,
+        metavar="N",
+        help="without valgrind: Python opcodes a step, and the N phalanx functions running most",
+    )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -295,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if min(args.steps, args.epochs, args.epoch_steps) < 1 or args.warmup < 0:
         parser.error("--steps, --epochs and --epoch-steps must be at least 1, --warmup at least 0")
-    if args.worker or args.native:
+    if args.opcodes is not None and args.opcodes < 0:
+        parser.error("--opcodes takes the number of phalanx functions to list, 0 or more")
+    if args.worker or args.native or args.opcodes is not None:
         from bench.common import free_port
 
         args.port = args.port or free_port()
@@ -317,6 +414,7 @@ def measure(args) -> int:
             "--tool=callgrind",
             "--instr-atstart=no",
             "--separate-threads=yes",
+            *(["--cache-sim=yes", *CACHES] if args.cache else []),
             f"--callgrind-out-file={out}/out",
             sys.executable,
             __file__,
@@ -347,12 +445,12 @@ def measure(args) -> int:
         if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
             return 1
-        totals = counts(Path(out))
-    missing = [v for v in args.variants.split(",") if v not in totals]
+        found = events(Path(out))
+    missing = [v for v in args.variants.split(",") if v not in found]
     if missing:
         print(f"no counts for {missing}: callgrind wrote no dump for them", file=sys.stderr)
         return 1
-    report(totals, args)
+    report(found, args)
     return 0
 
 

@@ -1,11 +1,12 @@
 """The two CPU overhead benchmarks end to end at tiny sizes, in real processes: every loop runs
 every chunk it should, both learn the same task, and the JSON's figures agree with one another. The
 figures themselves are measurements, recorded in BENCHMARKS.md, not asserted here. The instruction
-counter's variants run natively (callgrind itself takes minutes), and its reading of callgrind's
-dumps is checked on dumps written here."""
+counter's variants run natively (callgrind itself takes minutes), its reading of callgrind's
+dumps is checked on dumps written here, and its opcode census on functions of known bytecode."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -233,6 +234,70 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
         "version: 1\ncmd: python\n"
     )  # no client request: not a variant
     assert counts(tmp_path) == {"hand-step": 4_000_000, "phalanx-step": 4_400_000}
+
+
+def test_instruction_counter_reads_the_cache_misses_and_reports_them_a_step(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    from instructions import events, report
+
+    kinds = "Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw"
+    for i, (label, values) in enumerate(
+        [
+            ("hand-step", "4000 900 400 90 80 20 10 200 100"),
+            ("phalanx-step", "4400 1 1 1 1 1 30 260 110"),
+        ]
+    ):
+        (tmp_path / f"out.{i + 1}-01").write_text(
+            f"version: 1\ndesc: Trigger: Client Request: {label}\nevents: {kinds}\n"
+            f"summary: {values}\n"
+        )
+    found = events(tmp_path)
+    assert found["hand-step"]["DLmw"] == 100 and found["phalanx-step"]["Ir"] == 4400
+    report(found, argparse.Namespace(cache=True, steps=10, epochs=1, epoch_steps=1))
+    said = capsys.readouterr().out
+    # a step: 440 against 400 instructions, 40 against 31 last-level misses
+    row = next(line for line in said.splitlines() if line.startswith("phalanx-step - hand-step"))
+    assert row.split()[3:] == ["+40", "1.100", "+9", "1.290"]
+
+
+def test_opcode_census_counts_each_functions_bytecode_alike_on_every_run(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from instructions import opcode_census
+
+    def loop(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    ten, again, twenty = (opcode_census(lambda n=n: loop(n), 3) for n in (10, 10, 20))
+    mine = {k: c for k, c in ten.items() if k[2] == "loop"}
+    assert len(mine) == 1 and ten == again
+    key = next(iter(mine))
+    # each of the ten more turns runs the same few opcodes, three calls over
+    per_turn = (twenty[key] - ten[key]) / 30
+    assert per_turn == int(per_turn) and per_turn >= 3
+
+    said = run_bench(
+        tmp_path,
+        "instructions.py",
+        "--opcodes",
+        "5",
+        "--variants",
+        "hand-step,phalanx-step",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+    )
+    totals = {
+        line.split(":")[0]: float(line.split()[1].replace(",", ""))
+        for line in said.splitlines()
+        if line.endswith("Python opcodes a step")
+    }
+    assert set(totals) == {"hand-step", "phalanx-step"} and totals["hand-step"] > 1000
+    listed = said.split("phalanx-step - hand-step")[1].splitlines()[1:]
+    assert len(listed) == 5 and any("engine.py" in line for line in listed)
 
 
 def test_largest_model_search_trains_each_trial_through_phalanx_train(tmp_path):
