@@ -24,7 +24,8 @@ size 2 phalanx's extra instructions cost about twice their share of the step (BE
 
 `--cache` adds callgrind's cache simulation (32 KB first-level caches, a 512 KB last level, a
 core's own L2 here) and prints each variant's last-level misses a step beside its instructions:
-memory that a step touches beyond what the caches hold, which instruction counts do not see.
+memory that a step touches beyond what the caches hold, which instruction counts do not see
+(where the allocator puts each object decides which lines collide: they move a little between runs).
 
 Callgrind counts the interpreter, not the Python functions it runs. `--opcodes N` runs without
 valgrind and counts instead the Python bytecode instructions each variant executes (a trace of every
