@@ -28,10 +28,10 @@ memory that a step touches beyond what the caches hold, which instruction counts
 (where the allocator puts each object decides which lines collide: they move a little between runs).
 
 Callgrind counts the interpreter, not the Python functions it runs. `--opcodes N` runs without
-valgrind and counts instead the Python bytecode instructions each variant executes (a trace of every
-opcode, in seconds), per step and by function: each variant's total, phalanx's over its hand loop's,
-and the N phalanx functions that execute the most. These counts repeat exactly too, and name the
-Python that a step adds.
+valgrind and counts instead the Python bytecode instructions each variant executes on the main
+thread (a trace of every opcode, in seconds), per step and by function: each variant's total,
+phalanx's over its hand loop's, and the N phalanx functions that execute the most. These counts
+repeat exactly too, and name the Python that a step adds.
 """
 
 from __future__ import annotations
@@ -163,8 +163,7 @@ def worker(args) -> int:
         MASTER_PORT=str(args.port),
     )
     dist.init_process_group("gloo")
-    run = _runner(args.native, args.opcodes)
-    _EPOCH_STEPS[0] = args.epoch_steps
+    run = _runner(args.native, args.opcodes, args.epoch_steps)
     try:
         with tempfile.TemporaryDirectory(prefix="phalanx-instructions-") as tmp:
             names = args.variants.split(",")
@@ -186,9 +185,11 @@ def worker(args) -> int:
     return 0
 
 
-def _runner(native: bool, opcodes: int | None = None) -> Callable[[Callable, int, str], None]:
+def _runner(
+    native: bool, opcodes: int | None = None, epoch_steps: int = 1
+) -> Callable[[Callable, int, str], None]:
     if opcodes is not None:
-        return _opcode_runner(opcodes)
+        return _opcode_runner(opcodes, epoch_steps)
     if native:
 
         def run(f: Callable, n: int, name: str) -> None:
@@ -225,12 +226,14 @@ def opcode_census(f: Callable[[], None], n: int) -> collections.Counter:
     return census
 
 
-def _opcode_runner(top: int) -> Callable[[Callable, int, str], None]:
+def _opcode_runner(top: int, epoch_steps: int) -> Callable[[Callable, int, str], None]:
+    """Each variant's census: its opcodes a step, phalanx's over the hand loop's, and the `top`
+    phalanx functions that run the most."""
     totals: dict[str, float] = {}
 
     def run(f: Callable, n: int, name: str) -> None:
         census = opcode_census(f, n)
-        steps = n * _EPOCH_STEPS[0] if is_epoch(name) else n
+        steps = n * epoch_steps if is_epoch(name) else n
         totals[name] = sum(census.values()) / steps
         print(f"{name}: {totals[name]:,.0f} Python opcodes a step", flush=True)
         for hand, phalanx in PAIRS:
@@ -246,7 +249,6 @@ def _opcode_runner(top: int) -> Callable[[Callable, int, str], None]:
 
 
 _PHALANX = f"{os.sep}phalanx{os.sep}"
-_EPOCH_STEPS = [0]  # steps in an epoch variant's epoch, set by the worker
 
 
 # --- the parent -----------------------------------------------------------------------------------
@@ -393,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps, --epochs and --epoch-steps must be at least 1, --warmup at least 0")
     if args.opcodes is not None and args.opcodes < 0:
         parser.error("--opcodes takes the number of phalanx functions to list, 0 or more")
+    if args.cache and (args.native or args.opcodes is not None):
+        parser.error("--cache is callgrind's; drop --native and --opcodes, which run without it")
     if args.worker or args.native or args.opcodes is not None:
         from bench.common import free_port
 
