@@ -417,7 +417,9 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
     failures.keep_fatal_stacks()
-    _Guard(Path(run_dir), launcher_pid).start()
+    guard = _Guard(Path(run_dir), launcher_pid)
+    guard.start()
+    signals.before_exit(guard.last_words)
     rejoins = _rejoins(environment.here().rank)
     if rejoins and environment.INCARNATION not in os.environ:
         return _supervise(run_dir, run, args, rejoins)
@@ -529,16 +531,30 @@ class _Guard(threading.Thread):
                     f"worker rank {environment.here().rank} stops"
                 )
                 _end(1)
-            try:
-                code = abort_code(self.abort.read_text(), self.attempt)
-            except OSError:
-                code = None
+            code = self._aborted()
             if code is not None:
-                # where this rank was (stuck, perhaps) when the job ended
-                dump_stacks(self.run_dir)
-                failures.record_stop()
+                self._record_stop()
                 _end(code)
             time.sleep(GUARD_INTERVAL_S)
+
+    def last_words(self) -> None:
+        """Before a signal ends this worker at once: where the job is aborting, what this thread
+        would have recorded. The launcher ends the others with SIGTERM once a worker has failed,
+        which can come before this thread's next look at ABORT_FILE (a rank that is not training,
+        such as a parameter server, ends at the signal)."""
+        if self._aborted() is not None:
+            self._record_stop()
+
+    def _aborted(self) -> int | None:
+        try:
+            return abort_code(self.abort.read_text(), self.attempt)
+        except OSError:
+            return None
+
+    def _record_stop(self) -> None:
+        # where this rank was (stuck, perhaps) when the job ended
+        dump_stacks(self.run_dir)
+        failures.record_stop()
 
 
 def abort_code(text: str, attempt: str) -> int | None:

@@ -39,6 +39,8 @@ _worker = False  # set in a worker of phalanx's launcher
 _at_once = False
 # the process whose half-written checkpoints a signal removes (not a forked child's)
 _pid = os.getpid()
+# in a worker: what it leaves in the run before a signal ends it at once (see `before_exit`)
+_last_words: Callable[[], None] | None = None
 
 
 class Interrupted(KeyboardInterrupt):
@@ -77,8 +79,11 @@ def exit_at_once(signum: int, frame: object = None) -> None:
     number."""
     from phalanx import checkpoint
 
-    # a forked child (a data loader's worker) owns no checkpoint in progress
+    # a forked child (a data loader's worker) owns no checkpoint in progress, nor the run's records
     if os.getpid() == _pid:
+        if _last_words is not None:
+            with contextlib.suppress(Exception):  # the exit must come, whatever the record does
+                _last_words()
         checkpoint.abort_in_progress()
     os._exit(128 + signum)
 
@@ -90,6 +95,14 @@ def end_at_once_on_signals() -> None:
     _worker, _at_once, _pid = True, True, os.getpid()
     for sig in SIGNALS:
         signal.signal(sig, exit_at_once)
+
+
+def before_exit(last_words: Callable[[], None]) -> None:
+    """In a worker: call `last_words()` before a signal ends this process at once (its records of
+    an aborted job, which the launcher's SIGTERM may bring before the worker's own watch saw the
+    abort)."""
+    global _last_words
+    _last_words = last_words
 
 
 # A signal's handler runs in the main thread between two Python instructions: not while the main

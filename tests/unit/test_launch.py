@@ -233,3 +233,62 @@ def test_a_rank_another_stopped_exits_with_the_signal_the_launcher_received(tmp_
     other = GracefulStop()
     other.watch(tmp_path / "never-written")
     assert other.exit_code() == 128 + signal.SIGTERM
+
+
+# A worker that serves (no training: the launcher's SIGTERM ends it at once), its guard thread not
+# started, so that only the signal's path can leave a record.
+_SERVING = """
+import os, sys, time
+from pathlib import Path
+from phalanx import launch, signals
+signals.end_at_once_on_signals()
+guard = launch._Guard(Path(sys.argv[1]), os.getppid())
+signals.before_exit(guard.last_words)
+def serving():
+    print("serving", flush=True)
+    time.sleep(120)
+serving()
+"""
+
+
+@pytest.mark.parametrize("aborted", [True, False])
+def test_a_worker_the_launcher_ends_before_its_guard_looked_still_leaves_its_stack(
+    tmp_path, aborted
+):
+    """Once a worker has failed (and written ABORT_FILE), the launcher ends the others with SIGTERM,
+    which can come before a worker's guard thread looks at ABORT_FILE again; a rank that is not
+    training (a parameter server) ends at the signal. It leaves its stack and the record that it
+    was told to stop all the same, for the error's "every rank's stack when the job ended". A
+    SIGTERM with no abort under way (an elastic job's re-forming) leaves neither."""
+    from phalanx.launch import ABORT_FILE, STACKS
+
+    record = tmp_path / "error.json"
+    env = {
+        **os.environ,
+        "RANK": "2",
+        "WORLD_SIZE": "3",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_ERROR_FILE": str(record),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVING, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
+        if aborted:  # rank 0 failed in attempt 0
+            (tmp_path / ABORT_FILE).write_text("1 0")
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    stack = tmp_path / STACKS / "rank-2.txt"
+    if aborted:
+        assert "line 10 in serving" in stack.read_text(), stack.read_text()
+        assert "rank 2 was told to stop" in record.read_text()
+    else:
+        assert not stack.exists() and not record.exists()
