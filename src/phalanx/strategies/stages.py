@@ -136,9 +136,11 @@ def make_stages(
             active,
             engine.precision,
         )
-        last = k == stages - 1
-        loss = (
-            torch.empty(rows, dtype=loss_dtype, device=device, requires_grad=True) if last else None
+        # the last stage's output is each row's loss
+        output = (
+            torch.empty(rows, dtype=loss_dtype, device=device, requires_grad=True)
+            if k == stages - 1
+            else meta(k)
         )
         counted.append(
             CountedStage(
@@ -149,7 +151,7 @@ def make_stages(
                 stages,
                 device,
                 input_args=() if k == 0 else meta(k - 1),
-                output_args=loss if loss is not None else meta(k),
+                output_args=output,
                 group=group,
             )
         )
