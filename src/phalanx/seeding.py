@@ -26,7 +26,8 @@ was. Reading and comparing the whole states (2.5 to 5 KB each) around every batc
 model's training step about 4% in the measurements (BENCHMARKS.md): more than their own
 microseconds, in what they evict from the caches. A draw moves the position; draws that bring it
 back (a multiple of 624) have made all 624 words anew, so that a mark alike after a draw is as
-likely as two random 64-bit numbers alike.
+likely as two random 64-bit numbers alike. A stream seen to draw from none (most: a tensor
+dataset, a tokenised corpus) costs a batch the marks read before and after it, and nothing else.
 """
 
 from __future__ import annotations
@@ -168,6 +169,18 @@ class _Marked:
             if mark is not None:
                 return mark == known[0]
         return self._same(saved)
+
+    def kept(self) -> tuple[Any, Any] | None:
+        """(the mark the generator is at, its state there), the state read where the generator
+        moved since it was kept; None where the state cannot be kept (`_keeps`)."""
+        mark = self._mark()  # first: it forgets what was kept of a generator replaced
+        known = self._known
+        if known is not None and known[0] == mark:
+            return known
+        if mark is None:
+            return None
+        self.get()  # read, and kept where it can be
+        return self._known
 
 
 class _NumpyState(_Marked):
@@ -421,6 +434,21 @@ GENERATORS = {
 _IN_ORDER = tuple(GENERATORS.items())
 
 
+def _kept() -> tuple[tuple[Any, Any], ...] | None:
+    """(mark, state) of each of the three generators (in GENERATORS' order), where each one's state
+    can be kept at its mark; None where one's cannot."""
+    kept = (_TORCH_READER.kept(), _RANDOM.kept(), _NUMPY.kept())
+    return None if None in kept else kept
+
+
+def _marks() -> tuple:
+    return _TORCH_READER._mark(), _RANDOM._mark(), _NUMPY._mark()
+
+
+def _states_of(kept: tuple[tuple[Any, Any], ...]) -> dict[str, Any]:
+    return {name: state for name, (_, state) in zip(GENERATORS, kept, strict=True)}
+
+
 def seed(s: int) -> None:
     """Seed torch's global CPU generator, `random` and NumPy's legacy global generator with `s`."""
     for generator in GENERATORS.values():
@@ -488,6 +516,10 @@ class Keyed(Dataset):
 
     def read(self, indices: list[int], key: int | list[int]) -> list[Any]:
         """The items `indices`, each read under `key` (one key, or one an item)."""
+        if not self.drawn:
+            items = self._unseeded(indices)
+            if items is not None:
+                return items
         saved = states()
         try:
             while True:
@@ -516,6 +548,28 @@ class Keyed(Dataset):
             raise
         restore(saved, self.drawn)
         return items
+
+    def _unseeded(self, indices: list[int]) -> list[Any] | None:
+        """The items read from the generators as they are, for a stream seen to draw from none:
+        where none moved (the marks before and after alike), nothing else is read or restored.
+        None where that cannot be told by the marks alone (a state not kept at its mark), or where
+        one moved: its state is then put back and the stream is known to draw from it."""
+        kept = _kept()
+        if kept is None:
+            return None
+        read = self._one if self._batched else self.dataset.__getitem__
+        try:
+            items = [read(index) for index in indices]
+        except BaseException:
+            restore(_states_of(kept))
+            raise
+        after = _marks()
+        if after == (kept[0][0], kept[1][0], kept[2][0]):
+            return items
+        restore(_states_of(kept))
+        moved = zip(GENERATORS, kept, after, strict=True)
+        self.drawn = {name for name, (mark, _), now in moved if mark != now}
+        return None
 
     def _read_seeded(self, k: int, index: int, seeders: list[Callable[[int], Any]]) -> Any:
         s = item_seed(k, index)

@@ -193,6 +193,36 @@ def test_reading_leaves_the_readers_generators_as_they_were():
         assert next_draws() == want
 
 
+class FailsAfterDrawing(Draws):
+    """Item 2 draws from numpy, then fails, as an augmentation that raises on a bad sample."""
+
+    def __getitem__(self, i: int) -> dict:
+        if i == 2:
+            np.random.rand()
+            raise ValueError("a bad sample")
+        return {"i": i, "drawn": torch.zeros(3, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("known", [False, True], ids=["first-draw", "known-to-draw"])
+def test_a_read_that_fails_leaves_the_readers_generators_as_they_were(known):
+    """The error reaches the reader, and the generators are where they were before the batch: in a
+    stream not yet seen to draw (its marks compared around the read alone) and in one known to."""
+    stream = seeding.Keyed(FailsAfterDrawing())
+    key = seeding.training_key(0, 1)
+    if known:
+        stream.drawn = {"numpy"}
+    stream.read([0, 1], key)  # the generators' states kept
+    next_draws()
+    state = generator_states()
+    want = next_draws()
+    torch.default_generator.set_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+    with pytest.raises(ValueError, match="a bad sample"):
+        stream.read([0, 1, 2, 3], key)
+    assert next_draws() == want
+
+
 def test_without_a_key_items_draw_from_the_readers_generators():
     """The switch off (per_sample_random: false): plain PyTorch, where the draws depend on what the
     process drew before; the test above could fail."""
