@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import toy
 from torch import nn
 
 from phalanx import config, metrics
-from phalanx.hooks import ComputeStats, LogThroughput
+from phalanx.hooks import ComputeStats, Hook, LogThroughput
 from phalanx.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +85,50 @@ def test_samples_per_second_of_a_loop_with_a_known_step_time(tmp_path):
     assert trainer.epoch_data["train"]["samples_per_s"] == pytest.approx(32)
     # 3 weights and a bias in float64, a gradient of each, and plain SGD keeps no state
     assert summary["state_bytes"] == {"parameters": 32, "gradients": 32, "optimizer": 0}
+
+
+class _Times:
+    """A clock that gives `times` in turn, one a training step."""
+
+    def __init__(self, times: list[float]):
+        self.times = iter(times)
+
+    def __call__(self) -> float:
+        return next(self.times)
+
+
+class _EpochRates(Hook):
+    """Keeps each epoch's training samples/s, as LogThroughput put it in the epoch's data."""
+
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        self.rates.append(epoch_data["train"]["samples_per_s"])
+
+
+def test_warm_up_steps_and_the_time_between_epochs_are_not_counted(tmp_path, caplog):
+    """8 samples a step; the second step takes 1 s, the others 0.25 s, and 8 s pass between the
+    epochs (an evaluation). The run's figure leaves out the warm-up (the first two steps) and the
+    gap; an epoch's counts its own steps, warm-up included; a log line, the steps since the last."""
+    cfg = config.validate(
+        toy.regression_config(
+            dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40},
+            main_loop={"epochs": 2, "extra_streams": []},
+        )
+    )
+    first = [0.0, 1.0, 1.25, 1.5, 1.75]
+    clock = _Times([*first, *(10 + t for t in (0.0, 0.25, 0.5, 0.75, 1.0))])
+    hook, epochs = LogThroughput(every_n_steps=2, warmup_steps=2, clock=clock), _EpochRates()
+    trainer = Trainer(cfg, tmp_path, [toy.__file__.rsplit("/", 1)[0]], hooks=[hook, epochs])
+    with caplog.at_level(logging.INFO, logger="phalanx"):
+        assert trainer.run() == 0
+    summary = json.loads((tmp_path / "throughput.json").read_text())
+    assert summary["samples_per_s"] == pytest.approx(8 / 0.25)  # the 7 steady steps' rate
+    assert epochs.rates == pytest.approx([32 / 1.75, 32 / 1.0])
+    lines = re.findall(r"step (\d+) \| ([\d,]+) samples/s", caplog.text)
+    # steps 1-2: one interval (1 s); 3-4: two of 0.25 s; 5-6: one (the gap is not counted)
+    assert lines[:3] == [("2", "8"), ("4", "32"), ("6", "32")]
 
 
 def test_flops_are_counted_where_an_output_has_the_name_of_an_input(tmp_path, caplog):

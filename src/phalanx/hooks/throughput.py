@@ -48,9 +48,11 @@ class LogThroughput(Hook):
         self.flops_per_sample: float | None = None
         self.tokens_per_sample = 0
         self._last: float | None = None
-        self._window = [0.0, 0]  # seconds, samples since the last log line
-        self._epoch = [0.0, 0]  # seconds, samples this epoch
-        self._steady = [0.0, 0]  # seconds, samples after warm-up, whole run
+        # seconds and samples of the steps timed so far, and where the log line's window, the
+        # epoch and the steady state (after the warm-up) began in them
+        self._seconds, self._samples = 0.0, 0
+        self._window = self._epoch = (0.0, 0)
+        self._steady: tuple[float, int] | None = None
         self._steps = 0
         self._counted = False
         self._state_logged = False
@@ -72,21 +74,19 @@ class LogThroughput(Hook):
         if not self._counted:
             self._count(batch)
         now = self.clock()
-        if self._last is not None:
-            seconds, samples = now - self._last, self.trainer.last_batch_size
-            window, epoch = self._window, self._epoch
-            window[0] += seconds
-            window[1] += samples
-            epoch[0] += seconds
-            epoch[1] += samples
-            if self._steps >= self.warmup:
-                steady = self._steady
-                steady[0] += seconds
-                steady[1] += samples
-        self._last = now
+        last, self._last = self._last, now
+        if last is not None:
+            if self._steady is None and self._steps >= self.warmup:
+                self._steady = (self._seconds, self._samples)
+            self._seconds += now - last
+            self._samples += self.trainer.last_batch_size
         self._steps += 1
-        if self._steps % self.every == 0 and self._window[0] > 0:
+        if self._steps % self.every == 0 and self._seconds > self._window[0]:
             self._log_window()
+
+    def _since(self, start: tuple[float, int]) -> tuple[float, int]:
+        """Seconds and samples timed since `start`."""
+        return self._seconds - start[0], self._samples - start[1]
 
     def _count(self, batch: dict[str, Any]) -> None:
         """FLOPs per sample, and tokens per sample, from the first training batch of this process
@@ -135,8 +135,8 @@ class LogThroughput(Hook):
         for each in set(self.trainer.strategy.devices):
             if each.type == "cuda":
                 torch.cuda.synchronize(each)
-        figures = self._figures(*self._window)
-        self._window = [0.0, 0]
+        figures = self._figures(*self._since(self._window))
+        self._window = (self._seconds, self._samples)
         if not self.trainer.strategy.is_main:
             return
         utilization = metrics.gpu_utilization(device)
@@ -167,13 +167,16 @@ class LogThroughput(Hook):
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
         # evaluation time between epochs is not training time
         self._last = None
-        if self._epoch[0] > 0:
-            epoch_data.setdefault("train", {}).update(self._figures(*self._epoch))
-        self._epoch = [0.0, 0]
+        seconds, samples = self._since(self._epoch)
+        if seconds > 0:
+            epoch_data.setdefault("train", {}).update(self._figures(seconds, samples))
+        self._epoch = (self._seconds, self._samples)
 
     def summary(self) -> dict[str, Any]:
         """Steady-state figures of the whole run (after the warm-up steps)."""
-        seconds, samples = self._steady if self._steady[0] > 0 else self._epoch
+        seconds, samples = self._since(self._steady) if self._steady is not None else (0.0, 0)
+        if seconds <= 0:  # a run no longer than its warm-up: the last epoch's steps
+            seconds, samples = self._since(self._epoch)
         out = {
             "devices": self.devices,
             "steps": self._steps,
