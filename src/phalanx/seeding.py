@@ -335,6 +335,13 @@ _TORCH_STATE = struct.Struct("=QiiQ624Qdddi4xf?3x")
 _TORCH_OBJECT = struct.Struct("=QiB3xI624I4xf?3xd?7x")
 
 
+# its mark, read from those words: the seed, the position and the first two words (words 0-5),
+# then the last word and the two cached normals (628 and 630-634; 629 is padding)
+_TORCH_HEAD = struct.Struct("=6I")
+_TORCH_TAIL = struct.Struct("=I4x5I")
+_TORCH_TAIL_AT = 628 * 4
+
+
 def _torch_words(generator: torch.Generator) -> memoryview | None:
     """The words of `generator`'s C++ object from its seed on, in place, as `_TORCH_OBJECT` lays
     them out; None where its layout is not that one: found on a generator of its own with a
@@ -401,8 +408,7 @@ class _TorchState(_Marked):
         w = self._words
         if w is None:
             return None
-        # seed, left, seeded, next, the first and last words, the float and double normals
-        return w[0], w[1], w[2], w[3], w[4], w[5], w[628], w[630], w[631], w[632], w[633], w[634]
+        return _TORCH_HEAD.unpack_from(w), _TORCH_TAIL.unpack_from(w, _TORCH_TAIL_AT)
 
     def _read(self) -> Any:
         return self.generator.get_state()
