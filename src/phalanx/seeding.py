@@ -443,8 +443,10 @@ _IN_ORDER = tuple(GENERATORS.items())
 def _kept() -> tuple[tuple[Any, Any], ...] | None:
     """(mark, state) of each of the three generators (in GENERATORS' order), where each one's state
     can be kept at its mark; None where one's cannot."""
-    kept = (_TORCH_READER.kept(), _RANDOM.kept(), _NUMPY.kept())
-    return None if None in kept else kept
+    torch_kept, random_kept, numpy_kept = _TORCH_READER.kept(), _RANDOM.kept(), _NUMPY.kept()
+    if torch_kept is None or random_kept is None or numpy_kept is None:
+        return None
+    return torch_kept, random_kept, numpy_kept
 
 
 def _marks() -> tuple:
