@@ -63,3 +63,10 @@ def only_run(root: Path) -> Path:
     """The one run directory under `root`."""
     [run_dir] = [p for p in root.iterdir() if p.is_dir()]
     return run_dir
+
+
+def hang(run_dir: Path) -> int:
+    """A worker's `run` that hangs, after writing its pid to `run_dir/hanging`."""
+    (run_dir / "hanging").write_text(str(os.getpid()))
+    time.sleep(300)
+    return 0

@@ -417,11 +417,13 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
     failures.keep_fatal_stacks()
-    guard = _Guard(Path(run_dir), launcher_pid)
+    rejoins = _rejoins(environment.here().rank)
+    supervising = bool(rejoins) and environment.INCARNATION not in os.environ
+    # the stack of a rank that rejoins is its child's, which trains: not this process's wait
+    guard = _Guard(Path(run_dir), launcher_pid, stacks=not supervising)
     guard.start()
     signals.before_exit(guard.last_words)
-    rejoins = _rejoins(environment.here().rank)
-    if rejoins and environment.INCARNATION not in os.environ:
+    if supervising:
         return _supervise(run_dir, run, args, rejoins)
     try:
         return run(Path(run_dir), *args)
@@ -518,23 +520,26 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class _Guard(threading.Thread):
     """Ends this worker at once when its launcher is gone, or has written ABORT_FILE."""
 
-    def __init__(self, run_dir: Path, launcher_pid: int):
+    def __init__(self, run_dir: Path, launcher_pid: int, stacks: bool = True):
         super().__init__(name="phalanx-guard", daemon=True)
         self.run_dir, self.abort, self.launcher_pid = run_dir, run_dir / ABORT_FILE, launcher_pid
         self.attempt = str(environment.here().attempt)
+        self.stacks = stacks  # whether this process's stack is its rank's
 
     def run(self) -> None:
         while True:
-            if os.getppid() != self.launcher_pid:
+            gone = os.getppid() != self.launcher_pid  # read first: an abort is written before
+            code = self._aborted()
+            # (with the launcher gone too: a rejoining rank's supervisor, ended as the job aborts)
+            if code is not None:
+                self._record_stop()
+                _end(code)
+            if gone:
                 _stderr(
                     f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
                     f"worker rank {environment.here().rank} stops"
                 )
                 _end(1)
-            code = self._aborted()
-            if code is not None:
-                self._record_stop()
-                _end(code)
             time.sleep(GUARD_INTERVAL_S)
 
     def last_words(self) -> None:
@@ -553,7 +558,8 @@ class _Guard(threading.Thread):
 
     def _record_stop(self) -> None:
         # where this rank was (stuck, perhaps) when the job ended
-        dump_stacks(self.run_dir)
+        if self.stacks:
+            dump_stacks(self.run_dir)
         failures.record_stop()
 
 

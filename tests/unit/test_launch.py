@@ -7,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -292,3 +294,68 @@ def test_a_worker_the_launcher_ends_before_its_guard_looked_still_leaves_its_sta
         assert "rank 2 was told to stop" in record.read_text()
     else:
         assert not stack.exists() and not record.exists()
+
+
+# The worker of rank 1, which rejoins when it dies (as a param_server worker with restarts): the
+# process the launcher starts supervises a child that trains, here `procs.hang`.
+_SUPERVISED = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import procs
+from phalanx import launch
+launch.worker(sys.argv[1], os.getppid(), procs.hang, ())
+"""
+
+
+def test_a_rejoining_ranks_stack_is_where_its_trainer_hung_not_its_supervisors_wait(tmp_path):
+    """A rank that rejoins trains in a child of the process the launcher started, which waits for
+    it. When the job aborts, the launcher ends that process with SIGTERM: the rank's stack is still
+    the child's, where it hung, not the wait; and the child ends with it."""
+    from phalanx.launch import ABORT_FILE, STACKS
+
+    env = {
+        **os.environ,
+        "RANK": "1",
+        "WORLD_SIZE": "3",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "PHALANX_REJOINS": "1:1",
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
+    }
+    tests = str(Path(__file__).parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISED, str(tmp_path), tests],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    hanging, stack = tmp_path / "hanging", tmp_path / STACKS / "rank-1.txt"
+    try:
+        _wait_for(lambda: hanging.is_file() or proc.poll() is not None)
+        assert hanging.is_file(), proc.communicate(timeout=60)
+        (tmp_path / ABORT_FILE).write_text("1 0")  # rank 0 failed in attempt 0
+        proc.send_signal(signal.SIGTERM)  # and the launcher ends the others
+        proc.communicate(timeout=60)
+        child = int(hanging.read_text())
+        _wait_for(lambda: not _alive(child))
+    finally:
+        proc.kill()
+    text = stack.read_text()
+    assert "in hang" in text, text
+    assert "_supervise" not in text, text
+
+
+def _wait_for(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (one that ended and was not yet reaped does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
