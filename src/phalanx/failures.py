@@ -120,7 +120,7 @@ def explain(
         if info["user_error"] or info.get("explained") or not lost_a_peer(info["callstack"])
     ]
     if causes:
-        return _said(min(causes, key=lambda info: info["time"]), stacks)
+        return _said(min(causes, key=lambda info: info["time"]), stacks, records, first_rank)
     signalled = [
         (rank, failure) for rank, failure in error.failures.items() if failure.exitcode < 0
     ]
@@ -173,15 +173,19 @@ _FROM_OUTSIDE = (
 )
 
 
-def _said(first: dict, stacks: Path | None) -> PhalanxError:
+def _said(first: dict, stacks: Path | None, records: Path, first_rank: int | None) -> PhalanxError:
     if first["user_error"]:
         return PhalanxError(first["text"])
     if first.get("explained"):
-        where = (
-            f"; every rank's stack when the job ended: {stacks}"
-            if stacks is not None and stacks.is_dir()
-            else ""
-        )
+        where = ""
+        if stacks is not None and stacks.is_dir():
+            missing = _without_stacks(stacks, records, first_rank)
+            where = (
+                f"; the ranks' stacks when the job ended: {stacks} (none from rank "
+                f"{', '.join(map(str, missing))}: it ended before it could write one)"
+                if missing
+                else f"; every rank's stack when the job ended: {stacks}"
+            )
         return RankFailure(first["text"] + where)
     return RankFailure(
         f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
@@ -226,6 +230,18 @@ def _moved(label: str, fatal: dict[str, Path], stacks: Path | None) -> str:
         target.write_text(source.read_text())
         return f"; its stacks as it ended: {target}"
     return ""
+
+
+def _without_stacks(stacks: Path, records: Path, first_rank: int | None) -> list[int]:
+    """This machine's ranks of the last attempt whose stack is not in `stacks` (none where the
+    ranks are not known: an elastic job's)."""
+    attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
+    if first_rank is None or not attempts:
+        return []
+    number = int(attempts[-1].name.split("_")[-1])
+    suffix = f"-attempt-{number}" if number else ""
+    ranks = sorted(first_rank + int(p.name) for p in attempts[-1].iterdir() if p.name.isdigit())
+    return [r for r in ranks if not (stacks / f"rank-{r}{suffix}.txt").is_file()]
 
 
 def _read_records(

@@ -262,7 +262,7 @@ HUNG = {
         {"hidden": 4, "calls": 2},
         {"pipeline": {"split": ["net.2"], "microbatches": 2}},
     ),
-    # worker 1 hangs in its chunk of step 3: worker 0 waits for the servers' parameters after it
+    # worker 1 hangs in its third chunk: worker 0 waits for the servers' answer after that step
     "param_server": ({}, {"devices": 3, "param_server": {"servers": 1}}),
 }
 
@@ -300,20 +300,31 @@ def test_a_hung_rank_is_named_with_its_step_and_the_job_ends_soon_after_the_time
     assert result.returncode == 1, result.stderr
     error = result.stderr[result.stderr.index("phalanx: error:") :]
     if strategy == "param_server":  # no collective: a wait for the servers' answer
-        assert re.search(r"rank 1 did not finish its part of step 3 within the timeout", error)
-        assert "rank 0 waited for the servers' parameters after that step" in error
+        # the workers take a step's chunks as they become free: worker 1's third chunk is in
+        # step 3 where they alternate, later where worker 0 took more of them
+        late = re.search(
+            r"rank 1 did not finish its part of step (\d+) within the timeout: rank 0 waited for "
+            r"(the servers' parameters|its loss, from server 0) after that step",
+            error,
+        )
+        assert late, error
+        step = int(late.group(1))
     else:
         assert re.search(r"rank 1 did not reach the .+ of step 3 within", error), error
+        step = 3
     assert f"parallel.timeout_s={timeout}" in error
-    assert "rank 1: last seen in step 3" in error
+    assert f"rank 1: last seen in step {step}" in error
     assert "rank 0:" not in error and "rank 2:" not in error  # neither behind: not named
     assert "Traceback" not in result.stderr
     stacks = the_run(tmp_path / "runs") / "stacks"
-    assert f"every rank's stack when the job ended: {stacks}" in error
+    # every rank's stack, or the error names the ranks whose stack is not there
     processes = parallel.get("devices", 2)
-    assert sorted(p.name for p in stacks.glob("rank-*.txt")) == [
-        f"rank-{r}.txt" for r in range(processes)
-    ]
+    written = sorted(int(p.stem.split("-")[1]) for p in stacks.glob("rank-*.txt"))
+    if written == list(range(processes)):
+        assert f"every rank's stack when the job ended: {stacks}" in error
+    else:
+        missing = ", ".join(str(r) for r in range(processes) if r not in written)
+        assert f"the ranks' stacks when the job ended: {stacks} (none from rank {missing}:" in error
     stuck = (stacks / "rank-1.txt").read_text()  # where rank 1 was: asleep in the model's forward
     assert "Current thread" in stuck or "Thread" in stuck
     assert re.search(r'parts\.py", line \d+ in forward', stuck), stuck

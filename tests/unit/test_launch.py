@@ -359,3 +359,37 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("attempt", [0, 2])
+def test_a_timeout_names_the_ranks_whose_stack_is_not_in_the_run(tmp_path, monkeypatch, attempt):
+    """A timeout's error points to every rank's stack; where a rank ended before it wrote one, the
+    error says which, instead of claiming all (the ranks of the failing attempt: its stacks carry
+    the attempt's number after a restart)."""
+    stacks = tmp_path / "run" / "stacks"
+    stacks.mkdir(parents=True)
+    suffix = f"-attempt-{attempt}" if attempt else ""
+    for rank in range(3):
+        (tmp_path / "records" / "run_x" / f"attempt_{attempt}" / str(rank)).mkdir(parents=True)
+    record = tmp_path / "records" / "run_x" / f"attempt_{attempt}" / "0" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(record))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    failures.record(TimeoutError(), "rank 1 did not reach the all-reduce of step 3 in time")
+    noticed = ProcessFailure(local_rank=0, pid=4242, exitcode=1, error_file=str(record))
+    failure = ChildFailedError("worker", {0: noticed})
+
+    def said() -> str:
+        return str(failures.explain(failure, tmp_path / "records", stacks))
+
+    for rank in (0, 1):
+        (stacks / f"rank-{rank}{suffix}.txt").write_text("Thread 0x1 (most recent call first):")
+    assert said() == (
+        "rank 1 did not reach the all-reduce of step 3 in time; the ranks' stacks when the job "
+        f"ended: {stacks} (none from rank 2: it ended before it could write one)"
+    )
+    (stacks / f"rank-2{suffix}.txt").write_text("Thread 0x1 (most recent call first):")
+    assert said() == (
+        "rank 1 did not reach the all-reduce of step 3 in time; every rank's stack when the job "
+        f"ended: {stacks}"
+    )
