@@ -77,13 +77,14 @@ def restore(handlers: dict[int, Handler]) -> None:
 def exit_at_once(signum: int, frame: object = None) -> None:
     """A signal handler: remove any half-written checkpoint and exit with 128 + the signal
     number."""
-    from phalanx import checkpoint
-
     # a forked child (a data loader's worker) owns no checkpoint in progress, nor the run's records
     if os.getpid() == _pid:
+        # first: the import below may have to load the module, in a process that saves none
         if _last_words is not None:
             with contextlib.suppress(Exception):  # the exit must come, whatever the record does
                 _last_words()
+        from phalanx import checkpoint
+
         checkpoint.abort_in_progress()
     os._exit(128 + signum)
 
