@@ -189,6 +189,10 @@ class Engine:
         self._negative: list[torch.Tensor] = []
         # whether the optimizer skips a clipped step on its device (`_clipped_step`), once known
         self._device_skips = False
+        # a module replayed as CUDA graphs (`Forward.copies`) is told where each step starts: by
+        # itself torch takes each forward after a backward for a new step, and frees the first
+        # micro-batch's gradients (the backward graph's outputs, kept as `.grad`) at the second's
+        self._marks_steps = forward.copies
 
     def begin(self) -> None:
         """A training step starts: the module in training mode, no gradients."""
@@ -197,6 +201,8 @@ class Engine:
             self.module.train()
         optimizer = self.optimizer if self.optimizer is not None else self.trained_optimizer
         optimizer.zero_grad(set_to_none=True)
+        if self._marks_steps:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def finish(
         self, loss: torch.Tensor, norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None
@@ -417,6 +423,8 @@ class Engine:
         """Outputs of the model (or of `replica`) on a batch, gradients off."""
         if self.module.training:
             self.module.eval()
+        if self._marks_steps:  # each batch's outputs are copied: the next may overwrite them
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.no_grad():
             _, data, _ = self._forward(batch, None, replica.call, replica.device)
         return data

@@ -82,6 +82,41 @@ def test_outputs_of_a_model_replayed_as_cuda_graphs_are_copied_before_the_hooks_
     assert runs["copied"] == runs["plain"]
 
 
+def test_a_model_replayed_as_cuda_graphs_is_told_where_each_step_and_evaluation_starts(
+    tmp_path, monkeypatch
+):
+    """Replayed as CUDA graphs, a model's first micro-batch's gradients live in its backward
+    graph's memory, which torch frees at the next forward after a backward unless told that the
+    step goes on: the step start is marked once per step, not per micro-batch (a mark before the
+    second would free the first's gradients), and before each evaluation batch, whose outputs are
+    copied; a model that replays no graphs gets no marks. (The GPU tier trains such a model with
+    accumulation.)"""
+    from phalanx import parts
+
+    events: list[str] = []  # "mark", and each batch's stream once the batch is done
+
+    class Batches(Hook):
+        def after_batch(self, stream, batch):
+            events.append(stream)
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+    sections = dict(
+        parallel={"accelerator": "cpu", "devices": 1, "gradient_accumulation": 2},
+        dataset={"class": "toy.Regression", "batch_size": 8, "n_train": 40, "n_valid": 12},
+        main_loop={"epochs": 2, "extra_streams": ["valid"]},
+    )
+    for copies in (False, True):
+        events.clear()
+        monkeypatch.setattr(parts, "replays_graphs", lambda compiled, device, c=copies: c)
+        trainer = train(tmp_path / str(copies), hooks=[ComputeStats(), Batches()], **sections)
+        if not copies:
+            assert "mark" not in events
+    assert trainer.step == 10  # 5 steps of 2 micro-batches an epoch
+    batches = events[1::2]
+    assert events[0::2] == ["mark"] * len(batches)  # one mark before each batch, no more
+    assert batches == (["train"] * 5 + ["valid"] * 2) * 2  # 12 samples in batches of 8
+
+
 def test_a_compile_backend_or_mode_torch_does_not_know_is_one_config_error(tmp_path):
     for compiled, named in [({"mode": "fastest"}, "'fastest'"), ({"backend": "nope"}, "'nope'")]:
         with pytest.raises(ConfigError, match=rf"compile \(backend .*{named}.*compile: false"):
