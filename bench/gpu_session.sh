@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in stages: `check` (the CUDA paths at smoke sizes, the GPU test
 # tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes),
-# `tier` (the GPU test tier on five pytest workers, about 2 minutes), `lease` (what a short lease
+# `tier` (the GPU test tier on five pytest workers, about 2 minutes), `dropout` (bench/keyed_dropout.py
+# on a GPT-2-small block's shape, under a minute), `lease` (what a short lease
 # must see first, in one call of about 4 minutes: the tier, `phalanx plan` on the GPU, the
 # launch-bound benchmark),
 # `bisect` (the launch-bound benchmark at each older source carried in .old/COMMIT, then at this
@@ -44,6 +45,9 @@ for stage in "$@"; do
         done
         timeout -k 5 110 python3 bench/gpu.py --workload launch-bound --out "$OUT/gpu-launch-bound.json" 2>&1 | tee "$OUT/launch-bound.log" | tail -n 20
         ;;
+    dropout)
+        timeout -k 5 200 python3 bench/keyed_dropout.py --device cuda --batch 32 --seq 1024 --width 768 --rounds 5 --out "$OUT/keyed-dropout.json" 2>&1 | tee "$OUT/keyed-dropout.log" | tail -n 5
+        ;;
     gpt2|resnet50|launch-bound)
         w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
         timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
@@ -67,6 +71,6 @@ for stage in "$@"; do
     largest-plain|largest-checkpointed|largest-fsdp-offload)
         timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check tier lease gpt2 resnet50 launch-bound bisect trace largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
+    *) echo "unknown stage $stage; stages: check tier dropout lease gpt2 resnet50 launch-bound bisect trace largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done

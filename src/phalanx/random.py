@@ -23,6 +23,7 @@ import contextlib
 import functools
 import sys
 import threading
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -215,11 +216,58 @@ def _keep(x: torch.Tensor, p: float, name: str, channels: bool, draws: Draws) ->
     per_sample = 1
     for size in shape[1:]:
         per_sample *= size
-    random = bits(draws.keys(x.device), draws.site(name), per_sample)
+    elements = _elements(draws.site(name), per_sample, x.device)
     threshold = int(p * (1 << _BITS))
-    keep = (random >> (32 - _BITS)) >= threshold
+    keep = _mask(draws.keys(x.device), elements, threshold)
     keep = keep.reshape(*shape, *([1] * (moved.dim() - len(shape))))
     return keep.movedim(0, dim)
+
+
+def _mask_eagerly(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.Tensor:
+    """Whether each element of each sample is kept: the top `_BITS` of its 32 random bits (`bits`)
+    at or over `threshold`. Eagerly, a dozen passes over an int64 tensor of the draw's size."""
+    random = _mix(keys[:, None] ^ elements[None, :])
+    return (random >> (32 - _BITS)) >= threshold
+
+
+# devices whose draws run as one compiled kernel (`_mask`)
+_FUSED_ON = ("cuda",)
+
+
+def _mask(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.Tensor:
+    """`_mask_eagerly`, on a GPU as one compiled kernel that writes the boolean mask alone: eager,
+    each of a GPT-2-small step's 25 dropouts moves about 5.5 GB through the GPU's memory
+    (BENCHMARKS.md, GPT-2-small on an H200). Integer arithmetic: the same bits either way."""
+    if keys.device.type in _FUSED_ON and _fused.usable:
+        try:
+            return _fused()(keys, elements, threshold)
+        except Exception as e:  # noqa: BLE001 - torch's compiler stack raises many kinds
+            _fused.usable = False
+            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            warnings.warn(
+                "per-sample dropout draws its masks eagerly on this device, slower: torch.compile "
+                f"could not build their kernel ({type(e).__name__}: {said})",
+                stacklevel=2,
+            )
+    return _mask_eagerly(keys, elements, threshold)
+
+
+class _Fused:
+    """`_mask_eagerly` compiled once for every shape (compiled at the first draw); `usable` turns
+    False where torch cannot compile it for the device (no Triton, or a GPU older than Triton
+    supports)."""
+
+    def __init__(self) -> None:
+        self._compiled: Any = None
+        self.usable = True
+
+    def __call__(self) -> Any:
+        if self._compiled is None:
+            self._compiled = torch.compile(_mask_eagerly, dynamic=True, fullgraph=True)
+        return self._compiled
+
+
+_fused = _Fused()
 
 
 def dropout(

@@ -117,6 +117,17 @@ def test_a_model_compiled_to_replay_as_cuda_graphs_trains_as_the_plain_one(one_g
             assert mine[stream]["loss_count"] == theirs[stream]["loss_count"]
 
 
+def test_dropout_keyed_by_sample_on_the_gpu_draws_the_cpus_masks_in_one_kernel():
+    """On the GPU each dropout's mask is one compiled kernel (`phalanx.random._mask`), bit for bit
+    the CPU's eager hash: the run with dropout is the CPU's."""
+    from phalanx import random
+
+    want = workers.train(scenario("cpu", "toy.Dropped"))
+    got = workers.train(scenario("cuda", "toy.Dropped"))
+    assert random._fused.usable and random._fused._compiled is not None
+    assert_same_run(got, want)
+
+
 def test_sync_batchnorm_on_the_gpu_trains_as_one_process(one_gpu):
     raw = scenario("cuda", "toy.BatchNormNet", sync_batchnorm=True)
     raw["dataset"] = {

@@ -82,6 +82,49 @@ def test_an_elements_keys_are_kept_unchanged_and_give_the_bits_they_gave_compute
     assert random._kept_bytes[samples.device] == 8 * 30
 
 
+def _module_masks(shapes_and_rates) -> list[torch.Tensor]:
+    """The masks of element and channel dropouts over `shapes_and_rates`, each a fresh draw."""
+    masks = []
+    with drawing(Draws(7, 3, [3, 40, 12])):
+        for shape, p in shapes_and_rates:
+            for module in (nn.Dropout(p), nn.Dropout2d(p)):
+                random.key_modules(module)
+                masks.append(module(torch.ones(3, *shape)) != 0)
+    return masks
+
+
+def test_masks_drawn_by_one_compiled_kernel_are_the_eager_ones(monkeypatch):
+    """On a GPU the masks come from one compiled kernel, for any shape and rate (the eager hash
+    moves a dozen int64 tensors of the draw's size through memory); its bits are the eager ones.
+    Compiled here on the CPU by the same path, with shapes and rates that change between draws."""
+    shapes_and_rates = [((4, 5, 6), 0.5), ((2, 7, 3), 0.1), ((4, 5, 6), 0.3)]
+    eager = _module_masks(shapes_and_rates)
+    monkeypatch.setattr(random, "_FUSED_ON", ("cpu",))
+    monkeypatch.setattr(random, "_fused", random._Fused())
+    fused = _module_masks(shapes_and_rates)
+    assert random._fused.usable and random._fused._compiled is not None
+    assert all(torch.equal(a, b) for a, b in zip(fused, eager, strict=True))
+
+
+def test_a_device_torch_cannot_compile_for_draws_eagerly_and_says_so_once(monkeypatch):
+    def refused(*args, **kwargs):
+        raise RuntimeError("Found no working Triton installation\nsecond line")
+
+    monkeypatch.setattr(random, "_FUSED_ON", ("cpu",))
+    monkeypatch.setattr(random, "_fused", random._Fused())
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: refused)
+    shapes_and_rates = [((4, 5, 6), 0.5), ((2, 7, 3), 0.1)]
+    with pytest.warns(
+        UserWarning, match=r"eagerly.*\(RuntimeError: Found no working Triton"
+    ) as told:
+        masks = _module_masks(shapes_and_rates)
+    assert len(told) == 1 and not random._fused.usable
+    monkeypatch.setattr(random, "_FUSED_ON", ())
+    assert all(
+        torch.equal(a, b) for a, b in zip(masks, _module_masks(shapes_and_rates), strict=True)
+    )
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
