@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx import config, launch, rundir
+from phalanx import config, launch, rundir, spawned
 from phalanx.errors import ConfigError, PhalanxError
 from phalanx.files import write_text_atomic
 from phalanx.nodes import Nodes
@@ -134,7 +134,7 @@ def launch_until_it_fits(
 def _more_micro_batches(run_dir: Path, overrides: list[str]) -> int | None:
     """After a launch that failed: where a worker ran out of memory and a step can be cut in more
     micro-batches, twice as many, written into the run's config (and the run's log saying so)."""
-    marker = run_dir / launch.OOM_FILE
+    marker = run_dir / spawned.OOM_FILE
     if not marker.is_file():
         return None
     rank = marker.read_text().strip()

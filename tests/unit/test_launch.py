@@ -136,7 +136,7 @@ def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_pat
     ],
 )
 def test_the_abort_file_ends_only_the_attempts_it_names(text, attempt, code):
-    from phalanx.launch import abort_code
+    from phalanx.spawned import abort_code
 
     assert abort_code(text, attempt) == code
 
@@ -149,19 +149,20 @@ def test_a_writer_ended_before_its_rename_leaves_no_request_and_its_file_is_clea
     import os
 
     from phalanx import launch
+    from phalanx.spawned import ABORT_FILE, write_whole
 
     def ended(*args):
         raise OSError("ended before the rename")
 
     monkeypatch.setattr(os, "replace", ended)
-    launch._write(tmp_path / launch.ABORT_FILE, "1 0")
-    assert not (tmp_path / launch.ABORT_FILE).exists()
-    assert [p.name for p in tmp_path.iterdir()] == [f"{launch.ABORT_FILE}.{os.getpid()}.tmp"]
+    write_whole(tmp_path / ABORT_FILE, "1 0")
+    assert not (tmp_path / ABORT_FILE).exists()
+    assert [p.name for p in tmp_path.iterdir()] == [f"{ABORT_FILE}.{os.getpid()}.tmp"]
     monkeypatch.undo()
     launch.clear_requests(tmp_path)
     assert list(tmp_path.iterdir()) == []
-    launch._write(tmp_path / launch.ABORT_FILE, "1 0")
-    assert (tmp_path / launch.ABORT_FILE).read_text() == "1 0"
+    write_whole(tmp_path / ABORT_FILE, "1 0")
+    assert (tmp_path / ABORT_FILE).read_text() == "1 0"
 
 
 def test_an_error_file_cut_short_by_the_process_ending_keeps_the_whole_record_before_it(
@@ -242,9 +243,9 @@ def test_a_rank_another_stopped_exits_with_the_signal_the_launcher_received(tmp_
 _SERVING = """
 import os, sys, time
 from pathlib import Path
-from phalanx import launch, signals
+from phalanx import signals, spawned
 signals.end_at_once_on_signals()
-guard = launch._Guard(Path(sys.argv[1]), os.getppid())
+guard = spawned._Guard(Path(sys.argv[1]), os.getppid())
 signals.before_exit(guard.last_words)
 def serving():
     print("serving", flush=True)
@@ -262,7 +263,7 @@ def test_a_worker_the_launcher_ends_before_its_guard_looked_still_leaves_its_sta
     training (a parameter server) ends at the signal. It leaves its stack and the record that it
     was told to stop all the same, for the error's "every rank's stack when the job ended". A
     SIGTERM with no abort under way (an elastic job's re-forming) leaves neither."""
-    from phalanx.launch import ABORT_FILE, STACKS
+    from phalanx.spawned import ABORT_FILE, STACKS
 
     record = tmp_path / "error.json"
     env = {
@@ -302,8 +303,8 @@ _SUPERVISED = """
 import os, sys
 sys.path.insert(0, sys.argv[2])
 import procs
-from phalanx import launch
-launch.worker(sys.argv[1], os.getppid(), procs.hang, ())
+from phalanx import spawned
+spawned.worker(sys.argv[1], os.getppid(), procs.hang, ())
 """
 
 
@@ -311,7 +312,7 @@ def test_a_rejoining_ranks_stack_is_where_its_trainer_hung_not_its_supervisors_w
     """A rank that rejoins trains in a child of the process the launcher started, which waits for
     it. When the job aborts, the launcher ends that process with SIGTERM: the rank's stack is still
     the child's, where it hung, not the wait; and the child ends with it."""
-    from phalanx.launch import ABORT_FILE, STACKS
+    from phalanx.spawned import ABORT_FILE, STACKS
 
     env = {
         **os.environ,
