@@ -232,13 +232,22 @@ def _moved(label: str, fatal: dict[str, Path], stacks: Path | None) -> str:
     return ""
 
 
+def _attempts(records: Path) -> list[Path]:
+    """The elastic agent's folders of each attempt under `records`, first to last."""
+    return sorted(records.glob("*/attempt_*"), key=_number)
+
+
+def _number(attempt: Path) -> int:
+    return int(attempt.name.split("_")[-1])
+
+
 def _without_stacks(stacks: Path, records: Path, first_rank: int | None) -> list[int]:
     """This machine's ranks of the last attempt whose stack is not in `stacks` (none where the
     ranks are not known: an elastic job's)."""
-    attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
+    attempts = _attempts(records)
     if first_rank is None or not attempts:
         return []
-    number = int(attempts[-1].name.split("_")[-1])
+    number = _number(attempts[-1])
     suffix = f"-attempt-{number}" if number else ""
     ranks = sorted(first_rank + int(p.name) for p in attempts[-1].iterdir() if p.name.isdigit())
     return [r for r in ranks if not (stacks / f"rank-{r}{suffix}.txt").is_file()]
@@ -253,7 +262,7 @@ def _read_records(
     those a fatal signal ended wrote (`keep_fatal_stacks`), by the same names. The launcher
     reports the first exit it notices, which need not be the first failure (a worker that ended at
     once because another failed may be noticed first), so every rank's error file is read."""
-    attempts = sorted(records.glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[-1]))
+    attempts = _attempts(records)
     out, silent, fatal = [], [], {}
     for attempt in attempts:
         for folder in sorted(p for p in attempt.iterdir() if p.is_dir() and p.name.isdigit()):
