@@ -230,44 +230,76 @@ def _mask_eagerly(keys: torch.Tensor, elements: torch.Tensor, threshold: int) ->
     return (random >> (32 - _BITS)) >= threshold
 
 
-# devices whose draws run as one compiled kernel (`_mask`)
-_FUSED_ON = ("cuda",)
-
-
-def _mask(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.Tensor:
-    """`_mask_eagerly`, on a GPU as one compiled kernel that writes the boolean mask alone: eager,
-    each of a GPT-2-small step's 25 dropouts moves about 5.5 GB through the GPU's memory
-    (BENCHMARKS.md, GPT-2-small on an H200). Integer arithmetic: the same bits either way."""
-    if keys.device.type in _FUSED_ON and _fused.usable:
-        try:
-            return _fused()(keys, elements, threshold)
-        except Exception as e:  # noqa: BLE001 - torch's compiler stack raises many kinds
-            _fused.usable = False
-            said = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            warnings.warn(
-                "per-sample dropout draws its masks eagerly on this device, slower: torch.compile "
-                f"could not build their kernel ({type(e).__name__}: {said})",
-                stacklevel=2,
-            )
-    return _mask_eagerly(keys, elements, threshold)
+def _dropped_eagerly(
+    x: torch.Tensor, keys: torch.Tensor, elements: torch.Tensor, threshold: int, scale: float
+) -> torch.Tensor:
+    """`x` of shape (samples, per_sample, rest) with the elements that `_mask_eagerly`'s mask of
+    (samples, per_sample) drops zeroed (over all of `rest`) and the others times `scale`: what
+    `_keep` and `_apply` give, in one function."""
+    keep = _mask_eagerly(keys, elements, threshold)
+    return torch.where(keep[:, :, None], x, 0.0) * scale
 
 
 class _Fused:
-    """`_mask_eagerly` compiled once for every shape (compiled at the first draw); `usable` turns
-    False where torch cannot compile it for the device (no Triton, or a GPU older than Triton
-    supports)."""
+    """`eager` compiled once for every shape, at its first call on a device of `_FUSED_ON`;
+    `usable` turns False where torch cannot compile it for the device (no Triton, or a GPU older
+    than Triton supports), and the eager function runs, with one warning."""
 
-    def __init__(self) -> None:
+    def __init__(self, eager: Any) -> None:
+        self.eager, self.usable = eager, True
         self._compiled: Any = None
-        self.usable = True
 
-    def __call__(self) -> Any:
-        if self._compiled is None:
-            self._compiled = torch.compile(_mask_eagerly, dynamic=True, fullgraph=True)
-        return self._compiled
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if self.usable:
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self.eager, dynamic=True, fullgraph=True)
+                return self._compiled(*args)
+            except Exception as e:  # noqa: BLE001 - torch's compiler stack raises many kinds
+                self.usable = False
+                said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                warnings.warn(
+                    "per-sample dropout runs eagerly on this device, slower: torch.compile could "
+                    f"not build its kernels ({type(e).__name__}: {said})",
+                    stacklevel=3,
+                )
+        return self.eager(*args)
 
 
-_fused = _Fused()
+# devices where a draw runs as compiled kernels: on a GPU the eager hash is a dozen passes over an
+# int64 tensor of the draw's size (each of a GPT-2-small step's 25 dropouts moved about 5.5 GB
+# through memory: BENCHMARKS.md, GPT-2-small on an H200); compiled, the forward reads the input
+# and writes the output, and the backward the same, as torch's dropout kernel. Integer arithmetic,
+# then the same `where` and product: the same bits. The CPU draws eagerly: a first compile there
+# costs more than most CPU runs' dropouts.
+_FUSED_ON = ("cuda",)
+_fused_mask = _Fused(_mask_eagerly)
+_fused_drop = _Fused(_dropped_eagerly)
+
+
+def _mask(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.Tensor:
+    if keys.device.type in _FUSED_ON:
+        return _fused_mask(keys, elements, threshold)
+    return _mask_eagerly(keys, elements, threshold)
+
+
+def _dropout(
+    x: torch.Tensor, p: float, name: str, channels: bool, inplace: bool, draws: Draws
+) -> torch.Tensor:
+    """`x` with the elements (or channels) that the samples' masks drop zeroed and the others
+    scaled by 1 / (1 - p); in place where `inplace`. On a device of `_FUSED_ON`, an input whose
+    samples are its first dimension runs as one compiled function, forward and backward."""
+    scale = 1.0 / (1.0 - p)
+    if x.device.type in _FUSED_ON and not inplace and x.numel() and x.is_contiguous():
+        n = len(draws)
+        if _batch_dim(x, n, name) == 0:
+            per_sample = x.shape[1] if channels else x.numel() // n
+            elements = _elements(draws.site(name), per_sample, x.device)
+            threshold = int(p * (1 << _BITS))
+            keys = draws.keys(x.device)
+            out = _fused_drop(x.view(n, per_sample, -1), keys, elements, threshold, scale)
+            return out.view(x.shape)
+    return _apply(x, _keep(x, p, name, channels, draws), scale, inplace)
 
 
 def dropout(
@@ -294,8 +326,7 @@ def _keyed_dropout(x: torch.Tensor, p: float, name: str, inplace: bool) -> torch
         return F.dropout(x, p, True, inplace)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    keep = _keep(x, p, name, False, draws)
-    return _apply(x, keep, 1.0 / (1.0 - p), inplace)
+    return _dropout(x, p, name, False, inplace, draws)
 
 
 @functools.cache
@@ -379,8 +410,7 @@ def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tenso
         return _alpha_dropout(x, p, channels, name, draws)
     if p == 1.0:
         return x * 0.0
-    keep = _keep(x, p, name, channels, draws)
-    return _apply(x, keep, 1.0 / (1.0 - p), bool(getattr(module, "inplace", False)))
+    return _dropout(x, p, name, channels, bool(getattr(module, "inplace", False)), draws)
 
 
 @contextlib.contextmanager

@@ -118,13 +118,14 @@ def test_a_model_compiled_to_replay_as_cuda_graphs_trains_as_the_plain_one(one_g
 
 
 def test_dropout_keyed_by_sample_on_the_gpu_draws_the_cpus_masks_in_one_kernel():
-    """On the GPU each dropout's mask is one compiled kernel (`phalanx.random._mask`), bit for bit
-    the CPU's eager hash: the run with dropout is the CPU's."""
+    """On the GPU each dropout runs compiled (`phalanx.random._dropout`: its forward and its
+    backward each one kernel), bit for bit the CPU's eager hash: the run with dropout is the
+    CPU's."""
     from phalanx import random
 
     want = workers.train(scenario("cpu", "toy.Dropped"))
     got = workers.train(scenario("cuda", "toy.Dropped"))
-    assert random._fused.usable and random._fused._compiled is not None
+    assert random._fused_drop.usable and random._fused_drop._compiled is not None
     assert_same_run(got, want)
 
 

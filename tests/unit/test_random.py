@@ -82,27 +82,45 @@ def test_an_elements_keys_are_kept_unchanged_and_give_the_bits_they_gave_compute
     assert random._kept_bytes[samples.device] == 8 * 30
 
 
-def _module_masks(shapes_and_rates) -> list[torch.Tensor]:
-    """The masks of element and channel dropouts over `shapes_and_rates`, each a fresh draw."""
-    masks = []
+def _dropped(cases) -> list[torch.Tensor]:
+    """Each case's dropout module over a random input of its shape (float64 or float32, gradients
+    on), then its output and its input's gradient: fresh draws of one forward of 3 samples."""
+    torch.manual_seed(0)
+    got = []
     with drawing(Draws(7, 3, [3, 40, 12])):
-        for shape, p in shapes_and_rates:
-            for module in (nn.Dropout(p), nn.Dropout2d(p)):
-                random.key_modules(module)
-                masks.append(module(torch.ones(3, *shape)) != 0)
-    return masks
+        for module, shape, dtype in cases:
+            random.key_modules(module)
+            x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+            out = module(x if module.inplace is False else x * 1.0)
+            out.backward(torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out))
+            got += [out.detach(), x.grad]
+    return got
 
 
-def test_masks_drawn_by_one_compiled_kernel_are_the_eager_ones(monkeypatch):
-    """On a GPU the masks come from one compiled kernel, for any shape and rate (the eager hash
-    moves a dozen int64 tensors of the draw's size through memory); its bits are the eager ones.
-    Compiled here on the CPU by the same path, with shapes and rates that change between draws."""
-    shapes_and_rates = [((4, 5, 6), 0.5), ((2, 7, 3), 0.1), ((4, 5, 6), 0.3)]
-    eager = _module_masks(shapes_and_rates)
+_CASES = [  # samples first: one compiled function; second, or in place: a compiled mask
+    (nn.Dropout(0.5), (3, 4, 5, 6), torch.float64),
+    (nn.Dropout(0.1), (3, 7), torch.float32),
+    (nn.Dropout2d(0.3), (3, 4, 5, 6), torch.float64),
+    (nn.Dropout(0.2), (5, 3, 4), torch.float64),  # sequence first
+    (nn.Dropout(0.4, inplace=True), (3, 2, 6), torch.float32),
+]
+
+
+def test_dropout_compiled_on_a_gpu_gives_the_eager_outputs_and_gradients(monkeypatch):
+    """On a GPU each draw runs compiled (the eager hash moves a dozen int64 tensors of the draw's
+    size through memory): the forward and backward as one function where the samples come first,
+    else the mask alone. Their outputs and gradients are the eager ones, bit for bit, over shapes,
+    rates and dtypes that change between draws; compiled here on the CPU by the same path."""
+    eager = _dropped(_CASES)
     monkeypatch.setattr(random, "_FUSED_ON", ("cpu",))
-    monkeypatch.setattr(random, "_fused", random._Fused())
-    fused = _module_masks(shapes_and_rates)
-    assert random._fused.usable and random._fused._compiled is not None
+    for name, function in [
+        ("_fused_mask", random._mask_eagerly),
+        ("_fused_drop", random._dropped_eagerly),
+    ]:
+        monkeypatch.setattr(random, name, random._Fused(function))
+    fused = _dropped(_CASES)
+    for kind in (random._fused_mask, random._fused_drop):
+        assert kind.usable and kind._compiled is not None
     assert all(torch.equal(a, b) for a, b in zip(fused, eager, strict=True))
 
 
@@ -110,19 +128,21 @@ def test_a_device_torch_cannot_compile_for_draws_eagerly_and_says_so_once(monkey
     def refused(*args, **kwargs):
         raise RuntimeError("Found no working Triton installation\nsecond line")
 
+    eager = _dropped(_CASES + _CASES)
     monkeypatch.setattr(random, "_FUSED_ON", ("cpu",))
-    monkeypatch.setattr(random, "_fused", random._Fused())
+    for name, function in [
+        ("_fused_mask", random._mask_eagerly),
+        ("_fused_drop", random._dropped_eagerly),
+    ]:
+        monkeypatch.setattr(random, name, random._Fused(function))
     monkeypatch.setattr(torch, "compile", lambda *a, **k: refused)
-    shapes_and_rates = [((4, 5, 6), 0.5), ((2, 7, 3), 0.1)]
     with pytest.warns(
         UserWarning, match=r"eagerly.*\(RuntimeError: Found no working Triton"
     ) as told:
-        masks = _module_masks(shapes_and_rates)
-    assert len(told) == 1 and not random._fused.usable
-    monkeypatch.setattr(random, "_FUSED_ON", ())
-    assert all(
-        torch.equal(a, b) for a, b in zip(masks, _module_masks(shapes_and_rates), strict=True)
-    )
+        got = _dropped(_CASES + _CASES)
+    assert len(told) == 2  # one for each kind of kernel, the first time
+    assert not random._fused_mask.usable and not random._fused_drop.usable
+    assert all(torch.equal(a, b) for a, b in zip(got, eager, strict=True))
 
 
 class _Net(nn.Module):
