@@ -394,3 +394,28 @@ def test_a_timeout_names_the_ranks_whose_stack_is_not_in_the_run(tmp_path, monke
         "rank 1 did not reach the all-reduce of step 3 in time; every rank's stack when the job "
         f"ended: {stacks}"
     )
+
+
+def test_a_rank_whose_peers_do_not_join_in_time_says_so_and_names_the_setting(monkeypatch):
+    """Joining the process group waits parallel.timeout_s for every process: where one starts
+    slower (or never), the error names the wait, the count and the setting, not torch's store
+    traceback. Rank 0 of two, its peer never started, a real store on loopback."""
+    import socket
+
+    import torch.distributed as dist
+
+    from phalanx.errors import ConfigError
+    from phalanx.strategies.distributed import ProcessGroup
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for name, value in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as told:
+        ProcessGroup("cpu", timeout_s=1)
+    said = str(told.value)
+    assert said.startswith("rank 0 waited 1 s (parallel.timeout_s) for the job's 2 processes")
+    assert said.endswith("raise parallel.timeout_s, which also bounds every collective")
+    assert not dist.is_initialized()

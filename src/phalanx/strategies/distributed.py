@@ -47,32 +47,10 @@ class ProcessGroup(Abilities):
         if not dist.is_initialized():
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
-            timeout = timedelta(seconds=self.timeout_s)
-            # the agent's store, outliving attempts
-            if place.launcher == "agent" and place.agent_store:
-                dist.init_process_group(
-                    backend,
-                    timeout=timeout,
-                    store=_attempt_store(place, timeout),
-                    rank=place.rank,
-                    world_size=place.world_size,
-                )
-            elif place.launcher == "agent":  # rank 0 serves the store (torchrun's choice)
-                dist.init_process_group(backend, timeout=timeout)
-            elif place.launcher == "slurm":  # a task of srun's: the job's store on its first node
-                dist.init_process_group(
-                    backend,
-                    timeout=timeout,
-                    store=_job_store(place, timeout),
-                    rank=place.rank,
-                    world_size=place.world_size,
-                )
-            else:
-                # alone: a group of this process only (fsdp on one device), its store in memory,
-                # no port
-                dist.init_process_group(
-                    backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
-                )
+            try:
+                _join(place, backend, timedelta(seconds=self.timeout_s))
+            except dist.DistStoreError as e:
+                raise _join_timed_out(place, self.timeout_s, e) from None
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         trace = environment.nccl_trace_prefix() if dist.get_backend() == "nccl" else None
         if trace:  # the flight recorder's folder (the launcher turned it on)
@@ -292,6 +270,46 @@ def _side_stream(device: torch.device) -> Any:
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return stream
+
+
+def _join(place: environment.Place, backend: str, timeout: timedelta) -> None:
+    """Join the job's process group, through the store of whoever started this process."""
+    if place.launcher == "agent" and place.agent_store:  # the agent's store, outliving attempts
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            store=_attempt_store(place, timeout),
+            rank=place.rank,
+            world_size=place.world_size,
+        )
+    elif place.launcher == "agent":  # rank 0 serves the store (torchrun's choice)
+        dist.init_process_group(backend, timeout=timeout)
+    elif place.launcher == "slurm":  # a task of srun's: the job's store on its first node
+        dist.init_process_group(
+            backend,
+            timeout=timeout,
+            store=_job_store(place, timeout),
+            rank=place.rank,
+            world_size=place.world_size,
+        )
+    else:
+        # alone: a group of this process only (fsdp on one device), its store in memory, no port
+        dist.init_process_group(
+            backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
+        )
+
+
+def _join_timed_out(place: environment.Place, timeout_s: float, e: Exception) -> ConfigError:
+    """The error of a rank whose wait for the others to join ran out (torch's own says only which
+    keys or clients were missing)."""
+    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError(
+        f"rank {place.rank} waited {timeout_s:g} s (parallel.timeout_s) for the job's "
+        f"{place.world_size} processes to join, and not all did ({said}): a process started "
+        "slower than that (Python, torch and the model's imports, on a loaded machine), or not "
+        "at all (see its machine's log); raise parallel.timeout_s, which also bounds every "
+        "collective"
+    )
 
 
 def _attempt_store(place: environment.Place, timeout: timedelta) -> dist.Store:
