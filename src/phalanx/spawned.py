@@ -136,7 +136,8 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class _Guard(threading.Thread):
-    """Ends this worker at once when its launcher is gone, or has written ABORT_FILE."""
+    """Ends this worker at once when its launcher is gone (a rejoining rank's trainer: its
+    supervisor), or has written ABORT_FILE."""
 
     def __init__(self, run_dir: Path, launcher_pid: int, stacks: bool = True):
         super().__init__(name="phalanx-guard", daemon=True)
@@ -153,8 +154,14 @@ class _Guard(threading.Thread):
                 self._record_stop()
                 _end(code)
             if gone:
+                # a rejoining rank's trainer runs in a child of the process the launcher started
+                parent = (
+                    f"rank {environment.here().rank}'s supervisor"
+                    if environment.INCARNATION in os.environ
+                    else "the launcher"
+                )
                 _stderr(
-                    f"phalanx: the launcher (pid {self.launcher_pid}) has ended; "
+                    f"phalanx: {parent} (pid {self.launcher_pid}) has ended; "
                     f"worker rank {environment.here().rank} stops"
                 )
                 _end(1)

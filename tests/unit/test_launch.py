@@ -419,3 +419,34 @@ def test_a_rank_whose_peers_do_not_join_in_time_says_so_and_names_the_setting(mo
     assert said.startswith("rank 0 waited 1 s (parallel.timeout_s) for the job's 2 processes")
     assert said.endswith("raise parallel.timeout_s, which also bounds every collective")
     assert not dist.is_initialized()
+
+
+# A worker's guard whose launcher (the pid given) is not its parent: it ends the worker at once.
+_ORPHAN = """
+import os, sys, time
+from pathlib import Path
+from phalanx import spawned
+spawned._Guard(Path(sys.argv[1]), os.getppid() + 1000000).start()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("incarnation", [None, "1"])
+def test_a_worker_whose_parent_has_gone_says_which_parent_it_was(tmp_path, incarnation):
+    """A rank that rejoins trains in a child of the process the launcher started: when that
+    process is gone, the child names it as its supervisor, not as the launcher."""
+    env = {k: v for k, v in os.environ.items() if k != "PHALANX_INCARNATION"}
+    env.update(RANK="2", WORLD_SIZE="3")
+    if incarnation is not None:
+        env["PHALANX_INCARNATION"] = incarnation
+    ended = subprocess.run(
+        [sys.executable, "-c", _ORPHAN, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ended.returncode == 1
+    parent = "rank 2's supervisor" if incarnation else "the launcher"
+    assert f"phalanx: {parent} (pid " in ended.stderr
+    assert ended.stderr.rstrip().endswith("has ended; worker rank 2 stops")
