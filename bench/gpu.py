@@ -387,6 +387,7 @@ def phalanx_config(work: Workload, args, device: torch.device, output_root: str)
         "compile": args.compile,
         "channels_last": args.channels_last,
         "seed": 0,
+        "per_sample_random": not args.torch_dropout,
         "main_loop": {"epochs": args.warmup + args.rounds},
         "output_root": output_root,
     }
@@ -848,6 +849,7 @@ def settings(args) -> dict[str, Any]:
         "channels_last",
         "cudnn_benchmark",
         "threads",
+        "torch_dropout",
     )
     out = {k: getattr(args, k) for k in keys}
     if args.workload == "gpt2-small":
@@ -871,7 +873,7 @@ def print_table(report: dict[str, Any]) -> None:
         f"\n{s['workload']} on {device}: {s['rounds']} epochs of {s['steps']} steps (after "
         f"{s['warmup']} warm-up), chunks of {s['chunk']}, batch {s['batch_size']}, "
         f"{s['precision']}, {'compiled' if s['compile'] else 'eager'}, {s['workers']} DataLoader "
-        "workers"
+        "workers" + (", phalanx with torch's dropout" if s.get("torch_dropout") else "")
     )
     gpt, cuda = "seq_len" in s, report["device"]["type"] == "cuda"
     header = (
@@ -1005,6 +1007,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the device's peak FLOP/s for MFU (default: phalanx's table)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU")
+    parser.add_argument(
+        "--torch-dropout",
+        action="store_true",
+        help="phalanx with per_sample_random: false (torch's own dropout, as the other loops), "
+        "to tell the per-sample masks' cost from the rest",
+    )
     parser.add_argument(
         "--out",
         help="the JSON (default bench/results/gpu-<workload>.json; -smoke.json with --smoke)",

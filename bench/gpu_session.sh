@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lease of a lent GPU machine, in stages: `check` (the CUDA paths at smoke sizes, the GPU test
 # tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes),
+# `gpt2-torch-dropout` (gpt2 with phalanx drawing torch's dropout: per_sample_random false),
 # `tier` (the GPU test tier on five pytest workers, about 2 minutes), `dropout` (bench/keyed_dropout.py
 # on a GPT-2-small block's shape, under a minute), `lease` (what a short lease
 # must see first, in one call of about 4 minutes: the tier, `phalanx plan` on the GPU, the
@@ -48,6 +49,9 @@ for stage in "$@"; do
     dropout)
         timeout -k 5 200 python3 bench/keyed_dropout.py --device cuda --batch 32 --seq 1024 --width 768 --rounds 5 --out "$OUT/keyed-dropout.json" 2>&1 | tee "$OUT/keyed-dropout.log" | tail -n 5
         ;;
+    gpt2-torch-dropout)  # phalanx with per_sample_random: false: the per-sample masks' cost apart
+        timeout 570 python3 bench/gpu.py --workload gpt2-small --torch-dropout ${BENCH_ARGS:-} --out "$OUT/gpu-gpt2-small-torch-dropout.json" 2>&1 | tee "$OUT/gpt2-torch-dropout.log" | tail -n 25
+        ;;
     gpt2|resnet50|launch-bound)
         w=$stage; [ "$w" = gpt2 ] && w=gpt2-small
         timeout 570 python3 bench/gpu.py --workload "$w" ${BENCH_ARGS:-} --out "$OUT/gpu-$w.json" 2>&1 | tee "$OUT/$w.log" | tail -n 25
@@ -71,6 +75,6 @@ for stage in "$@"; do
     largest-plain|largest-checkpointed|largest-fsdp-offload)
         timeout 580 python3 bench/largest_model.py --mode "${stage#largest-}" ${LARGEST_ARGS:-} --out "$OUT/gpu-$stage.json" 2>&1 | tee "$OUT/$stage.log" | tail -n 25
         ;;
-    *) echo "unknown stage $stage; stages: check tier dropout lease gpt2 resnet50 launch-bound bisect trace largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
+    *) echo "unknown stage $stage; stages: check tier dropout lease gpt2 gpt2-torch-dropout resnet50 launch-bound bisect trace largest-plain largest-checkpointed largest-fsdp-offload" >&2; exit 2 ;;
     esac
 done
