@@ -274,29 +274,18 @@ def _side_stream(device: torch.device) -> Any:
 
 def _join(place: environment.Place, backend: str, timeout: timedelta) -> None:
     """Join the job's process group, through the store of whoever started this process."""
-    if place.launcher == "agent" and place.agent_store:  # the agent's store, outliving attempts
-        dist.init_process_group(
-            backend,
-            timeout=timeout,
-            store=_attempt_store(place, timeout),
-            rank=place.rank,
-            world_size=place.world_size,
-        )
-    elif place.launcher == "agent":  # rank 0 serves the store (torchrun's choice)
+    if place.launcher == "agent" and not place.agent_store:  # rank 0 serves it (torchrun's way)
         dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world_size = place.rank, place.world_size
+    if place.launcher == "agent":  # the agent's store, outliving attempts
+        store = _attempt_store(place, timeout)
     elif place.launcher == "slurm":  # a task of srun's: the job's store on its first node
-        dist.init_process_group(
-            backend,
-            timeout=timeout,
-            store=_job_store(place, timeout),
-            rank=place.rank,
-            world_size=place.world_size,
-        )
+        store = _job_store(place, timeout)
     else:
         # alone: a group of this process only (fsdp on one device), its store in memory, no port
-        dist.init_process_group(
-            backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1
-        )
+        store, rank, world_size = dist.HashStore(), 0, 1
+    dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world_size)
 
 
 def _join_timed_out(place: environment.Place, timeout_s: float, e: Exception) -> ConfigError:
