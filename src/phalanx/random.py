@@ -14,13 +14,15 @@ The engine opens a `drawing` context around each forward of a shard of a micro-b
 stage around each chunk it runs); `nn.Dropout` and its kin in the model draw through it once
 `key_modules` has set them to, and user code calls `dropout`. Outside such a context (a module run
 by hand) they draw as torch does. Activation checkpointing recomputes a forward with the draws it
-made (`recomputing`).
+made (`recomputing`). In a model being compiled a mask is one operation of the graph
+(`keyed_mask`), which reads the draws when the graph runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
 import threading
 import warnings
@@ -207,9 +209,14 @@ def _batch_dim(x: torch.Tensor, n: int, name: str) -> int:
     )
 
 
-def _keep(x: torch.Tensor, p: float, name: str, channels: bool, draws: Draws) -> torch.Tensor:
+def _keep(
+    x: torch.Tensor, p: float, name: str, channels: bool, draws: Draws | None
+) -> torch.Tensor:
     """A boolean mask of x's shape (broadcastable: per channel where `channels`) keeping each
-    element (or channel) with probability 1 - p, keyed by sample."""
+    element (or channel) with probability 1 - p, keyed by sample. `draws` None: a model being
+    compiled, whose mask is one step of its graph (`keyed_mask`), drawn when the graph runs."""
+    if draws is None:
+        return torch.ops.phalanx.keyed_mask(x, p, name, channels, _traced())
     dim = _batch_dim(x, len(draws), name)
     moved = x.movedim(dim, 0)
     shape = moved.shape[:2] if channels else moved.shape
@@ -284,13 +291,15 @@ def _mask(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.T
 
 
 def _dropout(
-    x: torch.Tensor, p: float, name: str, channels: bool, inplace: bool, draws: Draws
+    x: torch.Tensor, p: float, name: str, channels: bool, inplace: bool, draws: Draws | None
 ) -> torch.Tensor:
     """`x` with the elements (or channels) that the samples' masks drop zeroed and the others
     scaled by 1 / (1 - p); in place where `inplace`. On a device of `_FUSED_ON`, an input whose
-    samples are its first dimension runs as one compiled function, forward and backward."""
+    samples are its first dimension runs as one compiled function, forward and backward (`draws`
+    None, in a model being compiled: the `where` and the product join the model's graph)."""
     scale = 1.0 / (1.0 - p)
-    if x.device.type in _FUSED_ON and not inplace and x.numel() and x.is_contiguous():
+    fusable = x.device.type in _FUSED_ON and not inplace and x.numel() and x.is_contiguous()
+    if draws is not None and fusable:
         n = len(draws)
         if _batch_dim(x, n, name) == 0:
             per_sample = x.shape[1] if channels else x.numel() // n
@@ -314,24 +323,14 @@ def dropout(
     elsewhere."""
     if not training or p == 0.0:
         return x
-    name = name or _caller()
-    if torch.compiler.is_compiling():  # outside the graph: see `run_eagerly`
-        return _eager()(x, p, name, inplace)
-    return _keyed_dropout(x, p, name, inplace)
-
-
-def _keyed_dropout(x: torch.Tensor, p: float, name: str, inplace: bool) -> torch.Tensor:
-    draws = current()
-    if draws is None:
+    name = name or _caller()  # compiled, pass `name`: torch.compile cannot read the caller's line
+    compiling = torch.compiler.is_compiling()
+    draws = None if compiling else current()
+    if draws is None and not compiling:
         return F.dropout(x, p, True, inplace)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
     return _dropout(x, p, name, False, inplace, draws)
-
-
-@functools.cache
-def _eager() -> Any:
-    return torch.compiler.disable(_keyed_dropout)
 
 
 def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> torch.Tensor:
@@ -350,7 +349,7 @@ _ALPHA = -1.7580993408473766
 
 
 def _alpha_dropout(
-    x: torch.Tensor, p: float, channels: bool, name: str, draws: Draws
+    x: torch.Tensor, p: float, channels: bool, name: str, draws: Draws | None
 ) -> torch.Tensor:
     """Alpha dropout (and its feature form): dropped units at SELU's saturation, then an affine map
     that keeps the mean and variance."""
@@ -360,6 +359,67 @@ def _alpha_dropout(
     a = ((1.0 - p) * (1.0 + p * _ALPHA**2)) ** -0.5
     b = -a * _ALPHA * p
     return torch.where(keep, x, _ALPHA) * a + b
+
+
+# --- in a compiled model ----------------------------------------------------------------------
+# A model being compiled draws through one custom op: opaque to the compiler, it reads this
+# thread's draws when the graph runs (not when it is traced, so the step is no guard and the graph
+# is compiled once), and the `where` and scaling around it join the graph, fused with their
+# neighbours. Its result depends on state the graph does not see: it is marked random (never
+# merged with a twin, never recomputed in backward) and unsafe to replay as a CUDA graph.
+
+
+def _mask_shape(x: torch.Tensor, channels: bool) -> tuple[int, ...]:
+    return (*x.shape[:2], *([1] * (x.dim() - 2))) if channels else tuple(x.shape)
+
+
+_UNSAFE = tuple(
+    tag
+    for tag in (torch.Tag.nondeterministic_seeded, getattr(torch.Tag, "cudagraph_unsafe", None))
+    if tag is not None
+)
+
+
+@torch.library.custom_op("phalanx::keyed_mask", mutates_args=(), tags=_UNSAFE)
+def keyed_mask(x: torch.Tensor, p: float, name: str, channels: bool, call: int) -> torch.Tensor:
+    """`_keep`'s mask for the draws where the graph runs (contiguous); outside phalanx's steps,
+    a mask from torch's generator. `call` numbers the op's calls in the traced graphs, so that two
+    draws of one module from one tensor (multi-sample dropout) are not merged as one."""
+    draws = current()
+    if draws is None:
+        return torch.rand(_mask_shape(x, channels), device=x.device) >= p
+    return _keep(x, p, name, channels, draws).contiguous()
+
+
+@keyed_mask.register_fake
+def _(x: torch.Tensor, p: float, name: str, channels: bool, call: int) -> torch.Tensor:
+    return x.new_empty(_mask_shape(x, channels), dtype=torch.bool)
+
+
+_calls = itertools.count()
+
+
+def _traced() -> int:
+    """A new number at each call, taken while the graph is traced and kept in it as a constant
+    (once `for_compiling` has said so)."""
+    return next(_calls)
+
+
+def for_compiling() -> None:
+    """Before a model is compiled: tell torch.compile to take `_traced`'s number as a constant
+    (not to guard on it, and compile again at each call). Here, not at import: that imports
+    torch's compiler stack, seconds that a run without compile does not spend."""
+    torch.compiler.assume_constant_result(_traced)
+
+
+def recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A selective-checkpoint policy for a compiled model's recomputed modules: the masks are kept
+    from the forward (torch.compile takes no other `context_fn` than such a policy's)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.phalanx.keyed_mask.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 # --- the model's modules ----------------------------------------------------------------------
@@ -373,6 +433,8 @@ def key_modules(module: nn.Module) -> list[str]:
     FeatureAlphaDropout) to draw keyed by sample, under its name in `module`: its forward is
     replaced on the instance, so the module tree and its state dict are unchanged. Returns the
     names."""
+    if "torch._dynamo" in sys.modules:  # a model that compiles parts of itself
+        for_compiling()
     names = []
     for name, sub in module.named_modules():
         if isinstance(sub, _ELEMENTS + _CHANNELS) and "forward" not in vars(sub):
@@ -383,20 +445,11 @@ def key_modules(module: nn.Module) -> list[str]:
     return names
 
 
-def run_eagerly(module: nn.Module) -> None:
-    """Before `module` is compiled: its keyed dropouts run outside the compiled graph (torch.compile
-    would otherwise guard on each forward's draws, the step among them, and compile the module
-    again at every step)."""
-    for sub in module.modules():
-        keyed = vars(sub).get("forward")
-        if isinstance(keyed, functools.partial) and keyed.func is _keyed_forward:
-            sub.forward = torch.compiler.disable(keyed)
-
-
 def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
-    draws = current()
+    compiling = torch.compiler.is_compiling()  # then the draws are read when the graph runs
+    draws = None if compiling else current()
     p = float(getattr(module, "p", 0.0))
-    if draws is None or not module.training or p == 0.0:
+    if (draws is None and not compiling) or not module.training or p == 0.0:
         return type(module).forward(module, x)
     alpha = isinstance(module, (nn.AlphaDropout, nn.FeatureAlphaDropout))
     channels = isinstance(module, _CHANNELS)

@@ -211,3 +211,71 @@ def test_a_recomputed_forward_draws_the_masks_the_forward_drew():
         random.dropout(torch.ones(3, 4), 0.5, name="block")  # the forward goes on drawing
     out.sum().backward()
     assert torch.equal(out, plain) and torch.equal(x.grad, want)
+
+
+class _Drawn(nn.Module):
+    """Every way a model draws: a dropout per block (recomputed in backward where checkpointed),
+    channels, alpha and in place, one module three times from one tensor (multi-sample dropout),
+    and `random.dropout` by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Dropout(0.3)) for _ in range(3)
+        )
+        self.channels = nn.Dropout1d(0.4)
+        self.alpha = nn.AlphaDropout(0.2)
+        self.inplace = nn.Dropout(0.1, inplace=True)
+        self.head = nn.Linear(6, 1)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        x = self.channels(x.view(len(x), 3, 2)).view(len(x), 6)
+        x = self.inplace(self.alpha(x) * 1.0)
+        x = random.dropout(x, 0.25, name="by-hand")
+        return sum(self.head(self.drop(x)) for _ in range(3))
+
+
+def _drawn_run(net, sizes=(8, 8, 5)):
+    """Outputs and parameter gradients of steps with these batch sizes (the last one smaller)."""
+    got = []
+    for step, size in enumerate(sizes):
+        x = torch.randn(size, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        with drawing(Draws(3, step, list(range(10 * step, 10 * step + size)))):
+            out = net(x)
+            grads = torch.autograd.grad(out.sum(), list(net.parameters()))
+        got += [out.detach(), *grads]
+    return got
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_compiled_model_draws_in_its_graph_the_masks_it_draws_eagerly(checkpointed):
+    """Compiled, a model's draws are steps of its graph (no graph break, the where and scaling
+    fused with their neighbours), read when the graph runs: compiled once (and again for the last,
+    smaller batch), every output and gradient the eager model's (to rounding: the backend
+    decomposes some gradients; a mask of its own would be off by a whole unit). The partitioner that
+    merges twin operations and recomputes checkpointed ones keeps each draw apart and drawn once."""
+    from torch._dynamo.utils import counters
+
+    from phalanx.strategies.base import checkpoint_modules
+
+    torch.manual_seed(0)
+    net = _Drawn().double()
+    random.key_modules(net)
+    eager = _drawn_run(net)
+    if checkpointed:
+        checkpoint_modules(net, ("Sequential",))
+    torch._dynamo.reset()
+    counters.clear()
+    random.for_compiling()  # as phalanx's `compile` does
+    compiled = _drawn_run(torch.compile(net, backend="aot_eager_decomp_partition"))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["frames"]["total"] <= 2, dict(counters["frames"])
+    assert all(
+        torch.allclose(a, b, rtol=1e-12, atol=1e-14) for a, b in zip(compiled, eager, strict=True)
+    )
+    # outside phalanx's forwards, the compiled model draws from torch's generator
+    out = torch.compile(net.drop, backend="aot_eager_decomp_partition")(torch.ones(4000))
+    assert abs((out != 0).double().mean().item() - 0.5) < 0.05 and set(out.tolist()) == {0, 2}

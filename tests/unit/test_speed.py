@@ -390,8 +390,8 @@ def test_profile_writes_a_trace_and_logs_the_top_operations(tmp_path, caplog):
 
 
 def test_compile_of_a_model_with_dropout_trains_the_same_without_compiling_again(tmp_path):
-    """Keyed dropout runs outside the compiled graph: the graph is not compiled again at each step
-    for the step's draws, and the run is the plain one's."""
+    """Keyed dropout is read where the compiled graph runs: the graph is not compiled again at each
+    step for the step's draws, and the run is the plain one's."""
     from torch._dynamo.utils import counters
 
     model = {"class": "toy.Dropped", "features": 3, "hidden": 8}
@@ -402,3 +402,21 @@ def test_compile_of_a_model_with_dropout_trains_the_same_without_compiling_again
     compiled = train(tmp_path / "compiled", model=model, dataset=data, compile={"backend": "eager"})
     assert_close(params(compiled), params(plain))
     assert counters["frames"]["total"] <= 4, dict(counters["frames"])  # 16 steps: not one a step
+
+
+@pytest.mark.parametrize("model", ["toy.Linear", "toy.Dropped"])
+def test_compile_with_activation_checkpointing_trains_as_the_plain_model(tmp_path, model):
+    """torch.compile takes a recomputed module only with a selective-checkpoint policy: compiled,
+    the checkpointed net recomputes its layers and keeps the forward's dropout masks, and the run
+    ends where the plain one does."""
+    spec = {"class": model, "features": 3, "hidden": 8}
+    data = {"class": "toy.Regression", "batch_size": 8, "n_train": 64}
+    plain = train(tmp_path / "plain", model=spec, dataset=data)
+    compiled = train(
+        tmp_path / "compiled",
+        model=spec,
+        dataset=data,
+        compile={"backend": "aot_eager"},
+        activation_checkpointing=["Sequential"],
+    )
+    assert_close(params(compiled), params(plain))

@@ -440,9 +440,6 @@ def prepare(
         checkpoint_modules(module, options.checkpointed)
     module = place(module)
     if options.compile is not None:
-        from phalanx import random
-
-        random.run_eagerly(module)
         module = compile_module(module, options.compile)
     return module
 
@@ -451,6 +448,9 @@ def compile_module(module: nn.Module, compiled: Any) -> nn.Module:
     """`module` through torch.compile as `compiled` (the config's `compile`) says. torch checks
     the backend's and the mode's names here, and compiles at the first call: a name it does not know
     is the config's error."""
+    from phalanx import random
+
+    random.for_compiling()
     try:
         out = torch.compile(module, backend=compiled.backend, mode=compiled.mode)
     except RuntimeError as e:  # torch's own: an unknown backend (a RuntimeError too) or mode
@@ -488,11 +488,14 @@ def checkpoint_modules(module: nn.Module, class_names: tuple[str, ...]) -> int:
 
 
 def _recomputed(forward: Callable, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     from phalanx import random
 
     if not torch.is_grad_enabled():  # evaluation: nothing to recompute
         return forward(*args, **kwargs)
-    # the recomputation makes the very dropout masks the forward made
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=random.recomputing, **kwargs)
+    # the recomputation makes the very dropout masks the forward made; compiled, it keeps them
+    context: Callable = random.recomputing
+    if torch.compiler.is_compiling():
+        context = functools.partial(create_selective_checkpoint_contexts, random.recompute_policy)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
