@@ -915,35 +915,46 @@ class _Windows(Dataset):
 
 class Attention(nn.Module):
     """Causal self-attention with separate q, k, v and output Linears, a head count and a head
-    size, reshaping as Llama's does (the head count, or -1, and head_dim)."""
+    size, reshaping as Llama's does (the head count, or -1, and head_dim). With `dropout`, the
+    attention weights are computed by hand and dropped (a module, as GPT-2's), and the output too.
+    """
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.n_heads, self.head_dim = heads, width // heads
         self.q_proj, self.k_proj = nn.Linear(width, width), nn.Linear(width, width)
         self.v_proj, self.o_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.dropout = dropout
+        self.attn_drop, self.resid_drop = nn.Dropout(dropout), nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        if not self.dropout:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        scores = q @ k.transpose(-2, -1) / self.head_dim**0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        weights = self.attn_drop(scores.masked_fill(~causal, float("-inf")).softmax(dim=-1))
+        y = weights @ v
+        return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
 class Attending(nn.Module):
     """forward(tokens, targets) -> {"logits", "loss" (per sequence)}: an embedding, a pre-norm
-    attention block and MLP block (fc, GELU, proj), a head."""
+    attention block and MLP block (fc, GELU, proj), a head; `dropout`: on the attention weights,
+    the attention's output and the MLP's hidden features."""
 
-    def __init__(self, vocab: int = 16, width: int = 8, heads: int = 4):
+    def __init__(self, vocab: int = 16, width: int = 8, heads: int = 4, dropout: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
-        self.ln_1, self.attn = nn.LayerNorm(width), Attention(width, heads)
+        self.ln_1, self.attn = nn.LayerNorm(width), Attention(width, heads, dropout)
         self.ln_2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        )
+        # with dropout, between the MLP's two Linears: mlp.3 is the second
+        hidden = [nn.GELU(), nn.Dropout(dropout)] if dropout else [nn.GELU()]
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), *hidden, nn.Linear(4 * width, width))
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:

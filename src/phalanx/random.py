@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import sys
 import threading
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -96,18 +98,30 @@ def bits(samples: torch.Tensor, site: int, per_sample: int) -> torch.Tensor:
 # each element's key at a site, the same every step: kept, up to this many bytes a device (a
 # draw's own tensor operations then halve; on small tensors each costs its launch alone)
 _KEPT_BYTES = 64 << 20
-_kept: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+# where a sample's elements are a slice of a larger sample's (tensor parallelism): the whole
+# sample's shape, the dimension sliced, the slice's start and length
+Layout = tuple[tuple[int, ...], int, int, int]
+_kept: dict[tuple[int, int, torch.device, Layout | None], torch.Tensor] = {}
 _kept_bytes: dict[torch.device, int] = {}
 
 
-def _elements(site: int, per_sample: int, device: torch.device) -> torch.Tensor:
+def _elements(
+    site: int, per_sample: int, device: torch.device, layout: Layout | None = None
+) -> torch.Tensor:
     """The keys of a sample's `per_sample` elements at `site` (int64, below 2**32; not to be
-    changed: they may be kept)."""
-    key = (site, per_sample, device)
+    changed: they may be kept): those of elements 0 to per_sample - 1, or, with a `layout`, of the
+    elements of the whole sample that this slice holds."""
+    key = (site, per_sample, device, layout)
     element = _kept.get(key)
     if element is not None:
         return element
-    element = _mix(_mix(torch.arange(per_sample, dtype=torch.int64, device=device)) ^ site)
+    if layout is None:
+        index = torch.arange(per_sample, dtype=torch.int64, device=device)
+    else:
+        whole, dim, start, length = layout
+        index = torch.arange(math.prod(whole), dtype=torch.int64, device=device)
+        index = index.view(whole).narrow(dim, start, length).flatten()
+    element = _mix(_mix(index) ^ site)
     size = per_sample * element.element_size()
     used = _kept_bytes.get(device, 0)
     if used + size <= _KEPT_BYTES:
@@ -146,6 +160,8 @@ class Draws:
 
     def __enter__(self) -> Draws:
         """`drawing(self)` without its object: the engine enters one every forward."""
+        global _region
+        _region = None  # a forward that raised inside a split region left it open
         self._before = getattr(_local, "draws", None)
         _local.draws = self
         return self
@@ -210,20 +226,27 @@ def _batch_dim(x: torch.Tensor, n: int, name: str) -> int:
 
 
 def _keep(
-    x: torch.Tensor, p: float, name: str, channels: bool, draws: Draws | None
+    x: torch.Tensor,
+    p: float,
+    name: str,
+    channels: bool,
+    draws: Draws | None,
+    cut: Cut | None = None,
 ) -> torch.Tensor:
     """A boolean mask of x's shape (broadcastable: per channel where `channels`) keeping each
-    element (or channel) with probability 1 - p, keyed by sample. `draws` None: a model being
-    compiled, whose mask is one step of its graph (`keyed_mask`), drawn when the graph runs."""
+    element (or channel) with probability 1 - p, keyed by sample; `cut`: x is a slice of the
+    tensor one process would hold (`_cut`). `draws` None: a model being compiled, whose mask is one
+    step of its graph (`keyed_mask`), drawn when the graph runs."""
     if draws is None:
-        return torch.ops.phalanx.keyed_mask(x, p, name, channels, _traced())
+        return torch.ops.phalanx.keyed_mask(x, p, name, channels, list(cut or ()), _traced())
     dim = _batch_dim(x, len(draws), name)
     moved = x.movedim(dim, 0)
     shape = moved.shape[:2] if channels else moved.shape
     per_sample = 1
     for size in shape[1:]:
         per_sample *= size
-    elements = _elements(draws.site(name), per_sample, x.device)
+    layout = None if cut is None else _layout(x, dim, channels, cut)
+    elements = _elements(draws.site(name), per_sample, x.device, layout)
     threshold = int(p * (1 << _BITS))
     keep = _mask(draws.keys(x.device), elements, threshold)
     keep = keep.reshape(*shape, *([1] * (moved.dim() - len(shape))))
@@ -291,7 +314,13 @@ def _mask(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.T
 
 
 def _dropout(
-    x: torch.Tensor, p: float, name: str, channels: bool, inplace: bool, draws: Draws | None
+    x: torch.Tensor,
+    p: float,
+    name: str,
+    channels: bool,
+    inplace: bool,
+    draws: Draws | None,
+    cut: Cut | None = None,
 ) -> torch.Tensor:
     """`x` with the elements (or channels) that the samples' masks drop zeroed and the others
     scaled by 1 / (1 - p); in place where `inplace`. On a device of `_FUSED_ON`, an input whose
@@ -303,12 +332,13 @@ def _dropout(
         n = len(draws)
         if _batch_dim(x, n, name) == 0:
             per_sample = x.shape[1] if channels else x.numel() // n
-            elements = _elements(draws.site(name), per_sample, x.device)
+            layout = None if cut is None else _layout(x, 0, channels, cut)
+            elements = _elements(draws.site(name), per_sample, x.device, layout)
             threshold = int(p * (1 << _BITS))
             keys = draws.keys(x.device)
             out = _fused_drop(x.view(n, per_sample, -1), keys, elements, threshold, scale)
             return out.view(x.shape)
-    return _apply(x, _keep(x, p, name, channels, draws), scale, inplace)
+    return _apply(x, _keep(x, p, name, channels, draws, cut), scale, inplace)
 
 
 def dropout(
@@ -330,7 +360,7 @@ def dropout(
         return F.dropout(x, p, True, inplace)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    return _dropout(x, p, name, False, inplace, draws)
+    return _dropout(x, p, name, False, inplace, draws, _cut(x, name))
 
 
 def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> torch.Tensor:
@@ -349,16 +379,96 @@ _ALPHA = -1.7580993408473766
 
 
 def _alpha_dropout(
-    x: torch.Tensor, p: float, channels: bool, name: str, draws: Draws | None
+    x: torch.Tensor, p: float, channels: bool, name: str, draws: Draws | None, cut: Cut | None
 ) -> torch.Tensor:
     """Alpha dropout (and its feature form): dropped units at SELU's saturation, then an affine map
     that keeps the mean and variance."""
     if p == 1.0:
         return x * 0.0
-    keep = _keep(x, p, name, channels, draws)
+    keep = _keep(x, p, name, channels, draws, cut)
     a = ((1.0 - p) * (1.0 + p * _ALPHA**2)) ** -0.5
     b = -a * _ALPHA * p
     return torch.where(keep, x, _ALPHA) * a + b
+
+
+# --- under tensor parallelism -----------------------------------------------------------------
+# Between a colwise layer and the rowwise one, each process of a tensor group holds a slice of the
+# activations: the features of the last dimension, or, in an attention module whose heads are
+# split, the heads of the second dimension of (samples, heads, ...) tensors. A dropout there draws
+# for the elements of the whole tensor that its slice holds, so its masks are one process's. The
+# strategy's hooks on the split layers open and close the region as the forward runs (`Split`).
+
+# (the dimension of x that is sliced, the number of slices, this process's)
+Cut = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Split:
+    """A region of the forward where activations are split over a tensor group of `parts`
+    processes, this one `index`: its slice of the last dimension holds `features` of them; `heads`,
+    in a split attention, its heads; `sequence`: a sequence norm's output, split by position (a
+    DTensor), which no mask follows. `where` says where, for errors."""
+
+    parts: int
+    index: int
+    where: str
+    features: int = 0
+    heads: int | None = None
+    sequence: bool = False
+
+
+_region: Split | None = None
+
+
+def open_split(split: Split) -> None:
+    """A split layer's forward ended: the activations from here are split as `split` says."""
+    global _region
+    _region = split
+
+
+def close_split() -> None:
+    """The layer that takes split activations (rowwise) starts: they are whole again after it."""
+    global _region
+    _region = None
+
+
+def _cut(x: torch.Tensor, name: str) -> Cut | None:
+    """How `x`, drawn on at `name`, is a slice of what one process would hold: None where it is
+    whole. One error where it is split in a way no mask can follow."""
+    region = _region
+    if region is None:
+        return None
+    if region.sequence:
+        raise RuntimeError(
+            f"per-sample dropout at {name!r} runs {region.where}, on this process's share of the "
+            "sequence positions, which its masks cannot follow; move the dropout after the "
+            "colwise layer that gathers them, or set per_sample_random: false"
+        )
+    if region.heads is not None and x.dim() == 4 and x.shape[1] == region.heads:
+        return (1, region.parts, region.index)
+    if x.dim() >= 2 and x.shape[-1] == region.features:
+        return (x.dim() - 1, region.parts, region.index)
+    heads = "" if region.heads is None else f", nor its second the {region.heads} heads"
+    raise RuntimeError(
+        f"per-sample dropout at {name!r} runs {region.where}, where this process holds a slice of "
+        f"the activations, on a tensor of shape {tuple(x.shape)} whose last dimension is not the "
+        f"{region.features} features it holds{heads}: its masks cannot follow one process's; "
+        "move the dropout after the rowwise layer, or set per_sample_random: false"
+    )
+
+
+def _layout(x: torch.Tensor, dim: int, channels: bool, cut: Cut) -> Layout | None:
+    """The `Layout` of a sample's elements of x (samples in `dim`; per channel where `channels`)
+    cut as `cut` says; None where the cut dimension is not among them (a channel's mask)."""
+    sliced, parts, index = cut
+    dims = [i for i in range(x.dim()) if i != dim][: 1 if channels else None]
+    if sliced not in dims:
+        return None
+    whole = [int(x.shape[i]) for i in dims]
+    at = dims.index(sliced)
+    length = whole[at]
+    whole[at] = length * parts
+    return tuple(whole), at, index * length, length
 
 
 # --- in a compiled model ----------------------------------------------------------------------
@@ -381,18 +491,24 @@ _UNSAFE = tuple(
 
 
 @torch.library.custom_op("phalanx::keyed_mask", mutates_args=(), tags=_UNSAFE)
-def keyed_mask(x: torch.Tensor, p: float, name: str, channels: bool, call: int) -> torch.Tensor:
-    """`_keep`'s mask for the draws where the graph runs (contiguous); outside phalanx's steps,
-    a mask from torch's generator. `call` numbers the op's calls in the traced graphs, so that two
-    draws of one module from one tensor (multi-sample dropout) are not merged as one."""
+def keyed_mask(
+    x: torch.Tensor, p: float, name: str, channels: bool, cut: list[int], call: int
+) -> torch.Tensor:
+    """`_keep`'s mask for the draws where the graph runs (contiguous; `cut` empty or a `Cut`);
+    outside phalanx's steps, a mask from torch's generator. `call` numbers the op's calls in the
+    traced graphs, so that two draws of one module from one tensor (multi-sample dropout) are not
+    merged as one."""
     draws = current()
     if draws is None:
         return torch.rand(_mask_shape(x, channels), device=x.device) >= p
-    return _keep(x, p, name, channels, draws).contiguous()
+    sliced = (cut[0], cut[1], cut[2]) if cut else None
+    return _keep(x, p, name, channels, draws, sliced).contiguous()
 
 
 @keyed_mask.register_fake
-def _(x: torch.Tensor, p: float, name: str, channels: bool, call: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, p: float, name: str, channels: bool, cut: list[int], call: int
+) -> torch.Tensor:
     return x.new_empty(_mask_shape(x, channels), dtype=torch.bool)
 
 
@@ -459,11 +575,12 @@ def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tenso
             f"(samples, channels, ...); it got shape {tuple(x.shape)}. Give it a batch, or set "
             "per_sample_random: false"
         )
+    cut = _cut(x, name)
     if alpha:
-        return _alpha_dropout(x, p, channels, name, draws)
+        return _alpha_dropout(x, p, channels, name, draws, cut)
     if p == 1.0:
         return x * 0.0
-    return _dropout(x, p, name, channels, bool(getattr(module, "inplace", False)), draws)
+    return _dropout(x, p, name, channels, bool(getattr(module, "inplace", False)), draws, cut)
 
 
 @contextlib.contextmanager

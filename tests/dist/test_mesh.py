@@ -153,9 +153,13 @@ def language_model(model: dict, plan: dict | str | None = None) -> dict:
 
 
 def test_tensor_plans_auto_and_every_style_train_as_one_process():
-    """auto on the GPT example's model (its MLPs: its attention's qkv is fused), and a hand-written
-    plan of every style on a model with separate attention projections."""
-    runs = [(GPT, "auto"), (ATTENDING, EVERY_STYLE)]
+    """auto on the GPT example's model (its MLPs: its attention's qkv is fused), a hand-written
+    plan of every style on a model with separate attention projections, and the same model with
+    per-sample dropout where each process holds a slice of the activations (the attention weights
+    of its heads, the MLP's hidden features of its share) and where it holds them whole."""
+    dropped = {**ATTENDING, "dropout": 0.3}
+    plan = {**{k: v for k, v in EVERY_STYLE.items() if k != "mlp.2"}, "mlp.3": "rowwise"}
+    runs = [(GPT, "auto"), (ATTENDING, EVERY_STYLE), (dropped, plan)]
     want = [workers.train(language_model(model)) for model, _ in runs]
     raws = [language_model(model, plan) for model, plan in runs]
     ranks = workers.run_ranks(2, workers.train_all, raws, timeout=400)

@@ -72,13 +72,13 @@ def test_an_elements_keys_are_kept_unchanged_and_give_the_bits_they_gave_compute
     element = random._mix(random._mix(torch.arange(30, dtype=torch.int64)) ^ site)
     want = random._mix(samples[:, None] ^ element[None, :])
     first = random.bits(samples, site, 30)
-    kept = random._kept[(site, 30, samples.device)].clone()
+    kept = random._kept[(site, 30, samples.device, None)].clone()
     assert torch.equal(first, want) and torch.equal(random.bits(samples, site, 30), want)
-    assert torch.equal(random._kept[(site, 30, samples.device)], kept)
+    assert torch.equal(random._kept[(site, 30, samples.device, None)], kept)
     # over the budget: computed, not kept, the same bits
     other = random._site("net.2", 0)
     assert torch.equal(random.bits(samples, other, 30), random.bits(samples, other, 30))
-    assert list(random._kept) == [(site, 30, samples.device)]
+    assert list(random._kept) == [(site, 30, samples.device, None)]
     assert random._kept_bytes[samples.device] == 8 * 30
 
 
@@ -279,3 +279,48 @@ def test_a_compiled_model_draws_in_its_graph_the_masks_it_draws_eagerly(checkpoi
     # outside phalanx's forwards, the compiled model draws from torch's generator
     out = torch.compile(net.drop, backend="aot_eager_decomp_partition")(torch.ones(4000))
     assert abs((out != 0).double().mean().item() - 0.5) < 0.05 and set(out.tolist()) == {0, 2}
+
+
+def _sliced(x, index, split):
+    """`random.dropout` of `x`, this process's slice `index` in a region split as `split` says (as
+    the tensor strategy's hooks open and close it)."""
+    random.open_split(split(index))
+    out = random.dropout(x, 0.5, name="mlp")
+    random.close_split()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "split"),
+    [
+        ((3, 4, 6), 2, lambda i: random.Split(2, i, "here", features=3)),  # an MLP's features
+        ((4, 3, 6), 2, lambda i: random.Split(2, i, "here", features=3)),  # sequence first
+        ((3, 4, 5, 5), 1, lambda i: random.Split(2, i, "here", features=8, heads=2)),  # heads
+    ],
+    ids=["features", "sequence-first", "heads"],
+)
+def test_a_slice_of_activations_split_over_a_tensor_group_draws_its_part_of_the_mask(
+    shape, dim, split
+):
+    """Under tensor parallelism each process holds a slice of the activations between a colwise
+    and a rowwise layer: its masks are its slice of the whole tensor's, compiled or not."""
+    x = torch.ones(shape)
+    with drawing(Draws(1, 2, [5, 6, 7])):
+        whole = random.dropout(x, 0.5, name="mlp")
+    for run in (_sliced, torch.compile(_sliced, backend="aot_eager")):
+        parts = []
+        for i, part in enumerate(x.chunk(2, dim)):
+            with drawing(Draws(1, 2, [5, 6, 7])):  # a forward of samples 5, 6 and 7
+                parts.append(run(part, i, split))
+        assert torch.equal(torch.cat(parts, dim), whole)
+
+
+def test_a_dropout_on_activations_split_in_a_way_no_mask_follows_is_one_error():
+    with drawing(Draws(1, 2, [5, 6, 7])):
+        random.open_split(random.Split(2, 0, "after the sequence norm 'ln_2'", sequence=True))
+        with pytest.raises(RuntimeError, match="at 'mlp' runs after the sequence norm 'ln_2'"):
+            random.dropout(torch.ones(3, 4, 6), 0.5, name="mlp")
+        random.open_split(random.Split(2, 0, "between 'fc' and 'proj'", features=3, heads=2))
+        with pytest.raises(RuntimeError, match=r"shape \(3, 4, 5\) whose last dimension is not"):
+            random.dropout(torch.ones(3, 4, 5), 0.5, name="mlp")
+    random.close_split()

@@ -23,11 +23,12 @@ degree, as torch's tensor parallel tutorial does, so that its forward's reshape 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
@@ -256,6 +257,55 @@ def apply_tensor_plan(module: nn.Module, mesh: DeviceMesh, plan: Mapping[str, st
             attr = _attr_name(attention, names)
             if attr is not None:
                 setattr(attention, attr, getattr(attention, attr) // degree)
+    heads = {name: _int_attr(attention, HEADS) for name, attention in attentions}
+    _watch_splits(module, plan, degree, mesh.get_local_rank(), heads)
+
+
+def _watch_splits(
+    module: nn.Module,
+    plan: Mapping[str, str],
+    degree: int,
+    index: int,
+    heads: Mapping[str, int | None],
+) -> None:
+    """Hooks on the split layers that tell `phalanx.random` where the forward's activations are
+    this process's slice (`random.Split`): from a colwise layer's output to the next rowwise
+    layer's input, or a sequence norm's output. A dropout there draws the masks of its slice of
+    the whole tensor, as one process would. `heads`: each split attention's heads, this process's
+    share."""
+    from phalanx import random
+
+    for name, style in plan.items():
+        layer = module.get_submodule(name)
+        if style == "rowwise":
+            layer.register_forward_pre_hook(_closing)
+            continue
+        if style == "colwise":
+            width = layer.out_features if isinstance(layer, nn.Linear) else 0
+            if isinstance(layer, nn.Embedding):
+                width = layer.embedding_dim
+            split = random.Split(
+                degree,
+                index,
+                f"between the colwise {name!r} and the rowwise layer after it",
+                features=width // degree,
+                heads=heads.get(name.rpartition(".")[0]),
+            )
+        else:
+            split = random.Split(degree, index, f"after the sequence norm {name!r}", sequence=True)
+        layer.register_forward_hook(functools.partial(_opening, split))
+
+
+def _opening(split: Any, module: nn.Module, args: Any, output: Any) -> None:
+    from phalanx import random
+
+    random.open_split(split)
+
+
+def _closing(module: nn.Module, args: Any) -> None:
+    from phalanx import random
+
+    random.close_split()
 
 
 def _style(layer: nn.Module, style: str) -> ParallelStyle:
