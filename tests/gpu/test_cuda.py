@@ -129,6 +129,19 @@ def test_dropout_keyed_by_sample_on_the_gpu_draws_the_cpus_masks_in_one_kernel()
     assert_same_run(got, want)
 
 
+@pytest.mark.parametrize("compiled", [{"backend": "inductor"}, {"mode": "reduce-overhead"}])
+def test_a_compiled_model_with_dropout_on_the_gpu_draws_the_cpus_masks_in_its_graph(compiled):
+    """Compiled, each keyed dropout is one operation of the model's graph that reads the step's
+    draws where the graph runs; replayed as CUDA graphs, the graphs are split around it, so no
+    replay draws a step's masks again: the run is the CPU's eager one, to inductor's rounding."""
+    want = workers.train(scenario("cpu", "toy.Dropped"))
+    got = workers.train({**scenario("cuda", "toy.Dropped"), "compile": compiled})
+    assert len(got["losses"]) == len(want["losses"]) > 0
+    assert rel(got["losses"], want["losses"]) < 1e-9
+    for name, value in want["params"].items():
+        assert rel(got["params"][name], value) < 1e-9, name
+
+
 def test_sync_batchnorm_on_the_gpu_trains_as_one_process(one_gpu):
     raw = scenario("cuda", "toy.BatchNormNet", sync_batchnorm=True)
     raw["dataset"] = {
