@@ -201,11 +201,32 @@ def current() -> Draws | None:
 def recomputing() -> tuple[Any, Any]:
     """For torch.utils.checkpoint's `context_fn`: the forward keeps a copy of the draws as they
     stand, and the recomputation in backward (in whatever thread autograd runs it) draws from that
-    copy, so it makes the very masks the forward made."""
+    copy, in the split region the forward drew in (`Split`), so it makes the very masks the
+    forward made."""
     now = current()
     if now is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), drawing(now.snapshot())
+    return contextlib.nullcontext(), _again(now.snapshot(), _region)
+
+
+class _again(drawing):  # noqa: N801 - a context manager, as `drawing`
+    """`drawing(draws)` within the split region `region`, and the one before it back after."""
+
+    __slots__ = ("region", "_region_before")
+
+    def __init__(self, draws: Draws, region: Split | None):
+        super().__init__(draws)
+        self.region = region
+
+    def __enter__(self) -> Draws | None:
+        global _region
+        self._region_before, _region = _region, self.region
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        global _region
+        super().__exit__(*exc)
+        _region = self._region_before
 
 
 # --- drawing ----------------------------------------------------------------------------------

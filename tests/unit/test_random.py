@@ -211,6 +211,16 @@ def test_a_recomputed_forward_draws_the_masks_the_forward_drew():
         random.dropout(torch.ones(3, 4), 0.5, name="block")  # the forward goes on drawing
     out.sum().backward()
     assert torch.equal(out, plain) and torch.equal(x.grad, want)
+    # within a region split over a tensor group (the split layers outside the recomputed part),
+    # recomputed after the region has closed: the slice's masks again
+    x.grad = None
+    with drawing(Draws(0, 1, [0, 1, 2])):
+        random.open_split(random.Split(2, 1, "here", features=4))
+        out = checkpoint(block, x, use_reentrant=False, context_fn=random.recomputing)
+        random.close_split()
+    out.sum().backward()
+    assert torch.equal(x.grad, out.detach())  # 2 / (1 - p) where kept, as the forward's output
+    assert not torch.equal(out, plain)  # the second slice's masks, not the first's
 
 
 class _Drawn(nn.Module):
