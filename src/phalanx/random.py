@@ -29,12 +29,14 @@ import threading
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from phalanx import split_region
+from phalanx.split_region import Cut, Layout, Split
 
 _M32 = 0xFFFFFFFF
 # added before mixing a counter: 0 and 1 then differ in many bits
@@ -98,9 +100,6 @@ def bits(samples: torch.Tensor, site: int, per_sample: int) -> torch.Tensor:
 # each element's key at a site, the same every step: kept, up to this many bytes a device (a
 # draw's own tensor operations then halve; on small tensors each costs its launch alone)
 _KEPT_BYTES = 64 << 20
-# where a sample's elements are a slice of a larger sample's (tensor parallelism): the whole
-# sample's shape, the dimension sliced, the slice's start and length
-Layout = tuple[tuple[int, ...], int, int, int]
 _kept: dict[tuple[int, int, torch.device, Layout | None], torch.Tensor] = {}
 _kept_bytes: dict[torch.device, int] = {}
 
@@ -160,8 +159,7 @@ class Draws:
 
     def __enter__(self) -> Draws:
         """`drawing(self)` without its object: the engine enters one every forward."""
-        global _region
-        _region = None  # a forward that raised inside a split region left it open
+        split_region.close_split()  # a forward that raised inside a split region left it open
         self._before = getattr(_local, "draws", None)
         _local.draws = self
         return self
@@ -201,12 +199,12 @@ def current() -> Draws | None:
 def recomputing() -> tuple[Any, Any]:
     """For torch.utils.checkpoint's `context_fn`: the forward keeps a copy of the draws as they
     stand, and the recomputation in backward (in whatever thread autograd runs it) draws from that
-    copy, in the split region the forward drew in (`Split`), so it makes the very masks the
+    copy, in the split region the forward drew in (`split_region`), so it makes the very masks the
     forward made."""
     now = current()
     if now is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _again(now.snapshot(), _region)
+    return contextlib.nullcontext(), _again(now.snapshot(), split_region.region())
 
 
 class _again(drawing):  # noqa: N801 - a context manager, as `drawing`
@@ -219,14 +217,12 @@ class _again(drawing):  # noqa: N801 - a context manager, as `drawing`
         self.region = region
 
     def __enter__(self) -> Draws | None:
-        global _region
-        self._region_before, _region = _region, self.region
+        self._region_before = split_region.enter(self.region)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        global _region
         super().__exit__(*exc)
-        _region = self._region_before
+        split_region.enter(self._region_before)
 
 
 # --- drawing ----------------------------------------------------------------------------------
@@ -256,8 +252,8 @@ def _keep(
 ) -> torch.Tensor:
     """A boolean mask of x's shape (broadcastable: per channel where `channels`) keeping each
     element (or channel) with probability 1 - p, keyed by sample; `cut`: x is a slice of the
-    tensor one process would hold (`_cut`). `draws` None: a model being compiled, whose mask is one
-    step of its graph (`keyed_mask`), drawn when the graph runs."""
+    tensor one process would hold (`split_region.cut`). `draws` None: a model being compiled,
+    whose mask is one step of its graph (`keyed_mask`), drawn when the graph runs."""
     if draws is None:
         return torch.ops.phalanx.keyed_mask(x, p, name, channels, list(cut or ()), _traced())
     dim = _batch_dim(x, len(draws), name)
@@ -266,7 +262,7 @@ def _keep(
     per_sample = 1
     for size in shape[1:]:
         per_sample *= size
-    layout = None if cut is None else _layout(x, dim, channels, cut)
+    layout = None if cut is None else split_region.layout(x, dim, channels, cut)
     elements = _elements(draws.site(name), per_sample, x.device, layout)
     threshold = int(p * (1 << _BITS))
     keep = _mask(draws.keys(x.device), elements, threshold)
@@ -353,7 +349,7 @@ def _dropout(
         n = len(draws)
         if _batch_dim(x, n, name) == 0:
             per_sample = x.shape[1] if channels else x.numel() // n
-            layout = None if cut is None else _layout(x, 0, channels, cut)
+            layout = None if cut is None else split_region.layout(x, 0, channels, cut)
             elements = _elements(draws.site(name), per_sample, x.device, layout)
             threshold = int(p * (1 << _BITS))
             keys = draws.keys(x.device)
@@ -381,7 +377,7 @@ def dropout(
         return F.dropout(x, p, True, inplace)
     if p == 1.0:
         return x.mul_(0.0) if inplace else x * 0.0
-    return _dropout(x, p, name, False, inplace, draws, _cut(x, name))
+    return _dropout(x, p, name, False, inplace, draws, split_region.cut(x, name))
 
 
 def _apply(x: torch.Tensor, keep: torch.Tensor, scale: float, inplace: bool) -> torch.Tensor:
@@ -410,86 +406,6 @@ def _alpha_dropout(
     a = ((1.0 - p) * (1.0 + p * _ALPHA**2)) ** -0.5
     b = -a * _ALPHA * p
     return torch.where(keep, x, _ALPHA) * a + b
-
-
-# --- under tensor parallelism -----------------------------------------------------------------
-# Between a colwise layer and the rowwise one, each process of a tensor group holds a slice of the
-# activations: the features of the last dimension, or, in an attention module whose heads are
-# split, the heads of the second dimension of (samples, heads, ...) tensors. A dropout there draws
-# for the elements of the whole tensor that its slice holds, so its masks are one process's. The
-# strategy's hooks on the split layers open and close the region as the forward runs (`Split`).
-
-# (the dimension of x that is sliced, the number of slices, this process's)
-Cut = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class Split:
-    """A region of the forward where activations are split over a tensor group of `parts`
-    processes, this one `index`: its slice of the last dimension holds `features` of them; `heads`,
-    in a split attention, its heads; `sequence`: a sequence norm's output, split by position (a
-    DTensor), which no mask follows. `where` says where, for errors."""
-
-    parts: int
-    index: int
-    where: str
-    features: int = 0
-    heads: int | None = None
-    sequence: bool = False
-
-
-_region: Split | None = None
-
-
-def open_split(split: Split) -> None:
-    """A split layer's forward ended: the activations from here are split as `split` says."""
-    global _region
-    _region = split
-
-
-def close_split() -> None:
-    """The layer that takes split activations (rowwise) starts: they are whole again after it."""
-    global _region
-    _region = None
-
-
-def _cut(x: torch.Tensor, name: str) -> Cut | None:
-    """How `x`, drawn on at `name`, is a slice of what one process would hold: None where it is
-    whole. One error where it is split in a way no mask can follow."""
-    region = _region
-    if region is None:
-        return None
-    if region.sequence:
-        raise RuntimeError(
-            f"per-sample dropout at {name!r} runs {region.where}, on this process's share of the "
-            "sequence positions, which its masks cannot follow; move the dropout after the "
-            "colwise layer that gathers them, or set per_sample_random: false"
-        )
-    if region.heads is not None and x.dim() == 4 and x.shape[1] == region.heads:
-        return (1, region.parts, region.index)
-    if x.dim() >= 2 and x.shape[-1] == region.features:
-        return (x.dim() - 1, region.parts, region.index)
-    heads = "" if region.heads is None else f", nor its second the {region.heads} heads"
-    raise RuntimeError(
-        f"per-sample dropout at {name!r} runs {region.where}, where this process holds a slice of "
-        f"the activations, on a tensor of shape {tuple(x.shape)} whose last dimension is not the "
-        f"{region.features} features it holds{heads}: its masks cannot follow one process's; "
-        "move the dropout after the rowwise layer, or set per_sample_random: false"
-    )
-
-
-def _layout(x: torch.Tensor, dim: int, channels: bool, cut: Cut) -> Layout | None:
-    """The `Layout` of a sample's elements of x (samples in `dim`; per channel where `channels`)
-    cut as `cut` says; None where the cut dimension is not among them (a channel's mask)."""
-    sliced, parts, index = cut
-    dims = [i for i in range(x.dim()) if i != dim][: 1 if channels else None]
-    if sliced not in dims:
-        return None
-    whole = [int(x.shape[i]) for i in dims]
-    at = dims.index(sliced)
-    length = whole[at]
-    whole[at] = length * parts
-    return tuple(whole), at, index * length, length
 
 
 # --- in a compiled model ----------------------------------------------------------------------
@@ -596,7 +512,7 @@ def _keyed_forward(module: nn.Module, name: str, x: torch.Tensor) -> torch.Tenso
             f"(samples, channels, ...); it got shape {tuple(x.shape)}. Give it a batch, or set "
             "per_sample_random: false"
         )
-    cut = _cut(x, name)
+    cut = split_region.cut(x, name)
     if alpha:
         return _alpha_dropout(x, p, channels, name, draws, cut)
     if p == 1.0:

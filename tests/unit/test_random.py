@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx import random
+from phalanx import random, split_region
 from phalanx.random import Draws, drawing
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,9 +215,9 @@ def test_a_recomputed_forward_draws_the_masks_the_forward_drew():
     # recomputed after the region has closed: the slice's masks again
     x.grad = None
     with drawing(Draws(0, 1, [0, 1, 2])):
-        random.open_split(random.Split(2, 1, "here", features=4))
+        split_region.open_split(split_region.Split(2, 1, "here", features=4))
         out = checkpoint(block, x, use_reentrant=False, context_fn=random.recomputing)
-        random.close_split()
+        split_region.close_split()
     out.sum().backward()
     assert torch.equal(x.grad, out.detach())  # 2 / (1 - p) where kept, as the forward's output
     assert not torch.equal(out, plain)  # the second slice's masks, not the first's
@@ -294,18 +294,18 @@ def test_a_compiled_model_draws_in_its_graph_the_masks_it_draws_eagerly(checkpoi
 def _sliced(x, index, split):
     """`random.dropout` of `x`, this process's slice `index` in a region split as `split` says (as
     the tensor strategy's hooks open and close it)."""
-    random.open_split(split(index))
+    split_region.open_split(split(index))
     out = random.dropout(x, 0.5, name="mlp")
-    random.close_split()
+    split_region.close_split()
     return out
 
 
 @pytest.mark.parametrize(
     ("shape", "dim", "split"),
     [
-        ((3, 4, 6), 2, lambda i: random.Split(2, i, "here", features=3)),  # an MLP's features
-        ((4, 3, 6), 2, lambda i: random.Split(2, i, "here", features=3)),  # sequence first
-        ((3, 4, 5, 5), 1, lambda i: random.Split(2, i, "here", features=8, heads=2)),  # heads
+        ((3, 4, 6), 2, lambda i: split_region.Split(2, i, "here", features=3)),  # an MLP's features
+        ((4, 3, 6), 2, lambda i: split_region.Split(2, i, "here", features=3)),  # sequence first
+        ((3, 4, 5, 5), 1, lambda i: split_region.Split(2, i, "here", features=8, heads=2)),  # heads
     ],
     ids=["features", "sequence-first", "heads"],
 )
@@ -327,10 +327,14 @@ def test_a_slice_of_activations_split_over_a_tensor_group_draws_its_part_of_the_
 
 def test_a_dropout_on_activations_split_in_a_way_no_mask_follows_is_one_error():
     with drawing(Draws(1, 2, [5, 6, 7])):
-        random.open_split(random.Split(2, 0, "after the sequence norm 'ln_2'", sequence=True))
+        split_region.open_split(
+            split_region.Split(2, 0, "after the sequence norm 'ln_2'", sequence=True)
+        )
         with pytest.raises(RuntimeError, match="at 'mlp' runs after the sequence norm 'ln_2'"):
             random.dropout(torch.ones(3, 4, 6), 0.5, name="mlp")
-        random.open_split(random.Split(2, 0, "between 'fc' and 'proj'", features=3, heads=2))
+        split_region.open_split(
+            split_region.Split(2, 0, "between 'fc' and 'proj'", features=3, heads=2)
+        )
         with pytest.raises(RuntimeError, match=r"shape \(3, 4, 5\) whose last dimension is not"):
             random.dropout(torch.ones(3, 4, 5), 0.5, name="mlp")
-    random.close_split()
+    split_region.close_split()

@@ -269,11 +269,11 @@ def _watch_splits(
     heads: Mapping[str, int | None],
 ) -> None:
     """Hooks on the split layers that tell `phalanx.random` where the forward's activations are
-    this process's slice (`random.Split`): from a colwise layer's output to the next rowwise
+    this process's slice (`split_region.Split`): from a colwise layer's output to the next rowwise
     layer's input, or a sequence norm's output. A dropout there draws the masks of its slice of
     the whole tensor, as one process would. `heads`: each split attention's heads, this process's
     share."""
-    from phalanx import random
+    from phalanx import split_region
 
     for name, style in plan.items():
         layer = module.get_submodule(name)
@@ -284,7 +284,7 @@ def _watch_splits(
             width = layer.out_features if isinstance(layer, nn.Linear) else 0
             if isinstance(layer, nn.Embedding):
                 width = layer.embedding_dim
-            split = random.Split(
+            split = split_region.Split(
                 degree,
                 index,
                 f"between the colwise {name!r} and the rowwise layer after it",
@@ -292,20 +292,22 @@ def _watch_splits(
                 heads=heads.get(name.rpartition(".")[0]),
             )
         else:
-            split = random.Split(degree, index, f"after the sequence norm {name!r}", sequence=True)
+            split = split_region.Split(
+                degree, index, f"after the sequence norm {name!r}", sequence=True
+            )
         layer.register_forward_hook(functools.partial(_opening, split))
 
 
 def _opening(split: Any, module: nn.Module, args: Any, output: Any) -> None:
-    from phalanx import random
+    from phalanx import split_region
 
-    random.open_split(split)
+    split_region.open_split(split)
 
 
 def _closing(module: nn.Module, args: Any) -> None:
-    from phalanx import random
+    from phalanx import split_region
 
-    random.close_split()
+    split_region.close_split()
 
 
 def _style(layer: nn.Module, style: str) -> ParallelStyle:
