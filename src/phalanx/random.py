@@ -14,8 +14,8 @@ The engine opens a `drawing` context around each forward of a shard of a micro-b
 stage around each chunk it runs); `nn.Dropout` and its kin in the model draw through it once
 `key_modules` has set them to, and user code calls `dropout`. Outside such a context (a module run
 by hand) they draw as torch does. Activation checkpointing recomputes a forward with the draws it
-made (`recomputing`). In a model being compiled a mask is one operation of the graph
-(`keyed_mask`), which reads the draws when the graph runs.
+made (`recomputing`). In a model being compiled the masks are computed by the graph, from the
+samples' keys that one operation of it (`keyed_draw`) reads when the graph runs.
 """
 
 from __future__ import annotations
@@ -97,9 +97,11 @@ def bits(samples: torch.Tensor, site: int, per_sample: int) -> torch.Tensor:
     return _mix(samples[:, None] ^ _elements(site, per_sample, samples.device)[None, :])
 
 
-# each element's key at a site, the same every step: kept, up to this many bytes a device (a
-# draw's own tensor operations then halve; on small tensors each costs its launch alone)
+# each element's key at a site, the same every step: kept, up to this many bytes a device, or this
+# share of a GPU's memory where it is more (a draw's own tensor operations then halve, and a site
+# not kept costs a GPU a dozen passes over its keys every step: GPT-2-small's 25 sites take 157 MB)
 _KEPT_BYTES = 64 << 20
+_KEPT_SHARE = 100
 _kept: dict[tuple[int, int, torch.device, Layout | None], torch.Tensor] = {}
 _kept_bytes: dict[torch.device, int] = {}
 
@@ -123,9 +125,16 @@ def _elements(
     element = _mix(_mix(index) ^ site)
     size = per_sample * element.element_size()
     used = _kept_bytes.get(device, 0)
-    if used + size <= _KEPT_BYTES:
+    if used + size <= _keeps(device):
         _kept[key], _kept_bytes[device] = element, used + size
     return element
+
+
+def _keeps(device: torch.device) -> int:
+    """How many bytes of element keys `device` keeps."""
+    if device.type != "cuda":
+        return _KEPT_BYTES
+    return max(_KEPT_BYTES, torch.cuda.get_device_properties(device).total_memory // _KEPT_SHARE)
 
 
 class Draws:
@@ -228,12 +237,22 @@ class _again(drawing):  # noqa: N801 - a context manager, as `drawing`
 # --- drawing ----------------------------------------------------------------------------------
 
 
-def _batch_dim(x: torch.Tensor, n: int, name: str) -> int:
+def _batch_dim(x: torch.Tensor, n: int, name: str, traced: bool = False) -> int:
     """The dimension of `x` that runs over the forward's `n` samples: the first, or the second (a
-    sequence-first layout)."""
-    if x.dim() and x.shape[0] == n:
+    sequence-first layout). `traced`: x is being traced, where a dimension whose size is fixed and
+    not n is not the samples', and the other is taken without comparing its size with n, which
+    may vary (a graph that compared them would be compiled again for each n); the op checks it
+    where the graph runs."""
+    sizes = x.shape[:2]
+    if traced:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        could = [d for d, size in enumerate(sizes) if not statically_known_true(size != n)]
+        if len(could) == 1:
+            return could[0]
+    if len(sizes) > 0 and sizes[0] == n:
         return 0
-    if x.dim() > 1 and x.shape[1] == n:
+    if len(sizes) > 1 and sizes[1] == n:
         return 1
     raise RuntimeError(
         f"per-sample dropout at {name!r}: its input of shape {tuple(x.shape)} has no dimension of "
@@ -253,21 +272,34 @@ def _keep(
     """A boolean mask of x's shape (broadcastable: per channel where `channels`) keeping each
     element (or channel) with probability 1 - p, keyed by sample; `cut`: x is a slice of the
     tensor one process would hold (`split_region.cut`). `draws` None: a model being compiled,
-    whose mask is one step of its graph (`keyed_mask`), drawn when the graph runs."""
-    if draws is None:
-        return torch.ops.phalanx.keyed_mask(x, p, name, channels, list(cut or ()), _traced())
-    dim = _batch_dim(x, len(draws), name)
+    whose mask is computed by its graph from the keys that `keyed_draw` reads when it runs."""
+    threshold = int(p * (1 << _BITS))
+    if draws is None:  # the keys read where the graph runs, the hash in the graph
+        n = _traced_samples()  # -1: traced outside phalanx's steps
+        dim = 0 if n < 0 else _batch_dim(x, n, name, traced=True)
+        shape, per_sample = _per_sample(x, dim, channels)
+        cuts = list(cut or ())
+        keys, elements = torch.ops.phalanx.keyed_draw(x, name, dim, channels, cuts, _traced())
+        keep = _mask_eagerly(keys, elements, threshold)
+    else:
+        dim = _batch_dim(x, len(draws), name)
+        shape, per_sample = _per_sample(x, dim, channels)
+        layout = None if cut is None else split_region.layout(x, dim, channels, cut)
+        elements = _elements(draws.site(name), per_sample, x.device, layout)
+        keep = _mask(draws.keys(x.device), elements, threshold)
+    keep = keep.reshape(*shape, *([1] * (x.dim() - len(shape))))
+    return keep.movedim(0, dim)
+
+
+def _per_sample(x: torch.Tensor, dim: int, channels: bool) -> tuple[tuple[int, ...], int]:
+    """The shape of x's mask with the samples (in `dim`) first, to the last dimension it draws for
+    (a sample's channels where `channels`), and the number of draws a sample."""
     moved = x.movedim(dim, 0)
-    shape = moved.shape[:2] if channels else moved.shape
+    shape = tuple(moved.shape[:2] if channels else moved.shape)
     per_sample = 1
     for size in shape[1:]:
         per_sample *= size
-    layout = None if cut is None else split_region.layout(x, dim, channels, cut)
-    elements = _elements(draws.site(name), per_sample, x.device, layout)
-    threshold = int(p * (1 << _BITS))
-    keep = _mask(draws.keys(x.device), elements, threshold)
-    keep = keep.reshape(*shape, *([1] * (moved.dim() - len(shape))))
-    return keep.movedim(0, dim)
+    return shape, per_sample
 
 
 def _mask_eagerly(keys: torch.Tensor, elements: torch.Tensor, threshold: int) -> torch.Tensor:
@@ -408,17 +440,16 @@ def _alpha_dropout(
     return torch.where(keep, x, _ALPHA) * a + b
 
 
-# --- in a compiled model ----------------------------------------------------------------------
-# A model being compiled draws through one custom op: opaque to the compiler, it reads this
-# thread's draws when the graph runs (not when it is traced, so the step is no guard and the graph
-# is compiled once), and the `where` and scaling around it join the graph, fused with their
-# neighbours. Its result depends on state the graph does not see: it is marked random (never
-# merged with a twin, never recomputed in backward) and unsafe to replay as a CUDA graph.
-
-
-def _mask_shape(x: torch.Tensor, channels: bool) -> tuple[int, ...]:
-    return (*x.shape[:2], *([1] * (x.dim() - 2))) if channels else tuple(x.shape)
-
+# --- in a compiled model ---------------------------------------------------------------------
+# A model being compiled reads its draws through one custom op, opaque to the compiler: when the
+# graph runs (not when it is traced, so the step is no guard and the graph is compiled once) it
+# hands the graph the samples' keys and the keys of a sample's elements at the draw's site, as the
+# eager draw uses them; the mix of the two, the comparison with the rate, the `where` and the
+# scaling are the graph's own operations, which the compiler fuses with their neighbours: the mask
+# is computed in the kernel that applies it, as torch's dropout draws inside its kernel, and not
+# written to memory and read back. The op's result depends on state the graph does not see: it is
+# marked random (never merged with a twin, never recomputed in backward) and unsafe to replay as a
+# CUDA graph.
 
 _UNSAFE = tuple(
     tag
@@ -427,26 +458,41 @@ _UNSAFE = tuple(
 )
 
 
-@torch.library.custom_op("phalanx::keyed_mask", mutates_args=(), tags=_UNSAFE)
-def keyed_mask(
-    x: torch.Tensor, p: float, name: str, channels: bool, cut: list[int], call: int
-) -> torch.Tensor:
-    """`_keep`'s mask for the draws where the graph runs (contiguous; `cut` empty or a `Cut`);
-    outside phalanx's steps, a mask from torch's generator. `call` numbers the op's calls in the
-    traced graphs, so that two draws of one module from one tensor (multi-sample dropout) are not
-    merged as one."""
+@torch.library.custom_op("phalanx::keyed_draw", mutates_args=(), tags=_UNSAFE)
+def keyed_draw(
+    x: torch.Tensor, name: str, dim: int, channels: bool, cut: list[int], call: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the graph runs, the keys of the samples in dimension `dim` of `x` and those of a
+    sample's elements (or channels) at this draw of `name` (`_elements`; `cut` empty or a `Cut`),
+    int64, copies the graph may reuse; outside phalanx's steps, keys from torch's generator. `call`
+    numbers the op's calls in the traced graphs, so that two draws of one module from one tensor
+    (multi-sample dropout) are not merged as one."""
     draws = current()
+    n, (_, per_sample) = x.shape[dim], _per_sample(x, dim, channels)
     if draws is None:
-        return torch.rand(_mask_shape(x, channels), device=x.device) >= p
-    sliced = (cut[0], cut[1], cut[2]) if cut else None
-    return _keep(x, p, name, channels, draws, sliced).contiguous()
+        return tuple(  # type: ignore[return-value]
+            torch.randint(0, 1 << 32, (size,), dtype=torch.int64, device=x.device)
+            for size in (n, per_sample)
+        )
+    if len(draws) != n:
+        raise RuntimeError(
+            f"per-sample dropout at {name!r}: the compiled model takes dimension {dim} of its "
+            f"input of shape {tuple(x.shape)} for the forward's samples, which are {len(draws)}; "
+            "it was compiled for inputs of another layout (run it first inside phalanx's steps), "
+            "or set per_sample_random: false"
+        )
+    layout = split_region.layout(x, dim, channels, (cut[0], cut[1], cut[2])) if cut else None
+    elements = _elements(draws.site(name), per_sample, x.device, layout)
+    return draws.keys(x.device).clone(), elements.clone()
 
 
-@keyed_mask.register_fake
+@keyed_draw.register_fake
 def _(
-    x: torch.Tensor, p: float, name: str, channels: bool, cut: list[int], call: int
-) -> torch.Tensor:
-    return x.new_empty(_mask_shape(x, channels), dtype=torch.bool)
+    x: torch.Tensor, name: str, dim: int, channels: bool, cut: list[int], call: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _, per_sample = _per_sample(x, dim, channels)
+    keys = x.new_empty((x.shape[dim],), dtype=torch.int64)
+    return keys, x.new_empty((per_sample,), dtype=torch.int64)
 
 
 _calls = itertools.count()
@@ -458,19 +504,29 @@ def _traced() -> int:
     return next(_calls)
 
 
+def _traced_samples() -> int:
+    """The number of samples of the forward being traced (-1 outside phalanx's steps), kept in
+    the graph as a constant (once `for_compiling` has said so): it says which of the input's
+    dimensions holds the samples, which the op checks where the graph runs."""
+    draws = current()
+    return -1 if draws is None else len(draws)
+
+
 def for_compiling() -> None:
-    """Before a model is compiled: tell torch.compile to take `_traced`'s number as a constant
-    (not to guard on it, and compile again at each call). Here, not at import: that imports
-    torch's compiler stack, seconds that a run without compile does not spend."""
+    """Before a model is compiled: tell torch.compile to take `_traced`'s and `_traced_samples`'
+    values as constants (not to guard on them, and compile again at each call). Here, not at
+    import: that imports torch's compiler stack, seconds that a run without compile does not
+    spend."""
     torch.compiler.assume_constant_result(_traced)
+    torch.compiler.assume_constant_result(_traced_samples)
 
 
 def recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """A selective-checkpoint policy for a compiled model's recomputed modules: the masks are kept
-    from the forward (torch.compile takes no other `context_fn` than such a policy's)."""
+    """A selective-checkpoint policy for a compiled model's recomputed modules: the draws' keys are
+    kept from the forward (torch.compile takes no other `context_fn` than such a policy's)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if op is torch.ops.phalanx.keyed_mask.default:
+    if op is torch.ops.phalanx.keyed_draw.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

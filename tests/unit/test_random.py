@@ -291,6 +291,66 @@ def test_a_compiled_model_draws_in_its_graph_the_masks_it_draws_eagerly(checkpoi
     assert abs((out != 0).double().mean().item() - 0.5) < 0.05 and set(out.tolist()) == {0, 2}
 
 
+def test_a_compiled_model_computes_its_masks_in_its_graph_from_the_keys_it_reads():
+    """Compiled, the only operation the graph cannot see reads the samples' keys and a sample's
+    element keys (a few numbers, not a mask of the input's size: the hash, the comparison and the
+    where are the graph's, for the compiler to fuse), and a graph traced outside phalanx's steps,
+    which takes the first dimension for the samples, says so where they are in another."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.utils import counters
+
+    graphs = []
+
+    def keep(gm, example):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    net = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.Linear(6, 2))
+    random.key_modules(net)
+    random.for_compiling()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(net, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    x = torch.randn(5, 7, 6, requires_grad=True)  # the 5 samples first
+    got = []
+    for run in (net, compiled):
+        with drawing(Draws(3, 1, [0, 1, 2, 3, 4])):
+            got.append(run(x))
+    assert torch.equal(*got)
+    drawn = [n for g in graphs for n in g.graph.nodes if "keyed_draw" in str(n.target)]
+    shapes = [tuple(v.shape) for n in drawn for v in n.meta["val"]]
+    assert len(drawn) == 1 and shapes == [(5,), (7 * 6,)]
+    # forwards of other sizes: compiled once more (sizes dynamic), not once for each size
+    for size in (4, 3, 2):
+        got = []
+        for run in (net, compiled):
+            with drawing(Draws(3, size, list(range(size)))):
+                got.append(run(x[:size]))
+        assert torch.equal(*got)
+    assert counters["stats"]["unique_graphs"] == 2  # the first sizes, then dynamic ones
+    # traced outside a step (samples taken first), run where the samples are second: one error
+    torch._dynamo.reset()
+    outside = torch.compile(net, backend="aot_eager")
+    outside(torch.randn(4, 3, 6))
+    with drawing(Draws(3, 1, [0, 1, 2])), pytest.raises(RuntimeError, match="another layout"):
+        outside(torch.randn(4, 3, 6))
+
+
+def test_a_gpu_keeps_a_hundredth_of_its_memory_of_element_keys(monkeypatch):
+    """GPT-2-small's 25 dropout sites take 157 MB of element keys, more than 64 MiB: a GPU keeps
+    up to a hundredth of its memory, so that no site's keys are computed again every step."""
+
+    class Card:
+        total_memory = 80 << 30
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Card)
+    assert random._keeps(torch.device("cuda", 0)) == (80 << 30) // 100
+    assert random._keeps(torch.device("cpu")) == 64 << 20
+    Card.total_memory = 2 << 30  # a small card keeps what a CPU keeps
+    assert random._keeps(torch.device("cuda", 0)) == 64 << 20
+
+
 def _sliced(x, index, split):
     """`random.dropout` of `x`, this process's slice `index` in a region split as `split` says (as
     the tensor strategy's hooks open and close it)."""
