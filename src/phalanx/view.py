@@ -16,7 +16,6 @@ from torch import nn
 
 if TYPE_CHECKING:
     from phalanx.config import Config
-    from phalanx.hooks.base import Hook
     from phalanx.strategies.base import Strategy
 
 
@@ -150,7 +149,7 @@ class RunView:
 
         return metrics.state_bytes(self._run.model, self._run.optimizer)
 
-    def computed_before(self, hook: Hook, stream: str) -> set[str] | None:
+    def computed_before(self, hook: object, stream: str) -> set[str] | None:
         """The variables `epoch_data[stream]` holds when `hook`'s after_epoch reads it: the run's
         own (the gradient norms, where it clips them) and those the hooks listed before it compute
         (`Hook.computes`); None where one of those cannot say."""
