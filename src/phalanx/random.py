@@ -168,7 +168,6 @@ class Draws:
 
     def __enter__(self) -> Draws:
         """`drawing(self)` without its object: the engine enters one every forward."""
-        split_region.close_split()  # a forward that raised inside a split region left it open
         self._before = getattr(_local, "draws", None)
         _local.draws = self
         return self

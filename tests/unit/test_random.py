@@ -385,6 +385,26 @@ def test_a_slice_of_activations_split_over_a_tensor_group_draws_its_part_of_the_
         assert torch.equal(torch.cat(parts, dim), whole)
 
 
+def test_a_forward_under_tensor_parallelism_starts_whole_after_one_that_raised_in_a_split():
+    """The tensor strategy's hooks open a split region after a colwise layer and close it before
+    the rowwise one; a forward that raised between them left it open, and the next forward starts
+    with its activations whole again."""
+    from phalanx.strategies.tensor import _watch_splits
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    _watch_splits(net, {"0": "colwise", "2": "rowwise"}, 2, 0, {})
+    seen = []
+    net[1].register_forward_pre_hook(lambda module, args: seen.append(split_region.region()))
+    boom = net[1].register_forward_hook(lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        net(torch.ones(2, 4))
+    assert split_region.region() is not None and seen[-1].features == 4  # left open
+    boom.remove()
+    net[0].register_forward_pre_hook(lambda module, args: seen.append(split_region.region()))
+    net(torch.ones(2, 4))
+    assert seen[-2] is None and seen[-1].features == 4 and split_region.region() is None
+
+
 def test_a_dropout_on_activations_split_in_a_way_no_mask_follows_is_one_error():
     with drawing(Draws(1, 2, [5, 6, 7])):
         split_region.open_split(

@@ -296,6 +296,8 @@ def _watch_splits(
                 degree, index, f"after the sequence norm {name!r}", sequence=True
             )
         layer.register_forward_hook(functools.partial(_opening, split))
+    # each forward starts whole (one that raised inside a split region left it open)
+    module.register_forward_pre_hook(_closing)
 
 
 def _opening(split: Any, module: nn.Module, args: Any, output: Any) -> None:
