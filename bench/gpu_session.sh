@@ -3,7 +3,7 @@
 # tier, the launch-bound benchmark), then `gpt2` and `resnet50` (one full benchmark each, minutes),
 # `gpt2-torch-dropout` (gpt2 with phalanx drawing torch's dropout: per_sample_random false),
 # `tier` (the GPU test tier on five pytest workers, about 2 minutes), `dropout` (bench/keyed_dropout.py
-# on a GPT-2-small block's shape, under a minute), `lease` (what a short lease
+# on a GPT-2-small block's shape, then 12 such blocks compiled, two to four minutes), `lease` (what a short lease
 # must see first, in one call of about 4 minutes: the tier, `phalanx plan` on the GPU, the
 # launch-bound benchmark),
 # `bisect` (the launch-bound benchmark at each older source carried in .old/COMMIT, then at this
@@ -48,6 +48,8 @@ for stage in "$@"; do
         ;;
     dropout)
         timeout -k 5 200 python3 bench/keyed_dropout.py --device cuda --batch 32 --seq 1024 --width 768 --rounds 5 --out "$OUT/keyed-dropout.json" 2>&1 | tee "$OUT/keyed-dropout.log" | tail -n 5
+        # GPT-2-small's 24 block dropouts (each site its own keys), both stacks compiled
+        timeout -k 5 300 python3 bench/keyed_dropout.py --device cuda --batch 32 --seq 1024 --width 768 --blocks 12 --compile --rounds 5 --out "$OUT/keyed-dropout-12-compiled.json" 2>&1 | tee "$OUT/keyed-dropout-12-compiled.log" | tail -n 5
         ;;
     gpt2-torch-dropout)  # phalanx with per_sample_random: false: the per-sample masks' cost apart
         timeout 570 python3 bench/gpu.py --workload gpt2-small --torch-dropout ${BENCH_ARGS:-} --out "$OUT/gpu-gpt2-small-torch-dropout.json" 2>&1 | tee "$OUT/gpt2-torch-dropout.log" | tail -n 25
