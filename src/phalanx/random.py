@@ -282,12 +282,20 @@ def _keep(
         keep = _mask_eagerly(keys, elements, threshold)
     else:
         dim = _batch_dim(x, len(draws), name)
-        shape, per_sample = _per_sample(x, dim, channels)
-        layout = None if cut is None else split_region.layout(x, dim, channels, cut)
-        elements = _elements(draws.site(name), per_sample, x.device, layout)
+        shape, _ = _per_sample(x, dim, channels)
+        elements = _site_elements(x, dim, channels, cut, draws, name)
         keep = _mask(draws.keys(x.device), elements, threshold)
     keep = keep.reshape(*shape, *([1] * (x.dim() - len(shape))))
     return keep.movedim(0, dim)
+
+
+def _site_elements(
+    x: torch.Tensor, dim: int, channels: bool, cut: Cut | None, draws: Draws, name: str
+) -> torch.Tensor:
+    """The element keys of this draw of `name` on x (samples in `dim`; `cut`: x is a slice)."""
+    _, per_sample = _per_sample(x, dim, channels)
+    layout = None if cut is None else split_region.layout(x, dim, channels, cut)
+    return _elements(draws.site(name), per_sample, x.device, layout)
 
 
 def _per_sample(x: torch.Tensor, dim: int, channels: bool) -> tuple[tuple[int, ...], int]:
@@ -379,12 +387,10 @@ def _dropout(
     if draws is not None and fusable:
         n = len(draws)
         if _batch_dim(x, n, name) == 0:
-            per_sample = x.shape[1] if channels else x.numel() // n
-            layout = None if cut is None else split_region.layout(x, 0, channels, cut)
-            elements = _elements(draws.site(name), per_sample, x.device, layout)
+            elements = _site_elements(x, 0, channels, cut, draws, name)
             threshold = int(p * (1 << _BITS))
             keys = draws.keys(x.device)
-            out = _fused_drop(x.view(n, per_sample, -1), keys, elements, threshold, scale)
+            out = _fused_drop(x.view(n, len(elements), -1), keys, elements, threshold, scale)
             return out.view(x.shape)
     return _apply(x, _keep(x, p, name, channels, draws, cut), scale, inplace)
 
@@ -467,8 +473,9 @@ def keyed_draw(
     numbers the op's calls in the traced graphs, so that two draws of one module from one tensor
     (multi-sample dropout) are not merged as one."""
     draws = current()
-    n, (_, per_sample) = x.shape[dim], _per_sample(x, dim, channels)
+    n = x.shape[dim]
     if draws is None:
+        _, per_sample = _per_sample(x, dim, channels)
         return tuple(  # type: ignore[return-value]
             torch.randint(0, 1 << 32, (size,), dtype=torch.int64, device=x.device)
             for size in (n, per_sample)
@@ -480,8 +487,8 @@ def keyed_draw(
             "it was compiled for inputs of another layout (run it first inside phalanx's steps), "
             "or set per_sample_random: false"
         )
-    layout = split_region.layout(x, dim, channels, (cut[0], cut[1], cut[2])) if cut else None
-    elements = _elements(draws.site(name), per_sample, x.device, layout)
+    sliced = (cut[0], cut[1], cut[2]) if cut else None
+    elements = _site_elements(x, dim, channels, sliced, draws, name)
     return draws.keys(x.device).clone(), elements.clone()
 
 
