@@ -50,14 +50,26 @@ class _PortTaken(AssertionError):
     processes each pick ports): the run is started again on another."""
 
 
+# The ranks are forked from a server process that has imported torch and phalanx once for the
+# whole session, instead of each rank starting an interpreter and importing them (seconds each on
+# a 2-core machine, several times a test). The server computes nothing, so its forks start clean;
+# each rank is given the test's environment and working directory, as a spawned one would be.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "phalanx.trainer", "phalanx.worker", "phalanx.strategies"]
+)
+
+
 def _run_ranks_once(
     world_size: int, target: Callable, args: tuple, timeout: float, env: dict[str, str] | None
 ) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CONTEXT.Queue()
     port = free_port()
+    parent = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, target, args, queue, env or {}))
+        _CONTEXT.Process(
+            target=_entry, args=(rank, world_size, port, target, args, queue, parent, env or {})
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -80,10 +92,19 @@ def _run_ranks_once(
 
 
 def _entry(
-    rank: int, world_size: int, port: int, target: Callable, args: tuple, queue, env: dict
+    rank: int,
+    world_size: int,
+    port: int,
+    target: Callable,
+    args: tuple,
+    queue,
+    parent: dict[str, str],
+    env: dict[str, str],
 ) -> None:
+    os.environ.clear()  # the test's environment, not the server's
     os.environ.update(
         {
+            **parent,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
