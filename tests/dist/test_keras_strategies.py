@@ -107,6 +107,9 @@ def test_a_strategy_that_cannot_train_a_keras_model_says_so(parallel, why):
 
     with pytest.raises(ModelError, match=f"cannot train a Keras model: .*{why}"):
         workers.train(keras_run(**parallel))
+    # fsdp on one device made a group of this process alone, which a failed run leaves behind
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def test_a_keras_run_stopped_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path):

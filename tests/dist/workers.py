@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 import toy
 
@@ -116,6 +117,9 @@ def _entry(
         }
     )
     torch.set_num_threads(1)
+    # NumPy's global generator from fresh entropy, as a spawned rank's is: forks would all
+    # start from the server's (Python's own is seeded again on every fork)
+    numpy.random.seed()
     succeeded = False
     try:
         queue.put((rank, True, target(rank, *args)))
