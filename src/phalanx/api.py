@@ -151,6 +151,7 @@ def fit(
             del trainer
             return _collect_trained(run_dir, *relaunch.train_until_it_fits(run_dir, more))
         except BaseException as e:
+            strategy.abandon()
             if strategy.is_main and not _worth_keeping(run_dir, e):
                 _discard(run_dir)
             raise

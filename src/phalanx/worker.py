@@ -70,7 +70,11 @@ def train_in_run(
     start, or (`resume`) from its newest valid checkpoint; the trainer and the exit code."""
     objects = objects or Objects()
     saved, cfg, strategy = _read_run(run_dir, overrides, objects)
-    return _train(run_dir, resume, overrides, objects, saved, cfg, strategy)
+    try:
+        return _train(run_dir, resume, overrides, objects, saved, cfg, strategy)
+    except BaseException:
+        strategy.abandon()
+        raise
 
 
 def _read_run(

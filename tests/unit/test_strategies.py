@@ -367,6 +367,37 @@ def test_fsdp_on_one_device_is_a_group_of_this_process_alone_and_trains_as_singl
     assert (tmp_path / "fsdp" / "checkpoints" / f"step-{step}" / SHARDS / "__0_0.distcp").is_file()
 
 
+def test_a_failed_run_of_fsdp_on_one_device_leaves_no_group_in_the_users_process(
+    monkeypatch, tmp_path
+):
+    """fsdp on one device makes a group of the user's process alone; a run that fails, new or
+    resumed, takes it down as a successful one does, and the process's next run makes its own."""
+    import phalanx
+    from phalanx.hooks import Hook
+
+    class FailsAtItsFirstBatch(Hook):
+        def after_batch(self, stream, batch):
+            raise RuntimeError("a hook that fails")
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    raw = {
+        **toy.contract_config(7, 1, 21, strategy="fsdp"),
+        "hooks": ["SaveLatest"],
+        "output_root": str(tmp_path),
+    }
+    raw["main_loop"]["epochs"] = 1
+    with pytest.raises(RuntimeError, match="a hook that fails"):
+        phalanx.fit(raw, hooks=[FailsAtItsFirstBatch()])
+    assert not torch.distributed.is_initialized()
+    run = phalanx.fit(raw)  # a group of its own, not one left behind
+    assert run.code == 0 and not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="a hook that fails"):
+        phalanx.resume(run.run_dir, overrides="main_loop.epochs=2", hooks=[FailsAtItsFirstBatch()])
+    assert not torch.distributed.is_initialized()
+
+
 def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(

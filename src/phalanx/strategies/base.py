@@ -106,6 +106,11 @@ class Abilities(Protocol):
         end."""
         raise RuntimeError(f"{type(self).__name__} has no process that rejoins")
 
+    def abandon(self) -> None:
+        """After a run in this process failed: release what no other process waits on. Nothing,
+        where the strategy made nothing of the kind."""
+        return None
+
     def meet(self, what: str, step: int) -> None:
         """Every rank at its next `what` (a checkpoint's save) at the same step, before that makes
         any collective: a rank that does not come fails the job, saying so, after the timeout.

@@ -44,7 +44,9 @@ class ProcessGroup(Abilities):
             self.device = torch.device("cpu")
         self.devices = (self.device,)
         self.timeout_s = timeout_s or DEFAULT_TIMEOUT_S[self.device.type]
+        self._made_alone = False  # a group of this process alone, made here
         if not dist.is_initialized():
+            self._made_alone = place.launcher == "alone"
             if backend == "auto":
                 backend = "nccl" if accelerator == "cuda" else "gloo"
             try:
@@ -146,6 +148,14 @@ class ProcessGroup(Abilities):
             left_a_group = self.world_size > 1
             if left_a_group:  # the interpreter's lock free while gloo's threads let go (see below)
                 time.sleep(RELEASE_S)
+
+    def abandon(self) -> None:
+        """A group of this process alone (fsdp on one device, in the user's process) goes with the
+        failed run: no other rank is left to fail on its closing, and the user's next run in this
+        process makes its own. A group of several stays (see `shutdown`)."""
+        if self._made_alone and dist.is_initialized():
+            progress.stop()
+            dist.destroy_process_group()
 
 
 # Whether this process trained in a group of several and left it: the gloo worker threads may still
