@@ -70,3 +70,19 @@ def hang(run_dir: Path) -> int:
     (run_dir / "hanging").write_text(str(os.getpid()))
     time.sleep(300)
     return 0
+
+
+def report(run_dir: Path) -> int:
+    """A worker's `run` that writes what it started with to `run_dir/report-<rank>.json`: its
+    parent, and the variables of its environment that the tests look at."""
+    import json
+
+    rank = os.environ["RANK"]
+    seen = {
+        "parent": os.getppid(),
+        "mark": os.environ.get("PHALANX_TEST_MARK"),
+        "gloo": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "world": os.environ.get("WORLD_SIZE"),
+    }
+    (run_dir / f"report-{rank}.json").write_text(json.dumps(seen))
+    return 0

@@ -10,6 +10,10 @@ serves the job's one store on HOST:PORT alone, the other nodes connect to it, an
 launcher starts its own workers; the workers use that store too. The run directory, which node 0
 makes, must be on a file system every node shares.
 
+The workers fork from a server process that the launch starts and that has imported torch and
+phalanx once for all of them (`start_method`, `phalanx.preloaded`); where the platform cannot,
+they are spawned.
+
 A worker that fails records its traceback (or, when a collective timed out, which ranks did not
 arrive) and tells the others to exit at once; the launcher prints the first failing rank's error
 once.
@@ -117,7 +121,7 @@ def launch(
         nproc_per_node=devices,
         max_restarts=restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start_method(),
         signals_to_handle="SIGHUP,SIGQUIT",
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         logs_specs=DefaultLogsSpecs(log_dir=str(records)),
@@ -174,7 +178,7 @@ def launch(
         settings = _workers_settings(run_dir, nodes)
         if rejoin and restarts:
             settings[environment.REJOINS] = f"{','.join(map(str, rejoin))}:{restarts}"
-        with _Relay(run_dir), _environment(settings):
+        with _Relay(run_dir), _environment(settings), _server(config.start_method, run):
             results = elastic_launch(config, worker)(str(run_dir), os.getpid(), run, args)
     except ChildFailedError as e:
         first_rank = None if nodes is not None and nodes.elastic else 0
@@ -373,6 +377,57 @@ def _environment(settings: dict[str, str]):
     finally:
         for key in added:
             os.environ.pop(key, None)
+
+
+# --- how the workers start --------------------------------------------------------------------
+
+
+def start_method() -> str:
+    """Forked from a server process that has imported torch and phalanx once for the launch
+    (multiprocessing's forkserver): a worker starts in a tenth of a second, not in the seconds of
+    its own imports, and a restarted attempt as fast. Spawned, where there is no forkserver, or no
+    pidfd through which a worker watches its launcher (it is the server's child, not the
+    launcher's: see `spawned.Watch`)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(
+        forkserver._forkserver, "_stop"
+    ):
+        return "spawn"
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return "spawn"
+    return "forkserver"
+
+
+@contextlib.contextmanager
+def _server(method: str, run: Callable[..., int]):
+    """Around a launch whose workers fork from a server: the server starts at the first worker's
+    start, inside the launch's environment and with the signals blocked that the launcher relays,
+    as a spawned worker would start (a server left from before holds an earlier environment, and
+    is stopped first); it imports what every worker imports (`phalanx.preloaded`) and the module
+    of `run`, and ends with the launch.
+    multiprocessing keeps one such server a process: its earlier list of imports comes back
+    after."""
+    if method != "forkserver":
+        yield
+        return
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    before = list(getattr(server, "_preload_modules", ["__main__"]))
+    server._stop()  # type: ignore[attr-defined]
+    modules = ["phalanx.preloaded"]
+    if run.__module__ != "__main__":  # the main module runs again in each worker, as spawned
+        modules.append(run.__module__)
+    server.set_forkserver_preload(modules)
+    try:
+        yield
+    finally:
+        server._stop()  # type: ignore[attr-defined]
+        server.set_forkserver_preload(before)
 
 
 def check_main_importable(devices: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import select
 import signal
 import sys
 import threading
@@ -135,6 +136,34 @@ def _no_signal_on_launcher_death() -> None:
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+class Watch:
+    """Whether a process has ended, asked without waiting. Through a pidfd on Linux: it tells that
+    process's end (a zombie counts as ended), never a later process's that took its pid, and the
+    process need not be this one's parent (a worker forked from the launcher's server is the
+    server's child). Where there is no pidfd, whether the process is still this one's parent (the
+    launcher then spawns its workers: see `launch.start_method`)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._poll: select.poll | None = None
+        self._ended = False
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            self._ended = True
+        except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+            pass
+        else:
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+
+    def ended(self) -> bool:
+        if self._ended or self._poll is None:
+            return self._ended or os.getppid() != self.pid
+        self._ended = bool(self._poll.poll(0))
+        return self._ended
+
+
 class _Guard(threading.Thread):
     """Ends this worker at once when its launcher is gone (a rejoining rank's trainer: its
     supervisor), or has written ABORT_FILE."""
@@ -142,12 +171,13 @@ class _Guard(threading.Thread):
     def __init__(self, run_dir: Path, launcher_pid: int, stacks: bool = True):
         super().__init__(name="phalanx-guard", daemon=True)
         self.run_dir, self.abort, self.launcher_pid = run_dir, run_dir / ABORT_FILE, launcher_pid
+        self.launcher = Watch(launcher_pid)
         self.attempt = str(environment.here().attempt)
         self.stacks = stacks  # whether this process's stack is its rank's
 
     def run(self) -> None:
         while True:
-            gone = os.getppid() != self.launcher_pid  # read first: an abort is written before
+            gone = self.launcher.ended()  # read first: an abort is written before
             code = self._aborted()
             # (with the launcher gone too: a rejoining rank's supervisor, ended as the job aborts)
             if code is not None:

@@ -52,13 +52,12 @@ class _PortTaken(AssertionError):
 
 
 # The ranks are forked from a server process that has imported torch and phalanx once for the
-# whole session, instead of each rank starting an interpreter and importing them (seconds each on
-# a 2-core machine, several times a test). The server computes nothing, so its forks start clean;
-# each rank is given the test's environment and working directory, as a spawned one would be.
+# whole session (what the launcher's server imports, and the trainer), instead of each rank
+# starting an interpreter and importing them (seconds each on a 2-core machine, several times a
+# test). The server computes nothing, so its forks start clean; each rank is given the test's
+# environment and working directory, as a spawned one would be.
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed", "phalanx.trainer", "phalanx.worker", "phalanx.strategies"]
-)
+_CONTEXT.set_forkserver_preload(["phalanx.preloaded", "phalanx.trainer", "phalanx.strategies"])
 
 
 def _run_ranks_once(

@@ -17,6 +17,8 @@ import pytest
 import toy
 from procs import finish, start, wait_until
 
+from phalanx import launch
+
 pytestmark = pytest.mark.timeout(240)
 
 TWO = ["parallel.accelerator=cpu", "parallel.devices=2"]
@@ -111,21 +113,35 @@ def the_run(root: Path) -> Path:
     return run
 
 
-def workers_of(pid: int) -> list[int]:
-    """The worker processes the launcher `pid` started (its children running multiprocessing's
-    spawn)."""
-    out = []
+def processes() -> dict[int, tuple[int, bytes]]:
+    """Every process's parent and command line, read from /proc."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
+            out[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in cmdline:
-            out.append(int(entry.name))
     return out
+
+
+def servers_of(pid: int) -> list[int]:
+    """The launcher `pid`'s server, from which its workers fork (its child running
+    multiprocessing's forkserver)."""
+    return [p for p, (ppid, cmd) in processes().items() if ppid == pid and b"forkserver" in cmd]
+
+
+def workers_of(pid: int) -> list[int]:
+    """The worker processes the launcher `pid` started: its server's children, or, where the
+    workers are spawned, its children running multiprocessing's spawn."""
+    servers = servers_of(pid)
+    return [
+        p
+        for p, (ppid, cmd) in processes().items()
+        if ppid in servers or (ppid == pid and b"spawn_main" in cmd)
+    ]
 
 
 def alive(pid: int) -> bool:
@@ -186,7 +202,7 @@ def killed(tmp_path_factory):
         wait_until(
             lambda: (exp / "stuck").is_file(), proc, what="rank 1 being stuck in its second epoch"
         )
-        workers = workers_of(proc.pid)
+        workers = workers_of(proc.pid) + servers_of(proc.pid)
         sockets = listening_sockets([proc.pid, *workers])
         proc.kill()
         proc.wait()
@@ -205,7 +221,8 @@ def killed(tmp_path_factory):
 
 
 def test_killing_the_launcher_ends_its_workers_within_seconds(killed):
-    assert len(killed.workers) == 2
+    """Its workers and, where they fork from one, their server."""
+    assert len(killed.workers) == 2 + (launch.start_method() == "forkserver")
     assert not killed.left, f"workers {killed.left} outlived their launcher"
     assert killed.survived < 5
 
@@ -233,7 +250,7 @@ def test_a_second_signal_ends_every_worker_at_once(tmp_path):
             proc,
             what="a checkpoint being written",
         )
-        workers = workers_of(proc.pid)
+        workers = workers_of(proc.pid) + servers_of(proc.pid)
         proc.send_signal(signal.SIGINT)
         # the second once the launcher has taken the first (two sent while it waits for the CPU
         # would be one pending signal)
@@ -399,7 +416,7 @@ def test_ctrl_c_while_two_processes_start_leaves_nothing(tmp_path, when):
                 proc,
                 what="the workers building the data set",
             )
-        workers = workers_of(proc.pid)
+        workers = workers_of(proc.pid) + servers_of(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         result = finish(proc, timeout=120)
     finally:
@@ -425,7 +442,7 @@ def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
             proc,
             what="the workers building the data set",
         )
-        workers = workers_of(proc.pid)
+        workers = workers_of(proc.pid) + servers_of(proc.pid)
         proc.send_signal(signal.SIGTERM)
         result = finish(proc, timeout=120)
     finally:

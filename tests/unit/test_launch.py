@@ -450,3 +450,53 @@ def test_a_worker_whose_parent_has_gone_says_which_parent_it_was(tmp_path, incar
     parent = "rank 2's supervisor" if incarnation else "the launcher"
     assert f"phalanx: {parent} (pid " in ended.stderr
     assert ended.stderr.rstrip().endswith("has ended; worker rank 2 stops")
+
+
+def test_the_workers_of_each_launch_fork_from_a_server_started_in_that_launchs_environment(
+    tmp_path, monkeypatch
+):
+    """Each launch's workers fork from a server that imported torch once for them (their parent, not
+    the launcher), started with the launch and ended with it: a second launch in the same process
+    sees the environment as it is then, not as the first saw it, with the launcher's settings."""
+    import json
+
+    import procs
+
+    from phalanx import launch
+
+    if launch.start_method() != "forkserver":
+        pytest.skip("no forkserver or no pidfd here: the workers are spawned")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    servers = set()
+    for mark in ("first", "second"):
+        monkeypatch.setenv("PHALANX_TEST_MARK", mark)
+        assert launch.launch(tmp_path, 2, procs.report) == 0
+        seen = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in (0, 1)]
+        assert [s["mark"] for s in seen] == [mark, mark]
+        assert [s["world"] for s in seen] == ["2", "2"]
+        assert {s["gloo"] for s in seen} <= {"lo", "lo0"} and seen[0]["gloo"]
+        [server] = {s["parent"] for s in seen}
+        assert server != os.getpid()
+        assert not Path(f"/proc/{server}").exists(), "the server outlived its launch"
+        servers.add(server)
+    assert len(servers) == 2
+
+
+def test_a_watched_process_that_is_not_the_watchers_parent_is_seen_to_end():
+    """A worker forked from the server watches its launcher, which is not its parent; an ended
+    process counts before anyone reaps it."""
+    from phalanx.spawned import Watch
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = Watch(sleeper.pid)
+        assert not watch.ended()
+        sleeper.kill()
+        deadline = time.monotonic() + 30
+        while not watch.ended() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert watch.ended()
+        assert sleeper.poll() == -signal.SIGKILL  # reaped only now
+    finally:
+        sleeper.kill()
+        sleeper.wait()
