@@ -38,6 +38,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -406,19 +407,20 @@ def start_method() -> str:
 def _server(method: str, run: Callable[..., int]):
     """Around a launch whose workers fork from a server: the server starts at the first worker's
     start, inside the launch's environment and with the signals blocked that the launcher relays,
-    as a spawned worker would start (a server left from before holds an earlier environment, and
-    is stopped first); it imports what every worker imports (`phalanx.preloaded`) and the module
-    of `run`, and ends with the launch.
-    multiprocessing keeps one such server a process: its earlier list of imports comes back
-    after."""
+    as a spawned worker would start; it imports what every worker imports (`phalanx.preloaded`)
+    and the module of `run`, and ends with the launch. multiprocessing keeps one such server a
+    process: one already running (the user's, with an earlier environment) is set aside for the
+    launch and put back after it, with its list of imports."""
     if method != "forkserver":
         yield
         return
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    before = list(getattr(server, "_preload_modules", ["__main__"]))
-    server._stop()  # type: ignore[attr-defined]
+    with server._lock:  # type: ignore[attr-defined]
+        before = {f: getattr(server, f, empty) for f, empty in _SERVER_FIELDS.items()}
+        for field in _SERVER_FIELDS:
+            setattr(server, field, None)
     modules = ["phalanx.preloaded"]
     if run.__module__ != "__main__":  # the main module runs again in each worker, as spawned
         modules.append(run.__module__)
@@ -426,8 +428,45 @@ def _server(method: str, run: Callable[..., int]):
     try:
         yield
     finally:
-        server._stop()  # type: ignore[attr-defined]
-        server.set_forkserver_preload(before)
+        with server._lock:  # type: ignore[attr-defined]
+            ours = {f: getattr(server, f, None) for f in _SERVER_FIELDS}
+            for field, value in before.items():
+                setattr(server, field, value)
+        _stop_server(ours["_forkserver_pid"], ours["_forkserver_alive_fd"])
+        address = ours["_forkserver_address"]
+        if isinstance(address, str) and not address.startswith("\0"):  # a socket's file
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+
+
+# what multiprocessing's forkserver keeps of its running server, and its list of imports
+_SERVER_FIELDS = {
+    "_forkserver_address": None,
+    "_forkserver_alive_fd": None,
+    "_forkserver_pid": None,
+    "_preload_modules": ["__main__"],
+}
+
+
+def _stop_server(pid: int | None, alive: int | None) -> None:
+    """End a launch's server without waiting on it for ever. Closing its pipe asks it to end once
+    no process holds the pipe's other end, which each worker holds too: a worker stuck in the
+    kernel, or a data loader's child not yet gone, would keep it; after SHUTDOWN_TIMEOUT_S it is
+    killed."""
+    if alive is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive)
+    if pid is None:
+        return
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    with contextlib.suppress(ChildProcessError):
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.01)
 
 
 def check_main_importable(devices: int) -> None:

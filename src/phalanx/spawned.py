@@ -172,12 +172,16 @@ class _Guard(threading.Thread):
         super().__init__(name="phalanx-guard", daemon=True)
         self.run_dir, self.abort, self.launcher_pid = run_dir, run_dir / ABORT_FILE, launcher_pid
         self.launcher = Watch(launcher_pid)
+        # the process this one was started from: the launcher, or the server it forked from, whose
+        # end (killed: the launcher no longer knows of this worker) ends this worker too
+        self.parent = os.getppid()
         self.attempt = str(environment.here().attempt)
         self.stacks = stacks  # whether this process's stack is its rank's
 
     def run(self) -> None:
         while True:
-            gone = self.launcher.ended()  # read first: an abort is written before
+            launcher_gone = self.launcher.ended()  # read first: an abort is written before
+            gone = launcher_gone or os.getppid() != self.parent
             code = self._aborted()
             # (with the launcher gone too: a rejoining rank's supervisor, ended as the job aborts)
             if code is not None:
@@ -190,8 +194,11 @@ class _Guard(threading.Thread):
                     if environment.INCARNATION in os.environ
                     else "the launcher"
                 )
+                pid = self.launcher_pid
+                if not launcher_gone:
+                    parent, pid = "the server this worker forked from", self.parent
                 _stderr(
-                    f"phalanx: {parent} (pid {self.launcher_pid}) has ended; "
+                    f"phalanx: {parent} (pid {pid}) has ended; "
                     f"worker rank {environment.here().rank} stops"
                 )
                 _end(1)

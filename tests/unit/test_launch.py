@@ -459,6 +459,7 @@ def test_the_workers_of_each_launch_fork_from_a_server_started_in_that_launchs_e
     the launcher), started with the launch and ended with it: a second launch in the same process
     sees the environment as it is then, not as the first saw it, with the launcher's settings."""
     import json
+    from multiprocessing import forkserver
 
     import procs
 
@@ -467,6 +468,9 @@ def test_the_workers_of_each_launch_fork_from_a_server_started_in_that_launchs_e
     if launch.start_method() != "forkserver":
         pytest.skip("no forkserver or no pidfd here: the workers are spawned")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # this process's own server (a user's), set aside for each launch and given back after it
+    forkserver.ensure_running()
+    users = forkserver._forkserver._forkserver_pid
     servers = set()
     for mark in ("first", "second"):
         monkeypatch.setenv("PHALANX_TEST_MARK", mark)
@@ -479,7 +483,62 @@ def test_the_workers_of_each_launch_fork_from_a_server_started_in_that_launchs_e
         assert server != os.getpid()
         assert not Path(f"/proc/{server}").exists(), "the server outlived its launch"
         servers.add(server)
+        assert forkserver._forkserver._forkserver_pid == users and server != users
     assert len(servers) == 2
+    assert Path(f"/proc/{users}").exists()
+
+
+def test_a_server_that_does_not_end_when_asked_is_killed_after_the_shutdown_timeout(monkeypatch):
+    """Each worker holds the server's pipe: one stuck in the kernel would keep the server, and the
+    launcher waiting on it, for ever."""
+    from phalanx import launch
+
+    monkeypatch.setattr(launch, "SHUTDOWN_TIMEOUT_S", 0.5)
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    started = time.monotonic()
+    launch._stop_server(stuck.pid, None)
+    assert time.monotonic() - started < 30
+    assert not Path(f"/proc/{stuck.pid}").exists()  # killed and reaped
+
+
+# A worker forked from a server that is killed while the launcher (this test's process) lives: the
+# launcher's agent no longer knows of it, and it ends.
+_FORKED = """
+import os, sys, time
+from pathlib import Path
+from phalanx import spawned
+child = os.fork()
+if child == 0:
+    spawned._Guard(Path(sys.argv[1]), int(sys.argv[2])).start()
+    time.sleep(60)
+    os._exit(0)
+Path(sys.argv[1], "worker").write_text(str(child))
+time.sleep(60)
+"""
+
+
+def test_a_worker_whose_server_is_killed_ends_and_names_it(tmp_path):
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    with open(tmp_path / "stderr", "w") as err:
+        server = subprocess.Popen(
+            [sys.executable, "-c", _FORKED, str(tmp_path), str(os.getpid())], env=env, stderr=err
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "worker").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        worker = int((tmp_path / "worker").read_text())
+        time.sleep(0.5)  # its guard running
+        server.kill()
+        server.wait()
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{worker}").exists()
+    finally:
+        server.kill()
+    said = (tmp_path / "stderr").read_text()
+    assert f"the server this worker forked from (pid {server.pid}) has ended" in said, said
+    assert "worker rank 1 stops" in said
 
 
 def test_a_watched_process_that_is_not_the_watchers_parent_is_seen_to_end():

@@ -3,6 +3,7 @@ progress each rank publishes so that a timed-out collective names the ranks that
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import socket
@@ -155,7 +156,8 @@ class ProcessGroup(Abilities):
         process makes its own. A group of several stays (see `shutdown`)."""
         if self._made_alone and dist.is_initialized():
             progress.stop()
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):  # the run's own error is the one to see
+                dist.destroy_process_group()
 
 
 # Whether this process trained in a group of several and left it: the gloo worker threads may still
