@@ -392,9 +392,10 @@ def start_method() -> str:
     import multiprocessing
     from multiprocessing import forkserver
 
-    if "forkserver" not in multiprocessing.get_all_start_methods() or not hasattr(
-        forkserver._forkserver, "_stop"
-    ):
+    server = forkserver._forkserver
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not all(
+        hasattr(server, field) for field in [*_SERVER_FIELDS, "_lock"]
+    ):  # `_server` sets the running server aside through these
         return "spawn"
     try:
         os.close(os.pidfd_open(os.getpid()))

@@ -181,7 +181,10 @@ class _Guard(threading.Thread):
     def run(self) -> None:
         while True:
             launcher_gone = self.launcher.ended()  # read first: an abort is written before
-            gone = launcher_gone or os.getppid() != self.parent
+            # (a spawned worker's parent is the launcher: `Watch` has asked already)
+            gone = launcher_gone or (
+                self.parent != self.launcher_pid and os.getppid() != self.parent
+            )
             code = self._aborted()
             # (with the launcher gone too: a rejoining rank's supervisor, ended as the job aborts)
             if code is not None:
