@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import forks
 import pytest
 
 _SCRIPT = Path(sys.executable).with_name("phalanx")
@@ -53,10 +54,9 @@ def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: st
 
 
 def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`phalanx ARGS...` run to its end in `cwd`, its output captured."""
-    return subprocess.run(
-        [*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+    """`phalanx ARGS...` run to its end in `cwd`, its output captured: a process forked from one
+    that imported torch and phalanx once (`forks`)."""
+    return forks.run(list(args), cwd, ENV, timeout)
 
 
 def only_run(root: Path) -> Path:

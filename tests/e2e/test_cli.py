@@ -14,11 +14,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import forks
 import pytest
 import torch
 import toy
@@ -32,8 +32,6 @@ from phalanx.trainer import Trainer
 pytestmark = pytest.mark.timeout(1500)
 
 TESTS = Path(toy.__file__).parent
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TIMEOUT = 300  # a hang guard for one command
 
@@ -96,9 +94,8 @@ class NoLoss(nn.Module):
 
 
 def phalanx(*args: str, cwd: Path, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*PHALANX, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout
-    )
+    """`phalanx ARGS...` to its end, forked from a process that imported phalanx once (`forks`)."""
+    return forks.run(list(args), cwd, ENV, timeout)
 
 
 def phalanx_all(
@@ -112,18 +109,7 @@ def phalanx_all(
         while pending or running:
             while pending and len(running) < parallel:
                 key, (args, cwd) = pending.pop(0)
-                running[key] = (
-                    args,
-                    subprocess.Popen(
-                        [*PHALANX, *args],
-                        cwd=cwd,
-                        env=ENV,
-                        text=True,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                    ),
-                    time.monotonic(),
-                )
+                running[key] = (args, forks.start(args, cwd, ENV), time.monotonic())
             for key, (args, proc, started) in list(running.items()):
                 if proc.poll() is not None:
                     out, err = proc.communicate()

@@ -10,14 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import forks
 import pytest
 
 # a hang guard, with room for the examples' trainings side by side on a busy machine
 pytestmark = pytest.mark.timeout(1500)
 
 REPO = Path(__file__).resolve().parents[2]
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # run name -> (config, overrides, test accuracy it must reach)
 EXAMPLES = {
@@ -38,17 +37,7 @@ EXAMPLES = {
 def run_side_by_side(
     commands: dict[str, list[str]], timeout: float
 ) -> dict[str, subprocess.CompletedProcess]:
-    procs = {
-        key: subprocess.Popen(
-            [*PHALANX, *args],
-            cwd=REPO,
-            env=ENV,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for key, args in commands.items()
-    }
+    procs = {key: forks.start(args, REPO, ENV) for key, args in commands.items()}
     deadline, results = time.monotonic() + timeout, {}
     try:
         for key, proc in procs.items():
@@ -130,14 +119,7 @@ def test_the_python_example_trains_what_the_config_trains(evaluated, tmp_path):
     checkpoint as `phalanx train` of the config, bit for bit, and the same test accuracy."""
     from safetensors.torch import load_file
 
-    result = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "digits" / "fit.py")],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = forks.run([], tmp_path, ENV, 300, script=REPO / "examples" / "digits" / "fit.py")
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = list((tmp_path / "runs").iterdir())
     cli = evaluated["config"][0]

@@ -8,10 +8,10 @@ import csv
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forks
 import pytest
 import torch
 
@@ -24,8 +24,6 @@ from examples.gpt.model import GPT  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LN_VOCAB = math.log(256)  # the loss of a uniform guess over bytes, about 5.545
 TINY = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, dropout=0.0, bias=True)
@@ -147,21 +145,8 @@ def test_train_and_valid_do_not_overlap(dataset, corpus):
 def trained(tmp_path_factory):
     """tiny.yaml for one epoch on a 300 kB corpus (132 steps): about 20 s on one thread."""
     root = tmp_path_factory.mktemp("gpt")
-    result = subprocess.run(
-        [
-            *PHALANX,
-            "train",
-            "examples/gpt/tiny.yaml",
-            f"output_root={root}",
-            "main_loop.epochs=1",
-            "dataset.max_bytes=300000",
-        ],
-        cwd=REPO,
-        env=ENV,
-        text=True,
-        capture_output=True,
-        timeout=180,
-    )
+    args = ["train", "examples/gpt/tiny.yaml", f"output_root={root}", "main_loop.epochs=1"]
+    result = forks.run([*args, "dataset.max_bytes=300000"], REPO, ENV, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     [run] = list(root.iterdir())
     with open(run / "metrics.csv", newline="") as f:
@@ -191,14 +176,7 @@ def test_tiny_learns_well_below_chance_and_below_byte_frequencies(trained):
 
 def test_the_tied_checkpoint_evaluates_to_the_logged_loss(trained):
     run, rows = trained
-    result = subprocess.run(
-        [*PHALANX, "eval", str(run), "--stream", "valid"],
-        cwd=REPO,
-        env=ENV,
-        text=True,
-        capture_output=True,
-        timeout=120,
-    )
+    result = forks.run(["eval", str(run), "--stream", "valid"], REPO, ENV, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     [saved] = list(run.glob("eval-valid-step-*.json"))
     assert json.loads(saved.read_text())["metrics"]["loss"] == pytest.approx(

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import forks
 import pytest
 import torch
 import toy
@@ -143,20 +144,13 @@ def on_two_nodes(args: list[str], cwd: Path, first: int) -> list[tuple[str, str]
     started first; both must succeed. Their (stdout, stderr), in the order they started."""
     rdzv = f"127.0.0.1:{_free_port()}"
     nodes = [
-        subprocess.Popen(
-            [*PHALANX, *args, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", rdzv],
-            cwd=cwd,
-            env=ENV,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        forks.start([*args, "--nnodes", "2", "--node-rank", str(rank), "--rdzv", rdzv], cwd, ENV)
         for rank in (first, 1 - first)
     ]
     return all_succeed(nodes)
 
 
-def all_succeed(procs: list[subprocess.Popen]) -> list[tuple[str, str]]:
+def all_succeed(procs: list[forks.Command]) -> list[tuple[str, str]]:
     """Wait for every process (none is left running); each must exit 0. Their (stdout, stderr)."""
     try:
         done = [proc.communicate(timeout=240) for proc in procs]
@@ -234,15 +228,9 @@ def _elastic_config(delay: float) -> dict:
     }
 
 
-def _elastic_node(path: Path, rank: int, rdzv: str, cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*PHALANX, "train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv", rdzv],
-        cwd=cwd,
-        env=ENV,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
+def _elastic_node(path: Path, rank: int, rdzv: str, cwd: Path) -> forks.Command:
+    args = ["train", str(path), "--nnodes", "1:2", "--node-rank", str(rank), "--rdzv", rdzv]
+    return forks.start(args, cwd, ENV)
 
 
 @pytest.mark.parametrize("change", ["leaves", "joins"])
@@ -406,16 +394,7 @@ def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_pat
             SLURM_JOB_ID="7",
             MASTER_PORT=str(port),
         )
-        tasks.append(
-            subprocess.Popen(
-                [*PHALANX, "train", str(path), "parallel.devices=2"],
-                cwd=tmp_path,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-            )
-        )
+        tasks.append(forks.start(["train", str(path), "parallel.devices=2"], tmp_path, env))
     all_succeed(tasks)
     run = only_run(tmp_path / "slurm" / "runs")
     assert relative(weights(run), want) < 1e-10

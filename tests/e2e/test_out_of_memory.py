@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import forks
 import pytest
 import torch
 import toy
@@ -18,8 +18,6 @@ from safetensors.torch import load_file
 from phalanx import api
 
 pytestmark = pytest.mark.timeout(600)
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 
 
 def _raw(model: dict, strategy: str) -> dict:
@@ -34,9 +32,7 @@ def _raw(model: dict, strategy: str) -> dict:
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    return subprocess.run(
-        [*PHALANX, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=500
-    )
+    return forks.run(args, cwd, env, 500)
 
 
 @pytest.mark.parametrize(

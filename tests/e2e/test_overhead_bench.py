@@ -11,10 +11,10 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
+import forks
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,14 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def run_bench(tmp_path: Path, script: str, *args: str) -> str:
     """Run a benchmark at a tiny size; what it printed (it must succeed)."""
-    result = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = forks.run(list(args), tmp_path, ENV, 240, script=REPO / "bench" / script)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
@@ -54,13 +47,8 @@ def run(tmp_path: Path, script: str, *args: str) -> dict:
 
 def targets_table(results: Path) -> dict[str, str]:
     """bench/targets.py's table of the results in `results`: each row by its file's name."""
-    table = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "targets.py"), "--results", str(results)],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    script = REPO / "bench" / "targets.py"
+    table = forks.run(["--results", str(results)], REPO, ENV, 60, script=script)
     assert table.returncode == 0, table.stderr
     return {line.split()[0]: line for line in table.stdout.splitlines() if ".json" in line}
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import forks
 import pytest
 import toy
 
@@ -20,8 +20,6 @@ pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.skipif(strategies.cpu_cores() < 2, reason="two CPU processes need two cores"),
 ]
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 EXAMPLES = Path(__file__).resolve().parents[2]
 
 SMALL = {  # examples/digits' data, a 64-32-10 MLP: the gradients' all-reduce outweighs the step
@@ -45,9 +43,7 @@ WIDE = {  # 64 -> 512 -> 512 -> 512 -> 1 on batches of 1024: the step is computa
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLES), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [*PHALANX, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return forks.run(args, cwd, env, 300)
 
 
 def test_plan_and_bench_measure_this_machine_and_the_plan_prices_what_it_measured(tmp_path):

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import forks
 import pytest
 from procs import ENV
 
@@ -30,14 +29,7 @@ def test_the_readmes_python_example_runs(tmp_path):
     code = re.search(r"```python\n(.*?)```", text[marker:], re.S).group(1)
     script = tmp_path / "example.py"
     script.write_text(code + CHECKS)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=200,
-    )
+    result = forks.run([], tmp_path, ENV, 200, script=script)
     assert result.returncode == 0, result.stderr[-3000:]
     status, loss, run_dir = result.stdout.split()
     assert status == "finished" and float(loss) < 0.1
