@@ -396,6 +396,10 @@ def test_a_failed_run_of_fsdp_on_one_device_leaves_no_group_in_the_users_process
     with pytest.raises(RuntimeError, match="a hook that fails"):
         phalanx.resume(run.run_dir, overrides="main_loop.epochs=2", hooks=[FailsAtItsFirstBatch()])
     assert not torch.distributed.is_initialized()
+    # refused as the strategy is made, after it made the group
+    with pytest.raises(ConfigError, match="parallel.build=device builds the whole model"):
+        phalanx.fit(raw, overrides="parallel.build=device")
+    assert not torch.distributed.is_initialized()
 
 
 def test_fsdp_on_several_devices_outside_a_launcher_names_the_way_to_start_it(monkeypatch):

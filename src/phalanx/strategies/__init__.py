@@ -207,7 +207,11 @@ def create(cfg: Config) -> Strategy:
     name = strategy_name(cfg)
     strategy = get(name).build(cfg, accelerator, devices)
     if cfg.parallel.build == "device":
-        _build_on_device(strategy, name)
+        try:
+            _build_on_device(strategy, name)
+        except BaseException:  # refused: a group it made for this process alone goes too
+            strategy.abandon()
+            raise
     return strategy
 
 
