@@ -34,7 +34,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
+# the console script of the interpreter the tests run in
+SCRIPT = Path(sys.executable).with_name("phalanx")
 
 
 # --- the tests' side -----------------------------------------------------------------------------
@@ -198,7 +199,9 @@ def run(
         command.kill()
         command.communicate()
         raise
-    return subprocess.CompletedProcess(command.args, command.returncode or 0, out, err)
+    code = command.poll()
+    assert code is not None  # its output comes once it ended
+    return subprocess.CompletedProcess(command.args, code, out, err)
 
 
 # --- the server's side ---------------------------------------------------------------------------
@@ -222,7 +225,7 @@ def _command(request: dict[str, Any]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        script = Path(request["script"] or _SCRIPT)
+        script = Path(request["script"] or SCRIPT)
         sys.argv = [str(script), *request["args"]]
         sys.path[0] = str(script.parent)  # as a script's path starts
         if request["script"] is None:

@@ -12,8 +12,7 @@ from types import SimpleNamespace
 import forks
 import pytest
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
+PHALANX = [str(forks.SCRIPT)] if forks.SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 

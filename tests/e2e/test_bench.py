@@ -6,17 +6,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import toy
+from procs import PHALANX
 
 from phalanx import commands, strategies
 from phalanx.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(300)
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 
 
 def test_bench_runs_each_device_count_and_writes_its_table(tmp_path):

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "dist"))
 import toy  # noqa: E402
 import workers  # noqa: E402
+from procs import PHALANX  # noqa: E402
 
 from phalanx import commands  # noqa: E402
 from phalanx.checkpoint import WEIGHTS, Checkpoints  # noqa: E402
@@ -35,8 +36,6 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-_SCRIPT = Path(sys.executable).with_name("phalanx")
-PHALANX = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "phalanx.cli"]
 N_TRAIN, N_VALID = 41, 10  # the last batch of 1 is smaller than the world size
 
 
