@@ -414,11 +414,18 @@ class OutOfMemoryAbove(Linear):
 
 
 class FailAt(Linear):
-    """Raises on rank `rank` at training step `step` (counting forward calls in training mode)."""
+    """Raises on rank `rank` at training step `step` (counting forward calls in training mode).
+    Each worker (a process with a RANK) adds its pid and its parent's to the file `record`, if
+    given."""
 
-    def __init__(self, features: int = 3, rank: int = 1, step: int = 3):
+    def __init__(self, features: int = 3, rank: int = 1, step: int = 3, record: str | None = None):
+        import os
+
         super().__init__(features)
         self.fail_rank, self.fail_step, self.calls = rank, step, 0
+        if record is not None and "RANK" in os.environ:
+            with open(record, "a") as f:
+                f.write(f"{os.getpid()} {os.getppid()}\n")
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         import os

@@ -82,18 +82,31 @@ def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path)
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
-    cfg = {**CFG, "model": {"class": "toy.FailAt", "features": 3, "rank": 1, "step": 3}}
-    path = toy.write_config(tmp_path, cfg)
+    record = tmp_path / "workers.txt"
+    model = {"class": "toy.FailAt", "features": 3, "rank": 1, "step": 3, "record": str(record)}
+    path = toy.write_config(tmp_path, {**CFG, "model": model})
     # the job ends with the failure, not after the others' 300 s collective timeout (which would
     # outlast `timeout`)
     result = phalanx("train", str(path), "parallel.devices=2", cwd=tmp_path, timeout=240)
     assert result.returncode == 1, result.stderr
     assert result.stderr.count("injected failure on rank 1 at step 3") == 1  # its traceback, once
     assert "rank 1 failed first" in result.stderr
-    leftover = subprocess.run(
-        ["pgrep", "-f", "phalanx.launch"], capture_output=True, text=True
-    ).stdout
-    assert not leftover.strip()
+    # no process of the job outlives it: its workers, and the server they forked from
+    started = {int(pid) for line in record.read_text().splitlines() for pid in line.split()}
+    assert len(started) == 3, started  # two workers, one parent
+    deadline = time.monotonic() + 30  # a bound on a wait that should end at once, not a speed
+    while [pid for pid in started if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in started if alive(pid)]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_a_stop_request_saves_and_resume_finishes(tmp_path):
