@@ -10,6 +10,7 @@ import toy
 
 from phalanx import config, strategies
 from phalanx.errors import ConfigError
+from phalanx.strategies import progress
 from phalanx.strategies.base import Strategy
 from phalanx.strategies.ddp import DDP
 from phalanx.strategies.distributed import _flatten, check_same_config
@@ -399,6 +400,15 @@ def test_a_failed_run_of_fsdp_on_one_device_leaves_no_group_in_the_users_process
     # refused as the strategy is made, after it made the group
     with pytest.raises(ConfigError, match="parallel.build=device builds the whole model"):
         phalanx.fit(raw, overrides="parallel.build=device")
+    assert not torch.distributed.is_initialized()
+
+    # failed as the strategy is made, after it joined the group and before it could come back
+    def fails(*args, **kwargs):
+        raise OSError("no thread for the progress publisher")
+
+    monkeypatch.setattr(progress, "start", fails)
+    with pytest.raises(OSError, match="no thread for the progress publisher"):
+        phalanx.fit(raw)
     assert not torch.distributed.is_initialized()
 
 

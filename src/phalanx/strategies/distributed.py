@@ -54,6 +54,15 @@ class ProcessGroup(Abilities):
                 _join(place, backend, timedelta(seconds=self.timeout_s))
             except dist.DistStoreError as e:
                 raise _join_timed_out(place, self.timeout_s, e) from None
+        try:
+            self._set_up()
+        except BaseException:  # no strategy comes back to abandon: a group made here goes now
+            self.abandon()
+            raise
+
+    def _set_up(self) -> None:
+        """In the group: this process's place in it, the flight recorder's folder, and the thread
+        that publishes its collectives' count."""
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         trace = environment.nccl_trace_prefix() if dist.get_backend() == "nccl" else None
         if trace:  # the flight recorder's folder (the launcher turned it on)
