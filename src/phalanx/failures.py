@@ -220,11 +220,14 @@ def summary_line(error: BaseException) -> str:
 
 def _moved(label: str, fatal: dict[str, Path], stacks: Path | None) -> str:
     """The stacks the fatal signal that ended worker `label` made it write, moved into `stacks`
-    (`rank-1-fatal.txt`), said as a clause; nothing where it wrote none."""
+    (`rank-1-fatal.txt`, `rank-1-attempt-2-fatal.txt` in a restarted attempt, as its other stacks
+    are named), said as a clause; nothing where it wrote none."""
     source = fatal.get(label)
     if source is None or stacks is None:
         return ""
-    target = stacks / f"{label.replace(' ', '-')}-fatal.txt"
+    number = _number(source.parent.parent)  # .../attempt_<N>/<local rank>/fatal.txt
+    suffix = f"-attempt-{number}" if number else ""
+    target = stacks / f"{label.replace(' ', '-')}{suffix}-fatal.txt"
     with contextlib.suppress(OSError):
         stacks.mkdir(parents=True, exist_ok=True)
         target.write_text(source.read_text())

@@ -86,11 +86,13 @@ def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
     assert "called different collectives (a hook that calls save_checkpoint" in message
 
 
-def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_path):
+@pytest.mark.parametrize("attempt", [0, 2])
+def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_path, attempt):
     """A worker that a fatal signal ends (gloo aborts a rank whose collectives do not match the
     others') writes its threads' stacks beside its record, where torch's launcher would have
-    printed them to the terminal; the launcher moves them into the run's stacks/ and says where."""
-    record = tmp_path / "records" / "run" / "attempt_0" / "1"
+    printed them to the terminal; the launcher moves them into the run's stacks/ and says where,
+    named as the attempt's other stacks are."""
+    record = tmp_path / "records" / "run" / f"attempt_{attempt}" / "1"
     record.mkdir(parents=True)
     aborting = (  # faulthandler on, as torch's launcher leaves it for the worker
         "import faulthandler, os\nfrom phalanx import failures\nfaulthandler.enable()\n"
@@ -109,8 +111,9 @@ def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_pat
     failure = ChildFailedError("worker", {1: aborted})
     message = str(failures.explain(failure, tmp_path / "records", stacks))
     assert message.startswith("rank 1 was killed by SIGABRT (exit code -6) and recorded no error")
-    assert message.endswith(f"; its stacks as it ended: {stacks / 'rank-1-fatal.txt'}")
-    assert "Fatal Python error: Aborted" in (stacks / "rank-1-fatal.txt").read_text()
+    moved = stacks / ("rank-1-fatal.txt" if not attempt else "rank-1-attempt-2-fatal.txt")
+    assert message.endswith(f"; its stacks as it ended: {moved}")
+    assert "Fatal Python error: Aborted" in moved.read_text()
     # noticed as a worker that ended without a record (the launcher saw another exit first)
     noticed = ProcessFailure(
         local_rank=0, pid=4243, exitcode=1, error_file=str(tmp_path / "absent.json")
