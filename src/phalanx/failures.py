@@ -9,6 +9,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 import traceback
@@ -40,6 +41,32 @@ def keep_fatal_stacks() -> None:
     with contextlib.suppress(OSError):
         _fatal = open(Path(path).with_name(FATAL), "w")  # noqa: SIM115 - open for the process's life
         faulthandler.enable(file=_fatal, all_threads=True)
+        if _fatal is not None and not _forks_watched:
+            _watch_forks()
+
+
+_forks_watched = False
+
+
+def _watch_forks() -> None:
+    """A process forked from the worker (a data loader's) writes a fatal signal's stacks to its
+    stderr, not into the worker's file, where they would read as the worker's own end."""
+    global _forks_watched
+    _forks_watched = True
+
+    def in_the_child() -> None:
+        global _fatal
+        if _fatal is None:
+            return
+        try:
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+        except (AttributeError, OSError, RuntimeError, ValueError):  # no stderr to write to
+            faulthandler.disable()
+        with contextlib.suppress(OSError):
+            _fatal.close()
+        _fatal = None
+
+    os.register_at_fork(after_in_child=in_the_child)
 
 
 def record(e: BaseException, explained: str | None = None) -> None:

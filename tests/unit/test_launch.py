@@ -128,6 +128,27 @@ def test_a_fatal_signal_leaves_its_stacks_in_the_run_not_in_the_terminal(tmp_pat
     assert "outside" not in message
 
 
+def test_a_process_forked_from_a_worker_writes_its_fatal_stacks_to_its_own_stderr(tmp_path):
+    """A data loader's process, forked from the worker, that a fatal signal ends: its stacks go to
+    its stderr, not into the worker's file, where the launcher would read them as the worker's
+    own end. The worker's own still go to the file."""
+    record = tmp_path / "records" / "run" / "attempt_0" / "0"
+    record.mkdir(parents=True)
+    forking = (
+        "import os\nfrom phalanx import failures\nfailures.keep_fatal_stacks()\n"
+        "pid = os.fork()\nif not pid:\n    os.abort()\n"
+        "_, status = os.waitpid(pid, 0)\nprint(os.WTERMSIG(status), flush=True)\nos.abort()"
+    )
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(record / "error.json")}
+    done = subprocess.run(
+        [sys.executable, "-c", forking], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGABRT
+    assert done.stdout.strip() == str(int(signal.SIGABRT))  # the child was ended by it too
+    assert done.stderr.count("Fatal Python error: Aborted") == 1, done.stderr  # the child's
+    assert (record / failures.FATAL).read_text().count("Fatal Python error: Aborted") == 1
+
+
 @pytest.mark.parametrize(
     ("text", "attempt", "code"),
     [
