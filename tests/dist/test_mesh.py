@@ -124,6 +124,23 @@ def test_mesh_trains_as_one_process(layout):
             assert rel(got["losses"], expected["losses"]) < 1e-10
 
 
+def test_a_compiled_model_trains_under_mesh_as_one_process():
+    """torch.compile over the tensor-parallel model (its DTensor operations traced, forward and
+    backward, by aot_eager) and over the replicated one trains as the plain model on one process."""
+    pairs = [
+        ({**scenario(**mesh(tensor=2)), "compile": {"backend": "aot_eager"}}, scenario()),
+        ({**scenario(**mesh(replicate=2)), "compile": {"backend": "eager"}}, scenario()),
+    ]
+    want = [workers.train(alone) for _, alone in pairs]
+    ranks = workers.run_ranks(2, workers.train_all, [r for r, _ in pairs], timeout=400)
+    for results in ranks:
+        assert all(got["compiled"] for got in results)
+    for i, (got, expected) in enumerate(zip(ranks[0], want, strict=True)):
+        assert_same(got, expected, f"compiled [{i}]")
+    for got, expected in zip(ranks[1], want, strict=True):
+        assert rel(got["losses"], expected["losses"]) < 1e-10
+
+
 GPT = {  # the GPT example's model, small: one block, 2 heads, an MLP 32 wide
     "class": "examples.gpt.model.GPT",
     **{"vocab_size": 16, "block_size": 6, "n_layer": 1, "n_head": 2, "n_embd": 8},

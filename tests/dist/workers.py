@@ -191,6 +191,10 @@ def train(raw: dict, carry_through_autograd: bool = False) -> dict:
         "ids": seen.ids,
         "predictions": seen.predictions,
         "state_bytes": trainer.view.state_bytes(),
+        # the model ran through torch.compile: the module it calls is compiled, and dynamo made
+        # graphs of it in this process
+        "compiled": isinstance(trainer.module, torch._dynamo.eval_frame.OptimizedModule)
+        and torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0,
     }
 
 
