@@ -52,6 +52,15 @@ def wait_until(condition, proc: subprocess.Popen, timeout: float = 120, what: st
         time.sleep(0.02)
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def run(*args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     """`phalanx ARGS...` run to its end in `cwd`, its output captured: a process forked from one
     that imported torch and phalanx once (`forks`)."""

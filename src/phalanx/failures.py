@@ -41,7 +41,7 @@ def keep_fatal_stacks() -> None:
     with contextlib.suppress(OSError):
         _fatal = open(Path(path).with_name(FATAL), "w")  # noqa: SIM115 - open for the process's life
         faulthandler.enable(file=_fatal, all_threads=True)
-        if _fatal is not None and not _forks_watched:
+        if not _forks_watched:
             _watch_forks()
 
 

@@ -17,7 +17,7 @@ import forks
 import pytest
 import torch
 import toy
-from procs import ENV, PHALANX, only_run, wait_until
+from procs import ENV, PHALANX, alive, only_run, wait_until
 from procs import run as phalanx
 from safetensors.torch import load_file
 
@@ -98,15 +98,6 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     while [pid for pid in started if alive(pid)] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in started if alive(pid)]
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_stop_request_saves_and_resume_finishes(tmp_path):

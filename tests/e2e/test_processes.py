@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import toy
-from procs import finish, start, wait_until
+from procs import alive, finish, start, wait_until
 
 from phalanx import launch
 
@@ -142,14 +142,6 @@ def workers_of(pid: int) -> list[int]:
         for p, (ppid, cmd) in processes().items()
         if ppid in servers or (ppid == pid and b"spawn_main" in cmd)
     ]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def kill_all(pids: list[int]) -> None:
