@@ -14,11 +14,13 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx import environment, rundir
 from phalanx.errors import PhalanxError, first_line, lost_a_peer
-from phalanx.nodes import Nodes
+
+if TYPE_CHECKING:
+    from phalanx.nodes import Nodes
 
 
 class RankFailure(PhalanxError):

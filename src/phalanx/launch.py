@@ -52,7 +52,6 @@ from phalanx.nodes import (
     ELASTIC_RENDEZVOUS,
     LAST_CALL_S,
     NODES_RENDEZVOUS,
-    REFORM_FILE,
     Nodes,
     elastic_rendezvous_handler,
     nodes_rendezvous_handler,
@@ -60,7 +59,7 @@ from phalanx.nodes import (
     run_dirs,
     stores,
 )
-from phalanx.spawned import ABORT_FILE, OOM_FILE, STACKS, worker, write_whole
+from phalanx.spawned import ABORT_FILE, OOM_FILE, REFORM_FILE, STACKS, worker, write_whole
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing import LogsSpecs

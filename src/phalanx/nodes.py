@@ -26,14 +26,13 @@ from typing import Any
 from phalanx import rundir
 from phalanx.config import flat_keys
 from phalanx.errors import ConfigError, PhalanxError
+from phalanx.spawned import REFORM_FILE
 
 log = logging.getLogger("phalanx")
 TIMEOUT_S = 600  # how long a node waits for the others
 # how long it waits before it says that it is waiting, and for what
 SAY_AFTER_S = 5
 _POLL_S = 1.0
-# in the run directory while an elastic job's machines re-form
-REFORM_FILE = ".re-forming"
 # run id -> its run directory, for the elastic handler
 run_dirs: dict[str, Path] = {}
 

@@ -29,6 +29,8 @@ ABORT_FILE = ".stop-now"
 OOM_FILE = ".out-of-memory"
 # in the run directory: each rank's Python stack when the job ended abnormally
 STACKS = "stacks"
+# in the run directory while an elastic job's machines re-form: its agent stops the workers
+REFORM_FILE = ".re-forming"
 GUARD_INTERVAL_S = 0.1
 
 
@@ -43,7 +45,22 @@ def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple
     guard.start()
     signals.before_exit(guard.last_words)
     if supervising:
-        return _supervise(run_dir, run, args, rejoins)
+        code = _supervise(run_dir, run, args, rejoins)
+    else:
+        code = _trained(run_dir, run, args)
+    if (Path(run_dir) / REFORM_FILE).exists():
+        # torch's agent is stopping this round's workers for the next one: it reads no worker's
+        # result, and its wrapper would hold this process, its result given, until the agent's
+        # grace for stopping ends in SIGKILL (30 s for every change of the machines)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _trained(run_dir: str, run: Callable[..., int], args: tuple) -> int:
+    """`run(run_dir, *args)`'s exit code; a failure is recorded for the launcher, and ends this
+    process."""
     try:
         return run(Path(run_dir), *args)
     except BaseException as e:  # noqa: BLE001 - every failure is recorded for the launcher, once

@@ -24,9 +24,9 @@ from phalanx import (
     resuming,
     rundir,
     runlock,
+    spawned,
     strategies,
 )
-from phalanx import nodes as machines
 from phalanx.checkpoint import Checkpoints
 from phalanx.errors import CheckpointError, CheckpointMismatch
 from phalanx.objects import Objects
@@ -373,7 +373,7 @@ def build_worker_trainer(
     """A trainer for this process: logs on rank 0 only, the same config checked on every rank."""
     prepare_process(cfg, run_dir, strategy)
     trainer = Trainer(cfg, run_dir, search_dirs, strategy=strategy, objects=objects)
-    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / machines.REFORM_FILE)
+    trainer.stop.watch(run_dir / launch.STOP_FILE, run_dir / spawned.REFORM_FILE)
     return trainer
 
 

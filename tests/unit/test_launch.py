@@ -370,6 +370,57 @@ def test_a_rejoining_ranks_stack_is_where_its_trainer_hung_not_its_supervisors_w
     assert "_supervise" not in text, text
 
 
+# A worker as torch's agent runs it: after the entry point returns, its wrapper hands the result on
+# and waits until the agent has read it.
+_WRAPPED = """
+import os, sys, threading
+from phalanx import spawned
+def interrupted(run_dir):
+    return 143  # the run finished its step on the agent's SIGTERM, saved and ended
+code = spawned.worker(sys.argv[1], os.getppid(), interrupted, ())
+print("returned", code, flush=True)
+threading.Event().wait()
+"""
+
+
+@pytest.mark.parametrize("reforming", [True, False])
+def test_a_worker_stopped_for_a_new_round_of_machines_ends_without_handing_on_its_result(
+    tmp_path, reforming
+):
+    """When an elastic job's machines change, torch's agent stops the workers with SIGTERM and
+    reads none of their results: a worker that finished its step and saved ends its process itself,
+    where torch's wrapper would hold it until the agent's grace ran out (30 s, then SIGKILL, at
+    every change). Outside a re-forming the result goes back to the wrapper, as torch expects."""
+    from phalanx.spawned import REFORM_FILE
+
+    if reforming:
+        (tmp_path / REFORM_FILE).write_text("1")  # the agent's mark, before its SIGTERM
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRAPPED, str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        if reforming:
+            out, err = proc.communicate(timeout=60)  # a hang guard: it ends at once
+            assert proc.returncode == 143 and "returned" not in out, (out, err)
+        else:
+            assert proc.stdout is not None and proc.stdout.readline() == "returned 143\n"
+            assert proc.poll() is None  # in the wrapper's wait
+    finally:
+        proc.kill()
+        proc.communicate()
+
+
 def _wait_for(condition, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
