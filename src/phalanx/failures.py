@@ -14,13 +14,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from phalanx import environment, rundir
 from phalanx.errors import PhalanxError, first_line, lost_a_peer
-
-if TYPE_CHECKING:
-    from phalanx.nodes import Nodes
 
 
 class RankFailure(PhalanxError):
@@ -222,11 +219,12 @@ def _said(first: dict, stacks: Path | None, records: Path, first_rank: int | Non
     )
 
 
-def in_the_run(run_dir: Path, failure: PhalanxError, nodes: Nodes | None) -> PhalanxError:
+def in_the_run(run_dir: Path, failure: PhalanxError, node: int | None) -> PhalanxError:
     """`failure`, also written into the run: a `failed` event in trace.jsonl (one line, the error
     that ended a traceback with it) and the whole message in log.txt, as the terminal shows it (a
-    machine that died writes nothing of its own: another machine's launcher says it)."""
-    who = "the launcher" if nodes is None else f"node {nodes.rank}'s launcher"
+    machine that died writes nothing of its own: another machine's launcher says it). `node`: the
+    rank of this launcher's machine in a job of several, None in a job of one."""
+    who = "the launcher" if node is None else f"node {node}'s launcher"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with contextlib.suppress(OSError, PhalanxError):  # the run directory may be gone with it
         last = (rundir.read_trace(run_dir) or [{}])[-1]

@@ -185,7 +185,9 @@ def launch(
         if nodes is not None and not nodes.elastic:
             first_rank = nodes.rank * devices  # a node's workers come in a block of ranks
         explained = failures.explain(e, records, run_dir / STACKS, first_rank)
-        raise failures.in_the_run(run_dir, explained, nodes) from None
+        raise failures.in_the_run(
+            run_dir, explained, None if nodes is None else nodes.rank
+        ) from None
     except Exception as e:
         if nodes is None:
             raise
@@ -196,7 +198,7 @@ def launch(
             "reached; once it is back, resume the run on the machines there are: phalanx resume "
             f"{run_dir} --nnodes ... --node-rank ... --rdzv ..."
         )
-        raise failures.in_the_run(run_dir, failure, nodes) from None
+        raise failures.in_the_run(run_dir, failure, nodes.rank) from None
     finally:
         shutil.rmtree(records, ignore_errors=True)
         unused = _listeners.pop(run_id, None)
