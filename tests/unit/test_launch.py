@@ -315,7 +315,8 @@ def test_a_worker_the_launcher_ends_before_its_guard_looked_still_leaves_its_sta
     assert proc.returncode == 128 + signal.SIGTERM, stderr
     stack = tmp_path / STACKS / "rank-2.txt"
     if aborted:
-        assert "line 10 in serving" in stack.read_text(), stack.read_text()
+        # in `serving`: its print or its sleep, wherever the signal found it
+        assert "in serving" in stack.read_text(), stack.read_text()
         assert "rank 2 was told to stop" in record.read_text()
     else:
         assert not stack.exists() and not record.exists()
