@@ -38,7 +38,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -67,6 +66,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("phalanx")
 # the workers finish their step, save and exit
 STOP_FILE = ".stop-requested"
+# the grace torch's agent gives workers still running when its run ends, before it kills them
 SHUTDOWN_TIMEOUT_S = 5
 RENDEZVOUS = "phalanx-loopback"
 # run id -> the rendezvous store's listening socket
@@ -451,24 +451,20 @@ _SERVER_FIELDS = {
 
 
 def _stop_server(pid: int | None, alive: int | None) -> None:
-    """End a launch's server without waiting on it for ever. Closing its pipe asks it to end once
-    no process holds the pipe's other end, which each worker holds too: a worker stuck in the
-    kernel, or a data loader's child not yet gone, would keep it; after SHUTDOWN_TIMEOUT_S it is
-    killed."""
+    """End a launch's server once the launch is over: nothing more forks from it, and its workers
+    have ended (the agent waited for them). It is killed, not asked to end by closing its pipe: an
+    interpreter that imported torch takes most of a second to tear itself down, at every launch,
+    and a worker's data loader child or a worker stuck in the kernel, holding the pipe, would keep
+    it longer. A worker still alive (the launcher failed on its own) ends with it (`_Guard`)."""
     if alive is not None:
         with contextlib.suppress(OSError):
             os.close(alive)
     if pid is None:
         return
-    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return
-            time.sleep(0.01)
+        os.waitpid(pid, 0)
 
 
 def check_main_importable(devices: int) -> None:

@@ -564,17 +564,18 @@ def test_the_workers_of_each_launch_fork_from_a_server_started_in_that_launchs_e
     assert Path(f"/proc/{users}").exists()
 
 
-def test_a_server_that_does_not_end_when_asked_is_killed_after_the_shutdown_timeout(monkeypatch):
-    """Each worker holds the server's pipe: one stuck in the kernel would keep the server, and the
-    launcher waiting on it, for ever."""
+def test_a_launchs_server_is_ended_with_the_launch_even_one_that_would_not_end():
+    """Each worker holds the server's pipe, and a server asked to end tears down an interpreter that
+    imported torch: one stuck, or merely slow, would keep the launcher waiting. The launch's end
+    kills it and reaps it."""
     from phalanx import launch
 
-    monkeypatch.setattr(launch, "SHUTDOWN_TIMEOUT_S", 0.5)
     stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    started = time.monotonic()
-    launch._stop_server(stuck.pid, None)
-    assert time.monotonic() - started < 30
-    assert not Path(f"/proc/{stuck.pid}").exists()  # killed and reaped
+    try:
+        launch._stop_server(stuck.pid, None)
+        assert not Path(f"/proc/{stuck.pid}").exists()  # killed and reaped
+    finally:
+        stuck.kill()
 
 
 # A worker forked from a server that is killed while the launcher (this test's process) lives: the
