@@ -290,20 +290,7 @@ def test_a_worker_the_launcher_ends_before_its_guard_looked_still_leaves_its_sta
     from phalanx.spawned import ABORT_FILE, STACKS
 
     record = tmp_path / "error.json"
-    env = {
-        **os.environ,
-        "RANK": "2",
-        "WORLD_SIZE": "3",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_ERROR_FILE": str(record),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SERVING, str(tmp_path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _as_worker(_SERVING, 2, 3, record, str(tmp_path))
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
         if aborted:  # rank 0 failed in attempt 0
@@ -339,21 +326,9 @@ def test_a_rejoining_ranks_stack_is_where_its_trainer_hung_not_its_supervisors_w
     the child's, where it hung, not the wait; and the child ends with it."""
     from phalanx.spawned import ABORT_FILE, STACKS
 
-    env = {
-        **os.environ,
-        "RANK": "1",
-        "WORLD_SIZE": "3",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "PHALANX_REJOINS": "1:1",
-        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
-    }
     tests = str(Path(__file__).parents[1])
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _SUPERVISED, str(tmp_path), tests],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = _as_worker(
+        _SUPERVISED, 1, 3, tmp_path / "error.json", str(tmp_path), tests, PHALANX_REJOINS="1:1"
     )
     hanging, stack = tmp_path / "hanging", tmp_path / STACKS / "rank-1.txt"
     try:
@@ -396,20 +371,7 @@ def test_a_worker_stopped_for_a_new_round_of_machines_ends_without_handing_on_it
 
     if reforming:
         (tmp_path / REFORM_FILE).write_text("1")  # the agent's mark, before its SIGTERM
-    env = {
-        **os.environ,
-        "RANK": "0",
-        "WORLD_SIZE": "2",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRAPPED, str(tmp_path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _as_worker(_WRAPPED, 0, 2, tmp_path / "error.json", str(tmp_path))
     try:
         if reforming:
             out, err = proc.communicate(timeout=60)  # a hang guard: it ends at once
@@ -420,6 +382,27 @@ def test_a_worker_stopped_for_a_new_round_of_machines_ends_without_handing_on_it
     finally:
         proc.kill()
         proc.communicate()
+
+
+def _as_worker(
+    script: str, rank: int, world: int, record: Path, *args: str, **env: str
+) -> subprocess.Popen:
+    """`python -c script *args` in the environment torch's launcher gives worker `rank` of `world`
+    in its first attempt (its error record at `record`), with `env` added; its output piped."""
+    return subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        env={
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_ERROR_FILE": str(record),
+            **env,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for(condition, timeout: float = 60) -> None:
