@@ -16,6 +16,7 @@
 # Run from the repository root; logs and JSON go to $OUT (or bench/results/gpu-session).
 # The machines lack pydantic: carry its wheels in .whl (see BENCHMARKS.md).
 set -uo pipefail
+shopt -s nullglob  # bisect and trace without .old: the tree alone
 OUT=${OUT:-bench/results/gpu-session}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SITE=
