@@ -20,8 +20,9 @@ shopt -s nullglob  # bisect and trace without .old: the tree alone
 OUT=${OUT:-bench/results/gpu-session}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 SITE=
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+wheels=(.whl/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
     SITE=/tmp/site:
 fi
 ROOT=$PWD
