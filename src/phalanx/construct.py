@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import ConfigError, did_you_mean, named
+from phalanx.errors import ConfigError, beyond_input, did_you_mean, named
 
 KERAS_INSTALL = 'pip install -e ".[keras]" (or pip install keras)'
 
@@ -114,13 +114,17 @@ def instantiate(section: str, factory: Any, *args: Any, **kwargs: Any) -> Any:
                 f"{section}: {_name(factory)} needs {needed}; set it in the {section} section"
             ) from None
         raise _describe_failure(section, factory, kwargs, e) from e
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError, LookupError) as e:
         # not a value of the config's (torch.OutOfMemoryError is a RuntimeError): said as it is
-        if isinstance(e, NotImplementedError | RecursionError) or "OutOfMemory" in type(e).__name__:
+        if beyond_input(e):
             raise
-        # the constructor rejected a value (torch's checks raise RuntimeError: a negative size):
-        # name the section (--debug: traceback)
+        # the constructor rejected a value (torch's checks raise RuntimeError: a negative size), or
+        # a file or key it names is not there: name the section (--debug: traceback)
         raise _describe_failure(section, factory, kwargs, e) from e
+    except ImportError as e:  # a package the class imports when it is made
+        raise ConfigError(
+            f"{section}: {_name(factory)} failed: {named(e)}; install what it imports"
+        ) from e
 
 
 def _describe_failure(

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from phalanx.errors import DataError, named
+from phalanx.errors import DataError, beyond_input, named
 
 FEISTEL, RANDPERM = "feistel", "randperm"
 # the order a run uses; checkpoints without one name used randperm
@@ -261,7 +261,7 @@ def get_stream(
         available = streams()
     # what reading data raises (a missing file, a bad split): said as the constructor's are
     except (OSError, ValueError, RuntimeError, LookupError) as e:
-        if isinstance(e, NotImplementedError | RecursionError) or "OutOfMemory" in type(e).__name__:
+        if beyond_input(e):
             raise
         raise DataError(
             f"dataset: {type(dataset).__name__}.streams() failed: {named(e)}; fix the values in "
@@ -297,8 +297,16 @@ def get_stream(
             f"stream {name!r} is a {type(stream).__name__}, which has __getitem__ but no __len__; "
             "give it __len__ (a map-style dataset), or make it an IterableDataset"
         )
+    try:
+        size = len(stream)
+    # a length that is not a count (negative, not an int), or one that raised
+    except (TypeError, ValueError, OverflowError, RuntimeError, OSError, LookupError) as e:
+        raise DataError(
+            f"stream {name!r} of {type(dataset).__name__}: len() failed: {named(e)}; its __len__ "
+            "must return the number of samples it holds, an int of 0 or more"
+        ) from e
     # training on it would take no step, and its metrics would be those of nothing
-    if len(stream) == 0:
+    if size == 0:
         raise DataError(
             f"stream {name!r} of {type(dataset).__name__} is empty; a stream needs at least one "
             f"sample: check what streams() returns for {name!r} (its path, split or filter)"

@@ -64,6 +64,14 @@ def named(error: BaseException, limit: int = 500) -> str:
     return name if line == name else f"{name}: {line}"
 
 
+def beyond_input(error: BaseException) -> bool:
+    """Whether an error that user code raised is one no change to the input fixes (out of memory,
+    not implemented, too deep a recursion): passed on as it is, not said as bad input."""
+    return isinstance(error, NotImplementedError | RecursionError) or (
+        "OutOfMemory" in type(error).__name__
+    )
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when a close match exists, else ''."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)

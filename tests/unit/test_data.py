@@ -350,6 +350,84 @@ def test_a_constructor_failure_is_quoted_in_one_line():
     assert "failed: RuntimeError: size " in str(info.value) and "frame" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "length, said",
+    [
+        (-1, "ValueError: __len__() should return >= 0"),
+        ("10", "TypeError: 'str' object cannot be interpreted as an integer"),
+        (OSError("index file gone"), "OSError: index file gone"),
+    ],
+)
+def test_a_stream_whose_length_is_not_a_count_is_refused_in_one_line(length, said):
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            if isinstance(length, Exception):
+                raise length
+            return length
+
+        def __getitem__(self, i):
+            return {"x": torch.zeros(1)}
+
+    class Streams:
+        def streams(self):
+            return {"train": Items()}
+
+    with pytest.raises(DataError) as info:
+        data.get_stream(Streams(), "train")
+    assert str(info.value) == (
+        f"stream 'train' of Streams: len() failed: {said}; its __len__ must return the number of "
+        "samples it holds, an int of 0 or more"
+    )
+
+
+@pytest.mark.parametrize(
+    "raised, said",
+    [
+        (FileNotFoundError(2, "No such file or directory"), "FileNotFoundError: [Errno 2] No such"),
+        (KeyError("split"), "KeyError: 'split'"),
+    ],
+)
+def test_a_constructor_that_cannot_find_its_files_or_keys_is_quoted_in_one_line(raised, said):
+    from phalanx.construct import instantiate
+    from phalanx.errors import ConfigError
+
+    def opens(path):
+        raise raised
+
+    with pytest.raises(ConfigError) as info:
+        instantiate("dataset", opens, path="data/train.bin")
+    said_all = str(info.value)
+    assert said_all.startswith("dataset: ") and f".opens(path='data/train.bin') failed: {said}" in (
+        said_all
+    )
+    assert said_all.endswith("; fix the values in the dataset section")
+
+
+def test_a_constructor_that_imports_a_missing_package_says_to_install_it():
+    from phalanx.construct import instantiate
+    from phalanx.errors import ConfigError
+
+    def imports():
+        import phalanx_no_such_package  # noqa: F401
+
+    with pytest.raises(ConfigError) as info:
+        instantiate("model", imports)
+    assert str(info.value).startswith("model: ") and str(info.value).endswith(
+        ".imports failed: ModuleNotFoundError: No module named 'phalanx_no_such_package'; "
+        "install what it imports"
+    )
+
+
+def test_a_constructor_out_of_memory_is_not_said_as_bad_input():
+    from phalanx.construct import instantiate
+
+    def allocates():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        instantiate("model", allocates)
+
+
 def test_get_stream_without_streams_method():
     class NoStreams:
         pass
