@@ -27,7 +27,7 @@ from torch import nn
 from phalanx import keras_models
 from phalanx.config import LossConfig, ModelConfig
 from phalanx.construct import build_value, import_object, instantiate
-from phalanx.errors import ConfigError, ModelError, did_you_mean
+from phalanx.errors import ConfigError, ModelError, beyond_input, did_you_mean, named
 
 
 def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
@@ -375,7 +375,12 @@ class _NamedLoss:
                 f"model.loss.target {cfg.target!r} is not a batch key; keys are {', '.join(batch)}"
             ) from None
         kwargs = self._kwargs(prediction) if self.lists else self.kwargs
-        return per_sample_loss(self.function, prediction, target, self.ignore_index, kwargs)
+        try:
+            return per_sample_loss(self.function, prediction, target, self.ignore_index, kwargs)
+        except _REFUSALS as e:
+            if beyond_input(e):
+                raise
+            raise self._refused(prediction, target, e) from e
 
     def plain(self, prediction: torch.Tensor, batch: Mapping[str, Any]) -> torch.Tensor | None:
         """The loss per sample where `per_sample_loss` would take its plainest branch: a target
@@ -393,8 +398,25 @@ class _NamedLoss:
                 return None
         elif prediction.shape != target.shape:
             return None
-        loss = self.function(prediction, target, reduction="none", **self.kwargs)
+        try:
+            loss = self.function(prediction, target, reduction="none", **self.kwargs)
+        except _REFUSALS as e:
+            if beyond_input(e):
+                raise
+            raise self._refused(prediction, target, e) from e
         return loss if loss.dim() <= 1 else loss.flatten(1).mean(dim=1)
+
+    def _refused(self, prediction: Any, target: Any, error: Exception) -> ModelError:
+        """The loss function's refusal of a batch, as bad input: its call, with the shapes it was
+        given, and what to check (--debug: the traceback)."""
+        cfg = self.cfg
+        keywords = "".join(f", {k}={v!r}" for k, v in cfg.kwargs().items())
+        return ModelError(
+            f"model.loss: {cfg.function}(output {cfg.output!r} {_described(prediction)}, target "
+            f"{cfg.target!r} {_described(target)}{keywords}) failed: {named(error)}; check "
+            "model.loss's function, output, target and keywords against what the model returns "
+            "and the batch holds"
+        )
 
     def _kwargs(self, prediction: torch.Tensor) -> dict[str, Any]:
         """The loss function's keywords; lists (pos_weight, weight) as tensors beside the
@@ -439,8 +461,33 @@ def _check_keywords(name: str, function: Callable, kwargs: dict[str, Any]) -> No
             )
 
 
+# what a loss function raises for a batch it cannot take (shapes, dtypes, a keyword's value, a
+# class index out of range)
+_REFUSALS = (TypeError, ValueError, RuntimeError, IndexError)
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"of shape {list(value.shape)}, {str(value.dtype).removeprefix('torch.')}"
+    return f"of type {type(value).__name__}"
+
+
 def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:
-    return import_object(cfg.function, search_dirs, default_module="torch.nn.functional")
+    function = import_object(cfg.function, search_dirs, default_module="torch.nn.functional")
+    keras = sys.modules.get("keras")
+    if isinstance(function, type) and not (keras is not None and issubclass(function, keras.Loss)):
+        raise ConfigError(
+            f"model.loss.function: {cfg.function} is a class, not a loss function; name a "
+            "function of (output, target, reduction=...), such as cross_entropy or mse_loss "
+            "(torch.nn.functional's), or compute the loss in the model's forward and return it as "
+            "'loss'"
+        )
+    if not callable(function):
+        raise ConfigError(
+            f"model.loss.function: {cfg.function} is a {type(function).__name__}, not a function; "
+            "name a loss function such as cross_entropy or mse_loss"
+        )
+    return function
 
 
 def _keras_loss(function: Any, kwargs: dict[str, Any]) -> Callable | None:

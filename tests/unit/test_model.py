@@ -164,6 +164,55 @@ def test_loss_spec_bad_output_or_target():
         Forward(net, cfg)(batch)
 
 
+@pytest.mark.parametrize(
+    "loss, target, said",
+    [
+        # the plain path: one class index per sample
+        (
+            {"function": "cross_entropy", "target": "y", "label_smoothing": "abc"},
+            torch.zeros(2, dtype=torch.long),
+            "model.loss: cross_entropy(output 'output' of shape [2, 3], float32, target 'y' of "
+            "shape [2], int64, label_smoothing='abc') failed: TypeError: ",
+        ),
+        # per_sample_loss: a keyword given as a list, of the wrong length
+        (
+            {"function": "cross_entropy", "target": "y", "weight": [1.0, 2.0]},
+            torch.zeros(2, dtype=torch.long),
+            "model.loss: cross_entropy(output 'output' of shape [2, 3], float32, target 'y' of "
+            "shape [2], int64, weight=[1.0, 2.0]) failed: RuntimeError: weight tensor should be "
+            "defined either for all 3 classes",
+        ),
+    ],
+)
+def test_a_loss_that_refuses_the_batch_is_bad_input_in_one_line(loss, target, said):
+    cfg = _cfg(inputs={"input": "input"}, loss=loss)
+    with pytest.raises(ModelError) as info:
+        Forward(nn.Linear(4, 3), cfg)({"input": torch.zeros(2, 4), "y": target})
+    assert str(info.value).startswith(said), str(info.value)
+    assert "\n" not in str(info.value)
+    assert str(info.value).endswith(
+        "check model.loss's function, output, target and keywords against what the model "
+        "returns and the batch holds"
+    )
+
+
+@pytest.mark.parametrize(
+    "function, said",
+    [
+        (
+            "torch.nn.MSELoss",
+            "model.loss.function: torch.nn.MSELoss is a class, not a loss function",
+        ),
+        ("math.pi", "model.loss.function: math.pi is a float, not a function"),
+    ],
+)
+def test_a_loss_function_that_is_not_a_function_is_refused_before_any_batch(function, said):
+    cfg = _cfg(inputs={"input": "input"}, loss={"function": function, "target": "y"})
+    with pytest.raises(ConfigError) as info:
+        Forward(nn.Linear(4, 3), cfg)
+    assert str(info.value).startswith(said)
+
+
 def test_model_returning_no_loss_is_an_error():
     class NoLoss(nn.Module):
         def forward(self, x):
