@@ -138,6 +138,18 @@ def read_yaml(path: Path, fix: str, error: type[PhalanxError] = ConfigError) -> 
     try:
         return safe_load(text)
     except yaml.YAMLError as e:
-        raise error(f"{path} is not valid YAML: {str(e).splitlines()[0]}; {fix}") from None
+        raise error(f"{path} is not valid YAML{_problem(e)}; {fix}") from None
     except Refused as e:
         raise error(f"{path} is refused: {e}") from None
+
+
+def _problem(error: yaml.YAMLError) -> str:
+    """Where and what a YAML parser's error is: ' at line L, column C: expected ... (while ...)'
+    for one that marks its place; the first line of its text for any other."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is None or not problem:
+        return f": {str(error).splitlines()[0]}"
+    context = getattr(error, "context", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}" + (
+        f" ({context})" if context else ""
+    )

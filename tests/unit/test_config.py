@@ -54,6 +54,29 @@ def test_load_names_a_config_yaml_run_after_its_folder(tmp_path):
     assert cfg.name == "digits"
 
 
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        (
+            "model:\n  class: [toy.Linear\n  features: : 3\n",
+            "is not valid YAML at line 3, column 11: expected ',' or ']', but got ':' (while "
+            "parsing a flow sequence)",
+        ),
+        (
+            "name: toy\n\tseed: 1\n",
+            "is not valid YAML at line 2, column 1: found character '\\t' that cannot start any "
+            "token (while scanning for the next token)",
+        ),
+    ],
+)
+def test_a_yaml_error_says_the_line_and_column(tmp_path, text, said):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config.load(path)
+    assert f"{path} {said}; " in str(info.value), str(info.value)
+
+
 def test_load_uses_safe_load_and_never_builds_python_objects(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.yaml"
