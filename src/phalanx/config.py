@@ -81,6 +81,21 @@ class InitFromConfig(_Section):
         True, description="false: names the weights lack or the model lacks are listed, not errors"
     )
 
+    @field_validator("checkpoint")
+    @classmethod
+    def _a_checkpoint(cls, which: str | int) -> str | int:
+        if (
+            isinstance(which, int)
+            and which < 0
+            or (
+                isinstance(which, str)
+                and which not in ("best", "latest", "auto")
+                and not which.isdigit()
+            )
+        ):
+            raise ValueError("a checkpoint is best, latest, auto or a step number (0 or more)")
+        return which
+
 
 class ModelConfig(_ClassSection):
     n_gpus: StrictInt | None = Field(None, ge=0, description="alias of parallel.devices on CUDA")

@@ -128,3 +128,18 @@ def test_a_path_that_is_no_run_or_file_is_a_config_error(tmp_path):
     (unsaved / "config.yaml").write_text("name: unsaved\n")
     with pytest.raises(ConfigError, match=f"the run {unsaved} has saved no checkpoint yet"):
         _started(_raw(init_from=str(unsaved)))
+
+
+@pytest.mark.parametrize("which", ["newest", "-1", -1, "3.5"])
+def test_a_checkpoint_that_is_not_best_latest_auto_or_a_step_is_refused_with_the_config(which):
+    raw = _raw(init_from={"path": "anywhere", "checkpoint": which})
+    with pytest.raises(ConfigError) as info:
+        config.validate(raw)
+    assert "model.init_from.checkpoint" in str(info.value)
+    assert "a checkpoint is best, latest, auto or a step number (0 or more)" in str(info.value)
+    assert "--checkpoint" not in str(info.value)  # no flag of the command line is involved
+
+
+@pytest.mark.parametrize("which", ["best", "latest", "auto", "7", 7, 0])
+def test_the_checkpoints_init_from_takes(which):
+    assert config.validate(_raw(init_from={"path": "x", "checkpoint": which}))
