@@ -81,6 +81,33 @@ class RaggedItems(torch.utils.data.Dataset):
         return {**item, "x": torch.cat([item["x"], item["x"][:1]])} if i == 5 else item
 
 
+class MissingFile(toy.Regression):
+    """A dataset whose constructor opens a file that is not there."""
+
+    def __init__(self, **kwargs):
+        open("/nonexistent/phalanx-tests/train.bin", "rb")
+
+
+class NegativeLength(toy.Regression):
+    """A training stream whose __len__ is -1."""
+
+    def streams(self):
+        streams = super().streams()
+        streams["train"] = Negative(streams["train"])
+        return streams
+
+
+class Negative(torch.utils.data.Dataset):
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return -1
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 class NoLoss(nn.Module):
     """forward returns a prediction and no loss."""
 
@@ -168,6 +195,7 @@ def trained(tmp_path_factory):
     (exp / "latin1.yaml").write_bytes(path.read_bytes() + "# caf\xe9\n".encode("latin-1"))
     (exp / "bomb.yaml").write_text(path.read_text() + ALIAS_BOMB)
     (exp / "deep.yaml").write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    (exp / "syntax.yaml").write_text("name: toy\nmodel:\n  class: [toy.Linear\n  features: : 3\n")
     (folder / "a-file").write_text("an output_root below a file cannot be created\n")
     result = phalanx(
         "train", "config.yaml", "main_loop.epochs=3", "optimizer.lr=0.04", "name=cli", cwd=exp
@@ -280,6 +308,46 @@ BAD = [
         ["bomb.yaml", "more than 200,000 values", "aliases"],
     ),
     ("yaml-nested-deep", ["train", "deep.yaml"], ["deep.yaml", "nested more than 64 levels"]),
+    (
+        "yaml-syntax",
+        ["train", "syntax.yaml"],
+        ["syntax.yaml", "not valid YAML at line 4, column 11"],
+    ),
+    (
+        "constructor-file-missing",
+        ["train", "config.yaml", "dataset.class=badparts.MissingFile"],
+        ["dataset: MissingFile", "FileNotFoundError", "fix the values in the dataset section"],
+    ),
+    (
+        "stream-length-negative",
+        ["train", "config.yaml", "dataset.class=badparts.NegativeLength"],
+        ["stream 'train' of NegativeLength: len() failed", "__len__ must return"],
+    ),
+    (
+        "loss-refuses-the-batch",
+        [
+            "train",
+            "config.yaml",
+            "model={class: torch.nn.Linear, in_features: 3, out_features: 2, inputs: {x: input}, "
+            "loss: {function: cross_entropy, target: y}}",
+        ],
+        ["model.loss: cross_entropy(output 'output' of shape [8, 2]", "check model.loss"],
+    ),
+    (
+        "loss-function-a-class",
+        [
+            "train",
+            "config.yaml",
+            "model={class: torch.nn.Linear, in_features: 3, out_features: 1, inputs: {x: input}, "
+            "loss: {function: torch.nn.MSELoss, target: y}}",
+        ],
+        ["model.loss.function: torch.nn.MSELoss is a class"],
+    ),
+    (
+        "init-from-checkpoint-word",
+        ["train", "config.yaml", "model.init_from={path: elsewhere, checkpoint: newest}"],
+        ["model.init_from.checkpoint", "best, latest, auto or a step number"],
+    ),
     (
         "fraction-for-an-integer",
         ["train", "config.yaml", "model.hidden=2.5"],
