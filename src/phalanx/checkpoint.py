@@ -419,6 +419,12 @@ class Checkpoints:
             step = self.latest_valid()
         elif which == "best":
             step = self._best()
+            if step is not None and step not in self.steps():
+                raise CheckpointError(
+                    f"{self.root / 'best.json'} names step {step}, which has no checkpoint (there "
+                    f"are {self.steps() or 'none'}); choose one with --checkpoint latest or N, or "
+                    "delete best.json: the next SaveBest writes it again"
+                )
         else:
             step = int(which) if str(which).isdigit() else None
             if step is None:

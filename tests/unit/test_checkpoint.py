@@ -350,6 +350,21 @@ def test_a_best_json_that_names_no_step_is_an_error_saying_so(ckpts, content):
             ckpts.select(which)
 
 
+def test_a_best_json_that_names_a_step_that_is_gone_says_so(ckpts):
+    _save(ckpts, 1)
+    _save(ckpts, 2)
+    (ckpts.root / "best.json").write_text('{"step": 999}')
+    for which in ("best", "auto"):
+        with pytest.raises(CheckpointError) as info:
+            ckpts.select(which)
+        assert str(info.value) == (
+            f"{ckpts.root / 'best.json'} names step 999, which has no checkpoint (there are "
+            "[1, 2]); choose one with --checkpoint latest or N, or delete best.json: the next "
+            "SaveBest writes it again"
+        )
+    assert ckpts.select("latest") == 2
+
+
 def test_loading_weights_into_another_model_is_an_error(ckpts):
     _save(ckpts, 1)
     with pytest.raises(CheckpointError) as info:
