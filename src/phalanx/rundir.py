@@ -71,9 +71,10 @@ def open_run(path: str | Path, announce: bool = True) -> Path:
             f"{str(run_dir)!r} is not a directory; pass a run directory such as "
             "runs/digits-20260101-120000 (`phalanx ls` lists them)"
         )
-    if not (run_dir / CONFIG).is_file() or not (run_dir / META).is_file():
+    missing = [name for name in (CONFIG, META) if not (run_dir / name).is_file()]
+    if missing:
         raise RunDirError(
-            f"{str(run_dir)!r} is not a run directory (it has no {CONFIG} and {META}); "
+            f"{str(run_dir)!r} is not a run directory (it has no {' and no '.join(missing)}); "
             "`phalanx ls` lists the runs"
         )
     if announce:

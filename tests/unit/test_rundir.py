@@ -41,6 +41,24 @@ def test_opening_a_run_logs_the_folders_its_classes_are_imported_from(
 
 
 @pytest.mark.parametrize(
+    "removed, said",
+    [
+        (["config.yaml"], "it has no config.yaml)"),
+        (["run.json"], "it has no run.json)"),
+        (["config.yaml", "run.json"], "it has no config.yaml and no run.json)"),
+    ],
+)
+def test_a_folder_that_is_not_a_run_names_what_it_lacks(run, removed, said):
+    for name in removed:
+        (run / name).unlink()
+    with pytest.raises(RunDirError) as info:
+        rundir.open_run(run)
+    assert str(info.value) == (
+        f"{str(run)!r} is not a run directory ({said}; `phalanx ls` lists the runs"
+    )
+
+
+@pytest.mark.parametrize(
     "name, content, words",
     [
         ("run.json", b'{"config_dir": "/x"', "not readable JSON"),
