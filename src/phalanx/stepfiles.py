@@ -7,6 +7,7 @@ the step before.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,12 +123,17 @@ _OPTIONAL: dict[str, Callable[[Any], bool]] = {
 def read_optimizer_state(path: Path) -> dict[str, Any]:
     """`optimizer.pt` through `torch.load(weights_only=True)`: tensors and plain containers only."""
     try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
+        # torch warns of a pickle it may not read before it fails to: the error below says it all
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - whatever the unpickler makes of the bytes, the file is unusable
         raise CheckpointError(
             f"{path} cannot be read as optimizer state ({_unpickling_error(e)}); "
             "the checkpoint is damaged"
         ) from None
+    for warning in warned:  # a load that went through keeps what torch said of it
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if not isinstance(state, dict) or not {"optimizer", "schedulers", "scaler"} <= set(state):
         raise CheckpointError(
             f"{path} does not hold optimizer, scheduler and scaler state; the checkpoint is damaged"

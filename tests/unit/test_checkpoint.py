@@ -424,6 +424,36 @@ def _refused_pickle() -> bytes:
     return buffer.getvalue()
 
 
+def test_a_plain_pickle_in_place_of_the_optimizer_state_is_one_error_without_torchs_warning(ckpts):
+    import pickle
+    import warnings
+
+    _save(ckpts, 3)
+    _rewrite(ckpts, 3, OPTIMIZER, pickle.dumps({"optimizer": print}, protocol=4))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match="cannot be read as optimizer state"):
+            ckpts.load(3, _module(99))
+    assert [str(w.message) for w in warned] == []  # torch's "Detected pickle protocol 4" unsaid
+
+
+def test_what_torch_warns_of_a_load_that_goes_through_is_still_said(ckpts, monkeypatch):
+    import warnings
+
+    from phalanx import stepfiles
+
+    _save(ckpts, 3)
+    load = torch.load
+
+    def warns(*args, **kwargs):
+        warnings.warn("a note from torch.load", UserWarning, stacklevel=2)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(stepfiles.torch, "load", warns)
+    with pytest.warns(UserWarning, match="a note from torch.load"):
+        ckpts.load(3, _module(99))
+
+
 @pytest.mark.parametrize(
     "name, data, words",
     [
