@@ -84,6 +84,7 @@ def test_plan_and_bench_measure_this_machine_and_the_plan_prices_what_it_measure
         ([], {"model": {"class": "toy.NoSuchModel"}}, "has no 'NoSuchModel'"),
         (["--devices", "64"], {}, "--devices 64: this machine has"),
         (["--nnodes", "1000000000"], {}, "plans for 1,024 at most; give --nnodes"),
+        (["--link", "10"], {}, "--link '10' is not a known link; use one of ['ethernet-10g'"),
         # said before the minutes of measuring, not after them
         (["--output", "missing/plan.json"], {}, "folder 'missing' does not exist"),
     ],
@@ -91,6 +92,7 @@ def test_plan_and_bench_measure_this_machine_and_the_plan_prices_what_it_measure
         "model-that-does-not-build",
         "devices-the-machine-lacks",
         "machines-past-the-bound",
+        "a-link-misspelt",
         "output-into-a-missing-folder",
     ],
 )
