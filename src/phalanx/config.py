@@ -3,7 +3,8 @@ pydantic schema.
 
 Framework sections reject unknown keys with a did-you-mean. A `class:` section (model, optimizer,
 scheduler, dataset) passes its other keys to the constructor it names; that constructor's own
-signature is what checks them, when `construct.instantiate` builds it.
+signature is what checks them, when `construct.instantiate` builds it. A config that does not
+validate is one ConfigError, each bad key said as `validation` says it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -26,14 +27,11 @@ from pydantic import (
     field_validator,
 )
 
-from phalanx import settings
+from phalanx import settings, validation
 from phalanx.environment import cpu_cores
-from phalanx.errors import ConfigError, did_you_mean
+from phalanx.errors import ConfigError
 from phalanx.overrides import apply as apply_overrides
 from phalanx.yamltext import TooLarge, check_bounds, read_yaml
-
-if TYPE_CHECKING:
-    from pydantic_core import ErrorDetails
 
 # Counts and sizes are StrictInt (and numbers StrictFloat): pydantic's lax int reads `true` as 1, so
 # `batch_size: true` trained with batch 1. Booleans are not numbers here.
@@ -520,73 +518,10 @@ def validate(raw: dict) -> Config:
     except TooLarge as e:
         raise ConfigError(f"the config is refused: {e}") from None
     try:
-        return schema().model_validate(raw)
+        model = schema()
+        return model.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(
-            "; ".join(_merge_alternatives([_explain(err, raw) for err in e.errors()]))
-        ) from None
-
-
-def _merge_alternatives(messages: list[str]) -> list[str]:
-    """A union's failed members at one key as one message: `parallel.devices: Input should be a
-    valid integer or 'auto' (got True)`, not one message per member."""
-    merged: list[str] = []
-    for message in messages:
-        head, sep, rest = message.partition(": Input should be ")
-        should, got_sep, got = rest.rpartition(" (got ")
-        last, tail = (merged[-1] if merged else ""), got_sep + got
-        if sep and got_sep and last.startswith(head + sep) and last.endswith(tail):
-            merged[-1] = f"{last[: -len(tail)]} or {should}{tail}"
-        else:
-            merged.append(message)
-    return merged
-
-
-def _explain(err: ErrorDetails, raw: dict) -> str:
-    loc = _user_path(err["loc"], raw)
-    where = ".".join(loc) or "config"
-    if err["type"] == "extra_forbidden":
-        parent = _section_model(loc[:-1])
-        choices = parent.model_fields.keys() if parent else []
-        return f"unknown key {where!r}{did_you_mean(loc[-1], choices)}"
-    if err["type"] == "missing":
-        return f"missing key {where!r}: add it to the config"
-    return f"{where}: {err['msg']} (got {err.get('input')!r})"
-
-
-def _user_path(loc: tuple, raw: Any) -> list[str]:
-    """The error's location as the user's keys, without the union-member tags pydantic adds."""
-    path, node = [], raw
-    for part in loc:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        elif isinstance(part, str) and (
-            part in _TYPE_TAGS or "[" in part or part.startswith("function-")
-        ):
-            continue
-        else:
-            node = None
-        path.append(str(part))
-    return path
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
-
-
-def _section_model(loc: list[str]) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = schema()
-    for part in loc:
-        field = model.model_fields.get(part) if model else None
-        if field is None:
-            return None
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        model = next(
-            (a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)), None
-        )
-    return model
+        raise ConfigError(validation.said(e, raw, model)) from None
 
 
 def flat_keys(tree: Any, prefix: str = "") -> dict[str, Any]:
