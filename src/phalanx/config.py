@@ -82,17 +82,9 @@ class InitFromConfig(_Section):
     @field_validator("checkpoint")
     @classmethod
     def _a_checkpoint(cls, which: str | int) -> str | int:
-        if (
-            isinstance(which, int)
-            and which < 0
-            or (
-                isinstance(which, str)
-                and which not in ("best", "latest", "auto")
-                and not which.isdigit()
-            )
-        ):
-            raise ValueError("a checkpoint is best, latest, auto or a step number (0 or more)")
-        return which
+        if which in ("best", "latest", "auto") or str(which).isdigit():  # digits: 0 or more
+            return which
+        raise ValueError("a checkpoint is best, latest, auto or a step number (0 or more)")
 
 
 class ModelConfig(_ClassSection):
