@@ -17,6 +17,13 @@ from phalanx.errors import ConfigError
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: it holds no state
 
+try:  # the autograd engine's entry that `torch.autograd.backward` ends in
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # a torch without it: the public path, always
+    _engine_run_backward = None  # type: ignore[assignment]
+_has_torch_function = torch._C._has_torch_function_unary
+_transforming = torch._C._are_functorch_transforms_active
+
 
 class Precision:
     def __init__(self, name: str, device: torch.device, channels_last: bool = False):
@@ -70,10 +77,10 @@ class Precision:
         `unscaled`, a scalar whose gradients must come out as they are (the strategy's carrier)."""
         if self.scaler:
             loss = self.scaler.scale(loss)
-        if unscaled is None:
-            loss.backward(gradient)
-        else:
+        if unscaled is not None:
             torch.autograd.backward((loss, unscaled), (gradient, None))
+        elif gradient is None or not _plain_backward(loss, gradient):
+            loss.backward(gradient)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler:
@@ -88,3 +95,26 @@ class Precision:
     def load_state_dict(self, state: dict) -> None:
         if self.scaler and state:
             self.scaler.load_state_dict(state)
+
+
+def _plain_backward(loss: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """`loss.backward(gradient)` handed straight to the autograd engine, where `loss` is a plain
+    tensor (no subclass, no mode, no transform to defer to) and `gradient` a tensor of its shape
+    and dtype: what torch's public path checks before it calls the engine, checked here in a few
+    comparisons. Its own checks cost a small model's step about 50,000 instructions (BENCHMARKS.md).
+    False, having done nothing, for anything else: the public path then runs, with its errors."""
+    if (
+        _engine_run_backward is None
+        or type(loss) is not torch.Tensor
+        or type(gradient) is not torch.Tensor
+        or loss.is_nested
+        or _has_torch_function(loss)
+        or _transforming()
+        or gradient.dtype != loss.dtype
+        or gradient.shape != loss.shape
+    ):
+        return False
+    _engine_run_backward(
+        (loss,), (gradient,), False, False, (), allow_unreachable=True, accumulate_grad=True
+    )
+    return True
