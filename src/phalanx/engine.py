@@ -491,15 +491,23 @@ class Engine:
 
 def clear_gradients(optimizer: torch.optim.Optimizer) -> None:
     """`optimizer.zero_grad(set_to_none=True)`: each parameter's gradient set to None, by the
-    optimizer's own method only where it has one of its own or a profiler records it (which names
-    the call in its trace). torch's wraps the same loop in a profiler range that costs a small
-    model's step about 70,000 instructions even where no profiler runs (BENCHMARKS.md)."""
-    if getattr(optimizer.zero_grad, "__func__", None) is not _ZERO_GRAD or _profiling():
+    optimizer's own method only where it has one of its own, where torch has not yet wrapped
+    its `step` (which torch's `zero_grad` does first: an optimizer that skipped
+    `Optimizer.__init__`, as some wrappers do, runs its step hooks only then), or where this
+    thread's profiler records (which names the call in its trace). torch's wraps the same loop in
+    a profiler range that costs a small model's step about 70,000 instructions even where no
+    profiler runs (BENCHMARKS.md)."""
+    if (
+        getattr(optimizer.zero_grad, "__func__", None) is not _ZERO_GRAD
+        or not hasattr(optimizer, "_zero_grad_profile_name")
+        or _profiling()
+    ):
         optimizer.zero_grad(set_to_none=True)
         return
     for group in optimizer.param_groups:
         for parameter in group["params"]:
-            parameter.grad = None
+            if parameter.grad is not None:
+                parameter.grad = None
 
 
 _ZERO_GRAD = torch.optim.Optimizer.zero_grad

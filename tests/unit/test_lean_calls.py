@@ -6,6 +6,8 @@ that records), and training gives the same numbers either way."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import toy
@@ -176,3 +178,30 @@ def test_an_optimizers_own_zero_grad_is_called():
     clear_gradients(optimizer)
     assert seen == [True]
     assert all(p.grad is not None for p in layer.parameters())  # the optimizer's call decides
+
+
+class _Wrapping(torch.optim.Optimizer):
+    """A wrapper that skips `Optimizer.__init__` (as some do): torch's `zero_grad` wraps its `step`
+    on first call, and only then do its step hooks run."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.inner, self.param_groups, self.defaults = inner, inner.param_groups, inner.defaults
+        self.state: dict = {}
+        self._optimizer_step_pre_hooks: dict = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict = collections.OrderedDict()
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+def test_a_wrapper_that_skipped_optimizer_init_still_runs_its_step_hooks():
+    layer, inner = _with_gradients()
+    optimizer = _Wrapping(inner)
+    ran: list[str] = []
+    optimizer.register_step_post_hook(lambda *_: ran.append("post"))
+    for _ in range(2):
+        clear_gradients(optimizer)
+        assert all(p.grad is None for p in layer.parameters())
+        layer(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+    assert ran == ["post", "post"]
