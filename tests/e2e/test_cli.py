@@ -69,13 +69,20 @@ class Ragged(toy.Regression):
         return streams
 
 
-class RaggedItems(torch.utils.data.Dataset):
+class Wrapped(torch.utils.data.Dataset):
+    """A stream's items as they are; subclasses change one thing of them."""
+
     def __init__(self, items):
         self.items = items
 
     def __len__(self):
         return len(self.items)
 
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class RaggedItems(Wrapped):
     def __getitem__(self, i):
         item = self.items[i]
         return {**item, "x": torch.cat([item["x"], item["x"][:1]])} if i == 5 else item
@@ -97,15 +104,9 @@ class NegativeLength(toy.Regression):
         return streams
 
 
-class Negative(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
+class Negative(Wrapped):
     def __len__(self):
         return -1
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 class NoLoss(nn.Module):
