@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -263,7 +263,8 @@ class Outcome:
     """What a training step gives the trainer."""
 
     loss: torch.Tensor  # the global batch's mean loss (weighted where the model weighs), every rank
-    parts: list[dict | None]  # this rank's inputs and outputs, one per micro-batch (None: empty)
+    # this rank's inputs and outputs, one per micro-batch (None: empty)
+    parts: Sequence[dict | None]
     stop: bool  # whether any rank asked to stop (by this step, or by the one before: see `settle`)
     communication_s: float = 0.0  # seconds spent communicating outside backward
     optimizer_s: float = 0.0  # seconds of the engine's `finish`

@@ -1,8 +1,7 @@
 """A copy's shard of a pipeline step as the schedule takes it: cut into the schedule's micro-batches
 of `rows` samples each and padded with rows of zeros to fill them (every stage runs every
 micro-batch, in step with the others), with each row's weight (1 real, 0 padding) and each
-micro-batch's real samples, its keys prefixed so that none is taken for an argument of the
-schedule's own."""
+micro-batch's real samples."""
 
 from __future__ import annotations
 
@@ -11,9 +10,6 @@ from collections.abc import Mapping
 import torch
 
 from phalanx.errors import ConfigError
-
-# before each batch key passed to the schedule: none may be its own argument
-KEY = "batch_"
 
 
 class Padding:
@@ -24,11 +20,12 @@ class Padding:
         # each key's shape beyond the batch dimension, which every batch keeps (set by the first)
         self.shapes: dict[str, torch.Size] = {}
         self.counts: list[int] = []  # the real samples of each micro-batch of the last shard
-        # the rows' weights by real-sample count, on the host: read without a device sync
-        self._weights: dict[int, torch.Tensor] = {}
+        # the rows' weights and each micro-batch's real samples, by the shard's real-sample count
+        # (the weights on the host: read without a device sync)
+        self._by_count: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
     def pad(self, batch: Mapping, n: int) -> tuple[dict, torch.Tensor]:
-        """A shard of `n` samples padded, its keys prefixed, and each row's weight."""
+        """A shard of `n` samples padded, and each row's weight."""
         if n > self.total:
             raise RuntimeError(f"a shard of {n} samples does not fit {self.total} pipeline rows")
         padded = pad(batch, self.total)
@@ -39,13 +36,15 @@ class Padding:
                     f"batch dimension: the first was {tuple(self.shapes[key])}, this one "
                     f"{tuple(value.shape[1:])}; pad the dataset's samples to one length"
                 )
-        real = self._weights.get(n)
-        if real is None:
-            real = self._weights[n] = torch.zeros(self.total, dtype=torch.float64)
+        known = self._by_count.get(n)
+        if known is None:
+            real = torch.zeros(self.total, dtype=torch.float64)
             real[:n] = 1.0
-        rows = self.rows
-        self.counts = [min(max(n - i * rows, 0), rows) for i in range(self.total // rows)]
-        return {KEY + k: v for k, v in padded.items()}, real
+            rows = self.rows
+            counts = [min(max(n - i * rows, 0), rows) for i in range(self.total // rows)]
+            known = self._by_count[n] = (real, counts)
+        real, self.counts = known
+        return padded, real
 
 
 def pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
@@ -62,6 +61,12 @@ def pad(batch: Mapping, rows: int) -> dict[str, torch.Tensor]:
             value = torch.cat((value, value.new_zeros((rows - n, *value.shape[1:]))))
         out[key] = value
     return out
+
+
+def chunks(batch: Mapping[str, torch.Tensor], count: int) -> list[dict[str, torch.Tensor]]:
+    """The batch in `count` micro-batches of equal rows (views), as a schedule would split it."""
+    parts = [(key, value.tensor_split(count)) for key, value in batch.items()]
+    return [{key: split[i] for key, split in parts} for i in range(count)]
 
 
 def rows_of(batch: Mapping) -> int:

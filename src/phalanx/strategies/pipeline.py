@@ -18,10 +18,11 @@ every process; the clipping norm spans every stage. The stages' state is `stage_
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import Active, Split, balance, keep_stages, probe
 from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
-from phalanx.strategies.padding import Padding, pad, rows_of
+from phalanx.strategies.padding import Padding, chunks, pad, rows_of
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.stage_state import StageState
@@ -127,6 +128,7 @@ class Pipeline(StageState, ProcessGroup):
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
         self._behind = LastAgreement()  # the last step's agreement, behind it
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
+        self._unmerged: dict[str, bool] = {}  # the schedule's step's options (`_built`)
         self._padding = Padding(self.rows, settings.microbatches)  # a step's shard, padded
 
     def _mesh_groups(self) -> tuple[Any, Any, DeviceMesh]:
@@ -342,6 +344,9 @@ class Pipeline(StageState, ProcessGroup):
                 f"{count(self.settings.microbatches, 'micro-batch', 'es')} on "
                 f"{count(self.depth, 'process', 'es')}: {e}"
             ) from None
+        # the last stage's outputs are the captured ones: the schedule need not merge its own
+        taken = inspect.signature(kind.step).parameters
+        self._unmerged = {"return_outputs": False} if "return_outputs" in taken else {}
         self._engine = engine
         return self._schedule
 
@@ -353,17 +358,18 @@ class Pipeline(StageState, ProcessGroup):
             self._statistics.warn_once()
         engine.begin()
         self._parts: list[torch.Tensor] = []
-        parts: list[dict | None] = []
+        parts: list[list[dict] | None] = []
         for micro, batch in micros:
             assert batch is not None  # an empty shard comes as a batch of zero samples
             self._global_size = micro.global_size
             self._captured.clear()
             padded, real = self._padding.pad(self._convert(engine, batch), len(micro.shard))
+            self._active.chunks = chunks(padded, self.settings.microbatches)
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
             with self._counted_evenly(self.settings.microbatches):
                 try:
-                    schedule.step(target=real, **padded)
+                    schedule.step(target=real, **self._unmerged)
                 except RuntimeError as e:
                     from phalanx.strategies.stages import stage_error
 
@@ -373,7 +379,7 @@ class Pipeline(StageState, ProcessGroup):
                     raise inner from None
             # a tensor group's last stages give the same outputs: its first process's count
             given = self.is_last and micro.shard and self.tensor_rank == 0
-            parts.append(concat(self._captured) if given else None)
+            parts.append(list(self._captured) if given else None)
         start = time.perf_counter()
         self._reduce_gradients()
         values, pending = self._agree(stop)
@@ -384,14 +390,16 @@ class Pipeline(StageState, ProcessGroup):
         loss = engine.finish(values[:2] if self._weighted else values[0], self.gradient_norm)
         optimizer = time.perf_counter() - start
         if pending is None:
-            return Outcome(loss, parts, bool(values[3] > 0), communication, optimizer)
+            return Outcome(loss, Joined(parts), bool(values[3] > 0), communication, optimizer)
         # the agreement runs on behind the step; the step before's has ended by now (every stage's
         # part of this step needed the others'), and gives the stop flag, a step late on every
         # process alike
         start = time.perf_counter()
         stopped = self._behind.swap(pending)
         communication += time.perf_counter() - start
-        return Outcome(loss, parts, stopped, communication, optimizer, settle=pending.settled)
+        return Outcome(
+            loss, Joined(parts), stopped, communication, optimizer, settle=pending.settled
+        )
 
     def end_epoch(self) -> None:
         """The epoch's last agreement checked on the host: on a GPU each other step's is checked
@@ -506,8 +514,9 @@ class Pipeline(StageState, ProcessGroup):
                     with self._counted_evenly(1):
                         self._evaluate_in_turn(padded, min(per_round, n - start))
                 else:
+                    self._active.chunks = chunks(padded, self.settings.microbatches)
                     with self._counted_evenly(self.settings.microbatches):
-                        schedule.eval(target=real, **padded)
+                        schedule.eval(target=real)
                 out.extend(self._captured)
         return concat(out) if self.is_last and self.tensor_rank == 0 else {}
 
@@ -524,6 +533,7 @@ class Pipeline(StageState, ProcessGroup):
             ranks,
             self._split.shapes,
             padded,
+            self._active,
             self._pipe,
             self.device,
             self.progress.enter,
@@ -538,6 +548,35 @@ class Pipeline(StageState, ProcessGroup):
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
+
+
+class Joined(Sequence):
+    """A step's outputs, one per micro-batch: each the last stage's outputs of the schedule's
+    micro-batches, joined where it is first read (a step whose outputs no hook reads joins none).
+    None: a micro-batch of this process's that gave none."""
+
+    def __init__(self, chunks: list[list[dict] | None]):
+        self._chunks = chunks
+        self._joined: dict[int, dict | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @overload
+    def __getitem__(self, i: int) -> dict | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict | None]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | None | list[dict | None]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self))[i]]
+        if i < 0:
+            i += len(self._chunks)
+        if i not in self._joined:
+            chunks = self._chunks[i]  # IndexError past the end, as a list's
+            self._joined[i] = None if chunks is None else concat(chunks)
+        return self._joined[i]
 
 
 class _Agreement(Behind):

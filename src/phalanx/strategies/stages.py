@@ -19,7 +19,7 @@ from phalanx.engine import TOKENS
 from phalanx.errors import ModelError
 from phalanx.model import loss_not_a_tensor
 from phalanx.strategies.cutting import Active, Cut, Split, stage_parts
-from phalanx.strategies.padding import KEY, rows_of
+from phalanx.strategies.padding import rows_of
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
@@ -37,70 +37,96 @@ def stage_error(error: RuntimeError) -> BaseException:
 
 class CountedStage(pipelining.PipelineStage):
     """A stage whose sends and receives, as the schedules make them, count as collectives
-    (`enter`, once per stage the transfer lies down the flow of its data: see `count_transfer`),
-    so that a timed-out transfer names the rank that did not come to it, and its step."""
+    (`enter`, once per stage the transfer lies down the flow of its data: see `transfer_count`),
+    so that a timed-out transfer names the rank that did not come to it, and its step. Its forward
+    of a micro-batch takes that micro-batch's rows of the step's batch (`Active.chunks`: the
+    schedule is handed none, so that it neither splits nor flattens them) and draws its samples'
+    random numbers."""
 
     def __init__(
         self,
-        enter: Callable[[str], None],
+        enter: Callable[[str, int], None],
         draws: Callable[[int], random.Draws | None],
+        active: Active,
         *args: Any,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        self._enter, self._draws = enter, draws
+        self._enter, self._draws, self._active = enter, draws, active
+        # each transfer's name and count, by (kind, micro-batch): see `_count`
+        self._counts: dict[tuple[int, int], tuple[str, int]] = {}
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         """The forward of micro-batch `fwd_chunk_id`, its dropout masks those of its samples."""
+        active = self._active
+        active.batch = active.chunks[fwd_chunk_id]
         with random.drawing(self._draws(fwd_chunk_id)):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    def _count_transfers(
-        self, ops: list, gradient: bool, chunk: int, source: int, target: int
-    ) -> list:
-        if ops:  # the side a first or last stage lacks makes none
-            count_transfer(self._enter, self.num_stages, gradient, chunk, source, target)
-        return ops
+    def _count(self, kind: int, chunk: int) -> None:
+        """A transfer of micro-batch `chunk` counted: `kind` 0 the activation received, 1 the
+        activation sent, 2 the gradient received, 3 the gradient sent."""
+        counted = self._counts.get((kind, chunk))
+        if counted is None:
+            k = self.stage_index
+            source, target = ((k - 1, k), (k, k + 1), (k + 1, k), (k, k - 1))[kind]
+            counted = transfer_count(self.num_stages, kind > 1, chunk, source, target)
+            self._counts[(kind, chunk)] = counted
+        if counted[1]:
+            self._enter(*counted)
 
+    # the side a first or last stage lacks makes no ops, and counts none
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        k = self.stage_index
-        return self._count_transfers(ops, False, fwd_chunk_id, k - 1, k)
+        if ops:
+            self._count(0, fwd_chunk_id)
+        return ops
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
-        k = self.stage_index
-        return self._count_transfers(ops, False, fwd_chunk_id, k, k + 1)
+        if ops:
+            self._count(1, fwd_chunk_id)
+        return ops
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        k = self.stage_index
-        return self._count_transfers(ops, True, bwd_chunk_id, k + 1, k)
+        if ops:
+            self._count(2, bwd_chunk_id)
+        return ops
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
-        k = self.stage_index
-        return self._count_transfers(ops, True, bwd_chunk_id, k, k - 1)
+        if ops:
+            self._count(3, bwd_chunk_id)
+        return ops
 
 
 def count_transfer(
-    enter: Callable[[str], None],
+    enter: Callable[[str, int], None],
     stages: int,
     gradient: bool,
     chunk: int | None,
     source: int,
     target: int,
 ) -> None:
-    """A transfer between two stages, counted on both its sides as many times as its target lies
-    stages down the flow of its data (activations from the first stage, gradients from the last):
-    a process that waits for a stage up the flow has then counted more than the hung process it
-    waits for, though both received the same number of micro-batches. (The counts of a step are
-    evened out after it: `Pipeline._counted_evenly`.)"""
+    """A transfer between two stages, counted (`transfer_count`)."""
+    name, times = transfer_count(stages, gradient, chunk, source, target)
+    if times:
+        enter(name, times)
+
+
+def transfer_count(
+    stages: int, gradient: bool, chunk: int | None, source: int, target: int
+) -> tuple[str, int]:
+    """A transfer between two stages' name, and how many times it counts on both its sides: as
+    many as its target lies stages down the flow of its data (activations from the first stage,
+    gradients from the last). A process that waits for a stage up the flow has then counted more
+    than the hung process it waits for, though both received the same number of micro-batches.
+    (The counts of a step are evened out after it: `Pipeline._counted_evenly`.)"""
     what = "gradient" if gradient else "activation"
     of = f"micro-batch {chunk + 1}'s" if chunk is not None else "the round's"
     name = f"the transfer of {of} {what} from stage {source} to stage {target}"
-    for _ in range(stages - 1 - target if gradient else target):
-        enter(name)
+    return name, stages - 1 - target if gradient else target
 
 
 def make_stages(
@@ -110,7 +136,7 @@ def make_stages(
     stages: int,
     engine: Engine,
     active: Active,
-    enter: Callable[[str], None],
+    enter: Callable[[str, int], None],
     draws: Callable[[int], random.Draws | None],
     rows: int,
     device: torch.device,
@@ -146,6 +172,7 @@ def make_stages(
             CountedStage(
                 enter,
                 draws,
+                active,
                 module,
                 k,
                 stages,
@@ -163,9 +190,10 @@ def forward_in_turn(
     ranks: list[int],
     shapes: list[tuple[torch.Size, torch.dtype]],
     batch: dict[str, torch.Tensor],
+    active: Active,
     group: Any,
     device: torch.device,
-    enter: Callable[[str], None],
+    enter: Callable[[str, int], None],
 ) -> None:
     """One forward of `batch` through every stage in turn, without a schedule: this process runs
     its stages (`modules`, by stage index) and sends each activation on where the next stage is
@@ -174,6 +202,7 @@ def forward_in_turn(
     schedule evaluates this way: torch 2.13's fail in `eval`, taking the activation passed within a
     process for a backward's."""
     received: tuple[torch.Tensor, ...] = ()
+    active.batch = batch
     for k in range(len(ranks)):
         if k and ranks[k] != ranks[k - 1]:  # the activation crosses between processes
             if k in modules:
@@ -186,13 +215,14 @@ def forward_in_turn(
                 count_transfer(enter, len(ranks), False, None, k - 1, k)
                 dist.send(received[0], ranks[k], group=group)
         if k in modules:
-            output = modules[k](*received, **batch)
+            output = modules[k](*received)
             received = (output,) if k < len(ranks) - 1 else ()
 
 
 class Stage(nn.Module):
-    """One stage as `PipelineStage` runs it: the model's forward, as far as the stage goes. Its
-    parameters are its own modules' (a process's stages share one model)."""
+    """One stage as `PipelineStage` runs it: the model's forward of the micro-batch in hand
+    (`Active.batch`), as far as the stage goes. Its parameters are its own modules' (a process's
+    stages share one model)."""
 
     def __init__(
         self,
@@ -206,9 +236,9 @@ class Stage(nn.Module):
         self.parts = nn.ModuleList(parts)
         self._span, self._call, self._active, self._precision = span, call, active, precision
 
-    def forward(self, *received: torch.Tensor, **keyed: torch.Tensor) -> torch.Tensor:
-        batch = {key[len(KEY) :]: value for key, value in keyed.items()}
+    def forward(self, *received: torch.Tensor) -> torch.Tensor:
         active = self._active
+        batch = active.batch
         active.lo, active.hi, active.stage = self._span
         active.received = received[0] if received else None
         try:
