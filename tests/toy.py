@@ -142,6 +142,17 @@ class Deep(Linear):
         self.net = nn.Sequential(*blocks, nn.Linear(hidden, 1))
 
 
+class Looped(Deep):
+    """toy.Deep whose forward calls its blocks one by one (a loop over the Sequential), not the
+    Sequential whole: a pipeline stage then runs its blocks from inside the model's own loop."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.net:
+            x = block(x)
+        prediction = x.squeeze(-1)
+        return {"prediction": prediction, "loss": (prediction - y) ** 2}
+
+
 class Dropped(Linear):
     """toy.Linear with two dropout layers: net = Sequential(Linear, Tanh, Dropout, Linear, Tanh,
     Dropout, Linear), which a pipeline may split at net.3."""

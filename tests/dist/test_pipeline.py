@@ -112,6 +112,27 @@ def test_the_pipeline_trains_as_one_process(devices, split, schedule, reference)
             assert rel(torch.tensor(flat, dtype=torch.float64), expected) < 1e-10
 
 
+@pytest.mark.parametrize(
+    ("devices", "split", "schedule"),
+    [(3, ["net.2", "net.4"], "1f1b"), (2, FOUR, "interleaved")],
+    ids=["3-stages-1f1b", "4-stages-on-2-interleaved"],
+)
+def test_a_model_that_calls_its_blocks_one_by_one_trains_as_one_process(
+    devices, split, schedule, reference
+):
+    """A forward that loops over its blocks, where the stages cannot run the trunk whole: each
+    stage's blocks run from inside the model's own loop, the others' pass their input through."""
+    raw = scenario(10)
+    raw["model"] = {**raw["model"], "class": "toy.Looped"}
+    per_rank = workers.run_ranks(devices, workers.train_all, [piped(raw, devices, split, schedule, 4)])
+    assert len({got["collectives"] for (got,) in per_rank}) == 1
+    for (got,) in per_rank:
+        assert torch.allclose(
+            torch.tensor(got["losses"]), torch.tensor(reference["batch10"]["losses"]), rtol=1e-10
+        )
+    assert_same_run(per_rank[0][0], reference["batch10"])
+
+
 @pytest.mark.parametrize("asking", [0, 1], ids=["first-stage-asks", "last-stage-asks"])
 def test_a_stop_asked_on_one_stage_stops_every_stage_a_step_late_alike(asking, reference):
     """The ranks agree on the loss and the stop flag behind the step: a stop asked on one process

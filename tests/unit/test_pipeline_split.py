@@ -73,6 +73,54 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
     assert torch.equal(last(BATCH["x"], BATCH["y"])["loss"], want)
 
 
+class Chain(nn.Module):
+    """embed -> blocks (an nn.Sequential called whole, or looped over) -> head."""
+
+    def __init__(self, whole: bool):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+        self.head = nn.Linear(4, 1)
+        self.whole = whole
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.embed(x)
+        if self.whole:
+            h = self.blocks(h)
+        else:
+            for block in self.blocks:
+                h = block(h)
+        return {"loss": (self.head(h).sum(-1) - y) ** 2}
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["called-whole", "looped-over"])
+def test_a_sequential_called_whole_runs_each_stages_blocks_alone(whole):
+    """Called whole, the trunk runs the stage's blocks and never calls another stage's; looped
+    over, the model's loop calls every block and those of other stages pass their input on. Both
+    compute the model."""
+    from phalanx.strategies.cutting import Cut
+
+    torch.manual_seed(0)
+    model = Chain(whole)
+    want = model(BATCH["x"], BATCH["y"])["loss"]
+    split = probe(model, call(model), BATCH, ["blocks.1"], 2)
+    assert split.whole is whole
+    first, last = Chain(whole), Chain(whole)
+    first.load_state_dict(model.state_dict())
+    last.load_state_dict(model.state_dict())
+    a, b = Active(lo=0, hi=1, stage=0), Active(lo=1, hi=3, stage=1)
+    keep_stages(first, split, [0], 2, a, torch.device("cpu"))
+    keep_stages(last, split, [1], 2, b, torch.device("cpu"))
+    called: list[int] = []
+    for i, block in enumerate(last.blocks):
+        block.register_forward_pre_hook(lambda *_, i=i: called.append(i))
+    with pytest.raises(Cut) as cut:
+        first(BATCH["x"], BATCH["y"])
+    b.received = cut.value.activation
+    assert torch.equal(last(BATCH["x"], BATCH["y"])["loss"], want)
+    assert called == ([1, 2] if whole else [0, 1, 2])
+
+
 def test_a_name_that_is_not_a_block_is_an_error_that_lists_the_blocks():
     model = Tower()
     with pytest.raises(ConfigError, match=r"'head'.*blocks\.1, blocks\.2"):

@@ -13,7 +13,9 @@ tree, so its state dict holds the model's own names, its stages' part of them (`
 The model's own forward then runs a stage: the trunk's blocks before the stage pass their input
 through, the stage's first block takes the activation received instead of its input, the next
 stage's first block ends the forward with its input (`Cut`), and the modules before the trunk give
-zeros of their outputs' shapes on later stages (`Active` says which stage runs).
+zeros of their outputs' shapes on later stages (`Active` says which stage runs). Where the forward
+calls the trunk whole and it is a plain `nn.Sequential`, the trunk's own forward does the same
+without calling the other stages' blocks at all.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class Split:
     after: list[str]  # and after it: the last stage's
     shapes: list[tuple[torch.Size, torch.dtype]]  # the activation at each cut
     zeros: dict[str, Any] = field(default_factory=dict)  # what each module before the trunk gives
+    # whether the forward calls the trunk, a plain `nn.Sequential`, whole: each stage's run of it
+    # then calls its own blocks alone (`_run_range_of`)
+    whole: bool = False
 
 
 @dataclass
@@ -60,6 +65,8 @@ class Active:
     stage: int = 0
     received: torch.Tensor | None = None  # the activation from the previous stage
     captured: list[dict] = field(default_factory=list)  # the last stage's outputs
+    chunks: list[dict] = field(default_factory=list)  # the step's micro-batches, in order
+    batch: dict = field(default_factory=dict)  # the micro-batch a stage's forward runs
 
 
 def stage_parts(model: nn.Module, split: Split, stage: int, stages: int) -> list[nn.Module]:
@@ -79,7 +86,7 @@ def probe(model: nn.Module, call: Callable, batch: Mapping, names: list[str], st
     trunk_name, cuts, trunk = _trunk(model, names)
     children = list(trunk.children())
     units = _units(model, trunk)
-    order, inputs, outputs, zeros = _record(model, call, batch, children, units)
+    order, inputs, outputs, zeros = _record(model, call, batch, trunk, children, units)
     valid = _valid_cuts(trunk_name, children, inputs, outputs)
     for name, i in zip(names, cuts, strict=True):
         if i not in valid:
@@ -109,20 +116,37 @@ def probe(model: nn.Module, call: Callable, batch: Mapping, names: list[str], st
             )
         (after if at and at[0] > last else before).append(name)
     shapes = [(inputs[i].shape, inputs[i].dtype) for i in cuts]
-    return Split(trunk_name, cuts, len(children), before, after, shapes, zeros)
+    # the trunk's own forward called once, around all its children's calls
+    entered = [k for k, entry in enumerate(order) if entry[0] == "whole"]
+    whole = (
+        bool(trunk_name)
+        and type(trunk).forward is nn.Sequential.forward
+        and len(entered) == 2
+        and entered[0] < first
+        and last < entered[1]
+    )
+    return Split(trunk_name, cuts, len(children), before, after, shapes, zeros, whole)
 
 
 def _record(
-    model: nn.Module, call: Callable, batch: Mapping, children: list[nn.Module], units: dict
+    model: nn.Module,
+    call: Callable,
+    batch: Mapping,
+    trunk: nn.Module,
+    children: list[nn.Module],
+    units: dict,
 ) -> tuple[list[tuple[str, Any]], dict[int, Any], dict[int, Any], dict[str, Any]]:
     """One forward of the whole model (evaluation mode, no gradients: nothing the model holds
-    moves): the order of the trunk's children's and the units' calls, each child's first input
-    and output, and each unit's output's shapes."""
+    moves): the order of the trunk's own calls (entered and left), its children's and the units'
+    calls, each child's first input and output, and each unit's output's shapes."""
     order: list[tuple[str, Any]] = []  # (what, detail) in call order
     inputs: dict[int, Any] = {}
     outputs: dict[int, Any] = {}
     zeros: dict[str, Any] = {}
-    hooks = []
+    hooks = [
+        trunk.register_forward_pre_hook(lambda *_: order.append(("whole", 0))),
+        trunk.register_forward_hook(lambda *_: order.append(("whole", 1))),
+    ]
     for i, child in enumerate(children):
 
         def pre(module: nn.Module, args: tuple, i: int = i) -> None:
@@ -213,7 +237,7 @@ def chain_of(
     a time (its running statistics and the random numbers stay as they were)."""
     trunk_name, trunk = _largest_chain(model, stages)
     children = list(trunk.children())
-    _, inputs, outputs, _ = _record(model, call, batch, children, _units(model, trunk))
+    _, inputs, outputs, _ = _record(model, call, batch, trunk, children, _units(model, trunk))
     valid = _valid_cuts(trunk_name, children, inputs, outputs)
     blocks = []
     for i, child in enumerate(children):
@@ -394,9 +418,12 @@ def keep_stages(
     bounds = [0, *split.cuts, split.size]
     trunk = model.get_submodule(split.trunk) if split.trunk else model
     kept = {i for k in mine for i in range(bounds[k], bounds[k + 1])}
+    if split.whole:
+        _run_range_of(trunk, active)
     for i in range(split.size):
         child = trunk.get_submodule(str(i)) if i in kept else _Passing()
-        _run_in_range(child, i, active, hooked)
+        if not split.whole:
+            _run_in_range(child, i, active, hooked)
         if i not in kept:
             setattr(trunk, str(i), child)
     for name in split.before:
@@ -448,6 +475,27 @@ def _run_in_range(child: nn.Module, i: int, active: Active, hooked: bool = False
     if hooked:
         child.register_forward_pre_hook(entering, prepend=True)
     child.forward = ranged  # type: ignore[method-assign]  # on the instance: state names stay
+
+
+def _run_range_of(trunk: nn.Module, active: Active) -> None:
+    """A trunk that the forward calls whole (a plain `nn.Sequential`): it runs the stage's blocks
+    alone, from the activation received (its own input on the first stage), and ends the stage's
+    forward with their output where a later stage follows. The blocks before and after the stage
+    are not called at all, and the stage's own are called as they are (their hooks with them)."""
+    modules = trunk._modules  # the blocks as they are when called (a wrapper may replace one)
+    names = list(modules)
+    size = len(names)
+
+    def ranged(input: Any) -> Any:
+        received = active.received
+        x = input if received is None else received
+        for i in range(active.lo, active.hi):
+            x = modules[names[i]](x)  # type: ignore[misc]  # every block is a module
+        if active.hi < size:
+            raise Cut(x)
+        return x
+
+    trunk.forward = ranged  # type: ignore[method-assign]  # on the instance: state names stay
 
 
 def _replace_path(model: nn.Module, path: str, module: nn.Module) -> None:
