@@ -19,6 +19,10 @@ phalanx/hand ratios.
 behind the step (late) and at its end (now), in the same alternation, and prints each one's ratio
 to the first: what the processes' transport charges any loop that agrees on its loss every step.
 It writes no JSON.
+
+`--opcodes STEPS` times nothing either: each process counts the Python opcodes that STEPS steps of
+each loop execute on its main thread, and the script prints each stage's totals a step and the
+functions whose counts differ the most between the loops (the same figures on every run).
 """
 
 from __future__ import annotations
@@ -150,6 +154,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     for step in loops.values():  # warm-up: the schedules' first step sets their buffers up
         for _ in range(3):
             step()
+    if args.opcodes:
+        counted = _opcodes(loops, args.opcodes)
+        gathered: list[Any] = [None, None]
+        dist.all_gather_object(gathered, counted)
+        if rank == 0:
+            queue.put(gathered)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     times: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.rounds):
         for name, step in loops.items():
@@ -164,6 +177,37 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
         queue.put(times)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _opcodes(loops: dict[str, Any], steps: int) -> dict[str, dict[str, float]]:
+    """Each loop's Python opcodes a step on this process's main thread, by function (file: name;
+    phalanx's files by their path in the package)."""
+    from bench.instructions import opcode_census
+
+    counted: dict[str, dict[str, float]] = {}
+    for name, step in loops.items():
+        dist.barrier()
+        by_function: dict[str, float] = {}
+        for (file, _, function), n in opcode_census(step, steps).items():
+            where = file.rsplit("/phalanx/", 1)[-1] if "/phalanx/" in file else Path(file).name
+            key = f"{where}: {function}"
+            by_function[key] = by_function.get(key, 0.0) + n / steps
+        counted[name] = by_function
+    return counted
+
+
+def print_opcodes(stages: list[dict[str, dict[str, float]]], top: int) -> None:
+    """Each stage's opcodes a step in both loops, and the functions that differ the most."""
+    for k, counted in enumerate(stages):
+        hand, mine = counted["hand"], counted["phalanx"]
+        print(
+            f"stage {k}: hand loop {sum(hand.values()):,.0f} Python opcodes a step, phalanx "
+            f"{sum(mine.values()):,.0f} ({sum(mine.values()) - sum(hand.values()):+,.0f})"
+        )
+        keys = sorted(set(hand) | set(mine), key=lambda f: -abs(mine.get(f, 0) - hand.get(f, 0)))
+        for key in keys[:top]:
+            a, b = hand.get(key, 0.0), mine.get(key, 0.0)
+            print(f"  {b - a:+8.0f}  {a:8.0f}  {b:8.0f}  {key}")
 
 
 def main() -> None:
@@ -188,6 +232,15 @@ def main() -> None:
     parser.add_argument(
         "--output", default=str(ROOT / "bench" / "results" / "pipeline_overhead.json")
     )
+    parser.add_argument(
+        "--opcodes",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="instead: count each loop's Python opcodes over STEPS steps on each stage, and print "
+        "the functions that differ the most (repeatable to the opcode; no timing, no JSON)",
+    )
+    parser.add_argument("--top", type=int, default=20, help="functions listed with --opcodes")
     args = parser.parse_args()
     if args.agreement_cost and args.hand_agrees:
         parser.error(
@@ -196,6 +249,9 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
     times = first_result(ctx, _worker, [(r, port, args) for r in range(2)])
+    if args.opcodes:
+        print_opcodes(times, args.top)
+        return
     if args.agreement_cost:
         print_agreement_cost(times, args)
         return

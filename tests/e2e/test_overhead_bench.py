@@ -413,6 +413,26 @@ def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_pat
     assert not out.exists()
 
 
+def test_the_pipelines_opcode_census_counts_each_stage_alike_on_every_run(tmp_path):
+    """--opcodes: each stage's Python opcodes a step in both loops, the same on two runs (a count,
+    not a time), with the stage's own functions named; no report written."""
+    out = tmp_path / "report.json"
+
+    def census() -> list[str]:
+        said = run_bench(
+            tmp_path, "pipeline_overhead.py", "--opcodes", "2", "--top", "40", "--output", str(out)
+        )
+        return [line for line in said.splitlines() if line.startswith(("stage", "  "))]
+
+    first = census()
+    assert [line.split(":")[0] for line in first if line.startswith("stage")] == [
+        "stage 0",
+        "stage 1",
+    ]
+    assert any("strategies/stages.py: forward" in line for line in first)
+    assert census() == first and not out.exists()
+
+
 def test_the_targets_table_says_what_it_cannot_read_and_goes_on(tmp_path):
     """A results file that holds no figure, or no commit, is a row that says so; the table is
     printed whatever the files hold."""
