@@ -74,9 +74,10 @@ def test_each_stage_keeps_its_modules_and_the_stages_together_compute_the_model(
 
 
 class Chain(nn.Module):
-    """embed -> blocks (an nn.Sequential called whole, or looped over) -> head."""
+    """embed -> blocks (an nn.Sequential called whole, or looped over; `whole=None`: whole when
+    evaluating, looped over when training) -> head."""
 
-    def __init__(self, whole: bool):
+    def __init__(self, whole: bool | None):
         super().__init__()
         self.embed = nn.Linear(3, 4)
         self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
@@ -85,7 +86,7 @@ class Chain(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.embed(x)
-        if self.whole:
+        if self.whole or (self.whole is None and not self.training):
             h = self.blocks(h)
         else:
             for block in self.blocks:
@@ -93,18 +94,23 @@ class Chain(nn.Module):
         return {"loss": (self.head(h).sum(-1) - y) ** 2}
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["called-whole", "looped-over"])
-def test_a_sequential_called_whole_runs_each_stages_blocks_alone(whole):
+@pytest.mark.parametrize(
+    ("whole", "probed"),
+    [(True, True), (False, False), (None, True)],
+    ids=["called-whole", "looped-over", "whole-in-evaluation-looped-over-in-training"],
+)
+def test_a_sequential_called_whole_runs_each_stages_blocks_alone(whole, probed):
     """Called whole, the trunk runs the stage's blocks and never calls another stage's; looped
     over, the model's loop calls every block and those of other stages pass their input on. Both
-    compute the model."""
+    compute the model, also where the probe (evaluating) saw it called whole and training loops
+    over it."""
     from phalanx.strategies.cutting import Cut
 
     torch.manual_seed(0)
     model = Chain(whole)
     want = model(BATCH["x"], BATCH["y"])["loss"]
     split = probe(model, call(model), BATCH, ["blocks.1"], 2)
-    assert split.whole is whole
+    assert split.whole is probed
     first, last = Chain(whole), Chain(whole)
     first.load_state_dict(model.state_dict())
     last.load_state_dict(model.state_dict())
@@ -119,6 +125,28 @@ def test_a_sequential_called_whole_runs_each_stages_blocks_alone(whole):
     b.received = cut.value.activation
     assert torch.equal(last(BATCH["x"], BATCH["y"])["loss"], want)
     assert called == ([1, 2] if whole else [0, 1, 2])
+
+
+def test_a_trunk_with_a_forward_of_its_own_is_not_run_whole():
+    """A wrapper's forward on the trunk (activation checkpointing puts one there) would be lost
+    to the stage's own: such a trunk keeps the per-block path."""
+    model = Chain(True)
+    plain = model.blocks.forward
+    model.blocks.forward = lambda h: plain(h)  # type: ignore[method-assign]
+    assert probe(model, call(model), BATCH, ["blocks.1"], 2).whole is False
+
+
+def test_a_steps_outputs_join_when_read_and_index_as_a_list_does():
+    from phalanx.strategies.pipeline import Joined
+
+    a, b = {"loss": torch.tensor([1.0])}, {"loss": torch.tensor([2.0])}
+    joined = Joined([[a, b], None])
+    assert len(joined) == 2 and joined[1] is None and joined[-1] is None
+    assert torch.equal(joined[0]["loss"], torch.tensor([1.0, 2.0])) and joined[0] is joined[-2]
+    assert joined[:1] == [joined[0]] and list(joined) == [joined[0], None]
+    for outside in (2, -3):
+        with pytest.raises(IndexError):
+            joined[outside]
 
 
 def test_a_name_that_is_not_a_block_is_an_error_that_lists_the_blocks():

@@ -15,7 +15,8 @@ through, the stage's first block takes the activation received instead of its in
 stage's first block ends the forward with its input (`Cut`), and the modules before the trunk give
 zeros of their outputs' shapes on later stages (`Active` says which stage runs). Where the forward
 calls the trunk whole and it is a plain `nn.Sequential`, the trunk's own forward does the same
-without calling the other stages' blocks at all.
+without calling the other stages' blocks at all; the blocks keep their own path for a forward
+that calls them one by one (one that loops over them in training alone, say).
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class Active:
     stage: int = 0
     received: torch.Tensor | None = None  # the activation from the previous stage
     captured: list[dict] = field(default_factory=list)  # the last stage's outputs
+    # the trunk's own run of the stage's blocks is calling them (`_run_range_of`): as they are
+    inside: bool = False
+
+    def forget_batch(self) -> None:
+        """The step's or round's micro-batches let go once the schedule has run them."""
+        self.chunks, self.batch = [], {}
+
     chunks: list[dict] = field(default_factory=list)  # the step's micro-batches, in order
     batch: dict = field(default_factory=dict)  # the micro-batch a stage's forward runs
 
@@ -121,6 +129,7 @@ def probe(model: nn.Module, call: Callable, batch: Mapping, names: list[str], st
     whole = (
         bool(trunk_name)
         and type(trunk).forward is nn.Sequential.forward
+        and "forward" not in vars(trunk)  # no wrapper of its own (activation checkpointing)
         and len(entered) == 2
         and entered[0] < first
         and last < entered[1]
@@ -422,8 +431,7 @@ def keep_stages(
         _run_range_of(trunk, active)
     for i in range(split.size):
         child = trunk.get_submodule(str(i)) if i in kept else _Passing()
-        if not split.whole:
-            _run_in_range(child, i, active, hooked)
+        _run_in_range(child, i, active, hooked)
         if i not in kept:
             setattr(trunk, str(i), child)
     for name in split.before:
@@ -458,6 +466,8 @@ def _run_in_range(child: nn.Module, i: int, active: Active, hooked: bool = False
     forward = child.forward
 
     def entering(module: nn.Module, args: tuple) -> tuple | None:
+        if active.inside:
+            return None
         if i == active.hi:
             raise Cut(args[0])
         if i == active.lo and active.received is not None:
@@ -465,6 +475,8 @@ def _run_in_range(child: nn.Module, i: int, active: Active, hooked: bool = False
         return None
 
     def ranged(*args: Any, **kwargs: Any) -> Any:
+        if active.inside:
+            return forward(*args, **kwargs)
         if i < active.lo:
             return args[0]
         if not hooked:
@@ -481,7 +493,8 @@ def _run_range_of(trunk: nn.Module, active: Active) -> None:
     """A trunk that the forward calls whole (a plain `nn.Sequential`): it runs the stage's blocks
     alone, from the activation received (its own input on the first stage), and ends the stage's
     forward with their output where a later stage follows. The blocks before and after the stage
-    are not called at all, and the stage's own are called as they are (their hooks with them)."""
+    are not called at all, and the stage's own are called as they are (their hooks with them; their
+    `_run_in_range` path, for a forward that calls them one by one, steps aside)."""
     modules = trunk._modules  # the blocks as they are when called (a wrapper may replace one)
     names = list(modules)
     size = len(names)
@@ -489,8 +502,12 @@ def _run_range_of(trunk: nn.Module, active: Active) -> None:
     def ranged(input: Any) -> Any:
         received = active.received
         x = input if received is None else received
-        for i in range(active.lo, active.hi):
-            x = modules[names[i]](x)  # type: ignore[misc]  # every block is a module
+        active.inside = True
+        try:
+            for i in range(active.lo, active.hi):
+                x = modules[names[i]](x)  # type: ignore[misc]  # every block is a module
+        finally:
+            active.inside = False
         if active.hi < size:
             raise Cut(x)
         return x

@@ -380,6 +380,7 @@ class Pipeline(StageState, ProcessGroup):
             # a tensor group's last stages give the same outputs: its first process's count
             given = self.is_last and micro.shard and self.tensor_rank == 0
             parts.append(list(self._captured) if given else None)
+        self._active.forget_batch()
         start = time.perf_counter()
         self._reduce_gradients()
         values, pending = self._agree(stop)
@@ -518,6 +519,7 @@ class Pipeline(StageState, ProcessGroup):
                     with self._counted_evenly(self.settings.microbatches):
                         schedule.eval(target=real)
                 out.extend(self._captured)
+        self._active.forget_batch()
         return concat(out) if self.is_last and self.tensor_rank == 0 else {}
 
     def _evaluate_in_turn(self, padded: dict[str, torch.Tensor], n: int) -> None:
@@ -573,8 +575,10 @@ class Joined(Sequence):
             return [self[k] for k in range(len(self))[i]]
         if i < 0:
             i += len(self._chunks)
+        if not 0 <= i < len(self._chunks):
+            raise IndexError(f"index {i} of a step's {len(self._chunks)} micro-batches")
         if i not in self._joined:
-            chunks = self._chunks[i]  # IndexError past the end, as a list's
+            chunks = self._chunks[i]
             self._joined[i] = None if chunks is None else concat(chunks)
         return self._joined[i]
 
