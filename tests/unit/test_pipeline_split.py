@@ -137,7 +137,7 @@ def test_a_trunk_with_a_forward_of_its_own_is_not_run_whole():
 
 
 def test_a_steps_outputs_join_when_read_and_index_as_a_list_does():
-    from phalanx.strategies.pipeline import Joined
+    from phalanx.strategies.padding import Joined
 
     a, b = {"loss": torch.tensor([1.0])}, {"loss": torch.tensor([2.0])}
     joined = Joined([[a, b], None])

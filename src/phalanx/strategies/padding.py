@@ -1,14 +1,17 @@
 """A copy's shard of a pipeline step as the schedule takes it: cut into the schedule's micro-batches
 of `rows` samples each and padded with rows of zeros to fill them (every stage runs every
 micro-batch, in step with the others), with each row's weight (1 real, 0 padding) and each
-micro-batch's real samples."""
+micro-batch's real samples; and the last stage's outputs of those micro-batches, joined back for
+the hooks (`Joined`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import overload
 
 import torch
 
+from phalanx.engine import concat
 from phalanx.errors import ConfigError
 
 
@@ -75,3 +78,34 @@ def rows_of(batch: Mapping) -> int:
         if isinstance(value, torch.Tensor) and value.dim():
             return value.shape[0]
     return 0
+
+
+class Joined(Sequence):
+    """A step's outputs, one per micro-batch: each the last stage's outputs of the schedule's
+    micro-batches, joined where it is first read (a step whose outputs no hook reads joins none).
+    None: a micro-batch of this process's that gave none."""
+
+    def __init__(self, chunks: list[list[dict] | None]):
+        self._chunks = chunks
+        self._joined: dict[int, dict | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    @overload
+    def __getitem__(self, i: int) -> dict | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[dict | None]: ...
+
+    def __getitem__(self, i: int | slice) -> dict | None | list[dict | None]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(len(self))[i]]
+        if i < 0:
+            i += len(self._chunks)
+        if not 0 <= i < len(self._chunks):
+            raise IndexError(f"index {i} of a step's {len(self._chunks)} micro-batches")
+        if i not in self._joined:
+            chunks = self._chunks[i]
+            self._joined[i] = None if chunks is None else concat(chunks)
+        return self._joined[i]

@@ -21,8 +21,8 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import Active, Split, balance, keep_stages, probe
 from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
-from phalanx.strategies.padding import Padding, chunks, pad, rows_of
+from phalanx.strategies.padding import Joined, Padding, chunks, pad, rows_of
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
 from phalanx.strategies.stage_state import StageState
@@ -550,37 +550,6 @@ class Pipeline(StageState, ProcessGroup):
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
-
-
-class Joined(Sequence):
-    """A step's outputs, one per micro-batch: each the last stage's outputs of the schedule's
-    micro-batches, joined where it is first read (a step whose outputs no hook reads joins none).
-    None: a micro-batch of this process's that gave none."""
-
-    def __init__(self, chunks: list[list[dict] | None]):
-        self._chunks = chunks
-        self._joined: dict[int, dict | None] = {}
-
-    def __len__(self) -> int:
-        return len(self._chunks)
-
-    @overload
-    def __getitem__(self, i: int) -> dict | None: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[dict | None]: ...
-
-    def __getitem__(self, i: int | slice) -> dict | None | list[dict | None]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(len(self))[i]]
-        if i < 0:
-            i += len(self._chunks)
-        if not 0 <= i < len(self._chunks):
-            raise IndexError(f"index {i} of a step's {len(self._chunks)} micro-batches")
-        if i not in self._joined:
-            chunks = self._chunks[i]
-            self._joined[i] = None if chunks is None else concat(chunks)
-        return self._joined[i]
 
 
 class _Agreement(Behind):
