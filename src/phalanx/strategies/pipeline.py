@@ -242,44 +242,28 @@ class Pipeline(StageState, ProcessGroup):
         return plan
 
     def _keep_mine(self, whole: nn.Module, names: list[str], tied: list[str]) -> None:
-        """This process's stages kept (the others' modules removed), and what the state needs: the
-        whole model's state names and shapes, its trainable parameters' count, and each kept
-        trainable parameter's index among them."""
-        assert self._split is not None  # probed
-        trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
-        first = {id(p): n for n, p in whole.named_parameters()}
-        aliases = {
-            n: first[id(p)]
-            for n, p in whole.named_parameters(remove_duplicate=False)
-            if first[id(p)] != n
-        }
-        self._trainable = len(trainable)
-        self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
-        keep_stages(
+        """This process's stages kept (the others' modules removed), and the whole model's state
+        recorded (`StageState`); a tied weight that the split parts goes into `tied`."""
+        split = self._split
+        assert split is not None  # probed
+        hooked = self._tensor_mesh is not None
+        apart = self._keep_stages(
             whole,
-            self._split,
-            self.mine,
-            self.stages,
-            self._active,
-            self.device,
-            hooked=self._tensor_mesh is not None,
+            lambda m: keep_stages(
+                m, split, self.mine, self.stages, self._active, self.device, hooked
+            ),
         )
-        mine = [n for n, p in whole.named_parameters() if p.requires_grad]
         if not list(whole.parameters()):
             raise ConfigError(
                 f"pipeline stage {self.mine[0]} holds no parameters: move its split point "
                 f"in parallel.pipeline.split ({names})"
             )
-        index = {name: i for i, name in enumerate(trainable)}
-        apart = [n for n in mine if n not in index and n in aliases]
         if apart:
             tied.append(
                 f"the pipeline strategy cannot split the model at {', '.join(names)}: "
-                f"{apart[0]} is {aliases[apart[0]]} (a tied weight), which another stage "
-                "holds; untie them, split where one stage holds both, or train with ddp or "
-                "fsdp"
+                f"{apart[0]} (a tied weight), which another stage holds; untie them, split where "
+                "one stage holds both, or train with ddp or fsdp"
             )
-        self._global_index = [index[n] for n in mine if n in index]
 
     def _layout(self) -> str:
         """The run's first line's account of the pipeline: its stages' sizes (from the first copy's

@@ -6,7 +6,7 @@ written and read by each process for its stages alone."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,27 @@ class StageState:
         def is_main(self) -> bool: ...
 
         def gather(self, value: Any) -> list[Any]: ...
+
+    def _keep_stages(self, whole: nn.Module, keep: Callable[[nn.Module], None]) -> list[str]:
+        """This process's stages kept of the whole model (`keep` removes the others' modules), and
+        what the state needs of the whole: its state's names and shapes, its trainable parameters'
+        count, and each kept trainable parameter's index among them. Returns the kept trainable
+        parameters that are another's alias in the whole model (a tied weight) and that stage
+        does not hold: a split the state cannot name."""
+        trainable = [n for n, p in whole.named_parameters() if p.requires_grad]
+        first = {id(p): n for n, p in whole.named_parameters()}
+        aliases = {
+            n: first[id(p)]
+            for n, p in whole.named_parameters(remove_duplicate=False)
+            if first[id(p)] != n
+        }
+        self._trainable = len(trainable)
+        self._whole = {k: tuple(v.shape) for k, v in whole.state_dict().items()}
+        keep(whole)
+        mine = [n for n, p in whole.named_parameters() if p.requires_grad]
+        index = {name: i for i, name in enumerate(trainable)}
+        self._global_index = [index[n] for n in mine if n in index]
+        return [f"{n} is {aliases[n]}" for n in mine if n not in index and n in aliases]
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The whole model's state on the main process, each stage's part gathered from the first
