@@ -68,7 +68,9 @@ def test_a_keras_model_trains_under_towers_as_on_one_device(alone):
 def test_a_keras_model_with_a_lambda_layer_trains_under_towers_as_on_one_device():
     """Each tower's replica is a copy of the model whose lambda still reads the names it did."""
     alone = workers.train(keras_run(lambda_layer=True))
-    assert_same_run(workers.train(keras_run(lambda_layer=True, strategy="towers", devices=2)), alone)
+    assert_same_run(
+        workers.train(keras_run(lambda_layer=True, strategy="towers", devices=2)), alone
+    )
 
 
 def test_a_keras_model_trains_on_a_parameter_server_as_on_one_process(alone):
@@ -110,6 +112,34 @@ def test_a_strategy_that_cannot_train_a_keras_model_says_so(parallel, why, tmp_p
 
     with pytest.raises(ModelError, match=f"cannot train a Keras model: .*{why}"):
         phalanx.fit({**keras_run(**parallel), "output_root": str(tmp_path)})
+
+
+def refusal(rank: int, raw: dict) -> str:
+    """Train `raw` and expect a ModelError; its message."""
+    from phalanx.errors import ModelError
+
+    try:
+        workers.train(raw)
+    except ModelError as e:
+        return str(e)
+    raise AssertionError("the run trained")
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        {"mesh": {"shard": 2}},
+        {"mesh": {"pipeline": 2}, "pipeline": {"split": ["layers.conv2d_4"], "microbatches": 2}},
+    ],
+    ids=["shard", "pipeline"],
+)
+def test_a_mesh_refuses_a_keras_model_in_its_own_name(parallel):
+    """Whichever strategy runs the mesh's shape (fsdp's sharding, or the pipeline's stages), the
+    error names the strategy the config names, on every process."""
+    raw = keras_run(strategy="mesh", **parallel)
+    raw["parallel"]["devices"] = 2
+    for said in workers.run_ranks(2, refusal, raw, timeout=120):
+        assert said.startswith("parallel.strategy=mesh cannot train a Keras model: "), said
 
 
 def test_a_keras_run_stopped_mid_epoch_resumes_to_the_uninterrupted_end(tmp_path):

@@ -96,6 +96,7 @@ def shard_policies(options: FSDPSettings, device: torch.device) -> dict[str, Any
 
 class FSDP(ProcessGroup, DataParallel):
     runs_empty_shards = True
+    config_name = "fsdp"  # parallel.strategy's, as errors name it
 
     def __init__(
         self,
@@ -141,7 +142,7 @@ class FSDP(ProcessGroup, DataParallel):
         and cut to this rank's shards."""
         keras_models.refuse(
             module,
-            "fsdp",
+            self.config_name,
             "it swaps the module's parameters for shards, and Keras's layers read their own "
             "variables, which would never train",
         )

@@ -65,6 +65,8 @@ DIMS = ("replicate", "shard", "tensor")
 class Mesh(FSDP):
     """fsdp's strategy on a replicate x shard x tensor mesh; `layout` holds its degrees and plan."""
 
+    config_name = "mesh"
+
     def __init__(
         self,
         accelerator: str,
@@ -251,6 +253,7 @@ def build(cfg: Config, accelerator: str, devices: int) -> Mesh | Pipeline | DDP:
             timeout_s=cfg.parallel.timeout_s,
             backend=cfg.parallel.backend,
             tensor=Tensor(layout.tensor, layout.tensor_plan),
+            config_name="mesh",
         )
     return Mesh(
         accelerator,

@@ -73,13 +73,15 @@ class Pipeline(StageState, ProcessGroup):
         timeout_s: float | None = None,
         backend: str = "auto",
         tensor: Tensor | None = None,
+        config_name: str = "pipeline",
     ):
         """`window`: the most samples of an accumulation window (a global batch, without
         accumulation); its copy's shard of one, cut into `settings.microbatches`, fixes the
         micro-batches' size for the whole run. `tensor`: each stage's Linear layers split over
-        that many processes (the mesh strategy's pipeline x tensor)."""
+        that many processes (the mesh strategy's pipeline x tensor). `config_name`: the
+        strategy the config names (pipeline, or mesh), as errors name it."""
         super().__init__(accelerator, timeout_s, backend)
-        self.settings = settings
+        self.settings, self.config_name = settings, config_name
         self.tensor = tensor or Tensor(1, {})
         per_process = settings.stages_per_process or 1
         self.stages, self.depth = layout(settings, self.world_size // self.tensor.degree)
@@ -152,7 +154,7 @@ class Pipeline(StageState, ProcessGroup):
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         keras_models.refuse(
             module,
-            "pipeline",
+            self.config_name,
             "it cuts the model at its submodules, and a Keras model's layers are not torch "
             "submodules",
         )
