@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import toy  # noqa: E402
 
-from bench.common import machine, source_state, write_report  # noqa: E402
+from bench.common import machine, measured_source, write_report  # noqa: E402
 from phalanx import config  # noqa: E402
 from phalanx.hooks import Hook  # noqa: E402
 from phalanx.trainer import Trainer  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "async_checkpoints",
             "command": " ".join([sys.executable, *sys.argv]),
             "machine": machine(),
-            "phalanx_source": source_state(ROOT),
+            "phalanx_source": measured_source(),
             "settings": vars(args) | {"checkpoint_mb": 2 * 8 * (5 * args.hidden + 1) / 1e6},
             "results": results,
         },

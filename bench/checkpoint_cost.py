@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from torch import nn  # noqa: E402
 
-from bench.common import machine, source_state, write_report  # noqa: E402
+from bench.common import machine, measured_source, write_report  # noqa: E402
 from phalanx.background import Background  # noqa: E402
 from phalanx.checkpoint import Checkpoints  # noqa: E402
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             "benchmark": "checkpoint_cost",
             "command": " ".join([sys.executable, *sys.argv]),
             "machine": machine(),
-            "phalanx_source": source_state(ROOT),
+            "phalanx_source": measured_source(),
             "settings": vars(args) | {"parameters": parameters},
             "results": results,
         },

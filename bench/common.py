@@ -297,8 +297,19 @@ def machine() -> dict[str, Any]:
     return facts
 
 
+def measured_source() -> dict[str, Any]:
+    """`source_state` of the phalanx this process imports: the repository its package lies in (a
+    checkout of another commit on PYTHONPATH, where a benchmark compares commits)."""
+    import phalanx
+
+    package = Path(phalanx.__file__).resolve().parent  # <repository>/src/phalanx
+    return source_state(package.parent.parent)
+
+
 def source_state(root: Path) -> dict[str, Any]:
-    """The phalanx source measured: its commit, whether src/ differs from it, a digest of src/."""
+    """The phalanx source measured: its commit, whether src/ differs from it, a digest of src/. A
+    tree that is not a git work tree's top (an archive of an older commit unpacked inside this
+    one, say) has no commit it can name: None, and the digest tells it apart."""
 
     def git(*args: str) -> str:
         try:
@@ -311,6 +322,9 @@ def source_state(root: Path) -> dict[str, Any]:
     digest = hashlib.sha256()
     for path in sorted((root / "src").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    top = git("rev-parse", "--show-toplevel")
+    if not top or Path(top).resolve() != root.resolve():
+        return {"commit": None, "src_modified": None, "src_sha256": digest.hexdigest()[:16]}
     return {
         "commit": git("rev-parse", "HEAD") or None,
         "src_modified": bool(git("status", "--porcelain", "src")),

@@ -83,10 +83,10 @@ from bench.common import (  # noqa: E402
     machine,
     make_items,
     make_sequences,
+    measured_source,
     mlp_model,
     print_profile,
     print_results,
-    source_state,
     summary,
     tensor_and_shard,
     with_epoch_end,
@@ -456,7 +456,7 @@ def rank_main(rank: int, port: int, args, queue) -> None:
 
 def measure_rank(rank: int, args) -> dict[str, Any] | None:
     source = (
-        source_state(ROOT) if rank == 0 else None
+        measured_source() if rank == 0 else None
     )  # the phalanx this process imports, before it runs
     dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
@@ -508,7 +508,7 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         return None
     report = make_report(args, every, hook_names, checkpoints, raw, wall_s)
     report["phalanx_source"] = source
-    if source_state(ROOT) != source:
+    if measured_source() != source:
         report["phalanx_source"]["changed_during_run"] = True
         print(
             "warning: src/ changed while the benchmark ran; the figures are those of the source "
@@ -690,7 +690,7 @@ def breakdown_rank(rank: int, args) -> dict[str, Any] | None:
     from phalanx import strategies
     from phalanx.trainer import Trainer
 
-    source = source_state(ROOT) if rank == 0 else None
+    source = measured_source() if rank == 0 else None
     dataset = make_dataset(args)
     REGISTRY[DATA_KEY] = dataset
     with shared_tmp(rank) as tmp:

@@ -58,8 +58,8 @@ from bench.common import (  # noqa: E402
     Coroutine,
     machine,
     make_items,
+    measured_source,
     phalanx_trainer,
-    source_state,
     summary,
     write_report,
 )
@@ -753,7 +753,7 @@ def run(args) -> dict[str, Any]:
         "settings": settings(args),
         "machine": machine(),
         "device": device_facts(device),
-        "phalanx_source": source_state(ROOT),
+        "phalanx_source": measured_source(),
         "method": " ".join(__doc__.split("\n\n", 2)[2].split()),
     }
     try:

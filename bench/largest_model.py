@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from bench.common import machine, source_state, write_report  # noqa: E402
+from bench.common import machine, measured_source, write_report  # noqa: E402
 
 CHECKPOINTED = {"activation_checkpointing": ["Block"]}
 ON_THE_DEVICE = {"parallel": {"build": "device"}}
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "largest_model",
         "command": " ".join([sys.executable, *sys.argv]),
         "machine": machine(),
-        "phalanx_source": source_state(ROOT),
+        "phalanx_source": measured_source(),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "device_memory_bytes": memory,
         "bound_parameters": bound,

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, source_state, write_report  # noqa: E402
+from bench.common import machine, measured_source, write_report  # noqa: E402
 
 CASE = """
 import json, resource, sys, time
@@ -73,7 +73,7 @@ def main() -> None:
     write_report(
         {
             "machine": machine(),
-            "source": source_state(ROOT),
+            "source": measured_source(),
             "batch": args.batch,
             "results": results,
         },

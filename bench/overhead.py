@@ -62,11 +62,11 @@ from bench.common import (  # noqa: E402
     machine,
     make_items,
     make_sequences,
+    measured_source,
     mlp_model,
     phalanx_trainer,
     print_profile,
     print_results,
-    source_state,
     with_epoch_end,
     write_report,
 )
@@ -484,7 +484,7 @@ def run(args) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
         },
         "machine": machine(),
-        "phalanx_source": source_state(ROOT),
+        "phalanx_source": measured_source(),
         "method": "loops interleaved chunk by chunk (a round is one chunk of each loop); ms/step "
         "= median over chunks of (window / chunk); ratio = median over chunks of the paired "
         "ratio to the hand loop's chunk of the same round; ratio_of_totals = all measured "

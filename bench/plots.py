@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import phalanx  # noqa: E402
-from bench.common import machine, source_state, write_report  # noqa: E402
+from bench.common import machine, measured_source, write_report  # noqa: E402
 from phalanx import config  # noqa: E402
 from phalanx.hooks import Hook  # noqa: E402
 
@@ -96,7 +96,7 @@ def main() -> None:
     write_report(
         {
             "machine": machine(),
-            "source": source_state(ROOT),
+            "source": measured_source(),
             "epochs": args.epochs,
             "repeats": args.repeats,
             **result,

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, source_state, summary, write_report  # noqa: E402
+from bench.common import machine, measured_source, source_state, summary, write_report  # noqa: E402
 
 CONFIG = ROOT / "examples" / "digits" / "config.yaml"
 
@@ -60,7 +60,7 @@ def main() -> None:
     report: dict = {
         "benchmark": "start_up",
         "machine": machine(),
-        "source": source_state(ROOT),
+        "source": measured_source(),
         "baseline": source_state(baseline.parent),
         "results": {},
     }

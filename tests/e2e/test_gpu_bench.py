@@ -195,3 +195,48 @@ def test_the_trace_of_a_launch_bound_step_shows_both_loops_and_phalanx_python(tm
         assert "aten::addmm" in section  # the MLP's layers, counted per step
     assert "Python functions under cProfile" in phalanx and "train_step" in phalanx
     assert "cProfile" not in hand
+
+
+def _sources(tree: Path, cwd: Path) -> tuple[dict, dict]:
+    """`measured_source()` with `tree`'s phalanx first on PYTHONPATH, and the repository's own."""
+    said = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from bench import common; print(json.dumps([common.measured_source(),"
+            f" common.source_state(common.Path({str(REPO)!r}))]))",
+        ],
+        env={**ENV, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{REPO}"},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert said.returncode == 0, said.stderr
+    measured, own = json.loads(said.stdout)
+    return measured, own
+
+
+def test_a_report_names_the_source_of_the_phalanx_it_imports(tmp_path):
+    """A benchmark run with another checkout's phalanx first on PYTHONPATH (how a session compares
+    commits) records that checkout's commit and digest, not those of the benchmark's own; a tree
+    unpacked inside a checkout (no git of its own) names no commit rather than the checkout's."""
+    other = tmp_path / "other"
+    (other / "src").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(REPO / "src" / "phalanx"), str(other / "src")], check=True)
+    (other / "src" / "phalanx" / "marker.py").write_text("ANOTHER = True\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(other)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "another"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    measured, own = _sources(other, tmp_path)
+    assert measured["commit"] == head.stdout.strip() != own["commit"]
+    assert measured["src_sha256"] != own["src_sha256"] and not measured["src_modified"]
+
+    unpacked = other / ".old" / "abc1234"
+    (unpacked / "src").mkdir(parents=True)
+    subprocess.run(["cp", "-r", str(other / "src" / "phalanx"), str(unpacked / "src")], check=True)
+    inside, _ = _sources(unpacked, tmp_path)
+    assert inside["commit"] is None and inside["src_modified"] is None
+    assert inside["src_sha256"] == measured["src_sha256"]
