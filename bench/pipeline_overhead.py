@@ -16,9 +16,10 @@ weights, the loss and stop agreement over the processes. The ratio is the median
 phalanx/hand ratios.
 
 `--agreement-cost` times no phalanx: the hand loop as users write it against the same loop agreeing
-behind the step (late) and at its end (now), in the same alternation, and prints each one's ratio
-to the first: what the processes' transport charges any loop that agrees on its loss every step.
-It writes no JSON.
+behind the step (late), at its end (now), and behind every `--every` steps on all of theirs at once
+(every), in the same alternation, and prints each one's ratio to the first: what the processes'
+transport charges any loop that agrees on its loss every step, and what is left of it when the
+agreements are fewer. It writes no JSON.
 
 `--opcodes STEPS` times nothing either: each process counts the Python opcodes that STEPS steps of
 each loop execute on its main thread, and the script prints each stage's totals a step and the
@@ -52,8 +53,8 @@ from bench.common import (  # noqa: E402
     join_group,
     machine,
     make_items,
+    measured_source,
     mlp_model,
-    source_state,
     step_on_first_batch,
     write_report,
 )
@@ -90,6 +91,8 @@ def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
     )
     optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
     behind: list[Any] = []  # the step before's agreement, in flight
+    every = args.every if args.hand_agrees == "every" else 1
+    period: list[torch.Tensor] = []  # the values of the steps since the last agreement
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -100,8 +103,12 @@ def _hand(rank: int, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor)
         if args.hand_agrees == "now":  # every process learns the step's loss and stop flag
             dist.all_reduce(torch.zeros(4, dtype=torch.float64))
         optimizer.step()
-        if args.hand_agrees == "late":  # ... behind the step, read by the next, as phalanx's
-            work = dist.all_reduce(torch.zeros(4, dtype=torch.float64), async_op=True)
+        if args.hand_agrees in ("late", "every"):  # behind the step, read by the next agreeing
+            period.append(torch.zeros(4, dtype=torch.float64))
+            if len(period) < every:  # ... or every `--every` steps, their values in one
+                return
+            work = dist.all_reduce(torch.stack(period), async_op=True)
+            period.clear()
             if behind:
                 behind.pop().wait()
             behind.append(work)
@@ -143,11 +150,15 @@ def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     items = make_items(args.batch, FEATURES, CLASSES)
     x, y = items.x, items.y
     if args.agreement_cost:
+        modes = {
+            "hand, no agreement": None,
+            "hand, late agreement": "late",
+            "hand, now agreement": "now",
+            f"hand, late, every {args.every} steps": "every",
+        }
         loops = {
-            f"hand, {mode or 'no'} agreement": _hand(
-                rank, argparse.Namespace(**{**vars(args), "hand_agrees": mode}), x, y
-            )
-            for mode in (None, "late", "now")
+            name: _hand(rank, argparse.Namespace(**{**vars(args), "hand_agrees": mode}), x, y)
+            for name, mode in modes.items()
         }
     else:
         loops = {"hand": _hand(rank, args, x, y), "phalanx": _phalanx(args, items)}
@@ -219,15 +230,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
         "--hand-agrees",
-        choices=("now", "late"),
+        choices=("now", "late", "every"),
         help="the hand loop also all-reduces the step's loss and stop flag: at the step's end "
-        "(now), or behind the step, waited for at the next one's end (late, as phalanx's step)",
+        "(now), behind the step, waited for at the next one's end (late, as phalanx's step), or "
+        "behind every `--every` steps, all of theirs at once (every)",
+    )
+    parser.add_argument(
+        "--every", type=int, default=8, help="steps a hand loop agreeing `every` agrees on at once"
     )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
         "--agreement-cost",
         action="store_true",
-        help="instead: the hand loop against itself agreeing late and now (no phalanx, no JSON)",
+        help="instead: the hand loop against itself agreeing late, now and every `--every` steps "
+        "(no phalanx, no JSON)",
     )
     parser.add_argument(
         "--output", default=str(ROOT / "bench" / "results" / "pipeline_overhead.json")
@@ -277,7 +293,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "args": vars(args),
         "machine": machine(),
-        "phalanx_source": source_state(ROOT),
+        "phalanx_source": measured_source(),
         "times": times,
         "ratios": ratios,
     }
@@ -300,7 +316,7 @@ def print_agreement_cost(times: dict[str, list[float]], args: argparse.Namespace
     )
     for name in names:
         ratio = statistics.median(a / b for a, b in zip(times[name], base, strict=True))
-        print(f"{name:<24}{1e3 * statistics.median(times[name]):.3f} ms/step   ratio {ratio:.3f}x")
+        print(f"{name:<32}{1e3 * statistics.median(times[name]):.3f} ms/step   ratio {ratio:.3f}x")
 
 
 if __name__ == "__main__":

@@ -389,8 +389,8 @@ def test_a_pipeline_benchmark_whose_hand_loop_agrees_claims_no_target(tmp_path):
 
 
 def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_path):
-    """--agreement-cost: the hand loop without an agreement, then agreeing late and now, each a
-    ratio to the first; no phalanx step, and no report written."""
+    """--agreement-cost: the hand loop without an agreement, then agreeing late, now, and on
+    every 2 steps at once, each a ratio to the first; no phalanx step, and no report written."""
     out = tmp_path / "report.json"
     said = run_bench(
         tmp_path,
@@ -400,6 +400,8 @@ def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_pat
         "2",
         "--rounds",
         "2",
+        "--every",
+        "2",
         "--output",
         str(out),
     )
@@ -408,6 +410,7 @@ def test_the_pipelines_agreement_cost_times_the_hand_loop_against_itself(tmp_pat
         "hand, no agreement",
         "hand, late agreement",
         "hand, now agreement",
+        "hand, late, every 2 steps",
     ]
     assert "ratio 1.000x" in rows[0] and "phalanx" not in said
     assert not out.exists()
@@ -440,10 +443,21 @@ def test_the_targets_table_says_what_it_cannot_read_and_goes_on(tmp_path):
         json.dumps({"target": {"phalanx_ratio": None, "phalanx_ratio_max": 1.05}})
     )
     (tmp_path / "ddp_overhead.json").write_text(
-        json.dumps({"target": {"phalanx_ratio": 1.2, "phalanx_ratio_max": 1.03}, "source": None})
+        json.dumps(
+            {
+                "target": {"phalanx_ratio": 1.2, "phalanx_ratio_max": 1.03},
+                "source": None,
+                "machine": {"processor": "Intel(R) Xeon(R) Processor", "cpu_count": 2},
+            }
+        )
     )
     rows = targets_table(tmp_path)
     assert "unreadable" in rows["overhead.json"]
     assert "1.200x" in rows["ddp_overhead.json"] and "NOT met" in rows["ddp_overhead.json"]
-    assert rows["ddp_overhead.json"].rstrip().endswith("?")
+    assert rows["ddp_overhead.json"].rstrip().endswith("Intel Xeon, 2 CPUs  ?")
     assert "no such file" in rows["mesh_overhead.json"]
+    # the rows make bench does not measure are marked, and their commands given at the foot
+    assert "hand TP + FSDP2 loop *" in rows["mesh_overhead.json"]
+    assert " *" not in rows["ddp_overhead.json"]
+    said = rows["mesh_overhead.json:"]
+    assert said.strip().endswith("bench/ddp_overhead.py --strategy mesh --rounds 20")
