@@ -40,10 +40,18 @@ def _explain(err: ErrorDetails, raw: dict, schema: type[BaseModel]) -> str:
     if err["type"] == "extra_forbidden":
         parent = _section_model(schema, loc[:-1])
         choices = parent.model_fields.keys() if parent else []
-        return f"unknown key {where!r}{did_you_mean(loc[-1], choices)}"
+        close = did_you_mean(loc[-1], choices)
+        if close or not choices:
+            return f"unknown key {where!r}{close}"
+        scope = ".".join(loc[:-1]) or "the config"
+        return f"unknown key {where!r}; {scope} takes {', '.join(choices)}"
     if err["type"] == "missing":
         return f"missing key {where!r}: add it to the config"
-    return f"{where}: {err['msg']} (got {err.get('input')!r})"
+    got = repr(err.get("input"))
+    if err["type"] == "value_error":  # a validator's own message, which may name the value
+        said = err["msg"].removeprefix("Value error, ")
+        return f"{where}: {said}" if got in said else f"{where}: {said} (got {got})"
+    return f"{where}: {err['msg']} (got {got})"
 
 
 def _user_path(loc: tuple, raw: Any) -> list[str]:

@@ -339,7 +339,7 @@ def test_slurm_time_limits_in_every_form_slurm_takes(cfg_path, time):
         (
             # a newline, in YAML's quotes
             ["slurm", "--nodes", "1", "--gpus-per-node", "1", 'name="a\\nb"'],
-            "name: Value error, a run name is one folder's name",
+            "name: a run name is one folder's name",
         ),
     ],
 )

@@ -147,6 +147,22 @@ def test_unknown_top_level_key_suggests_the_section():
     assert "missing key 'optimizer'" in message
 
 
+def test_an_unknown_key_like_none_there_lists_the_keys_there():
+    raw = toy.regression_config(main_loop={"nope": 3})
+    raw["foo"] = 1
+    message = _error(raw)
+    assert "unknown key 'main_loop.nope'; main_loop takes epochs, extra_streams," in message
+    assert "unknown key 'foo'; the config takes name, model, optimizer," in message
+
+
+def test_a_validators_own_message_says_the_value_once():
+    message = _error(toy.regression_config(parallel={"gradient_accumulation": 0}))
+    assert message.endswith(
+        "parallel.gradient_accumulation: gradient_accumulation must be 1 or more, or auto; got 0"
+    )
+    assert "Value error" not in message
+
+
 @pytest.mark.parametrize(
     "section, typo, expected",
     [
@@ -734,6 +750,24 @@ def test_a_fraction_for_an_integer_is_an_error_before_the_call():
         construct.instantiate("model", Blocks, block_size=8, heads=2.0)
     assert built == []
     construct.instantiate("model", Blocks, block_size=8, scale=2)  # an int for a float is fine
+    assert built == [8]
+
+
+def test_a_string_for_a_number_is_an_error_before_the_call():
+    """A quoted number, or a word, where the constructor takes only a number; a string is taken
+    where the annotation also names one (or names nothing)."""
+    built = []
+
+    class Blocks:
+        def __init__(self, size: int, scale: float = 1.0, mode: int | str = 0, free=None):
+            built.append(size)
+
+    with pytest.raises(ConfigError, match="Blocks's size takes an integer, got the string '8'"):
+        construct.instantiate("model", Blocks, size="8")
+    with pytest.raises(ConfigError, match="Blocks's scale takes a number, got the string 'half'"):
+        construct.instantiate("model", Blocks, size=8, scale="half")
+    assert built == []
+    construct.instantiate("model", Blocks, size=8, mode="auto", free="anything")
     assert built == [8]
 
 
