@@ -154,8 +154,9 @@ def _refused_keyword(error: TypeError, kwargs: dict[str, Any]) -> str | None:
 def _check_number(
     section: str, factory: Any, key: str, value: Any, param: inspect.Parameter | None
 ) -> None:
-    """A boolean where the parameter is annotated as a number, or a fraction where it is annotated
-    as an integer, is a ConfigError: Python would take either, and fail later or silently."""
+    """A boolean or a string where the parameter is annotated as a number, or a fraction where it
+    is annotated as an integer, is a ConfigError: Python would take any of them, and fail later
+    or silently."""
     if param is None:
         return
     names = set(re.findall(r"[A-Za-z_]+", str(param.annotation)))
@@ -168,6 +169,13 @@ def _check_number(
         raise ConfigError(
             f"{section}: {_name(factory)}'s {key} takes an integer, got {value!r}; "
             f"write a whole number for {key} in the {section} section"
+        )
+    # a string where only a number is meant fails deep in the constructor, if at all
+    if isinstance(value, str) and _takes_only_numbers(names):
+        kind = "an integer" if "float" not in names else "a number"
+        raise ConfigError(
+            f"{section}: {_name(factory)}'s {key} takes {kind}, got the string {value!r}; "
+            f"write {kind} (unquoted) for {key} in the {section} section"
         )
     # a string where a list is meant would be taken letter by letter
     if isinstance(value, str) and _takes_lists_not_strings(param):
@@ -190,6 +198,15 @@ _NOT_ONLY_INTEGERS = {
     "Tensor",
     "SupportsFloat",
 }
+
+
+def _takes_only_numbers(names: set[str]) -> bool:
+    """Whether an annotation's names are those of a number alone (or none: `int | None`); `int`
+    itself reads `<class 'int'>`."""
+    return bool(names & {"int", "float"}) and names <= _NUMBERS
+
+
+_NUMBERS = {"int", "float", "None", "NoneType", "Optional", "typing", "class"}
 
 
 def _takes_lists_not_strings(param: inspect.Parameter) -> bool:

@@ -193,6 +193,10 @@ def predictions(
     return collect.arrays(), collect
 
 
+# what `write_predictions` writes, by the output's name: CSV rows, or the arrays whole
+PREDICTION_FILES = (".csv", ".safetensors")
+
+
 def write_predictions(
     arrays: dict[str, torch.Tensor], collect: _Collect, stream: str, output: str
 ) -> int:

@@ -52,9 +52,10 @@ def storage_error(path: Path, error: OSError, where: str = WHERE) -> StorageErro
     return StorageError(f"cannot write {path}: {reason}; choose another path ({where})")
 
 
-def check_output(output: str, example: str) -> None:
+def check_output(output: str, example: str, endings: tuple[str, ...] = ()) -> None:
     """One error where `output` cannot be the file to write: a directory, a missing folder, a path
-    the system refuses to look at (a name too long)."""
+    the system refuses to look at (a name too long), or a name without one of `endings` (where
+    given: what the name's ending chooses to write)."""
     try:
         is_dir, parent = Path(output).is_dir(), Path(output).resolve().parent.is_dir()
     except OSError as e:
@@ -68,6 +69,12 @@ def check_output(output: str, example: str) -> None:
         raise PhalanxError(
             f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it "
             "first"
+        )
+    if endings and not output.endswith(endings):
+        raise PhalanxError(
+            f"--output {output!r}: the name's ending says what to write, and this one is not "
+            f"{' or '.join(endings)}; name the file such as "
+            f"{Path(output).parent / example}"
         )
 
 

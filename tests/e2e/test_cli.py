@@ -354,6 +354,11 @@ BAD = [
         ["train", "config.yaml", "model.hidden=2.5"],
         ["model: Linear's hidden takes an integer, got 2.5"],
     ),
+    (
+        "quoted-number-for-an-integer",
+        ["train", "config.yaml", "model.hidden='8'"],
+        ["model: Linear's hidden takes an integer, got the string '8'"],
+    ),
     ("run-config-malformed", ["eval", "RUN"], ["config.yaml", "not valid YAML", "restore"]),
     ("run-json-malformed", ["resume", "RUN"], ["run.json", "not readable JSON", "restore"]),
     (
@@ -365,6 +370,16 @@ BAD = [
         "export-output-a-directory",
         ["export", "RUN", "--output", "RUN/predictions"],
         ["--output", "is a directory"],
+    ),
+    (
+        "predict-output-of-no-kind",
+        ["predict", "RUN", "--output", "RUN.json"],
+        ["--output", "the name's ending says what to write", ".csv or .safetensors"],
+    ),
+    (
+        "export-output-of-no-kind",
+        ["export", "RUN", "--output", "RUN.txt"],
+        ["--output", "the name's ending", ".safetensors or .keras or .weights.h5"],
     ),
     (
         "export-no-such-step",
