@@ -410,6 +410,12 @@ class Checkpoints:
             )
         return step
 
+    def _said_damaged(self, step: int) -> None:
+        """Where `step` has a folder but no manifest (a save cut short, or damaged), the error
+        says so, naming the file, rather than that there is no such checkpoint."""
+        if self.path(step).is_dir():
+            read_manifest(self.path(step) / MANIFEST)
+
     def select(self, which: str | int) -> int:
         """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number,
         verified."""
@@ -420,6 +426,7 @@ class Checkpoints:
         elif which == "best":
             step = self._best()
             if step is not None and step not in self.steps():
+                self._said_damaged(step)
                 raise CheckpointError(
                     f"{self.root / 'best.json'} names step {step}, which has no checkpoint (there "
                     f"are {self.steps() or 'none'}); choose one with --checkpoint latest or N, or "
@@ -432,6 +439,7 @@ class Checkpoints:
                     f"--checkpoint {which!r} is not best, latest, auto or a step number"
                 )
             if step not in self.steps():
+                self._said_damaged(step)
                 raise CheckpointError(
                     f"no checkpoint at step {step}; there are {self.steps() or 'none'}"
                 )

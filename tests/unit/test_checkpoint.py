@@ -322,6 +322,22 @@ def test_select_best_latest_and_a_step(ckpts):
         ckpts.select(2)
 
 
+def test_a_step_whose_folder_has_no_manifest_is_said_damaged_not_missing(ckpts):
+    """A save cut short (or a manifest deleted): asked for by number or as the best, the step is
+    named incomplete or damaged, not absent."""
+    for step in (2, 4):
+        _save(
+            ckpts,
+            step,
+            best={"variable": "valid.loss", "value": 1.0, "epoch": 1} if step == 4 else None,
+        )
+    (ckpts.path(4) / MANIFEST).unlink()
+    for which in (4, "best"):
+        with pytest.raises(CheckpointError, match=r"step-4/manifest.json is missing.*damaged"):
+            ckpts.select(which)
+    assert ckpts.select("latest") == 2  # the latest valid one, as before
+
+
 def test_select_best_without_a_best(ckpts):
     _save(ckpts, 1)
     with pytest.raises(CheckpointError, match="no best checkpoint"):
