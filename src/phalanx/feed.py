@@ -55,6 +55,12 @@ class Feed:
     def streams(self) -> list[str]:
         return [TRAIN, *self.cfg.main_loop.extra_streams]
 
+    def open_streams(self) -> None:
+        """Every stream the run reads asked of the dataset now: a stream it does not have is said
+        before a hook's check names another symptom of the same mistake."""
+        for name in self.streams:
+            self.stream(name)
+
     def stream(self, name: str) -> Any:
         """Stream `name` of the dataset, asked of `streams()` once."""
         stream = self._streams.get(name)

@@ -187,6 +187,7 @@ class Trainer:
         success, code, interrupted = True, 0, False
         state.trace("started", epoch=state.epoch, step=state.step)
         try:
+            self.feed.open_streams()
             with self.stop.starting():
                 stop = self.calls.emit("before_training")
             if stop is not None:
@@ -497,6 +498,7 @@ class Trainer:
         trackers connect), for a loop of the caller's own over `train_epoch` or `train_step`; end it
         with `end_training`. A hook that stops training raises its TrainingTerminated here, once the
         later hooks have started too."""
+        self.feed.open_streams()
         stop = self.calls.emit("before_training")
         if stop is not None:
             raise stop

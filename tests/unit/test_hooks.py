@@ -261,6 +261,22 @@ def test_a_best_or_plateau_of_a_stream_the_run_does_not_evaluate_is_refused_befo
     assert trainer.step == 0 and not ended.epochs
 
 
+def test_an_extra_stream_the_dataset_lacks_is_said_before_a_hooks_check(tmp_path):
+    """main_loop.extra_streams=[tset]: the stream the dataset lacks is the mistake to name, not
+    SaveBest's valid stream, which the typo left out."""
+    from phalanx.errors import DataError
+
+    ended = Record()
+    trainer = make_trainer(
+        tmp_path,
+        [SaveBest("valid.loss"), ended],
+        main_loop={"epochs": 1, "extra_streams": ["tset"]},
+    )
+    with pytest.raises(DataError, match="has no stream 'tset'"):
+        trainer.run()
+    assert trainer.step == 0 and not ended.epochs
+
+
 def test_compute_stats_name_a_variable_that_is_not_there(tmp_path):
     trainer = make_trainer(tmp_path, [ComputeStats(["accuracy"])], main_loop={"epochs": 1})
     with pytest.raises(ModelError, match="'accuracy'"):
