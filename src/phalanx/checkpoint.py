@@ -91,6 +91,8 @@ class Checkpoints:
         self._written: set[int] = set()
         # steps a resume fell back past: replaced when saved again
         self._passed: set[int] = set()
+        # whether pruning was held back for a best.json that names no step (said once)
+        self._unpruned = False
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -452,9 +454,22 @@ class Checkpoints:
         return step
 
     def prune(self) -> None:
-        """Keep the last `keep_last` steps and the best; delete the others."""
+        """Keep the last `keep_last` steps and the best; delete the others. Where `best.json` does
+        not name a step, which one is best is not known: none is deleted (said once)."""
         steps = self.steps()
-        keep = set(steps[-self.keep_last :]) | {self.best()}
+        try:
+            best = self._best()
+        except CheckpointError:
+            if not self._unpruned:
+                self._unpruned = True
+                log.warning(
+                    "%s does not name a step, so which checkpoint is best is not known: none is "
+                    "deleted until it names one (the next SaveBest writes it; delete it, or write "
+                    'the best step into it as {"step": N}, to prune now)',
+                    self.root / "best.json",
+                )
+            return
+        keep = set(steps[-self.keep_last :]) | {best}
         for step in steps:
             if step not in keep:
                 shutil.rmtree(self.path(step), ignore_errors=True)

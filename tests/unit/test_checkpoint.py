@@ -287,6 +287,22 @@ def test_retention_keeps_the_last_k_and_the_best(tmp_path):
     assert ckpts.best() == 7
 
 
+def test_a_best_json_that_names_no_step_deletes_no_checkpoint(tmp_path, caplog):
+    """Which step is best is not known: the old best must not go with the steps past the last
+    two. Said once; pruning resumes when a SaveBest names a step again."""
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep_last=2)
+    _save(ckpts, 1, best={"variable": "valid.loss", "value": 0.1, "epoch": 1})
+    (ckpts.root / "best.json").write_text('{"step": 1, "varia')  # cut short
+    with caplog.at_level("WARNING", logger="phalanx"):
+        for step in (2, 3, 4):
+            _save(ckpts, step)
+    assert ckpts.steps() == [1, 2, 3, 4]
+    said = [r.getMessage() for r in caplog.records if "best.json" in r.getMessage()]
+    assert len(said) == 1 and "none is deleted until it names one" in said[0]
+    _save(ckpts, 5, best={"variable": "valid.loss", "value": 0.05, "epoch": 5})
+    assert ckpts.steps() == [4, 5]
+
+
 def test_saving_an_existing_step_again_can_mark_it_best(ckpts):
     first = _save(ckpts, 5, seed=1)
     _save(ckpts, 5, best={"variable": "valid.loss", "value": 0.2, "epoch": 1}, seed=2)
