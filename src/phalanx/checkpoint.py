@@ -374,7 +374,14 @@ class Checkpoints:
                     f"{file} has {file.stat().st_size} bytes, the manifest says "
                     f"{meta['size']}: the file is truncated or altered"
                 )
-            if _sha256(file) != meta["sha256"]:
+            try:
+                digest = _sha256(file)
+            except OSError as e:  # not the checkpoint's fault: no step is passed over for it
+                raise StorageError(
+                    f"cannot read {file}: {e.strerror or e}; make the run directory readable by "
+                    "the user running phalanx"
+                ) from None
+            if digest != meta["sha256"]:
                 raise CheckpointError(
                     f"{file} does not match its SHA-256 in the manifest: the file is altered"
                 )

@@ -354,6 +354,24 @@ def test_a_step_whose_folder_has_no_manifest_is_said_damaged_not_missing(ckpts):
     assert ckpts.select("latest") == 2  # the latest valid one, as before
 
 
+def test_a_file_the_system_will_not_let_us_read_is_said_not_passed_over(ckpts, monkeypatch):
+    """A permission refused is not damage: the step is not skipped for an older one (a resume
+    would then write over it), and the error names the file and the fix."""
+    from phalanx import checkpoint
+    from phalanx.errors import StorageError
+
+    for step in (2, 4):
+        _save(ckpts, step)
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(checkpoint, "_sha256", refused)
+    for call in (lambda: ckpts.select(4), ckpts.latest_valid):
+        with pytest.raises(StorageError, match=r"cannot read .*step-4/.*Permission denied; make"):
+            call()
+
+
 def test_select_best_without_a_best(ckpts):
     _save(ckpts, 1)
     with pytest.raises(CheckpointError, match="no best checkpoint"):
