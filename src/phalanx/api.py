@@ -255,7 +255,7 @@ def predict(
     output, and `<output>.class` for class scores, each a CPU tensor whose first dimension is the
     sample, in dataset order (`index`). With `output`, also written (CSV, or .safetensors)."""
     if output is not None:
-        check_output(output, "predictions.csv", evaluation.PREDICTION_FILES)
+        check_output(output, "predictions.csv", evaluation.PREDICTION_FILES, _run_path(run_path))
     arrays, collect = evaluation.predictions(
         _run_path(run_path), stream, checkpoint, Objects.given(model, dataset)
     )

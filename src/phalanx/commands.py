@@ -56,7 +56,7 @@ def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
 def predict(run_path: str, stream: str, output: str, which: str) -> int:
     """`predictions` written as CSV, or whole as arrays where `output` is a .safetensors file;
     returns the sample count."""
-    check_output(output, "predictions.csv", evaluation.PREDICTION_FILES)
+    check_output(output, "predictions.csv", evaluation.PREDICTION_FILES, Path(run_path))
     arrays, collect = evaluation.predictions(run_path, stream, which)
     return evaluation.write_predictions(arrays, collect, stream, output)
 
@@ -65,7 +65,9 @@ def export(run_path: str, output: str, which: str, model: str | None = None) -> 
     """A checkpoint's whole model, whole or sharded on any process count, as one safetensors file;
     returns the number of tensors. The model's code is not needed: the checkpoint holds every
     name. A Keras model may go to Keras's own files instead (see `_export_keras`)."""
-    check_output(output, "model.safetensors", (".safetensors", *keras_models.KERAS_FILES))
+    check_output(
+        output, "model.safetensors", (".safetensors", *keras_models.KERAS_FILES), Path(run_path)
+    )
     if output.endswith(keras_models.KERAS_FILES):
         return _export_keras(run_path, Path(output), which, model)
     if model is not None:

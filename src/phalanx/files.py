@@ -52,10 +52,14 @@ def storage_error(path: Path, error: OSError, where: str = WHERE) -> StorageErro
     return StorageError(f"cannot write {path}: {reason}; choose another path ({where})")
 
 
-def check_output(output: str, example: str, endings: tuple[str, ...] = ()) -> None:
+def check_output(
+    output: str, example: str, endings: tuple[str, ...] = (), run_dir: Path | None = None
+) -> None:
     """One error where `output` cannot be the file to write: a directory, a missing folder, a path
-    the system refuses to look at (a name too long), or a name without one of `endings` (where
-    given: what the name's ending chooses to write)."""
+    the system refuses to look at (a name too long), a name without one of `endings` (where
+    given: what the name's ending chooses to write), or a file that `run_dir` holds (a command
+    that reads a run changes nothing in it: a new file beside its own is fine, but not in its
+    checkpoints)."""
     try:
         is_dir, parent = Path(output).is_dir(), Path(output).resolve().parent.is_dir()
     except OSError as e:
@@ -70,11 +74,25 @@ def check_output(output: str, example: str, endings: tuple[str, ...] = ()) -> No
             f"--output {output!r}: folder {str(Path(output).parent)!r} does not exist; create it "
             "first"
         )
+    if run_dir is not None:
+        _check_not_the_runs(Path(output), run_dir)
     if endings and not output.endswith(endings):
         raise PhalanxError(
             f"--output {output!r}: the name's ending says what to write, and this one is not "
             f"{' or '.join(endings)}; name the file such as "
             f"{Path(output).parent / example}"
+        )
+
+
+def _check_not_the_runs(output: Path, run_dir: Path) -> None:
+    """An error where `output` is a file `run_dir` holds, or lies in its checkpoints."""
+    target, run = output.resolve(), run_dir.resolve()
+    if run not in target.parents:
+        return
+    if (run / "checkpoints") in target.parents or target.exists():
+        raise PhalanxError(
+            f"--output {str(output)!r} would write over what run {run.name} holds "
+            f"({target.relative_to(run)}); name a new file, or one outside the run directory"
         )
 
 

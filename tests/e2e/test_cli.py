@@ -382,6 +382,16 @@ BAD = [
         ["--output", "the name's ending", ".safetensors or .keras or .weights.h5"],
     ),
     (
+        "export-over-a-runs-file",
+        ["export", "RUN", "--output", "RUN/run.json"],
+        ["--output", "would write over what run", "(run.json)"],
+    ),
+    (
+        "predict-into-the-checkpoints",
+        ["predict", "RUN", "--output", "RUN/checkpoints/p.csv"],
+        ["--output", "would write over what run", "checkpoints/p.csv", "outside the run"],
+    ),
+    (
         "export-no-such-step",
         ["export", "RUN", "--checkpoint", "99", "--output", "RUN.safetensors"],
         ["no checkpoint at step 99", "there are"],
