@@ -1,6 +1,8 @@
 """The `phalanx` command: subcommands only, each calling one function of `phalanx.commands`.
 
-Errors that are the user's to fix print as one line and exit 2; `--debug` shows the traceback.
+Errors that are the user's to fix print as one line and exit 2; an error that the user's own code
+raised (a model's forward, a dataset's item) prints with that code's frames alone and exits 1;
+`--debug` shows the whole traceback.
 """
 
 from __future__ import annotations
@@ -410,6 +412,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"phalanx: error: {e}", file=sys.stderr)
         return EXIT_FAILED if isinstance(e, RankFailure) else EXIT_USAGE
+    except Exception as e:  # the user's code raised, or a fault of phalanx's own
+        from phalanx.errors import in_your_code
+
+        said = None if args.debug else in_your_code(e)
+        if said is None:
+            raise
+        print(said, file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt as e:
         print("phalanx: interrupted", file=sys.stderr)
         return e.exit_code if isinstance(e, signals.Interrupted) else 130

@@ -90,3 +90,31 @@ _LOST_PEER = re.compile(
 def lost_a_peer(text: str) -> bool:
     """Whether an error is a rank's lost connection to another one (which ended first)."""
     return bool(_LOST_PEER.search(text))
+
+
+def in_your_code(error: BaseException) -> str | None:
+    """`error` as the user's own code raised it (a model's forward, a dataset's `__getitem__`): the
+    frames of that code alone, without phalanx's and the installed libraries' around them, and the
+    error. None where no frame is the user's: a fault of phalanx or of a library, whose whole
+    traceback is the report."""
+    import sysconfig
+    import traceback
+    from pathlib import Path
+
+    outside = [Path(__file__).resolve().parent]  # phalanx's own
+    outside += [Path(p).resolve() for k, p in sysconfig.get_paths().items() if "lib" in k]
+
+    def yours(frame: traceback.FrameSummary) -> bool:
+        if frame.filename.startswith("<"):  # <frozen ...>, <string>
+            return False
+        path = Path(frame.filename).resolve()
+        return not any(path.is_relative_to(place) for place in outside)
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if yours(f)]
+    if not frames:
+        return None
+    return (
+        "phalanx: error: your code raised this (--debug shows the whole traceback):\n"
+        + "".join(traceback.format_list(frames))
+        + "".join(traceback.format_exception_only(error))
+    ).rstrip()

@@ -683,3 +683,51 @@ def test_debug_shows_the_traceback(ran, case):
     assert result.returncode not in (0, 2), output(result)
     assert "Traceback (most recent call last)" in result.stderr
     assert "ConfigError" in result.stderr and "main_loop.epoch" in result.stderr
+
+
+BROKEN = '''
+import toy
+
+
+class Flaky:
+    """The training stream, but its item 5 cannot be read."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise RuntimeError("item 5 is corrupt")
+        return self.items[i]
+
+
+class Broken(toy.Regression):
+    def streams(self):
+        streams = super().streams()
+        return {**streams, "train": Flaky(streams["train"])}
+'''
+
+
+def test_an_error_the_users_code_raises_shows_that_codes_frames_alone(tmp_path):
+    """A dataset whose item raises in training: the user's frames and the error, exit 1; phalanx's
+    and torch's frames are left out of the terminal, not out of the run's log, and --debug shows
+    them all."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    raw = toy.regression_config(dataset={"class": "broken.Broken", "batch_size": 8})
+    toy.write_config(tmp_path, raw)
+    result = phalanx("train", "config.yaml", cwd=tmp_path)
+    assert result.returncode == 1, output(result)
+    said = result.stderr[result.stderr.index("phalanx: error: ") :]
+    assert said.startswith("phalanx: error: your code raised this (--debug shows the whole")
+    line = next(i for i, text in enumerate(BROKEN.splitlines(), 1) if "raise Runtime" in text)
+    assert f'File "{tmp_path / "broken.py"}", line {line}, in __getitem__' in said
+    assert said.rstrip().endswith("RuntimeError: item 5 is corrupt")
+    assert "Traceback" not in said and "phalanx/" not in said and "site-packages" not in said
+    runs = list((tmp_path / "runs").iterdir())
+    log = (runs[0] / "log.txt").read_text()
+    assert "Traceback (most recent call last)" in log and "phalanx/trainer.py" in log
+    debug = phalanx("train", "config.yaml", "--debug", cwd=tmp_path)
+    assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
