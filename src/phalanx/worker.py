@@ -195,7 +195,7 @@ def _resume_from_latest(
     """Restore the newest valid checkpoint, keep the run's config changed by `overrides`, and say
     where the run goes on from."""
     strategy = state.strategy
-    _restore_latest(state, run_dir, previous)
+    _restore_latest(state, run_dir, previous, bool(overrides))
     # every rank restored the same step: every rank refuses alike
     if overrides:
         resuming.check_epochs_left(cfg.main_loop.epochs, state.epoch, overrides)
@@ -220,10 +220,13 @@ def _resume_from_latest(
         )
 
 
-def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> int:
+def _restore_latest(
+    state: RunState, run_dir: Path, previous: dict | None, overridden: bool = False
+) -> int:
     """Restore the newest checkpoint that verifies, parses, has finite weights and fits the model,
     falling back step by step, each step passed over a warning; every rank takes the same step.
-    Returns it. Where none does and one was of another model, one error names that mismatch."""
+    Returns it. Where none does and one was of another model, one error names that mismatch, and
+    the fix: the resume's overrides (`overridden`), or else the run's config.yaml edited since."""
     strategy, checkpoints = state.strategy, state.stored_checkpoints
     if strategy.is_main:
         removed = checkpoints.clean_stale()
@@ -247,10 +250,15 @@ def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> in
         passed.append((step, errors[0][0]))
         mismatch = mismatch or next((text for text, other in errors if other), None)
     if mismatch is not None:
+        fix = (
+            "resume without the overrides that change the model, or with the model settings the "
+            "run was trained with"
+            if overridden
+            else f"put back in {run_dir / 'config.yaml'} the model settings the run was trained "
+            "with (it was edited since)"
+        )
         raise CheckpointMismatch(
-            f"no checkpoint of {run_dir} fits the model its config builds ({mismatch}); resume "
-            "without the overrides that change the model, or with the model settings the run was "
-            "trained with"
+            f"no checkpoint of {run_dir} fits the model its config builds ({mismatch}); {fix}"
         )
     # said in the error alone: a resume that fails on its checkpoints leaves the run's log as it was
     why = f" (the newest one: {passed[0][1]}" if passed else ""

@@ -517,6 +517,16 @@ def test_a_newest_step_of_another_model_is_passed_and_saved_again_when_training_
     assert "step-15" in message and "resume without the overrides that change the model" in message
     assert (run_dir / "config.yaml").read_text() == before
     assert ckpts.steps() == [5, 10, 15]
+    # the same model change made in the run's config.yaml by hand: the fix is the file's
+    edited = yaml.safe_load(before)
+    edited["model"]["hidden"] = 4
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
+    with pytest.raises(CheckpointMismatch) as info:
+        commands.resume(str(run_dir), [])
+    message = str(info.value)
+    assert "overrides" not in message
+    assert f"put back in {run_dir / 'config.yaml'} the model settings the run was" in message
+    assert ckpts.steps() == [5, 10, 15]
 
 
 def _weights_at(tmp_path: Path, step: int) -> dict[str, torch.Tensor]:
