@@ -72,6 +72,14 @@ def open_run(path: str | Path, announce: bool = True) -> Path:
             "runs/digits-20260101-120000 (`phalanx ls` lists them)"
         )
     missing = [name for name in (CONFIG, META) if not (run_dir / name).is_file()]
+    ran = any((run_dir / name).exists() for name in ("checkpoints", TRACE))
+    if missing and ran:
+        # a run's folder (it trained) that lost a file of its own: the fix is the file
+        raise RunDirError(
+            f"{str(run_dir)!r} is a run directory without its {' and '.join(missing)}, which "
+            f"phalanx reads to open it; restore {'it' if len(missing) == 1 else 'them'} from a "
+            "backup or another copy of the run"
+        )
     if missing:
         raise RunDirError(
             f"{str(run_dir)!r} is not a run directory (it has no {' and no '.join(missing)}); "

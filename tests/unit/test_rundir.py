@@ -58,6 +58,21 @@ def test_a_folder_that_is_not_a_run_names_what_it_lacks(run, removed, said):
     )
 
 
+@pytest.mark.parametrize("removed", [["config.yaml"], ["run.json"], ["config.yaml", "run.json"]])
+def test_a_run_that_trained_and_lost_its_own_file_is_told_to_restore_it(run, removed):
+    """A folder with a trace or checkpoints is a run: the fix is its missing file, not another
+    folder."""
+    (run / rundir.TRACE).write_text('{"event": "started"}\n')
+    for name in removed:
+        (run / name).unlink()
+    with pytest.raises(RunDirError) as info:
+        rundir.open_run(run)
+    assert str(info.value).startswith(
+        f"{str(run)!r} is a run directory without its {' and '.join(removed)}, which phalanx "
+        "reads to open it; restore"
+    )
+
+
 @pytest.mark.parametrize(
     "name, content, words",
     [
