@@ -47,9 +47,11 @@ def resume(run_path: str, overrides: list[str], nodes: Nodes | None = None) -> i
 
 
 def evaluate(run_path: str, stream: str, which: str) -> dict[str, Any]:
-    """`phalanx eval`: a checkpoint's metrics on a stream, printed and saved as JSON."""
-    result = evaluation.evaluate(run_path, stream, which)
+    """`phalanx eval`: a checkpoint's metrics on a stream, printed and saved as JSON (printed
+    first: a run directory that cannot be written loses no result)."""
+    result = evaluation.evaluate(run_path, stream, which, save=False)
     evaluation.print_metrics(Path(run_path), result)
+    evaluation.save_result(Path(run_path), result)
     return result
 
 

@@ -72,9 +72,14 @@ def _restore(
 
 
 def evaluate(
-    run_path: str | os.PathLike, stream: str, which: str | int, objects: Objects | None = None
+    run_path: str | os.PathLike,
+    stream: str,
+    which: str | int,
+    objects: Objects | None = None,
+    save: bool = True,
 ) -> dict[str, Any]:
-    """A checkpoint's metrics on a stream, computed by the run's metric hooks; saved as JSON too."""
+    """A checkpoint's metrics on a stream, computed by the run's metric hooks; saved as JSON too
+    (`save`; else by `save_result`)."""
     run_dir, cfg = _open(run_path, "evaluate", objects)
     metric_hooks = [
         h
@@ -91,8 +96,19 @@ def evaluate(
         "checkpoint": step,
         "metrics": trainer.epoch_data[stream],
     }
-    write_text_atomic(run_dir / f"eval-{stream}-step-{step}.json", json.dumps(result, indent=1))
+    if save:
+        save_result(run_dir, result)
     return result
+
+
+def save_result(run_dir: Path, result: dict[str, Any]) -> None:
+    """An evaluation's metrics as `eval-<stream>-step-<step>.json` in the run directory."""
+    path = run_dir / f"eval-{result['stream']}-step-{result['checkpoint']}.json"
+    write_text_atomic(
+        path,
+        json.dumps(result, indent=1),
+        where="eval saves its metrics in the run directory alone; they are printed above",
+    )
 
 
 def print_metrics(run_dir: Path, result: dict[str, Any]) -> None:

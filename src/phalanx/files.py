@@ -122,12 +122,14 @@ def remove(path: Path) -> None:
             pass
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], object], sync: bool = False) -> None:
+def write_atomic(
+    path: Path, write: Callable[[BinaryIO], object], sync: bool = False, where: str = WHERE
+) -> None:
     """Write `path` through `write(file)` into a temporary file and a rename; `sync` also fsyncs it.
-    A failure leaves the previous file as it was and no temporary file."""
+    A failure leaves the previous file as it was and no temporary file; its error says `where`."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with writing(path, partial=tmp):
+    with writing(path, partial=tmp, where=where):
         with open(tmp, "wb") as f:
             write(f)
             if sync:
@@ -136,10 +138,10 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], sync: bool = F
         os.replace(tmp, path)
 
 
-def write_text_atomic(path: Path, text: str, sync: bool = False) -> None:
+def write_text_atomic(path: Path, text: str, sync: bool = False, where: str = WHERE) -> None:
     """Write `text` (UTF-8) to `path` through a temporary file and a rename; `sync` fsyncs it."""
     data = text.encode("utf-8")
-    write_atomic(path, lambda f: f.write(data), sync)
+    write_atomic(path, lambda f: f.write(data), sync, where)
 
 
 def fsync_file(path: Path) -> None:

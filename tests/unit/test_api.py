@@ -177,6 +177,39 @@ def test_the_eval_command_keeps_the_run_name_whole_on_a_narrow_terminal(cli_run,
     assert f"valid at step {result['checkpoint']}" in lines, lines
 
 
+def test_eval_on_a_run_it_cannot_write_prints_the_metrics_then_says_why_none_is_saved(
+    cli_run, tmp_path, monkeypatch
+):
+    """A read-only run directory: the metrics are not lost with the file, and the error names
+    no --output, which eval does not have."""
+    import errno
+    import io
+
+    from rich.console import Console
+
+    from phalanx import commands, files
+    from phalanx.errors import StorageError
+
+    run_dir = tmp_path / cli_run.name
+    shutil.copytree(cli_run, run_dir)
+    for earlier in run_dir.glob("eval-*.json"):  # another test's eval of the shared run
+        earlier.unlink()
+    out = io.StringIO()
+    monkeypatch.setattr("phalanx.logs.out", Console(file=out, width=120, color_system=None))
+
+    def refused(path, write, sync=False, where=files.WHERE):
+        raise files.storage_error(path, OSError(errno.EROFS, "Read-only file system"), where)
+
+    monkeypatch.setattr(files, "write_atomic", refused)
+    with pytest.raises(StorageError) as info:
+        commands.evaluate(str(run_dir), "valid", "latest")
+    assert "valid at step" in out.getvalue() and "loss" in out.getvalue()
+    said = str(info.value)
+    assert said.startswith(f"cannot write {run_dir}/eval-valid-step-") and "--output" not in said
+    assert "eval saves its metrics in the run directory alone; they are printed above" in said
+    assert not list(run_dir.glob("eval-*.json"))
+
+
 def test_a_resume_of_a_run_with_no_epoch_left_is_refused_before_anything_is_written(
     cli_run, tmp_path
 ):
