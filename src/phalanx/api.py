@@ -12,10 +12,12 @@ device, with `towers` on several, or in each process of a `torchrun` job.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from phalanx.files import check_output
 from phalanx.model import build_model
 from phalanx.nodes import Nodes
 from phalanx.objects import Objects, check_given
+from phalanx.spawned import STACKS
 from phalanx.trainer import Trainer
 from phalanx.worker import (
     build_worker_trainer,
@@ -470,14 +473,64 @@ def _resume(
             restarts=cfg.parallel.max_restarts,
         )
     devices = strategies.resolve_device(cfg)[1]
-    return relaunch.launch_until_it_fits(
-        run_dir,
-        devices,
-        True,
-        list(overrides),
-        cfg.parallel.max_restarts,
-        strategies.rejoining(cfg, devices),
-    )
+    with _as_it_was_if_refused(run_dir):
+        return relaunch.launch_until_it_fits(
+            run_dir,
+            devices,
+            True,
+            list(overrides),
+            cfg.parallel.max_restarts,
+            strategies.rejoining(cfg, devices),
+        )
+
+
+@contextlib.contextmanager
+def _as_it_was_if_refused(run_dir: Path) -> Iterator[None]:
+    """A resume whose workers refuse it before training (bad input: a model its checkpoints do
+    not fit, say) leaves the run directory as it was, as one process's refusal does: the lines the
+    launch added to log.txt and trace.jsonl are taken back (no `failed` event marks a healthy run),
+    and so are the stacks its workers wrote when they ended."""
+    appended = [run_dir / "log.txt", run_dir / rundir.TRACE]
+    sizes = {path: path.stat().st_size if path.is_file() else None for path in appended}
+    stacks = run_dir / STACKS
+    kept = {p: p.read_bytes() for p in stacks.iterdir() if p.is_file()} if stacks.is_dir() else None
+    try:
+        yield
+    except PhalanxError as e:
+        trace = run_dir / rundir.TRACE
+        if isinstance(e, launch.RankFailure) or _started_since(trace, sizes[trace]):
+            raise
+        with contextlib.suppress(OSError):
+            for path, size in sizes.items():
+                if size is None:
+                    path.unlink(missing_ok=True)
+                elif path.stat().st_size > size:
+                    os.truncate(path, size)
+            if kept is None:
+                shutil.rmtree(stacks, ignore_errors=True)
+            elif stacks.is_dir():
+                for path in stacks.iterdir():
+                    if path not in kept:
+                        path.unlink()
+                for path, content in kept.items():
+                    path.write_bytes(content)
+        raise
+
+
+def _started_since(trace: Path, size: int | None) -> bool:
+    """Whether the run's trace records training started after its first `size` bytes."""
+    try:
+        with open(trace, "rb") as f:
+            f.seek(size or 0)
+            lines = f.read().splitlines()
+    except OSError:
+        return True  # unknown: kept as the launch left it
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict) and event.get("event") == "started":
+                return True
+    return False
 
 
 def _check_strategy(cfg: config.Config, nodes: Nodes | None) -> None:

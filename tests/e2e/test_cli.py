@@ -731,3 +731,26 @@ def test_an_error_the_users_code_raises_shows_that_codes_frames_alone(tmp_path):
     assert "Traceback (most recent call last)" in log and "phalanx/trainer.py" in log
     debug = phalanx("train", "config.yaml", "--debug", cwd=tmp_path)
     assert debug.returncode == 1 and "Traceback (most recent call last)" in debug.stderr
+
+
+def test_a_resume_its_workers_refuse_leaves_the_run_as_it_was(tmp_path):
+    """On two processes, a resume whose model the checkpoints do not fit: one error line, exit 2,
+    and the run directory as it was (no failed event, log line or stacks), as on one process."""
+    toy.write_config(tmp_path, toy.regression_config())
+    assert phalanx("train", "config.yaml", cwd=tmp_path).returncode == 0
+    [run] = list((tmp_path / "runs").iterdir())
+    before = snapshot(run)
+    result = phalanx(
+        "resume",
+        str(run),
+        "main_loop.epochs=4",
+        "parallel.devices=2",
+        "parallel.strategy=ddp",
+        "model.hidden=7",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, output(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("phalanx: error: ")]
+    assert len(errors) == 1 and "fits the model its config builds" in errors[0], result.stderr
+    assert snapshot(run) == before
+    assert trace(run)[-1]["event"] == "finished"
