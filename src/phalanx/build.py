@@ -28,7 +28,9 @@ log = logging.getLogger("phalanx")
 
 def build_dataset(cfg: DatasetConfig, search_dirs: Sequence[Path]) -> Any:
     kwargs = {k: build_value(v, f"dataset.{k}", search_dirs) for k, v in cfg.kwargs().items()}
-    return instantiate("dataset", import_object(cfg.class_, search_dirs), **kwargs)
+    return instantiate(
+        "dataset", import_object(cfg.class_, search_dirs, key="dataset.class"), **kwargs
+    )
 
 
 def build_optimizer(
@@ -44,7 +46,9 @@ def build_optimizer(
     scaler (`scaled`): torch's fused SGD makes its momentum buffers, uninitialised, before it reads
     the scaler's "skip" flag, and keeps them from a skipped first step (an fp16 run's first steps
     are often skipped)."""
-    factory = import_object(cfg.class_, search_dirs, default_module="torch.optim")
+    factory = import_object(
+        cfg.class_, search_dirs, default_module="torch.optim", key="optimizer.class"
+    )
     if isinstance(factory, type) and not issubclass(factory, torch.optim.Optimizer):
         raise ConfigError(
             f"optimizer.class {cfg.class_} is a {factory.__name__}, not a torch.optim.Optimizer; "
@@ -143,7 +147,10 @@ def build_schedulers(
         )
     if cfg.scheduler is not None:
         factory = import_object(
-            cfg.scheduler.class_, search_dirs, default_module="torch.optim.lr_scheduler"
+            cfg.scheduler.class_,
+            search_dirs,
+            default_module="torch.optim.lr_scheduler",
+            key="scheduler.class",
         )
         kwargs = cfg.scheduler.kwargs()
         auto = [key for key, value in kwargs.items() if value == AUTO]

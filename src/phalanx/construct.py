@@ -28,9 +28,22 @@ def prefer_torch_keras() -> None:
 
 
 def import_object(
-    path: str, search_dirs: Sequence[Path] = (), default_module: str | None = None
+    path: str,
+    search_dirs: Sequence[Path] = (),
+    default_module: str | None = None,
+    key: str | None = None,
 ) -> Any:
-    """The object a dotted path names; `default_module` is tried first for a bare name."""
+    """The object a dotted path names; `default_module` is tried first for a bare name. `key`: the
+    config key that gives the path, which an error names first."""
+    try:
+        return _import_object(path, search_dirs, default_module)
+    except ConfigError as e:
+        if key is None:
+            raise
+        raise ConfigError(f"{key}: {e}") from None
+
+
+def _import_object(path: str, search_dirs: Sequence[Path], default_module: str | None) -> Any:
     for folder in [*search_dirs, Path.cwd()]:
         if str(folder) not in sys.path:
             sys.path.append(str(folder))
@@ -233,7 +246,8 @@ def build_value(value: Any, where: str, search_dirs: Sequence[Path]) -> Any:
             k: build_value(v, f"{where}.{k}", search_dirs) for k, v in value.items() if k != "class"
         }
         args = kwargs.pop("args", [])
-        return instantiate(where, import_object(value["class"], search_dirs), *args, **kwargs)
+        factory = import_object(value["class"], search_dirs, key=f"{where}.class")
+        return instantiate(where, factory, *args, **kwargs)
     if isinstance(value, list):
         return [build_value(v, f"{where}.{i}", search_dirs) for i, v in enumerate(value)]
     if isinstance(value, dict):

@@ -34,7 +34,9 @@ def build_model(cfg: ModelConfig, search_dirs: Sequence[Path]) -> nn.Module:
     """The user's module, built from the `model` section."""
     kwargs = {k: build_value(v, f"model.{k}", search_dirs) for k, v in cfg.kwargs().items()}
     args = build_value(cfg.args, "model.args", search_dirs)
-    module = instantiate("model", import_object(cfg.class_, search_dirs), *args, **kwargs)
+    module = instantiate(
+        "model", import_object(cfg.class_, search_dirs, key="model.class"), *args, **kwargs
+    )
     if keras_models.is_keras(module):
         return keras_models.KerasModule(module)
     if not isinstance(module, nn.Module):
@@ -473,7 +475,9 @@ def _described(value: Any) -> str:
 
 
 def _loss_function(cfg: LossConfig, search_dirs: Sequence[Path]) -> Callable:
-    function = import_object(cfg.function, search_dirs, default_module="torch.nn.functional")
+    function = import_object(
+        cfg.function, search_dirs, default_module="torch.nn.functional", key="model.loss.function"
+    )
     keras = sys.modules.get("keras")
     if isinstance(function, type) and not (keras is not None and issubclass(function, keras.Loss)):
         raise ConfigError(

@@ -463,6 +463,25 @@ def test_import_object_bare_torch_optim_name():
     assert "torch.optim has no 'SDG'" in str(info.value) and 'did you mean "SGD"' in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "section, value, key",
+    [
+        ("model", {"class": "toy.NoSuchNet", "features": 3}, "model.class"),
+        ("dataset", {"class": "toy.Regresion", "batch_size": 8}, "dataset.class"),
+        ("optimizer", {"class": "SDG", "lr": 0.1}, "optimizer.class"),
+        ("scheduler", {"class": "StepLRR", "step_size": 1}, "scheduler.class"),
+    ],
+)
+def test_a_class_that_is_not_there_is_named_by_its_key(tmp_path, section, value, key):
+    """Where the run builds it, the error starts with the config key that names it."""
+    from phalanx.trainer import Trainer
+
+    raw = toy.regression_config(**{section: value})
+    with pytest.raises(ConfigError) as info:
+        Trainer(config.validate(raw), tmp_path, [str(Path(toy.__file__).parent)], hooks=[])
+    assert str(info.value).startswith(f"{key}: "), str(info.value)
+
+
 def test_instantiate_bad_keyword_lists_the_valid_ones():
     params = [nn.Parameter(torch.zeros(2))]
     with pytest.raises(ConfigError) as info:
@@ -497,7 +516,7 @@ def test_instantiate_names_the_section_when_a_constructor_refuses_a_value_with_t
     "scheduler, says",
     [
         ({"class": "CosineAnnealingLR", "T_max": 0}, "ZeroDivisionError"),
-        ({"class": "CosineAnnealingLR", "T_max": "ten"}, "TypeError"),
+        ({"class": "CosineAnnealingLR", "T_max": "ten"}, "T_max takes an integer, got the string"),
         ({"class": "ReduceLROnPlateau"}, "steps on a measured value"),
     ],
 )

@@ -60,7 +60,7 @@ def _build(index: int, spec: Any, search_dirs: list[Path]) -> Hook:
     if name in BUILTIN:
         factory = BUILTIN[name]
     elif "." in name:
-        factory = import_object(name, search_dirs)
+        factory = import_object(name, search_dirs, key=f"hooks.{index}")
     else:
         raise ConfigError(
             f"hooks.{index}: no built-in hook {name!r}{did_you_mean(name, BUILTIN)}; "
