@@ -104,7 +104,10 @@ class Checkpoints:
         found = [
             int(p.name[5:])
             for p in self.root.glob("step-*")
-            if p.name[5:].isdigit() and (p / MANIFEST).is_file()
+            # step-N as phalanx names it (step-060 would be another folder of step 60)
+            if p.name[5:].isdigit()
+            and p.name == f"step-{int(p.name[5:])}"
+            and (p / MANIFEST).is_file()
         ]
         return sorted(found)
 
@@ -457,7 +460,13 @@ class Checkpoints:
                 f"no {which} checkpoint in {self.root}; train longer or save with "
                 "SaveBest/SaveLatest"
             )
-        self.verify(step)
+        try:
+            self.verify(step)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"{e}; --checkpoint latest takes the newest checkpoint that verifies, or give a "
+                f"step: there are {self.steps()}"
+            ) from None
         return step
 
     def prune(self) -> None:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
@@ -370,6 +371,29 @@ def test_a_file_the_system_will_not_let_us_read_is_said_not_passed_over(ckpts, m
     for call in (lambda: ckpts.select(4), ckpts.latest_valid):
         with pytest.raises(StorageError, match=r"cannot read .*step-4/.*Permission denied; make"):
             call()
+
+
+def test_a_damaged_best_says_where_the_valid_ones_are(ckpts):
+    for step in (2, 4):
+        _save(
+            ckpts,
+            step,
+            best={"variable": "valid.loss", "value": 1.0, "epoch": 1} if step == 4 else None,
+        )
+    _truncate(ckpts.path(4) / WEIGHTS)
+    with pytest.raises(CheckpointError) as info:
+        ckpts.select("best")
+    said = str(info.value)
+    assert "truncated" in said and "--checkpoint latest takes the newest checkpoint that" in said
+    assert said.endswith("there are [2, 4]")
+    assert ckpts.select("latest") == 2
+
+
+def test_a_step_folder_not_named_as_phalanx_names_it_is_no_step(ckpts):
+    """step-060 beside step-60 (a copy by hand) is neither counted nor pruned as step 60."""
+    _save(ckpts, 60)
+    shutil.copytree(ckpts.path(60), ckpts.root / "step-060")
+    assert ckpts.steps() == [60]
 
 
 def test_select_best_without_a_best(ckpts):
