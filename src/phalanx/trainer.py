@@ -182,8 +182,12 @@ class Trainer:
             return self._run()
 
     def _run(self) -> int:
-        self.stop.install()
         state = self.state
+        if state.step and state.epoch >= self.cfg.main_loop.epochs:
+            # a finished run resumed as it was: nothing to train, so no hook starts (a writer's
+            # new file, a checkpoint saved again) and the run's trace stays as it ended
+            return 0
+        self.stop.install()
         success, code, interrupted = True, 0, False
         state.trace("started", epoch=state.epoch, step=state.step)
         try:

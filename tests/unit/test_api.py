@@ -224,6 +224,23 @@ def test_a_resume_of_a_run_with_no_epoch_left_is_refused_before_anything_is_writ
     assert {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()} == before
 
 
+def test_a_finished_run_resumed_as_it_was_trains_nothing_and_writes_nothing_but_its_log(
+    cli_run, tmp_path
+):
+    """No hook starts: no writer's new file, no checkpoint saved again, no trace event; the log
+    says the run has finished."""
+    run_dir = tmp_path / cli_run.name
+    shutil.copytree(cli_run, run_dir)
+    before = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    assert phalanx.resume(run_dir).code == 0
+    after = {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    log = run_dir / "log.txt"
+    assert {p: b for p, b in after.items() if p != log} == {
+        p: b for p, b in before.items() if p != log
+    }
+    assert "the run has finished its 2 epochs" in log.read_text()
+
+
 def test_a_run_of_objects_resumes_and_loads_with_them_again(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, streams = _objects()
