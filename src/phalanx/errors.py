@@ -101,17 +101,22 @@ def in_your_code(error: BaseException) -> str | None:
     import traceback
     from pathlib import Path
 
-    outside = [Path(__file__).resolve().parent]  # phalanx's own
-    outside += [Path(p).resolve() for k, p in sysconfig.get_paths().items() if "lib" in k]
+    own = Path(__file__).resolve().parent  # phalanx's
+    libraries = [Path(p).resolve() for k, p in sysconfig.get_paths().items() if "lib" in k]
 
-    def yours(frame: traceback.FrameSummary) -> bool:
+    def where(frame: traceback.FrameSummary) -> str:
         if frame.filename.startswith("<"):  # <frozen ...>, <string>
-            return False
+            return "library"
         path = Path(frame.filename).resolve()
-        return not any(path.is_relative_to(place) for place in outside)
+        if path.is_relative_to(own):
+            return "phalanx"
+        return "library" if any(path.is_relative_to(p) for p in libraries) else "yours"
 
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if yours(f)]
-    if not frames:
+    stack = [(frame, where(frame)) for frame in traceback.extract_tb(error.__traceback__)]
+    frames = [frame for frame, kind in stack if kind == "yours"]
+    # raised by phalanx's own code that the user's called (a fault of phalanx's): said whole
+    last = max((i for i, (_, kind) in enumerate(stack) if kind == "yours"), default=None)
+    if last is None or any(kind == "phalanx" for _, kind in stack[last + 1 :]):
         return None
     return (
         "phalanx: error: your code raised this (--debug shows the whole traceback):\n"

@@ -39,3 +39,43 @@ def test_named_gives_the_type_and_the_text_once():
     # an error without text is its type, not the type twice
     assert named(RuntimeError()) == "RuntimeError"
     assert named(TimeoutError("x" * 900), 10) == "TimeoutError: " + "x" * 10
+
+
+def test_an_error_is_the_users_where_their_code_or_a_library_it_called_raised(tmp_path):
+    """The user's frames and the error where the user's code raised, or a library it called;
+    None (the whole traceback) where phalanx's own code raised under it, or no frame is theirs."""
+    import importlib
+    import sys
+
+    from phalanx.errors import in_your_code
+
+    (tmp_path / "users_module_for_errors.py").write_text(
+        "import json\n"
+        "from phalanx import construct\n\n"
+        "def own():\n"
+        "    raise ValueError('bad item')\n\n"
+        "def library():\n"
+        "    return json.loads('{')\n\n"
+        "def phalanx_under():\n"
+        "    return construct.import_object('nodots')\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        users = importlib.import_module("users_module_for_errors")
+    finally:
+        sys.path.remove(str(tmp_path))
+    said = {}
+    for name in ("own", "library", "phalanx_under"):
+        try:
+            getattr(users, name)()
+        except Exception as e:  # noqa: BLE001 - each kind of error, as the CLI catches it
+            said[name] = in_your_code(e)
+    assert said["own"].startswith("phalanx: error: your code raised this")
+    assert "in own\n    raise ValueError('bad item')\nValueError: bad item" in said["own"]
+    assert "in library\n    return json.loads('{')\n" in said["library"]
+    assert "json/" not in said["library"] and said["library"].endswith("(char 1)")
+    assert said["phalanx_under"] is None
+    try:
+        int("x")  # this test's own frame is outside phalanx and the libraries, as a user's is
+    except ValueError as e:
+        assert in_your_code(e) is not None
