@@ -13,7 +13,6 @@ device, with `towers` on several, or in each process of a `torchrun` job.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -494,11 +493,11 @@ def _as_it_was_if_refused(run_dir: Path) -> Iterator[None]:
     sizes = {path: path.stat().st_size if path.is_file() else None for path in appended}
     stacks = run_dir / STACKS
     kept = {p: p.read_bytes() for p in stacks.iterdir() if p.is_file()} if stacks.is_dir() else None
+    starts = _starts(run_dir)
     try:
         yield
     except PhalanxError as e:
-        trace = run_dir / rundir.TRACE
-        if isinstance(e, launch.RankFailure) or _started_since(trace, sizes[trace]):
+        if isinstance(e, launch.RankFailure) or _starts(run_dir) > starts:
             raise
         with contextlib.suppress(OSError):
             for path, size in sizes.items():
@@ -517,20 +516,9 @@ def _as_it_was_if_refused(run_dir: Path) -> Iterator[None]:
         raise
 
 
-def _started_since(trace: Path, size: int | None) -> bool:
-    """Whether the run's trace records training started after its first `size` bytes."""
-    try:
-        with open(trace, "rb") as f:
-            f.seek(size or 0)
-            lines = f.read().splitlines()
-    except OSError:
-        return True  # unknown: kept as the launch left it
-    for line in lines:
-        with contextlib.suppress(ValueError):
-            event = json.loads(line)
-            if isinstance(event, dict) and event.get("event") == "started":
-                return True
-    return False
+def _starts(run_dir: Path) -> int:
+    """How often the run's trace says training started."""
+    return sum(event["event"] == "started" for event in rundir.read_trace(run_dir))
 
 
 def _check_strategy(cfg: config.Config, nodes: Nodes | None) -> None:

@@ -195,7 +195,7 @@ def _resume_from_latest(
     """Restore the newest valid checkpoint, keep the run's config changed by `overrides`, and say
     where the run goes on from."""
     strategy = state.strategy
-    _restore_latest(state, run_dir, previous, bool(overrides))
+    _restore_latest(state, run_dir, previous)
     # every rank restored the same step: every rank refuses alike
     if overrides:
         resuming.check_epochs_left(cfg.main_loop.epochs, state.epoch, overrides)
@@ -220,13 +220,12 @@ def _resume_from_latest(
         )
 
 
-def _restore_latest(
-    state: RunState, run_dir: Path, previous: dict | None, overridden: bool = False
-) -> int:
+def _restore_latest(state: RunState, run_dir: Path, previous: dict | None) -> int:
     """Restore the newest checkpoint that verifies, parses, has finite weights and fits the model,
     falling back step by step, each step passed over a warning; every rank takes the same step.
     Returns it. Where none does and one was of another model, one error names that mismatch, and
-    the fix: the resume's overrides (`overridden`), or else the run's config.yaml edited since."""
+    the fix: the resume's overrides (`previous`: the config before them), or else the run's
+    config.yaml edited since."""
     strategy, checkpoints = state.strategy, state.stored_checkpoints
     if strategy.is_main:
         removed = checkpoints.clean_stale()
@@ -253,7 +252,7 @@ def _restore_latest(
         fix = (
             "resume without the overrides that change the model, or with the model settings the "
             "run was trained with"
-            if overridden
+            if previous is not None
             else f"put back in {run_dir / 'config.yaml'} the model settings the run was trained "
             "with (it was edited since)"
         )

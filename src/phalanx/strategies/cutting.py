@@ -68,13 +68,12 @@ class Active:
     captured: list[dict] = field(default_factory=list)  # the last stage's outputs
     # the trunk's own run of the stage's blocks is calling them (`_run_range_of`): as they are
     inside: bool = False
+    chunks: list[dict] = field(default_factory=list)  # the step's micro-batches, in order
+    batch: dict = field(default_factory=dict)  # the micro-batch a stage's forward runs
 
     def forget_batch(self) -> None:
         """The step's or round's micro-batches let go once the schedule has run them."""
         self.chunks, self.batch = [], {}
-
-    chunks: list[dict] = field(default_factory=list)  # the step's micro-batches, in order
-    batch: dict = field(default_factory=dict)  # the micro-batch a stage's forward runs
 
 
 def stage_parts(model: nn.Module, split: Split, stage: int, stages: int) -> list[nn.Module]:
