@@ -509,6 +509,30 @@ class Record(Hook):
         self.epochs.append({s: dict(v) for s, v in epoch_data.items()})
 
 
+class RecordEvery(Hook):
+    """Keeps the global loss of every `every`-th step on rank 0 alone (as a hook that prints it
+    would), and says so (`reads_loss`): the steps between may be agreed on together."""
+
+    gathers = False
+
+    def __init__(self, every: int):
+        self.every = every
+        self.losses: dict[int, float] = {}
+        self.shown: list[float] = []  # ShowProgress's reading of the epoch's loss, at every step
+
+    def reads_loss(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        run = self.trainer
+        if not run.training or run.strategy.rank:
+            return
+        so_far = run.epoch_loss_so_far
+        self.shown.append(float("nan") if so_far is None else float(so_far))
+        if run.step % self.every == 0:
+            self.losses[run.step] = float(run.last_loss)
+
+
 class EpochLoss(Hook):
     """Keeps each epoch's mean training loss as the trainer gives it at the epoch's end; it reads no
     step's loss, so a strategy that agrees on the loss behind the step is never waited for."""

@@ -1,6 +1,9 @@
 """The training steps' losses, tallied: the last step's and the epoch's mean. A strategy may agree
 on a step's loss behind the step (the pipeline, param_server): such a loss is settled (waited for)
-only when it is read, and at most `UNSUMMED` of them wait to be added up.
+only when it is read, and at most `UNSUMMED` of them wait to be added up. The pipeline sends the
+agreements of several steps as one message: a loss whose message has not been sent is read (which
+sends it, a collective) only where every process reads it, and a display reads the epoch's mean of
+the steps whose message has gone (`epoch_mean(sent_only=True)`).
 
 The settled losses are added up a group of `GROUP` steps at a time, by one stack and one sum: on a
 GPU, two kernel launches a group where adding each loss to a running sum would launch one every
@@ -40,19 +43,25 @@ class StepLosses:
         self._sum: torch.Tensor | None = None
         self._group: list[torch.Tensor] = []
         self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
+        self._sent = 0  # the first unsummed losses whose agreement has been sent
         self.steps = 0
 
     def begin_epoch(self) -> None:
-        self._sum, self._group, self._unsummed, self.steps = None, [], [], 0
+        self._sum, self._group, self._unsummed, self._sent, self.steps = None, [], [], 0, 0
 
-    def add(self, loss: torch.Tensor, settle: Callable[[], object] | None) -> None:
-        """A step's global mean loss; `settle` waits for it, where it is agreed behind the step."""
+    def add(
+        self, loss: torch.Tensor, settle: Callable[[], object] | None, sent: bool = True
+    ) -> None:
+        """A step's global mean loss; `settle` waits for it, where it is agreed behind the step
+        (`sent`: its agreement, and those of the steps before, have been sent)."""
         self._last, self._settle = loss, settle
         self.steps += 1
         if settle is None and not self._unsummed:  # there already
             self._gather(loss)
             return
         self._unsummed.append((loss, settle or _there))
+        if sent:
+            self._sent = len(self._unsummed)
         if len(self._unsummed) > UNSUMMED:
             self.settle(UNSUMMED // 2)
 
@@ -64,23 +73,26 @@ class StepLosses:
             settle()
         return self._last
 
-    def epoch_mean(self) -> torch.Tensor | None:
-        """The mean of the epoch's step losses so far, None before its first step."""
-        if not self.steps:
+    def epoch_mean(self, sent_only: bool = False) -> torch.Tensor | None:
+        """The mean of the epoch's step losses so far, None before its first step; `sent_only`:
+        of the steps whose agreement has been sent (it sends none)."""
+        self.settle(self._sent if sent_only else None)
+        steps = self.steps - len(self._unsummed)
+        if not steps:
             return None
-        self.settle()
         total = self._sum
         if self._group:  # added up for this read alone: the group fills on
             part = _summed(self._group)
             total = part if total is None else total + part
         assert total is not None
-        return total / self.steps
+        return total / steps
 
     def settle(self, count: int | None = None) -> None:
         """The first `count` unsummed losses (all: None) settled and added up; the newest of them
         settles first (one request can settle the ones before it)."""
         count = len(self._unsummed) if count is None else count
         due, self._unsummed = self._unsummed[:count], self._unsummed[count:]
+        self._sent = max(0, self._sent - count)
         for _, settle in reversed(due):
             settle()
         for loss, _ in due:

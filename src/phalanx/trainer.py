@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
-from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.hooks.base import Hook, TrainingTerminated, reads_no_loss
 from phalanx.hooks.calling import Calls
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
@@ -361,6 +361,7 @@ class Trainer:
         live = self.times.begin_steps()
         # a resume's config, written once its first step and that step's hooks have gone through
         pending = state.config_pending
+        self.strategy.agree_when(self._loss_read(listeners))
         try:
             t0 = clock()
             # planning and fetching the step count as data time
@@ -380,7 +381,7 @@ class Trainer:
                     device.end()
                 if self._unchecked:
                     self._check_gradients()
-                losses.add(result.loss, result.settle)
+                losses.add(result.loss, result.settle, result.agreed)
                 self.last_batch_size = fetched[0][0].global_size
                 state.step, state.step_in_epoch = state.step + 1, k + 1
                 t2 = clock()
@@ -409,14 +410,34 @@ class Trainer:
             losses.settle()  # no agreement in flight outlives the steps
             raise
         except BaseException:
-            # a failure's own error stands: what is in flight may never come (a link it closed)
+            # a failure's own error stands: what is in flight may never come (a link it closed),
+            # and what is not sent yet no other process may come to
+            self.strategy.agree_when(None)
             with contextlib.suppress(Exception):
                 losses.settle()
             raise
         else:
             losses.settle()
         finally:
+            self.strategy.agree_when(None)
             self.times.add(profile)
+
+    def _loss_read(self, listeners: list[Hook]) -> Callable[[], bool]:
+        """Whether the loss of the step about to run is read: by an after_batch hook (each says at
+        which steps; one of the user's that does not, at every step), at an evaluation round after
+        it, or at the epoch's end. The same on every process."""
+        state, every, last = self.state, self.cfg.main_loop.eval_every_n_steps, self.steps_per_epoch
+        readers = [h.reads_loss for h in listeners if type(h).reads_loss is not reads_no_loss]
+
+        def due() -> bool:
+            step = state.step + 1
+            return (
+                state.step_in_epoch + 1 == last
+                or (every is not None and step % every == 0)
+                or any(read(step) for read in readers)
+            )
+
+        return due
 
     def times_so_far(self) -> dict[str, float]:
         """Seconds this process spent so far in the run, by part of the loop, up to the last step
@@ -435,6 +456,11 @@ class Trainer:
         epoch resumed), None before its first step. Reading it waits for the steps' losses where
         the strategy agrees on them behind the step, as `last_loss` does."""
         return self.losses.epoch_mean()
+
+    @property
+    def epoch_loss_so_far(self) -> torch.Tensor | None:
+        """`epoch_loss` over the steps whose agreement has been sent (see `RunView`)."""
+        return self.losses.epoch_mean(sent_only=True)
 
     # --- evaluation
 
@@ -546,18 +572,34 @@ class Trainer:
         that the code driving a built trainer (a benchmark's timer, say) adds itself."""
         self.calls.add(hook)
 
-    def train_step(self, micros: Micros, stop: bool = False) -> Outcome:
+    def train_step(self, micros: Micros, stop: bool = False, read: bool = True) -> Outcome:
         """One optimizer step over a global batch's fetched micro-batches (`stop`: this rank's wish
         to stop, agreed among ranks), as the strategy runs it; no hook is called. Where the
         outcome's `settle` is set (fsdp, mesh, pipeline), its `loss` holds the global loss only
-        once `settle()` has returned, and its `stop` comes from the step before's agreement."""
+        once `settle()` has returned, and its `stop` comes from the step before's agreement.
+
+        `read=False`: the caller will not read this step's loss before a later step that it does
+        read (every process alike). The pipeline then sends this step's agreement with the next
+        steps', up to `parallel.pipeline.agree_every` of them, in one message, and its `stop`
+        comes from the window of steps before; the outcome's `agreed` is False until a step sends
+        the window, and `settle()` on a step not sent sends it (a collective: on every process at
+        the same step)."""
         self.engine.step = self.state.step
+        self.strategy.agree_when(_read if read else _unread)
         return self.strategy.train_step(self.engine, micros, stop)
 
     def eval_step(self, batch: Mapping) -> dict:
         """The model's outputs on an evaluation batch (this process's shard), as the strategy runs
         it."""
         return self.strategy.evaluate(self.engine, batch)
+
+
+def _read() -> bool:
+    return True
+
+
+def _unread() -> bool:
+    return False
 
 
 def _built_in(hook: Hook) -> bool:

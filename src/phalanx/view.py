@@ -87,6 +87,14 @@ class RunView:
         return self._run.epoch_loss
 
     @property
+    def epoch_loss_so_far(self) -> torch.Tensor | None:
+        """`epoch_loss` over the steps whose agreement among the processes has been sent, without
+        sending the rest: what a display shows. The pipeline sends several steps' agreements as
+        one message (`Hook.reads_loss`), so that its mean may lag the last steps; elsewhere it is
+        `epoch_loss`."""
+        return self._run.epoch_loss_so_far
+
+    @property
     def last_grad_norm(self) -> float | None:
         """The last step's global gradient norm before clipping (None unless optimizer.max_grad_norm
         is set)."""

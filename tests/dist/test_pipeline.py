@@ -159,6 +159,66 @@ def test_the_epoch_loss_that_no_step_waited_for_is_the_mean_of_the_steps(referen
         assert torch.allclose(torch.tensor(means, dtype=torch.float64), want, rtol=1e-10)
 
 
+def _agreeing_every(steps: int) -> dict:
+    raw = piped(SCENARIOS["batch10"], 2, ["net.4"], "1f1b", 4)
+    raw["main_loop"] = {"epochs": 3, "extra_streams": []}
+    return {**raw, "parallel": {**raw["parallel"], "pipeline": {**raw["parallel"]["pipeline"], "agree_every": steps}}}
+
+
+def test_steps_whose_loss_no_hook_reads_are_agreed_on_in_one_message(reference):
+    """A hook reads the loss every 3rd step, on rank 0 alone: the processes agree on the steps
+    between in one message (up to agree_every of them), so a read that one process makes alone
+    still finds its step agreed (no hang), and reads the single process's loss; the epoch means,
+    and the display's reading of the epoch so far, are the single process's too. Against agreeing
+    every step, fewer agreements run."""
+    single = workers.train(_agreeing_every(1) | {"parallel": SCENARIOS["batch10"]["parallel"]})
+    losses = torch.tensor(single["losses"], dtype=torch.float64)  # 3 epochs of 4 steps
+    runs = {
+        k: workers.run_ranks(2, workers.losses_read_every, _agreeing_every(k), 3, timeout=120)
+        for k in (1, 4)
+    }
+    for k, ranks in runs.items():
+        first = ranks[0]
+        assert sorted(first["losses"]) == [3, 6, 9, 12]
+        for step, loss in first["losses"].items():
+            assert loss == pytest.approx(float(losses[step - 1]), rel=1e-10)
+        for means in (r["means"] for r in ranks):
+            assert torch.allclose(torch.tensor(means, dtype=torch.float64), losses.reshape(3, 4).mean(1), rtol=1e-10)
+        # what a display shows at step s: the mean of the epoch's steps agreed by then
+        shown = torch.tensor(first["shown"], dtype=torch.float64)
+        assert torch.allclose(shown[3::4], losses.reshape(3, 4).mean(1), rtol=1e-10)
+    # agreeing every step: 12 agreements; in windows ended by the reads at steps 3, 6, 9, 12 and
+    # the epochs' ends at 4, 8, 12: 7
+    saved = [a["entered"] - b["entered"] for a, b in zip(runs[1], runs[4], strict=True)]
+    assert saved == [5, 5]
+
+
+def test_a_loop_that_reads_no_loss_sends_its_steps_agreements_together_and_stops_a_window_late(
+    reference,
+):
+    """`Trainer.train_step(read=False)` with agree_every 4: after the first step (agreed at once:
+    it tells every process whether the loss is weighted), every 4th step sends the window's
+    agreements, and its stop flag is the window before's, so that a stop asked by the last stage
+    at step 2 (in the first window) comes at step 9 on both processes; the losses are those of a
+    loop that reads every step, whose stop comes a step late."""
+    raw = _agreeing_every(4)
+    late = workers.run_ranks(2, workers.steps_on_one_batch, raw, 10, False, 1, timeout=120)
+    each = workers.run_ranks(2, workers.steps_on_one_batch, raw, 10, True, 1, timeout=120)
+    for rank in range(2):
+        assert late[rank]["agreed"] == [True] + [False, False, False, True] * 2 + [False]
+        assert late[rank]["stop"] == [False] * 8 + [True, False]
+        assert each[rank]["agreed"] == [True] * 10
+        assert each[rank]["stop"] == [False, False, True] + [False] * 7
+        assert late[rank]["losses"] == pytest.approx(each[rank]["losses"], rel=1e-12)
+    # step 3's loss read before its window ended: the read sends the window (steps 2 and 3), and
+    # the next window, sent at step 7, takes its stop flag; no step is sent twice
+    read = workers.run_ranks(2, workers.steps_on_one_batch, raw, 10, False, 1, 2, timeout=120)
+    for rank in range(2):
+        assert read[rank]["agreed"] == [True, False, False, False, False, False, True] + [False] * 3
+        assert read[rank]["stop"] == [False] * 6 + [True] + [False] * 3
+        assert read[rank]["losses"] == pytest.approx(each[rank]["losses"], rel=1e-12)
+
+
 def _new_run(folder: Path, raw: dict) -> Path:
     path = toy.write_config(folder, raw)
     cfg, _ = config.load(str(path), [])

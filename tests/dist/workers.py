@@ -369,3 +369,44 @@ def summed_split_gradients(rank: int) -> dict:
         "bias": layer.bias.grad.full_tensor().tolist(),
         "local_is_shard": tuple(weight.grad.to_local().shape) == (2, 3),
     }
+
+
+def losses_read_every(rank: int, raw: dict, every: int) -> dict:
+    """Train with hooks that read the loss every `every` steps on rank 0 alone, and each epoch's
+    mean; what they saw, and the agreements the strategy ran."""
+    cfg = config.validate(raw)
+    record, means = toy.RecordEvery(every), toy.EpochLoss()
+    trainer = Trainer(cfg, None, [TESTS], hooks=[record, means], strategy=strategies.create(cfg))
+    assert trainer.run() == 0
+    entered = trainer.strategy.progress.entered
+    return {"losses": record.losses, "shown": record.shown, "means": means.means, "entered": entered}
+
+
+def steps_on_one_batch(
+    rank: int, raw: dict, steps: int, read: bool, stop_at: int, settle_at: int | None = None
+) -> dict:
+    """`Trainer.train_step` `steps` times on the first global batch (fetched once), `read` as
+    given, rank 1 asking to stop at step `stop_at` (from 0), step `settle_at`'s loss read as soon
+    as it returns; each step's `agreed` and `stop`, and its loss once every step has settled."""
+    from phalanx import batching, data
+
+    cfg = config.validate(raw)
+    trainer = Trainer(cfg, None, [TESTS], hooks=[], strategy=strategies.create(cfg))
+    strategy, batch = trainer.strategy, cfg.dataset.batch_size
+    plan = data.Plan(range(batch), batch, 1, strategy.data_rank, strategy.data_world_size)
+    stream = data.get_stream(trainer.dataset, "train")
+    fetched = [(m, batching.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
+    outcomes = []
+    for k in range(steps):
+        outcomes.append(trainer.train_step(fetched, stop=rank == 1 and k == stop_at, read=read))
+        if k == settle_at and outcomes[-1].settle is not None:
+            outcomes[-1].settle()
+    agreed = [o.agreed for o in outcomes]
+    for o in reversed(outcomes):  # the last step's settles its window, as a loop's end does
+        if o.settle is not None:
+            o.settle()
+    return {
+        "agreed": agreed,
+        "stop": [o.stop for o in outcomes],
+        "losses": [float(o.loss) for o in outcomes],
+    }

@@ -9,7 +9,7 @@ import torch
 
 from phalanx.errors import ModelError
 from phalanx.strategies.distributed import LastAgreement
-from phalanx.strategies.pipeline import Pipeline, _Agreement
+from phalanx.strategies.pipeline import Pipeline, _Agreement, _Window
 
 
 class Finished:
@@ -64,3 +64,46 @@ def test_on_the_cpu_an_agreement_is_read_once():
     behind.check()
     assert work.waits == 1
     LastAgreement().check()  # no step yet: nothing to check
+
+
+def _window(size: int) -> tuple[_Window, list[torch.Tensor]]:
+    sent: list[torch.Tensor] = []
+
+    def dispatch(window: _Window) -> None:
+        rows = window.rows()
+        sent.append(rows)
+        rows.mul_(2)  # as two processes' sum would
+        window.sent_as(Finished())
+
+    return _Window(size, torch.device("cpu"), dispatch), sent
+
+
+def test_a_window_sends_its_steps_rows_as_one_message_and_its_stop_flag_is_any_steps():
+    window, sent = _window(4)
+    rows = [window.next(stop) for stop in (False, True, False)]
+    for k, row in enumerate(rows):
+        row[0] = k + 1.0  # the step's loss part
+    assert not window.full and window.sent is None
+    window.settled()  # read before a step ended the window: sent now
+    assert len(sent) == 1 and sent[0].shape == (12,)  # three steps' rows, one message
+    assert [float(r[0]) for r in rows] == [2.0, 4.0, 6.0]  # each step's loss, summed
+    assert [float(r[3]) for r in rows] == [0.0, 2.0, 2.0]
+    assert window.sent is not None and window.sent.stopped()  # the last row's: any step's
+    window.settled()
+    assert len(sent) == 1  # sent once
+
+
+def test_a_dropped_window_is_never_sent():
+    window, sent = _window(8)
+    window.next(False)
+    window.drop()  # the run failed: no other process will come to its message
+    window.settled()
+    assert sent == []
+
+
+def test_a_window_refuses_a_loss_that_became_weighted_in_any_of_its_steps():
+    window, _ = _window(4)
+    window.next(False)
+    window.next(False)[2] = 1.0  # the second step's loss came weighted
+    with pytest.raises(ModelError, match="became weighted"):
+        window.settled()  # read on the host, and checked, where the loss is read

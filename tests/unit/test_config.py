@@ -248,6 +248,7 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.cpu_threads",
         "parallel.pipeline.microbatches",
         "parallel.pipeline.stages_per_process",
+        "parallel.pipeline.agree_every",
         "parallel.pipeline.stages",
         "parallel.gradient_accumulation",
         "parallel.device_memory_gb",
@@ -258,7 +259,7 @@ def test_the_schema_walk_finds_the_number_fields():
         "parallel.mesh.tensor",
         "parallel.mesh.pipeline",
     } <= set(keys)
-    assert len(keys) == 32, keys
+    assert len(keys) == 33, keys
 
 
 @pytest.mark.parametrize("key, is_list", NUMBER_FIELDS, ids=[key for key, _ in NUMBER_FIELDS])

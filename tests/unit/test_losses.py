@@ -136,3 +136,30 @@ def test_half_precision_losses_are_added_up_in_single_precision(dtype, value, st
     mean = tally.epoch_mean()
     assert mean.dtype == torch.float32
     assert mean.item() == value
+
+
+def test_a_display_reads_the_steps_whose_agreement_was_sent_and_sends_none():
+    """The pipeline sends several steps' agreements in one message: `epoch_mean(sent_only=True)`
+    settles the losses of the steps sent so far, in order, and no step after them (settling one
+    would send its message, a collective a display on one process must not start); the full
+    mean then settles them all."""
+    values = _step_losses(7)
+    order: list[int] = []
+    pending = [Pending(v, order, k) for k, v in enumerate(values)]
+    tally = StepLosses()
+    tally.begin_epoch()
+    for k, step in enumerate(pending):
+        tally.add(step.loss, step.settle, sent=k in (2, 4))  # steps 0-2 and 3-4 sent together
+    shown = tally.epoch_mean(sent_only=True)
+    assert order == [4, 3, 2, 1, 0]  # the newest of them first: one request settles a window
+    assert shown == pytest.approx(float(torch.stack(values[:5]).mean()), rel=1e-6)
+    assert tally.epoch_mean(sent_only=True) == shown  # nothing more was sent
+    assert tally.epoch_mean() == pytest.approx(float(torch.stack(values).mean()), rel=1e-6)
+    assert sorted(order) == list(range(7))
+
+
+def test_a_display_before_any_step_was_sent_shows_none():
+    tally = StepLosses()
+    tally.begin_epoch()
+    tally.add(torch.tensor(1.0), lambda: pytest.fail("a display sent a step's agreement"), False)
+    assert tally.epoch_mean(sent_only=True) is None

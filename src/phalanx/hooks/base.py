@@ -72,6 +72,14 @@ class Hook:
     def after_training(self, success: bool) -> None:
         pass
 
+    def reads_loss(self, step: int) -> bool:
+        """Whether `after_batch` reads the training loss (`last_loss`, `epoch_loss`) after optimizer
+        step `step`, the same on every process. The pipeline sends the processes' agreements on
+        several steps' losses as one message; a step whose loss a hook reads ends such a window at
+        once, so that the hook sees the loss one process would. Every step, unless the hook says
+        otherwise (`reads_no_loss`, or the steps it reads at)."""
+        return True
+
     def computes(self, stream: str) -> Collection[str] | None:
         """The variables this hook puts into `epoch_data[stream]` in `after_epoch`, so that a hook
         listed after it can check the name it reads before training, not after the first epoch;
@@ -91,3 +99,8 @@ class Hook:
     def overrides(self, event: str) -> bool:
         """Whether this hook implements `event` (the loop skips the others)."""
         return getattr(type(self), event) is not getattr(Hook, event)
+
+
+def reads_no_loss(hook: Hook, step: int) -> bool:
+    """`Hook.reads_loss` of a hook whose after_batch never reads the training loss."""
+    return False

@@ -12,13 +12,15 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 
 log = logging.getLogger("phalanx")
 
 
 class Profile(Hook):
     """Records steps `start_step` to `start_step + steps - 1`."""
+
+    reads_loss = reads_no_loss
 
     gathers = False
 

@@ -18,7 +18,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 from phalanx.hooks.variables import check_positive
 from phalanx.logs import console
 
@@ -32,6 +32,8 @@ class ShowProgress(Hook):
     every `every_s` seconds of an epoch or stream, the first `every_s` seconds in: where it is, the
     rate, the loss and the time left; one shorter than that logs none. Rates are measured from the
     end of the first batch, whose time includes starting up."""
+
+    reads_loss = reads_no_loss
 
     reads_epoch_only = True
 
@@ -94,7 +96,7 @@ class ShowProgress(Hook):
         if now - state["shown"] >= self.refresh_s and now > state["start"]:
             state["shown"] = now
             fields = {"rate": f"{_rate(state, now):,.0f} samples/s"}
-            loss = self.trainer.epoch_loss if self.trainer.training else None
+            loss = self.trainer.epoch_loss_so_far if self.trainer.training else None
             # read when shown: a loss agreed behind the step is not waited for
             if loss is not None:
                 fields["loss"] = f"{float(loss):.4f}"
@@ -131,7 +133,7 @@ class ShowProgress(Hook):
         unit = "steps" if self.trainer.training else "batches"
         where = f"{done}/{total} {unit} ({100 * done / total:.0f}%)" if total else f"{done} {unit}"
         parts = [f"{state['description']}: {where}", f"{_rate(state, now):,.0f} samples/s"]
-        loss = self.trainer.epoch_loss if self.trainer.training else None
+        loss = self.trainer.epoch_loss_so_far if self.trainer.training else None
         if loss is not None:
             parts.append(f"loss {float(loss):.4f}")
         if total and done > state["first"]:

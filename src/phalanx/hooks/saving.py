@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.errors import ConfigError
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 from phalanx.hooks.variables import (
     check_computed,
     check_mode,
@@ -19,6 +19,8 @@ from phalanx.hooks.variables import (
 
 class SaveEvery(Hook):
     """Save every `epochs` epochs, or every `steps` optimizer steps."""
+
+    reads_loss = reads_no_loss
 
     gathers = False
     reads_epoch_only = True

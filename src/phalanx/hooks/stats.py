@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import ConfigError, ModelError
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 from phalanx.hooks.variables import check_positive
 
 AGGREGATIONS = ("mean", "std", "min", "max", "sum", "count")
@@ -26,6 +26,8 @@ class ComputeStats(Hook):
     """Mean (and optionally std, min, max, sum, count) of per-sample variables over each stream. The
     loss of a model that weighs its samples (`loss_weight`, such as real tokens) has the weighted
     mean and std, sum(w_i l_i) / sum(w_i): the objective that training minimises."""
+
+    reads_loss = reads_no_loss
 
     # sums are added over ranks at the end of the epoch instead
     gathers = False
@@ -207,6 +209,8 @@ class ClassificationMetrics(Hook):
     outputs are (a GPU's memory) until the epoch's end; where `predicted` holds class indices, give
     `num_classes`, or each batch's largest class is read back to size the matrix.
     """
+
+    reads_loss = reads_no_loss
 
     # confusion matrices are added over ranks at the end of the epoch instead
     gathers = False

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import ConfigError
-from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.hooks.base import Hook, TrainingTerminated, reads_no_loss
 from phalanx.hooks.variables import (
     check_computed,
     check_mode,
@@ -32,6 +32,8 @@ class StopAfter(Hook):
 
     With several processes and `minutes`, the ranks agree every `AGREE_EVERY` steps (an agreement is
     a collective of its own): the first whose clock has run out stops them all at the same step."""
+
+    reads_loss = reads_no_loss
 
     gathers = False
     reads_epoch_only = True
@@ -116,6 +118,9 @@ class StopOnNaN(Hook):
         self.variables, self.every = list(variables), max(1, every_n_steps)
         # the loss of the last check on a GPU, on its way to the host
         self._pending: _OnItsWay | None = None
+
+    def reads_loss(self, step: int) -> bool:
+        return step % self.every == 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         run = self.trainer

@@ -12,7 +12,7 @@ import torch
 
 from phalanx import metrics
 from phalanx.files import write_text_atomic
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 from phalanx.hooks.variables import check_positive
 from phalanx.model import Forward, shard_loss_mean
 
@@ -30,6 +30,8 @@ class LogThroughput(Hook):
     bytes of parameters, gradients and optimizer state that a process holds (its shards under fsdp)
     are logged once and written there too (`state_bytes`).
     """
+
+    reads_loss = reads_no_loss
 
     # reads the trainer's global batch size; times its own steps
     gathers = False

@@ -46,6 +46,9 @@ class _Tracker(_Writer):
         self.run_id: str | None = None  # the tracker's run, continued on resume
         self._started = False
 
+    def reads_loss(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
     def _config(self) -> dict[str, Any]:
         from phalanx import rundir
 

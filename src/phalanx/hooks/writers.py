@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.errors import StorageError
 from phalanx.files import write_text_atomic, writing
-from phalanx.hooks.base import Hook
+from phalanx.hooks.base import Hook, reads_no_loss
 from phalanx.hooks.variables import flat_variables
 
 if TYPE_CHECKING:
@@ -102,6 +102,8 @@ class LogProfile(_Writer):
     And once a run of several processes, after its first steps (the `JUDGED` after `WARM`, or the
     first epoch where it is shorter): the share of a step spent communicating, with a warning and
     one device's estimate where it is more than half."""
+
+    reads_loss = reads_no_loss
 
     gathers = False
     # steps: the first ones (allocations, first calls) are not judged
@@ -252,6 +254,9 @@ class WriteTensorBoard(_Writer):
     def __init__(self, log_dir: str = "tensorboard", every_n_steps: int = 50):
         self.log_dir, self.every = log_dir, every_n_steps
         self._writer: SummaryWriter | None = None
+
+    def reads_loss(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
 
     def before_training(self) -> None:
         if self.active:

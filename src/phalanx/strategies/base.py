@@ -122,6 +122,14 @@ class Abilities(Protocol):
         work was shared)."""
         return None
 
+    def agree_when(self, due: Callable[[], bool] | None) -> None:
+        """In the training loop (None: out of it), `due()` says, the same on every process, whether
+        the loss of the step about to run is read (by a hook, an evaluation round, the epoch's
+        end). A strategy that agrees on the loss behind its steps (the pipeline) may gather the
+        agreements of the steps between such reads into one message; the others agree every step
+        and do not ask."""
+        return None
+
     def seed_streams(self, seed: int, step: int) -> None:
         """A strategy whose one process runs several devices' shares of a batch (towers) gives each
         other device a random stream of its own, from the seed, the step and its index, as
@@ -272,6 +280,10 @@ class Outcome:
     # only once `settle()` has returned (the trainer calls it when the loss is read, or some steps
     # later at the latest), and `stop` may be agreed a step late (every rank alike).
     settle: Callable[[], object] | None = None
+    # False while the step's agreement waits, gathered with the next steps', to be sent (see
+    # `Abilities.agree_when`): `settle` would send it, a collective, so that a read of the loss
+    # that not every process makes at this step must not come before a step that is agreed
+    agreed: bool = True
 
 
 # what `DataParallel._agree` gives: the global loss, whether any rank asked to stop, the seconds

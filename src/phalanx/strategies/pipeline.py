@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -128,7 +128,12 @@ class Pipeline(StageState, ProcessGroup):
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
-        self._behind = LastAgreement()  # the last step's agreement, behind it
+        self._behind = LastAgreement()  # the last window's agreement, behind it
+        # in the steps loop, whether the step about to run ends the window of steps whose
+        # agreements go as one message (`agree_when`); None: every step does
+        self._due: Callable[[], bool] | None = None
+        self._window: _Window | None = None  # the steps gathered since the last message
+        self._stopped = False  # the last stop flag taken, for the next step's outcome
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
         self._unmerged: dict[str, bool] = {}  # the schedule's step's options (`_built`)
         self._padding = Padding(self.rows, settings.microbatches)  # a step's shard, padded
@@ -369,24 +374,33 @@ class Pipeline(StageState, ProcessGroup):
         self._active.forget_batch()
         start = time.perf_counter()
         self._reduce_gradients()
-        values, pending = self._agree(stop)
-        if pending is None:
-            self._weighted = bool(values[2] > 0)
+        values, window = self._agree(stop)
         communication = time.perf_counter() - start
         start = time.perf_counter()
         loss = engine.finish(values[:2] if self._weighted else values[0], self.gradient_norm)
         optimizer = time.perf_counter() - start
-        if pending is None:
+        if window is None:
             return Outcome(loss, Joined(parts), bool(values[3] > 0), communication, optimizer)
-        # the agreement runs on behind the step; the step before's has ended by now (every stage's
-        # part of this step needed the others'), and gives the stop flag, a step late on every
-        # process alike
-        start = time.perf_counter()
-        stopped = self._behind.swap(pending)
-        communication += time.perf_counter() - start
+        stopped, self._stopped = self._stopped, False
         return Outcome(
-            loss, Joined(parts), stopped, communication, optimizer, settle=pending.settled
+            loss,
+            Joined(parts),
+            stopped,
+            communication,
+            optimizer,
+            settle=window.settled,
+            agreed=window.sent is not None,
         )
+
+    def agree_when(self, due: Callable[[], bool] | None) -> None:
+        """Gather the steps' agreements into windows of up to `settings.agree_every` steps, each
+        window's sent as one message when `due()` says the step about to run ends it (its loss
+        is read); None: every step's goes at once, and a window not sent is dropped (a failed
+        run's: no other process may come to it)."""
+        if due is None and self._window is not None:
+            self._window.drop()
+            self._window = None
+        self._due = due
 
     def end_epoch(self) -> None:
         """The epoch's last agreement checked on the host: on a GPU each other step's is checked
@@ -447,25 +461,47 @@ class Pipeline(StageState, ProcessGroup):
         self.progress.enter("the gradient all-reduce of a stage's copies")
         sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
 
-    def _agree(self, stop: bool) -> tuple[torch.Tensor, _Agreement | None]:
+    def _agree(self, stop: bool) -> tuple[torch.Tensor, _Window | None]:
         """The step's loss (its last stages' parts, summed over the copies) and whether any process
         asked to stop, summed over every process: (loss part, weight sum or 0, weighted, stop).
         A weighted loss waits for them (the optimizer's step needs its weights' sum), as does the
         first step, from which every process learns whether the loss is weighted (only the last
-        stages see it); a plain one's agreement runs behind the step (`_Agreement`)."""
-        values = torch.zeros(4, dtype=torch.float64, device=self.device)
-        weighted = False
+        stages see it); a plain one's agreement runs behind the step, in the window of steps that
+        go as one message (`_Window`)."""
+        window = None
+        if self._weighted is False:
+            window = self._window
+            if window is None or window.sent is not None:  # (sent by a read between steps)
+                size = self.settings.agree_every if self._due is not None else 1
+                window = self._window = _Window(size, self.device, self._dispatch)
+            values = window.next(stop)
+        else:
+            values = torch.zeros(4, dtype=torch.float64, device=self.device)
+            values[3] = float(stop)
         if self._parts and self.tensor_rank == 0:  # a tensor group's loss, counted once
             total = torch.stack(self._parts).sum(0).to(torch.float64).reshape(-1)
             values[: len(total)] = total
-            weighted = self._parts[0].dim() > 0  # a weighted loss's parts are pairs
-            values[2] = float(weighted)
-        values[3] = float(stop)
+            values[2] = float(self._parts[0].dim() > 0)  # a weighted loss's parts are pairs
+        if window is None:
+            self._send(values).wait()
+            self._weighted = bool(values[2] > 0)
+        elif window.full or self._due is None or self._due():
+            self._dispatch(window)
+        return values, window
+
+    def _dispatch(self, window: _Window) -> None:
+        """`window`'s message sent, to run on behind the step; the window before's has ended by
+        now (every stage's part of the steps since needed the others'), and gives the stop flag,
+        a window late on every process alike, for the next step's outcome."""
+        window.sent_as(self._send(window.rows()))
+        if self._window is window:
+            self._window = None
+        self._stopped = self._behind.swap(window.sent) or self._stopped
+
+    def _send(self, values: torch.Tensor) -> dist.Work:
+        """`values` summed over every process, in place, behind the caller."""
         self.progress.enter("the agreement on the step's loss")
-        if self._weighted is not False:
-            dist.all_reduce(values)
-            return values, None
-        return values, _Agreement(values, dist.all_reduce(values, async_op=True))
+        return dist.all_reduce(values, async_op=True)
 
     def _mean(self, values: torch.Tensor) -> torch.Tensor:
         """`values`' mean over every process."""
@@ -538,12 +574,64 @@ class Pipeline(StageState, ProcessGroup):
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
 
 
+class _Window:
+    """The agreements of consecutive steps, each a row of (loss part, weight sum, weighted, stop),
+    sent as one message (`dispatch`, which gives `sent_as` the collective's work) when the last of
+    them ends: a message costs the processes' transport about as much whatever its size, so that
+    fewer of them bring a step nearer a hand-written one's time. A row's stop flag is any of the
+    window's steps' so far (the last row's stands for the window). A step's loss is read once the
+    window's message has come (`settled`)."""
+
+    def __init__(self, size: int, device: torch.device, dispatch: Callable[[_Window], None]):
+        self._values = torch.zeros(size, 4, dtype=torch.float64, device=device)
+        self._dispatch = dispatch
+        self._steps = 0
+        self._stop = False
+        self._dropped = False
+        self.sent: _Agreement | None = None  # the message, once sent
+
+    @property
+    def full(self) -> bool:
+        return self._steps == len(self._values)
+
+    def next(self, stop: bool) -> torch.Tensor:
+        """The next step's row, its stop flag set."""
+        row = self._values[self._steps]
+        self._steps += 1
+        self._stop = self._stop or stop
+        row[3] = float(self._stop)
+        return row
+
+    def rows(self) -> torch.Tensor:
+        """The steps' rows, one after the other: the message, summed in place."""
+        return self._values[: self._steps].view(-1)
+
+    def sent_as(self, work: Any) -> None:
+        """The rows are being summed over every process by `work`, behind the step."""
+        self.sent = _Agreement(self.rows(), work)
+
+    def settled(self) -> None:
+        """A step's loss is read: the message sent, where the window has not been (every process
+        reads it at the same step: the loop's end, or a hook's read at a step it did not say it
+        reads), and waited for."""
+        if self.sent is None:
+            if self._dropped:
+                return
+            self._dispatch(self)
+        assert self.sent is not None
+        self.sent.settled()
+
+    def drop(self) -> None:
+        """Never to be sent (the run failed)."""
+        self._dropped = self.sent is None
+
+
 class _Agreement(Behind):
-    """A step's agreement on its loss and stop flag, running behind the step: (loss part, weight
-    sum, weighted, stop)."""
+    """A window's agreement on its steps' losses and stop flags, running behind the steps: (loss
+    part, weight sum, weighted, stop) a step."""
 
     def _check(self, values: list[float]) -> None:
-        if values[2] > 0:
+        if any(weighted > 0 for weighted in values[2::4]):
             raise ModelError(
                 "the model's loss became weighted (it returned loss_weight) after steps "
                 "without weights; return loss_weight from every step, or from none"

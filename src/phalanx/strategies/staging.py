@@ -98,6 +98,15 @@ class PipelineSettings(StrategySettings):
     schedule: Literal[tuple(SCHEDULES)] = Field(  # type: ignore[valid-type]
         "1f1b", description=schedules.describe()
     )
+    agree_every: StrictInt = Field(
+        8,
+        ge=1,
+        le=32,
+        description="the most training steps whose losses and stop flags the processes agree on "
+        "in one message, behind the steps; a step whose loss a hook reads, an evaluation round's "
+        "and the epoch's last end it sooner, so hooks see every loss as one process would. A stop "
+        "(a signal) takes effect up to twice this many steps later; 1: every step",
+    )
     stages_per_process: StrictInt | None = Field(
         None,
         ge=1,
