@@ -473,11 +473,12 @@ def first_result(ctx: Any, target: Callable, args_of: list[tuple]) -> Any:
     return result
 
 
-def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
+def step_on_first_batch(raw: dict[str, Any], root: Path, read: bool = True) -> Callable[[], Any]:
     """A Trainer of the config dict `raw` (no run directory, no hooks), and a function that runs
     one optimizer step (`Trainer.train_step`) on the first global batch, fetched once: the step
     alone, without the data loader. Each process fetches its data shard of each micro-batch, as the
-    loop's loader does (a tensor group's processes the same one)."""
+    loop's loader does (a tensor group's processes the same one). `read=False`: the caller reads no
+    step's loss (`Trainer.train_step`'s `read`)."""
     from phalanx import batching, config, data
     from phalanx.trainer import Trainer
 
@@ -493,4 +494,4 @@ def step_on_first_batch(raw: dict[str, Any], root: Path) -> Callable[[], Any]:
     )
     stream = data.get_stream(trainer.dataset, "train")
     fetched = [(m, batching.collate([stream[i] for i in m.shard])) for m in plan.step(0)]
-    return lambda: trainer.train_step(fetched)
+    return lambda: trainer.train_step(fetched, read=read)

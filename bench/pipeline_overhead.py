@@ -12,8 +12,10 @@ schedule with a loss of the micro-batch's sum over the batch size (`scale_grads=
 gradient is the batch mean's, as phalanx's), then the optimizer; with `--hand-agrees`, also the
 all-reduce by which every process learns the step's loss and stop flag, as phalanx's step does.
 phalanx's step is `Trainer.train_step` on the same batch, fetched once: its padding, the contract's
-weights, the loss and stop agreement over the processes. The ratio is the median of the rounds'
-phalanx/hand ratios.
+weights, the loss and stop agreement over the processes, as a loop that reads no step's loss runs it
+(`read=False`): the agreements of `--agree-every` steps go as one message, as `fit` sends them
+between the steps whose loss a hook reads (`--agree-every 1`: a message every step). The ratio is
+the median of the rounds' phalanx/hand ratios.
 
 `--agreement-cost` times no phalanx: the hand loop as users write it against the same loop agreeing
 behind the step (late), at its end (now), and behind every `--every` steps on all of theirs at once
@@ -138,11 +140,12 @@ def _phalanx(args: argparse.Namespace, items: Any) -> Any:
                 "split": ["net.2"],
                 "microbatches": args.microbatches,
                 "schedule": args.schedule,
+                "agree_every": args.agree_every,
             },
         },
         "hooks": [],
     }
-    return step_on_first_batch(raw, ROOT)
+    return step_on_first_batch(raw, ROOT, read=False)
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -238,6 +241,12 @@ def main() -> None:
     parser.add_argument(
         "--every", type=int, default=8, help="steps a hand loop agreeing `every` agrees on at once"
     )
+    parser.add_argument(
+        "--agree-every",
+        type=int,
+        default=8,
+        help="phalanx's parallel.pipeline.agree_every: steps whose agreements go in one message",
+    )
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument(
         "--agreement-cost",
@@ -279,7 +288,7 @@ def main() -> None:
     print(
         f"2 processes (gloo), MLP hidden {args.hidden} split at net.2, batch {args.batch}, "
         f"{args.microbatches} micro-batches, {args.schedule}; {args.rounds} rounds of "
-        f"{args.steps} steps{agrees}\n"
+        f"{args.steps} steps; phalanx agrees every {args.agree_every} steps{agrees}\n"
         f"hand pipelining loop  {1e3 * hand:.3f} ms/step\n"
         f"phalanx pipeline      {1e3 * mine:.3f} ms/step   ratio {ratio:.3f}x "
         f"(IQR {q[0]:.3f}-{q[2]:.3f})\n"
