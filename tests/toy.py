@@ -490,6 +490,7 @@ class FaultAt(Linear):
 
 
 from phalanx.hooks import Hook  # noqa: E402  (the toy hooks below need phalanx; the models above do not)
+from phalanx.hooks.base import reads_no_loss  # noqa: E402
 
 
 class Record(Hook):
@@ -519,6 +520,7 @@ class RecordEvery(Hook):
         self.every = every
         self.losses: dict[int, float] = {}
         self.shown: list[float] = []  # ShowProgress's reading of the epoch's loss, at every step
+        self.rounds: list[float] = []  # the epoch's loss at each after_epoch (rank 0's)
 
     def reads_loss(self, step: int) -> bool:
         return step % self.every == 0
@@ -531,6 +533,10 @@ class RecordEvery(Hook):
         self.shown.append(float("nan") if so_far is None else float(so_far))
         if run.step % self.every == 0:
             self.losses[run.step] = float(run.last_loss)
+
+    def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        if not self.trainer.strategy.rank:
+            self.rounds.append(float(self.trainer.epoch_loss))
 
 
 class EpochLoss(Hook):
@@ -548,9 +554,10 @@ class EpochLoss(Hook):
 
 class RequestStopAt(Hook):
     """Asks for a graceful stop on rank `rank` alone, after training step `step`: a real SIGTERM to
-    itself."""
+    itself. It reads no loss (`reads_loss`)."""
 
     gathers = False
+    reads_loss = reads_no_loss
 
     def __init__(self, rank: int, step: int):
         self.rank, self.step = rank, step

@@ -23,7 +23,7 @@ from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
-from phalanx.hooks.base import Hook, TrainingTerminated, reads_no_loss
+from phalanx.hooks.base import Hook, TrainingTerminated, loss_reads
 from phalanx.hooks.calling import Calls
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
@@ -412,7 +412,7 @@ class Trainer:
         except BaseException:
             # a failure's own error stands: what is in flight may never come (a link it closed),
             # and what is not sent yet no other process may come to
-            self.strategy.agree_when(None)
+            self.strategy.agree_when(None, drop=True)
             with contextlib.suppress(Exception):
                 losses.settle()
             raise
@@ -427,9 +427,13 @@ class Trainer:
         which steps; one of the user's that does not, at every step), at an evaluation round after
         it, or at the epoch's end. The same on every process."""
         state, every, last = self.state, self.cfg.main_loop.eval_every_n_steps, self.steps_per_epoch
-        readers = [h.reads_loss for h in listeners if type(h).reads_loss is not reads_no_loss]
+        readers: list[Callable[[int], bool]] = []
+        counted = [-1]  # the listeners the readers were found among (a hook added: again)
 
         def due() -> bool:
+            if len(listeners) != counted[0]:
+                readers[:] = [r for r in map(loss_reads, listeners) if r is not None]
+                counted[0] = len(listeners)
             step = state.step + 1
             return (
                 state.step_in_epoch + 1 == last

@@ -77,7 +77,9 @@ class RunView:
     @property
     def last_loss(self) -> torch.Tensor | None:
         """The last step's global mean loss, a tensor on the device. Where the ranks agree on it
-        behind the step (the pipeline), reading it waits for them: read it when it is needed."""
+        behind the step (the pipeline), reading it waits for them: read it when it is needed, at
+        the steps the hook's `reads_loss` names (the pipeline agrees on the steps between in one
+        message)."""
         return self._run.last_loss
 
     @property

@@ -159,43 +159,74 @@ def test_the_epoch_loss_that_no_step_waited_for_is_the_mean_of_the_steps(referen
         assert torch.allclose(torch.tensor(means, dtype=torch.float64), want, rtol=1e-10)
 
 
-def _agreeing_every(steps: int) -> dict:
-    raw = piped(SCENARIOS["batch10"], 2, ["net.4"], "1f1b", 4)
-    raw["main_loop"] = {"epochs": 3, "extra_streams": []}
-    return {**raw, "parallel": {**raw["parallel"], "pipeline": {**raw["parallel"]["pipeline"], "agree_every": steps}}}
+def _agreeing_every(steps: int, batch: int = 10, **main_loop) -> dict:
+    raw = piped(scenario(batch), 2, ["net.4"], "1f1b", 4)
+    raw["main_loop"] = {"epochs": 3, "extra_streams": [], **main_loop}
+    pipeline = {**raw["parallel"]["pipeline"], "agree_every": steps}
+    return {**raw, "parallel": {**raw["parallel"], "pipeline": pipeline}}
 
 
-def test_steps_whose_loss_no_hook_reads_are_agreed_on_in_one_message(reference):
-    """A hook reads the loss every 3rd step, on rank 0 alone: the processes agree on the steps
-    between in one message (up to agree_every of them), so a read that one process makes alone
-    still finds its step agreed (no hang), and reads the single process's loss; the epoch means,
-    and the display's reading of the epoch so far, are the single process's too. Against agreeing
-    every step, fewer agreements run."""
-    single = workers.train(_agreeing_every(1) | {"parallel": SCENARIOS["batch10"]["parallel"]})
-    losses = torch.tensor(single["losses"], dtype=torch.float64)  # 3 epochs of 4 steps
+def _single_losses(batch: int = 10) -> torch.Tensor:
+    """The scenario's step losses over 3 epochs on one process."""
+    single = workers.train(_agreeing_every(1, batch) | {"parallel": scenario(batch)["parallel"]})
+    return torch.tensor(single["losses"], dtype=torch.float64)
+
+
+def _mean_to(losses: torch.Tensor, step: int, agreed: int) -> float:
+    """The epoch's mean loss at `step` over its steps agreed by `agreed` (NaN: none yet)."""
+    first = (step - 1) // 4 * 4  # the epoch's first step, from 0
+    return float(losses[first:agreed].mean()) if agreed > first else float("nan")
+
+
+def test_steps_whose_loss_no_hook_reads_are_agreed_on_in_one_message():
+    """A hook reads the step's loss every 3rd step and the epoch's at each evaluation round (every
+    2nd step), on rank 0 alone: the processes agree on the steps between in one message (up to
+    agree_every of them), so a read that one process makes alone still finds its step agreed (no
+    hang), and reads the single process's loss; the display's reading of the epoch so far is the
+    mean of the steps agreed by then, sent by no read of its own. Against agreeing every step,
+    fewer agreements run."""
+    losses = _single_losses()
     runs = {
-        k: workers.run_ranks(2, workers.losses_read_every, _agreeing_every(k), 3, timeout=120)
+        k: workers.run_ranks(
+            2, workers.losses_read_every, _agreeing_every(k, eval_every_n_steps=2), 3, timeout=120
+        )
         for k in (1, 4)
     }
-    for k, ranks in runs.items():
-        first = ranks[0]
+    # agreed at once: the first step (it says whether the loss is weighted), then the windows'
+    # last steps: read at 3, 6, 9, 12, evaluated after 2, 4, 6 ..., an epoch's last at 4, 8, 12
+    agreed = {1: list(range(1, 13)), 4: [1, 2, 3, 4, 6, 8, 9, 10, 12]}
+    for k, (first, _) in runs.items():
+        assert first["code"] == 0
         assert sorted(first["losses"]) == [3, 6, 9, 12]
         for step, loss in first["losses"].items():
             assert loss == pytest.approx(float(losses[step - 1]), rel=1e-10)
-        for means in (r["means"] for r in ranks):
-            assert torch.allclose(torch.tensor(means, dtype=torch.float64), losses.reshape(3, 4).mean(1), rtol=1e-10)
-        # what a display shows at step s: the mean of the epoch's steps agreed by then
-        shown = torch.tensor(first["shown"], dtype=torch.float64)
-        assert torch.allclose(shown[3::4], losses.reshape(3, 4).mean(1), rtol=1e-10)
-    # agreeing every step: 12 agreements; in windows ended by the reads at steps 3, 6, 9, 12 and
-    # the epochs' ends at 4, 8, 12: 7
+        rounds = [_mean_to(losses, s, s) for s in range(2, 13, 2)]
+        assert first["rounds"] == pytest.approx(rounds, rel=1e-10)
+        shown = [_mean_to(losses, s, max(a for a in agreed[k] if a <= s)) for s in range(1, 13)]
+        assert first["shown"] == pytest.approx(shown, rel=1e-10, nan_ok=True)
     saved = [a["entered"] - b["entered"] for a, b in zip(runs[1], runs[4], strict=True)]
-    assert saved == [5, 5]
+    assert saved == [12 - 9] * 2
 
 
-def test_a_loop_that_reads_no_loss_sends_its_steps_agreements_together_and_stops_a_window_late(
-    reference,
-):
+def test_a_run_stopped_inside_a_window_stops_alike_and_sends_what_it_gathered():
+    """Batches of 5 (epochs of 8 steps), windows of up to 8 steps ended by a read every 3rd step:
+    a stop asked by the last stage after step 2 rides in the window sent at step 3 and is taken
+    when the next one goes, at step 6 (agreeing every step: at step 4), on both processes; a hook
+    that ends the run at step 7, inside a window, has that window sent as the run ends (every
+    process alike). The losses read are the single process's."""
+    from phalanx.hooks import StopAfter
+
+    losses = _single_losses(5)
+    raw = _agreeing_every(8, 5)
+    asked = workers.run_ranks(2, workers.losses_read_every, raw, 3, toy.RequestStopAt(1, 2))
+    assert [(r["code"], r["step"]) for r in asked] == [(143, 6)] * 2
+    ended = workers.run_ranks(2, workers.losses_read_every, raw, 3, StopAfter(steps=7))
+    assert [(r["code"], r["step"]) for r in ended] == [(0, 7)] * 2
+    for run in (asked, ended):
+        assert run[0]["losses"] == pytest.approx({3: float(losses[2]), 6: float(losses[5])})
+
+
+def test_a_loop_that_reads_no_loss_sends_its_steps_agreements_together_and_stops_a_window_late():
     """`Trainer.train_step(read=False)` with agree_every 4: after the first step (agreed at once:
     it tells every process whether the loss is weighted), every 4th step sends the window's
     agreements, and its stop flag is the window before's, so that a stop asked by the last stage

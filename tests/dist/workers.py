@@ -371,15 +371,23 @@ def summed_split_gradients(rank: int) -> dict:
     }
 
 
-def losses_read_every(rank: int, raw: dict, every: int) -> dict:
-    """Train with hooks that read the loss every `every` steps on rank 0 alone, and each epoch's
-    mean; what they saw, and the agreements the strategy ran."""
+def losses_read_every(rank: int, raw: dict, every: int, *more: Any) -> dict:
+    """Train with a hook that reads the loss every `every` steps on rank 0 alone (and the hooks
+    `more`); what it saw, the run's exit code and last step, and the agreements the strategy
+    ran."""
     cfg = config.validate(raw)
-    record, means = toy.RecordEvery(every), toy.EpochLoss()
-    trainer = Trainer(cfg, None, [TESTS], hooks=[record, means], strategy=strategies.create(cfg))
-    assert trainer.run() == 0
-    entered = trainer.strategy.progress.entered
-    return {"losses": record.losses, "shown": record.shown, "means": means.means, "entered": entered}
+    record = toy.RecordEvery(every)
+    hooks = [record, *more]
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
+    code = trainer.run()
+    return {
+        "code": code,
+        "step": trainer.step,
+        "losses": record.losses,
+        "shown": record.shown,
+        "rounds": record.rounds,
+        "entered": trainer.strategy.progress.entered,
+    }
 
 
 def steps_on_one_batch(

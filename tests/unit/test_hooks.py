@@ -1361,3 +1361,39 @@ def test_every_built_in_hook_that_sees_the_steps_says_at_which_it_reads_the_loss
             pass
 
     assert all(Mine().reads_loss(s) for s in range(1, 5))  # unsaid: every step
+
+
+def test_what_a_hook_class_says_of_its_loss_reads_holds_for_its_own_after_batch():
+    """A subclass of a hook that reads no loss, or reads it every N steps, and that brings an
+    after_batch of its own without saying at which steps it reads: read at every step (it may
+    print `last_loss` on one process), not as its parent said; one that keeps its parent's
+    after_batch keeps what the parent said; a tracker reads where it writes."""
+    from phalanx.hooks import Hook, LogThroughput, WriteTensorBoard
+    from phalanx.hooks.base import loss_reads
+    from phalanx.hooks.trackers import _Tracker
+
+    class Printing(LogThroughput):
+        def after_batch(self, stream, batch):
+            print(self.trainer.last_loss)
+
+    class Quiet(LogThroughput):
+        pass
+
+    class Board(WriteTensorBoard):
+        def after_batch(self, stream, batch):
+            super().after_batch(stream, batch)
+
+    class Said(Printing):
+        def reads_loss(self, step):
+            return step == 2
+
+    for hook, steps in (
+        (Printing(), [1, 2, 3, 4, 5, 6]),
+        (Board(every_n_steps=2), [1, 2, 3, 4, 5, 6]),
+        (WriteTensorBoard(every_n_steps=2), [2, 4, 6]),
+        (Said(), [2]),
+        (_Tracker(every_n_steps=3), [3, 6]),
+    ):
+        read = loss_reads(hook)
+        assert read is not None and [s for s in range(1, 7) if read(s)] == steps
+    assert loss_reads(Quiet()) is None and loss_reads(Hook()) is not None

@@ -8,7 +8,7 @@ A hook stops training by raising `TrainingTerminated`.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -104,3 +104,15 @@ class Hook:
 def reads_no_loss(hook: Hook, step: int) -> bool:
     """`Hook.reads_loss` of a hook whose after_batch never reads the training loss."""
     return False
+
+
+def loss_reads(hook: Hook) -> Callable[[int], bool] | None:
+    """At which steps `hook`'s after_batch reads the loss (None: never). What a class says holds
+    for its own after_batch: a subclass that brings an after_batch of its own and says nothing
+    reads it at every step."""
+    mro = type(hook).__mro__
+    said = next(c for c in mro if "reads_loss" in c.__dict__)
+    listens = next(c for c in mro if "after_batch" in c.__dict__)
+    if listens is not said and issubclass(listens, said):
+        return Hook.reads_loss.__get__(hook)
+    return None if type(hook).reads_loss is reads_no_loss else hook.reads_loss

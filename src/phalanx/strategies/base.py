@@ -122,12 +122,13 @@ class Abilities(Protocol):
         work was shared)."""
         return None
 
-    def agree_when(self, due: Callable[[], bool] | None) -> None:
+    def agree_when(self, due: Callable[[], bool] | None, drop: bool = False) -> None:
         """In the training loop (None: out of it), `due()` says, the same on every process, whether
         the loss of the step about to run is read (by a hook, an evaluation round, the epoch's
         end). A strategy that agrees on the loss behind its steps (the pipeline) may gather the
         agreements of the steps between such reads into one message; the others agree every step
-        and do not ask."""
+        and do not ask. With None, what is gathered goes at once (every process calls it at the
+        same step), or is dropped where `drop` (a failed run's: no other process may come)."""
         return None
 
     def seed_streams(self, seed: int, step: int) -> None:

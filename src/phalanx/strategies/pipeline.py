@@ -392,14 +392,18 @@ class Pipeline(StageState, ProcessGroup):
             agreed=window.sent is not None,
         )
 
-    def agree_when(self, due: Callable[[], bool] | None) -> None:
+    def agree_when(self, due: Callable[[], bool] | None, drop: bool = False) -> None:
         """Gather the steps' agreements into windows of up to `settings.agree_every` steps, each
         window's sent as one message when `due()` says the step about to run ends it (its loss
-        is read); None: every step's goes at once, and a window not sent is dropped (a failed
-        run's: no other process may come to it)."""
-        if due is None and self._window is not None:
-            self._window.drop()
-            self._window = None
+        is read); None: every step's goes at once, and a window not sent goes now, or is dropped
+        where `drop` (a failed run's: no other process may come to it)."""
+        window = self._window
+        if due is None and window is not None and window.sent is None:
+            if drop:
+                window.drop()
+                self._window = None
+            else:
+                self._dispatch(window)
         self._due = due
 
     def end_epoch(self) -> None:

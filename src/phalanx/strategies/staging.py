@@ -11,6 +11,7 @@ from pydantic import Field, StrictInt, model_validator
 
 from phalanx.costs import NO_CHAIN, ONE_DEVICE, Measured, Setup, balanced_split
 from phalanx.errors import ConfigError, count
+from phalanx.losses import UNSUMMED
 from phalanx.settings import StrategySettings
 from phalanx.strategies import schedules
 from phalanx.strategies.registry import PRECISION, refuse
@@ -101,7 +102,9 @@ class PipelineSettings(StrategySettings):
     agree_every: StrictInt = Field(
         8,
         ge=1,
-        le=32,
+        # a window sent within the losses' tally's reach (`UNSUMMED`), whose oldest half settles
+        # without sending anything
+        le=UNSUMMED // 2,
         description="the most training steps whose losses and stop flags the processes agree on "
         "in one message, behind the steps; a step whose loss a hook reads, an evaluation round's "
         "and the epoch's last end it sooner, so hooks see every loss as one process would. A stop "
