@@ -23,7 +23,7 @@ from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
-from phalanx.hooks.base import Hook, TrainingTerminated, loss_reads
+from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.calling import Calls
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
@@ -361,7 +361,7 @@ class Trainer:
         live = self.times.begin_steps()
         # a resume's config, written once its first step and that step's hooks have gone through
         pending = state.config_pending
-        self.strategy.agree_when(self._loss_read(listeners))
+        self.strategy.agree_when(self._loss_read())
         try:
             t0 = clock()
             # planning and fetching the step count as data time
@@ -422,18 +422,14 @@ class Trainer:
             self.strategy.agree_when(None)
             self.times.add(profile)
 
-    def _loss_read(self, listeners: list[Hook]) -> Callable[[], bool]:
+    def _loss_read(self) -> Callable[[], bool]:
         """Whether the loss of the step about to run is read: by an after_batch hook (each says at
         which steps; one of the user's that does not, at every step), at an evaluation round after
         it, or at the epoch's end. The same on every process."""
         state, every, last = self.state, self.cfg.main_loop.eval_every_n_steps, self.steps_per_epoch
-        readers: list[Callable[[int], bool]] = []
-        counted = [-1]  # the listeners the readers were found among (a hook added: again)
+        readers = self.calls.loss_readers  # kept as hooks are added
 
         def due() -> bool:
-            if len(listeners) != counted[0]:
-                readers[:] = [r for r in map(loss_reads, listeners) if r is not None]
-                counted[0] = len(listeners)
             step = state.step + 1
             return (
                 state.step_in_epoch + 1 == last

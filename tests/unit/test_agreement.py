@@ -9,7 +9,8 @@ import torch
 
 from phalanx.errors import ModelError
 from phalanx.strategies.distributed import LastAgreement
-from phalanx.strategies.pipeline import Pipeline, _Agreement, _Window
+from phalanx.strategies.pipeline import Pipeline
+from phalanx.strategies.windows import StepsAgreement, Window
 
 
 class Finished:
@@ -23,9 +24,9 @@ class Finished:
         return True
 
 
-def agreement(weighted: float, stop: float) -> _Agreement:
+def agreement(weighted: float, stop: float) -> StepsAgreement:
     # (loss part, weight sum, weighted, stop), as the pipeline sums them
-    return _Agreement(torch.tensor([0.5, 0.0, weighted, stop]), Finished())
+    return StepsAgreement(torch.tensor([0.5, 0.0, weighted, stop]), Finished())
 
 
 def test_the_next_step_takes_the_stop_flag_of_the_step_before():
@@ -57,7 +58,7 @@ def test_on_the_cpu_an_agreement_is_read_once():
     """Checked at the epoch's end after the loss was read (which read it on the CPU), it is not
     read again."""
     work, behind = Finished(), LastAgreement()
-    last = _Agreement(torch.tensor([0.5, 0.0, 0.0, 0.0]), work)
+    last = StepsAgreement(torch.tensor([0.5, 0.0, 0.0, 0.0]), work)
     behind.swap(last)
     last.settled()
     behind.check()
@@ -66,16 +67,16 @@ def test_on_the_cpu_an_agreement_is_read_once():
     LastAgreement().check()  # no step yet: nothing to check
 
 
-def _window(size: int) -> tuple[_Window, list[torch.Tensor]]:
+def _window(size: int) -> tuple[Window, list[torch.Tensor]]:
     sent: list[torch.Tensor] = []
 
-    def dispatch(window: _Window) -> None:
+    def dispatch(window: Window) -> None:
         rows = window.rows()
         sent.append(rows)
         rows.mul_(2)  # as two processes' sum would
         window.sent_as(Finished())
 
-    return _Window(size, torch.device("cpu"), dispatch), sent
+    return Window(size, torch.device("cpu"), dispatch), sent
 
 
 def test_a_window_sends_its_steps_rows_as_one_message_and_its_stop_flag_is_any_steps():

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.engine import concat
-from phalanx.hooks.base import Hook, TrainingTerminated
+from phalanx.hooks.base import Hook, TrainingTerminated, loss_reads
 
 if TYPE_CHECKING:
     from phalanx.strategies.base import Strategy
@@ -26,6 +26,7 @@ class Calls:
             hook.attach(view)
         self.listeners = {event: [h for h in hooks if h.overrides(event)] for event in EVENTS}
         self._gatherers, self._gather_keys = _gathering(self.listeners["after_batch"])
+        self.loss_readers = _loss_readers(self.listeners["after_batch"])
 
     def add(self, hook: Hook) -> None:
         """Call `hook` at its events from now on, after the others."""
@@ -35,6 +36,7 @@ class Calls:
             if hook.overrides(event):
                 self.listeners[event].append(hook)
         self._gatherers, self._gather_keys = _gathering(self.listeners["after_batch"])
+        self.loss_readers[:] = _loss_readers(self.listeners["after_batch"])
 
     def emit(self, event: str, *args: Any) -> TrainingTerminated | None:
         """Call every hook on `event`; a hook that stops training lets the later ones run first."""
@@ -68,6 +70,11 @@ class Calls:
             except TrainingTerminated as t:
                 stop = stop or t
         return stop
+
+
+def _loss_readers(listeners: list[Hook]) -> list[Any]:
+    """Each after_batch hook's `reads_loss` that may say yes (see `loss_reads`)."""
+    return [r for r in map(loss_reads, listeners) if r is not None]
 
 
 def _gathering(listeners: list[Hook]) -> tuple[list[Hook], set[str] | None]:

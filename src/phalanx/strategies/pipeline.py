@@ -32,11 +32,11 @@ from torch import nn
 from phalanx import keras_models, random
 from phalanx.data import Micro
 from phalanx.engine import TOKENS, concat, total_norm
-from phalanx.errors import ConfigError, ModelError, count
+from phalanx.errors import ConfigError, count
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import Active, Split, balance, keep_stages, probe
-from phalanx.strategies.distributed import Behind, LastAgreement, ProcessGroup, sum_gradients
+from phalanx.strategies.distributed import LastAgreement, ProcessGroup, sum_gradients
 from phalanx.strategies.padding import Joined, Padding, chunks, pad, rows_of
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
@@ -51,6 +51,7 @@ from phalanx.strategies.staging import (
 )
 from phalanx.strategies.syncbn import PerDeviceStatistics
 from phalanx.strategies.tensor import Tensor, apply_tensor_plan, check_tensor_plan, describe_plan
+from phalanx.strategies.windows import Window
 
 # the stages' module (torch's pipelining, a second to import) is imported where a step needs it:
 # every process registers this strategy, few run it
@@ -132,7 +133,7 @@ class Pipeline(StageState, ProcessGroup):
         # in the steps loop, whether the step about to run ends the window of steps whose
         # agreements go as one message (`agree_when`); None: every step does
         self._due: Callable[[], bool] | None = None
-        self._window: _Window | None = None  # the steps gathered since the last message
+        self._window: Window | None = None  # the steps gathered since the last message
         self._stopped = False  # the last stop flag taken, for the next step's outcome
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
         self._unmerged: dict[str, bool] = {}  # the schedule's step's options (`_built`)
@@ -465,19 +466,19 @@ class Pipeline(StageState, ProcessGroup):
         self.progress.enter("the gradient all-reduce of a stage's copies")
         sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
 
-    def _agree(self, stop: bool) -> tuple[torch.Tensor, _Window | None]:
+    def _agree(self, stop: bool) -> tuple[torch.Tensor, Window | None]:
         """The step's loss (its last stages' parts, summed over the copies) and whether any process
         asked to stop, summed over every process: (loss part, weight sum or 0, weighted, stop).
         A weighted loss waits for them (the optimizer's step needs its weights' sum), as does the
         first step, from which every process learns whether the loss is weighted (only the last
         stages see it); a plain one's agreement runs behind the step, in the window of steps that
-        go as one message (`_Window`)."""
+        go as one message (`Window`)."""
         window = None
         if self._weighted is False:
             window = self._window
             if window is None or window.sent is not None:  # (sent by a read between steps)
                 size = self.settings.agree_every if self._due is not None else 1
-                window = self._window = _Window(size, self.device, self._dispatch)
+                window = self._window = Window(size, self.device, self._dispatch)
             values = window.next(stop)
         else:
             values = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -493,7 +494,7 @@ class Pipeline(StageState, ProcessGroup):
             self._dispatch(window)
         return values, window
 
-    def _dispatch(self, window: _Window) -> None:
+    def _dispatch(self, window: Window) -> None:
         """`window`'s message sent, to run on behind the step; the window before's has ended by
         now (every stage's part of the steps since needed the others'), and gives the stop flag,
         a window late on every process alike, for the next step's outcome."""
@@ -576,70 +577,6 @@ class Pipeline(StageState, ProcessGroup):
     def gather_outputs(self, parts: list[dict | None], keys: set[str] | None) -> dict:
         """The last stages' outputs (every copy's, in copy order: dataset order)."""
         return super().gather_outputs(parts if self.is_last else [None] * len(parts), keys)
-
-
-class _Window:
-    """The agreements of consecutive steps, each a row of (loss part, weight sum, weighted, stop),
-    sent as one message (`dispatch`, which gives `sent_as` the collective's work) when the last of
-    them ends: a message costs the processes' transport about as much whatever its size, so that
-    fewer of them bring a step nearer a hand-written one's time. A row's stop flag is any of the
-    window's steps' so far (the last row's stands for the window). A step's loss is read once the
-    window's message has come (`settled`)."""
-
-    def __init__(self, size: int, device: torch.device, dispatch: Callable[[_Window], None]):
-        self._values = torch.zeros(size, 4, dtype=torch.float64, device=device)
-        self._dispatch = dispatch
-        self._steps = 0
-        self._stop = False
-        self._dropped = False
-        self.sent: _Agreement | None = None  # the message, once sent
-
-    @property
-    def full(self) -> bool:
-        return self._steps == len(self._values)
-
-    def next(self, stop: bool) -> torch.Tensor:
-        """The next step's row, its stop flag set."""
-        row = self._values[self._steps]
-        self._steps += 1
-        self._stop = self._stop or stop
-        row[3] = float(self._stop)
-        return row
-
-    def rows(self) -> torch.Tensor:
-        """The steps' rows, one after the other: the message, summed in place."""
-        return self._values[: self._steps].view(-1)
-
-    def sent_as(self, work: Any) -> None:
-        """The rows are being summed over every process by `work`, behind the step."""
-        self.sent = _Agreement(self.rows(), work)
-
-    def settled(self) -> None:
-        """A step's loss is read: the message sent, where the window has not been (every process
-        reads it at the same step: the loop's end, or a hook's read at a step it did not say it
-        reads), and waited for."""
-        if self.sent is None:
-            if self._dropped:
-                return
-            self._dispatch(self)
-        assert self.sent is not None
-        self.sent.settled()
-
-    def drop(self) -> None:
-        """Never to be sent (the run failed)."""
-        self._dropped = self.sent is None
-
-
-class _Agreement(Behind):
-    """A window's agreement on its steps' losses and stop flags, running behind the steps: (loss
-    part, weight sum, weighted, stop) a step."""
-
-    def _check(self, values: list[float]) -> None:
-        if any(weighted > 0 for weighted in values[2::4]):
-            raise ModelError(
-                "the model's loss became weighted (it returned loss_weight) after steps "
-                "without weights; return loss_weight from every step, or from none"
-            )
 
 
 # --- the strategy as the config names it ---------------------------------------------------
