@@ -81,22 +81,43 @@ def _window(size: int) -> tuple[Window, list[torch.Tensor]]:
 
 def test_a_window_sends_its_steps_rows_as_one_message_and_its_stop_flag_is_any_steps():
     window, sent = _window(4)
-    rows = [window.next(stop) for stop in (False, True, False)]
-    for k, row in enumerate(rows):
-        row[0] = k + 1.0  # the step's loss part
+    parts = [[torch.tensor(k + 0.25), torch.tensor(0.75)] for k in range(3)]  # two micro-batches
+    losses = [window.next(stop, p) for stop, p in zip((False, True, False), parts, strict=True)]
     assert not window.full and window.sent is None
+    assert [float(loss) for loss in losses] == [0.0, 0.0, 0.0]  # nothing written a step
     window.settled()  # read before a step ended the window: sent now
     assert len(sent) == 1 and sent[0].shape == (12,)  # three steps' rows, one message
-    assert [float(r[0]) for r in rows] == [2.0, 4.0, 6.0]  # each step's loss, summed
-    assert [float(r[3]) for r in rows] == [0.0, 2.0, 2.0]
+    assert [float(loss) for loss in losses] == [2.0, 4.0, 6.0]  # each step's parts, summed
+    assert sent[0].view(3, 4)[:, 3].tolist() == [0.0, 2.0, 2.0]  # stop: any step's so far
     assert window.sent is not None and window.sent.stopped()  # the last row's: any step's
     window.settled()
     assert len(sent) == 1  # sent once
 
 
+def test_a_window_sums_each_steps_parts_as_the_step_alone_would():
+    torch.manual_seed(0)
+    # as many parts a step (one sum for the window), and a step with fewer (each its own)
+    for counts in ([4, 4, 4], [4, 2, 4]):
+        window, sent = _window(4)
+        parts = [list(torch.randn(n) * 1e3) for n in counts]
+        losses = [window.next(False, p) for p in parts]
+        window.settled()
+        for p, loss in zip(parts, losses, strict=True):
+            assert float(loss) == 2 * float(torch.stack(p).sum(0).to(torch.float64))
+
+
+def test_a_window_of_a_process_without_the_last_stage_sends_zero_losses():
+    window, sent = _window(2)
+    window.next(False, [])
+    window.next(True, [])
+    assert window.full
+    window.settled()
+    assert sent[0].tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0]
+
+
 def test_a_dropped_window_is_never_sent():
     window, sent = _window(8)
-    window.next(False)
+    window.next(False, [torch.tensor(1.0)])
     window.drop()  # the run failed: no other process will come to its message
     window.settled()
     assert sent == []
@@ -104,7 +125,7 @@ def test_a_dropped_window_is_never_sent():
 
 def test_a_window_refuses_a_loss_that_became_weighted_in_any_of_its_steps():
     window, _ = _window(4)
-    window.next(False)
-    window.next(False)[2] = 1.0  # the second step's loss came weighted
+    window.next(False, [torch.tensor(1.0)])
+    window.next(False, [torch.tensor([1.0, 2.0])])  # the second step's loss came weighted: pairs
     with pytest.raises(ModelError, match="became weighted"):
         window.settled()  # read on the host, and checked, where the loss is read

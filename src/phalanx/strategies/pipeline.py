@@ -375,13 +375,15 @@ class Pipeline(StageState, ProcessGroup):
         self._active.forget_batch()
         start = time.perf_counter()
         self._reduce_gradients()
-        values, window = self._agree(stop)
+        agreed, window = self._agree(stop)
         communication = time.perf_counter() - start
         start = time.perf_counter()
-        loss = engine.finish(values[:2] if self._weighted else values[0], self.gradient_norm)
+        if window is None:  # (loss part, weight sum, weighted, stop), summed
+            loss = engine.finish(agreed[:2] if self._weighted else agreed[0], self.gradient_norm)
+            optimizer = time.perf_counter() - start
+            return Outcome(loss, Joined(parts), bool(agreed[3] > 0), communication, optimizer)
+        loss = engine.finish(agreed, self.gradient_norm)  # the step's loss, as its window sends it
         optimizer = time.perf_counter() - start
-        if window is None:
-            return Outcome(loss, Joined(parts), bool(values[3] > 0), communication, optimizer)
         stopped, self._stopped = self._stopped, False
         return Outcome(
             loss,
@@ -472,27 +474,26 @@ class Pipeline(StageState, ProcessGroup):
         A weighted loss waits for them (the optimizer's step needs its weights' sum), as does the
         first step, from which every process learns whether the loss is weighted (only the last
         stages see it); a plain one's agreement runs behind the step, in the window of steps that
-        go as one message (`Window`)."""
-        window = None
+        go as one message (`Window`), and its step's loss is returned alone."""
+        parts = self._parts if self.tensor_rank == 0 else []  # a tensor group's loss, counted once
         if self._weighted is False:
             window = self._window
             if window is None or window.sent is not None:  # (sent by a read between steps)
                 size = self.settings.agree_every if self._due is not None else 1
                 window = self._window = Window(size, self.device, self._dispatch)
-            values = window.next(stop)
-        else:
-            values = torch.zeros(4, dtype=torch.float64, device=self.device)
-            values[3] = float(stop)
-        if self._parts and self.tensor_rank == 0:  # a tensor group's loss, counted once
-            total = torch.stack(self._parts).sum(0).to(torch.float64).reshape(-1)
+            loss = window.next(stop, parts)
+            if window.full or self._due is None or self._due():
+                self._dispatch(window)
+            return loss, window
+        values = torch.zeros(4, dtype=torch.float64, device=self.device)
+        values[3] = float(stop)
+        if parts:
+            total = torch.stack(parts).sum(0).to(torch.float64).reshape(-1)
             values[: len(total)] = total
-            values[2] = float(self._parts[0].dim() > 0)  # a weighted loss's parts are pairs
-        if window is None:
-            self._send(values).wait()
-            self._weighted = bool(values[2] > 0)
-        elif window.full or self._due is None or self._due():
-            self._dispatch(window)
-        return values, window
+            values[2] = float(parts[0].dim() > 0)  # a weighted loss's parts are pairs
+        self._send(values).wait()
+        self._weighted = bool(values[2] > 0)
+        return values, None
 
     def _dispatch(self, window: Window) -> None:
         """`window`'s message sent, to run on behind the step; the window before's has ended by

@@ -20,31 +20,61 @@ class Window:
     them ends: a message costs the processes' transport about as much whatever its size, so that
     fewer of them bring a step nearer a hand-written one's time. A row's stop flag is any of the
     window's steps' so far (the last row's stands for the window). A step's loss is read once the
-    window's message has come (`settled`)."""
+    window's message has come (`settled`).
+
+    A step adds nothing to the device: its loss parts and flags are kept as they are, and the
+    message is written from them when it is sent (a few operations a window, none a step)."""
 
     def __init__(self, size: int, device: torch.device, dispatch: Callable[[Window], None]):
         self._values = torch.zeros(size, 4, dtype=torch.float64, device=device)
+        # each step's loss: a view of its row, which the message fills
+        self._losses = self._values[:, 0].unbind()
         self._dispatch = dispatch
-        self._steps = 0
-        self._stop = False
+        self._parts: list[list[torch.Tensor]] = []  # each step's loss parts (this process's)
+        self._weighted: list[int] = []  # the steps whose loss came weighted
+        self._stopped_at: int | None = None  # the first step that asked to stop
+        self._message: torch.Tensor | None = None  # the rows, once written
         self._dropped = False
         self.sent: StepsAgreement | None = None  # the message, once sent
 
     @property
     def full(self) -> bool:
-        return self._steps == len(self._values)
+        return len(self._parts) == len(self._values)
 
-    def next(self, stop: bool) -> torch.Tensor:
-        """The next step's row, its stop flag set."""
-        row = self._values[self._steps]
-        self._steps += 1
-        self._stop = self._stop or stop
-        row[3] = float(self._stop)
-        return row
+    def next(self, stop: bool, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The next step, its loss `parts` (this process's: none where it holds no last stage) and
+        whether it asked to stop; its loss, as the message will have it."""
+        k = len(self._parts)
+        if stop and self._stopped_at is None:
+            self._stopped_at = k
+        if parts and parts[0].dim():  # a weighted loss's parts are pairs
+            self._weighted.append(k)
+            parts = []
+        self._parts.append(parts)
+        return self._losses[k]
 
     def rows(self) -> torch.Tensor:
-        """The steps' rows, one after the other: the message, summed in place."""
-        return self._values[: self._steps].view(-1)
+        """The steps' rows, one after the other: the message, summed in place (written once)."""
+        if self._message is None:
+            self._message = self._write()
+        return self._message
+
+    def _write(self) -> torch.Tensor:
+        n = len(self._parts)
+        values = self._values[:n]
+        sizes = {len(parts) for parts in self._parts}
+        if len(sizes) == 1 and 0 not in sizes:  # as many parts a step: one sum for the window
+            flat = torch.stack([part for parts in self._parts for part in parts])
+            values[:, 0] = flat.view(n, -1).sum(1)  # each step's, summed as the step's own
+        elif sizes != {0}:
+            for row, parts in zip(values, self._parts, strict=True):
+                if parts:
+                    row[0] = torch.stack(parts).sum(0)
+        for k in self._weighted:
+            values[k, 2] = 1.0
+        if self._stopped_at is not None:
+            values[self._stopped_at :, 3] = 1.0
+        return values.view(-1)
 
     def sent_as(self, work: Any) -> None:
         """The rows are being summed over every process by `work`, behind the step."""
