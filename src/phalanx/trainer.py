@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -322,13 +322,6 @@ class Trainer:
             state.rounds = state.step // every + 1
             self._evaluation_epoch(state.rounds, self.cfg.main_loop.extra_streams, self.times.round)
 
-    def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
-        self.training = True
-        try:
-            self._steps_loop(steps, profile)
-        finally:
-            self.training = False
-
     def _check_gradients(self) -> None:
         """After the run's first step: one error where no parameter that the optimizer trains got
         a gradient on any process (the step changed nothing, and no later one will)."""
@@ -349,7 +342,7 @@ class Trainer:
                 "and that the loss is computed from its outputs"
             )
 
-    def _steps_loop(self, steps: Iterator, profile: dict[str, float]) -> None:
+    def _train_steps(self, steps: Iterator, profile: dict[str, float]) -> None:
         listeners = self.calls.listeners["after_batch"]
         clock, stop, state = time.perf_counter, self.stop, self.state
         # `train_step`'s two lines, without its frame on every step
@@ -361,7 +354,8 @@ class Trainer:
         live = self.times.begin_steps()
         # a resume's config, written once its first step and that step's hooks have gone through
         pending = state.config_pending
-        self.strategy.agree_when(self._loss_read())
+        self.strategy.agree_when(self.calls.loss_due(state, every, self.steps_per_epoch))
+        self.training = True
         try:
             t0 = clock()
             # planning and fetching the step count as data time
@@ -419,25 +413,11 @@ class Trainer:
         else:
             losses.settle()
         finally:
-            self.strategy.agree_when(None)
-            self.times.add(profile)
-
-    def _loss_read(self) -> Callable[[], bool]:
-        """Whether the loss of the step about to run is read: by an after_batch hook (each says at
-        which steps; one of the user's that does not, at every step), at an evaluation round after
-        it, or at the epoch's end. The same on every process."""
-        state, every, last = self.state, self.cfg.main_loop.eval_every_n_steps, self.steps_per_epoch
-        readers = self.calls.loss_readers  # kept as hooks are added
-
-        def due() -> bool:
-            step = state.step + 1
-            return (
-                state.step_in_epoch + 1 == last
-                or (every is not None and step % every == 0)
-                or any(read(step) for read in readers)
-            )
-
-        return due
+            try:
+                self.strategy.agree_when(None)  # (sent while the run says it trains)
+                self.times.add(profile)
+            finally:
+                self.training = False
 
     def times_so_far(self) -> dict[str, float]:
         """Seconds this process spent so far in the run, by part of the loop, up to the last step

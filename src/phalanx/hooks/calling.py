@@ -4,13 +4,14 @@ over the ranks for the hooks that see the global batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from phalanx.engine import concat
 from phalanx.hooks.base import Hook, TrainingTerminated, loss_reads
 
 if TYPE_CHECKING:
+    from phalanx.runstate import RunState
     from phalanx.strategies.base import Strategy
     from phalanx.view import RunView
 
@@ -37,6 +38,23 @@ class Calls:
                 self.listeners[event].append(hook)
         self._gatherers, self._gather_keys = _gathering(self.listeners["after_batch"])
         self.loss_readers[:] = _loss_readers(self.listeners["after_batch"])
+
+    def loss_due(self, state: RunState, every: int | None, last: int | None) -> Callable[[], bool]:
+        """Whether the loss of the step about to run is read: by an after_batch hook (each says at
+        which steps; one of the user's that does not, at every step), at an evaluation round after
+        it (every `every` steps), or at the epoch's end (its step `last`; None: an epoch of
+        unknown length). The same on every process."""
+        readers = self.loss_readers  # kept as hooks are added
+
+        def due() -> bool:
+            step = state.step + 1
+            return (
+                state.step_in_epoch + 1 == last
+                or (every is not None and step % every == 0)
+                or any(read(step) for read in readers)
+            )
+
+        return due
 
     def emit(self, event: str, *args: Any) -> TrainingTerminated | None:
         """Call every hook on `event`; a hook that stops training lets the later ones run first."""
