@@ -28,7 +28,8 @@ class Items(Dataset):
 
 
 class Regression:
-    """A linear regression problem with noise; streams train, valid, test of the given sizes."""
+    """A linear regression problem with noise; streams train, valid, test of the given sizes.
+    `inf_at`: that training sample's target is infinite (its loss is)."""
 
     def __init__(
         self,
@@ -37,6 +38,7 @@ class Regression:
         n_test: int = 10,
         features: int = 3,
         seed: int = 0,
+        inf_at: int | None = None,
     ):
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(features, generator=g)
@@ -44,6 +46,8 @@ class Regression:
         for name, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
             x = torch.randn(n, features, generator=g)
             y = x @ w + 0.1 * torch.randn(n, generator=g)
+            if name == "train" and inf_at is not None:
+                y[inf_at] = float("inf")
             self._streams[name] = Items(x, y)
 
     def streams(self) -> dict[str, Items]:

@@ -45,9 +45,11 @@ class StepLosses:
         self._unsummed: list[tuple[torch.Tensor, Callable[[], object]]] = []
         self._sent = 0  # the first unsummed losses whose agreement has been sent
         self.steps = 0
+        self.epochs = 0  # epochs begun (a `Later` of an epoch before has been sent)
 
     def begin_epoch(self) -> None:
         self._sum, self._group, self._unsummed, self._sent, self.steps = None, [], [], 0, 0
+        self.epochs += 1
 
     def add(
         self, loss: torch.Tensor, settle: Callable[[], object] | None, sent: bool = True
@@ -70,8 +72,20 @@ class StepLosses:
         """The last step's loss, waited for where it is agreed behind the step."""
         settle, self._settle = self._settle, None
         if settle is not None:
-            settle()
+            settle()  # (its agreement sent, and so every step's before it)
+            self._sent = len(self._unsummed)
         return self._last
+
+    def later(self) -> Later | None:
+        """The last step's loss, to read once its agreement has been sent (None before the
+        epoch's first step)."""
+        return None if self._last is None or not self.steps else Later(self)
+
+    @property
+    def sent_steps(self) -> int:
+        """The epoch's steps whose agreement has been sent: their loss is read without sending
+        one."""
+        return self.steps - len(self._unsummed) + self._sent
 
     def epoch_mean(self, sent_only: bool = False) -> torch.Tensor | None:
         """The mean of the epoch's step losses so far, None before its first step; `sent_only`:
@@ -108,6 +122,31 @@ class StepLosses:
             total = _summed(group)
             self._sum = total if self._sum is None else self._sum + total
             self._group = []
+
+
+class Later:
+    """A step's loss that may still be on its way (agreed behind the step, in a window of steps
+    that go as one message under the pipeline): `sent` once its agreement has been sent, so that
+    `read()` waits at most for its arrival and sends nothing; elsewhere it is sent as it comes."""
+
+    __slots__ = ("_losses", "_epoch", "_step", "_loss", "_settle")
+
+    def __init__(self, losses: StepLosses):
+        self._losses, self._epoch, self._step = losses, losses.epochs, losses.steps
+        self._loss, self._settle = losses._last, losses._settle
+
+    @property
+    def sent(self) -> bool:
+        losses = self._losses
+        return losses.epochs != self._epoch or losses.sent_steps >= self._step
+
+    def read(self) -> torch.Tensor:
+        """The loss, waited for. Where its agreement has not been sent, reading it sends it: a
+        collective, so every process must read it at the same step."""
+        assert self._loss is not None  # (`StepLosses.later` gives none before a step)
+        if self._settle is not None:
+            self._settle()
+        return self._loss
 
 
 def _summed(losses: list[torch.Tensor]) -> torch.Tensor:

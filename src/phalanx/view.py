@@ -16,6 +16,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from phalanx.config import Config
+    from phalanx.losses import Later
     from phalanx.strategies.base import Strategy
 
 
@@ -81,6 +82,16 @@ class RunView:
         the steps the hook's `reads_loss` names (the pipeline agrees on the steps between in one
         message)."""
         return self._run.last_loss
+
+    @property
+    def last_loss_later(self) -> Later | None:
+        """The last step's loss, to read later (None before the epoch's first step): its `sent`
+        says whether the processes' agreement on it has been sent, after which its `read()` waits
+        at most for it to arrive, on one process or on all. For a hook that checks each step's
+        loss without ending the pipeline's windows of steps agreed on together: keep it, and read
+        it once sent (by the epoch's end, and before an evaluation round, every step's has been).
+        Elsewhere it is sent with its step."""
+        return self._run.losses.later()
 
     @property
     def epoch_loss(self) -> torch.Tensor | None:

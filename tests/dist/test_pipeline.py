@@ -250,6 +250,32 @@ def test_a_loop_that_reads_no_loss_sends_its_steps_agreements_together_and_stops
         assert read[rank]["losses"] == pytest.approx(each[rank]["losses"], rel=1e-12)
 
 
+def test_stop_on_nan_checks_each_step_once_its_window_is_sent_and_names_that_step():
+    """StopOnNaN checks every step's loss (its default) without ending the windows of steps agreed
+    on together: step 2's loss is infinite, and the run fails when step 2's window is sent (at
+    step 5, agreeing every 4 steps after the first), naming step 2, where agreeing every step fails
+    at step 2 (a check that ended the window would fail there too); before the epoch's end
+    either way."""
+    from phalanx import data
+
+    raw = _agreeing_every(4, 5)  # epochs of 8 steps
+    bad = data.permutation(raw.get("seed", 0), 1, N_TRAIN)[5]  # step 2's first sample
+    raw["dataset"] = {**raw["dataset"], "inf_at": bad}
+    runs = {k: workers.run_ranks(2, workers.nan_checked, _windows(raw, k)) for k in (1, 4)}
+    for k, failed_at in ((1, 2), (4, 5)):
+        for run in runs[k]:
+            assert (run["code"], run["step"], run["epochs"]) == (1, failed_at, 0)
+            assert any(
+                "the training loss is not finite (inf) at step 2 (StopOnNaN)" in e
+                for e in run["errors"]
+            )
+
+
+def _windows(raw: dict, steps: int) -> dict:
+    pipeline = {**raw["parallel"]["pipeline"], "agree_every": steps}
+    return {**raw, "parallel": {**raw["parallel"], "pipeline": pipeline}}
+
+
 def _new_run(folder: Path, raw: dict) -> Path:
     path = toy.write_config(folder, raw)
     cfg, _ = config.load(str(path), [])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import socket
@@ -387,6 +388,30 @@ def losses_read_every(rank: int, raw: dict, every: int, *more: Any) -> dict:
         "shown": record.shown,
         "rounds": record.rounds,
         "entered": trainer.strategy.progress.entered,
+    }
+
+
+def nan_checked(rank: int, raw: dict) -> dict:
+    """Train with StopOnNaN (its defaults: every step's loss); the exit code, the last step, the
+    agreements the strategy ran, the epochs ended, and what the run logged as errors."""
+    from phalanx.hooks import StopOnNaN
+
+    cfg = config.validate(raw)
+    errors: list[str] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("phalanx").addHandler(handler)
+    trainer = Trainer(cfg, None, [TESTS], hooks=[StopOnNaN()], strategy=strategies.create(cfg))
+    try:
+        code = trainer.run()
+    finally:
+        logging.getLogger("phalanx").removeHandler(handler)
+    return {
+        "code": code,
+        "step": trainer.step,
+        "entered": trainer.strategy.progress.entered,
+        "epochs": trainer.epoch,
+        "errors": errors,
     }
 
 

@@ -163,3 +163,33 @@ def test_a_display_before_any_step_was_sent_shows_none():
     tally.begin_epoch()
     tally.add(torch.tensor(1.0), lambda: pytest.fail("a display sent a step's agreement"), False)
     assert tally.epoch_mean(sent_only=True) is None
+
+
+def test_a_loss_kept_for_later_says_when_its_agreement_was_sent_and_reads_without_sending():
+    """`later()`: the last step's loss, kept by a hook that checks it once its agreement has been
+    sent (by its window's last step, a read of a later step's loss, or the epoch's end), reading
+    it then without sending anything; a loss agreed at once is sent with its step."""
+    values = _step_losses(6)
+    order: list[int] = []
+    pending = [Pending(v, order, k) for k, v in enumerate(values)]
+    tally = StepLosses()
+    assert tally.later() is None
+    tally.begin_epoch()
+    assert tally.later() is None  # before the epoch's first step
+    kept = []
+    for k, step in enumerate(pending[:4]):
+        tally.add(step.loss, step.settle, sent=k == 1)  # steps 0-1 sent together, 2-3 not yet
+        kept.append(tally.later())
+    assert [later.sent for later in kept] == [True, True, False, False]
+    assert float(kept[0].read()) == float(values[0]) and order == [0]
+    tally.last  # noqa: B018 - a hook reads the last step's loss: its window is sent
+    assert [later.sent for later in kept] == [True] * 4
+    assert float(kept[2].read()) == float(values[2])
+    tally.add(pending[4].loss, pending[4].settle, sent=False)
+    kept.append(tally.later())
+    assert not kept[-1].sent
+    tally.begin_epoch()  # the epoch ended: the loop's end sent every step's
+    assert kept[-1].sent and tally.later() is None
+    tally.add(torch.tensor(2.5), None)  # agreed at once
+    now = tally.later()
+    assert now is not None and now.sent and float(now.read()) == 2.5

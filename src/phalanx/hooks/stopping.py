@@ -7,7 +7,7 @@ import math
 import numbers
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from phalanx.hooks.variables import (
     split_name,
 )
 from phalanx.overrides import name_of
+
+if TYPE_CHECKING:
+    from phalanx.losses import Later
 
 log = logging.getLogger("phalanx")
 
@@ -101,6 +104,12 @@ class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
     steps), or a variable of the epoch's data is after an epoch.
 
+    Under the pipeline a step's loss is checked once the processes' agreement on it has been sent,
+    which they send for several steps at once (`parallel.pipeline.agree_every`): the check does not
+    end those windows, and the run fails up to a window after the step, naming it. Every step's has
+    been sent by an evaluation round and by the epoch's end, so that neither comes after a loss
+    that was not finite.
+
     On a GPU a check does not wait for its step: the loss comes to the host behind the step and is
     read at the next check, when the step before has run (the kernels queued since are not waited
     for). The run then fails one check later than on the CPU, naming the step whose loss it was.
@@ -109,6 +118,8 @@ class StopOnNaN(Hook):
     that another hook stops has its last loss read as it ends, and a loss that was not finite is
     logged as an error (the hook that stopped it says how it ended)."""
 
+    # the loss is read once sent, whenever that is: no step's agreement is sent for this hook
+    reads_loss = reads_no_loss
     reads_epoch_only = True
 
     # reads the trainer's global loss, the same on every rank
@@ -116,26 +127,31 @@ class StopOnNaN(Hook):
 
     def __init__(self, variables: Sequence[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)
+        # the checks whose loss has not been sent yet (the pipeline's), in step order
+        self._unsent: list[tuple[Later, int]] = []
         # the loss of the last check on a GPU, on its way to the host
         self._pending: _OnItsWay | None = None
-
-    def reads_loss(self, step: int) -> bool:
-        return step % self.every == 0
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         run = self.trainer
         if not run.training or run.step % self.every:
             return
-        loss = run.last_loss  # set by the step this batch came from
-        if loss is None:
+        later = run.last_loss_later  # of the step this batch came from
+        if later is None:
             return
+        self._unsent.append((later, run.step))
+        while self._unsent and self._unsent[0][0].sent:
+            later, step = self._unsent.pop(0)
+            self._check(later.read(), step)
+
+    def _check(self, loss: torch.Tensor, step: int) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.check()
         if not _read_behind(loss) or self._waits_here():
-            _fail_unless_finite(loss, run.step)
+            _fail_unless_finite(loss, step)
         else:
-            self._pending = _OnItsWay(loss, run.step)
+            self._pending = _OnItsWay(loss, step)
 
     def _waits_here(self) -> bool:
         """Whether the run evaluates, saves or stops after this step: there the check waits."""
@@ -148,8 +164,11 @@ class StopOnNaN(Hook):
         )
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
+        unsent, self._unsent = self._unsent, []
+        for later, step in unsent:  # an epoch of a stream that does not say its length
+            _fail_unless_finite(later.read(), step)
         pending, self._pending = self._pending, None
-        if pending is not None:  # an epoch of a stream that does not say its length
+        if pending is not None:  # (the same)
             pending.check()
         for stream, values in epoch_data.items():
             for var in self.variables:
@@ -163,10 +182,13 @@ class StopOnNaN(Hook):
         """A run that another hook stopped within an epoch: its last check is still read, and a loss
         that was not finite said (the run has ended: it can no longer fail it)."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
+        unsent, self._unsent = self._unsent, []
         try:
-            pending.check()
+            if pending is not None:
+                pending.check()
+            for later, step in unsent:  # sent as the steps ended
+                if later.sent:
+                    _fail_unless_finite(later.read(), step)
         except TrainingTerminated as nan:
             log.error("%s, read after the run had stopped", nan.reason)
 
