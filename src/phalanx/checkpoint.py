@@ -356,13 +356,16 @@ class Checkpoints:
             fsync_dir(folder / SHARDS)
         fsync_dir(folder)
 
-    def verify(self, step: int) -> Path:
+    def verify(self, step: int, weights_only: bool = False) -> Path:
         """The step's folder, if every file matches its manifest; else CheckpointError naming the
-        file."""
+        file. `weights_only`: the files its weights are read from (a damaged optimizer or trainer
+        state keeps no one from evaluating or exporting the weights)."""
         folder = self.path(step)
         manifest_path = folder / MANIFEST
         files = read_manifest(manifest_path)
         for name, meta in files.items():
+            if weights_only and name in (OPTIMIZER, TRAINER):
+                continue
             parts = PurePosixPath(name).parts
             if not parts or parts[0] == "/" or ".." in parts:
                 raise CheckpointError(
@@ -390,11 +393,12 @@ class Checkpoints:
                 )
         return folder
 
-    def latest_valid(self) -> int | None:
-        """The newest step that verifies; damaged newer ones are skipped with a warning."""
+    def latest_valid(self, weights_only: bool = False) -> int | None:
+        """The newest step that verifies (`verify`); damaged newer ones are skipped with a
+        warning."""
         for step in reversed(self.steps()):
             try:
-                self.verify(step)
+                self.verify(step, weights_only)
                 return step
             except CheckpointError as e:
                 log.warning("skipping damaged checkpoint: %s; falling back to the previous one", e)
@@ -428,13 +432,13 @@ class Checkpoints:
         if self.path(step).is_dir():
             read_manifest(self.path(step) / MANIFEST)
 
-    def select(self, which: str | int) -> int:
+    def select(self, which: str | int, weights_only: bool = False) -> int:
         """`latest`, `best`, `auto` (the best where there is one, else the latest) or a step number,
-        verified."""
+        verified (`verify`: its weights alone, where `weights_only`)."""
         if which == "auto":  # a best.json that names no step is said, not passed over
             which = "best" if self._best() is not None else "latest"
         if which == "latest":
-            step = self.latest_valid()
+            step = self.latest_valid(weights_only)
         elif which == "best":
             step = self._best()
             if step is not None and step not in self.steps():
@@ -461,7 +465,7 @@ class Checkpoints:
                 "SaveBest/SaveLatest"
             )
         try:
-            self.verify(step)
+            self.verify(step, weights_only)
         except CheckpointError as e:
             raise CheckpointError(
                 f"{e}; --checkpoint latest takes the newest checkpoint that verifies, or give a "
@@ -519,7 +523,7 @@ class Checkpoints:
 
     def load_weights(self, step: int, weights: Weights) -> None:
         """Only the weights of step `step`, verified, into `weights` (evaluation needs no more)."""
-        load_into(weights, weights_path(self.verify(step)))
+        load_into(weights, weights_path(self.verify(step, weights_only=True)))
 
     def export(self, step: int, output: Path) -> int:
         """The whole model of step `step` as one safetensors file at `output`, every name of its
@@ -527,7 +531,7 @@ class Checkpoints:
         written atomically. Returns the number of tensors."""
         from safetensors.torch import save
 
-        path = weights_path(self.verify(step))
+        path = weights_path(self.verify(step, weights_only=True))
         state = untie_weights(whole_state(path), path)
         data = save(state, metadata={"step": str(step)})
         write_atomic(output, lambda f: f.write(data), sync=True)
@@ -550,7 +554,8 @@ def initial_weights(source: str, which: str | int = "auto") -> tuple[Path, dict[
                 "checkpoints/); name a run directory or a .safetensors file"
             )
         checkpoints = Checkpoints(path / "checkpoints")
-        path = weights_path(checkpoints.verify(checkpoints.select(which)))
+        step = checkpoints.select(which, weights_only=True)
+        path = weights_path(checkpoints.verify(step, weights_only=True))
     elif not path.is_file():
         raise ConfigError(
             f"model.init_from: {path} does not exist; name a run directory or a .safetensors file"

@@ -80,7 +80,7 @@ def export(run_path: str, output: str, which: str, model: str | None = None) -> 
     logs.setup(None)
     run_dir = rundir.open_run(run_path)
     checkpoints = Checkpoints(run_dir / "checkpoints")
-    step = checkpoints.select(which)
+    step = checkpoints.select(which, weights_only=True)
     count = checkpoints.export(step, Path(output))
     logs.out.print(f"wrote {count} tensors of {run_dir.name} at step {step} to {output}")
     return count

@@ -66,7 +66,7 @@ def _restore(
         objects=Objects(objects.model, objects.dataset) if objects else None,
     )
     data.get_stream(trainer.dataset, stream, "Give one of them to --stream (stream= in Python)")
-    step = trainer.stored_checkpoints.select(which)
+    step = trainer.stored_checkpoints.select(which, weights_only=True)
     trainer.restore(step, weights_only=True)
     return trainer, step
 

@@ -196,6 +196,28 @@ def test_verify_names_the_damaged_file(ckpts, name, damage, words):
         ckpts.load(4, _module())
 
 
+@pytest.mark.parametrize("name", [OPTIMIZER, TRAINER])
+def test_a_damaged_optimizer_or_trainer_state_keeps_no_one_from_the_weights(ckpts, name):
+    """Evaluating, predicting and exporting read the weights alone: a step whose optimizer or
+    trainer state is damaged still gives them (`weights_only`), and is still the latest for
+    them, where a resume passes over it to the step before."""
+    _save(ckpts, 2)
+    saved = _save(ckpts, 4)
+    _truncate(ckpts.path(4) / name)
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpts.select(4)
+    assert ckpts.select("latest") == 2  # a resume's
+    assert ckpts.select("latest", weights_only=True) == 4
+    assert ckpts.select(4, weights_only=True) == 4
+    module = _module(seed=99)
+    ckpts.load_weights(4, module)
+    for a, b in zip(module.state_dict().values(), saved.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    _truncate(ckpts.path(4) / WEIGHTS)  # the weights themselves: refused either way
+    with pytest.raises(CheckpointError, match="truncated"):
+        ckpts.select(4, weights_only=True)
+
+
 def test_verify_rejects_an_unreadable_manifest_and_another_format(ckpts):
     _save(ckpts, 1)
     manifest = ckpts.path(1) / MANIFEST
