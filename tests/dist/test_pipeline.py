@@ -255,20 +255,22 @@ def test_stop_on_nan_checks_each_step_once_its_window_is_sent_and_names_that_ste
     on together: step 2's loss is infinite, and the run fails when step 2's window is sent (at
     step 5, agreeing every 4 steps after the first), naming step 2, where agreeing every step fails
     at step 2 (a check that ended the window would fail there too); before the epoch's end
-    either way."""
+    either way, and no later step's loss is said (the checks after the failing one are not
+    read)."""
     from phalanx import data
 
     raw = _agreeing_every(4, 5)  # epochs of 8 steps
     bad = data.permutation(raw.get("seed", 0), 1, N_TRAIN)[5]  # step 2's first sample
     raw["dataset"] = {**raw["dataset"], "inf_at": bad}
     runs = {k: workers.run_ranks(2, workers.nan_checked, _windows(raw, k)) for k in (1, 4)}
-    for k, failed_at in ((1, 2), (4, 5)):
+    # StopAfter ends the run at step 4, inside the window: it ends the window there, and the
+    # failure stands over its planned end
+    runs[0] = workers.run_ranks(2, workers.nan_checked, _windows(raw, 4), 4)
+    for k, failed_at in ((1, 2), (4, 5), (0, 4)):
         for run in runs[k]:
             assert (run["code"], run["step"], run["epochs"]) == (1, failed_at, 0)
-            assert any(
-                "the training loss is not finite (inf) at step 2 (StopOnNaN)" in e
-                for e in run["errors"]
-            )
+            said = [e for e in run["errors"] if "(StopOnNaN)" in e]
+            assert said == ["training stopped: the training loss is not finite (inf) at step 2 (StopOnNaN)"]
 
 
 def _windows(raw: dict, steps: int) -> dict:

@@ -391,17 +391,19 @@ def losses_read_every(rank: int, raw: dict, every: int, *more: Any) -> dict:
     }
 
 
-def nan_checked(rank: int, raw: dict) -> dict:
-    """Train with StopOnNaN (its defaults: every step's loss); the exit code, the last step, the
-    agreements the strategy ran, the epochs ended, and what the run logged as errors."""
-    from phalanx.hooks import StopOnNaN
+def nan_checked(rank: int, raw: dict, stop_after: int | None = None) -> dict:
+    """Train with StopOnNaN (its defaults: every step's loss), after StopAfter(steps=`stop_after`)
+    where given; the exit code, the last step, the agreements the strategy ran, the epochs ended,
+    and what the run logged as errors."""
+    from phalanx.hooks import StopAfter, StopOnNaN
 
     cfg = config.validate(raw)
     errors: list[str] = []
     handler = logging.Handler(logging.ERROR)
     handler.emit = lambda record: errors.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("phalanx").addHandler(handler)
-    trainer = Trainer(cfg, None, [TESTS], hooks=[StopOnNaN()], strategy=strategies.create(cfg))
+    hooks = [StopOnNaN()] if stop_after is None else [StopAfter(steps=stop_after), StopOnNaN()]
+    trainer = Trainer(cfg, None, [TESTS], hooks=hooks, strategy=strategies.create(cfg))
     try:
         code = trainer.run()
     finally:

@@ -1138,6 +1138,20 @@ def test_stop_on_nan_read_behind_says_what_it_read_after_another_hook_stopped(
     )
 
 
+def test_a_failure_at_the_step_another_hook_stops_at_stands_over_the_planned_end(tmp_path):
+    """StopAfter ends the run at step 3 as planned, and StopOnNaN, listed after it, finds step 3's
+    loss infinite at that step: the run failed (the later hook's failure stands), either order."""
+    for hooks in ([StopAfter(steps=3), StopOnNaN()], [StopOnNaN(), StopAfter(steps=3)]):
+        trainer = make_trainer(
+            tmp_path, hooks, model={"class": "toy.InfAt", "features": 3, "step": 3}
+        )
+        assert trainer.run() == 1
+        assert trainer.step == 3
+        assert trace_events(trainer.run_dir)[-1] == "failed"
+    ended = make_trainer(tmp_path, [StopAfter(steps=3), StopOnNaN()])
+    assert ended.run() == 0 and trace_events(ended.run_dir)[-1] == "finished"
+
+
 def test_stop_on_plateau_after_patience_epochs_without_improvement(tmp_path):
     rec = Record()
     # lr 0: nothing learns, valid.loss is the same every epoch
@@ -1345,15 +1359,19 @@ def test_every_built_in_hook_that_sees_the_steps_says_at_which_it_reads_the_loss
     not say where it reads is read at every step (the steps agreed one by one), so each built-in
     hook with an after_batch says, and says the steps it reads at (StopOnNaN reads each checked
     step's loss once it has been sent, and ends no window)."""
-    from phalanx.hooks import BUILTIN, Hook, WriteTensorBoard
+    from phalanx.hooks import BUILTIN, Hook, StopAfter, WriteTensorBoard
     from phalanx.hooks.base import reads_no_loss
 
     listening = [c for c in BUILTIN.values() if c.after_batch is not Hook.after_batch]
     assert listening and all(c.reads_loss is not Hook.reads_loss for c in listening)
     readers = {c.__name__ for c in listening if c.reads_loss is not reads_no_loss}
-    assert readers == {"WriteTensorBoard", "WriteMLflow", "WriteWandb"}
+    assert readers == {"WriteTensorBoard", "WriteMLflow", "WriteWandb", "StopAfter"}
     board = WriteTensorBoard(every_n_steps=5)
     assert [s for s in range(1, 13) if board.reads_loss(s)] == [5, 10]
+    # StopAfter reads none, but ends a window where it may end the run
+    assert [s for s in range(1, 13) if StopAfter(steps=7).reads_loss(s)] == [7]
+    assert [s for s in range(1, 25) if StopAfter(minutes=1).reads_loss(s)] == [10, 20]
+    assert not any(StopAfter(epochs=2).reads_loss(s) for s in range(1, 25))
     assert not WriteTensorBoard(every_n_steps=0).reads_loss(5)
 
     class Mine(Hook):

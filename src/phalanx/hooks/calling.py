@@ -1,6 +1,7 @@
 """The hooks as the loop calls them: each event's listeners (the hooks that override it, in order),
-a hook that stops training letting the later ones run first, and after_batch's outputs gathered
-over the ranks for the hooks that see the global batch."""
+a hook that stops training letting the later ones run first (a later one's failure stands over
+its end as planned), and after_batch's outputs gathered over the ranks for the hooks that see the
+global batch."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class Calls:
             try:
                 getattr(hook, event)(*args)
             except TrainingTerminated as t:
-                stop = stop or t
+                stop = _standing(stop, t)
         return stop
 
     def after_batch(
@@ -86,8 +87,17 @@ class Calls:
             try:
                 hook.after_batch(stream, view)
             except TrainingTerminated as t:
-                stop = stop or t
+                stop = _standing(stop, t)
         return stop
+
+
+def _standing(stop: TrainingTerminated | None, new: TrainingTerminated) -> TrainingTerminated:
+    """Of two hooks' ends of training at one event, the one that stands: the first, unless a later
+    one fails the run where the first ended it as planned (a hook that stops at a step whose loss
+    another finds not finite)."""
+    if stop is None or (stop.success and not new.success):
+        return new
+    return stop
 
 
 def _loss_readers(listeners: list[Hook]) -> list[Any]:

@@ -36,8 +36,6 @@ class StopAfter(Hook):
     With several processes and `minutes`, the ranks agree every `AGREE_EVERY` steps (an agreement is
     a collective of its own): the first whose clock has run out stops them all at the same step."""
 
-    reads_loss = reads_no_loss
-
     gathers = False
     reads_epoch_only = True
     AGREE_EVERY = 10
@@ -62,6 +60,14 @@ class StopAfter(Hook):
             )
         self.epochs, self.steps, self.minutes, self.clock = epochs, steps, minutes, clock
         self._start = None
+
+    def reads_loss(self, step: int) -> bool:
+        """It reads no loss, but may end the run after these steps: there the pipeline's window of
+        steps agreed on together ends, so that the run ends with every step's loss agreed (and
+        `StopOnNaN` checks them before it ends)."""
+        return (self.steps is not None and step == self.steps) or (
+            self.minutes is not None and step % self.AGREE_EVERY == 0
+        )
 
     def before_training(self) -> None:
         """A run resumed at or past its limit stops before its first step, and says how to go on."""
@@ -102,23 +108,21 @@ class StopAfter(Hook):
 
 class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
-    steps), or a variable of the epoch's data is after an epoch.
+    steps), or a variable of the epoch's data is after an epoch; the failure names the step.
 
-    Under the pipeline a step's loss is checked once the processes' agreement on it has been sent,
-    which they send for several steps at once (`parallel.pipeline.agree_every`): the check does not
-    end those windows, and the run fails up to a window after the step, naming it. Every step's has
-    been sent by an evaluation round and by the epoch's end, so that neither comes after a loss
-    that was not finite.
+    Under the pipeline the processes agree on several steps' losses in one message
+    (`parallel.pipeline.agree_every`): a step's loss is checked when the message holding it is sent
+    (that step waits for it to come), and the run fails up to a window after the step. On a GPU a
+    loss comes to the host behind its step and is read at the next check, when the steps before
+    have run (the kernels queued since are not waited for): the run fails one check later. Where
+    the run would go on to evaluate or save (an epoch's last step, the step before an evaluation
+    round) or stops for a signal, every check so far is read there, so that neither follows a loss
+    that was not finite (an epoch of a stream that does not say its length: after its
+    evaluation). A run that another hook stops has its last losses read as it ends, and one that
+    was not finite is logged as an error (the hook that stopped it says how it ended; the pipeline
+    sends the window at `StopAfter`'s last step, which is checked before the run ends)."""
 
-    On a GPU a check does not wait for its step: the loss comes to the host behind the step and is
-    read at the next check, when the step before has run (the kernels queued since are not waited
-    for). The run then fails one check later than on the CPU, naming the step whose loss it was.
-    Where the run would go on to evaluate or save (an epoch's last step, the step before an
-    evaluation round) or stops for a signal, the check waits for its step, as on the CPU. A run
-    that another hook stops has its last loss read as it ends, and a loss that was not finite is
-    logged as an error (the hook that stopped it says how it ended)."""
-
-    # the loss is read once sent, whenever that is: no step's agreement is sent for this hook
+    # reads each step's loss once its agreement has been sent: no step's is sent for this hook
     reads_loss = reads_no_loss
     reads_epoch_only = True
 
@@ -127,31 +131,43 @@ class StopOnNaN(Hook):
 
     def __init__(self, variables: Sequence[str] = ("loss",), every_n_steps: int = 1):
         self.variables, self.every = list(variables), max(1, every_n_steps)
-        # the checks whose loss has not been sent yet (the pipeline's), in step order
+        # the checks whose loss's agreement has not been sent (the pipeline's), in step order:
+        # (the loss, its step)
         self._unsent: list[tuple[Later, int]] = []
-        # the loss of the last check on a GPU, on its way to the host
+        # the losses of the last checks on a GPU, on their way to the host
         self._pending: _OnItsWay | None = None
 
     def after_batch(self, stream: str, batch: dict[str, Any]) -> None:
         run = self.trainer
-        if not run.training or run.step % self.every:
+        if not run.training:
             return
-        later = run.last_loss_later  # of the step this batch came from
-        if later is None:
-            return
-        self._unsent.append((later, run.step))
+        if run.step % self.every == 0:
+            later = run.last_loss_later  # of the step this batch came from
+            if later is not None:
+                self._unsent.append((later, run.step))
+        due = []
         while self._unsent and self._unsent[0][0].sent:
-            later, step = self._unsent.pop(0)
-            self._check(later.read(), step)
+            due.append(self._unsent.pop(0))
+        if due:
+            self._check(due, self._waits_here())
 
-    def _check(self, loss: torch.Tensor, step: int) -> None:
+    def _check(self, entries: list[tuple[Later, int]], now: bool) -> None:
+        """The losses of `entries` checked, the earlier ones on their way first; on a GPU they
+        come to the host behind the step, unless `now`."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.check()
-        if not _read_behind(loss) or self._waits_here():
-            _fail_unless_finite(loss, step)
+            self._fail_if(pending.check())
+        losses, steps = [later.read() for later, _ in entries], [step for _, step in entries]
+        if _read_behind(losses[0]) and not now:
+            self._pending = _OnItsWay(losses, steps)
         else:
-            self._pending = _OnItsWay(loss, step)
+            self._fail_if(_not_finite(losses, steps))
+
+    def _fail_if(self, nan: TrainingTerminated | None) -> None:
+        """Fail the run with `nan`, where there is one: the later checks are not read."""
+        if nan is not None:
+            self._unsent, self._pending = [], None
+            raise nan
 
     def _waits_here(self) -> bool:
         """Whether the run evaluates, saves or stops after this step: there the check waits."""
@@ -164,12 +180,13 @@ class StopOnNaN(Hook):
         )
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
-        unsent, self._unsent = self._unsent, []
-        for later, step in unsent:  # an epoch of a stream that does not say its length
-            _fail_unless_finite(later.read(), step)
+        # what an epoch of a stream that does not say its length left (sent by its end)
+        entries, self._unsent = self._unsent, []
+        if entries:
+            self._check(entries, now=True)
         pending, self._pending = self._pending, None
-        if pending is not None:  # (the same)
-            pending.check()
+        if pending is not None:
+            self._fail_if(pending.check())
         for stream, values in epoch_data.items():
             for var in self.variables:
                 value = values.get(var)
@@ -179,17 +196,17 @@ class StopOnNaN(Hook):
                     )
 
     def after_training(self, success: bool) -> None:
-        """A run that another hook stopped within an epoch: its last check is still read, and a loss
-        that was not finite said (the run has ended: it can no longer fail it)."""
+        """A run that another hook stopped within an epoch: its last checks are still read, and a
+        loss that was not finite said (the run has ended: it can no longer fail it). A failed or
+        interrupted run's agreements in flight are not read (they may never come)."""
         pending, self._pending = self._pending, None
-        unsent, self._unsent = self._unsent, []
-        try:
-            if pending is not None:
-                pending.check()
-            for later, step in unsent:  # sent as the steps ended
-                if later.sent:
-                    _fail_unless_finite(later.read(), step)
-        except TrainingTerminated as nan:
+        entries, self._unsent = self._unsent, []
+        nan = pending.check() if pending is not None else None
+        if nan is None and success:
+            sent = [(later, step) for later, step in entries if later.sent]
+            if sent:
+                nan = _not_finite([later.read() for later, _ in sent], [s for _, s in sent])
+        if nan is not None:
             log.error("%s, read after the run had stopped", nan.reason)
 
 
@@ -198,27 +215,36 @@ def _read_behind(loss: torch.Tensor) -> bool:
     return loss.device.type == "cuda"
 
 
-def _fail_unless_finite(loss: torch.Tensor, step: int) -> None:
-    if not bool(torch.isfinite(loss).all()):
-        raise TrainingTerminated(
-            f"the training loss is not finite ({float(loss)}) at step {step} (StopOnNaN)",
-            success=False,
-        )
+def _not_finite(losses: list[torch.Tensor], steps: list[int]) -> TrainingTerminated | None:
+    """The failure that the first loss that is not finite makes, naming its step; None where
+    every one is finite."""
+    values = losses[0].reshape(1) if len(losses) == 1 else torch.stack(losses)
+    finite = torch.isfinite(values)
+    if bool(finite.all()):
+        return None
+    k = int((~finite).nonzero()[0, 0])
+    return TrainingTerminated(
+        f"the training loss is not finite ({float(values[k])}) at step {steps[k]} (StopOnNaN)",
+        success=False,
+    )
 
 
 class _OnItsWay:
-    """A loss on a GPU copied to the host behind the step, and the event that says it is there."""
+    """Losses on a GPU copied to the host behind their steps, and the event that says they are
+    there."""
 
-    def __init__(self, loss: torch.Tensor, step: int):
-        self.step = step
-        self.host = loss.detach().to("cpu", non_blocking=True)  # pinned: the copy does not wait
+    def __init__(self, losses: list[torch.Tensor], steps: list[int]):
+        self.steps = steps
+        stacked = torch.stack([loss.detach() for loss in losses])
+        self.host = stacked.to("cpu", non_blocking=True)  # pinned: the copy does not wait
         self.done = torch.cuda.Event()
-        self.done.record(torch.cuda.current_stream(loss.device))  # where the copy was queued
+        self.done.record(torch.cuda.current_stream(stacked.device))  # where the copy was queued
 
-    def check(self) -> None:
-        """Fail the run if the loss was not finite (its copy waited for, if not there yet)."""
+    def check(self) -> TrainingTerminated | None:
+        """The failure a loss that was not finite makes (their copy waited for, if not there
+        yet)."""
         self.done.synchronize()
-        _fail_unless_finite(self.host, self.step)
+        return _not_finite(list(self.host), self.steps)
 
 
 class StopOnPlateau(Hook):

@@ -50,7 +50,7 @@ class Window:
         if parts and parts[0].dim():  # a weighted loss's parts are pairs
             self._weighted.append(k)
             parts = []
-        self._parts.append(parts)
+        self._parts.append(list(parts))  # (the caller's list may grow: an evaluation's)
         return self._losses[k]
 
     def rows(self) -> torch.Tensor:
