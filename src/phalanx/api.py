@@ -120,7 +120,7 @@ def fit(
                 )
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
-                    _discard(run_dir)
+                    _discard(run_dir, announced=True)
                 raise
             finally:
                 logs.close_run_log()
@@ -405,7 +405,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
             )
         except BaseException as e:
             if not _worth_keeping(run_dir, e):
-                _discard(run_dir)
+                _discard(run_dir, announced=True)
             raise
 
 
@@ -427,10 +427,13 @@ def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
     return True
 
 
-def _discard(run_dir: Path) -> None:
-    """Remove a run directory that this command created and in which nothing ran."""
+def _discard(run_dir: Path, announced: bool = False) -> None:
+    """Remove a run directory that this command created and in which nothing ran; `announced`:
+    the log named it, and now says it is gone."""
     logs.setup(None)
     shutil.rmtree(run_dir, ignore_errors=True)
+    if announced:
+        log.info("removed the run directory %s: nothing ran in it", run_dir)
 
 
 def _resume(
