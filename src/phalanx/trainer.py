@@ -24,7 +24,7 @@ from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
-from phalanx.hooks.calling import Calls
+from phalanx.hooks.calling import Calls, standing
 from phalanx.hooks.profiler import Profile
 from phalanx.hooks.variables import flat_variables
 from phalanx.losses import StepLosses
@@ -478,7 +478,7 @@ class Trainer:
         stop = self.calls.emit("after_epoch", epoch, self.epoch_data)
         profile["after_epoch"] = time.perf_counter() - start
         extra = self.cfg.main_loop.extra_streams
-        stop = self.calls.emit("after_epoch_profile", epoch, profile, TRAIN, extra) or stop
+        stop = standing(stop, self.calls.emit("after_epoch_profile", epoch, profile, TRAIN, extra))
         self.metrics = flat_variables(self.epoch_data)
         if self.cfg.main_loop.eval_every_n_steps is None:
             self.state.trace("epoch", epoch=epoch, step=self.step, metrics=self.metrics)

@@ -1119,6 +1119,25 @@ def test_stop_on_nan_read_behind_the_step_fails_a_check_later(
     assert f"the training loss is not finite (inf) at step {bad_step} (StopOnNaN)" in log
 
 
+def test_stop_on_nan_read_behind_reads_its_last_check_at_the_epochs_end_between_checks(
+    tmp_path, read_behind
+):
+    """Checking every 2nd step, read behind the step: step 4's infinite loss, on its way at the
+    epoch's last step (5, no check of its own), is read there, before the epoch's end."""
+    ended = Record()
+    trainer = make_trainer(
+        tmp_path,
+        [StopOnNaN(every_n_steps=2), SaveLatest(), ended],
+        model={"class": "toy.InfAt", "features": 3, "step": 4},
+        main_loop={"epochs": 3},
+    )
+    assert trainer.run() == 1
+    assert trainer.step == 5
+    assert ended.epochs == {} and trainer.checkpoints.steps() == []
+    log = (trainer.run_dir / "log.txt").read_text()
+    assert "the training loss is not finite (inf) at step 4 (StopOnNaN)" in log
+
+
 def test_stop_on_nan_read_behind_says_what_it_read_after_another_hook_stopped(
     tmp_path, read_behind
 ):
@@ -1370,8 +1389,9 @@ def test_every_built_in_hook_that_sees_the_steps_says_at_which_it_reads_the_loss
     assert [s for s in range(1, 13) if board.reads_loss(s)] == [5, 10]
     # StopAfter reads none, but ends a window where it may end the run
     assert [s for s in range(1, 13) if StopAfter(steps=7).reads_loss(s)] == [7]
-    assert [s for s in range(1, 25) if StopAfter(minutes=1).reads_loss(s)] == [10, 20]
-    assert not any(StopAfter(epochs=2).reads_loss(s) for s in range(1, 25))
+    assert [s for s in range(1, 13) if StopAfter(steps=6.5).reads_loss(s)] == [7]
+    for other in (StopAfter(minutes=1), StopAfter(epochs=2)):
+        assert not any(other.reads_loss(s) for s in range(1, 25))
     assert not WriteTensorBoard(every_n_steps=0).reads_loss(5)
 
     class Mine(Hook):

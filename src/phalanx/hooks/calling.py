@@ -64,7 +64,7 @@ class Calls:
             try:
                 getattr(hook, event)(*args)
             except TrainingTerminated as t:
-                stop = _standing(stop, t)
+                stop = standing(stop, t)
         return stop
 
     def after_batch(
@@ -87,15 +87,17 @@ class Calls:
             try:
                 hook.after_batch(stream, view)
             except TrainingTerminated as t:
-                stop = _standing(stop, t)
+                stop = standing(stop, t)
         return stop
 
 
-def _standing(stop: TrainingTerminated | None, new: TrainingTerminated) -> TrainingTerminated:
-    """Of two hooks' ends of training at one event, the one that stands: the first, unless a later
-    one fails the run where the first ended it as planned (a hook that stops at a step whose loss
-    another finds not finite)."""
-    if stop is None or (stop.success and not new.success):
+def standing(
+    stop: TrainingTerminated | None, new: TrainingTerminated | None
+) -> TrainingTerminated | None:
+    """Of two hooks' ends of training, the one that stands: the first, unless the later one fails
+    the run where the first ended it as planned (a hook that stops at a step whose loss another
+    finds not finite)."""
+    if stop is None or (new is not None and stop.success and not new.success):
         return new
     return stop
 

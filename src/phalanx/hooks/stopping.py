@@ -62,12 +62,10 @@ class StopAfter(Hook):
         self._start = None
 
     def reads_loss(self, step: int) -> bool:
-        """It reads no loss, but may end the run after these steps: there the pipeline's window of
+        """It reads no loss, but ends the run after its last step: there the pipeline's window of
         steps agreed on together ends, so that the run ends with every step's loss agreed (and
         `StopOnNaN` checks them before it ends)."""
-        return (self.steps is not None and step == self.steps) or (
-            self.minutes is not None and step % self.AGREE_EVERY == 0
-        )
+        return self.steps is not None and step == math.ceil(self.steps)
 
     def before_training(self) -> None:
         """A run resumed at or past its limit stops before its first step, and says how to go on."""
@@ -108,19 +106,20 @@ class StopAfter(Hook):
 
 class StopOnNaN(Hook):
     """Fail the run as soon as the training loss is NaN or infinite (checked every `every_n_steps`
-    steps), or a variable of the epoch's data is after an epoch; the failure names the step.
+    steps; the failure names the step), or a variable of the epoch's data is after an epoch.
 
     Under the pipeline the processes agree on several steps' losses in one message
     (`parallel.pipeline.agree_every`): a step's loss is checked when the message holding it is sent
     (that step waits for it to come), and the run fails up to a window after the step. On a GPU a
     loss comes to the host behind its step and is read at the next check, when the steps before
-    have run (the kernels queued since are not waited for): the run fails one check later. Where
-    the run would go on to evaluate or save (an epoch's last step, the step before an evaluation
-    round) or stops for a signal, every check so far is read there, so that neither follows a loss
-    that was not finite (an epoch of a stream that does not say its length: after its
-    evaluation). A run that another hook stops has its last losses read as it ends, and one that
-    was not finite is logged as an error (the hook that stopped it says how it ended; the pipeline
-    sends the window at `StopAfter`'s last step, which is checked before the run ends)."""
+    have run (the kernels queued since are not waited for): the run fails one check later. At an
+    epoch's last step and the step before an evaluation round every check so far is read, so that
+    neither the evaluation nor the epoch's end follows a loss that was not finite (an epoch of a
+    stream that does not say its length: after its evaluation and the after_epoch of the hooks
+    listed before this one). A run that another hook stops as planned has its last losses read as
+    it ends, and one that was not finite is logged as an error (the hook that stopped it says how
+    it ended); on the CPU, `StopAfter`'s last step is checked before the run ends, and fails it. A
+    run that failed or was interrupted reads none (what is in flight may never come)."""
 
     # reads each step's loss once its agreement has been sent: no step's is sent for this hook
     reads_loss = reads_no_loss
@@ -150,6 +149,9 @@ class StopOnNaN(Hook):
             due.append(self._unsent.pop(0))
         if due:
             self._check(due, self._waits_here())
+        elif self._pending is not None and self._waits_here():  # (every_n_steps > 1)
+            pending, self._pending = self._pending, None
+            self._fail_if(pending.check())
 
     def _check(self, entries: list[tuple[Later, int]], now: bool) -> None:
         """The losses of `entries` checked, the earlier ones on their way first; on a GPU they
@@ -170,13 +172,13 @@ class StopOnNaN(Hook):
             raise nan
 
     def _waits_here(self) -> bool:
-        """Whether the run evaluates, saves or stops after this step: there the check waits."""
+        """Whether the run evaluates or ends its epoch after this step: there the check waits.
+        The same on every process (a signal's request is not: a check that waited on one process
+        alone would fail it a check before the others)."""
         run = self.trainer
         rounds = run.cfg.main_loop.eval_every_n_steps
-        return (
-            run.step_in_epoch == run.steps_per_epoch
-            or (rounds is not None and run.step % rounds == 0)
-            or run.stop_requested
+        return run.step_in_epoch == run.steps_per_epoch or (
+            rounds is not None and run.step % rounds == 0
         )
 
     def after_epoch(self, epoch: int, epoch_data: dict) -> None:
@@ -196,16 +198,17 @@ class StopOnNaN(Hook):
                     )
 
     def after_training(self, success: bool) -> None:
-        """A run that another hook stopped within an epoch: its last checks are still read, and a
-        loss that was not finite said (the run has ended: it can no longer fail it). A failed or
-        interrupted run's agreements in flight are not read (they may never come)."""
+        """A run that another hook stopped as planned within an epoch: its last checks are still
+        read, and a loss that was not finite said (the run has ended: it can no longer fail it). A
+        run that failed or was interrupted reads none: what is in flight may never come."""
         pending, self._pending = self._pending, None
         entries, self._unsent = self._unsent, []
+        if not success:
+            return
         nan = pending.check() if pending is not None else None
-        if nan is None and success:
-            sent = [(later, step) for later, step in entries if later.sent]
-            if sent:
-                nan = _not_finite([later.read() for later, _ in sent], [s for _, s in sent])
+        sent = [(later, step) for later, step in entries if later.sent]
+        if nan is None and sent:
+            nan = _not_finite([later.read() for later, _ in sent], [s for _, s in sent])
         if nan is not None:
             log.error("%s, read after the run had stopped", nan.reason)
 
