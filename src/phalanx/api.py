@@ -104,12 +104,14 @@ def fit(
     if strategies.needs_launch(cfg):
         run_dir = rundir.create(cfg, path)
         # the launcher holds it for its workers
+        announced = False
         with hold_training_lock(run_dir, "train"):
             try:
                 logs.setup(run_dir)
                 relaunch.record_plan(run_dir, plan)
                 devices = strategies.resolve_device(cfg)[1]
                 log.info("run directory: %s; starting %d workers", run_dir, devices)
+                announced = True
                 code = relaunch.launch_until_it_fits(
                     run_dir,
                     devices,
@@ -120,7 +122,7 @@ def fit(
                 )
             except BaseException as e:
                 if not _worth_keeping(run_dir, e):
-                    _discard(run_dir, announced=True)
+                    _discard(run_dir, announced)
                 raise
             finally:
                 logs.close_run_log()
@@ -132,10 +134,12 @@ def fit(
         )
     )
     search_dirs = [path.resolve().parent, Path.cwd()] if path is not None else [Path.cwd()]
+    announced = False
     with hold_training_lock(run_dir, "train"):
         try:
             trainer = build_worker_trainer(cfg, run_dir, search_dirs, strategy, objects)
             log.info("run directory: %s", run_dir)
+            announced = True
             relaunch.record_plan(run_dir, plan)
             for note in objects.notes:
                 log.info("%s", note)
@@ -155,7 +159,7 @@ def fit(
         except BaseException as e:
             strategy.abandon()
             if strategy.is_main and not _worth_keeping(run_dir, e):
-                _discard(run_dir)
+                _discard(run_dir, announced)
             raise
         finally:
             logs.close_run_log()
@@ -384,6 +388,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
             restarts=cfg.parallel.max_restarts,
         )
     run_dir = machines.share_run_dir(store, rundir.create(cfg, path))
+    announced = False
     with hold_training_lock(run_dir, "train"):
         try:
             logs.setup(run_dir)
@@ -393,6 +398,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
                 nodes.count,
                 devices,
             )
+            announced = True
             return run_dir, launch.launch(
                 run_dir,
                 devices,
@@ -405,7 +411,7 @@ def _train_on_nodes(cfg: config.Config, path: Path | None, nodes: Nodes) -> tupl
             )
         except BaseException as e:
             if not _worth_keeping(run_dir, e):
-                _discard(run_dir, announced=True)
+                _discard(run_dir, announced)
             raise
 
 
@@ -428,12 +434,12 @@ def _worth_keeping(run_dir: Path, error: BaseException) -> bool:
 
 
 def _discard(run_dir: Path, announced: bool = False) -> None:
-    """Remove a run directory that this command created and in which nothing ran; `announced`:
-    the log named it, and now says it is gone."""
+    """Remove a run directory that this command created and that holds nothing to keep (no
+    checkpoint); `announced`: the log named it, and now says it is gone."""
     logs.setup(None)
     shutil.rmtree(run_dir, ignore_errors=True)
-    if announced:
-        log.info("removed the run directory %s: nothing ran in it", run_dir)
+    if announced and not run_dir.exists():
+        log.info("removed the run directory %s: it holds no checkpoint", run_dir)
 
 
 def _resume(

@@ -446,7 +446,7 @@ def test_sigterm_to_the_launcher_during_start_up_leaves_nothing(tmp_path):
     # the directory it announced is said to be gone
     announced = re.search(r"run directory: (\S+); starting 2 workers", result.stderr)
     assert announced is not None, result.stderr
-    assert f"removed the run directory {announced[1]}: nothing ran in it" in result.stderr
+    assert f"removed the run directory {announced[1]}: it holds no checkpoint" in result.stderr
     time.sleep(0.5)
     assert not [p for p in workers if alive(p)]
 
