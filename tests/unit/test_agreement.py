@@ -9,8 +9,7 @@ import torch
 
 from phalanx.errors import ModelError
 from phalanx.strategies.distributed import LastAgreement
-from phalanx.strategies.pipeline import Pipeline
-from phalanx.strategies.windows import StepsAgreement, Window
+from phalanx.strategies.windows import StepAgreements, StepsAgreement, Window
 
 
 class Finished:
@@ -47,11 +46,17 @@ def test_the_epochs_last_agreement_is_checked_at_its_end():
 
 
 def test_the_pipeline_checks_its_last_agreement_at_the_epochs_end():
-    behind = LastAgreement()
-    behind.swap(agreement(1.0, 0.0))
-    holder = type("Holder", (), {"_behind": behind})()  # the one attribute end_epoch reads
+    """The steps' agreements as the pipeline runs them, on one process (a send sums nothing): the
+    first step's waited for (it says the loss is not weighted), the second's sent in a window of
+    its own, its loss weighted; no step takes its flag, and the epoch's end refuses it."""
+    agreements = StepAgreements(torch.device("cpu"), 8, lambda values: Finished())
+    values, window = agreements.step(False, [torch.tensor(0.5)])
+    assert window is None and agreements.weighted is False and float(values[0]) == 0.5
+    agreements.when(lambda: True)  # every step ends its window
+    _, window = agreements.step(False, [torch.tensor([1.0, 2.0])])
+    assert window is not None and window.sent is not None
     with pytest.raises(ModelError, match="became weighted"):
-        Pipeline.end_epoch(holder)  # type: ignore[arg-type]
+        agreements.check()
 
 
 def test_on_the_cpu_an_agreement_is_read_once():

@@ -36,7 +36,7 @@ from phalanx.errors import ConfigError, count
 from phalanx.strategies import in_worker, schedules
 from phalanx.strategies.base import Micros, ModelOptions, Outcome, prepare
 from phalanx.strategies.cutting import Active, Split, balance, keep_stages, probe
-from phalanx.strategies.distributed import LastAgreement, ProcessGroup, sum_gradients
+from phalanx.strategies.distributed import ProcessGroup, sum_gradients
 from phalanx.strategies.padding import Joined, Padding, chunks, pad, rows_of
 from phalanx.strategies.registry import Family, register
 from phalanx.strategies.schedules import SCHEDULES
@@ -51,7 +51,7 @@ from phalanx.strategies.staging import (
 )
 from phalanx.strategies.syncbn import PerDeviceStatistics
 from phalanx.strategies.tensor import Tensor, apply_tensor_plan, check_tensor_plan, describe_plan
-from phalanx.strategies.windows import Window
+from phalanx.strategies.windows import StepAgreements
 
 # the stages' module (torch's pipelining, a second to import) is imported where a step needs it:
 # every process registers this strategy, few run it
@@ -122,19 +122,14 @@ class Pipeline(StageState, ProcessGroup):
         self._global_index: list[int] = []  # each trainable parameter's index in the whole model's
         self._trainable = 0  # trainable parameters of the whole model
         self._whole: dict[str, tuple[int, ...]] = {}  # the whole model's state: names and shapes
-        self._weighted: bool | None = None  # whether the model weighs its loss, from the first step
         # the whole model's, before it is split (see setup)
         self.whole_summary = ""
         self._meta_model: nn.Module | None = None  # the whole model on the meta device (setup)
         self.layout = ""  # the stages, copies and micro-batches, for the run's first line
         self.chosen = ""  # where split: auto cut, and why
         self._statistics: PerDeviceStatistics | None = None  # BatchNorm's warning, from setup
-        self._behind = LastAgreement()  # the last window's agreement, behind it
-        # in the steps loop, whether the step about to run ends the window of steps whose
-        # agreements go as one message (`agree_when`); None: every step does
-        self._due: Callable[[], bool] | None = None
-        self._window: Window | None = None  # the steps gathered since the last message
-        self._stopped = False  # the last stop flag taken, for the next step's outcome
+        # the steps' agreements on their loss and stop flag
+        self._agreements = StepAgreements(self.device, settings.agree_every, self._send)
         self._samples: list[int] = []  # each row's sample in the schedule's step (-1: padding)
         self._unmerged: dict[str, bool] = {}  # the schedule's step's options (`_built`)
         self._padding = Padding(self.rows, settings.microbatches)  # a step's shard, padded
@@ -375,20 +370,21 @@ class Pipeline(StageState, ProcessGroup):
         self._active.forget_batch()
         start = time.perf_counter()
         self._reduce_gradients()
-        agreed, window = self._agree(stop)
+        # a tensor group's loss, counted once
+        agreed, window = self._agreements.step(stop, self._parts if self.tensor_rank == 0 else [])
         communication = time.perf_counter() - start
         start = time.perf_counter()
         if window is None:  # (loss part, weight sum, weighted, stop), summed
-            loss = engine.finish(agreed[:2] if self._weighted else agreed[0], self.gradient_norm)
+            weighted = self._agreements.weighted
+            loss = engine.finish(agreed[:2] if weighted else agreed[0], self.gradient_norm)
             optimizer = time.perf_counter() - start
             return Outcome(loss, Joined(parts), bool(agreed[3] > 0), communication, optimizer)
         loss = engine.finish(agreed, self.gradient_norm)  # the step's loss, as its window sends it
         optimizer = time.perf_counter() - start
-        stopped, self._stopped = self._stopped, False
         return Outcome(
             loss,
             Joined(parts),
-            stopped,
+            self._agreements.stopped(),
             communication,
             optimizer,
             settle=window.settled,
@@ -396,23 +392,14 @@ class Pipeline(StageState, ProcessGroup):
         )
 
     def agree_when(self, due: Callable[[], bool] | None, drop: bool = False) -> None:
-        """Gather the steps' agreements into windows of up to `settings.agree_every` steps, each
-        window's sent as one message when `due()` says the step about to run ends it (its loss
-        is read); None: every step's goes at once, and a window not sent goes now, or is dropped
-        where `drop` (a failed run's: no other process may come to it)."""
-        window = self._window
-        if due is None and window is not None and window.sent is None:
-            if drop:
-                window.drop()
-                self._window = None
-            else:
-                self._dispatch(window)
-        self._due = due
+        """Gather the steps' agreements into windows of up to `settings.agree_every` steps
+        (`StepAgreements.when`)."""
+        self._agreements.when(due, drop)
 
     def end_epoch(self) -> None:
         """The epoch's last agreement checked on the host: on a GPU each other step's is checked
         when the next step takes its stop flag."""
-        self._behind.check()
+        self._agreements.check()
 
     def _chunk_draws(self, chunk: int) -> random.Draws | None:
         """The random draws of the schedule's micro-batch `chunk` of the step: its rows' samples,
@@ -467,42 +454,6 @@ class Pipeline(StageState, ProcessGroup):
             return
         self.progress.enter("the gradient all-reduce of a stage's copies")
         sum_gradients([p for p in self.model.parameters() if p.requires_grad], self._dp)
-
-    def _agree(self, stop: bool) -> tuple[torch.Tensor, Window | None]:
-        """The step's loss (its last stages' parts, summed over the copies) and whether any process
-        asked to stop, summed over every process: (loss part, weight sum or 0, weighted, stop).
-        A weighted loss waits for them (the optimizer's step needs its weights' sum), as does the
-        first step, from which every process learns whether the loss is weighted (only the last
-        stages see it); a plain one's agreement runs behind the step, in the window of steps that
-        go as one message (`Window`), and its step's loss is returned alone."""
-        parts = self._parts if self.tensor_rank == 0 else []  # a tensor group's loss, counted once
-        if self._weighted is False:
-            window = self._window
-            if window is None or window.sent is not None:  # (sent by a read between steps)
-                size = self.settings.agree_every if self._due is not None else 1
-                window = self._window = Window(size, self.device, self._dispatch)
-            loss = window.next(stop, parts)
-            if window.full or self._due is None or self._due():
-                self._dispatch(window)
-            return loss, window
-        values = torch.zeros(4, dtype=torch.float64, device=self.device)
-        values[3] = float(stop)
-        if parts:
-            total = torch.stack(parts).sum(0).to(torch.float64).reshape(-1)
-            values[: len(total)] = total
-            values[2] = float(parts[0].dim() > 0)  # a weighted loss's parts are pairs
-        self._send(values).wait()
-        self._weighted = bool(values[2] > 0)
-        return values, None
-
-    def _dispatch(self, window: Window) -> None:
-        """`window`'s message sent, to run on behind the step; the window before's has ended by
-        now (every stage's part of the steps since needed the others'), and gives the stop flag,
-        a window late on every process alike, for the next step's outcome."""
-        window.sent_as(self._send(window.rows()))
-        if self._window is window:
-            self._window = None
-        self._stopped = self._behind.swap(window.sent) or self._stopped
 
     def _send(self, values: torch.Tensor) -> dist.Work:
         """`values` summed over every process, in place, behind the caller."""

@@ -1,7 +1,7 @@
-"""The pipeline's agreements on its steps' losses and stop flags, several steps' in one message
-(`Window`), running behind the steps (`StepsAgreement`): only the last stage computes the loss,
-so every process learns it, and whether any process asked to stop, from an all-reduce; a message
-costs the processes' transport about as much whatever it holds."""
+"""The pipeline's agreements on its steps' losses and stop flags (`StepAgreements`), several
+steps' in one message (`Window`), running behind the steps (`StepsAgreement`): only the last stage
+computes the loss, so every process learns it, and whether any process asked to stop, from an
+all-reduce; a message costs the processes' transport about as much whatever it holds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,80 @@ from typing import Any
 import torch
 
 from phalanx.errors import ModelError
-from phalanx.strategies.distributed import Behind
+from phalanx.strategies.distributed import Behind, LastAgreement
+
+# sums `values` over every process, in place, behind the caller (the collective's work)
+Send = Callable[[torch.Tensor], Any]
+
+
+class StepAgreements:
+    """Each step's agreement among the processes: (loss part, weight sum, weighted, stop), summed.
+    A weighted loss's waits for it (the optimizer's step needs its weights' sum), as does the first
+    step's, from which every process learns whether the loss is weighted (only the last stages see
+    it); a plain one's runs behind the step, gathered into windows of up to `agree_every` steps
+    sent as one message when the step that ends one has run (`when`)."""
+
+    def __init__(self, device: torch.device, agree_every: int, send: Send):
+        self.device, self.agree_every, self._send = device, agree_every, send
+        self.weighted: bool | None = None  # whether the model weighs its loss, from the first step
+        self._behind = LastAgreement()  # the last window's agreement, behind it
+        # in the steps loop, whether the step about to run ends the window; None: every step does
+        self._due: Callable[[], bool] | None = None
+        self._window: Window | None = None  # the steps gathered since the last message
+        self._stopped = False  # the last stop flag taken, for the next step's outcome
+
+    def when(self, due: Callable[[], bool] | None, drop: bool = False) -> None:
+        """`due()` says whether the step about to run ends its window (its loss is read); None:
+        every step's goes at once, and a window not sent goes now, or is dropped where `drop` (a
+        failed run's: no other process may come to it)."""
+        window = self._window
+        if due is None and window is not None and window.sent is None:
+            if drop:
+                window.drop()
+                self._window = None
+            else:
+                self._dispatch(window)
+        self._due = due
+
+    def step(self, stop: bool, parts: list[torch.Tensor]) -> tuple[torch.Tensor, Window | None]:
+        """This step's agreement on its loss `parts` (this process's) and `stop`: the summed
+        values, waited for (no window), or the step's loss alone and the window it goes in."""
+        if self.weighted is False:
+            window = self._window
+            if window is None or window.sent is not None:  # (sent by a read between steps)
+                size = self.agree_every if self._due is not None else 1
+                window = self._window = Window(size, self.device, self._dispatch)
+            loss = window.next(stop, parts)
+            if window.full or self._due is None or self._due():
+                self._dispatch(window)
+            return loss, window
+        values = torch.zeros(4, dtype=torch.float64, device=self.device)
+        values[3] = float(stop)
+        if parts:
+            total = torch.stack(parts).sum(0).to(torch.float64).reshape(-1)
+            values[: len(total)] = total
+            values[2] = float(parts[0].dim() > 0)  # a weighted loss's parts are pairs
+        self._send(values).wait()
+        self.weighted = bool(values[2] > 0)
+        return values, None
+
+    def stopped(self) -> bool:
+        """Whether any process asked to stop, as the last window sent says (a window late on every
+        process alike); taken once."""
+        stopped, self._stopped = self._stopped, False
+        return stopped
+
+    def check(self) -> None:
+        """The last window's agreement read on the host and checked, where no next one takes it."""
+        self._behind.check()
+
+    def _dispatch(self, window: Window) -> None:
+        """`window`'s message sent, to run on behind the step; the window before's has ended by
+        now (every stage's part of the steps since needed the others'), and gives the stop flag."""
+        window.sent_as(self._send(window.rows()))
+        if self._window is window:
+            self._window = None
+        self._stopped = self._behind.swap(window.sent) or self._stopped
 
 
 class Window:
