@@ -273,7 +273,7 @@ class _EmptyRank(DDP):
         self.rank, self.world_size, self.scale = 3, 4, 4.0
         self.device = torch.device("cpu")
         self.carrier = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
-        self._tails = self._carried_tails()
+        self._rows = self._carried_rows()
         self._ddp, self._pending_stop, self._statistics = None, None, None
         self.carried_values: list[list[float]] = []
 

@@ -76,15 +76,25 @@ _SYNCHRONISED = contextlib.nullcontext()
 class _Carried(nn.Module):
     """The user's module and, beside it, the carrier (see the module's docstring). The carrier is
     this module's own parameter, so it comes first in `parameters()`: DDP's reducer knows it as
-    parameter 0."""
+    parameter 0.
+
+    Calling it calls the user's module, as a call of that module: this wrapper has no hooks of
+    its own to run, and every step would pay for a second module call and an attribute lookup."""
+
+    _inner: nn.Module
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.module = module
         self.carrier = nn.Parameter(torch.zeros(4, dtype=dtype, device=device))
+        # the same module, found as a plain attribute (not one of the registered children)
+        object.__setattr__(self, "_inner", module)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._inner(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner(*args, **kwargs)
 
 
 def _carrier_dtype(module: nn.Module) -> torch.dtype:
@@ -96,6 +106,8 @@ def _carrier_dtype(module: nn.Module) -> torch.dtype:
 
 class DDP(ProcessGroup, Replicated, DataParallel):
     carrier: nn.Parameter  # made by `setup`, beside the user's module
+    # where the agreed values are read behind the step (on a GPU: see `_agreed_stop`)
+    _reads_behind = False
 
     def __init__(
         self,
@@ -117,6 +129,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self.scale = float(self.world_size)
         self.replica = Replica(scale=self.scale)
         self._by_hand = False  # whether this step reduces by hand (some rank's shard is empty)
+        self._reads_behind = self.device.type == "cuda"
         self._ddp: DistributedDataParallel | None = None
         # the reducer's "this gradient is ready"
         self._mark_ready: Callable[[int], None] | None = None
@@ -154,7 +167,7 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self.check_identical(module)
         self.carrier = carried.carrier
         self._ddp = ddp
-        self._tails = self._carried_tails()
+        self._rows = self._carried_rows()
         self._pending_stop: tuple[torch.Tensor, Any] | None = None
         # A private entry point, the one DDP's own mixed precision uses when autograd does not reach
         # the reducer. Without it, `carry` goes through autograd: the same values, more work per
@@ -201,43 +214,63 @@ class DDP(ProcessGroup, Replicated, DataParallel):
             self._reduce_by_hand(self._values(total, stop))
             communication = time.perf_counter() - start
         # the sums over ranks of the loss parts, weighted flags and stop flags
-        carried = self._carried()
+        carried = self.carrier.grad
+        assert carried is not None  # the step's backward, or its reduction by hand, has set it
         # a rank knows whether the loss is weighted from its own forward, unless it ran none this
-        # step
-        weighted = bool(carried[2] > 0) if self._by_hand or total is None else total.dim() > 0
-        loss = carried[:2] if weighted else carried[0]
-        return loss, self._agreed_stop(carried[3]), communication, None
+        # step (None: it did not)
+        own = None if self._by_hand or total is None else total.dim() > 0
+        if self._reads_behind:
+            # a copy: the gradient is a view into DDP's bucket, which the next step overwrites
+            carried = carried.clone()
+            weighted = bool(carried[2] > 0) if own is None else own
+            loss = carried[:2] if weighted else carried[0]
+            return loss, self._agreed_stop(carried[3]), communication, None
+        # on the CPU the four values are read at once, and the loss is a tensor of its own
+        values = carried.tolist()
+        weighted = values[2] > 0 if own is None else own
+        loss = (
+            torch.tensor(values[:2], dtype=carried.dtype)
+            if weighted
+            else torch.scalar_tensor(values[0], dtype=carried.dtype)
+        )
+        return loss, values[3] > 0, communication, None
 
-    def _carried_tails(self) -> dict[tuple[bool, bool], torch.Tensor]:
-        """What follows the loss in the carrier's gradient, by (weighted, stop flag), times the
-        scale: (weight 0, not weighted, flag) after a plain loss, (weighted, flag) after a weighted
-        loss's two sums."""
-        return {
-            (weighted, flag): torch.tensor(
-                [*([self.scale] if weighted else [0.0, 0.0]), float(flag) * self.scale],
-                dtype=self.carrier.dtype,
-                device=self.device,
-            )
-            for weighted in (False, True)
-            for flag in (False, True)
-        }
+    def _carried_rows(self) -> dict[tuple[bool, bool], tuple[torch.Tensor, torch.Tensor]]:
+        """The carrier's gradient as this rank gives it, by (weighted, stop flag), times the scale:
+        (loss part, weight 0, not weighted, flag) for a plain loss, (the weighted loss's two sums,
+        weighted, flag) for a weighted one; each with its view where the step's loss part goes.
+        Written in place every step: the reducer copies the gradient into its bucket when it is
+        marked ready."""
+        rows = {}
+        for weighted in (False, True):
+            for flag in (False, True):
+                row = torch.tensor(
+                    [
+                        0.0,
+                        *([0.0, self.scale] if weighted else [0.0, 0.0]),
+                        float(flag) * self.scale,
+                    ],
+                    dtype=self.carrier.dtype,
+                    device=self.device,
+                )
+                rows[weighted, flag] = row, row[:2] if weighted else row[0]
+        return rows
 
     def _values(self, total: torch.Tensor | None, stop: bool) -> torch.Tensor:
         """What this rank adds to the carrier's gradient: its part of the loss, whether it is
         weighted, and its stop flag, all times the scale the reduction divides by."""
-        carrier = self.carrier
         if total is None:
-            total = carrier.new_zeros(())
-        elif total.dtype != carrier.dtype:
-            total = total.to(carrier.dtype)
-        return torch.cat((total.reshape(-1), self._tails[total.dim() > 0, stop]))
+            row, part = self._rows[False, stop]
+            part.zero_()
+        else:
+            row, part = self._rows[total.dim() > 0, stop]
+            part.copy_(total)  # in the carrier's dtype
+        return row
 
     def _agreed_stop(self, flags: torch.Tensor) -> bool:
-        """Whether any rank asked to stop. On a GPU, reading the flag now would wait for the whole
-        step to finish: it is copied to the host behind the step and read a step later, the same
-        step on every rank."""
-        if flags.device.type != "cuda":
-            return flags.item() > 0
+        """Whether any rank asked to stop, on a GPU: reading the flag now would wait for the whole
+        step to finish, so it is copied to the host behind the step and read a step later, the
+        same step on every rank."""
         pending, done = self._pending_stop, torch.cuda.Event()
         self._pending_stop = flags.to("cpu", non_blocking=True), done
         done.record()
@@ -259,16 +292,10 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self._mark_ready(0)  # the carrier's index in the reducer (see _Carried)
         return None
 
-    def _carried(self) -> torch.Tensor:
-        # a copy: the gradient is a view into DDP's bucket, which the next step overwrites
-        grad = self.carrier.grad
-        assert grad is not None  # the step's backward, or its reduction by hand, has set it
-        return grad.clone()
-
     def _reduce_by_hand(self, values: torch.Tensor) -> None:
         """DDP's reduction by hand: the gradients averaged over ranks (the carrier's too)."""
         self.progress.enter("the gradient all-reduce")
-        self.carrier.grad = values
+        self.carrier.grad = values.clone()  # reduced in place; `values` is written every step
         params = [p for p in self._wrapper.module.parameters() if p.requires_grad]
         sum_gradients(params, divide=self.world_size)
 
