@@ -45,10 +45,10 @@ def weights(run: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_signal_to_one_worker_or_to_the_launcher_stops_every_rank_at_one_step(tmp_path):
+    # the uninterrupted run, beside the rest (its steps do not wait; the experiment's do)
     reference = tmp_path / "reference"
     toy.write_config(reference, config(delay=0.0))
-    assert finish(start("train", "config.yaml", cwd=reference), timeout=200).returncode == 0
-    [whole] = list((reference / "runs").iterdir())
+    uninterrupted = start("train", "config.yaml", cwd=reference)
 
     exp = tmp_path / "exp"
     toy.write_config(exp, config(delay=0.02))
@@ -87,6 +87,8 @@ def test_a_signal_to_one_worker_or_to_the_launcher_stops_every_rank_at_one_step(
     third = finish(start("resume", str(run), cwd=exp), timeout=200)
     assert third.returncode == 0, third.stderr
     assert events(run)[-1]["event"] == "finished"
+    assert finish(uninterrupted, timeout=200).returncode == 0
+    [whole] = list((reference / "runs").iterdir())
     got, want = weights(run, EPOCHS * STEPS), weights(whole, EPOCHS * STEPS)
     for key, value in want.items():
         assert float((got[key] - value).abs().max()) <= 1e-10 * float(value.abs().max()), key

@@ -110,8 +110,13 @@ def test_dropout_compiled_on_a_gpu_gives_the_eager_outputs_and_gradients(monkeyp
     """On a GPU each draw runs compiled (the eager hash moves a dozen int64 tensors of the draw's
     size through memory): the forward and backward as one function where the samples come first,
     else the mask alone. Their outputs and gradients are the eager ones, bit for bit, over shapes,
-    rates and dtypes that change between draws; compiled here on the CPU by the same path."""
+    rates and dtypes that change between draws; compiled here on the CPU by the same path, into
+    scalar C++ (vectorised, the compiler first builds and runs a probe for each instruction set
+    the CPU lists: most of a cold compile's time)."""
+    import torch._inductor.config
+
     eager = _dropped(_CASES)
+    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
     monkeypatch.setattr(random, "_FUSED_ON", ("cpu",))
     for name, function in [
         ("_fused_mask", random._mask_eagerly),
