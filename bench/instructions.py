@@ -5,6 +5,7 @@ whose wall-clock timings cannot resolve differences under a few percent.
     .venv/bin/python bench/instructions.py --variants hand-step,phalanx-step --steps 50
     .venv/bin/python bench/instructions.py --native --steps 3   # without valgrind: no counts
     .venv/bin/python bench/instructions.py --opcodes 40 --variants hand-epoch,phalanx-epoch
+    .venv/bin/python bench/instructions.py --world-size 2 --variants hand-ddp-step,phalanx-ddp-step
 
 Each variant is a function that runs one optimizer step on a fixed batch (`*-step`) or one epoch of
 `--epoch-steps` steps with its data loading and hooks (`*-epoch`), on the tiny MLP of
@@ -21,6 +22,11 @@ and valgrind's headers) starts instrumentation, zeroes the counters, calls a var
 figures are the main thread's instructions per step; gloo's threads are counted apart and left out.
 Instructions are not time: the same count can take longer where it misses caches more, and at world
 size 2 phalanx's extra instructions cost about twice their share of the step (BENCHMARKS.md).
+
+`--world-size 2` counts the ddp steps (`hand-ddp-step`, `phalanx-ddp-step`) in a group of two: rank
+0 runs under callgrind as above, and rank 1 runs the same variants natively beside it (gloo's waits
+block, so rank 0's count does not depend on how long it waits). Each rank computes its own fixed
+batch of 64 samples, as at world size 1; the all-reduces are real.
 
 `--cache` adds callgrind's cache simulation (32 KB first-level caches, a 512 KB last level, a
 core's own L2 here) and prints each variant's last-level misses a step beside its instructions:
@@ -156,9 +162,10 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.environ.update(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
+        RANK=str(args.rank),
+        LOCAL_RANK=str(args.rank),
+        WORLD_SIZE=str(args.world_size),
+        LOCAL_WORLD_SIZE=str(args.world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(args.port),
     )
@@ -193,9 +200,12 @@ def _runner(
     if native:
 
         def run(f: Callable, n: int, name: str) -> None:
+            import torch.distributed as dist
+
             for _ in range(n):
                 f()
-            print(f"{name}: {n} calls, not counted (--native)", flush=True)
+            place = f"rank {dist.get_rank()} of {dist.get_world_size()}"
+            print(f"{name}: {n} calls, not counted (--native, {place})", flush=True)
 
         return run
     sys.path.insert(0, os.environ["PHALANX_CGMARK_DIR"])
@@ -385,7 +395,15 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="without valgrind: Python opcodes a step, and the N phalanx functions running most",
     )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="2: count the ddp steps in a group of two (rank 1 runs natively beside)",
+    )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -397,17 +415,76 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--opcodes takes the number of phalanx functions to list, 0 or more")
     if args.cache and (args.native or args.opcodes is not None):
         parser.error("--cache is callgrind's; drop --native and --opcodes, which run without it")
-    if args.worker or args.native or args.opcodes is not None:
-        from bench.common import free_port
+    if args.world_size == 2:
+        steps = {"hand-ddp-step", "phalanx-ddp-step"}
+        if not set(args.variants.split(",")) <= steps or args.opcodes is not None:
+            parser.error(
+                "--world-size 2 counts the ddp steps alone: give --variants "
+                "hand-ddp-step,phalanx-ddp-step (one or both), without --opcodes"
+            )
+    from bench.common import free_port
 
-        args.port = args.port or free_port()
+    args.port = args.port or free_port()
+    if args.worker:
         return worker(args)
+    if args.native or args.opcodes is not None:
+        rank1 = second_rank(args) if args.world_size == 2 else None
+        code = 1
+        try:
+            code = worker(args)
+        finally:
+            code = finished(rank1, code)
+        return code
     return measure(args)
 
 
-def measure(args) -> int:
-    from bench.common import free_port
+def second_rank(args) -> subprocess.Popen:
+    """Rank 1 of a `--world-size 2` count: the same variants, run natively in a process of its own
+    (its output kept apart, shown if it fails)."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--native",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--variants",
+            args.variants,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--port",
+            str(args.port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
+
+def finished(rank1: subprocess.Popen | None, code: int) -> int:
+    """`code`, once rank 1 (where there is one) has ended (at once where rank 0 failed: it would
+    wait for rank 0's next collective); its output where it failed."""
+    if rank1 is None:
+        return code
+    if code != 0:
+        rank1.kill()
+    try:
+        out, _ = rank1.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        rank1.kill()
+        out, _ = rank1.communicate()
+    if rank1.returncode != 0 and code == 0:
+        print(f"rank 1 failed (exit code {rank1.returncode}):\n{out[-3000:]}", file=sys.stderr)
+        return 1
+    return code
+
+
+def measure(args) -> int:
     if shutil.which("valgrind") is None:
         raise SystemExit(
             "bench/instructions.py needs valgrind (Debian: apt install valgrind), or --native"
@@ -434,13 +511,16 @@ def measure(args) -> int:
             str(args.epoch_steps),
             "--warmup",
             str(args.warmup),
+            "--world-size",
+            str(args.world_size),
             "--port",
-            str(free_port()),
+            str(args.port),
         ]
         print(
             "running under callgrind (minutes: torch's import alone takes about two) ...",
             flush=True,
         )
+        rank1 = second_rank(args) if args.world_size == 2 else None
         done = subprocess.run(
             command,
             env={**os.environ, "PHALANX_CGMARK_DIR": str(extension)},
@@ -449,6 +529,8 @@ def measure(args) -> int:
         )
         if done.returncode != 0:
             print(done.stdout[-3000:] + done.stderr[-3000:], file=sys.stderr)
+            return finished(rank1, 1)
+        if finished(rank1, 0) != 0:
             return 1
         found = events(Path(out))
     missing = [v for v in args.variants.split(",") if v not in found]

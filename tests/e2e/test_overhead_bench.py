@@ -205,6 +205,35 @@ def test_instruction_counter_runs_every_variant(tmp_path):
     ] == VARIANTS
 
 
+def test_instruction_counter_runs_the_ddp_steps_in_a_group_of_two(tmp_path):
+    """--world-size 2: rank 0 counts (here natively) while rank 1 runs the same steps beside it;
+    only the ddp steps can, and anything else is refused before a process starts."""
+    said = run_bench(
+        tmp_path,
+        "instructions.py",
+        "--native",
+        "--world-size",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--variants",
+        "hand-ddp-step,phalanx-ddp-step",
+    )
+    ran = [line for line in said.splitlines() if "calls, not counted" in line]
+    assert [line.split(":")[0] for line in ran] == ["hand-ddp-step", "phalanx-ddp-step"]
+    assert all(line.endswith("(--native, rank 0 of 2)") for line in ran), ran
+    refused = forks.run(
+        ["--world-size", "2", "--variants", "hand-step"],
+        tmp_path,
+        ENV,
+        60,
+        script=REPO / "bench" / "instructions.py",
+    )
+    assert refused.returncode == 2 and "counts the ddp steps alone" in refused.stderr
+
+
 def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from instructions import counts
