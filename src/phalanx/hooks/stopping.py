@@ -159,8 +159,9 @@ class StopOnNaN(Hook):
         pending, self._pending = self._pending, None
         if pending is not None:
             self._fail_if(pending.check())
-        losses, steps = [later.read() for later, _ in entries], [step for _, step in entries]
-        if _read_behind(losses[0]) and not now:
+        losses = _stacked([later.read() for later, _ in entries])
+        steps = [step for _, step in entries]
+        if _read_behind(losses) and not now:
             self._pending = _OnItsWay(losses, steps)
         else:
             self._fail_if(_not_finite(losses, steps))
@@ -208,7 +209,7 @@ class StopOnNaN(Hook):
         nan = pending.check() if pending is not None else None
         sent = [(later, step) for later, step in entries if later.sent]
         if nan is None and sent:
-            nan = _not_finite([later.read() for later, _ in sent], [s for _, s in sent])
+            nan = _not_finite(_stacked([later.read() for later, _ in sent]), [s for _, s in sent])
         if nan is not None:
             log.error("%s, read after the run had stopped", nan.reason)
 
@@ -218,10 +219,14 @@ def _read_behind(loss: torch.Tensor) -> bool:
     return loss.device.type == "cuda"
 
 
-def _not_finite(losses: list[torch.Tensor], steps: list[int]) -> TrainingTerminated | None:
-    """The failure that the first loss that is not finite makes, naming its step; None where
-    every one is finite."""
-    values = losses[0].reshape(1) if len(losses) == 1 else torch.stack(losses)
+def _stacked(losses: list[torch.Tensor]) -> torch.Tensor:
+    """Steps' losses as one vector (one loss: a view of it)."""
+    return losses[0].reshape(1) if len(losses) == 1 else torch.stack(losses)
+
+
+def _not_finite(values: torch.Tensor, steps: list[int]) -> TrainingTerminated | None:
+    """The failure that the first of the steps' losses `values` that is not finite makes, naming
+    its step; None where every one is finite."""
     finite = torch.isfinite(values)
     if bool(finite.all()):
         return None
@@ -236,18 +241,17 @@ class _OnItsWay:
     """Losses on a GPU copied to the host behind their steps, and the event that says they are
     there."""
 
-    def __init__(self, losses: list[torch.Tensor], steps: list[int]):
+    def __init__(self, losses: torch.Tensor, steps: list[int]):
         self.steps = steps
-        stacked = torch.stack([loss.detach() for loss in losses])
-        self.host = stacked.to("cpu", non_blocking=True)  # pinned: the copy does not wait
+        self.host = losses.detach().to("cpu", non_blocking=True)  # pinned: the copy does not wait
         self.done = torch.cuda.Event()
-        self.done.record(torch.cuda.current_stream(stacked.device))  # where the copy was queued
+        self.done.record(torch.cuda.current_stream(losses.device))  # where the copy was queued
 
     def check(self) -> TrainingTerminated | None:
         """The failure a loss that was not finite makes (their copy waited for, if not there
         yet)."""
         self.done.synchronize()
-        return _not_finite(list(self.host), self.steps)
+        return _not_finite(self.host, self.steps)
 
 
 class StopOnPlateau(Hook):

@@ -93,8 +93,7 @@ class _Carried(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._inner(*args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner(*args, **kwargs)
+    __call__ = forward
 
 
 def _carrier_dtype(module: nn.Module) -> torch.dtype:
