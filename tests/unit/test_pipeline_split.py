@@ -37,6 +37,7 @@ def call(model: nn.Module):
 
 
 BATCH = {"x": torch.randn(5, 3), "y": torch.randn(5)}
+CPU = torch.device("cpu")
 
 
 def test_the_probe_finds_the_blocks_the_modules_around_them_and_the_activations_shapes():
@@ -265,3 +266,49 @@ def test_the_models_own_error_is_taken_from_the_stages_wrapper():
     plain = RuntimeError("a shape mismatch")
     plain.__cause__ = own
     assert stage_error(plain) is plain
+
+
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (
+            torch.tensor(1.0),
+            r"loss per sample \(a vector of the batch's size, 5\), but it returned one of shape "
+            r"\(\)",
+        ),
+        (torch.ones(4), r"size, 5\), but it returned one of shape \(4,\)"),
+        ("1.0", "the model's 'loss' is a str, not a tensor"),
+    ],
+    ids=["a-mean", "another-length", "not-a-tensor"],
+)
+def test_a_last_stage_whose_loss_is_not_one_per_sample_is_an_error_that_says_so(loss, message):
+    from phalanx.errors import ModelError
+    from phalanx.precision import Precision
+    from phalanx.strategies.stages import Stage
+
+    active = Active(lo=0, hi=1, stage=0)
+    stage = Stage([], (0, 1, 0), lambda batch: {"loss": loss}, active, Precision("fp32", CPU))
+    active.batch, active.rows = BATCH, 5
+    with pytest.raises(ModelError, match=message):
+        stage()
+
+
+def test_a_last_stages_outputs_are_kept_detached_with_the_batch_for_the_hooks():
+    from phalanx.precision import Precision
+    from phalanx.strategies.stages import Stage
+
+    weight = torch.ones(3, requires_grad=True)
+    active = Active(lo=0, hi=1, stage=0)
+
+    def forward(batch: dict) -> dict:
+        prediction = batch["x"] @ weight
+        return {"prediction": prediction, "loss": (prediction - batch["y"]) ** 2, "name": "kept"}
+
+    stage = Stage([], (0, 1, 0), forward, active, Precision("fp32", CPU))
+    active.batch, active.rows = BATCH, 5
+    loss = stage()
+    assert loss.requires_grad and loss.shape == (5,)  # the schedule's, to back-propagate
+    (kept,) = active.captured
+    assert set(kept) == {"x", "y", "prediction", "loss", "name"} and kept["name"] == "kept"
+    assert not kept["prediction"].requires_grad and not kept["loss"].requires_grad
+    assert torch.equal(kept["loss"], loss.detach()) and kept["x"] is BATCH["x"]

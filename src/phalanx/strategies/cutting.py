@@ -70,6 +70,7 @@ class Active:
     inside: bool = False
     chunks: list[dict] = field(default_factory=list)  # the step's micro-batches, in order
     batch: dict = field(default_factory=dict)  # the micro-batch a stage's forward runs
+    rows: int = 0  # its samples
 
     def forget_batch(self) -> None:
         """The step's or round's micro-batches let go once the schedule has run them."""

@@ -32,8 +32,10 @@ class Padding:
         if n > self.total:
             raise RuntimeError(f"a shard of {n} samples does not fit {self.total} pipeline rows")
         padded = pad(batch, self.total)
+        shapes = self.shapes
         for key, value in padded.items():
-            if value.shape[1:] != self.shapes.get(key, value.shape[1:]):
+            shape = value.shape[1:]
+            if shape != shapes.get(key, shape):
                 raise ConfigError(
                     f"the pipeline strategy needs every batch's {key!r} in one shape beyond the "
                     f"batch dimension: the first was {tuple(self.shapes[key])}, this one "

@@ -312,7 +312,7 @@ class Pipeline(StageState, ProcessGroup):
             self.stages,
             engine,
             self._active,
-            self.progress.enter,
+            self.progress.again,  # within the schedule's step (`_counted_evenly`)
             self._chunk_draws,
             self.rows,
             self.device,
@@ -354,16 +354,17 @@ class Pipeline(StageState, ProcessGroup):
             self._active.chunks = chunks(padded, self.settings.microbatches)
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
-            with self._counted_evenly(self.settings.microbatches):
-                try:
-                    schedule.step(target=real, **self._unmerged)
-                except RuntimeError as e:
-                    from phalanx.strategies.stages import stage_error
+            before = self._schedule_entered()  # `_counted_evenly`, without a generator a step
+            try:
+                schedule.step(target=real, **self._unmerged)
+            except RuntimeError as e:
+                from phalanx.strategies.stages import stage_error
 
-                    inner = stage_error(e)
-                    if inner is e:
-                        raise
-                    raise inner from None
+                inner = stage_error(e)
+                if inner is e:
+                    raise
+                raise inner from None
+            self._counts_evened(before, self.settings.microbatches)
             # a tensor group's last stages give the same outputs: its first process's count
             given = self.is_last and micro.shard and self.tensor_rank == 0
             parts.append(list(self._captured) if given else None)
@@ -412,15 +413,25 @@ class Pipeline(StageState, ProcessGroup):
         receives (`count_transfer`): after it, every process has counted as many, whichever
         stages it holds (a first or last stage sends and receives half of what a middle one does),
         so that the counts of processes in the next step stay comparable."""
+        before = self._schedule_entered()
+        yield
+        self._counts_evened(before, microbatches)
+
+    def _schedule_entered(self) -> int:
+        """The schedule's step or round entered (`_counted_evenly`); the count before it."""
         before = self.progress.entered
         self.progress.enter("the pipeline schedule")
-        yield
+        return before
+
+    def _counts_evened(self, before: int, microbatches: int) -> None:
+        """The schedule's step or round of `microbatches` run (`_counted_evenly`): this process's
+        count made what the process with the most transfers counts."""
         # a stage k's transfers of one micro-batch count k and k + 1 (activations in and out),
         # S - 1 - k and S - k (gradients): 2 S at most
         most = 2 * self.stages * microbatches * len(self.mine)
         missing = before + 1 + most - self.progress.entered
         if missing > 0:
-            self.progress.enter(self.progress.what, missing)
+            self.progress.again(self.progress.what, missing)
 
     @staticmethod
     def _convert(engine: Engine, batch: Mapping) -> Mapping:

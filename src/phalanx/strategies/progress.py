@@ -74,6 +74,12 @@ class Progress:
         self.what = what
         self.entered_at = self.where() if self.where is not None else None
 
+    def again(self, what: str, times: int = 1) -> None:
+        """`enter`, where the run is still where the last `enter` found it (a pipeline schedule's
+        transfers, all within the step whose schedule `enter` counted): `where()` is not asked."""
+        self.entered += times
+        self.what = what
+
     def position(self) -> str:
         """Where the run is: 'step N' (the step being trained), 'evaluation after step N' or
         'start-up'."""

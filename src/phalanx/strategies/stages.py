@@ -48,20 +48,29 @@ class CountedStage(pipelining.PipelineStage):
         enter: Callable[[str, int], None],
         draws: Callable[[int], random.Draws | None],
         active: Active,
+        rows: int,
         *args: Any,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self._enter, self._draws, self._active = enter, draws, active
+        self._rows = rows
         # each transfer's name and count, by (kind, micro-batch): see `_count`
         self._counts: dict[tuple[int, int], tuple[str, int]] = {}
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         """The forward of micro-batch `fwd_chunk_id`, its dropout masks those of its samples."""
         active = self._active
-        active.batch = active.chunks[fwd_chunk_id]
-        with random.drawing(self._draws(fwd_chunk_id)):
+        active.batch, active.rows = active.chunks[fwd_chunk_id], self._rows
+        draws = self._draws(fwd_chunk_id)
+        with random.drawing(None) if draws is None else draws:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        """The stage module's forward, without `nn.Module`'s dispatch every micro-batch: the module
+        is a `Stage`, which nothing hooks, wraps or compiles (the model's own modules inside it
+        keep all of theirs)."""
+        return self.submod.forward(*args, **kwargs)
 
     def _count(self, kind: int, chunk: int) -> None:
         """A transfer of micro-batch `chunk` counted: `kind` 0 the activation received, 1 the
@@ -173,6 +182,7 @@ def make_stages(
                 enter,
                 draws,
                 active,
+                rows,
                 module,
                 k,
                 stages,
@@ -202,7 +212,7 @@ def forward_in_turn(
     schedule evaluates this way: torch 2.13's fail in `eval`, taking the activation passed within a
     process for a backward's."""
     received: tuple[torch.Tensor, ...] = ()
-    active.batch = batch
+    active.batch, active.rows = batch, rows_of(batch)
     for k in range(len(ranks)):
         if k and ranks[k] != ranks[k - 1]:  # the activation crosses between processes
             if k in modules:
@@ -241,18 +251,24 @@ class Stage(nn.Module):
         batch = active.batch
         active.lo, active.hi, active.stage = self._span
         active.received = received[0] if received else None
+        precision = self._precision
         try:
-            with self._precision.autocast():
+            if precision.autocast_dtype is None:  # no context to enter, every micro-batch
                 outputs = self._call(batch)
+            else:
+                with precision.autocast():
+                    outputs = self._call(batch)
         except Cut as cut:
             return cut.activation
         finally:
             active.received = None
         loss = outputs["loss"]
-        rows = rows_of(batch)
-        if not isinstance(loss, torch.Tensor):
-            raise loss_not_a_tensor(loss)
-        if loss.dim() != 1 or loss.shape[0] != rows:
+        rows = active.rows
+        try:
+            per_sample = loss.dim() == 1 and loss.shape[0] == rows
+        except AttributeError:  # not a tensor
+            raise loss_not_a_tensor(loss) from None
+        if not per_sample:
             raise ModelError(
                 "the pipeline strategy needs the model's loss per sample (a vector of the batch's "
                 f"size, {rows}), but it returned one of shape {tuple(loss.shape)}; return the "
@@ -260,9 +276,9 @@ class Stage(nn.Module):
             )
         data: dict[str, Any] = dict(batch)
         for key, value in outputs.items():
-            if key == TOKENS:
+            if key == TOKENS or not isinstance(value, torch.Tensor):
                 data[key] = value
             else:
-                data[key] = value.detach() if isinstance(value, torch.Tensor) else value
+                data[key] = value.detach()
         active.captured.append(data)
         return loss
