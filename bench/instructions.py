@@ -26,7 +26,11 @@ size 2 phalanx's extra instructions cost about twice their share of the step (BE
 `--world-size 2` counts the ddp steps (`hand-ddp-step`, `phalanx-ddp-step`) in a group of two: rank
 0 runs under callgrind as above, and rank 1 runs the same variants natively beside it (gloo's waits
 block, so rank 0's count does not depend on how long it waits). Each rank computes its own fixed
-batch of 64 samples, as at world size 1; the all-reduces are real.
+batch of 64 samples, as at world size 1; the all-reduces are real. Where it counts both, it writes
+their ratio against the ddp step's target in instructions, at most the hand step's (`--output`,
+bench/results/ddp_instructions.json, a row of bench/targets.py): unlike the wall-clock ratio, its
+runs agree within about a thousand instructions of 3.7 million a step, so a step that grows shows
+itself however loud the machine is.
 
 `--cache` adds callgrind's cache simulation (32 KB first-level caches, a 512 KB last level, a
 core's own L2 here) and prints each variant's last-level misses a step beside its instructions:
@@ -73,6 +77,10 @@ PAIRS = [
 ]
 VARIANTS = [name for pair in PAIRS for name in pair]
 DEFAULT = "hand-ddp-step,phalanx-ddp-step,hand-ddp-epoch,phalanx-ddp-epoch"
+# the ddp step's target in instructions, beside its wall-clock one (bench/ddp_overhead.py): at
+# world size 2, no more a step on rank 0's main thread than the hand DDP step's (bench/targets.py)
+TARGET = 1.0
+TARGET_FILE = ROOT / "bench" / "results" / "ddp_instructions.json"
 
 
 # --- the variants (in the worker) -----------------------------------------------------------------
@@ -359,6 +367,30 @@ def report(found: dict[str, dict[str, int]], args) -> None:
             print(row)
 
 
+def write_target(found: dict[str, dict[str, int]], args, path: Path) -> dict[str, Any] | None:
+    """The ddp steps' counts at world size 2 against `TARGET`, written to `path` as
+    bench/targets.py reads a benchmark's; None, and nothing written, for any other count."""
+    steps = ("hand-ddp-step", "phalanx-ddp-step")
+    if args.world_size != 2 or not set(steps) <= set(found):
+        return None
+    from bench.common import machine, measured_source, write_report
+
+    hand, mine = (found[name]["Ir"] / args.steps for name in steps)
+    report: dict[str, Any] = {
+        "args": {
+            k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items()
+            if k not in ("port", "rank", "worker")
+        },
+        "machine": machine(),
+        "phalanx_source": measured_source(),
+        "instructions_per_step": {steps[0]: hand, steps[1]: mine},
+        "target": {"phalanx_ratio": mine / hand, "phalanx_ratio_max": TARGET, "met": mine <= hand},
+    }
+    write_report(report, path)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=(1, 2),
         default=1,
         help="2: count the ddp steps in a group of two (rank 1 runs natively beside)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=TARGET_FILE,
+        help="where the ddp steps' counts at world size 2 go, against their target (JSON)",
     )
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -538,6 +576,7 @@ def measure(args) -> int:
         print(f"no counts for {missing}: callgrind wrote no dump for them", file=sys.stderr)
         return 1
     report(found, args)
+    write_target(found, args, args.output)
     return 0
 
 

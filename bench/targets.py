@@ -1,9 +1,10 @@
 """The speed targets `make bench` checks, in one table: each benchmark's ratio of phalanx to the
 loop it is paired with (a hand-written loop timed in the same process, or the same processes, in
-turns), its target, and whether it was met, as the results files hold them, with the machine each
-was measured on and the commit (+ where src/ held changes beyond it: a file left from an older run
-says so). The rows of benchmarks that `make bench` does not run (they take minutes each) are marked
-with *, and the table's foot gives their commands.
+turns; for the ddp step also counted in instructions), its target, and whether it was met, as the
+results files hold them, with the machine each was measured on and the commit (+ where src/ held
+changes beyond it: a file left from an older run says so). The rows of benchmarks that `make
+bench` does not run (they take minutes each) are marked with *, and the table's foot gives their
+commands.
 
     .venv/bin/python bench/targets.py                  # the files make bench writes
     .venv/bin/python bench/targets.py --results DIR    # another folder of results
@@ -31,6 +32,12 @@ BENCHMARKS = [
         "",
     ),
     ("ddp_overhead.json", "ddp, 2 gloo processes: hand DDP loop", ""),
+    (
+        "ddp_instructions.json",
+        "ddp step, 2 gloo processes, in instructions (callgrind): hand DDP step",
+        ".venv/bin/python bench/instructions.py --world-size 2 "
+        "--variants hand-ddp-step,phalanx-ddp-step",
+    ),
     (
         "fsdp_overhead.json",
         "fsdp, 2 gloo processes: hand FSDP2 loop",
@@ -87,7 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, paired, command in BENCHMARKS
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    print("\nspeed targets (wall-clock ratios, phalanx over the loop it is paired with):")
+    print(
+        "\nspeed targets (ratios, phalanx over the loop it is paired with: wall-clock, or "
+        "instructions where the row says so):"
+    )
     for r in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip())
     print("* not run by make bench; measured by:")

@@ -253,6 +253,34 @@ def test_instruction_counter_reads_the_main_threads_dumps(tmp_path):
     assert counts(tmp_path) == {"hand-step": 4_000_000, "phalanx-step": 4_400_000}
 
 
+def test_the_ddp_steps_counted_in_a_group_of_two_are_a_row_of_the_targets_table(tmp_path):
+    """Counted at world size 2, both ddp steps' instructions a step are written against the ddp
+    step's target in instructions (at most the hand step's), where the targets table reads them;
+    any other count writes nothing."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from instructions import write_target
+
+    found = {"hand-ddp-step": {"Ir": 4_000_000}, "phalanx-ddp-step": {"Ir": 3_960_000}}
+    path = tmp_path / "ddp_instructions.json"
+    args = argparse.Namespace(world_size=2, steps=10, output=path, port=1, rank=0, worker=False)
+    written = write_target(found, args, path)
+    assert written is not None and json.loads(path.read_text()) == written
+    assert written["instructions_per_step"] == {
+        "hand-ddp-step": 400_000,
+        "phalanx-ddp-step": 396_000,
+    }
+    assert written["target"] == {"phalanx_ratio": 0.99, "phalanx_ratio_max": 1.0, "met": True}
+    assert "port" not in written["args"] and written["args"]["output"] == str(path)
+    row = targets_table(tmp_path)["ddp_instructions.json"]
+    assert "in instructions (callgrind): hand DDP step *" in row and "0.990x  <= 1.00x  met" in row
+    grown = {**found, "phalanx-ddp-step": {"Ir": 4_000_001}}
+    assert not write_target(grown, args, path)["target"]["met"]
+    path.unlink()
+    one = argparse.Namespace(world_size=1, steps=10)
+    assert write_target(found, one, path) is None and not path.exists()
+    assert write_target({"hand-ddp-step": {"Ir": 1}}, args, path) is None and not path.exists()
+
+
 def test_instruction_counter_reads_the_cache_misses_and_reports_them_a_step(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "bench"))
     from instructions import events, report
