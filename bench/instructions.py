@@ -385,7 +385,11 @@ def write_target(found: dict[str, dict[str, int]], args, path: Path) -> dict[str
         "machine": machine(),
         "phalanx_source": measured_source(),
         "instructions_per_step": {steps[0]: hand, steps[1]: mine},
-        "target": {"phalanx_ratio": mine / hand, "phalanx_ratio_max": TARGET, "met": mine <= hand},
+        "target": {
+            "phalanx_ratio": mine / hand,
+            "phalanx_ratio_max": TARGET,
+            "met": mine / hand <= TARGET,
+        },
     }
     write_report(report, path)
     return report

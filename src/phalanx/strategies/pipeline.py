@@ -21,7 +21,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -312,7 +312,7 @@ class Pipeline(StageState, ProcessGroup):
             self.stages,
             engine,
             self._active,
-            self.progress.again,  # within the schedule's step (`_counted_evenly`)
+            self.progress.again,  # within the schedule's step (`_schedule_entered`)
             self._chunk_draws,
             self.rows,
             self.device,
@@ -354,7 +354,7 @@ class Pipeline(StageState, ProcessGroup):
             self._active.chunks = chunks(padded, self.settings.microbatches)
             # each row's sample, for the draws of the chunks the schedule runs (padding: -1)
             self._samples = [*micro.shard, *[-1] * (len(real) - len(micro.shard))]
-            before = self._schedule_entered()  # `_counted_evenly`, without a generator a step
+            before = self._schedule_entered()
             try:
                 schedule.step(target=real, **self._unmerged)
             except RuntimeError as e:
@@ -407,25 +407,18 @@ class Pipeline(StageState, ProcessGroup):
         whichever stage runs it (a padding row draws under a key of its own)."""
         return self._engine.draws(self._samples[chunk * self.rows : (chunk + 1) * self.rows])
 
-    @contextlib.contextmanager
-    def _counted_evenly(self, microbatches: int) -> Iterator[None]:
-        """The schedule's step (or round) of `microbatches` as one collective, and its sends and
-        receives (`count_transfer`): after it, every process has counted as many, whichever
-        stages it holds (a first or last stage sends and receives half of what a middle one does),
-        so that the counts of processes in the next step stay comparable."""
-        before = self._schedule_entered()
-        yield
-        self._counts_evened(before, microbatches)
-
     def _schedule_entered(self) -> int:
-        """The schedule's step or round entered (`_counted_evenly`); the count before it."""
+        """The schedule's step (or round) entered as one collective, its sends and receives
+        counted within it (`count_transfer`); the count before it, for `_counts_evened`."""
         before = self.progress.entered
         self.progress.enter("the pipeline schedule")
         return before
 
     def _counts_evened(self, before: int, microbatches: int) -> None:
-        """The schedule's step or round of `microbatches` run (`_counted_evenly`): this process's
-        count made what the process with the most transfers counts."""
+        """The schedule's step (or round) of `microbatches` run: this process's count made what
+        the process with the most transfers counts (a first or last stage sends and receives half
+        of what a middle one does), so that the counts of processes in the next step stay
+        comparable."""
         # a stage k's transfers of one micro-batch count k and k + 1 (activations in and out),
         # S - 1 - k and S - k (gradients): 2 S at most
         most = 2 * self.stages * microbatches * len(self.mine)
@@ -502,12 +495,14 @@ class Pipeline(StageState, ProcessGroup):
                 padded, real = self._padding.pad(part, min(per_round, n - start))
                 self._captured.clear()
                 if SCHEDULES[self.settings.schedule].in_v:
-                    with self._counted_evenly(1):
-                        self._evaluate_in_turn(padded, min(per_round, n - start))
+                    before = self._schedule_entered()
+                    self._evaluate_in_turn(padded, min(per_round, n - start))
+                    self._counts_evened(before, 1)
                 else:
                     self._active.chunks = chunks(padded, self.settings.microbatches)
-                    with self._counted_evenly(self.settings.microbatches):
-                        schedule.eval(target=real)
+                    before = self._schedule_entered()
+                    schedule.eval(target=real)
+                    self._counts_evened(before, self.settings.microbatches)
                 out.extend(self._captured)
         self._active.forget_batch()
         return concat(out) if self.is_last and self.tensor_rank == 0 else {}

@@ -131,7 +131,7 @@ def transfer_count(
     many as its target lies stages down the flow of its data (activations from the first stage,
     gradients from the last). A process that waits for a stage up the flow has then counted more
     than the hung process it waits for, though both received the same number of micro-batches.
-    (The counts of a step are evened out after it: `Pipeline._counted_evenly`.)"""
+    (The counts of a step are evened out after it: `Pipeline._counts_evened`.)"""
     what = "gradient" if gradient else "activation"
     of = f"micro-batch {chunk + 1}'s" if chunk is not None else "the round's"
     name = f"the transfer of {of} {what} from stage {source} to stage {target}"
