@@ -24,6 +24,7 @@ from phalanx import (
     logs,
     metrics,
     rundir,
+    runlock,
     strategies,
 )
 from phalanx import nodes as machines
@@ -174,6 +175,11 @@ def list_runs(root: str) -> list[dict[str, Any]]:
     return rows
 
 
+# the trace's events that end a run: any other last event, with the lock left unheld, is a run whose
+# process was killed
+_ENDS = ("finished", "failed", "interrupted")
+
+
 def _run_row(run_dir: Path, root: Path) -> dict[str, Any]:
     """A run's row of `list_runs`: what its files hold that has the shape phalanx writes; a run
     whose folders cannot be read is shown as damaged, not a crash of the listing."""
@@ -186,9 +192,15 @@ def _run_row(run_dir: Path, root: Path) -> dict[str, Any]:
     except OSError as e:
         return {**row, "status": f"damaged ({e.strerror or e})"}
     last: dict[str, Any] = next((e for e in reversed(events) if e["event"] != "checkpoint"), {})
+    status = last.get("event", "new")
+    lock = runlock.state(run_dir)
+    if lock == "held":
+        status = "training"
+    elif lock == "left" and status not in _ENDS:
+        status = "killed"  # its process ended without recording how
     return {
         **row,
-        "status": last.get("event", "new"),
+        "status": status,
         "epoch": last.get("epoch") if type(last.get("epoch")) is int else "",
         "step": last.get("step") if type(last.get("step")) is int else "",
         "latest": steps[-1] if steps else "",

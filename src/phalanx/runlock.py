@@ -5,6 +5,10 @@ directory for the whole run: the launcher where it starts workers (they do not l
 torchrun. The OS releases it when the holder ends, however it ends, so a killed run never leaves a
 stale lock. The holder writes its pid, host and command in the file, for the error a second process
 gets, and removes the file when it is done: a command that fails leaves the run directory as it was.
+
+A lock file that no process holds is a holder that ended without removing it: killed (a SIGKILL,
+the out-of-memory killer, a crash in native code, a machine that went down). `phalanx ls` tells
+such a run from one that trains (`state`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ except ImportError:  # not POSIX: no lock
     fcntl = None
 
 LOCK = ".lock"
+# a second process's tries for a lock another holds an instant (`state`'s look) before it is refused
+_TRIES, _PAUSE_S = 20, 0.05
 
 
 class Lock:
@@ -62,6 +68,7 @@ def acquire(run_dir: Path, command: str) -> Lock:
     path = Path(run_dir) / LOCK
     if fcntl is None:
         return Lock(path, None)
+    tries = _TRIES
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
@@ -75,6 +82,10 @@ def acquire(run_dir: Path, command: str) -> Lock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
+            tries -= 1
+            if tries > 0:  # held for a look (`state`), or by a holder about to end
+                time.sleep(_PAUSE_S)
+                continue
             raise RunDirError(
                 f"{str(run_dir)!r} is in use: {holder(path)} is training in it; wait for it to "
                 "end, or stop it, and try again"
@@ -95,6 +106,30 @@ def acquire(run_dir: Path, command: str) -> Lock:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     return Lock(path, fd)
+
+
+def state(run_dir: Path) -> str | None:
+    """Whether a process trains in `run_dir` now ("held"), or the last one to lock it ended without
+    a word ("left": its lock file stays, unheld); None where neither is known (no lock file, or a
+    system without locks). Looks for an instant, with a shared lock, and never creates the file."""
+    path = Path(run_dir) / LOCK
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:  # not there: no holder, or one that ended as it should
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return "held"
+        except OSError:
+            return None
+        # a holder writes who it is at once: an empty file is one still starting
+        return "left" if os.fstat(fd).st_size else None
+    finally:
+        os.close(fd)  # releases the look
 
 
 def _same_file(fd: int, path: Path) -> bool:

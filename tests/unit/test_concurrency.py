@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 import toy
 
-from phalanx import config, rundir, runlock
+from phalanx import commands, config, rundir, runlock
 from phalanx.errors import RunDirError
 from phalanx.strategies.progress import Late, Progress
 
@@ -54,7 +54,8 @@ def test_a_locked_run_directory_is_refused_naming_its_holder(tmp_path):
     assert not (tmp_path / runlock.LOCK).exists()  # nothing left in the run directory
 
 
-def test_a_killed_holder_leaves_no_lock(tmp_path):
+def _hold_lock(run_dir: Path) -> subprocess.Popen:
+    """Another process that locks `run_dir` as training does, and waits."""
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -62,13 +63,77 @@ def test_a_killed_holder_leaves_no_lock(tmp_path):
             "import sys, time; from pathlib import Path; "
             "from phalanx import runlock; runlock.acquire(Path(sys.argv[1]), 'train'); "
             "print('locked', flush=True); time.sleep(600)",
-            str(tmp_path),
+            str(run_dir),
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def test_ls_tells_a_run_that_trains_from_one_whose_process_was_killed(tmp_path):
+    """The trace of a run whose process was killed ends on an event that a live run also writes
+    (started, epoch): the lock it held, and left, says which is which."""
+    run = tmp_path / "toy-20260101-120000"
+    run.mkdir()
+    (run / rundir.CONFIG).write_text("name: toy\nseed: 0\n")
+    (run / rundir.META).write_text(json.dumps({"config_dir": str(tmp_path), "cwd": str(tmp_path)}))
+    rundir.trace(run, "started", epoch=0, step=0)
+    rundir.trace(run, "epoch", epoch=1, step=5)
+
+    def status() -> tuple:
+        (row,) = commands.list_runs(str(tmp_path))
+        return row["status"], row["epoch"], row["step"]
+
+    assert status() == ("epoch", 1, 5)  # no lock file: the trace alone
+    holder = _hold_lock(run)
     try:
-        assert holder.stdout.readline().strip() == "locked"
+        assert status() == ("training", 1, 5)
+        assert runlock.state(run) == "held"
+        # the look does not keep a second process from learning who holds the run
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
+            runlock.acquire(run, "resume")
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    finally:
+        holder.kill()
+    assert status() == ("killed", 1, 5)
+    # a run that recorded its end keeps it, whatever became of its lock
+    rundir.trace(run, "failed", step=5, error="RuntimeError: boom")
+    assert status()[0] == "failed"
+    # resumed: the lock is taken over, and given back with the file removed at the end
+    with runlock.hold(run, "resume"):
+        assert status()[0] == "training"
+    assert runlock.state(run) is None
+    assert status()[0] == "failed"
+
+
+def test_a_lock_taken_for_an_instant_by_a_look_does_not_refuse_a_run(tmp_path, monkeypatch):
+    """`phalanx ls` takes a shared lock for an instant: a run starting then tries again, and only a
+    lock held throughout refuses it."""
+    real_flock = runlock.fcntl.flock
+    refusals = {"left": 3}
+
+    def busy_for_a_moment(fd, operation):
+        if operation & runlock.fcntl.LOCK_EX and refusals["left"] > 0:
+            refusals["left"] -= 1
+            raise BlockingIOError
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(runlock, "_PAUSE_S", 0.0)
+    monkeypatch.setattr(runlock.fcntl, "flock", busy_for_a_moment)
+    runlock.acquire(tmp_path, "train").release()
+    assert refusals["left"] == 0
+    refusals["left"] = runlock._TRIES
+    with pytest.raises(RunDirError, match="is in use"):
+        runlock.acquire(tmp_path, "train")
+    assert runlock.state(tmp_path) is None  # an empty file: no holder wrote who it is
+
+
+def test_a_killed_holder_leaves_no_lock(tmp_path):
+    holder = _hold_lock(tmp_path)
+    try:
         with pytest.raises(RunDirError, match=f"pid {holder.pid}"):
             runlock.acquire(tmp_path, "resume")
         holder.send_signal(signal.SIGKILL)
