@@ -54,6 +54,54 @@ class Regression:
         return self._streams
 
 
+class _Unreadable(Items):
+    """Items whose item `bad` raises; the first item a DataLoader worker reads adds `worker PID
+    PARENT SIGNAL` to the file `record`, SIGNAL the one Linux sends it when its parent ends (0:
+    none)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, bad: int, record: str):
+        super().__init__(x, y)
+        self.bad, self.record, self._said = bad, record, False
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        import os
+
+        from torch.utils.data import get_worker_info
+
+        if not self._said and get_worker_info() is not None:
+            self._said = True
+            with open(self.record, "a") as f:
+                f.write(f"worker {os.getpid()} {os.getppid()} {_death_signal()}\n")
+        if i == self.bad:
+            raise ValueError(f"training item {i} cannot be read")
+        return super().__getitem__(i)
+
+
+def _death_signal() -> int:
+    """The signal Linux sends this process when its parent ends (PR_GET_PDEATHSIG)."""
+    import ctypes
+
+    signal = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(signal), 0, 0, 0)
+    return signal.value
+
+
+class UnreadableItem(Regression):
+    """Regression whose training item `bad` raises when read. Each worker of a launch (a process
+    with a RANK) adds `rank PID` to the file `record`, and each DataLoader worker `worker PID
+    PARENT`."""
+
+    def __init__(self, bad: int, record: str, **kwargs: Any):
+        import os
+
+        super().__init__(**kwargs)
+        if "RANK" in os.environ:
+            with open(record, "a") as f:
+                f.write(f"rank {os.getpid()}\n")
+        train = self._streams["train"]
+        self._streams["train"] = _Unreadable(train.x, train.y, bad, record)
+
+
 class Classes:
     """Gaussian blobs for classification: items {"x": features, "y": class index}."""
 

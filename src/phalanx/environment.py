@@ -26,6 +26,9 @@ from phalanx.errors import ConfigError
 INCARNATION = "PHALANX_INCARNATION"
 # the ranks so started, comma-separated, and how often: "1,2:3"
 REJOINS = "PHALANX_REJOINS"
+# the launcher's multiprocessing start method, which its workers' own children (DataLoader
+# workers) start with, as they would in the launcher's process
+START_METHOD = "PHALANX_START_METHOD"
 
 
 @dataclass(frozen=True)

@@ -112,14 +112,59 @@ def in_your_code(error: BaseException) -> str | None:
             return "phalanx"
         return "library" if any(path.is_relative_to(p) for p in libraries) else "yours"
 
-    stack = [(frame, where(frame)) for frame in traceback.extract_tb(error.__traceback__)]
+    # raised in a DataLoader worker: its traceback is text in the error's message
+    worker = _in_worker(str(error))
+    if worker is not None:
+        place, found, said = worker
+    else:
+        place, found = "", traceback.extract_tb(error.__traceback__)
+        said = "".join(traceback.format_exception_only(error))
+    stack = [(frame, where(frame)) for frame in found]
     frames = [frame for frame, kind in stack if kind == "yours"]
     # raised by phalanx's own code that the user's called (a fault of phalanx's): said whole
     last = max((i for i, (_, kind) in enumerate(stack) if kind == "yours"), default=None)
     if last is None or any(kind == "phalanx" for _, kind in stack[last + 1 :]):
         return None
     return (
-        "phalanx: error: your code raised this (--debug shows the whole traceback):\n"
+        f"phalanx: error: your code raised this{place} (--debug shows the whole traceback):\n"
         + "".join(traceback.format_list(frames))
-        + "".join(traceback.format_exception_only(error))
+        + said
     ).rstrip()
+
+
+# torch's message for an error raised in a DataLoader worker: where, then the worker's traceback
+_WORKER = re.compile(
+    r"Caught \w+ (in DataLoader worker process \d+)\.\nOriginal (Traceback \(most recent call "
+    r"last\):\n.*)",
+    re.DOTALL,
+)
+_FRAME = re.compile(r'^  File "(.+)", line (\d+), in (.+)$')
+
+
+def _in_worker(message: str) -> tuple[str, list, str] | None:
+    """(" in DataLoader worker process N", the frames, the error's own lines) of the traceback that
+    torch puts in the message of an error a DataLoader worker raised; the last of a chain of them.
+    None for any other message."""
+    import traceback
+
+    found = _WORKER.search(message)
+    if found is None:
+        return None
+    lines = found.group(2).splitlines()
+    at = max(i for i, line in enumerate(lines) if line == "Traceback (most recent call last):") + 1
+    frames: list[traceback.FrameSummary] = []
+    # each frame: its line, its code beneath (indented), pointers (^^^) or notes, all indented;
+    # then the error's own lines, which are not
+    while at < len(lines) and lines[at].startswith(" "):
+        frame = _FRAME.match(lines[at])
+        at += 1
+        if frame is None:
+            continue
+        code = ""
+        if at < len(lines) and lines[at].startswith("    ") and not _FRAME.match(lines[at]):
+            code, at = lines[at].strip(), at + 1
+        file, number, name = frame.groups()
+        frames.append(traceback.FrameSummary(file, int(number), name, line=code))
+    if not frames or at >= len(lines):
+        return None
+    return f" {found.group(1)}", frames, "\n".join(lines[at:]) + "\n"

@@ -17,11 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from phalanx import environment, rundir
-from phalanx.errors import PhalanxError, first_line, lost_a_peer
+from phalanx.errors import PhalanxError, first_line, in_your_code, lost_a_peer
 
 
 class RankFailure(PhalanxError):
-    """A worker process failed; the message holds its rank and traceback."""
+    """A worker process failed; the message holds its rank and traceback (or, where the user's own
+    code raised, that code's frames alone: `whole` keeps the traceback for the run's log)."""
+
+    def __init__(self, message: str, whole: str | None = None):
+        super().__init__(message)
+        self.whole = whole or message
 
 
 FATAL = "fatal.txt"  # beside a worker's record: its threads' stacks, where a fatal signal ended it
@@ -86,6 +91,7 @@ def record(e: BaseException, explained: str | None = None) -> None:
             "text": explained or str(e),
             "explained": explained is not None,
             "rank": environment.here().rank,
+            "yours": None if explained is not None else in_your_code(e),
         },
     }
     _write(path, data)
@@ -213,10 +219,20 @@ def _said(first: dict, stacks: Path | None, records: Path, first_rank: int | Non
                 else f"; every rank's stack when the job ended: {stacks}"
             )
         return RankFailure(first["text"] + where)
-    return RankFailure(
+    whole = (
         f"rank {first['rank']} failed first; every rank was stopped. Its traceback:\n"
         f"{first['callstack'].rstrip()}"
     )
+    yours = first.get("yours")
+    if yours:  # the user's code raised it: its frames, and the whole traceback in the log
+        said = yours.removeprefix("phalanx: error: ").replace(
+            "(--debug shows the whole traceback)", "(the run's log.txt has the whole traceback)", 1
+        )
+        said = said[:1].upper() + said[1:]
+        return RankFailure(
+            f"rank {first['rank']} failed first; every rank was stopped. {said}", whole
+        )
+    return RankFailure(whole)
 
 
 def in_the_run(run_dir: Path, failure: PhalanxError, node: int | None) -> PhalanxError:
@@ -231,7 +247,8 @@ def in_the_run(run_dir: Path, failure: PhalanxError, node: int | None) -> Phalan
         if last.get("event") != "failed" or "cause" in last:  # not the failing rank's own
             rundir.trace(run_dir, "failed", error=summary_line(failure), by=who)
         with open(run_dir / "log.txt", "a", encoding="utf-8") as f:
-            f.write(f"{stamp} ERROR {who}: {str(failure).rstrip() or type(failure).__name__}\n")
+            said = getattr(failure, "whole", str(failure)).rstrip()
+            f.write(f"{stamp} ERROR {who}: {said or type(failure).__name__}\n")
     return failure
 
 

@@ -352,7 +352,9 @@ def _workers_settings(run_dir: Path, nodes: Nodes | None) -> dict[str, str]:
     - on one machine, or a rendezvous on loopback, gloo and NCCL connect over the loopback interface
       (left to themselves, they listen on the address the host name resolves to);
     - in an elastic job, torch's dynamic rendezvous serves no store of its own for the workers (it
-      would listen on every interface): the elastic handler gives them the job's store."""
+      would listen on every interface): the elastic handler gives them the job's store;
+    - this process's multiprocessing start method, for the workers' DataLoader workers (see
+      `spawned.worker`)."""
     settings = {
         "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -364,6 +366,9 @@ def _workers_settings(run_dir: Path, nodes: Nodes | None) -> dict[str, str]:
         settings |= {"GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
     if nodes is not None and nodes.elastic:
         settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    import multiprocessing
+
+    settings[environment.START_METHOD] = multiprocessing.get_start_method()
     return settings
 
 

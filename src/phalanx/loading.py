@@ -6,10 +6,13 @@ batches in `phalanx.batching`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import itertools
 import os
 import random
+import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +91,26 @@ class _WorkersLoader(DataLoader):
             yield batch
 
 
+def _end_with(parent: int, worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`: Linux kills it when the process that started it,
+    `parent`, ends. A training process that ends at once (a failed or stopped worker of several
+    ends with `os._exit`) takes its loader workers with it, instead of leaving them to notice
+    seconds later, holding the terminal's output open meanwhile. Where the worker is not
+    `parent`'s child (a forkserver started it), or not on Linux, nothing: torch's workers watch
+    their parent themselves."""
+    import ctypes
+
+    if os.getppid() != parent:
+        return
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # it ended while this was asked
+            os._exit(1)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
 def _collect_before_fork(context: Any) -> None:
     """A forked worker's garbage collector frees whatever garbage it inherited, in a process that
     has none of its parent's threads: an earlier loader's pinned batches or a resumed optimizer's
@@ -137,6 +160,7 @@ def loader(
         persistent_workers=False,
         prefetch_factor=prefetch_factor,
         generator=torch.Generator().manual_seed(seed),
+        worker_init_fn=functools.partial(_end_with, os.getpid()) if num_workers else None,
     )
 
 
@@ -324,6 +348,7 @@ class Loaders:
                     collate_fn=_Collate(name, True, empty, keys),
                     persistent_workers=True,
                     generator=torch.Generator().manual_seed(seed),
+                    worker_init_fn=functools.partial(_end_with, os.getpid()),
                     **self.options,
                 ),
                 sampler,

@@ -37,6 +37,7 @@ GUARD_INTERVAL_S = 0.1
 def worker(run_dir: str, launcher_pid: int, run: Callable[..., int], args: tuple) -> int:
     """Entry point of each worker process (picklable, module level): `run(run_dir, *args)`."""
     _detach_from_terminal()
+    _start_children_as_the_launcher()
     failures.keep_fatal_stacks()
     rejoins = _rejoins(environment.here().rank)
     supervising = bool(rejoins) and environment.INCARNATION not in os.environ
@@ -137,6 +138,19 @@ def _detach_from_terminal() -> None:
     signals.end_at_once_on_signals()
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals.SIGNALS)
+
+
+def _start_children_as_the_launcher() -> None:
+    """This worker's own children (its DataLoader workers) start as they would in the launcher's
+    process, not as this worker did. A worker forked from the launcher's server inherits the
+    server's start method, forkserver: its DataLoader workers would be children of a server of its
+    own, which they keep alive, so that neither notices when this worker ends (killed, or ended at
+    once after a failure) and both outlive the job, holding its terminal's output open."""
+    import multiprocessing
+
+    method = os.environ.get(environment.START_METHOD)
+    if method in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method(method, force=True)
 
 
 def _no_signal_on_launcher_death() -> None:

@@ -100,6 +100,49 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert not [pid for pid in started if alive(pid)]
 
 
+def test_an_item_that_a_loader_worker_cannot_read_is_said_as_the_users_and_ends_every_process(
+    tmp_path,
+):
+    """A dataset's item raises in a DataLoader worker of one of two ranks: the terminal shows the
+    user's frame and error (not torch's wrapped traceback), the run's log the whole traceback; the
+    loader workers are their rank's children, and none outlives the command: the failed rank
+    ends at once, and a worker left behind would hold the command's output open."""
+    record = tmp_path / "processes.txt"
+    dataset = {
+        "class": "toy.UnreadableItem",
+        "bad": 29,
+        "record": str(record),
+        "n_train": 40,
+        "batch_size": 8,
+        "num_workers": 1,
+    }
+    path = toy.write_config(tmp_path, {**CFG, "dataset": dataset})
+    result = phalanx("train", str(path), "parallel.devices=2", cwd=tmp_path, timeout=240)
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("phalanx: error: ")]
+    assert len(errors) == 1 and re.fullmatch(
+        r"phalanx: error: rank [01] failed first; every rank was stopped\. Your code raised this "
+        r"in DataLoader worker process 0 \(the run's log\.txt has the whole traceback\):",
+        errors[0],
+    ), result.stderr
+    said = result.stderr.split("phalanx: error: ", 1)[1]
+    assert "in __getitem__\n" in said and "ValueError: training item 29 cannot be read" in said
+    assert "Traceback" not in said and "site-packages" not in said and "phalanx/" not in said
+    log = (only_run(tmp_path / "runs") / "log.txt").read_text()
+    assert "Caught ValueError in DataLoader worker process 0" in log  # the whole, kept
+    lines = [line.split() for line in record.read_text().splitlines()]
+    ranks = {int(pid) for kind, pid, *_ in lines if kind == "rank"}
+    workers = {int(line[1]): int(line[2]) for line in lines if line[0] == "worker"}
+    assert len(ranks) == 2 and workers, lines
+    assert set(workers.values()) <= ranks  # forked by their rank, not by a server of its own
+    # killed by Linux when their rank ends, at once
+    assert {int(line[3]) for line in lines if line[0] == "worker"} == {signal.SIGKILL}
+    deadline = time.monotonic() + 30  # a bound on a wait that should end at once, not a speed
+    while [pid for pid in workers if alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in workers if alive(pid)]
+
+
 def test_a_stop_request_saves_and_resume_finishes(tmp_path):
     cfg = {
         **CFG,
@@ -363,7 +406,9 @@ def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_
     assert record.read_text().split() == ["0", "1", "2"], result.stdout + result.stderr
     assert "injected failure on rank 1, attempt 0" in result.stderr  # the first failure's traceback
     assert result.stderr.count("the workers started again") == 2  # said once a restart, by rank 0
-    assert "Traceback" in result.stderr
+    # the model's frame on the terminal, the whole traceback in the run's log
+    assert "Your code raised this" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" in (only_run(tmp_path / "faulty" / "runs") / "log.txt").read_text()
 
 
 def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_path):

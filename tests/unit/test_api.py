@@ -5,6 +5,7 @@ model back. The command is written on these functions, so `phalanx train` is tes
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 from pathlib import Path
 
@@ -594,3 +595,26 @@ def test_numpy_and_tensor_numbers_in_a_config_dict_are_taken_as_numbers(tmp_path
     assert run.code == 0
     saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
     assert saved["optimizer"]["lr"] == pytest.approx(0.01) and saved["main_loop"]["epochs"] == 1
+
+
+def test_a_failed_fit_ends_its_loader_workers_before_it_raises(tmp_path, monkeypatch):
+    """An item that a DataLoader worker cannot read: the error reaches the caller with the loader's
+    workers ended already (a notebook or a server goes on after it), and the workers were told to
+    end with the process that started them."""
+    from procs import alive
+
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "processes.txt"
+    dataset = {
+        "class": "toy.UnreadableItem",
+        "bad": 29,
+        "record": str(record),
+        "batch_size": 8,
+        "num_workers": 1,
+    }
+    with pytest.raises(ValueError, match="training item 29 cannot be read") as caught:
+        phalanx.fit(_raw(dataset=dataset, hooks=[]))
+    assert caught.value.__traceback__ is not None
+    workers = [line.split() for line in record.read_text().splitlines()]
+    assert workers and not [pid for _, pid, *_ in workers if alive(int(pid))]
+    assert {int(line[3]) for line in workers} == {signal.SIGKILL}

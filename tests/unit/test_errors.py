@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 
+import pytest
+import torch
+
 from phalanx.errors import count, first_line, named
 
 
@@ -79,3 +82,44 @@ def test_an_error_is_the_users_where_their_code_or_a_library_it_called_raised(tm
         int("x")  # this test's own frame is outside phalanx and the libraries, as a user's is
     except ValueError as e:
         assert in_your_code(e) is not None
+
+
+class _Unreadable(torch.utils.data.Dataset):
+    """Item 3 cannot be read: a ValueError raised while handling a KeyError (a chain, whose last
+    traceback is the error's)."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 3:
+            try:
+                {}["missing"]
+            except KeyError:
+                raise ValueError(f"item {i}: no such record")  # noqa: B904 - the chain is the case
+        return torch.tensor(i)
+
+
+@pytest.mark.timeout(120)
+def test_an_error_raised_in_a_dataloader_worker_is_said_by_the_users_frames_in_that_worker():
+    """torch raises a worker's error again in the loader's process with the worker's traceback
+    as text in its message: that text's frames of the user's code, and its error, are what is
+    said, with the worker named."""
+    from phalanx.errors import in_your_code
+
+    loader = torch.utils.data.DataLoader(_Unreadable(), batch_size=2, num_workers=1)
+    with pytest.raises(ValueError) as caught:
+        list(loader)
+    said = in_your_code(caught.value)
+    assert said is not None, str(caught.value)
+    head, *frames = said.splitlines()
+    assert head == (
+        "phalanx: error: your code raised this in DataLoader worker process 0 (--debug shows the "
+        "whole traceback):"
+    )
+    assert "in __getitem__" in frames[0] and frames[1].strip().startswith("raise ValueError(")
+    assert frames[-1] == "ValueError: item 3: no such record"
+    assert "site-packages" not in said and "Caught" not in said and "^" not in said
+    assert "KeyError" not in said and "During handling" in str(caught.value)
+    # a message of that form that names no frame of the user's: said whole, as before
+    assert in_your_code(RuntimeError("Caught RuntimeError in DataLoader worker process 0.")) is None

@@ -45,12 +45,19 @@ def test_the_failing_rank_is_reported_when_the_agent_noticed_a_rank_that_ended_b
     assert message.count("injected failure on rank 1 at step 3") == 1
 
 
-def test_the_run_keeps_the_failing_ranks_error_as_the_terminal_shows_it(tmp_path, monkeypatch):
-    """log.txt holds the whole message, traceback and error, not only its first line ("... Its
-    traceback:"); trace.jsonl's one line ends with the error."""
+def _said_and_kept(tmp_path, monkeypatch, error: BaseException | None = None):
+    """Rank 1 fails with `error` (None: a fault inside phalanx's own code); what the terminal shows,
+    what log.txt keeps, and trace.jsonl's `failed` event."""
     from phalanx.rundir import read_trace
 
-    _fail_on_rank(tmp_path, monkeypatch, 1, ValueError("injected failure on rank 1 at step 3"))
+    if error is None:
+        from phalanx import rundir
+
+        try:
+            rundir.read_trace(4242)  # type: ignore[arg-type]  # a TypeError raised in phalanx
+        except TypeError as e:
+            error = e
+    _fail_on_rank(tmp_path, monkeypatch, 1, error)
     noticed = ProcessFailure(
         local_rank=1, pid=4242, exitcode=1, error_file=str(tmp_path / "absent.json")
     )
@@ -59,16 +66,42 @@ def test_the_run_keeps_the_failing_ranks_error_as_the_terminal_shows_it(tmp_path
     failure = failures.in_the_run(
         run, failures.explain(ChildFailedError("worker", {1: noticed}), tmp_path), None
     )
-    shown = str(failure)
-    assert shown.startswith("rank 1 failed first; every rank was stopped. Its traceback:\n")
-    assert shown.rstrip().endswith("ValueError: injected failure on rank 1 at step 3")
-    logged = (run / "log.txt").read_text()
-    assert logged.endswith(f" ERROR the launcher: {shown.rstrip()}\n")
     [failed] = [e for e in read_trace(run) if e["event"] == "failed"]
-    assert failed["error"] == (
-        "rank 1 failed first; every rank was stopped. Its traceback: ... "
-        "ValueError: injected failure on rank 1 at step 3"
+    return str(failure), (run / "log.txt").read_text(), failed["error"]
+
+
+def test_an_error_of_the_users_code_shows_its_frames_and_the_run_keeps_the_whole_traceback(
+    tmp_path, monkeypatch
+):
+    """Raised in the user's code (this test's, outside phalanx and the libraries): the terminal
+    shows that code's frames and the error; log.txt holds the whole traceback and error; the trace's
+    one line ends with the error."""
+    shown, logged, line = _said_and_kept(
+        tmp_path, monkeypatch, ValueError("injected failure on rank 1 at step 3")
     )
+    assert shown.startswith(
+        "rank 1 failed first; every rank was stopped. Your code raised this (the run's log.txt "
+        "has the whole traceback):\n"
+    )
+    assert "in _fail_on_rank\n    raise error\n" in shown and "Traceback" not in shown
+    assert shown.rstrip().endswith("ValueError: injected failure on rank 1 at step 3")
+    assert (
+        " ERROR the launcher: rank 1 failed first; every rank was stopped. Its traceback:\n"
+        "Traceback (most recent call last):\n"
+    ) in logged
+    assert logged.endswith("ValueError: injected failure on rank 1 at step 3\n")
+    assert line.startswith("rank 1 failed first; every rank was stopped. Your code raised this")
+    assert line.endswith(" ... ValueError: injected failure on rank 1 at step 3")
+
+
+def test_a_fault_inside_phalanx_shows_the_whole_traceback_on_the_terminal_and_in_the_run(
+    tmp_path, monkeypatch
+):
+    shown, logged, line = _said_and_kept(tmp_path, monkeypatch)
+    assert shown.startswith("rank 1 failed first; every rank was stopped. Its traceback:\n")
+    assert "phalanx/rundir.py" in shown and shown.rstrip().splitlines()[-1].startswith("TypeError")
+    assert logged.endswith(f" ERROR the launcher: {shown.rstrip()}\n")
+    assert line.startswith("rank 1 failed first; every rank was stopped. Its traceback: ... ")
 
 
 def test_with_no_record_the_noticed_exit_is_reported(tmp_path):
