@@ -368,7 +368,8 @@ def _workers_settings(run_dir: Path, nodes: Nodes | None) -> dict[str, str]:
         settings["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     import multiprocessing
 
-    settings[environment.START_METHOD] = multiprocessing.get_start_method()
+    # "" where this process has chosen none (asking for it would choose the default for it)
+    settings[environment.START_METHOD] = multiprocessing.get_start_method(allow_none=True) or ""
     return settings
 
 

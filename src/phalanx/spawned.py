@@ -149,7 +149,9 @@ def _start_children_as_the_launcher() -> None:
     import multiprocessing
 
     method = os.environ.get(environment.START_METHOD)
-    if method in multiprocessing.get_all_start_methods():
+    if method == "":  # none chosen there: the platform's default, chosen at the first use
+        multiprocessing.set_start_method(None, force=True)
+    elif method in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method(method, force=True)
 
 
