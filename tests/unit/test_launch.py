@@ -652,3 +652,31 @@ def test_a_watched_process_that_is_not_the_watchers_parent_is_seen_to_end():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_workers_own_children_start_as_the_launchers_would(tmp_path, monkeypatch):
+    """A worker forked from the launcher's server has the server's start method (forkserver); its
+    DataLoader workers start with the launcher's instead, or with none chosen where the launcher
+    chose none (asking the launcher for its method does not choose one for it)."""
+    import multiprocessing
+
+    from phalanx import environment, launch, spawned
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        multiprocessing.set_start_method(None, force=True)
+        settings = launch._workers_settings(tmp_path, None)
+        assert settings[environment.START_METHOD] == ""
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("forkserver", force=True)  # as in a forked worker
+        monkeypatch.setenv(environment.START_METHOD, "")
+        spawned._start_children_as_the_launcher()
+        assert multiprocessing.get_start_method(allow_none=True) is None
+        multiprocessing.set_start_method("spawn", force=True)
+        assert launch._workers_settings(tmp_path, None)[environment.START_METHOD] == "spawn"
+        multiprocessing.set_start_method("forkserver", force=True)
+        monkeypatch.setenv(environment.START_METHOD, "spawn")
+        spawned._start_children_as_the_launcher()
+        assert multiprocessing.get_start_method(allow_none=True) == "spawn"
+    finally:
+        multiprocessing.set_start_method(before, force=True)
