@@ -33,7 +33,7 @@ except ImportError:  # not POSIX: no lock
 
 LOCK = ".lock"
 # a second process's tries for a lock another holds an instant (`state`'s look) before it is refused
-_TRIES, _PAUSE_S = 20, 0.05
+_TRIES, _PAUSE_S = 10, 0.02
 
 
 class Lock:
