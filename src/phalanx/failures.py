@@ -91,10 +91,18 @@ def record(e: BaseException, explained: str | None = None) -> None:
             "text": explained or str(e),
             "explained": explained is not None,
             "rank": environment.here().rank,
-            "yours": None if explained is not None else in_your_code(e),
+            "yours": None if explained is not None else _yours(e),
         },
     }
     _write(path, data)
+
+
+def _yours(e: BaseException) -> str | None:
+    """`in_your_code(e)`; None where that fails: the record must be written whatever the error."""
+    try:
+        return in_your_code(e)
+    except Exception:  # noqa: BLE001 - the whole traceback is said instead
+        return None
 
 
 def record_stop() -> None:
