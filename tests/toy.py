@@ -102,6 +102,18 @@ class UnreadableItem(Regression):
         self._streams["train"] = _Unreadable(train.x, train.y, bad, record)
 
 
+def unreadable_dataset(record: Path, bad: int = 29) -> dict:
+    """The dataset section of a run whose training item `bad` a DataLoader worker cannot read
+    (`UnreadableItem`, its processes added to `record`)."""
+    return {
+        "class": "toy.UnreadableItem",
+        "bad": bad,
+        "record": str(record),
+        "batch_size": 8,
+        "num_workers": 1,
+    }
+
+
 class Classes:
     """Gaussian blobs for classification: items {"x": features, "y": class index}."""
 

@@ -108,15 +108,7 @@ def test_an_item_that_a_loader_worker_cannot_read_is_said_as_the_users_and_ends_
     loader workers are their rank's children, and none outlives the command: the failed rank
     ends at once, and a worker left behind would hold the command's output open."""
     record = tmp_path / "processes.txt"
-    dataset = {
-        "class": "toy.UnreadableItem",
-        "bad": 29,
-        "record": str(record),
-        "n_train": 40,
-        "batch_size": 8,
-        "num_workers": 1,
-    }
-    path = toy.write_config(tmp_path, {**CFG, "dataset": dataset})
+    path = toy.write_config(tmp_path, {**CFG, "dataset": toy.unreadable_dataset(record)})
     result = phalanx("train", str(path), "parallel.devices=2", cwd=tmp_path, timeout=240)
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("phalanx: error: ")]

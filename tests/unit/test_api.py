@@ -605,13 +605,7 @@ def test_a_failed_fit_ends_its_loader_workers_before_it_raises(tmp_path, monkeyp
 
     monkeypatch.chdir(tmp_path)
     record = tmp_path / "processes.txt"
-    dataset = {
-        "class": "toy.UnreadableItem",
-        "bad": 29,
-        "record": str(record),
-        "batch_size": 8,
-        "num_workers": 1,
-    }
+    dataset = toy.unreadable_dataset(record)
     with pytest.raises(ValueError, match="training item 29 cannot be read") as caught:
         phalanx.fit(_raw(dataset=dataset, hooks=[]))
     assert caught.value.__traceback__ is not None
