@@ -81,9 +81,9 @@ def _death_signal() -> int:
     """The signal Linux sends this process when its parent ends (PR_GET_PDEATHSIG)."""
     import ctypes
 
-    signal = ctypes.c_int(0)
-    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(signal), 0, 0, 0)
-    return signal.value
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None, use_errno=True).prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return value.value
 
 
 class UnreadableItem(Regression):
