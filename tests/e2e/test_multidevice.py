@@ -35,6 +35,25 @@ def relative(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
 
 
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory):
+    """`alone(config)`: the weights an uninterrupted run of `config` on one process ends with,
+    trained once for every test of this module that compares with it."""
+    trained: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights_of(raw: dict) -> dict[str, torch.Tensor]:
+        key = json.dumps(raw, sort_keys=True)
+        if key not in trained:
+            folder = tmp_path_factory.mktemp("alone")
+            path = toy.write_config(folder / "ref", raw)
+            result = phalanx("train", str(path), cwd=folder)
+            assert result.returncode == 0, result.stderr[-3000:]
+            trained[key] = weights(only_run(folder / "ref" / "runs"))
+        return trained[key]
+
+    return weights_of
+
+
 CFG = toy.regression_config(
     model={"class": "toy.Linear", "features": 3, "hidden": 4},
     optimizer={"class": "SGD", "lr": 0.05, "momentum": 0.9},
@@ -50,10 +69,8 @@ CFG = toy.regression_config(
 )
 
 
-def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path):
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+def test_checkpoint_saved_on_three_processes_resumes_on_two_and_on_one(tmp_path, alone):
+    want = alone(CFG)
 
     interrupted = toy.write_config(tmp_path / "n3", CFG)
     first = phalanx(
@@ -201,13 +218,11 @@ def all_succeed(procs: list[forks.Command]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("devices", [1, 2])
-def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
+def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices, alone):
     """`phalanx train --nnodes 2 --node-rank R --rdzv HOST:PORT` on each "machine" (here, two
     launchers on one): node 0 serves the rendezvous and makes the run directory, each starts its
     workers, and the job's result is one process's."""
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "nodes", CFG)
     done = on_two_nodes(["train", str(path), f"parallel.devices={devices}"], tmp_path, first=1)
@@ -217,12 +232,10 @@ def test_two_nodes_on_one_machine_train_as_one_process(tmp_path, devices):
     assert f"node 1 of 2: run directory {run}" in done[0][1]
 
 
-def test_a_mesh_over_two_nodes_trains_as_one_process(tmp_path):
+def test_a_mesh_over_two_nodes_trains_as_one_process(tmp_path, alone):
     """shard 2 x tensor 2 on two machines of two processes: the tensor group is the innermost
     dimension (neighbouring ranks), so each machine holds one and the shards span the machines."""
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "mesh", CFG)
     layout = "parallel.mesh={shard: 2, tensor: 2, tensor_plan: {net.0: colwise, net.2: rowwise}}"
@@ -240,10 +253,8 @@ def test_a_mesh_over_two_nodes_trains_as_one_process(tmp_path):
     assert relative(load_file(out), want) < 1e-10
 
 
-def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path):
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+def test_a_run_stopped_on_one_process_resumes_on_two_nodes(tmp_path, alone):
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "stopped", CFG)
     assert (
@@ -274,16 +285,14 @@ def _elastic_node(path: Path, rank: int, rdzv: str, cwd: Path) -> forks.Command:
 
 @pytest.mark.parametrize("change", ["leaves", "joins"])
 def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_global_batch(
-    tmp_path, change
+    tmp_path, change, alone
 ):
     """--nnodes 1:2. `leaves`: node 1 is killed (SIGKILL) after a checkpoint of the two; node 0's
     workers start again in a round of one machine and resume on half the processes. `joins`: node 0
     starts alone, node 1 comes after its first checkpoint, and the workers start again in a round of
     two. Either way the run ends as an uninterrupted one does: the global batch and the sample order
     are the job's, not the machines'."""
-    reference = toy.write_config(tmp_path / "ref", _elastic_config(0.0))
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(_elastic_config(0.0))
 
     path = toy.write_config(tmp_path / "elastic", _elastic_config(0.05))
     rdzv = f"127.0.0.1:{_free_port()}"
@@ -333,7 +342,7 @@ def test_an_elastic_job_goes_on_when_a_machine_leaves_or_joins_with_the_same_glo
     ids=["ddp", "param_server", "param_server-2-servers"],
 )
 def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupted(
-    parallel, tmp_path
+    parallel, tmp_path, alone
 ):
     """kill -9 of rank 1 (a worker) at its 9th training forward, in the second epoch, with
     max_restarts 1. ddp: the launcher starts every process again, they resume from the checkpoint
@@ -341,17 +350,14 @@ def test_a_worker_killed_mid_run_is_restarted_and_the_job_ends_as_if_uninterrupt
     alone, where the servers are, while the others go on (none restarts), and its claimed chunks
     are dealt again. Either way the end is an uninterrupted run's (one process's)."""
     hooks = ["SaveLatest"]
-    reference = toy.write_config(
-        tmp_path / "ref",
+    want = alone(
         {
             **CFG,
             "hooks": hooks,
             "model": {"class": "toy.Linear"},
             "parallel": {"accelerator": "cpu", "devices": 1},
-        },
+        }
     )
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
 
     faulty = {
         **CFG,
@@ -403,13 +409,11 @@ def test_a_fault_on_every_attempt_ends_after_max_restarts_plus_one_attempts(tmp_
     assert "Traceback" in (only_run(tmp_path / "faulty" / "runs") / "log.txt").read_text()
 
 
-def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_path):
+def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_path, alone):
     """srun starts one `phalanx train` per task with Slurm's variables and no agent's: the tasks
     find each other at the job's master address, rank 0 makes the run directory, and the result is
     one process's."""
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "slurm", CFG)
     port = _free_port()
@@ -442,12 +446,10 @@ def test_tasks_that_slurm_starts_join_one_group_and_train_as_one_process(tmp_pat
     assert "strategy ddp: 2 processes" in (run / "log.txt").read_text()
 
 
-def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path):
+def test_under_torchrun_phalanx_joins_its_workers_instead_of_launching(tmp_path, alone):
     """torchrun starts the processes (as on each machine of a multi-machine job); phalanx sees its
     environment, does not launch again, and trains as one process would."""
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "torchrun", CFG)
     torchrun = [
@@ -485,13 +487,11 @@ print(os.environ["RANK"], run.status, run.metrics["valid.loss"])
 """
 
 
-def test_under_torchrun_each_process_fits_its_own_objects(tmp_path):
+def test_under_torchrun_each_process_fits_its_own_objects(tmp_path, alone):
     """A script that calls phalanx.fit with a model and a dataset it built, in each process of a
     torchrun job (fsdp: each keeps its shards of its own model), trains as one process would; models
     that differ between the processes (not seeded) are an error, not a silent mix."""
-    reference = toy.write_config(tmp_path / "ref", CFG)
-    assert phalanx("train", str(reference), cwd=tmp_path).returncode == 0
-    want = weights(only_run(tmp_path / "ref" / "runs"))
+    want = alone(CFG)
 
     path = toy.write_config(tmp_path / "objects", CFG)
     (tmp_path / "objects" / "fit.py").write_text(FIT_SCRIPT)
