@@ -5,10 +5,11 @@ streams whose items dataset.keys names (`named`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from phalanx.data import is_iterable
 from phalanx.errors import DataError, first_line
@@ -42,10 +43,33 @@ def _stack(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> 
             f"dataset items must be dicts of named values, e.g. {{'image': x, 'label': y}}; got "
             f"{kind}: {named} from __getitem__"
         )
+    batch = _stacked(items)
+    if batch is not None:
+        return batch
     try:
         return default_collate(items)
     except (RuntimeError, TypeError, ValueError, KeyError, IndexError) as e:
         raise DataError(_why_not_batched(items, name, e)) from e
+
+
+def _stacked(items: list[Any]) -> dict[str, Any] | None:
+    """`default_collate` of plain dicts of dense tensors, made as it makes it (`torch.stack` of each
+    key's values, the keys in the first item's order) without its Python for every value: its
+    type dispatch costs a small model's step more Python than phalanx's whole loop adds
+    (BENCHMARKS.md). None for any other batch, which `default_collate` makes (and where it fails,
+    says why), and in a DataLoader worker, where it stacks into shared memory."""
+    first = items[0]
+    if type(first) is not dict or get_worker_info() is not None:
+        return None
+    batch = {}
+    for key, value in first.items():
+        if type(value) is not torch.Tensor or value.layout is not torch.strided or value.is_nested:
+            return None
+        try:
+            batch[key] = torch.stack(list(map(itemgetter(key), items)))
+        except (RuntimeError, TypeError, KeyError, IndexError):
+            return None
+    return batch
 
 
 def name_item(item: Any, keys: Sequence[str], name: str) -> Any:

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 import toy
+from torch.utils.data import default_collate
 
 from phalanx import batching, data, loading
 from phalanx.errors import DataError
@@ -238,6 +240,75 @@ def test_collate_stacks_dict_items_and_empty_is_none():
     assert torch.equal(batch["x"], torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
     assert batch["y"].tolist() == [3, 6]
     assert batching.collate([]) is None
+
+
+def _collated_by(monkeypatch) -> list[int]:
+    """The number of items of each batch that torch's default_collate makes from here on."""
+    calls: list[int] = []
+
+    def counted(items):
+        calls.append(len(items))
+        return default_collate(items)
+
+    monkeypatch.setattr(batching, "default_collate", counted)
+    return calls
+
+
+def test_dicts_of_tensors_are_stacked_as_default_collate_stacks_them_without_it(monkeypatch):
+    """The common batch, plain dicts of dense tensors, is stacked key by key directly (no Python a
+    sample); the batch is default_collate's to the key order, dtype and value."""
+    items = [
+        {
+            "image": torch.randn(3, 4, 4),
+            "label": torch.tensor(i),
+            "mask": torch.rand(5) > 0.5,
+            "weight": torch.tensor(0.5 * i, dtype=torch.float64),
+        }
+        for i in range(6)
+    ]
+    want = default_collate(items)
+    calls = _collated_by(monkeypatch)
+    got = batching.collate(items)
+    assert calls == []  # stacked here, not by default_collate
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [{"x": torch.zeros(2), "y": i} for i in range(3)],  # numbers become a tensor
+        [{"x": torch.nn.Parameter(torch.zeros(2))} for _ in range(3)],  # a tensor subclass
+        [OrderedDict(x=torch.zeros(2)) for _ in range(3)],  # a mapping of another type, kept
+    ],
+    ids=["numbers", "tensor-subclass", "ordered-dict"],
+)
+def test_other_batches_are_default_collates(monkeypatch, items):
+    want = default_collate(items)
+    calls = _collated_by(monkeypatch)
+    got = batching.collate(items)
+    assert calls == [3]
+    assert type(got) is type(want) and list(got) == list(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_dicts_of_tensors_that_do_not_stack_are_said_as_before():
+    ragged = [{"x": torch.zeros(3)}, {"x": torch.zeros(4)}]
+    with pytest.raises(DataError, match=r"stream 'test', key 'x': items of different shapes"):
+        batching.collate(ragged, "test")
+    missing = [{"x": torch.zeros(2), "y": torch.tensor(1)}, {"x": torch.zeros(2)}]
+    with pytest.raises(DataError, match=r"items hold different keys \(\['x', 'y'\] and \['x'\]\)"):
+        batching.collate(missing, "test")
+
+
+def test_a_worker_process_leaves_its_batches_to_default_collate(monkeypatch):
+    """In a DataLoader worker, default_collate puts the batch in shared memory for the trip to
+    the training process; the batch is its own there."""
+    monkeypatch.setattr(batching, "get_worker_info", lambda: object())
+    calls = _collated_by(monkeypatch)
+    batching.collate([{"x": torch.zeros(2)}, {"x": torch.ones(2)}])
+    assert calls == [2]
 
 
 @pytest.mark.parametrize("item", [(torch.zeros(2), 1), torch.zeros(2), 5])
