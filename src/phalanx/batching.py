@@ -52,22 +52,43 @@ def _stack(items: list[Any], name: str, keys: tuple[str, ...] | None = None) -> 
         raise DataError(_why_not_batched(items, name, e)) from e
 
 
-def _stacked(items: list[Any]) -> dict[str, Any] | None:
-    """`default_collate` of plain dicts of dense tensors, made as it makes it (`torch.stack` of each
-    key's values, the keys in the first item's order) without its Python for every value: its
-    type dispatch costs a small model's step more Python than phalanx's whole loop adds
-    (BENCHMARKS.md). None for any other batch, which `default_collate` makes (and where it fails,
-    says why), and in a DataLoader worker, where it stacks into shared memory."""
+def _stacked(items: list[Any], keys: tuple[str, ...] | None = None) -> dict[str, Any] | None:
+    """`default_collate`'s batch of the common items, made as it makes it, without its Python for
+    every value (its type dispatch costs a small model's step more Python than phalanx's whole loop
+    adds: BENCHMARKS.md): plain dicts, or tuples and lists named by `keys` (dataset.keys), whose
+    values are dense tensors (`torch.stack` of each part's values), ints or floats (`torch.tensor`
+    of them, float64 for floats), gathered in C, in the first item's order. None for any other
+    batch, which `default_collate` makes (and where it fails, says why), and in a DataLoader worker,
+    where it stacks into shared memory."""
     first = items[0]
-    if type(first) is not dict or get_worker_info() is not None:
+    if get_worker_info() is not None:
+        return None
+    if type(first) is dict:
+        parts: Any = zip(first, first, first.values(), strict=True)
+    elif keys is not None and type(first) in (tuple, list) and len(first) == len(keys):
+        try:
+            if set(map(len, items)) != {len(keys)}:  # default_collate refuses uneven items
+                return None
+        except TypeError:  # an item without a length
+            return None
+        parts = zip(keys, range(len(keys)), first, strict=True)
+    else:
         return None
     batch = {}
-    for key, value in first.items():
-        if type(value) is not torch.Tensor or value.layout is not torch.strided or value.is_nested:
-            return None
+    for name, part, value in parts:
+        kind = type(value)
         try:
-            batch[key] = torch.stack(list(map(itemgetter(key), items)))
-        except (RuntimeError, TypeError, KeyError, IndexError):
+            if kind is torch.Tensor:
+                if value.layout is not torch.strided or value.is_nested:
+                    return None
+                batch[name] = torch.stack(list(map(itemgetter(part), items)))
+            elif kind is int:
+                batch[name] = torch.tensor(list(map(itemgetter(part), items)))
+            elif kind is float:
+                batch[name] = torch.tensor(list(map(itemgetter(part), items)), dtype=torch.float64)
+            else:
+                return None
+        except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
             return None
     return batch
 
@@ -93,6 +114,9 @@ def name_item(item: Any, keys: Sequence[str], name: str) -> Any:
 
 
 def _named_batch(items: list[Any], keys: tuple[str, ...], name: str) -> dict[str, Any]:
+    stacked = _stacked(items, keys)
+    if stacked is not None:
+        return stacked
     first = items[0]
     parts = len(first) if isinstance(first, (tuple, list)) else None
     if parts == len(keys) or (parts is None and len(keys) == 1):

@@ -254,22 +254,28 @@ def _collated_by(monkeypatch) -> list[int]:
     return calls
 
 
-def test_dicts_of_tensors_are_stacked_as_default_collate_stacks_them_without_it(monkeypatch):
-    """The common batch, plain dicts of dense tensors, is stacked key by key directly (no Python a
-    sample); the batch is default_collate's to the key order, dtype and value."""
+@pytest.mark.parametrize("named", [False, True], ids=["dicts", "tuples-named-by-keys"])
+def test_common_items_are_batched_as_default_collate_batches_them_without_it(monkeypatch, named):
+    """The common items, plain dicts (or tuples named by dataset.keys) of dense tensors, ints and
+    floats, are batched part by part directly (no Python a sample); the batch is default_collate's
+    to the key order, dtype and value."""
     items = [
         {
             "image": torch.randn(3, 4, 4),
-            "label": torch.tensor(i),
+            "label": i,
             "mask": torch.rand(5) > 0.5,
-            "weight": torch.tensor(0.5 * i, dtype=torch.float64),
+            "weight": 0.5 * i,
+            "target": torch.tensor(0.5 * i, dtype=torch.float64),
         }
         for i in range(6)
     ]
     want = default_collate(items)
+    keys = tuple(items[0])
+    if named:
+        items = [tuple(item.values()) for item in items]
     calls = _collated_by(monkeypatch)
-    got = batching.collate(items)
-    assert calls == []  # stacked here, not by default_collate
+    got = batching.collate(items, keys=keys if named else None)
+    assert calls == []  # batched here, not by default_collate
     assert list(got) == list(want)
     for key, value in want.items():
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
@@ -278,11 +284,12 @@ def test_dicts_of_tensors_are_stacked_as_default_collate_stacks_them_without_it(
 @pytest.mark.parametrize(
     "items",
     [
-        [{"x": torch.zeros(2), "y": i} for i in range(3)],  # numbers become a tensor
+        [{"x": torch.zeros(2), "y": i % 2 == 0} for i in range(3)],  # bools: a bool tensor
+        [{"x": torch.zeros(2), "id": f"item{i}"} for i in range(3)],  # strings: a list
         [{"x": torch.nn.Parameter(torch.zeros(2))} for _ in range(3)],  # a tensor subclass
         [OrderedDict(x=torch.zeros(2)) for _ in range(3)],  # a mapping of another type, kept
     ],
-    ids=["numbers", "tensor-subclass", "ordered-dict"],
+    ids=["bools", "strings", "tensor-subclass", "ordered-dict"],
 )
 def test_other_batches_are_default_collates(monkeypatch, items):
     want = default_collate(items)
@@ -290,16 +297,20 @@ def test_other_batches_are_default_collates(monkeypatch, items):
     got = batching.collate(items)
     assert calls == [3]
     assert type(got) is type(want) and list(got) == list(want)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    for key, value in want.items():
+        assert got[key] == value if isinstance(value, list) else torch.equal(got[key], value)
 
 
-def test_dicts_of_tensors_that_do_not_stack_are_said_as_before():
+def test_items_that_do_not_batch_are_said_as_before():
     ragged = [{"x": torch.zeros(3)}, {"x": torch.zeros(4)}]
     with pytest.raises(DataError, match=r"stream 'test', key 'x': items of different shapes"):
         batching.collate(ragged, "test")
-    missing = [{"x": torch.zeros(2), "y": torch.tensor(1)}, {"x": torch.zeros(2)}]
+    missing = [{"x": torch.zeros(2), "y": 1}, {"x": torch.zeros(2)}]
     with pytest.raises(DataError, match=r"items hold different keys \(\['x', 'y'\] and \['x'\]\)"):
         batching.collate(missing, "test")
+    uneven = [(torch.zeros(2), 1), (torch.zeros(2), 1, 2)]
+    with pytest.raises(DataError, match=r"an item has 3 parts but dataset.keys names 2"):
+        batching.collate(uneven, "test", keys=("x", "y"))
 
 
 def test_a_worker_process_leaves_its_batches_to_default_collate(monkeypatch):
