@@ -64,32 +64,36 @@ def _stacked(items: list[Any], keys: tuple[str, ...] | None = None) -> dict[str,
     if get_worker_info() is not None:
         return None
     if type(first) is dict:
-        parts: Any = zip(first, first, first.values(), strict=True)
+        parts: list[tuple[Any, Any, Any]] = list(zip(first, first, first.values(), strict=True))
     elif keys is not None and type(first) in (tuple, list) and len(first) == len(keys):
         try:
             if set(map(len, items)) != {len(keys)}:  # default_collate refuses uneven items
                 return None
         except TypeError:  # an item without a length
             return None
-        parts = zip(keys, range(len(keys)), first, strict=True)
+        parts = list(zip(keys, range(len(keys)), first, strict=True))
     else:
         return None
-    batch = {}
-    for name, part, value in parts:
+    # every part's kind first: a batch this cannot make is left whole to default_collate, with
+    # nothing stacked twice
+    for _, _, value in parts:
         kind = type(value)
-        try:
-            if kind is torch.Tensor:
-                if value.layout is not torch.strided or value.is_nested:
-                    return None
-                batch[name] = torch.stack(list(map(itemgetter(part), items)))
-            elif kind is int:
-                batch[name] = torch.tensor(list(map(itemgetter(part), items)))
-            elif kind is float:
-                batch[name] = torch.tensor(list(map(itemgetter(part), items)), dtype=torch.float64)
-            else:
+        if kind is torch.Tensor:
+            if value.layout is not torch.strided or value.is_nested:
                 return None
-        except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
+        elif kind is not int and kind is not float:
             return None
+    batch = {}
+    try:
+        for name, part, value in parts:
+            values = list(map(itemgetter(part), items))
+            kind = type(value)
+            if kind is torch.Tensor:
+                batch[name] = torch.stack(values)
+            else:
+                batch[name] = torch.tensor(values, dtype=torch.float64 if kind is float else None)
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError):
+        return None
     return batch
 
 
