@@ -10,6 +10,7 @@ import json
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import procs
@@ -270,6 +271,8 @@ def wandb_records(path: Path) -> list:
         if left < 7 or kind == 0:  # the end of a block: padding
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         parts += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
@@ -300,13 +303,23 @@ def _wandb(run_dir: Path) -> tuple[dict, list[dict], int | None]:
     return config, history, code
 
 
+def _wandb_ended(run_dir: Path) -> tuple[dict, list[dict], int | None]:
+    """`_wandb` once the files hold their exit record. W&B's own process writes them: a run's
+    `finish` returns once that process has taken the exit, and tells it to close the file without
+    waiting (a loaded machine once read a file before its exit record was in it)."""
+    deadline = time.monotonic() + 60
+    while (found := _wandb(run_dir))[2] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def test_wandb_offline_files_hold_the_config_the_variables_and_the_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_SILENT", "true")
     tracker = {"WriteWandb": {"mode": "offline", "project": "toy", "every_n_steps": 0}}
     run = phalanx.fit(_raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression())
     assert run.code == 0
-    config, history, code = _wandb(run.run_dir)
+    config, history, code = _wandb_ended(run.run_dir)
     assert code == 0
     assert config["optimizer"]["lr"] == 0.05 and config["model"]["class"] == "toy.Linear"
     rows = _csv(run.run_dir)
@@ -324,7 +337,7 @@ def test_wandb_offline_files_hold_the_config_the_variables_and_the_end(tmp_path,
     failed = phalanx.fit(
         _raw(tmp_path, tracker), model=toy.Linear(), dataset=toy.Regression(), hooks=[Fail()]
     )
-    assert failed.code == 1 and _wandb(failed.run_dir)[2] == 1
+    assert failed.code == 1 and _wandb_ended(failed.run_dir)[2] == 1
 
 
 def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
@@ -342,7 +355,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
         p.name.split("-")[3] for p in first.run_dir.glob("wandb/offline-run-*")
     }  # offline-run-TIME-ID[-N]
     assert len(ids) == 1  # the resumed part is the same W&B run
-    _, history, code = _wandb(first.run_dir)
+    _, history, code = _wandb_ended(first.run_dir)
     assert [h["epoch"] for h in history] == [1, 2] and code == 0
 
 
