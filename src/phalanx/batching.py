@@ -5,7 +5,6 @@ streams whose items dataset.keys names (`named`)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from operator import itemgetter
 from typing import Any
 
 import torch
@@ -57,7 +56,7 @@ def _stacked(items: list[Any], keys: tuple[str, ...] | None = None) -> dict[str,
     every value (its type dispatch costs a small model's step more Python than phalanx's whole loop
     adds: BENCHMARKS.md): plain dicts, or tuples and lists named by `keys` (dataset.keys), whose
     values are dense tensors (`torch.stack` of each part's values), ints or floats (`torch.tensor`
-    of them, float64 for floats), gathered in C, in the first item's order. None for any other
+    of them, float64 for floats), in the first item's order. None for any other
     batch, which `default_collate` makes (and where it fails, says why), and in a DataLoader worker,
     where it stacks into shared memory."""
     first = items[0]
@@ -86,7 +85,7 @@ def _stacked(items: list[Any], keys: tuple[str, ...] | None = None) -> dict[str,
     batch = {}
     try:
         for name, part, value in parts:
-            values = list(map(itemgetter(part), items))
+            values = [item[part] for item in items]
             kind = type(value)
             if kind is torch.Tensor:
                 batch[name] = torch.stack(values)

@@ -132,7 +132,7 @@ def links_worker(
         whole = [
             (
                 Micro(list(range(micro)), micro),
-                batching.collate(list(map(stream.__getitem__, range(micro)))),
+                batching.collate([stream[i] for i in range(micro)]),
             )
         ]
         found["pipeline_step"] = _strategy_step(config_path, [*others, *pipelined(split)], whole)

@@ -536,7 +536,7 @@ class Keyed(Dataset):
                 if not seeders:
                     # a stream that has drawn nothing yet: no seed to compute
                     read = self._one if self._batched else self.dataset.__getitem__
-                    items = list(map(read, indices))
+                    items = [read(index) for index in indices]
                 elif isinstance(key, int):
                     items = [self._read_seeded(key, index, seeders) for index in indices]
                 else:
@@ -567,7 +567,7 @@ class Keyed(Dataset):
             return None
         read = self._one if self._batched else self.dataset.__getitem__
         try:
-            items = list(map(read, indices))  # the loop in C: no Python a sample
+            items = [read(index) for index in indices]  # (not map(): see loading.fetcher)
         except BaseException:
             restore(_states_of(kept))
             raise
