@@ -186,21 +186,42 @@ def test_every_registered_strategy_has_the_protocol_and_its_summary():
     ] == []
 
 
-class _TwoRanks:
-    def __init__(self, other: dict):
-        self.other = other
+class _Ranks:
+    """Rank 0 and the other ranks' gathered values, as a process group's gather returns them."""
+
+    def __init__(self, *others: dict):
+        self.others = others
 
     def gather(self, value):
-        return [value, self.other]
+        return [value, *self.others]
 
 
-def test_ranks_with_different_configs_are_a_config_error_naming_the_keys():
+def _as_rank(config: dict, torch: str = "x") -> dict:
+    return _flatten({"config": config, "versions": {"torch": torch}})
+
+
+def test_ranks_with_different_configs_are_a_config_error_naming_the_keys_and_values():
     mine = {"optimizer": {"lr": 0.1}, "seed": 0}
-    other = _flatten({"config": {"optimizer": {"lr": 0.2}, "seed": 0}, "versions": {"torch": "x"}})
-    with pytest.raises(ConfigError, match="optimizer.lr"):
-        check_same_config(_TwoRanks(other), mine, {"torch": "x"})
-    same = _flatten({"config": mine, "versions": {"torch": "x"}})
-    check_same_config(_TwoRanks(same), mine, {"torch": "x"})  # the same everywhere: no error
+    other = _as_rank({"optimizer": {"lr": 0.2}, "seed": 0})
+    with pytest.raises(ConfigError, match=r"optimizer\.lr: 0\.1 on rank 0, 0\.2 on rank 1\."):
+        check_same_config(_Ranks(other), mine, {"torch": "x"})
+    check_same_config(_Ranks(_as_rank(mine)), mine, {"torch": "x"})  # the same: no error
+
+
+def test_ranks_with_different_versions_name_each_version_and_its_ranks():
+    mine = {"seed": 0}
+    old = _as_rank(mine, torch="2.11.0")
+    with pytest.raises(ConfigError) as got:
+        check_same_config(
+            _Ranks(_as_rank(mine, "2.13.0"), old, _as_rank(mine, "2.13.0"), old, old),
+            mine,
+            {"torch": "2.13.0"},
+        )
+    assert "versions.torch: '2.13.0' on ranks 0-1, 3, '2.11.0' on ranks 2, 4-5." in str(got.value)
+    # a key one rank lacks, and a long value clipped
+    with pytest.raises(ConfigError) as got:
+        check_same_config(_Ranks(_as_rank({"seed": 0, "name": "n" * 100})), mine, {"torch": "x"})
+    assert f"config.name: not set on rank 0, '{'n' * 56}... on rank 1" in str(got.value)
 
 
 def test_lr_scaling_follows_the_global_batch_not_the_device_count():

@@ -389,11 +389,45 @@ def check_same_config(strategy: Any, resolved: dict, versions: dict) -> None:
         {k for other in every for k in set(other) | set(mine) if other.get(k) != mine.get(k)}
     )
     if differing:
-        shown = ", ".join(differing[:8]) + (" ..." if len(differing) > 8 else "")
-        raise ConfigError(
-            f"ranks run different configs or versions; differing keys: {shown}. "
-            "Give every node the same config file and phalanx, torch versions"
+        shown = "; ".join(
+            _by_rank(key, [other.get(key) for other in every]) for key in differing[:8]
         )
+        more = f" (and {len(differing) - 8} more keys)" if len(differing) > 8 else ""
+        raise ConfigError(
+            f"ranks run different configs or versions: {shown}{more}. Give every node the same "
+            "config file and phalanx, torch versions"
+        )
+
+
+def _by_rank(key: str, values: list[str | None]) -> str:
+    """`key: 0.1 on ranks 0-2, 0.2 on rank 3`: each value a rank holds (None: the key is not in its
+    config), with the ranks that hold it."""
+    holders: dict[str | None, list[int]] = {}
+    for rank, value in enumerate(values):
+        holders.setdefault(value, []).append(rank)
+    return f"{key}: " + ", ".join(
+        f"{'not set' if value is None else _clipped(value)} on {_ranks(ranks)}"
+        for value, ranks in holders.items()
+    )
+
+
+def _clipped(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', or 'ranks 0-2, 5' (ascending)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return "ranks " + ", ".join(
+        str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs
+    )
 
 
 def _flatten(tree: Any) -> dict[str, str]:
