@@ -299,7 +299,9 @@ class WriteWandb(_Tracker):
     directory's `wandb/`.
 
     `mode`: online, offline (files only; `wandb sync` uploads them later) or disabled; default
-    W&B's own choice (WANDB_MODE, else online).
+    W&B's own choice (WANDB_MODE, else online). W&B's own process writes the files and closes them
+    just after the run ends, without being waited for: the last records of an offline run can
+    reach its file a moment after `fit` returns.
     """
 
     def __init__(
