@@ -12,6 +12,7 @@ in-memory dataset of bench/common.py, both loops taking turns every 20 steps ins
     .venv/bin/python bench/ddp_overhead.py --tokens 16 --clip 1.0  # token-weighted, clipped
     .venv/bin/python bench/ddp_overhead.py --breakdown  # where phalanx's extra time goes, ~3 min
     .venv/bin/python bench/ddp_overhead.py --profile    # cProfile of phalanx's steps (no JSON)
+    .venv/bin/python bench/ddp_overhead.py --samples    # each loop's CPU by library (no JSON)
 
 What is timed (see BENCHMARKS.md): in each of the two processes,
 
@@ -39,6 +40,13 @@ once-per-epoch loss all-reduce into its last, phalanx's once-per-epoch stop agre
 hooks: statistics all-reduces, log, CSV, TensorBoard, SaveLatest checkpoint) is outside and timed
 apart. A chunk's wall time for a loop is the slower rank's window; its CPU time is both ranks'
 together.
+
+`--samples` runs the same measurement under Linux perf (`perf record -e cpu-clock`, stamped with
+the monotonic clock that each rank stamps its windows with) and gives each sample to the loop
+whose window it falls in: each loop's main-thread samples by library (the interpreter, torch's
+libraries, the C library, the kernel) and the other threads' in all, both ranks, the warm-up
+left out. It needs `perf` and leave to sample the ranks (`kernel.perf_event_paranoid` 2 or lower
+for one's own processes). The sampler slows both loops a little, so it writes no JSON.
 """
 
 from __future__ import annotations
@@ -49,11 +57,17 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before torch is imported, here and in the spawned ranks
 
 import argparse  # noqa: E402
+import bisect  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import multiprocessing as mp  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -240,6 +254,7 @@ class HandDDP:
         self.steps_per_epoch = len(self.sampler)
         self.clip = args.clip
         self.epoch_losses: list[float] = []
+        self.spans: list[tuple[float, float]] = []  # each chunk's start and end (monotonic)
         self._step, self._batches, self._total = 0, None, None
 
     def chunk(self, k: int) -> tuple[float, float]:
@@ -262,7 +277,9 @@ class HandDDP:
             # over every process (a tensor group's two hold one shard's loss alike)
             self.epoch_losses.append(self._total.item() / (self._step * PROCESSES))
             self._step = 0
-        return since(start)
+        window = since(start)
+        self.spans.append((start[0], start[0] + window[0]))
+        return window
 
     def epoch(self, epoch: int) -> tuple[float, float]:
         """One whole epoch (the --breakdown mode's unit)."""
@@ -344,6 +361,8 @@ def make_driver_hook(chunk: int, steps: int, on_chunk):
         def __init__(self):
             self.start = (0.0, 0.0)
             self.windows: list[tuple[float, float]] = []
+            # each window's start and end on the monotonic clock (perf_counter's, on Linux)
+            self.spans: list[tuple[float, float]] = []
             self.epoch_ends: list[tuple[float, float]] = []
 
         def before_training(self) -> None:
@@ -353,7 +372,9 @@ def make_driver_hook(chunk: int, steps: int, on_chunk):
         def after_batch(self, stream: str, batch: dict) -> None:
             trainer = self.trainer
             if trainer.training and trainer.step_in_epoch % chunk == 0:
-                self.windows.append(since(self.start))
+                window = since(self.start)
+                self.windows.append(window)
+                self.spans.append((self.start[0], self.start[0] + window[0]))
                 on_chunk(trainer.epoch + 1)
                 if trainer.step_in_epoch == steps:  # the epoch end comes next: its own figure
                     self.start = now()
@@ -499,6 +520,8 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
         )
     mine = {
         "windows": {PHALANX: driver.windows, HAND: windows},
+        "spans": {PHALANX: driver.spans, HAND: hand.spans},
+        "pid": os.getpid(),
         "epoch_ends": driver.epoch_ends,
         "losses": {HAND: hand.epoch_losses},
     }
@@ -516,6 +539,9 @@ def measure_rank(rank: int, args) -> dict[str, Any] | None:
             flush=True,
         )
     print_table(report)
+    if args.samples:  # the sampler slows both loops a little: these figures are not kept
+        skip = args.warmup * (args.steps // args.chunk)
+        return {"spans": [(r["pid"], {k: v[skip:] for k, v in r["spans"].items()}) for r in every]}
     write_report(report, args.out)
     return {"ratio": report["target"]["phalanx_ratio"]}
 
@@ -825,7 +851,8 @@ def launch(args) -> int:
     ]
     for p in procs:
         p.start()
-    failed = False
+    sampler = start_sampler(args, [p.pid for p in procs]) if args.samples else None
+    failed, found = False, None
     try:
         for _ in range(PROCESSES):
             rank, ok, value = queue.get(timeout=args.timeout)
@@ -833,13 +860,78 @@ def launch(args) -> int:
                 print(f"rank {rank} failed:\n{value}", file=sys.stderr, flush=True)
                 failed = True
                 break
+            if rank == 0:
+                found = value
     finally:
         for p in procs:
             p.join(timeout=10 if not failed else 2)
             if p.is_alive():
                 p.kill()
                 p.join()
+        if sampler is not None:
+            sampler[0].send_signal(signal.SIGINT)
+            sampler[0].wait(timeout=60)
+    if sampler is not None and not failed and found is not None:
+        print_samples(sampler[1], found["spans"])
     return 1 if failed else 0
+
+
+# --- where each loop's CPU goes, by library (--samples) ---------------------------------------
+
+
+def start_sampler(args, pids: list[int]) -> tuple[subprocess.Popen, Path]:
+    """Linux perf sampling the ranks' CPU time (cpu-clock, stamped with the monotonic clock the
+    ranks stamp their windows with) into a temporary file."""
+    data = Path(tempfile.mkdtemp(prefix="phalanx-ddp-samples-")) / "perf.data"
+    command = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.samples_hz)]
+    command += ["-k", "CLOCK_MONOTONIC", "-p", ",".join(map(str, pids)), "-o", str(data)]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), data
+
+
+def print_samples(data: Path, ranks: list) -> None:
+    """Each loop's main-thread samples by library (both ranks, the measured windows), and the
+    other threads' in all."""
+    script = subprocess.run(
+        ["perf", "script", "-i", str(data), "-F", "pid,tid,time,ip,dso"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    shutil.rmtree(data.parent, ignore_errors=True)
+    spans = {
+        pid: sorted((s, e, name) for name, ws in loops.items() for s, e in ws)
+        for pid, loops in ranks
+    }
+    starts = {pid: [s for s, _, _ in ws] for pid, ws in spans.items()}
+    counts: dict[tuple[str, str], int] = collections.Counter()
+    sample = re.compile(r"^\s*(\d+)/(\d+)\s+([\d.]+):.*\((.*)\)\s*$")
+    for line in script.stdout.splitlines():
+        m = sample.match(line)
+        if m is None or int(m[1]) not in spans:
+            continue
+        pid, at = int(m[1]), float(m[3])
+        i = bisect.bisect_right(starts[pid], at) - 1
+        if i < 0 or at > spans[pid][i][1]:
+            continue  # outside the measured windows
+        name = spans[pid][i][2]
+        where = Path(m[4]).name if int(m[2]) == pid else "other threads"
+        counts[(name, where)] += 1
+    if not counts:
+        print(f"perf recorded no samples in the windows: {script.stderr.strip()[:300]}")
+        return
+    places = sorted(
+        {w for _, w in counts}, key=lambda w: -(counts[(HAND, w)] + counts[(PHALANX, w)])
+    )
+    main = [w for w in places if w != "other threads"]
+    print("\nCPU samples in the measured windows, both ranks' main threads, by library:")
+    print(f"{'library':<36}{HAND:>12}{PHALANX:>14}{'difference':>14}")
+    for w in [*main[:12], "other threads"]:
+        hand, mine = counts[(HAND, w)], counts[(PHALANX, w)]
+        print(f"{w[:35]:<36}{hand:>12,}{mine:>14,}{mine - hand:>+14,}")
+    hand, mine = (sum(counts[(n, w)] for w in main) for n in (HAND, PHALANX))
+    print(
+        f"{'main threads, all':<36}{hand:>12,}{mine:>14,}{mine - hand:>+14,} ({mine / hand:.3f}x)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -907,6 +999,15 @@ def main(argv: list[str] | None = None) -> int:
         "--breakdown-out", default=None, help="where --breakdown writes its JSON (default: none)"
     )
     parser.add_argument(
+        "--samples",
+        action="store_true",
+        help="also: sample both loops' CPU with Linux perf and print each one's main-thread "
+        "samples by library (no JSON)",
+    )
+    parser.add_argument(
+        "--samples-hz", type=int, default=999, help="how often --samples samples, a second"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=900, help="seconds before a silent rank counts as hung"
     )
     args = parser.parse_args(argv)
@@ -925,6 +1026,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             "--breakdown splits ddp's extra time (its variants are DDP loops); leave out --strategy"
         )
+    if args.samples and (args.profile or args.breakdown):
+        parser.error(
+            "--samples splits the benchmark's own loops: leave out --profile and --breakdown"
+        )
+    if args.samples and shutil.which("perf") is None:
+        parser.error("--samples needs Linux perf on PATH (Debian: apt install linux-perf)")
     args.target = TARGETS[args.strategy] if args.target is None else args.target
     args.out = str(
         Path(args.out or ROOT / "bench" / "results" / f"{args.strategy}_overhead.json").resolve()

@@ -10,7 +10,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,6 +90,45 @@ def test_ddp_overhead_runs_both_loops_chunk_by_chunk_on_two_processes(tmp_path):
     assert report["phalanx_checkpoints"], "phalanx's SaveLatest wrote no checkpoint"
     loss = report["final_epoch_loss"]["hand DDP"]
     assert math.isfinite(loss) and loss < math.log(10)  # below chance on 10 classes: it learned
+
+
+def _perf_samples_here(tmp_path: Path) -> str | None:
+    """Why Linux perf cannot sample this user's processes here (None: it can)."""
+    if shutil.which("perf") is None:
+        return "Linux perf is not installed"
+    data = tmp_path / "probe.data"
+    probe = subprocess.run(
+        ["perf", "record", "-q", "-e", "cpu-clock", "-o", str(data), "--", "true"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return None if probe.returncode == 0 else f"perf cannot sample here: {probe.stderr[-200:]}"
+
+
+def test_ddp_overhead_samples_give_each_loop_its_cpu_by_library(tmp_path):
+    why = _perf_samples_here(tmp_path)
+    if why is not None:
+        pytest.skip(why)
+    out = tmp_path / "report.json"
+    said = run_bench(
+        tmp_path,
+        "ddp_overhead.py",
+        *("--steps", "20", "--chunk", "10", "--rounds", "2", "--warmup", "1"),
+        *("--samples", "--samples-hz", "2000", "--out", str(out)),
+    )
+    assert "target: phalanx" in said
+    table = said[said.index("CPU samples in the measured windows") :].splitlines()
+    rows = {line[:36].strip(): line[36:].split() for line in table[2:]}
+    # the interpreter: a shared libpython, or the python executable where it is linked in
+    interpreter = next(name for name in rows if name.startswith(("libpython", "python")))
+    hand, phalanx, difference = rows[interpreter]
+    assert int(hand.replace(",", "")) > 0 and int(phalanx.replace(",", "")) > 0
+    assert int(difference.replace(",", "")) == int(phalanx.replace(",", "")) - int(
+        hand.replace(",", "")
+    )
+    assert "other threads" in rows and "main threads, all" in rows
+    assert not out.exists()  # a sampled run's figures are not kept
 
 
 def test_fsdp_overhead_runs_phalanx_fsdp_against_a_hand_fsdp2_loop(tmp_path):
