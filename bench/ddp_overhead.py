@@ -870,9 +870,9 @@ def launch(args) -> int:
                 p.join()
         if sampler is not None:
             sampler[0].send_signal(signal.SIGINT)
-            sampler[0].wait(timeout=60)
+            _, said = sampler[0].communicate(timeout=60)
     if sampler is not None and not failed and found is not None:
-        print_samples(sampler[1], found["spans"])
+        print_samples(sampler[1], found["spans"], said)
     return 1 if failed else 0
 
 
@@ -885,12 +885,15 @@ def start_sampler(args, pids: list[int]) -> tuple[subprocess.Popen, Path]:
     data = Path(tempfile.mkdtemp(prefix="phalanx-ddp-samples-")) / "perf.data"
     command = ["perf", "record", "-q", "-e", "cpu-clock", "-F", str(args.samples_hz)]
     command += ["-k", "CLOCK_MONOTONIC", "-p", ",".join(map(str, pids)), "-o", str(data)]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), data
+    sampler = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    return sampler, data
 
 
-def print_samples(data: Path, ranks: list) -> None:
+def print_samples(data: Path, ranks: list, recorded: str) -> None:
     """Each loop's main-thread samples by library (both ranks, the measured windows), and the
-    other threads' in all."""
+    other threads' in all; `recorded`: what perf record said (why it sampled nothing)."""
     script = subprocess.run(
         ["perf", "script", "-i", str(data), "-F", "pid,tid,time,ip,dso"],
         capture_output=True,
@@ -917,7 +920,8 @@ def print_samples(data: Path, ranks: list) -> None:
         where = Path(m[4]).name if int(m[2]) == pid else "other threads"
         counts[(name, where)] += 1
     if not counts:
-        print(f"perf recorded no samples in the windows: {script.stderr.strip()[:300]}")
+        why = (recorded + script.stderr).strip()[:300]
+        print(f"perf recorded no samples in the windows: {why or 'it said nothing'}")
         return
     places = sorted(
         {w for _, w in counts}, key=lambda w: -(counts[(HAND, w)] + counts[(PHALANX, w)])

@@ -56,9 +56,9 @@ def _stacked(items: list[Any], keys: tuple[str, ...] | None = None) -> dict[str,
     every value (its type dispatch costs a small model's step more Python than phalanx's whole loop
     adds: BENCHMARKS.md): plain dicts, or tuples and lists named by `keys` (dataset.keys), whose
     values are dense tensors (`torch.stack` of each part's values), ints or floats (`torch.tensor`
-    of them, float64 for floats), in the first item's order. None for any other
-    batch, which `default_collate` makes (and where it fails, says why), and in a DataLoader worker,
-    where it stacks into shared memory."""
+    of them, float64 for floats), in the first item's order. None for any other batch, which
+    `default_collate` makes (and where it fails, says why), and in a DataLoader worker, where it
+    stacks into shared memory."""
     first = items[0]
     if get_worker_info() is not None:
         return None
