@@ -30,7 +30,7 @@ FEISTEL, RANDPERM = "feistel", "randperm"
 # the order a run uses; checkpoints without one name used randperm
 ORDERS = (FEISTEL, RANDPERM)
 _ROUNDS = 6
-_MASK32, _MIX, _16 = np.uint64((1 << 32) - 1), np.uint64(0x45D9F3B), np.uint64(16)
+_MIX, _16 = np.uint32(0x45D9F3B), np.uint32(16)
 _BLOCK = 1 << 16  # positions computed together
 # domains up to this size are computed whole, once (2 MiB at most)
 _TABLE = 1 << 18
@@ -90,10 +90,13 @@ class Order(Sequence[int]):
         until another block is asked for: the memory of one block, whatever n."""
         if self._cached[0] != block:
             start = block * _BLOCK
-            self._cached = (
-                block,
-                self.at(np.arange(start, min(self.n, start + _BLOCK), dtype=np.int64)).tolist(),
+            stop = min(self.n, start + _BLOCK)
+            values = (
+                self._walk(self._table(), slice(start, stop))
+                if self._domain <= _TABLE
+                else self.at(np.arange(start, stop, dtype=np.int64))
             )
+            self._cached = (block, values.tolist())
         return self._cached[1]
 
     def at(self, positions: np.ndarray) -> np.ndarray:
@@ -115,32 +118,43 @@ class Order(Sequence[int]):
         times n leaves a long tail of values to walk), each a few dozen array operations on a
         handful of values."""
         if self._values is None:
-            self._values = self._rounds(np.arange(self._domain, dtype=np.uint64))
+            values = self._rounds(np.arange(self._domain, dtype=np.uint64))
+            self._values = values.astype(np.int64)  # the gathers index with it
         return self._values
 
-    def _walk(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """`at` by looking the rounds up: the same values, a gather per step of the walk."""
-        values = table[positions]
+    def _walk(self, table: np.ndarray, positions: np.ndarray | slice) -> np.ndarray:
+        """`at` by looking the rounds up (int64 `table`): the same values, a gather per step of the
+        walk; `positions` an array of them, or a slice of consecutive ones (a block's)."""
+        values = table[positions].copy() if isinstance(positions, slice) else table[positions]
         outside = np.flatnonzero(values >= self.n)
         while len(outside):
             values[outside] = table[values[outside]]
             outside = outside[values[outside] >= self.n]
-        return values.astype(np.int64)
+        return values
 
     def _rounds(self, values: np.ndarray) -> np.ndarray:
-        half, low = np.uint64(self._half), np.uint64(self._low)
-        left, right = values >> half, values & low
+        """The network's value at each of `values` (uint64). Each half fits in 32 bits, where the
+        rounds run: uint32 arithmetic wraps as the hash needs, in half the memory."""
+        half = np.uint64(self._half)
+        left = (values >> half).astype(np.uint32)
+        right = (values & np.uint64(self._low)).astype(np.uint32)
+        low = np.uint32(self._low)
         for key in self._keys:
-            left, right = right, left ^ (_mix(right ^ np.uint64(key)) & low)
-        return (left << half) | right
+            mixed = _mix(right ^ np.uint32(key))
+            mixed &= low
+            mixed ^= left
+            left, right = right, mixed
+        return (left.astype(np.uint64) << half) | right
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """A 32-bit integer hash (multiply and xor-shift) of uint64 values."""
-    x = x & _MASK32
-    x = ((x >> _16) ^ x) * _MIX & _MASK32
-    x = ((x >> _16) ^ x) * _MIX & _MASK32
-    return (x >> _16) ^ x
+    """A 32-bit integer hash (multiply and xor-shift) of uint32 values, in place."""
+    x ^= x >> _16
+    x *= _MIX
+    x ^= x >> _16
+    x *= _MIX
+    x ^= x >> _16
+    return x
 
 
 def epoch_order(seed: int, epoch: int, n: int, kind: str = FEISTEL) -> Sequence[int]:

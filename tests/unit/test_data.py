@@ -79,6 +79,18 @@ def test_the_order_does_not_depend_on_the_world_size():
             assert taken == list(order)
 
 
+def test_the_order_is_the_one_runs_began_with():
+    """A checkpoint holds a cursor into its epoch's order: the order must not change from one
+    version to the next, or a resumed epoch would take other samples. The first indices of a few
+    orders, as phalanx computed them when the order was introduced: a table walked (n up to
+    2**18), the rounds computed per position, and 32-bit halves and wider."""
+    assert data.Order(0, 1, 12800)[0:6] == [11297, 6211, 1188, 4894, 5690, 11622]
+    assert data.Order(2, 2, 97)[0:6] == [49, 46, 40, 5, 31, 9]
+    assert data.Order(1, 0, 300_000)[0:6] == [172856, 175361, 68924, 224938, 14687, 81462]
+    assert data.Order(0, 1, 10**6)[0:3] == [944952, 429799, 37809]
+    assert data.Order(0, 1, 10**10)[0:3] == [3706550633, 8991815418, 9864624772]
+
+
 def test_runs_started_before_the_feistel_order_keep_theirs():
     """randperm: the order of checkpoints that name none, still a function of the seed and epoch."""
     old = data.epoch_order(7, 2, 50, data.RANDPERM)
