@@ -443,6 +443,11 @@ _IN_ORDER = tuple(GENERATORS.items())
 def _kept() -> tuple[tuple[Any, Any], ...] | None:
     """(mark, state) of each of the three generators (in GENERATORS' order), where each one's state
     can be kept at its mark; None where one's cannot."""
+    marks = _marks()  # first: a mark forgets what was kept of a generator replaced
+    t, r, n = _TORCH_READER._known, _RANDOM._known, _NUMPY._known
+    # every batch but the first: each generator where it was kept
+    if t is not None and r is not None and n is not None and (t[0], r[0], n[0]) == marks:
+        return t, r, n
     torch_kept, random_kept, numpy_kept = _TORCH_READER.kept(), _RANDOM.kept(), _NUMPY.kept()
     if torch_kept is None or random_kept is None or numpy_kept is None:
         return None
