@@ -27,9 +27,10 @@ What is timed (see BENCHMARKS.md): in each of the two processes,
    once per epoch for logging.
 2. *phalanx ddp*: a `Trainer` built from a config dict (`parallel.accelerator=cpu`,
    `parallel.devices=2`, global batch 128, the default hooks minus ShowProgress) inside the
-   process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP
-   (*phalanx fsdp*: `parallel.strategy=fsdp`, `parallel.fsdp.shard=[Linear]`, as the hand loop
-   shards).
+   process group the benchmark opened; `strategies.create` sees RANK/WORLD_SIZE and returns DDP,
+   which on CPUs reads each next batch while the step's gradient all-reduce runs, where the hand
+   loop waits for it inside backward (*phalanx fsdp*: `parallel.strategy=fsdp`,
+   `parallel.fsdp.shard=[Linear]`, as the hand loop shards).
 
 The loops take turns every `--chunk` steps: a round is one chunk of phalanx, then one of hand DDP,
 every chunk starting right after a barrier, so both ranks start it together. The machine changes

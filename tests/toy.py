@@ -654,6 +654,43 @@ class SeenIds(Hook):
             self.predictions.setdefault(stream, []).append(batch["prediction"].tolist())
 
 
+class _Counted(Items):
+    """Items that count, in this process, the training items read so far (`READ`)."""
+
+    READ = [0]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        _Counted.READ[0] += 1
+        return super().__getitem__(i)
+
+
+class CountedRegression(Regression):
+    """Regression whose training items count their reads in this process (`_Counted.READ`)."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        train = self._streams["train"]
+        self._streams["train"] = _Counted(train.x, train.y)
+
+
+class ReadsSeen(Hook):
+    """At each training step's after_batch: the training items this process had read by then,
+    since training began."""
+
+    gathers = False
+
+    def __init__(self):
+        self.reads: list[int] = []
+        self._start = 0
+
+    def before_training(self) -> None:
+        self._start = _Counted.READ[0]
+
+    def after_batch(self, stream: str, batch: dict) -> None:
+        if self.trainer.training:
+            self.reads.append(_Counted.READ[0] - self._start)
+
+
 class ImageRegression:
     """4x6x6 'images' with a scalar target, for the convolution and memory-format tests."""
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,6 +25,46 @@ log = logging.getLogger("phalanx")
 
 # a step of the epoch: its index, and each micro-batch with this process's batch of it
 Step = tuple[int, list[tuple[data.Micro, Any]]]
+
+
+class Ahead:
+    """A loop's steps, each one readable ahead of its turn (`fetch`): a strategy whose step waits
+    on a reduction with nothing to do reads the next step's batch meanwhile. A read that fails is
+    raised where the step would have been read without it, after the step before has ended (an
+    interruption, a KeyboardInterrupt, is not held back); `seconds`: the time spent reading
+    ahead, for the loop's profile to count as data time."""
+
+    __slots__ = ("_steps", "_next", "_error", "seconds")
+
+    def __init__(self, steps: Iterator[Step]):
+        self._steps = steps
+        self._next: Step | None = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+
+    def __iter__(self) -> Ahead:
+        return self
+
+    def __next__(self) -> Step:
+        step = self._next
+        if step is not None:
+            self._next = None
+            return step
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return next(self._steps)
+
+    def fetch(self) -> None:
+        """Read the next step now, where it has not been (none after the last)."""
+        if self._next is not None or self._error is not None:
+            return
+        start = time.perf_counter()
+        try:
+            self._next = next(self._steps)
+        except Exception as e:  # noqa: BLE001 - raised in its turn (`__next__`), the end too
+            self._error = e
+        self.seconds += time.perf_counter() - start
 
 
 class Feed:
@@ -69,6 +110,14 @@ class Feed:
                 data.get_stream(self.dataset, name), self.cfg.dataset.keys, name
             )
         return stream
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether a training step's batch may be read before its turn (`Ahead`): where the steps
+        come from the plan, a map-style stream read here, and a checkpoint's cursor is the run's
+        step. Not an iterable stream, whose checkpoint holds the stream's own position, nor where
+        the strategy reads the samples itself."""
+        return self._dealer is None and not data.is_iterable(self.stream(TRAIN))
 
     @property
     def samples_per_epoch(self) -> int | None:

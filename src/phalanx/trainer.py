@@ -22,6 +22,7 @@ from phalanx import logs, strategies, timeline
 from phalanx.config import Config
 from phalanx.data import TRAIN
 from phalanx.errors import ConfigError, ModelError, lost_a_peer
+from phalanx.feed import Ahead
 from phalanx.hooks import build_hooks
 from phalanx.hooks.base import Hook, TrainingTerminated
 from phalanx.hooks.calling import Calls, standing
@@ -355,11 +356,13 @@ class Trainer:
         # a resume's config, written once its first step and that step's hooks have gone through
         pending = state.config_pending
         self.strategy.agree_when(self.calls.loss_due(state, every, self.steps_per_epoch))
+        ahead = Ahead(steps)
+        self.strategy.meanwhile(ahead.fetch if self.feed.reads_ahead else None)
         self.training = True
         try:
             t0 = clock()
             # planning and fetching the step count as data time
-            for k, fetched in steps:
+            for k, fetched in ahead:
                 t1 = clock()
                 if device is not None:
                     device.begin()
@@ -382,8 +385,10 @@ class Trainer:
                 terminated = self.calls.after_batch(listeners, TRAIN, result.parts)
                 t3 = clock()
                 communication, optimizer = result.communication_s, result.optimizer_s
-                live[0] += t1 - t0
-                live[1] += t2 - t1 - communication - optimizer
+                # the next step's batch, where it was read during this one
+                read_ahead, ahead.seconds = ahead.seconds, 0.0
+                live[0] += t1 - t0 + read_ahead
+                live[1] += t2 - t1 - communication - optimizer - read_ahead
                 live[2] += communication
                 live[3] += optimizer
                 live[4] += t3 - t2
@@ -414,6 +419,7 @@ class Trainer:
             losses.settle()
         finally:
             try:
+                self.strategy.meanwhile(None)
                 self.strategy.agree_when(None)  # (sent while the run says it trains)
                 self.times.add(profile)
             finally:

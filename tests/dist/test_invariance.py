@@ -162,22 +162,31 @@ def test_a_stop_asked_on_one_rank_stops_every_rank_after_the_same_step(through_a
     )  # the same global loss everywhere
 
 
-def test_log_profile_reports_the_gradient_all_reduce_inside_backward():
+@pytest.mark.parametrize("wait_in_backward", [True, False])
+def test_log_profile_reports_the_gradient_all_reduce(wait_in_backward):
+    """Waited for inside backward (DDP's reducer by itself, as on GPUs): DDP's sampled timing of
+    it; started in backward and waited for after it (ddp on CPUs): the wait is the step's
+    communication, in the share of the training time."""
     raw = for_world(SCENARIOS["batch8-accum1"], 2)
-    first, second = workers.run_ranks(2, workers.profile_lines, raw, timeout=120)
-    comm, overlap = first["sampled"]
-    assert comm > 0 and 0 <= overlap
+    first, second = workers.run_ranks(
+        2, workers.profile_lines, raw, wait_in_backward, timeout=120
+    )
     reported = [line for line in first["lines"] if "gradient all-reduce in backward" in line]
-    # at most once per epoch, on rank 0, when a sample changed it
-    assert 1 <= len(reported) <= 2, reported
-    for line in reported:  # DDP's averages cover the run so far, and say so
-        assert line.startswith(
-            "gradient all-reduce in backward, DDP's sampled average over the run so far"
-        )
-    assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
-    # the last line is DDP's average at the end
-    assert f"{1e3 * comm:.2f} ms per step" in reported[-1]
     assert not [line for line in second["lines"] if "gradient all-reduce" in line]
+    if wait_in_backward:
+        comm, overlap = first["sampled"]
+        assert comm > 0 and 0 <= overlap
+        # at most once per epoch, on rank 0, when a sample changed it
+        assert 1 <= len(reported) <= 2, reported
+        for line in reported:  # DDP's averages cover the run so far, and say so
+            assert line.startswith(
+                "gradient all-reduce in backward, DDP's sampled average over the run so far"
+            )
+        assert "ms per step" in reported[-1] and "hidden behind computation" in reported[-1]
+        # the last line is DDP's average at the end
+        assert f"{1e3 * comm:.2f} ms per step" in reported[-1]
+    else:  # nothing is waited for in backward: the share below counts the wait after it
+        assert first["sampled"] is None and not reported
     # once a run, the share of the step spent communicating (a 3-weight model's step is mostly
     # communication, though on a busy machine the step's other parts may outweigh it), and where
     # it is more than half, what one device would take instead
@@ -199,3 +208,25 @@ def test_stop_after_minutes_stops_every_rank_at_the_same_agreement_step():
     raw["main_loop"] = {**raw["main_loop"], "epochs": 5}  # 6 steps an epoch: 30 in all
     ends = workers.run_ranks(2, workers.stop_after_minutes, raw, timeout=120)
     assert ends == [{"code": 0, "step": 10}, {"code": 0, "step": 10}]
+
+
+def test_ddp_on_the_cpu_reads_the_next_batch_while_the_gradients_are_reduced():
+    """On the CPU, ddp's step reads the next step's batch while its gradient all-reduce runs: by a
+    step's after_batch a rank has read that step's items and the next one's, but at an epoch's
+    last step; one process, whose step waits on nothing, reads each batch in its turn. The time
+    counts as the profile's data time. (That it trains as one process: the scenarios above, whose
+    ddp-small-buckets reduces several buckets a step.)"""
+    raw = scenario(8, 1, dataset={"class": "toy.CountedRegression"})
+    got = workers.run_ranks(2, workers.reads_seen, for_world(raw, 2))
+    alone = workers.reads_seen(0, raw)
+    for rank, world, run in ((0, 2, got[0]), (1, 2, got[1]), (0, 1, alone)):
+        expected, total = [], 0
+        for epoch in (1, 2):
+            plan = data.Plan(data.epoch_order(raw.get("seed", 0), epoch, N_TRAIN), 8, 1, rank, world)
+            sizes = [sum(len(m.shard) for m in plan.step(k)) for k in range(len(plan))]
+            for k, size in enumerate(sizes):
+                ahead = sizes[k + 1] if world > 1 and k + 1 < len(sizes) else 0
+                expected.append(total + size + ahead)
+                total += size
+        assert run["reads"] == expected, (rank, world)
+        assert all(profile["data"] > 0 for profile in run["profiles"])

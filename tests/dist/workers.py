@@ -17,7 +17,7 @@ import torch
 import toy
 
 from phalanx import config, strategies, worker
-from phalanx.hooks import ComputeStats
+from phalanx.hooks import ComputeStats, Hook
 from phalanx.trainer import Trainer
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -247,13 +247,20 @@ def _logged_lines() -> list[str]:
     return lines
 
 
-def profile_lines(rank: int, raw: dict) -> dict:
-    """Train with LogProfile; the strategy's sampled backward communication and the lines logged."""
+def profile_lines(rank: int, raw: dict, wait_in_backward: bool | None = None) -> dict:
+    """Train with LogProfile; the strategy's sampled backward communication and the lines logged.
+    `wait_in_backward`: ddp's, where given."""
     from phalanx.hooks import LogProfile
+    from phalanx.strategies.ddp import DDP
 
     lines = _logged_lines()
     cfg = config.validate(raw)
-    trainer = Trainer(cfg, None, [TESTS], hooks=[LogProfile()], strategy=strategies.create(cfg))
+    strategy = (
+        strategies.create(cfg)
+        if wait_in_backward is None
+        else DDP("cpu", backend="gloo", wait_in_backward=wait_in_backward)
+    )
+    trainer = Trainer(cfg, None, [TESTS], hooks=[LogProfile()], strategy=strategy)
     assert trainer.run() == 0
     return {"sampled": trainer.strategy.backward_communication(), "lines": lines}
 
@@ -277,6 +284,22 @@ def stop_after_minutes(rank: int, raw: dict) -> dict:
     )
     box.append(trainer)
     return {"code": trainer.run(), "step": trainer.step}
+
+
+def reads_seen(rank: int, raw: dict) -> dict:
+    """`train` of toy.CountedRegression, with the training items this rank had read at each
+    step's after_batch, and the epoch's data time."""
+    cfg = config.validate(raw)
+    seen = toy.ReadsSeen()
+    profiles: list[dict] = []
+
+    class Profiles(Hook):
+        def after_epoch_profile(self, epoch, profile, train_stream, extra_streams) -> None:
+            profiles.append(dict(profile))
+
+    trainer = Trainer(cfg, None, [TESTS], hooks=[seen, Profiles()], strategy=strategy_for(cfg))
+    assert trainer.run() == 0
+    return {"reads": seen.reads, "profiles": profiles}
 
 
 def train_all(rank: int, raws: list[dict], carry_through_autograd: bool = False) -> list[dict]:

@@ -14,6 +14,7 @@ from torch.utils.data import default_collate
 
 from phalanx import batching, data, loading
 from phalanx.errors import DataError
+from phalanx.feed import Ahead
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -639,3 +640,50 @@ def test_a_small_epochs_order_looked_up_is_the_order_walked(n, monkeypatch):
     monkeypatch.setattr(data, "_TABLE", 0)
     walked = list(data.Order(5, 2, n))
     assert looked_up == walked and sorted(walked) == list(range(n))
+
+
+# --- reading a step ahead -------------------------------------------------------------------------
+
+
+def test_a_step_read_ahead_comes_in_its_turn():
+    read: list[int] = []
+
+    def steps():
+        for k in range(3):
+            read.append(k)
+            yield k, []
+
+    ahead = Ahead(steps())
+    assert next(ahead) == (0, []) and read == [0]
+    ahead.fetch()
+    assert read == [0, 1] and ahead.seconds > 0
+    ahead.fetch()  # once a step: the step read ahead is not read past
+    assert read == [0, 1]
+    assert next(ahead) == (1, []) and read == [0, 1]
+    assert next(ahead) == (2, [])
+    ahead.fetch()  # none after the last
+    assert list(ahead) == [] and read == [0, 1, 2]
+
+
+def test_a_read_ahead_that_fails_fails_in_its_turn():
+    """The error of a step read ahead comes where the step would have been read, after the step
+    before it; an interruption is not held back."""
+
+    def steps():
+        yield 0, []
+        raise DataError("item 7 of stream 'train' could not be read")
+
+    ahead = Ahead(steps())
+    assert next(ahead) == (0, [])
+    ahead.fetch()  # the step before goes on
+    with pytest.raises(DataError, match="item 7"):
+        next(ahead)
+
+    def interrupted():
+        yield 0, []
+        raise KeyboardInterrupt
+
+    ahead = Ahead(interrupted())
+    next(ahead)
+    with pytest.raises(KeyboardInterrupt):
+        ahead.fetch()

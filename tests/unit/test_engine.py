@@ -275,6 +275,7 @@ class _EmptyRank(DDP):
         self.carrier = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
         self._rows = self._carried_rows()
         self._ddp, self._pending_stop, self._statistics = None, None, None
+        self._in_flight, self._read_ahead = [], None
         self.carried_values: list[list[float]] = []
 
     def reduce(self, tensor, op="sum"):

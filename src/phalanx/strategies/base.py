@@ -131,6 +131,12 @@ class Abilities(Protocol):
         same step), or is dropped where `drop` (a failed run's: no other process may come)."""
         return None
 
+    def meanwhile(self, read_ahead: Callable[[], None] | None) -> None:
+        """In the training loop (None: out of it), `read_ahead()` reads the next step's batch. A
+        strategy whose step waits on a reduction with nothing else to do (ddp on CPUs) calls it
+        while it waits, at most once a step; the others never do."""
+        return None
+
     def seed_streams(self, seed: int, step: int) -> None:
         """A strategy whose one process runs several devices' shares of a batch (towers) gives each
         other device a random stream of its own, from the seed, the step and its index, as

@@ -16,6 +16,13 @@ lacks that entry point, the carrier reaches the reducer through autograd instead
 rank's shard is empty skip DDP's reducer on every rank and reduce by hand instead, so that rank can
 join with zero weight without running its model.
 
+On CPUs the reducer's wait for the gradient all-reduce, which blocks the process at the end of
+backward, moves out of backward: a communication hook starts each bucket's reduction and hands the
+bucket back at once (`_reduce_later`), and the step reads its next batch (`meanwhile`) before it
+waits for the reductions, ahead of the optimizer's step. The sums are the reducer's own, so the
+training is the same to the bit; the wait is the step's communication in the profile. On GPUs the
+reducer waits by itself: its wait only orders the GPU's streams.
+
 The process group, its collectives and the naming of hung ranks are `distributed.ProcessGroup`'s.
 """
 
@@ -29,6 +36,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from pydantic import Field, StrictFloat
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -96,6 +104,20 @@ class _Carried(nn.Module):
     __call__ = forward
 
 
+def _reduce_later(in_flight, bucket):
+    """DDP's reduction of a bucket (its average over ranks, in place), started and left running:
+    the reducer takes the bucket as it is, and the step waits for the reduction (`DDP._agree`)
+    before anything reads a gradient. On the CPU, where waiting inside backward would block the
+    process, the step can read its next batch meanwhile. (Unannotated: DDP checks a hook's
+    annotations against its own types, which this module's postponed annotations are not.)"""
+    tensor = bucket.buffer()
+    tensor.div_(dist.get_world_size())
+    in_flight.append(dist.all_reduce(tensor, async_op=True))
+    done = torch.futures.Future()
+    done.set_result(tensor)
+    return done
+
+
 def _carrier_dtype(module: nn.Module) -> torch.dtype:
     """The parameters' dtype, so that the carrier shares their bucket; float32 where that is a
     16-bit type, which would round the loss to 3 digits."""
@@ -116,12 +138,18 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         carry_through_autograd: bool = False,
         backend: str = "auto",
         bucket_cap_mb: float | None = None,
+        wait_in_backward: bool | None = None,
     ):
         """`carry_through_autograd`: carry the step's loss and stop flag to the reducer through
         autograd, as on a torch without the reducer's direct entry point (for tests). `backend`:
         nccl or gloo; auto picks nccl on GPUs and gloo on CPUs. `bucket_cap_mb`: DDP's gradient
-        bucket size."""
+        bucket size. `wait_in_backward`: the gradient all-reduce waited for inside backward, as
+        DDP's reducer does by itself; by default only on GPUs, where that wait does not hold the
+        process up (on CPUs the step reads its next batch while the reduction runs)."""
         super().__init__(accelerator, timeout_s, backend)
+        self.wait_in_backward = (
+            self.device.type == "cuda" if wait_in_backward is None else wait_in_backward
+        )
         self.carry_through_autograd = carry_through_autograd
         self.sync_batchnorm, self.bucket_cap_mb = sync_batchnorm, bucket_cap_mb
         # DDP averages: each rank's objective times the world size sums
@@ -132,6 +160,9 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self._ddp: DistributedDataParallel | None = None
         # the reducer's "this gradient is ready"
         self._mark_ready: Callable[[int], None] | None = None
+        # on the CPU: the step's bucket all-reduces in flight, and what to do while they run
+        self._in_flight: list[Any] = []
+        self._read_ahead: Callable[[], None] | None = None
 
     def setup(self, module: nn.Module, options: ModelOptions) -> tuple[nn.Module, nn.Module]:
         self.model = module
@@ -174,7 +205,12 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         self._mark_ready = (
             None if self.carry_through_autograd else getattr(ddp.reducer, "_autograd_hook", None)
         )
+        if not self.wait_in_backward:
+            ddp.register_comm_hook(self._in_flight, _reduce_later)
         return ddp
+
+    def meanwhile(self, read_ahead: Callable[[], None] | None) -> None:
+        self._read_ahead = read_ahead
 
     @property
     def _wrapper(self) -> DistributedDataParallel:
@@ -211,6 +247,15 @@ class DDP(ProcessGroup, Replicated, DataParallel):
         if self._by_hand:
             start = time.perf_counter()
             self._reduce_by_hand(self._values(total, stop))
+            communication = time.perf_counter() - start
+        in_flight = self._in_flight
+        if in_flight:  # on the CPU: the next step's batch read while the gradients are reduced
+            if self._read_ahead is not None:
+                self._read_ahead()
+            start = time.perf_counter()
+            for work in in_flight:
+                work.wait()
+            in_flight.clear()
             communication = time.perf_counter() - start
         # the sums over ranks of the loss parts, weighted flags and stop flags
         carried = self.carrier.grad
@@ -300,8 +345,9 @@ class DDP(ProcessGroup, Replicated, DataParallel):
 
     def backward_communication(self) -> tuple[float, float] | None:
         """DDP's own sampled averages (it times some iterations: the first ten, then one in a
-        hundred)."""
-        if self._ddp is None:
+        hundred). None where backward only starts the reduction: the step's wait for it is then
+        its communication after backward."""
+        if self._ddp is None or not self.wait_in_backward:
             return None
         data = self._ddp._get_ddp_logging_data()
         comm = data.get("avg_backward_comm_time") or 0
