@@ -115,9 +115,16 @@ class Feed:
     def reads_ahead(self) -> bool:
         """Whether a training step's batch may be read before its turn (`Ahead`): where the steps
         come from the plan, a map-style stream read here, and a checkpoint's cursor is the run's
-        step. Not an iterable stream, whose checkpoint holds the stream's own position, nor where
-        the strategy reads the samples itself."""
-        return self._dealer is None and not data.is_iterable(self.stream(TRAIN))
+        step, and where reading moves no generator a checkpoint saves (each sample's draws keyed
+        by itself, `per_sample_random`). Not an iterable stream, whose checkpoint holds the
+        stream's own position; not where the strategy reads the samples itself; not where items
+        draw from the process's own generators, whose state a checkpoint after the step would
+        hold with the next step's draws already taken."""
+        return (
+            self.cfg.per_sample_random
+            and self._dealer is None
+            and not data.is_iterable(self.stream(TRAIN))
+        )
 
     @property
     def samples_per_epoch(self) -> int | None:

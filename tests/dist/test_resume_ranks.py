@@ -1,6 +1,7 @@
 """Resuming several processes with randomness: every rank's random streams are saved and restored,
-so a 2-process run with dropout, stopped mid-epoch and resumed on 2 processes, ends bit-identical to
-the same run without a stop; on another process count the streams are re-derived, as documented."""
+so a 2-process run with dropout and augmentation, stopped mid-epoch and resumed on 2 processes, ends
+bit-identical to the same run without a stop; on another process count the streams are re-derived,
+as documented."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def _raw(stop: int) -> dict:
         ],
     )
     # each process's own generators (keyed draws need no saving; these are what a checkpoint saves
-    # for a model's own draws, and for all of them under per_sample_random: false)
+    # for a model's own draws, and for all of them under per_sample_random: false), drawn by the
+    # model's dropout and by the dataset's augmentation (read in the training process: no step's
+    # items may be read before the checkpoint that precedes them)
+    raw["dataset"] = {**raw["dataset"], "class": "toy.NoisyRegression"}
     return {**raw, "model": toy.dropout_model(), "per_sample_random": False}
 
 

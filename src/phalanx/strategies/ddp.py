@@ -111,7 +111,7 @@ def _reduce_later(in_flight, bucket):
     process, the step can read its next batch meanwhile. (Unannotated: DDP checks a hook's
     annotations against its own types, which this module's postponed annotations are not.)"""
     tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size())
+    tensor.mul_(1.0 / dist.get_world_size())  # as the reducer divides, to the bit
     in_flight.append(dist.all_reduce(tensor, async_op=True))
     done = torch.futures.Future()
     done.set_result(tensor)
@@ -250,13 +250,19 @@ class DDP(ProcessGroup, Replicated, DataParallel):
             communication = time.perf_counter() - start
         in_flight = self._in_flight
         if in_flight:  # on the CPU: the next step's batch read while the gradients are reduced
-            if self._read_ahead is not None:
-                self._read_ahead()
-            start = time.perf_counter()
-            for work in in_flight:
-                work.wait()
-            in_flight.clear()
-            communication = time.perf_counter() - start
+            try:
+                if self._read_ahead is not None:
+                    self.progress.what = "reading the next batch, the gradient all-reduce running"
+                    self._read_ahead()
+                    self.progress.what = "the gradient all-reduce"
+            finally:  # (an interruption too: no reduction is left behind)
+                start = time.perf_counter()
+                try:
+                    for work in in_flight:
+                        work.wait()
+                finally:
+                    in_flight.clear()
+                communication = time.perf_counter() - start
         # the sums over ranks of the loss parts, weighted flags and stop flags
         carried = self.carrier.grad
         assert carried is not None  # the step's backward, or its reduction by hand, has set it
